@@ -1,0 +1,124 @@
+"""The database schema: files, batches and the shards a batch is split into.
+
+Timestamps are stored as timezone-aware datetimes and exposed by the API as unix seconds.
+Every status change goes through :mod:`core.lifecycle` as one conditional UPDATE.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    UniqueConstraint,
+    func,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+Timestamp = DateTime(timezone=True)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class File(Base):
+    __tablename__ = "files"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(64), default="default", index=True)
+    purpose: Mapped[str] = mapped_column(String(32))  # batch | batch_output
+    filename: Mapped[str] = mapped_column(String(512))
+    bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    storage_key: Mapped[str] = mapped_column(String(512))
+    created_at: Mapped[datetime] = mapped_column(Timestamp, server_default=func.now())
+    expires_at: Mapped[datetime | None] = mapped_column(Timestamp, nullable=True)
+
+
+class Batch(Base):
+    __tablename__ = "batches"
+    __table_args__ = (Index("ix_batches_status_expires_at", "status", "expires_at"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(64), default="default", index=True)
+    endpoint: Mapped[str] = mapped_column(String(64))
+    model: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    input_file_id: Mapped[str] = mapped_column(String(64))
+    completion_window: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(16), default="validating")
+    output_file_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    error_file_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # OpenAI's errors.data: [{code, message, param, line}]
+    errors: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, nullable=True)
+    metadata_: Mapped[dict[str, str] | None] = mapped_column("metadata", JSON, nullable=True)
+
+    created_at: Mapped[datetime] = mapped_column(Timestamp, server_default=func.now())
+    expires_at: Mapped[datetime] = mapped_column(Timestamp)
+    in_progress_at: Mapped[datetime | None] = mapped_column(Timestamp, nullable=True)
+    finalizing_at: Mapped[datetime | None] = mapped_column(Timestamp, nullable=True)
+    completed_at: Mapped[datetime | None] = mapped_column(Timestamp, nullable=True)
+    failed_at: Mapped[datetime | None] = mapped_column(Timestamp, nullable=True)
+    expired_at: Mapped[datetime | None] = mapped_column(Timestamp, nullable=True)
+    cancelling_at: Mapped[datetime | None] = mapped_column(Timestamp, nullable=True)
+    cancelled_at: Mapped[datetime | None] = mapped_column(Timestamp, nullable=True)
+
+    # request_counts, advanced live as shards checkpoint.
+    request_total: Mapped[int] = mapped_column(Integer, default=0)
+    request_completed: Mapped[int] = mapped_column(Integer, default=0)
+    request_failed: Mapped[int] = mapped_column(Integer, default=0)
+    # usage, summed as shards checkpoint.
+    input_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    output_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+
+    shards: Mapped[list[Shard]] = relationship(
+        back_populates="batch", order_by="Shard.index", cascade="all, delete-orphan"
+    )
+
+
+class Shard(Base):
+    """A contiguous range of input lines ``[start_line, end_line)`` run as one Celery task.
+
+    Results are written to storage in checkpoint chunks; ``done_requests`` counts the shard's
+    requests whose results are durably stored, so a retried shard skips them.
+    """
+
+    __tablename__ = "shards"
+    __table_args__ = (UniqueConstraint("batch_id", "index"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"), index=True)
+    index: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16), default="pending")
+    start_line: Mapped[int] = mapped_column(Integer)  # 1-based, inclusive
+    end_line: Mapped[int] = mapped_column(Integer)  # exclusive
+    start_offset: Mapped[int] = mapped_column(BigInteger)  # byte offset of start_line
+    end_offset: Mapped[int] = mapped_column(BigInteger)
+    num_requests: Mapped[int] = mapped_column(Integer)
+    est_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    done_requests: Mapped[int] = mapped_column(Integer, default=0)
+    num_chunks: Mapped[int] = mapped_column(Integer, default=0)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    worker: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    heartbeat_at: Mapped[datetime | None] = mapped_column(Timestamp, nullable=True)
+    updated_at: Mapped[datetime] = mapped_column(
+        Timestamp, server_default=func.now(), onupdate=func.now()
+    )
+
+    batch: Mapped[Batch] = relationship(back_populates="shards")

@@ -1,0 +1,103 @@
+"""One validated configuration for every process, read from ``BATCHD_*`` environment variables.
+
+Embedded defaults let ``batchd up`` run on a bare machine (SQLite, Celery's SQLAlchemy
+transport, a local storage directory, the demo model); production points the same settings at
+Postgres, Redis and S3.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEMO_MODEL_NAME = "batchd-demo"
+
+
+def _home() -> Path:
+    import os
+
+    return Path(os.environ.get("BATCHD_HOME", Path.home() / ".batchd")).expanduser()
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="BATCHD_", extra="ignore")
+
+    home: Path = Field(default_factory=_home)
+    database_url: str = ""  # default: SQLite under ``home``
+    broker_url: str = ""  # default: Celery's SQLAlchemy transport under ``home``
+    storage_url: str = ""  # a directory or s3://bucket/prefix; default: ``home``/storage
+    s3_endpoint_url: str | None = None  # for S3-compatible stores (minio, moto)
+
+    # Served model name -> local HF model directory, or "demo:<preset>" for a built-in demo model.
+    models: dict[str, str] = Field(default_factory=lambda: {DEMO_MODEL_NAME: "demo:llama-25m"})
+    # Bearer keys accepted by the API; empty means the API is open (development only).
+    api_keys: list[str] = Field(default_factory=list)
+
+    # Limits (OpenAI's defaults where it has them).
+    max_upload_bytes: int = 200 * 1024 * 1024
+    max_requests_per_batch: int = 50_000
+    max_errors_reported: int = 100
+    # Completion windows accepted on create: "24h" (OpenAI's only value) and, for tests and
+    # short jobs, any "<n>s|m|h" up to this many seconds.
+    max_completion_window_s: int = 7 * 24 * 3600
+    file_expiry_s: int = 30 * 24 * 3600
+
+    # Sharding and checkpointing.
+    shard_max_tokens: int = 200_000  # estimated prompt + max output tokens per shard
+    shard_max_requests: int = 2_000
+    checkpoint_every: int = 64  # requests per checkpoint chunk
+    checkpoint_interval_s: float = 5.0  # or at most this long between checkpoints
+
+    # Worker.
+    worker_shard_concurrency: int = 4  # shard tasks in flight per model worker (threads)
+    engine_options: dict[str, Any] = Field(default_factory=dict)  # passed to engine config
+    visibility_timeout_s: int = 6 * 3600
+    expiry_sweep_interval_s: float = 60.0
+
+    @field_validator("models", "engine_options", mode="before")
+    @classmethod
+    def _json_mapping(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = value.strip()
+            if value.startswith("{"):
+                return json.loads(value)
+            # "name=path,name2=path2"
+            pairs = [p for p in value.split(",") if p.strip()]
+            return dict(p.split("=", 1) for p in pairs)
+        return value
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _csv_list(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = value.strip()
+            if value.startswith("["):
+                return json.loads(value)
+            return [v.strip() for v in value.split(",") if v.strip()]
+        return value
+
+    def model_post_init(self, __context: Any) -> None:
+        if not self.database_url:
+            self.database_url = f"sqlite:///{self.home / 'batchd.db'}"
+        if not self.broker_url:
+            self.broker_url = f"sqla+sqlite:///{self.home / 'broker.db'}"
+        if not self.storage_url:
+            self.storage_url = str(self.home / "storage")
+        # Accept the common "postgres://" spelling and pick the psycopg 3 driver.
+        for prefix in ("postgres://", "postgresql://"):
+            if self.database_url.startswith(prefix):
+                self.database_url = "postgresql+psycopg://" + self.database_url[len(prefix) :]
+
+    @property
+    def uses_embedded_defaults(self) -> bool:
+        return self.database_url.startswith("sqlite")
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()
