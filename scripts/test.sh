@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Installs batchd with its test dependencies into .venv, makes sure Postgres and Redis are
+# running on 127.0.0.1, and runs the whole test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/_services.sh
+
+if [ ! -x .venv/bin/python ]; then
+  python3.11 -m venv .venv 2>/dev/null || python3 -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip >/dev/null
+.venv/bin/python -m pip install -q -e '.[test]'
+
+ensure_postgres
+ensure_redis
+
+exec .venv/bin/python -m pytest "$@"
