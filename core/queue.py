@@ -1,0 +1,37 @@
+"""The wire contract between the API, the control worker and the model workers: task names,
+queue names, and a producer that enqueues by name (so the API never imports the worker)."""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from typing import Any
+
+TASK_VALIDATE = "batchd.validate_batch"
+TASK_RUN_SHARD = "batchd.run_shard"
+TASK_FINALIZE = "batchd.finalize_batch"
+TASK_CANCEL = "batchd.cancel_batch"
+TASK_SWEEP_EXPIRED = "batchd.sweep_expired"
+
+CONTROL_QUEUE = "batchd.control"
+
+
+def model_queue(model: str) -> str:
+    """The queue that the workers serving ``model`` consume."""
+    return "batchd.model." + re.sub(r"[^A-Za-z0-9_.-]", "_", model)
+
+
+@lru_cache
+def _producer(broker_url: str):
+    from celery import Celery
+
+    app = Celery("batchd-producer", broker=broker_url)
+    app.conf.broker_connection_retry_on_startup = True
+    return app
+
+
+def enqueue(task: str, *args: Any, queue: str = CONTROL_QUEUE, countdown: float | None = None) -> None:
+    """Send ``task`` by name. Call only after the rows it reads are committed."""
+    from core.settings import get_settings
+
+    _producer(get_settings().broker_url).send_task(task, args=list(args), queue=queue, countdown=countdown)
