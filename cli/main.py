@@ -1,0 +1,112 @@
+"""The ``batchd`` command.
+
+``batchd up`` runs the whole service on one machine: migrations, the API, one worker (control
+and model queues, threads pool, embedded beat). With no configuration it uses embedded
+defaults (SQLite, Celery's SQLAlchemy transport, a local storage directory, the demo model);
+with ``BATCHD_*`` variables it runs the same processes against Postgres, Redis and S3.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(
+    name="batchd",
+    help="Self-hosted, OpenAI-compatible batch inference.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+
+def _resolve_models(models: dict[str, str]) -> dict[str, str]:
+    """Build demo models named ``demo:<preset>`` ahead of the first request."""
+    from engine.demo_models import build
+
+    resolved = {}
+    for name, spec in models.items():
+        resolved[name] = str(build(spec.split(":", 1)[1])) if spec.startswith("demo:") else spec
+    return resolved
+
+
+def worker_command(queues: list[str], concurrency: int, *, beat: bool, home: str) -> list[str]:
+    cmd = [
+        sys.executable, "-m", "celery", "-A", "worker.celery_app", "worker",
+        "-Q", ",".join(queues), "--pool", "threads", "-c", str(concurrency),
+        "--loglevel", "INFO", "-n", f"batchd-{os.getpid()}@%h",
+    ]  # fmt: skip
+    if beat:
+        cmd += ["-B", "-s", os.path.join(home, "celerybeat-schedule")]
+    return cmd
+
+
+@app.command()
+def up(
+    host: Annotated[str, typer.Option(help="Address the API listens on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port the API listens on.")] = 8000,
+    workers: Annotated[bool, typer.Option(help="Also run a worker and beat here.")] = True,
+) -> None:
+    """Run the API, a worker and the beat scheduler; Ctrl-C stops them all."""
+    from core.queue import CONTROL_QUEUE, model_queue
+    from core.settings import get_settings
+
+    import migrations
+
+    settings = get_settings()
+    settings.home.mkdir(parents=True, exist_ok=True)
+    typer.echo(f"batchd home: {settings.home}")
+    typer.echo("applying database migrations …")
+    migrations.upgrade(settings.database_url)
+    for name, path in _resolve_models(settings.models).items():
+        typer.echo(f"model {name!r}: {path}")
+
+    env = dict(os.environ, BATCHD_HOME=str(settings.home))
+    children: list[subprocess.Popen] = []
+    if workers:
+        queues = [CONTROL_QUEUE, *(model_queue(m) for m in settings.models)]
+        cmd = worker_command(
+            queues, settings.worker_shard_concurrency + 2, beat=True, home=str(settings.home)
+        )
+        children.append(subprocess.Popen(cmd, env=env))
+    api_cmd = [
+        sys.executable, "-m", "uvicorn", "api.app:app", "--host", host, "--port", str(port),
+    ]  # fmt: skip
+    children.append(subprocess.Popen(api_cmd, env=env))
+    shown_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    typer.echo(f"\nbatchd is up: base URL http://{shown_host}:{port}/v1")
+    if settings.api_keys:
+        typer.echo("API keys are required (BATCHD_API_KEYS).")
+    else:
+        typer.echo("No API key is required (set BATCHD_API_KEYS to require one); any key works.")
+
+    def _stop(*_args: object) -> None:
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        while all(child.poll() is None for child in children):
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        _stop()
+        for child in children:
+            try:
+                child.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                child.kill()
+    failed = [c.args[3] if len(c.args) > 3 else c.args for c in children if c.returncode]
+    if failed:
+        raise typer.Exit(1)
+
+
+if __name__ == "__main__":
+    app()
