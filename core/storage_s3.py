@@ -1,0 +1,348 @@
+"""Storage in an S3-compatible bucket (AWS S3, MinIO, Ceph RGW, R2, ...).
+
+Objects live at ``<prefix>/<key>`` in ``bucket``. Credentials and region come from the standard
+AWS sources (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``,
+``AWS_REGION``/``AWS_DEFAULT_REGION``, ``AWS_PROFILE``, ``AWS_ENDPOINT_URL_S3``, instance roles)
+unless given as client keyword arguments.
+
+Writes stream: the ``writer`` buffers one part (``part_size``, at least 5 MiB) at a time and
+uploads it as a multipart-upload part, so an object is never held whole in memory. An object
+smaller than one part goes up with a single ``PutObject``. The multipart upload is completed only
+when the block exits cleanly and aborted otherwise, so a failed write leaves no object (and no
+pending upload). A process killed mid-write can still leave a pending upload behind: give the
+bucket a lifecycle rule that aborts incomplete multipart uploads after a day.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from typing import Any, BinaryIO
+from urllib.parse import urlsplit
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import ClientError
+
+from core.storage import ObjectNotFound, Storage, StorageError, normalize_prefix, validate_key
+
+MiB = 1 << 20
+MIN_PART_SIZE = 5 * MiB
+DEFAULT_PART_SIZE = 8 * MiB
+_NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
+_NO_BUCKET = {"NoSuchBucket"}
+
+
+def _code(exc: ClientError) -> str:
+    return str(exc.response.get("Error", {}).get("Code", ""))
+
+
+class _MultipartWriter(io.BufferedIOBase):
+    """The stream that ``S3Storage.writer`` yields; see the module docstring."""
+
+    def __init__(self, client: Any, bucket: str, key: str, part_size: int) -> None:
+        super().__init__()
+        self._client = client
+        self._bucket = bucket
+        self._key = key
+        self._part_size = part_size
+        self._buf = bytearray()
+        self._pos = 0
+        self._upload_id: str | None = None
+        self._parts: list[dict[str, Any]] = []
+
+    def writable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def write(self, data: Any) -> int:
+        if self.closed:
+            raise ValueError("write to a closed S3 object stream")
+        view = memoryview(data).cast("B")
+        n = view.nbytes
+        self._pos += n
+        # Fill the buffer to one part, ship it, repeat: memory stays at one part per writer.
+        while view.nbytes:
+            room = self._part_size - len(self._buf)
+            self._buf += view[:room]
+            view = view[room:]
+            if len(self._buf) >= self._part_size:
+                self._upload_part()
+        return n
+
+    def _upload_part(self) -> None:
+        if self._upload_id is None:
+            created = self._client.create_multipart_upload(Bucket=self._bucket, Key=self._key)
+            self._upload_id = created["UploadId"]
+        number = len(self._parts) + 1
+        response = self._client.upload_part(
+            Bucket=self._bucket,
+            Key=self._key,
+            UploadId=self._upload_id,
+            PartNumber=number,
+            Body=bytes(self._buf),
+        )
+        self._parts.append({"PartNumber": number, "ETag": response["ETag"]})
+        self._buf.clear()
+
+    def _commit(self) -> None:
+        if self._upload_id is None:
+            self._client.put_object(Bucket=self._bucket, Key=self._key, Body=bytes(self._buf))
+        else:
+            if self._buf:  # the last part may be smaller than 5 MiB
+                self._upload_part()
+            self._client.complete_multipart_upload(
+                Bucket=self._bucket,
+                Key=self._key,
+                UploadId=self._upload_id,
+                MultipartUpload={"Parts": self._parts},
+            )
+        self._buf = bytearray()
+
+    def _abort(self) -> None:
+        self._buf = bytearray()
+        if self._upload_id is not None:
+            self._client.abort_multipart_upload(
+                Bucket=self._bucket, Key=self._key, UploadId=self._upload_id
+            )
+            self._upload_id = None
+
+
+class _BodyRaw(io.RawIOBase):
+    """A raw stream over a ``GetObject`` body, so ``io.BufferedReader`` can give it
+    ``readline``, iteration and ``peek`` (and ``io.TextIOWrapper`` can decode it)."""
+
+    def __init__(self, body: Any) -> None:
+        super().__init__()
+        self._body = body
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        data = self._body.read(view.nbytes)
+        view[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        if not self.closed:
+            self._body.close()
+        super().close()
+
+
+class S3Storage(Storage):
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        endpoint_url: str | None = None,
+        create_bucket: bool = True,
+        part_size: int = DEFAULT_PART_SIZE,
+        client: Any = None,
+        **client_kwargs: Any,
+    ) -> None:
+        """``client_kwargs`` go to ``boto3.client("s3", ...)`` (``region_name``,
+        ``aws_access_key_id``, ``config``, ...); ``client`` replaces the client altogether."""
+        if not bucket:
+            raise ValueError("S3 bucket name must not be empty")
+        if part_size < MIN_PART_SIZE:
+            raise ValueError(f"part_size must be at least {MIN_PART_SIZE} bytes (S3's minimum)")
+        self.bucket = bucket
+        self.prefix = normalize_prefix(prefix.strip("/"))
+        self.part_size = part_size
+        if client is None:
+            if endpoint_url is not None and "config" not in client_kwargs:
+                # Self-hosted stores (MinIO, moto, Ceph) rarely resolve virtual-host buckets.
+                client_kwargs["config"] = Config(s3={"addressing_style": "path"})
+            client = boto3.session.Session().client(
+                "s3", endpoint_url=endpoint_url, **client_kwargs
+            )
+        self.client = client
+        self._bucket_lock = threading.Lock()
+        if create_bucket:
+            self.ensure_bucket()
+
+    @classmethod
+    def from_url(cls, url: str, *, endpoint_url: str | None = None, **kwargs: Any) -> S3Storage:
+        """``s3://bucket`` or ``s3://bucket/some/prefix``."""
+        parts = urlsplit(url)
+        if parts.scheme != "s3" or not parts.netloc:
+            raise ValueError(f"not an s3://bucket[/prefix] URL: {url!r}")
+        return cls(parts.netloc, parts.path.strip("/"), endpoint_url=endpoint_url, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"S3Storage(bucket={self.bucket!r}, prefix={self.prefix!r})"
+
+    def ensure_bucket(self) -> None:
+        """Create the bucket unless it exists already."""
+        with self._bucket_lock:
+            try:
+                self.client.head_bucket(Bucket=self.bucket)
+                return
+            except ClientError as exc:
+                if _code(exc) not in _NOT_FOUND | _NO_BUCKET:
+                    raise StorageError(f"cannot reach bucket {self.bucket!r}: {exc}") from exc
+            kwargs: dict[str, Any] = {"Bucket": self.bucket}
+            region = self.client.meta.region_name
+            if region and region != "us-east-1":
+                kwargs["CreateBucketConfiguration"] = {"LocationConstraint": region}
+            try:
+                self.client.create_bucket(**kwargs)
+            except ClientError as exc:
+                if _code(exc) not in {"BucketAlreadyOwnedByYou", "BucketAlreadyExists"}:
+                    raise StorageError(f"cannot create bucket {self.bucket!r}: {exc}") from exc
+
+    # -- keys ------------------------------------------------------------------------------
+
+    def object_key(self, key: str) -> str:
+        """The S3 key that holds ``key``."""
+        validate_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _list_prefix(self, prefix: str) -> str:
+        prefix = normalize_prefix(prefix)
+        full = "/".join(p for p in (self.prefix, prefix) if p)
+        return f"{full}/" if full else ""
+
+    def _error(self, exc: ClientError, key: str, action: str) -> StorageError:
+        if _code(exc) in _NOT_FOUND:
+            return ObjectNotFound(key)
+        return StorageError(f"S3 {action} of {key!r} in bucket {self.bucket!r} failed: {exc}")
+
+    # -- writing ---------------------------------------------------------------------------
+
+    @contextmanager
+    def writer(self, key: str) -> Iterator[BinaryIO]:
+        stream = _MultipartWriter(self.client, self.bucket, self.object_key(key), self.part_size)
+        try:
+            yield stream  # type: ignore[misc]
+            stream._commit()
+        except BaseException as exc:
+            # The original error matters more; a lifecycle rule reaps an upload left behind.
+            with suppress(ClientError):
+                stream._abort()
+            if isinstance(exc, ClientError):
+                raise self._error(exc, key, "upload") from exc
+            raise
+        finally:
+            stream.close()
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def _get(self, key: str, **kwargs: Any) -> dict[str, Any]:
+        try:
+            return self.client.get_object(Bucket=self.bucket, Key=self.object_key(key), **kwargs)
+        except ClientError as exc:
+            raise self._error(exc, key, "download") from exc
+
+    @contextmanager
+    def reader(self, key: str) -> Iterator[BinaryIO]:
+        body = self._get(key)["Body"]
+        stream = io.BufferedReader(_BodyRaw(body), buffer_size=MiB)
+        try:
+            yield stream  # type: ignore[misc]
+        finally:
+            stream.close()
+
+    def read_range(
+        self, key: str, start: int, end: int, *, chunk_size: int = 1 << 20
+    ) -> Iterator[bytes]:
+        if start < 0 or end < start:
+            raise ValueError(f"invalid range [{start}, {end})")
+        if chunk_size <= 0:
+            raise ValueError("chunk_size must be positive")
+        if start == end:
+            if not self.exists(key):
+                raise ObjectNotFound(key)
+            return iter(())
+        try:
+            body = self._get(key, Range=f"bytes={start}-{end - 1}")["Body"]
+        except StorageError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, ClientError) and _code(cause) == "InvalidRange":
+                return iter(())  # start at or past the end: S3 says 416, we say "nothing"
+            raise
+        return self._iter_body(body, chunk_size)
+
+    @staticmethod
+    def _iter_body(body: Any, chunk_size: int) -> Iterator[bytes]:
+        try:
+            while chunk := body.read(chunk_size):
+                yield chunk
+        finally:
+            body.close()
+
+    def _head(self, key: str) -> dict[str, Any]:
+        try:
+            return self.client.head_object(Bucket=self.bucket, Key=self.object_key(key))
+        except ClientError as exc:
+            raise self._error(exc, key, "head") from exc
+
+    def size(self, key: str) -> int:
+        return int(self._head(key)["ContentLength"])
+
+    def exists(self, key: str) -> bool:
+        try:
+            self._head(key)
+        except ObjectNotFound:
+            return False
+        return True
+
+    def _iter_keys(self, full_prefix: str) -> Iterator[str]:
+        paginator = self.client.get_paginator("list_objects_v2")
+        try:
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=full_prefix):
+                for item in page.get("Contents", ()):
+                    yield item["Key"]
+        except ClientError as exc:
+            raise StorageError(f"S3 list of {full_prefix!r} failed: {exc}") from exc
+
+    def list(self, prefix: str = "") -> list[str]:
+        full_prefix = self._list_prefix(prefix)
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        return sorted(k[strip:] for k in self._iter_keys(full_prefix))
+
+    # -- deleting --------------------------------------------------------------------------
+
+    def delete(self, key: str) -> None:
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=self.object_key(key))
+        except ClientError as exc:
+            if _code(exc) in _NOT_FOUND:
+                return
+            raise self._error(exc, key, "delete") from exc
+
+    def delete_prefix(self, prefix: str) -> None:
+        full_prefix = self._list_prefix(prefix)
+        batch: list[dict[str, str]] = []
+        for object_key in self._iter_keys(full_prefix):
+            batch.append({"Key": object_key})
+            if len(batch) == 1000:  # DeleteObjects takes at most 1000 keys
+                self._delete_batch(batch)
+                batch = []
+        if batch:
+            self._delete_batch(batch)
+
+    def _delete_batch(self, batch: list[dict[str, str]]) -> None:
+        try:
+            response = self.client.delete_objects(
+                Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True}
+            )
+        except ClientError as exc:
+            raise StorageError(f"S3 batch delete failed: {exc}") from exc
+        errors = [e for e in response.get("Errors", ()) if e.get("Code") not in _NOT_FOUND]
+        if errors:
+            first = errors[0]
+            raise StorageError(
+                f"S3 batch delete failed for {len(errors)} keys, e.g. "
+                f"{first.get('Key')!r}: {first.get('Code')} {first.get('Message')}"
+            )
+
+
+__all__ = ["S3Storage"]
