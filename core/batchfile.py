@@ -1,0 +1,844 @@
+"""The OpenAI batch input format: streaming line reader, per-line request validation and
+normalisation, and whole-file validation.
+
+An input file is JSONL; each non-blank line is one request::
+
+    {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16}}
+
+How the worker uses this module
+-------------------------------
+*Validate task*: stream the uploaded object through :func:`validate_file`, passing an
+``on_request`` callback that counts tokens (the tokenizer lives in the worker) and feeds a
+:class:`core.sharding.ShardPlanner` with ``(req.line, req.offset, req.length, tokens)``. If the
+returned :class:`ValidationReport` has errors, store ``report.error_dicts()`` as the batch's
+``errors.data`` and fail the batch; otherwise create one shard per planned ``ShardSpec``.
+
+*Shard task*: re-read exactly the shard's bytes and parse each line again::
+
+    chunks = storage.read_range(key, spec.start_offset, spec.end_offset)
+    for raw in iter_lines(chunks, max_line_bytes=..., first_line=spec.start_line,
+                          base_offset=spec.start_offset):
+        req = parse_request(raw, endpoint=batch.endpoint, served_models=None)
+
+Line numbers and byte offsets reported by :func:`iter_lines` are absolute (1-based physical line
+numbers in the uploaded file, byte offsets from the start of the object), so both passes agree.
+
+Line rules
+----------
+* Lines end with ``\\n``; a ``\\r`` before it (CRLF) is not part of the data. The last line may
+  lack a line ending.
+* A UTF-8 byte order mark at the start of the file is skipped (line 1 then starts at offset 3).
+* Blank lines (only ASCII whitespace) are skipped wherever they are, but still count as lines,
+  so line numbers match what an editor shows. They never become requests or errors.
+* A line whose data exceeds ``max_line_bytes`` is never held whole in memory: the reader skips
+  to the next newline and yields a ``RawLine`` with ``too_long=True`` and empty ``data``;
+  :func:`parse_request` reports it as ``line_too_long``.
+
+Error codes (``LineError.code``; stable, snake_case)
+---------------------------------------------------
+==========================  ==========================================================
+``empty_file``              the file has no request lines (``line`` is ``None``)
+``too_many_requests``       more request lines than the batch limit (validation stops)
+``line_too_long``           a line longer than ``max_line_bytes``
+``invalid_encoding``        the line is not valid UTF-8
+``invalid_json_line``       not JSON, NaN/Infinity, nested too deeply, or not an object
+``missing_custom_id``       ``custom_id`` absent or null
+``invalid_custom_id``       ``custom_id`` not a string, empty, or over 512 characters
+``duplicate_custom_id``     a ``custom_id`` already used on an earlier line
+``invalid_method``          ``method`` absent or not ``"POST"``
+``invalid_url``             ``url`` absent, not a string, or not a supported endpoint
+``mismatched_url``          ``url`` is supported but differs from the batch's endpoint
+``missing_required_param``  ``body``, ``body.model``, ``body.messages``/``body.prompt``
+``invalid_type``            a field has the wrong JSON type
+``invalid_value``           a field has the right type but an out-of-range/unknown value
+``unsupported_parameter``   a field this service cannot honour (``tools``, ``suffix``, …)
+``unsupported_value``       a value this service cannot honour (``stream: true``, …)
+``model_not_found``         ``body.model`` is not served here
+``mismatched_model``        a request's model differs from the batch's first request
+==========================  ==========================================================
+
+``LineError.param`` names the field path (``custom_id``, ``body.temperature``,
+``body.messages[2].role``); messages name the limit and the offending value.
+
+Parameters: ``null`` for an optional body parameter means "use the default". Unknown body
+fields are ignored, except those that would change the result in a way this service does not
+support, which are rejected (``stream``, ``tools``, ``functions``, ``logit_bias``,
+``response_format`` other than text, non-text content parts, ``n``>1 ``best_of``, ``echo``,
+``suffix``, multiple prompts). Extensions accepted beyond OpenAI's API: ``top_k`` (int ≥ -1;
+-1 and 0 disable it) and ``ignore_eos`` (bool).
+
+Chat message ``content`` given as a list of text parts is flattened to one string, the parts
+joined with ``"\\n"``. ``max_completion_tokens`` wins over ``max_tokens`` when both are given.
+For completions, ``logprobs: k`` (0..5) maps to ``logprobs=True, top_logprobs=k``.
+``BatchRequest.max_tokens`` is ``None`` when the request gives no limit: the caller applies its
+default (OpenAI's completions default is 16; see ``COMPLETIONS_DEFAULT_MAX_TOKENS``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Collection, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO, Literal
+
+__all__ = [
+    "CHAT_URL",
+    "COMPLETIONS_DEFAULT_MAX_TOKENS",
+    "COMPLETIONS_URL",
+    "DEFAULT_MAX_LINE_BYTES",
+    "MAX_CUSTOM_ID_CHARS",
+    "SUPPORTED_URLS",
+    "BatchRequest",
+    "LineError",
+    "RawLine",
+    "ValidationReport",
+    "iter_lines",
+    "parse_request",
+    "validate_file",
+]
+
+CHAT_URL = "/v1/chat/completions"
+COMPLETIONS_URL = "/v1/completions"
+SUPPORTED_URLS: tuple[str, ...] = (CHAT_URL, COMPLETIONS_URL)
+MAX_CUSTOM_ID_CHARS = 512
+DEFAULT_MAX_LINE_BYTES = 8 * 1024 * 1024
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_STOP_SEQUENCES = 4
+_CHUNK_SIZE = 1 << 16
+_BOM = b"\xef\xbb\xbf"
+_BLANK = b" \t\r\n\x0b\x0c"
+
+
+# --------------------------------------------------------------------------------------------
+# Line reading
+
+
+@dataclass(frozen=True, slots=True)
+class RawLine:
+    """One physical line: ``line`` is 1-based, ``offset`` the byte offset of its first byte,
+    ``length`` its size in bytes including the line ending, ``data`` its bytes without the
+    line ending. ``too_long`` lines carry empty ``data``."""
+
+    line: int
+    offset: int
+    length: int
+    data: bytes
+    too_long: bool = False
+
+
+def _chunks(source: BinaryIO | Iterable[bytes], chunk_size: int) -> Iterator[bytes]:
+    read = getattr(source, "read", None)
+    if read is not None:
+        while chunk := read(chunk_size):
+            yield chunk
+    else:
+        for chunk in source:  # type: ignore[union-attr]
+            if chunk:
+                yield chunk
+
+
+def iter_lines(
+    stream: BinaryIO | Iterable[bytes],
+    *,
+    max_line_bytes: int,
+    first_line: int = 1,
+    base_offset: int = 0,
+    chunk_size: int = _CHUNK_SIZE,
+) -> Iterator[RawLine]:
+    """Yield the non-blank lines of ``stream`` (a binary file object, or an iterable of byte
+    chunks such as ``Storage.read_range``) in bounded memory (about one chunk plus
+    ``max_line_bytes``).
+
+    ``first_line``/``base_offset`` give the line number and absolute byte offset of the first
+    byte of ``stream``, for re-reading a range of a larger file; the BOM check applies only
+    when ``base_offset`` is 0.
+    """
+    if max_line_bytes < 1:
+        raise ValueError("max_line_bytes must be >= 1")
+    chunks = _chunks(stream, chunk_size)
+    buf = bytearray()
+    pos = base_offset  # absolute offset of buf[0]
+    line_no = first_line
+    skipping = False  # discarding the rest of an over-long line
+    skip_start = 0
+    at_start = base_offset == 0
+
+    if at_start:
+        while len(buf) < len(_BOM):
+            chunk = next(chunks, None)
+            if chunk is None:
+                break
+            buf += chunk
+        if buf.startswith(_BOM):
+            del buf[: len(_BOM)]
+            pos += len(_BOM)
+
+    def finish_line(start: int, end: int, length: int) -> RawLine | None:
+        """``buf[start:end]`` is the line without its newline; None for blank lines."""
+        content_end = end
+        if content_end > start and buf[content_end - 1] == 0x0D:
+            content_end -= 1
+        if content_end - start > max_line_bytes:
+            return RawLine(line_no, pos + start, length, b"", True)
+        data = bytes(buf[start:content_end])
+        if not data.strip(_BLANK):
+            return None
+        return RawLine(line_no, pos + start, length, data)
+
+    scan = 0
+    while True:
+        start = 0
+        while (nl := buf.find(b"\n", max(start, scan))) >= 0:
+            if skipping:
+                yield RawLine(line_no, skip_start, pos + nl + 1 - skip_start, b"", True)
+                skipping = False
+            else:
+                raw = finish_line(start, nl, nl + 1 - start)
+                if raw is not None:
+                    yield raw
+            line_no += 1
+            start = nl + 1
+        if start:
+            del buf[:start]
+            pos += start
+        # buf now holds the start of an unterminated line (or nothing).
+        if skipping:
+            pos += len(buf)
+            buf.clear()
+        elif len(buf) > max_line_bytes + 1:  # +1: a trailing "\r" is not data
+            skipping = True
+            skip_start = pos
+            pos += len(buf)
+            buf.clear()
+        scan = len(buf)
+        chunk = next(chunks, None)
+        if chunk is None:
+            break
+        buf += chunk
+
+    if skipping:
+        yield RawLine(line_no, skip_start, pos - skip_start, b"", True)
+    elif buf:
+        raw = finish_line(0, len(buf), len(buf))
+        if raw is not None:
+            yield raw
+
+
+# --------------------------------------------------------------------------------------------
+# Errors and the normalised request
+
+
+class LineError(Exception):
+    """A problem with one input line (or the whole file when ``line`` is None)."""
+
+    def __init__(self, line: int | None, code: str, message: str, param: str | None = None):
+        super().__init__(message)
+        self.line = line
+        self.code = code
+        self.message = message
+        self.param = param
+
+    def to_dict(self) -> dict[str, Any]:
+        """The shape of one entry of OpenAI's batch ``errors.data``."""
+        return {"code": self.code, "message": self.message, "param": self.param, "line": self.line}
+
+    def __repr__(self) -> str:
+        return f"LineError(line={self.line!r}, code={self.code!r}, param={self.param!r}, message={self.message!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LineError) and self.to_dict() == other.to_dict()
+
+    __hash__ = Exception.__hash__
+
+
+@dataclass(slots=True)
+class BatchRequest:
+    """One validated request, with sampling parameters normalised to plain values."""
+
+    line: int
+    offset: int
+    length: int
+    custom_id: str
+    url: str
+    model: str
+    body: dict[str, Any]
+    kind: Literal["chat", "completion"]
+    messages: list[dict[str, str]] | None = None  # chat: role/content(/name), content flattened
+    prompt: str | list[int] | None = None  # completion: text or token ids
+    max_tokens: int | None = None  # None: the caller applies its default
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: disabled
+    n: int = 1
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    ignore_eos: bool = False
+
+
+# --------------------------------------------------------------------------------------------
+# Field checks
+
+
+def _type_name(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__
+
+
+def _show(value: Any) -> str:
+    text = json.dumps(value, ensure_ascii=False) if not isinstance(value, float) else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+class _Checker:
+    def __init__(self, line: int, body: dict[str, Any]):
+        self.line = line
+        self.body = body
+
+    def fail(self, code: str, param: str, message: str) -> LineError:
+        return LineError(self.line, code, message, param)
+
+    def type_error(self, param: str, expected: str, value: Any) -> LineError:
+        return self.fail(
+            "invalid_type", param, f"{param} must be {expected}, got {_type_name(value)}"
+        )
+
+    def get(self, name: str) -> Any:
+        return self.body.get(name)
+
+    def number(
+        self, name: str, lo: float, hi: float, default: float, *, lo_open: bool = False
+    ) -> float:
+        value = self.get(name)
+        param = f"body.{name}"
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self.type_error(param, "a number", value)
+        value = float(value)
+        if math.isnan(value) or value > hi or value < lo or (lo_open and value == lo):
+            rng = (
+                f"greater than {lo:g} and at most {hi:g}"
+                if lo_open
+                else f"between {lo:g} and {hi:g}"
+            )
+            raise self.fail("invalid_value", param, f"{param} must be {rng}, got {value:g}")
+        return value
+
+    def integer(self, name: str, lo: int | None, hi: int | None, default: Any) -> Any:
+        value = self.get(name)
+        param = f"body.{name}"
+        if value is None:
+            return default
+        if isinstance(value, float) and value.is_integer() and not isinstance(value, bool):
+            value = int(value)  # 16.0 is an integer in JSON's eyes
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.type_error(param, "an integer", value)
+        if lo is not None and hi is not None and not lo <= value <= hi:
+            raise self.fail(
+                "invalid_value", param, f"{param} must be between {lo} and {hi}, got {value}"
+            )
+        if lo is not None and value < lo:
+            raise self.fail("invalid_value", param, f"{param} must be at least {lo}, got {value}")
+        if hi is not None and value > hi:
+            raise self.fail("invalid_value", param, f"{param} must be at most {hi}, got {value}")
+        return value
+
+    def boolean(self, name: str, default: bool) -> bool:
+        value = self.get(name)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise self.type_error(f"body.{name}", "a boolean", value)
+        return value
+
+    def stop(self) -> list[str]:
+        value = self.get("stop")
+        param = "body.stop"
+        if value is None:
+            return []
+        if isinstance(value, str):
+            value = [value]
+        elif not isinstance(value, list):
+            raise self.type_error(param, "a string or an array of strings", value)
+        if len(value) > MAX_STOP_SEQUENCES:
+            raise self.fail(
+                "invalid_value",
+                param,
+                f"{param} may hold at most {MAX_STOP_SEQUENCES} sequences, got {len(value)}",
+            )
+        for i, item in enumerate(value):
+            if not isinstance(item, str):
+                raise self.type_error(f"{param}[{i}]", "a string", item)
+            if not item:
+                raise self.fail("invalid_value", f"{param}[{i}]", f"{param}[{i}] must not be empty")
+        return list(value)
+
+    def reject_if_set(self, name: str, why: str = "is not supported by this service") -> None:
+        value = self.get(name)
+        if value is not None and value != [] and value != {}:
+            raise self.fail("unsupported_parameter", f"body.{name}", f"body.{name} {why}")
+
+    def common(self, req: BatchRequest) -> None:
+        """Sampling fields shared by both endpoints (everything but logprobs and max_tokens)."""
+        if self.get("stream") is not None and self.boolean("stream", False):
+            raise self.fail(
+                "unsupported_value",
+                "body.stream",
+                "body.stream must be false: batch requests cannot be streamed",
+            )
+        self.reject_if_set("logit_bias")
+        req.temperature = self.number("temperature", 0.0, 2.0, 1.0)
+        req.top_p = self.number("top_p", 0.0, 1.0, 1.0, lo_open=True)
+        top_k = self.integer("top_k", -1, None, 0)
+        req.top_k = 0 if top_k == -1 else top_k
+        req.n = self.integer("n", 1, 128, 1)
+        req.stop = self.stop()
+        req.seed = self.integer("seed", -(2**63), 2**64 - 1, None)
+        req.presence_penalty = self.number("presence_penalty", -2.0, 2.0, 0.0)
+        req.frequency_penalty = self.number("frequency_penalty", -2.0, 2.0, 0.0)
+        req.ignore_eos = self.boolean("ignore_eos", False)
+
+
+def _check_chat(c: _Checker, req: BatchRequest) -> None:
+    body = c.body
+    if "messages" not in body or body["messages"] is None:
+        raise c.fail(
+            "missing_required_param",
+            "body.messages",
+            "body.messages is required for chat completions",
+        )
+    messages = body["messages"]
+    if not isinstance(messages, list):
+        raise c.type_error("body.messages", "an array", messages)
+    if not messages:
+        raise c.fail("invalid_value", "body.messages", "body.messages must not be empty")
+    out: list[dict[str, str]] = []
+    for i, msg in enumerate(messages):
+        p = f"body.messages[{i}]"
+        if not isinstance(msg, dict):
+            raise c.type_error(p, "an object", msg)
+        role = msg.get("role")
+        if role is None:
+            raise c.fail("missing_required_param", f"{p}.role", f"{p}.role is required")
+        if not isinstance(role, str):
+            raise c.type_error(f"{p}.role", "a string", role)
+        if role not in CHAT_ROLES:
+            raise c.fail(
+                "invalid_value",
+                f"{p}.role",
+                f"{p}.role must be one of {', '.join(CHAT_ROLES)}, got {_show(role)}",
+            )
+        if msg.get("tool_calls") or msg.get("function_call"):
+            key = "tool_calls" if msg.get("tool_calls") else "function_call"
+            raise c.fail(
+                "unsupported_parameter", f"{p}.{key}", f"{p}.{key} is not supported by this service"
+            )
+        content = msg.get("content")
+        if content is None:
+            raise c.fail("missing_required_param", f"{p}.content", f"{p}.content is required")
+        if isinstance(content, list):
+            texts: list[str] = []
+            for j, part in enumerate(content):
+                pp = f"{p}.content[{j}]"
+                if not isinstance(part, dict):
+                    raise c.type_error(pp, "an object", part)
+                ptype = part.get("type")
+                if ptype != "text":
+                    if not isinstance(ptype, str):
+                        raise c.type_error(f"{pp}.type", "a string", ptype)
+                    raise c.fail(
+                        "unsupported_value",
+                        f"{pp}.type",
+                        f'{pp}.type must be "text" (this service serves text only), got {_show(ptype)}',
+                    )
+                text = part.get("text")
+                if not isinstance(text, str):
+                    raise c.type_error(f"{pp}.text", "a string", text)
+                texts.append(text)
+            content = "\n".join(texts)
+        elif not isinstance(content, str):
+            raise c.type_error(f"{p}.content", "a string or an array of content parts", content)
+        flat = {"role": role, "content": content}
+        name = msg.get("name")
+        if name is not None:
+            if not isinstance(name, str):
+                raise c.type_error(f"{p}.name", "a string", name)
+            flat["name"] = name
+        out.append(flat)
+    req.messages = out
+
+    c.common(req)
+    for name in ("tools", "functions"):
+        c.reject_if_set(name)
+    tool_choice = c.get("tool_choice")
+    if tool_choice is not None and tool_choice != "none":
+        raise c.fail(
+            "unsupported_parameter",
+            "body.tool_choice",
+            "body.tool_choice is not supported by this service",
+        )
+    rf = c.get("response_format")
+    if rf is not None:
+        if not isinstance(rf, dict):
+            raise c.type_error("body.response_format", "an object", rf)
+        if rf.get("type") != "text":
+            raise c.fail(
+                "unsupported_value",
+                "body.response_format.type",
+                f'body.response_format.type must be "text" (structured output is not supported), got {_show(rf.get("type"))}',
+            )
+    modalities = c.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise c.fail(
+            "unsupported_value",
+            "body.modalities",
+            f'body.modalities must be ["text"], got {_show(modalities)}',
+        )
+    c.reject_if_set("audio")
+
+    mct = c.integer("max_completion_tokens", 1, None, None)
+    mt = c.integer("max_tokens", 1, None, None)
+    req.max_tokens = mct if mct is not None else mt
+    req.logprobs = c.boolean("logprobs", False)
+    top = c.integer("top_logprobs", 0, 20, 0)
+    if top and not req.logprobs:
+        raise c.fail(
+            "invalid_value",
+            "body.top_logprobs",
+            f"body.top_logprobs requires body.logprobs to be true, got top_logprobs={top}",
+        )
+    req.top_logprobs = top
+
+
+def _check_completion(c: _Checker, req: BatchRequest) -> None:
+    body = c.body
+    if "prompt" not in body or body["prompt"] is None:
+        raise c.fail(
+            "missing_required_param", "body.prompt", "body.prompt is required for completions"
+        )
+    prompt = body["prompt"]
+    param = "body.prompt"
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        if len(prompt) != 1:
+            raise c.fail(
+                "unsupported_value",
+                param,
+                f"{param} must hold one prompt per request, got {len(prompt)}; put each prompt on its own line",
+            )
+        prompt = prompt[0]
+        param = "body.prompt[0]"
+    if isinstance(prompt, str):
+        if not prompt:
+            raise c.fail("invalid_value", param, f"{param} must not be empty")
+    elif isinstance(prompt, list):
+        if not prompt:
+            raise c.fail("invalid_value", param, f"{param} must not be empty")
+        for i, tok in enumerate(prompt):
+            if isinstance(tok, bool) or not isinstance(tok, int):
+                raise c.type_error(f"{param}[{i}]", "an integer token id", tok)
+            if tok < 0:
+                raise c.fail(
+                    "invalid_value", f"{param}[{i}]", f"{param}[{i}] must be at least 0, got {tok}"
+                )
+        prompt = list(prompt)
+    else:
+        raise c.type_error(param, "a string or an array of token ids", prompt)
+    req.prompt = prompt
+
+    c.common(req)
+    c.reject_if_set("suffix")
+    if c.boolean("echo", False):
+        raise c.fail(
+            "unsupported_value", "body.echo", "body.echo must be false: echo is not supported"
+        )
+    best_of = c.integer("best_of", 1, None, None)
+    if best_of is not None and best_of != req.n:
+        raise c.fail(
+            "unsupported_value",
+            "body.best_of",
+            f"body.best_of must equal body.n ({req.n}), got {best_of}",
+        )
+    req.max_tokens = c.integer("max_tokens", 1, None, None)
+    lp = c.integer("logprobs", 0, 5, None)
+    req.logprobs = lp is not None
+    req.top_logprobs = lp or 0
+
+
+# --------------------------------------------------------------------------------------------
+# One line
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _load_object(raw: RawLine, max_line_bytes: int | None) -> dict[str, Any]:
+    line = raw.line
+    if raw.too_long:
+        limit = f"the limit of {max_line_bytes} bytes" if max_line_bytes else "the limit"
+        raise LineError(
+            line, "line_too_long", f"Line {line} is {raw.length} bytes, over {limit} for one line"
+        )
+    try:
+        text = raw.data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise LineError(
+            line,
+            "invalid_encoding",
+            f"Line {line} is not valid UTF-8 (byte {exc.start} of the line)",
+        ) from None
+    try:
+        obj = json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise LineError(
+            line, "invalid_json_line", f"Line {line} is nested too deeply to be parsed"
+        ) from None
+    except ValueError as exc:
+        raise LineError(
+            line, "invalid_json_line", f"Line {line} is not valid JSON: {exc}"
+        ) from None
+    if not isinstance(obj, dict):
+        raise LineError(
+            line, "invalid_json_line", f"Line {line} must be a JSON object, got {_type_name(obj)}"
+        )
+    return obj
+
+
+def parse_request(
+    raw: RawLine,
+    *,
+    endpoint: str,
+    served_models: Collection[str] | None,
+    max_line_bytes: int | None = None,
+) -> BatchRequest:
+    """Validate and normalise one line; raise :class:`LineError` on the first problem.
+
+    ``endpoint`` is the batch's endpoint; ``served_models`` the model names accepted (None
+    skips the check, e.g. when re-parsing in a shard task). ``max_line_bytes`` only names the
+    limit in the ``line_too_long`` message.
+    """
+    line = raw.line
+    obj = _load_object(raw, max_line_bytes)
+
+    custom_id = obj.get("custom_id")
+    if custom_id is None:
+        raise LineError(line, "missing_custom_id", "custom_id is required", "custom_id")
+    if not isinstance(custom_id, str):
+        raise LineError(
+            line,
+            "invalid_custom_id",
+            f"custom_id must be a string, got {_type_name(custom_id)}",
+            "custom_id",
+        )
+    if not custom_id:
+        raise LineError(line, "invalid_custom_id", "custom_id must not be empty", "custom_id")
+    if len(custom_id) > MAX_CUSTOM_ID_CHARS:
+        raise LineError(
+            line,
+            "invalid_custom_id",
+            f"custom_id must be at most {MAX_CUSTOM_ID_CHARS} characters, got {len(custom_id)}",
+            "custom_id",
+        )
+
+    method = obj.get("method")
+    if method != "POST":
+        got = "nothing" if method is None else _show(method)
+        raise LineError(line, "invalid_method", f'method must be "POST", got {got}', "method")
+
+    url = obj.get("url")
+    if not isinstance(url, str) or url not in SUPPORTED_URLS:
+        got = "nothing" if url is None else _show(url)
+        raise LineError(
+            line, "invalid_url", f"url must be one of {', '.join(SUPPORTED_URLS)}, got {got}", "url"
+        )
+    if url != endpoint:
+        raise LineError(
+            line,
+            "mismatched_url",
+            f"url must match the batch's endpoint {endpoint}, got {url}",
+            "url",
+        )
+
+    body = obj.get("body")
+    if body is None:
+        raise LineError(line, "missing_required_param", "body is required", "body")
+    if not isinstance(body, dict):
+        raise LineError(
+            line, "invalid_type", f"body must be an object, got {_type_name(body)}", "body"
+        )
+
+    model = body.get("model")
+    if model is None:
+        raise LineError(line, "missing_required_param", "body.model is required", "body.model")
+    if not isinstance(model, str):
+        raise LineError(
+            line,
+            "invalid_type",
+            f"body.model must be a string, got {_type_name(model)}",
+            "body.model",
+        )
+    if served_models is not None and model not in served_models:
+        served = ", ".join(sorted(served_models)) or "none"
+        raise LineError(
+            line,
+            "model_not_found",
+            f"The model {_show(model)} is not served here (served: {served})",
+            "body.model",
+        )
+    if not model:
+        raise LineError(line, "invalid_value", "body.model must not be empty", "body.model")
+
+    req = BatchRequest(
+        line=line,
+        offset=raw.offset,
+        length=raw.length,
+        custom_id=custom_id,
+        url=url,
+        model=model,
+        body=body,
+        kind="chat" if url == CHAT_URL else "completion",
+    )
+    checker = _Checker(line, body)
+    if req.kind == "chat":
+        _check_chat(checker, req)
+    else:
+        _check_completion(checker, req)
+    return req
+
+
+# --------------------------------------------------------------------------------------------
+# The whole file
+
+
+@dataclass
+class ValidationReport:
+    """The outcome of :func:`validate_file`.
+
+    ``num_requests`` counts valid requests; ``num_invalid`` lines that failed; ``errors`` holds
+    the first ``max_errors`` errors in line order, ``num_more_errors`` how many were left out.
+    ``model`` is the batch's model (from the first valid request). ``truncated`` is True when
+    validation stopped early at the request limit.
+    """
+
+    num_requests: int = 0
+    num_invalid: int = 0
+    num_lines: int = 0  # number of the last non-blank line read
+    model: str | None = None
+    errors: list[LineError] = field(default_factory=list)
+    num_more_errors: int = 0
+    truncated: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors and not self.num_more_errors
+
+    @property
+    def num_errors(self) -> int:
+        return len(self.errors) + self.num_more_errors
+
+    def error_dicts(self) -> list[dict[str, Any]]:
+        """``errors.data`` for the batch object."""
+        return [e.to_dict() for e in self.errors]
+
+
+def validate_file(
+    stream: BinaryIO | Iterable[bytes],
+    *,
+    endpoint: str,
+    served_models: Collection[str] | None,
+    max_requests: int,
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+    max_errors: int = 100,
+    on_request: Callable[[BatchRequest], None] | None = None,
+) -> ValidationReport:
+    """Stream every line of ``stream`` through :func:`parse_request` and the file-wide checks
+    (unique ``custom_id``, one model per batch, at most ``max_requests`` request lines, not
+    empty).
+
+    ``on_request`` is called, in line order, for each valid request that passed every check;
+    exceptions it raises propagate. Memory is bounded by the ``custom_id`` set (at most
+    ``max_requests`` entries) plus one line.
+    """
+    report = ValidationReport()
+    seen: dict[str, int] = {}
+    model_line = 0
+    request_lines = 0
+
+    def add_error(err: LineError) -> None:
+        if len(report.errors) < max_errors:
+            report.errors.append(err)
+        else:
+            report.num_more_errors += 1
+
+    last_line = 0
+    for raw in iter_lines(stream, max_line_bytes=max_line_bytes):
+        last_line = raw.line
+        request_lines += 1
+        if request_lines > max_requests:
+            add_error(
+                LineError(
+                    raw.line,
+                    "too_many_requests",
+                    f"The file holds more than {max_requests} requests, the limit for one batch "
+                    f"(line {raw.line} is request {request_lines})",
+                )
+            )
+            report.truncated = True
+            break
+        try:
+            req = parse_request(
+                raw, endpoint=endpoint, served_models=served_models, max_line_bytes=max_line_bytes
+            )
+            first = seen.get(req.custom_id)
+            if first is not None:
+                raise LineError(
+                    raw.line,
+                    "duplicate_custom_id",
+                    f"custom_id {_show(req.custom_id)} on line {raw.line} was already used on "
+                    f"line {first}; custom_id must be unique within a batch",
+                    "custom_id",
+                )
+            seen[req.custom_id] = raw.line
+            if report.model is None:
+                report.model = req.model
+                model_line = raw.line
+            elif req.model != report.model:
+                raise LineError(
+                    raw.line,
+                    "mismatched_model",
+                    f"All requests in a batch must use the same model: line {raw.line} uses "
+                    f"{_show(req.model)}, line {model_line} uses {_show(report.model)}",
+                    "body.model",
+                )
+        except LineError as err:
+            report.num_invalid += 1
+            add_error(err)
+            continue
+        report.num_requests += 1
+        if on_request is not None:
+            on_request(req)
+
+    report.num_lines = last_line
+    if request_lines == 0:
+        add_error(LineError(None, "empty_file", "The file holds no requests"))
+    return report
