@@ -1,0 +1,341 @@
+"""The OpenAI batch output format: response bodies, output lines and error lines.
+
+The shard task turns what the engine produced into plain :class:`GenerationResult` values (this
+module never imports the engine), then::
+
+    body = chat_completion_body(req, result)            # or completion_body(...)
+    out.write(dumps_line(output_line(req.custom_id, body)))
+
+Per-request failures (e.g. a prompt longer than the model's context) go to the error file::
+
+    err.write(dumps_line(request_error_line(req.custom_id, status_code=400,
+                                            message="...", code="context_length_exceeded")))
+
+Requests never run because the batch expired or was cancelled get
+``batch_error_line(custom_id, "batch_expired" | "batch_cancelled")``.
+
+Shapes follow OpenAI's documented objects:
+
+* output line: ``{id, custom_id, response: {status_code, request_id, body}, error: null}``
+* per-request error line: the same, ``body`` being ``{"error": {message, type, param, code}}``
+* batch error line: ``{id, custom_id, response: null, error: {code, message}}``
+* chat body: a ``chat.completion`` object; completion body: a ``text_completion`` object,
+  both with ``usage`` including ``prompt_tokens_details.cached_tokens``.
+
+Logprobs are written only when the request asked for them; a non-finite logprob (``-inf``) is
+written as ``-9999.0`` so every line stays valid JSON. Completions' ``text_offset`` counts
+characters from the start of the generated text.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from core.ids import batch_request_id
+
+if TYPE_CHECKING:
+    from core.batchfile import BatchRequest
+
+__all__ = [
+    "BATCH_ERROR_MESSAGES",
+    "ChoiceResult",
+    "GenerationResult",
+    "TokenLogprobInfo",
+    "batch_error_line",
+    "chat_completion_body",
+    "completion_body",
+    "dumps_line",
+    "new_chat_completion_id",
+    "new_completion_id",
+    "new_request_id",
+    "output_line",
+    "request_error_line",
+    "response_body",
+    "usage_dict",
+]
+
+MIN_LOGPROB = -9999.0
+
+BATCH_ERROR_MESSAGES: dict[str, str] = {
+    "batch_expired": "This request could not be executed before the completion window expired.",
+    "batch_cancelled": "This request was cancelled before it could be executed.",
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs (filled in by the worker from the engine's outputs)
+
+
+@dataclass(slots=True)
+class TokenLogprobInfo:
+    """One generated token: its text, logprob, UTF-8 bytes, and the most likely alternatives
+    as ``(token, logprob, bytes)`` tuples, most likely first."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top: list[tuple[str, float, list[int] | None]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class ChoiceResult:
+    index: int
+    text: str
+    finish_reason: str  # "stop" | "length"
+    completion_tokens: int
+    logprobs: list[TokenLogprobInfo] | None = None
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    prompt_tokens: int
+    cached_tokens: int
+    choices: list[ChoiceResult]
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.completion_tokens for c in self.choices)
+
+
+# --------------------------------------------------------------------------------------------
+# Ids
+
+
+def new_chat_completion_id() -> str:
+    return f"chatcmpl-{secrets.token_hex(12)}"
+
+
+def new_completion_id() -> str:
+    return f"cmpl-{secrets.token_hex(12)}"
+
+
+def new_request_id() -> str:
+    return f"req_{secrets.token_hex(16)}"
+
+
+# --------------------------------------------------------------------------------------------
+# Bodies
+
+
+def _finite(x: float) -> float:
+    x = float(x)
+    if math.isnan(x) or x < MIN_LOGPROB:
+        return MIN_LOGPROB
+    return x
+
+
+def _token_bytes(token: str, given: list[int] | None) -> list[int] | None:
+    return list(given) if given is not None else list(token.encode("utf-8", "surrogatepass"))
+
+
+def usage_dict(result: GenerationResult) -> dict[str, Any]:
+    completion = result.completion_tokens
+    return {
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": result.prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": result.cached_tokens, "audio_tokens": 0},
+        "completion_tokens_details": {
+            "reasoning_tokens": 0,
+            "audio_tokens": 0,
+            "accepted_prediction_tokens": 0,
+            "rejected_prediction_tokens": 0,
+        },
+    }
+
+
+def _chat_logprobs(req: BatchRequest, choice: ChoiceResult) -> dict[str, Any] | None:
+    if not req.logprobs or choice.logprobs is None:
+        return None
+    content = []
+    for t in choice.logprobs:
+        content.append(
+            {
+                "token": t.token,
+                "logprob": _finite(t.logprob),
+                "bytes": _token_bytes(t.token, t.bytes),
+                "top_logprobs": [
+                    {"token": tok, "logprob": _finite(lp), "bytes": _token_bytes(tok, b)}
+                    for tok, lp, b in t.top[: req.top_logprobs]
+                ],
+            }
+        )
+    return {"content": content, "refusal": None}
+
+
+def chat_completion_body(
+    req: BatchRequest,
+    result: GenerationResult,
+    *,
+    completion_id: str | None = None,
+    created: int | None = None,
+    model: str | None = None,
+    system_fingerprint: str | None = None,
+) -> dict[str, Any]:
+    """A ``chat.completion`` object. ``completion_id`` defaults to a fresh ``chatcmpl-…``,
+    ``created`` to now (Unix seconds), ``model`` to the request's model."""
+    choices = [
+        {
+            "index": c.index,
+            "message": {
+                "role": "assistant",
+                "content": c.text,
+                "refusal": None,
+                "annotations": [],
+            },
+            "logprobs": _chat_logprobs(req, c),
+            "finish_reason": c.finish_reason,
+        }
+        for c in sorted(result.choices, key=lambda c: c.index)
+    ]
+    return {
+        "id": completion_id or new_chat_completion_id(),
+        "object": "chat.completion",
+        "created": int(time.time()) if created is None else created,
+        "model": model or req.model,
+        "choices": choices,
+        "usage": usage_dict(result),
+        "system_fingerprint": system_fingerprint,
+    }
+
+
+def _completion_logprobs(req: BatchRequest, choice: ChoiceResult) -> dict[str, Any] | None:
+    if not req.logprobs or choice.logprobs is None:
+        return None
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
+    offset = 0
+    for t in choice.logprobs:
+        tokens.append(t.token)
+        token_logprobs.append(_finite(t.logprob))
+        if req.top_logprobs:
+            top_logprobs.append({tok: _finite(lp) for tok, lp, _ in t.top[: req.top_logprobs]})
+        else:
+            top_logprobs.append(None)
+        text_offset.append(offset)
+        offset += len(t.token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": text_offset,
+    }
+
+
+def completion_body(
+    req: BatchRequest,
+    result: GenerationResult,
+    *,
+    completion_id: str | None = None,
+    created: int | None = None,
+    model: str | None = None,
+    system_fingerprint: str | None = None,
+) -> dict[str, Any]:
+    """A ``text_completion`` object (the legacy completions API); defaults as for
+    :func:`chat_completion_body`, with a ``cmpl-…`` id."""
+    choices = [
+        {
+            "text": c.text,
+            "index": c.index,
+            "logprobs": _completion_logprobs(req, c),
+            "finish_reason": c.finish_reason,
+        }
+        for c in sorted(result.choices, key=lambda c: c.index)
+    ]
+    return {
+        "id": completion_id or new_completion_id(),
+        "object": "text_completion",
+        "created": int(time.time()) if created is None else created,
+        "model": model or req.model,
+        "choices": choices,
+        "usage": usage_dict(result),
+        "system_fingerprint": system_fingerprint,
+    }
+
+
+def response_body(req: BatchRequest, result: GenerationResult, **kwargs: Any) -> dict[str, Any]:
+    """:func:`chat_completion_body` or :func:`completion_body`, by the request's kind."""
+    if req.kind == "chat":
+        return chat_completion_body(req, result, **kwargs)
+    return completion_body(req, result, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# Lines
+
+
+def output_line(
+    custom_id: str, body: dict[str, Any], *, request_id: str | None = None
+) -> dict[str, Any]:
+    """A successful request's line in the output file."""
+    return {
+        "id": batch_request_id(),
+        "custom_id": custom_id,
+        "response": {
+            "status_code": 200,
+            "request_id": request_id or new_request_id(),
+            "body": body,
+        },
+        "error": None,
+    }
+
+
+def request_error_line(
+    custom_id: str | None,
+    *,
+    status_code: int = 400,
+    message: str,
+    code: str | None,
+    param: str | None = None,
+    type: str = "invalid_request_error",
+    request_id: str | None = None,
+) -> dict[str, Any]:
+    """A request that ran (or was attempted) and failed: its line in the error file, shaped as
+    the HTTP error response the endpoint would have returned."""
+    return {
+        "id": batch_request_id(),
+        "custom_id": custom_id,
+        "response": {
+            "status_code": status_code,
+            "request_id": request_id or new_request_id(),
+            "body": {"error": {"message": message, "type": type, "param": param, "code": code}},
+        },
+        "error": None,
+    }
+
+
+def batch_error_line(
+    custom_id: str | None, code: str, message: str | None = None
+) -> dict[str, Any]:
+    """A request never executed because of the batch (``batch_expired``, ``batch_cancelled``,
+    or another code with its ``message``)."""
+    if message is None:
+        try:
+            message = BATCH_ERROR_MESSAGES[code]
+        except KeyError:
+            raise ValueError(f"batch_error_line: no default message for code {code!r}") from None
+    return {
+        "id": batch_request_id(),
+        "custom_id": custom_id,
+        "response": None,
+        "error": {"code": code, "message": message},
+    }
+
+
+def dumps_line(obj: Any) -> bytes:
+    """One JSONL line: compact JSON, UTF-8, ending in ``\\n``. Strings holding lone
+    surrogates (possible via ``\\ud800`` escapes in the input) are written escaped, so the
+    line is always valid UTF-8 and round-trips exactly. NaN/Infinity raise ``ValueError``."""
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    try:
+        data = text.encode("utf-8")
+    except UnicodeEncodeError:
+        data = json.dumps(obj, ensure_ascii=True, separators=(",", ":"), allow_nan=False).encode()
+    return data + b"\n"

@@ -1,0 +1,138 @@
+"""Shard planning: split a validated batch file into contiguous line ranges sized by tokens.
+
+The validate task feeds the planner one valid request at a time, in file order::
+
+    planner = ShardPlanner(settings.shard_max_tokens, settings.shard_max_requests)
+    validate_file(..., on_request=lambda r: planner.add(r.line, r.offset, r.length,
+                                                        count_tokens(r)))
+    specs = planner.finish()   # one ``shards`` row per spec
+
+Each :class:`ShardSpec` is a half-open range of lines ``[start_line, end_line)`` and of bytes
+``[start_offset, end_offset)``. Shards are contiguous: one shard's ``end_line``/``end_offset``
+is the next one's ``start_line``/``start_offset``. The first shard starts at the first request;
+the last ends right after the last request. Blank lines between two requests belong to the
+earlier shard; re-reading them is harmless (:func:`core.batchfile.iter_lines` skips them).
+
+A shard is closed before a request that would push it over ``max_tokens_per_shard`` estimated
+tokens, or when it holds ``max_requests_per_shard`` requests. A request larger than the token
+limit on its own gets a shard to itself; no shard is ever empty.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from core.batchfile import BatchRequest
+
+__all__ = ["DEFAULT_MAX_OUTPUT_TOKENS", "ShardPlanner", "ShardSpec", "estimate_tokens_fallback"]
+
+DEFAULT_MAX_OUTPUT_TOKENS = 256  # assumed output length when a request sets no max_tokens
+_CHARS_PER_TOKEN = 4
+_MESSAGE_OVERHEAD_TOKENS = 4  # role and template tokens around each chat message
+
+
+@dataclass(frozen=True, slots=True)
+class ShardSpec:
+    index: int
+    start_line: int
+    end_line: int  # exclusive
+    start_offset: int
+    end_offset: int  # exclusive
+    num_requests: int
+    est_tokens: int
+
+
+class ShardPlanner:
+    """Accumulates requests in file order and cuts them into :class:`ShardSpec` ranges."""
+
+    def __init__(self, max_tokens_per_shard: int, max_requests_per_shard: int):
+        if max_tokens_per_shard < 1 or max_requests_per_shard < 1:
+            raise ValueError("shard limits must be >= 1")
+        self.max_tokens = max_tokens_per_shard
+        self.max_requests = max_requests_per_shard
+        self._done: list[ShardSpec] = []
+        self._finished = False
+        # The open shard.
+        self._start_line = 0
+        self._start_offset = 0
+        self._count = 0
+        self._tokens = 0
+        # The last request added.
+        self._last_line = 0
+        self._last_end = 0
+
+    @property
+    def shards(self) -> list[ShardSpec]:
+        """The shards closed so far (the open one is not included)."""
+        return list(self._done)
+
+    def _close(self, end_line: int, end_offset: int) -> ShardSpec:
+        spec = ShardSpec(
+            index=len(self._done),
+            start_line=self._start_line,
+            end_line=end_line,
+            start_offset=self._start_offset,
+            end_offset=end_offset,
+            num_requests=self._count,
+            est_tokens=self._tokens,
+        )
+        self._done.append(spec)
+        self._count = 0
+        self._tokens = 0
+        return spec
+
+    def add(self, line: int, offset: int, length: int, est_tokens: int) -> ShardSpec | None:
+        """Add the request on ``line`` (bytes ``[offset, offset + length)``); returns the shard
+        this closed, if any."""
+        if self._finished:
+            raise RuntimeError("ShardPlanner.add after finish()")
+        if line <= self._last_line or offset < self._last_end or length < 1:
+            raise ValueError(
+                f"requests must be added in file order: line {line} at offset {offset} "
+                f"(length {length}) after line {self._last_line} ending at {self._last_end}"
+            )
+        est_tokens = max(0, int(est_tokens))
+        closed = None
+        if self._count and (
+            self._count >= self.max_requests or self._tokens + est_tokens > self.max_tokens
+        ):
+            closed = self._close(line, offset)
+        if not self._count:
+            self._start_line = line
+            self._start_offset = offset
+        self._count += 1
+        self._tokens += est_tokens
+        self._last_line = line
+        self._last_end = offset + length
+        return closed
+
+    def finish(self) -> list[ShardSpec]:
+        """Close the open shard and return every shard, in order ([] when nothing was added)."""
+        if not self._finished:
+            self._finished = True
+            if self._count:
+                self._close(self._last_line + 1, self._last_end)
+        return list(self._done)
+
+
+def estimate_tokens_fallback(
+    req: BatchRequest, *, default_max_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS
+) -> int:
+    """A tokenizer-free estimate of a request's cost: prompt characters / 4 (token ids count
+    one each), plus the output budget ``max_tokens × n``."""
+    if req.messages is not None:
+        prompt = sum(
+            (len(m.get("content", "")) + _CHARS_PER_TOKEN - 1) // _CHARS_PER_TOKEN
+            + _MESSAGE_OVERHEAD_TOKENS
+            for m in req.messages
+        )
+    elif isinstance(req.prompt, list):
+        prompt = len(req.prompt)
+    elif isinstance(req.prompt, str):
+        prompt = (len(req.prompt) + _CHARS_PER_TOKEN - 1) // _CHARS_PER_TOKEN
+    else:
+        prompt = 0
+    max_tokens = req.max_tokens if req.max_tokens is not None else default_max_tokens
+    return prompt + max_tokens * req.n
