@@ -88,7 +88,7 @@ class LocalStorage(Storage):
             raise StorageError(f"cannot write {key!r}: a directory of keys has that name")
         try:
             fd, tmp = self._make_temp(target.parent)
-        except NotADirectoryError as exc:
+        except (NotADirectoryError, FileExistsError) as exc:
             raise StorageError(f"cannot write {key!r}: a parent of it is an object") from exc
         stream = os.fdopen(fd, "wb")
         try:

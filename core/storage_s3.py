@@ -136,6 +136,9 @@ class _BodyRaw(io.RawIOBase):
 
 
 class S3Storage(Storage):
+    #: Keys per ListObjectsV2 page and per DeleteObjects call (S3 allows at most 1000).
+    page_size = 1000
+
     def __init__(
         self,
         bucket: str,
@@ -297,7 +300,12 @@ class S3Storage(Storage):
     def _iter_keys(self, full_prefix: str) -> Iterator[str]:
         paginator = self.client.get_paginator("list_objects_v2")
         try:
-            for page in paginator.paginate(Bucket=self.bucket, Prefix=full_prefix):
+            pages = paginator.paginate(
+                Bucket=self.bucket,
+                Prefix=full_prefix,
+                PaginationConfig={"PageSize": self.page_size},
+            )
+            for page in pages:
                 for item in page.get("Contents", ()):
                     yield item["Key"]
         except ClientError as exc:
@@ -323,7 +331,7 @@ class S3Storage(Storage):
         batch: list[dict[str, str]] = []
         for object_key in self._iter_keys(full_prefix):
             batch.append({"Key": object_key})
-            if len(batch) == 1000:  # DeleteObjects takes at most 1000 keys
+            if len(batch) >= self.page_size:
                 self._delete_batch(batch)
                 batch = []
         if batch:
