@@ -1,0 +1,24 @@
+"""Helpers shared by the routers: error response docs and keyset pagination."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from api.schemas import ErrorResponse
+
+
+def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI entries for the error statuses a route can answer, all in the error envelope."""
+    descriptions = {
+        400: "Invalid request",
+        401: "Missing or invalid API key",
+        404: "No such object",
+        409: "Conflict with the object's current state",
+        413: "Upload too large",
+        500: "Unexpected server error",
+        503: "Database or broker unavailable",
+    }
+    return {
+        code: {"model": ErrorResponse, "description": descriptions.get(code, "Error")}
+        for code in (*codes, 401, 500, 503)
+    }

@@ -1,0 +1,293 @@
+"""OpenAI-shaped request and response bodies, one schema per direction (create / public).
+
+Field names and types follow the official ``openai`` package's types so its client parses every
+answer; ORM rows never leave the API directly.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from core.models import Batch, File
+
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+
+BatchEndpoint = Literal["/v1/chat/completions", "/v1/completions"]
+BatchStatus = Literal[
+    "validating",
+    "failed",
+    "in_progress",
+    "finalizing",
+    "completed",
+    "expired",
+    "cancelling",
+    "cancelled",
+]
+
+_WINDOW = re.compile(r"^([1-9][0-9]{0,9})([smh])$")
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600}
+
+
+def window_seconds(window: str) -> int | None:
+    """``"24h"`` -> 86400; None when ``window`` is not ``<n>s|m|h``."""
+    match = _WINDOW.match(window)
+    if not match:
+        return None
+    return int(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+
+
+def unix(value: datetime | None) -> int | None:
+    return None if value is None else int(value.timestamp())
+
+
+# ---- errors ----------------------------------------------------------------------------------
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+# ---- files -----------------------------------------------------------------------------------
+
+
+class FilePublic(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str = Field(description='"batch" for uploads, "batch_output" for results.')
+    expires_at: int | None = None
+    status: Literal["uploaded", "processed", "error"] = "processed"
+    status_details: str | None = None
+
+    @classmethod
+    def of(cls, row: File) -> FilePublic:
+        return cls(
+            id=row.id,
+            bytes=row.bytes,
+            created_at=unix(row.created_at) or 0,
+            filename=row.filename,
+            purpose=row.purpose,
+            expires_at=unix(row.expires_at),
+        )
+
+
+class FileList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[FilePublic]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool = True
+
+
+# ---- batches ---------------------------------------------------------------------------------
+
+
+class ExpiresAfter(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    anchor: Literal["created_at"]
+    seconds: int = Field(ge=3600, le=2_592_000)
+
+
+class BatchCreate(BaseModel):
+    input_file_id: str = Field(min_length=1, max_length=64)
+    endpoint: BatchEndpoint
+    completion_window: str = Field(
+        description='"24h", or "<n>s", "<n>m", "<n>h" up to the server\'s maximum window.',
+        min_length=2,
+        max_length=16,
+    )
+    metadata: dict[str, str] | None = Field(
+        default=None,
+        description="Up to 16 pairs; keys up to 64 characters, values up to 512.",
+    )
+    output_expires_after: ExpiresAfter | None = None
+
+    @field_validator("completion_window")
+    @classmethod
+    def _window_shape(cls, value: str) -> str:
+        if window_seconds(value) is None:
+            raise ValueError('expected "24h" or a duration like "30m", "90s", "2h"')
+        return value
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_limits(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        if value is None:
+            return None
+        if len(value) > MAX_METADATA_PAIRS:
+            raise ValueError(
+                f"at most {MAX_METADATA_PAIRS} key-value pairs are allowed, got {len(value)}"
+            )
+        for key, item in value.items():
+            if len(key) > MAX_METADATA_KEY_CHARS:
+                raise ValueError(
+                    f"key {key[:16]!r}... is {len(key)} characters; the maximum is "
+                    f"{MAX_METADATA_KEY_CHARS}"
+                )
+            if len(item) > MAX_METADATA_VALUE_CHARS:
+                raise ValueError(
+                    f"the value of {key!r} is {len(item)} characters; the maximum is "
+                    f"{MAX_METADATA_VALUE_CHARS}"
+                )
+        return value
+
+
+class BatchErrorItem(BaseModel):
+    code: str | None = None
+    message: str | None = None
+    param: str | None = None
+    line: int | None = None
+
+
+class BatchErrors(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[BatchErrorItem]
+
+
+class RequestCounts(BaseModel):
+    total: int
+    completed: int
+    failed: int
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int
+
+
+class BatchUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+class BatchPublic(BaseModel):
+    id: str
+    object: Literal["batch"] = "batch"
+    endpoint: str
+    model: str | None = None
+    errors: BatchErrors | None = None
+    input_file_id: str
+    completion_window: str
+    status: BatchStatus
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    created_at: int
+    in_progress_at: int | None = None
+    expires_at: int | None = None
+    finalizing_at: int | None = None
+    completed_at: int | None = None
+    failed_at: int | None = None
+    expired_at: int | None = None
+    cancelling_at: int | None = None
+    cancelled_at: int | None = None
+    request_counts: RequestCounts
+    metadata: dict[str, str] | None = None
+    usage: BatchUsage
+
+    @classmethod
+    def of(cls, row: Batch) -> BatchPublic:
+        errors = None
+        if row.errors:
+            errors = BatchErrors(data=[BatchErrorItem(**_error_fields(e)) for e in row.errors])
+        input_tokens = row.input_tokens or 0
+        output_tokens = row.output_tokens or 0
+        return cls(
+            id=row.id,
+            endpoint=row.endpoint,
+            model=row.model,
+            errors=errors,
+            input_file_id=row.input_file_id,
+            completion_window=row.completion_window,
+            status=row.status,  # type: ignore[arg-type]
+            output_file_id=row.output_file_id,
+            error_file_id=row.error_file_id,
+            created_at=unix(row.created_at) or 0,
+            in_progress_at=unix(row.in_progress_at),
+            expires_at=unix(row.expires_at),
+            finalizing_at=unix(row.finalizing_at),
+            completed_at=unix(row.completed_at),
+            failed_at=unix(row.failed_at),
+            expired_at=unix(row.expired_at),
+            cancelling_at=unix(row.cancelling_at),
+            cancelled_at=unix(row.cancelled_at),
+            request_counts=RequestCounts(
+                total=row.request_total or 0,
+                completed=row.request_completed or 0,
+                failed=row.request_failed or 0,
+            ),
+            metadata=row.metadata_,
+            usage=BatchUsage(
+                input_tokens=input_tokens,
+                input_tokens_details=InputTokensDetails(cached_tokens=row.cached_tokens or 0),
+                output_tokens=output_tokens,
+                output_tokens_details=OutputTokensDetails(reasoning_tokens=0),
+                total_tokens=input_tokens + output_tokens,
+            ),
+        )
+
+
+def _error_fields(entry: Any) -> dict[str, Any]:
+    if not isinstance(entry, dict):
+        return {"message": str(entry)}
+    line = entry.get("line")
+    return {
+        "code": None if entry.get("code") is None else str(entry["code"]),
+        "message": None if entry.get("message") is None else str(entry["message"]),
+        "param": None if entry.get("param") is None else str(entry["param"]),
+        "line": line if isinstance(line, int) else None,
+    }
+
+
+class BatchList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[BatchPublic]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
+
+
+# ---- models ----------------------------------------------------------------------------------
+
+
+class ModelPublic(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "batchd"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelPublic]
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"

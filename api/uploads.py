@@ -1,0 +1,252 @@
+"""Streaming multipart uploads: the file part goes straight from the socket to storage.
+
+Starlette's form parser spools a file into a temporary file before the route runs; here the
+body is parsed as it arrives (python-multipart's push parser) and the file part is written
+through ``Storage.writer`` in the chunks the server received, so memory stays flat whatever the
+upload's size. The writer is entered inside the parse: any error (too large, malformed body,
+bad field, client gone) leaves the block by an exception, so the object never appears.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from collections.abc import Awaitable, Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import BinaryIO
+
+import anyio
+from python_multipart.exceptions import FormParserError
+from python_multipart.multipart import MultipartParser, parse_options_header
+from starlette.requests import ClientDisconnect, Request
+
+from api.errors import APIError, invalid_request
+from core.storage import Storage
+
+#: Room for the multipart framing and the small form fields around the file part.
+MULTIPART_OVERHEAD = 64 * 1024
+#: The most bytes kept for one non-file form field (purpose, expires_after[...]).
+MAX_FIELD_BYTES = 1024
+#: After rejecting an over-large body, read at most this much more of it so that the client,
+#: still sending, gets the 413 instead of a reset connection.
+DRAIN_LIMIT = 8 * 1024 * 1024
+MAX_FILENAME_CHARS = 255
+
+FILE_FIELD = "file"
+
+
+def too_large(limit: int) -> APIError:
+    return APIError(
+        413,
+        f"The uploaded file exceeds the maximum size of {limit} bytes.",
+        param=FILE_FIELD,
+        code="file_too_large",
+    )
+
+
+_UNSAFE_FILENAME_CHARS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def sanitize_filename(raw: str) -> str:
+    """The last path component, without control characters, trimmed; never empty."""
+    name = raw.replace("\\", "/").rsplit("/", 1)[-1]
+    name = unicodedata.normalize("NFC", name)
+    name = _UNSAFE_FILENAME_CHARS.sub("", name)
+    name = "".join(ch for ch in name if unicodedata.category(ch) not in {"Cc", "Cf", "Zl", "Zp"})
+    name = name.strip()
+    if name in {".", ".."}:
+        name = ""
+    if len(name) > MAX_FILENAME_CHARS:
+        stem, dot, ext = name.rpartition(".")
+        if dot and 0 < len(ext) <= 16:
+            name = stem[: MAX_FILENAME_CHARS - len(ext) - 1] + "." + ext
+        else:
+            name = name[:MAX_FILENAME_CHARS]
+    return name or "upload.jsonl"
+
+
+@dataclass
+class Upload:
+    """What a multipart upload held: the stored file's size and name, and the small fields."""
+
+    bytes: int = 0
+    filename: str | None = None
+    fields: dict[str, str] = field(default_factory=dict)
+
+
+class _Ingest:
+    """python-multipart callbacks that route the file part into a storage writer."""
+
+    def __init__(self, stack: ExitStack, storage: Storage, key: str, max_bytes: int) -> None:
+        self.stack = stack
+        self.storage = storage
+        self.key = key
+        self.max_bytes = max_bytes
+        self.result = Upload()
+        self.ended = False
+        self._header_field = bytearray()
+        self._header_value = bytearray()
+        self._headers: dict[str, str] = {}
+        self._out: BinaryIO | None = None
+        self._in_file = False
+        self._field_name: str | None = None
+        self._field_value = bytearray()
+
+    def callbacks(self) -> dict[str, Callable[..., None]]:
+        return {
+            "on_part_begin": self.on_part_begin,
+            "on_header_field": self.on_header_field,
+            "on_header_value": self.on_header_value,
+            "on_header_end": self.on_header_end,
+            "on_headers_finished": self.on_headers_finished,
+            "on_part_data": self.on_part_data,
+            "on_part_end": self.on_part_end,
+            "on_end": self.on_end,
+        }
+
+    def on_part_begin(self) -> None:
+        self._headers = {}
+        self._in_file = False
+        self._field_name = None
+        self._field_value.clear()
+
+    def on_header_field(self, data: bytes, start: int, end: int) -> None:
+        self._header_field += data[start:end]
+
+    def on_header_value(self, data: bytes, start: int, end: int) -> None:
+        self._header_value += data[start:end]
+
+    def on_header_end(self) -> None:
+        name = self._header_field.decode("latin-1").strip().lower()
+        self._headers[name] = self._header_value.decode("latin-1")
+        self._header_field.clear()
+        self._header_value.clear()
+
+    def on_headers_finished(self) -> None:
+        disposition, options = parse_options_header(self._headers.get("content-disposition"))
+        if disposition != b"form-data" or b"name" not in options:
+            raise invalid_request("Each multipart part needs a 'Content-Disposition: form-data; name=...' header.")
+        name = options[b"name"].decode("utf-8", "replace")
+        if name == FILE_FIELD:
+            if self._out is not None:
+                raise invalid_request("Send exactly one 'file' part.", param=FILE_FIELD)
+            raw_name = options.get(b"filename", b"").decode("utf-8", "replace")
+            self.result.filename = sanitize_filename(raw_name)
+            self._out = self.stack.enter_context(self.storage.writer(self.key))
+            self._in_file = True
+        else:
+            self._field_name = name
+
+    def on_part_data(self, data: bytes, start: int, end: int) -> None:
+        if self._in_file and self._out is not None:
+            self.result.bytes += end - start
+            if self.result.bytes > self.max_bytes:
+                raise too_large(self.max_bytes)
+            self._out.write(data[start:end])
+        elif self._field_name is not None:
+            if len(self._field_value) + (end - start) > MAX_FIELD_BYTES:
+                raise invalid_request(
+                    f"The form field '{self._field_name}' is longer than {MAX_FIELD_BYTES} bytes.",
+                    param=self._field_name,
+                )
+            self._field_value += data[start:end]
+
+    def on_part_end(self) -> None:
+        if self._field_name is not None:
+            value = self._field_value.decode("utf-8", "replace")
+            self.result.fields.setdefault(self._field_name, value)
+        self._in_file = False
+        self._field_name = None
+
+    def on_end(self) -> None:
+        self.ended = True
+
+
+def _boundary(request: Request) -> bytes:
+    ctype, options = parse_options_header(request.headers.get("content-type"))
+    if ctype != b"multipart/form-data" or not options.get(b"boundary"):
+        raise APIError(
+            400,
+            "Expected a multipart/form-data body with a 'file' part and a 'purpose' field.",
+            param=FILE_FIELD,
+        )
+    return options[b"boundary"]
+
+
+def check_declared_length(request: Request, max_bytes: int) -> None:
+    """Refuse before reading a byte when the declared body cannot fit."""
+    declared = request.headers.get("content-length")
+    if (
+        declared is not None
+        and declared.strip().isdigit()
+        and int(declared) > max_bytes + MULTIPART_OVERHEAD
+    ):
+        raise too_large(max_bytes)
+
+
+async def receive_upload(
+    request: Request,
+    storage: Storage,
+    key: str,
+    max_bytes: int,
+    finish: Callable[[Upload], None],
+) -> Upload:
+    """Parse the body and stream its file part to ``key``.
+
+    ``finish(upload)`` runs (in a worker thread) after the whole body is parsed and before the
+    object is committed: raising there (an invalid field) discards the stored bytes.
+    """
+    check_declared_length(request, max_bytes)
+    boundary = _boundary(request)
+    stream = request.stream()
+    received = 0
+    body_limit = max_bytes + MULTIPART_OVERHEAD
+
+    async def next_chunk() -> bytes | None:
+        nonlocal received
+        try:
+            chunk = await stream.__anext__()
+        except StopAsyncIteration:
+            return None
+        received += len(chunk)
+        if received > body_limit:
+            raise too_large(max_bytes)
+        return chunk
+
+    def ingest(receive: Callable[[], Awaitable[bytes | None]]) -> Upload:
+        with ExitStack() as stack:
+            sink = _Ingest(stack, storage, key, max_bytes)
+            parser = MultipartParser(boundary, sink.callbacks())  # type: ignore[arg-type]
+            while (chunk := anyio.from_thread.run(receive)) is not None:
+                if chunk:
+                    try:
+                        parser.write(chunk)
+                    except FormParserError as error:
+                        raise invalid_request(f"Malformed multipart body: {error}") from error
+            if not sink.ended:
+                raise invalid_request("The multipart body ended before its closing boundary.")
+            if sink.result.filename is None:
+                raise invalid_request("Missing required parameter: 'file'.", param=FILE_FIELD)
+            finish(sink.result)
+            return sink.result
+
+    try:
+        return await anyio.to_thread.run_sync(ingest, next_chunk)
+    except ClientDisconnect as error:
+        raise invalid_request("The client disconnected during the upload.") from error
+    except APIError as error:
+        if error.status_code == 413:
+            await _drain(stream)
+        raise
+
+
+async def _drain(stream) -> None:
+    drained = 0
+    try:
+        async for chunk in stream:
+            drained += len(chunk)
+            if drained > DRAIN_LIMIT:
+                return
+    except (ClientDisconnect, RuntimeError):
+        return
