@@ -24,7 +24,13 @@ from urllib.parse import urlsplit
 
 import boto3
 from botocore.config import Config
-from botocore.exceptions import ClientError
+from botocore.exceptions import (
+    ClientError,
+    ConnectionClosedError,
+    IncompleteReadError,
+    ReadTimeoutError,
+    ResponseStreamingError,
+)
 
 from core.storage import ObjectNotFound, Storage, StorageError, normalize_prefix, validate_key
 
@@ -33,6 +39,14 @@ MIN_PART_SIZE = 5 * MiB
 DEFAULT_PART_SIZE = 8 * MiB
 _NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
 _NO_BUCKET = {"NoSuchBucket"}
+#: Errors that end a download body early; the read resumes from where it stopped.
+_STREAM_ERRORS = (
+    ResponseStreamingError,
+    IncompleteReadError,
+    ReadTimeoutError,
+    ConnectionClosedError,
+)
+READ_RETRIES = 3
 
 
 def _code(exc: ClientError) -> str:
@@ -114,18 +128,58 @@ class _MultipartWriter(io.BufferedIOBase):
 
 class _BodyRaw(io.RawIOBase):
     """A raw stream over a ``GetObject`` body, so ``io.BufferedReader`` can give it
-    ``readline``, iteration and ``peek`` (and ``io.TextIOWrapper`` can decode it)."""
+    ``readline``, iteration and ``peek`` (and ``io.TextIOWrapper`` can decode it).
 
-    def __init__(self, body: Any) -> None:
+    If the connection drops mid-body, reading resumes with a ranged ``GetObject`` from the
+    current offset, pinned to the first response's ETag (an object replaced meanwhile fails
+    with ``StorageError`` instead of splicing two versions together)."""
+
+    def __init__(self, storage: S3Storage, key: str, start: int = 0, end: int | None = None):
         super().__init__()
-        self._body = body
+        self._storage = storage
+        self._key = key
+        self._pos = start
+        self._end = end  # exclusive; None: to the end of the object
+        response = storage._get(key, **self._range())
+        self._etag: str | None = response.get("ETag")
+        self._body = response["Body"]
+
+    def _range(self) -> dict[str, str]:
+        if self._pos == 0 and self._end is None:
+            return {}
+        last = "" if self._end is None else str(self._end - 1)
+        return {"Range": f"bytes={self._pos}-{last}"}
 
     def readable(self) -> bool:
         return True
 
+    def read_some(self, n: int) -> bytes:
+        if self._end is not None:
+            n = min(n, self._end - self._pos)
+        if n <= 0:
+            return b""
+        for attempt in range(READ_RETRIES + 1):
+            try:
+                data = self._body.read(n)
+                break
+            except _STREAM_ERRORS as exc:
+                if attempt == READ_RETRIES:
+                    raise StorageError(f"S3 download of {self._key!r} kept failing: {exc}") from exc
+                self._body.close()
+                extra = {"IfMatch": self._etag} if self._etag else {}
+                try:
+                    self._body = self._storage._get(self._key, **self._range(), **extra)["Body"]
+                except StorageError as retry_exc:
+                    cause = retry_exc.__cause__
+                    if isinstance(cause, ClientError) and _code(cause) == "InvalidRange":
+                        return b""  # the drop came after the last byte: nothing is missing
+                    raise
+        self._pos += len(data)
+        return data
+
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
-        data = self._body.read(view.nbytes)
+        data = self.read_some(view.nbytes)
         view[: len(data)] = data
         return len(data)
 
@@ -246,8 +300,7 @@ class S3Storage(Storage):
 
     @contextmanager
     def reader(self, key: str) -> Iterator[BinaryIO]:
-        body = self._get(key)["Body"]
-        stream = io.BufferedReader(_BodyRaw(body), buffer_size=MiB)
+        stream = io.BufferedReader(_BodyRaw(self, key), buffer_size=MiB)
         try:
             yield stream  # type: ignore[misc]
         finally:
@@ -265,21 +318,19 @@ class S3Storage(Storage):
                 raise ObjectNotFound(key)
             return iter(())
         try:
-            body = self._get(key, Range=f"bytes={start}-{end - 1}")["Body"]
+            raw = _BodyRaw(self, key, start, end)
         except StorageError as exc:
             cause = exc.__cause__
             if isinstance(cause, ClientError) and _code(cause) == "InvalidRange":
                 return iter(())  # start at or past the end: S3 says 416, we say "nothing"
             raise
-        return self._iter_body(body, chunk_size)
+        return self._iter_raw(raw, chunk_size)
 
     @staticmethod
-    def _iter_body(body: Any, chunk_size: int) -> Iterator[bytes]:
-        try:
-            while chunk := body.read(chunk_size):
+    def _iter_raw(raw: _BodyRaw, chunk_size: int) -> Iterator[bytes]:
+        with raw:
+            while chunk := raw.read_some(chunk_size):
                 yield chunk
-        finally:
-            body.close()
 
     def _head(self, key: str) -> dict[str, Any]:
         try:

@@ -464,3 +464,91 @@ def test_open_storage_dispatches_on_url(tmp_path: Path, s3_endpoint: str) -> Non
     assert (s3.bucket, s3.prefix) == (bucket, "pre/fix")
     _put(s3, "k", b"v")
     assert s3.client.get_object(Bucket=bucket, Key="pre/fix/k")["Body"].read() == b"v"
+
+
+class _FlakyBody:
+    """A GetObject body whose connection drops after ``good`` bytes."""
+
+    def __init__(self, body, good: int) -> None:
+        self._body, self._left = body, good
+
+    def read(self, n: int = -1) -> bytes:
+        from botocore.exceptions import ResponseStreamingError
+
+        if self._left <= 0:
+            raise ResponseStreamingError(error="connection reset by peer")
+        data = self._body.read(min(n, self._left))
+        self._left -= len(data)
+        return data
+
+    def close(self) -> None:
+        self._body.close()
+
+
+def _drop_connections(storage: S3Storage, monkeypatch: pytest.MonkeyPatch, good: int) -> list:
+    """Every GetObject body drops after ``good`` bytes; returns the recorded requests."""
+    real = storage.client.get_object
+    requests: list[dict] = []
+
+    def get_object(**kwargs):
+        requests.append(kwargs)
+        response = real(**kwargs)
+        response["Body"] = _FlakyBody(response["Body"], good)
+        return response
+
+    monkeypatch.setattr(storage.client, "get_object", get_object)
+    return requests
+
+
+def test_s3_reads_resume_after_a_dropped_connection(
+    s3_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    storage = _s3(s3_endpoint)
+    data = os.urandom(300_000)
+    _put(storage, "obj", data)
+    requests = _drop_connections(storage, monkeypatch, good=100_000)
+    assert _get(storage, "obj") == data
+    # The third body drops after its last byte: the resume at 300000 finds nothing missing.
+    assert [r.get("Range") for r in requests] == [
+        None,
+        "bytes=100000-",
+        "bytes=200000-",
+        "bytes=300000-",
+    ]
+    assert all(r.get("IfMatch") for r in requests[1:])
+    requests.clear()
+    assert (
+        b"".join(storage.read_range("obj", 1000, 250_000, chunk_size=30_000))
+        == (data[1000:250_000])
+    )
+    assert [r["Range"] for r in requests] == [
+        "bytes=1000-249999",
+        "bytes=101000-249999",
+        "bytes=201000-249999",
+    ]
+
+
+def test_s3_read_of_a_replaced_object_fails_instead_of_splicing(
+    s3_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    storage = _s3(s3_endpoint)
+    _put(storage, "obj", b"a" * 1000)
+    _drop_connections(storage, monkeypatch, good=400)
+    with storage.reader("obj") as stream:
+        assert stream.read(400) == b"a" * 400
+        monkeypatch.undo()
+        _put(storage, "obj", b"b" * 1000)
+        _drop_connections(storage, monkeypatch, good=400)
+        with pytest.raises(StorageError):
+            stream.read()
+
+
+def test_s3_read_gives_up_after_repeated_failures(
+    s3_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    storage = _s3(s3_endpoint)
+    _put(storage, "obj", b"x" * 1000)
+    requests = _drop_connections(storage, monkeypatch, good=0)
+    with pytest.raises(StorageError, match="kept failing"):
+        _get(storage, "obj")
+    assert len(requests) == 4
