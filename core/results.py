@@ -209,16 +209,13 @@ def _completion_logprobs(req: BatchRequest, choice: ChoiceResult) -> dict[str, A
         return None
     tokens: list[str] = []
     token_logprobs: list[float] = []
-    top_logprobs: list[dict[str, float] | None] = []
+    top_logprobs: list[dict[str, float]] = []
     text_offset: list[int] = []
     offset = 0
     for t in choice.logprobs:
         tokens.append(t.token)
         token_logprobs.append(_finite(t.logprob))
-        if req.top_logprobs:
-            top_logprobs.append({tok: _finite(lp) for tok, lp, _ in t.top[: req.top_logprobs]})
-        else:
-            top_logprobs.append(None)
+        top_logprobs.append({tok: _finite(lp) for tok, lp, _ in t.top[: req.top_logprobs]})
         text_offset.append(offset)
         offset += len(t.token)
     return {
