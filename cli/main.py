@@ -17,9 +17,12 @@ from typing import Annotated
 
 import typer
 
+from cli.exit_codes import exit_codes_help
+
 app = typer.Typer(
     name="batchd",
     help="Self-hosted, OpenAI-compatible batch inference.",
+    epilog=exit_codes_help(),
     no_args_is_help=True,
     add_completion=False,
 )
@@ -53,10 +56,9 @@ def up(
     workers: Annotated[bool, typer.Option(help="Also run a worker and beat here.")] = True,
 ) -> None:
     """Run the API, a worker and the beat scheduler; Ctrl-C stops them all."""
+    import migrations
     from core.queue import CONTROL_QUEUE, model_queue
     from core.settings import get_settings
-
-    import migrations
 
     settings = get_settings()
     settings.home.mkdir(parents=True, exist_ok=True)
@@ -106,6 +108,15 @@ def up(
     failed = [c.args[3] if len(c.args) > 3 else c.args for c in children if c.returncode]
     if failed:
         raise typer.Exit(1)
+
+
+def _register_commands() -> None:
+    from cli import client_commands
+
+    client_commands.register(app)
+
+
+_register_commands()
 
 
 if __name__ == "__main__":
