@@ -1,0 +1,109 @@
+"""Paged attention, registered with transformers' attention interface as ``batchd_paged``.
+
+A step's tokens are packed into one flat sequence (batch 1, no padding). The model's attention
+layers call :func:`paged_attention` with that packed query/key/value and a
+:class:`AttentionContext` passed as the ``batchd_ctx`` forward kwarg (transformers forwards
+unknown kwargs down to the attention function). The function
+
+1. writes the new K/V into the layer's paged cache at ``slot_mapping``
+   (cache layout: ``[num_blocks * block_size, kv_heads, head_dim]``, slot = block * size + offset);
+2. attends decode tokens (one query per sequence) in one batched SDPA call over their gathered
+   K/V padded to the longest context with a length mask; query heads are folded onto their
+   KV head (``[B, kv_heads, group, D]``) so GQA needs no K/V repeat;
+3. attends each prefill chunk on its own: a chunk that starts the sequence uses the fresh K/V
+   with a causal SDPA; a chunk that continues one (chunked prefill, prefix-cache hit) gathers
+   the sequence's cached K/V and uses a causal mask offset by the context already computed.
+
+Because ``batchd_paged`` has no entry in transformers' mask interface, the model builds no
+attention mask over the packed sequence at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+ATTENTION_NAME = "batchd_paged"
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    start: int  # offsets of the chunk in the packed sequence
+    end: int
+    gather: torch.Tensor | None = None  # slots of the whole context (cached + new), or None
+    mask: torch.Tensor | None = None  # [q, context] bool, True = attend
+
+
+@dataclass(slots=True)
+class AttentionContext:
+    """Everything the attention layers need for one step; built once, read by every layer."""
+
+    k_cache: list[torch.Tensor]
+    v_cache: list[torch.Tensor]
+    slot_mapping: torch.Tensor  # [num_tokens] cache slot of every packed token
+    num_decode: int = 0  # the first num_decode packed tokens are single-token decodes
+    decode_gather: torch.Tensor | None = None  # [B, Lmax] cache slots (padding points at slot 0)
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, Lmax] bool
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    batchd_ctx: AttentionContext | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    ctx = batchd_ctx
+    if ctx is None:
+        raise RuntimeError("batchd_paged attention needs the batchd_ctx forward kwarg")
+    layer = module.layer_idx
+    k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
+    _, num_heads, num_tokens, head_dim = query.shape
+    kv_heads = key.shape[1]
+    group = num_heads // kv_heads
+    q = query[0]  # [H, T, D]
+    k_new = key[0].transpose(0, 1)  # [T, KV, D]
+    v_new = value[0].transpose(0, 1)
+    k_cache.index_copy_(0, ctx.slot_mapping, k_new.to(k_cache.dtype))
+    v_cache.index_copy_(0, ctx.slot_mapping, v_new.to(v_cache.dtype))
+
+    out = query.new_empty(num_tokens, num_heads, head_dim)
+    nd = ctx.num_decode
+    if nd:
+        # [B, KV, group, D]: query heads h = kv * group + g share KV head kv.
+        qd = q[:, :nd].transpose(0, 1).reshape(nd, kv_heads, group, head_dim)
+        kd = k_cache[ctx.decode_gather].transpose(1, 2)  # [B, KV, L, D]
+        vd = v_cache[ctx.decode_gather].transpose(1, 2)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=ctx.decode_mask, scale=scaling)
+        out[:nd] = od.reshape(nd, num_heads, head_dim)
+    for chunk in ctx.prefills:
+        qp = q[:, chunk.start:chunk.end].unsqueeze(0)  # [1, H, q, D]
+        if chunk.gather is None:
+            kp = key[:, :, chunk.start:chunk.end]
+            vp = value[:, :, chunk.start:chunk.end]
+            op = F.scaled_dot_product_attention(
+                qp, kp, vp, is_causal=True, scale=scaling, enable_gqa=group > 1
+            )
+        else:
+            kp = k_cache[chunk.gather].transpose(0, 1).unsqueeze(0)  # [1, KV, ctx, D]
+            vp = v_cache[chunk.gather].transpose(0, 1).unsqueeze(0)
+            op = F.scaled_dot_product_attention(
+                qp, kp, vp, attn_mask=chunk.mask, scale=scaling, enable_gqa=group > 1
+            )
+        out[chunk.start:chunk.end] = op[0].transpose(0, 1)
+    return out.unsqueeze(0), None
+
+
+def register() -> str:
+    """Register the attention function with transformers (idempotent); return its name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, paged_attention)
+    return ATTENTION_NAME

@@ -1,0 +1,74 @@
+"""Engine configuration: one slotted dataclass, validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB on CPU unless told otherwise
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """How the engine runs a model.
+
+    ``kv_cache_memory`` is bytes (int) or a fraction (float in (0, 1]) of free accelerator
+    memory after the weights are loaded; on CPU a fraction applies to 1 GiB. ``num_kv_blocks``,
+    when set, overrides the memory budget. ``admission`` orders waiting requests: "batch"
+    groups shared prefixes and starts long work first, "fcfs" keeps arrival order.
+    """
+
+    dtype: str = "auto"
+    device: str = "auto"
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_memory: int | float = 0.85
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None
+    admission: str = "batch"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(
+                f"dtype must be one of 'auto', 'float32', 'float16', 'bfloat16', got {self.dtype!r}"
+            )
+        if not isinstance(self.device, str) or not self.device:
+            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive_int("block_size", self.block_size)
+        if self.block_size > 1024:
+            raise ValueError(f"block_size must be at most 1024, got {self.block_size}")
+        kv = self.kv_cache_memory
+        if isinstance(kv, bool) or not isinstance(kv, int | float):
+            raise ValueError(f"kv_cache_memory must be bytes (int) or a fraction (float), got {kv!r}")
+        if isinstance(kv, float) and not 0.0 < kv <= 1.0:
+            raise ValueError(f"kv_cache_memory as a fraction must be in (0, 1], got {kv}")
+        if isinstance(kv, int) and kv < 1:
+            raise ValueError(f"kv_cache_memory in bytes must be >= 1, got {kv}")
+        if self.num_kv_blocks is not None:
+            _positive_int("num_kv_blocks", self.num_kv_blocks)
+        if self.max_model_len is not None:
+            _positive_int("max_model_len", self.max_model_len)
+        if self.admission not in ("batch", "fcfs"):
+            raise ValueError(f"admission must be 'batch' or 'fcfs', got {self.admission!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from keyword arguments; an unknown name is an error that lists the known ones."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ValueError(f"unknown engine config field(s) {unknown}; known fields: {sorted(names)}")
+        return cls(**kwargs)
+
+
+def _positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

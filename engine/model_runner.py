@@ -1,0 +1,198 @@
+"""Loads a Hugging Face causal LM, owns its paged KV cache and runs one packed step."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine import attention
+from engine.attention import AttentionContext, PrefillChunk
+from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
+from engine.sequence import Sequence
+
+log = logging.getLogger("engine")
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """The packed inputs of one step and which sequences get a sampled token."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    ctx: AttentionContext
+    sample_rows: torch.Tensor  # rows of the packed sequence whose logits are sampled
+    sample_seqs: list[Sequence]
+    num_tokens: int
+
+
+class ModelRunner:
+    def __init__(self, model: str, config: EngineConfig) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        name = attention.register()
+        hf_model = AutoModelForCausalLM.from_pretrained(model, dtype=self.dtype)
+        hf_model.to(self.device).eval()
+        hf_model.set_attn_implementation(name)
+        self.model = hf_model
+        self.base = getattr(hf_model, hf_model.base_model_prefix)
+        self.lm_head = hf_model.get_output_embeddings()
+        text_config = hf_model.config.get_text_config()
+        self.model_config = text_config
+        self.num_layers = text_config.num_hidden_layers
+        self.num_kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+        self.head_dim = getattr(text_config, "head_dim", None) or (
+            text_config.hidden_size // text_config.num_attention_heads
+        )
+        self.softcap = getattr(text_config, "final_logit_softcapping", None)
+        self.vocab_size = text_config.vocab_size
+        limit = getattr(text_config, "max_position_embeddings", None)
+        if config.max_model_len is not None and limit is not None and config.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the model's "
+                f"max_position_embeddings {limit}"
+            )
+        self.max_model_len = config.max_model_len or limit or 2048
+        self.block_size = config.block_size
+        self.num_blocks = self._num_blocks()
+        slots = self.num_blocks * self.block_size
+        shape = (slots, self.num_kv_heads, self.head_dim)
+        self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self._block_offsets = torch.arange(self.block_size, device=self.device)
+        log.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB) on %s, dtype %s",
+            self.num_blocks, self.block_size, slots, self.bytes_per_block * self.num_blocks / 2**20,
+            self.device, self.dtype,
+        )
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def _num_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        budget = cfg.kv_cache_memory
+        if isinstance(budget, float):
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * budget)
+            else:
+                budget = int(DEFAULT_CPU_KV_BYTES * budget)
+        # No use holding more than every sequence at full length.
+        useful = cfg.max_num_seqs * (-(-self.max_model_len // self.block_size))
+        num = min(budget // self.bytes_per_block, useful)
+        if num < 1:
+            raise ValueError(
+                f"kv_cache_memory {cfg.kv_cache_memory!r} holds no KV block "
+                f"({self.bytes_per_block} bytes each)"
+            )
+        return int(num)
+
+    # -- one step -------------------------------------------------------------------------------
+
+    def prepare(self, scheduled: list[tuple[Sequence, int]]) -> StepBatch:
+        bs = self.block_size
+        dev = self.device
+        decodes = []
+        prefills = []
+        for seq, n in scheduled:
+            if n == 1 and seq.num_computed_tokens == len(seq) - 1:
+                decodes.append(seq)
+            else:
+                prefills.append((seq, n))
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        ctx_lens: list[int] = []
+        tables: list[list[int]] = []
+        for seq in decodes:
+            p = len(seq) - 1
+            ids.append(seq.token_ids[p])
+            pos.append(p)
+            table = seq.block_table
+            slots.append(table[p // bs] * bs + p % bs)
+            ctx_lens.append(p + 1)
+            tables.append(table)
+        nd = len(decodes)
+        sample_rows = list(range(nd))
+        sample_seqs = list(decodes)
+        ctx = AttentionContext(self.k_cache, self.v_cache, slot_mapping=None, num_decode=nd)  # type: ignore[arg-type]
+        if nd:
+            max_len = max(ctx_lens)
+            nb = -(-max_len // bs)
+            padded = [t[:nb] + [0] * (nb - len(t[:nb])) for t in tables]
+            bt = torch.tensor(padded, dtype=torch.long, device=dev)
+            gather = (bt.unsqueeze(2) * bs + self._block_offsets).view(nd, nb * bs)[:, :max_len]
+            lens = torch.tensor(ctx_lens, device=dev)
+            ctx.decode_gather = gather
+            ctx.decode_mask = (torch.arange(max_len, device=dev) < lens.unsqueeze(1)).view(nd, 1, 1, max_len)
+        slot_parts = [torch.tensor(slots, dtype=torch.long, device=dev)] if nd else []
+        pos_parts = [torch.tensor(pos, dtype=torch.long, device=dev)] if nd else []
+        offset = nd
+        for seq, n in prefills:
+            c0 = seq.num_computed_tokens
+            end = c0 + n
+            ids.extend(seq.token_ids[c0:end])
+            table = torch.tensor(seq.block_table, dtype=torch.long, device=dev)
+            all_slots = (table.unsqueeze(1) * bs + self._block_offsets).view(-1)
+            slot_parts.append(all_slots[c0:end])
+            pos_parts.append(torch.arange(c0, end, device=dev))
+            chunk = PrefillChunk(offset, offset + n)
+            if c0 > 0:
+                chunk.gather = all_slots[:end]
+                chunk.mask = torch.arange(end, device=dev).unsqueeze(0) <= (
+                    torch.arange(c0, end, device=dev).unsqueeze(1)
+                )
+            ctx.prefills.append(chunk)
+            offset += n
+            if end == len(seq):
+                sample_rows.append(offset - 1)
+                sample_seqs.append(seq)
+        ctx.slot_mapping = slot_parts[0] if len(slot_parts) == 1 else torch.cat(slot_parts)
+        positions = pos_parts[0] if len(pos_parts) == 1 else torch.cat(pos_parts)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        return StepBatch(
+            input_ids=input_ids,
+            positions=positions,
+            ctx=ctx,
+            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),
+            sample_seqs=sample_seqs,
+            num_tokens=offset,
+        )
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        """Run the model on the packed step; return float32 logits of the sampled rows."""
+        out = self.base(
+            input_ids=batch.input_ids.unsqueeze(0),
+            position_ids=batch.positions.unsqueeze(0),
+            use_cache=False,
+            batchd_ctx=batch.ctx,
+        )
+        hidden = out.last_hidden_state[0].index_select(0, batch.sample_rows)
+        logits = self.lm_head(hidden).float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits

@@ -1,0 +1,73 @@
+"""What the engine hands back: per-request outputs, metrics, errors and engine statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class RequestError(ValueError):
+    """A request that can never run (empty, too long for the model or the KV pool).
+
+    Raised by ``Engine.add_request``; the engine and every other request carry on.
+    """
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A snapshot of the engine: gauges first, then counters since the engine started."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_free: int = 0
+    prefix_cache_hit_rate: float = 0.0  # cached prompt tokens / prompt tokens admitted
+    num_preemptions: int = 0
+    last_step_tokens: int = 0
+    num_steps: int = 0
+    total_step_time_s: float = 0.0
+    total_forward_time_s: float = 0.0
+    total_scheduled_tokens: int = 0
+    total_running_seq_steps: int = 0
+    total_prompt_tokens: int = 0
+    total_cached_tokens: int = 0
+    total_output_tokens: int = 0
+    num_chunked_prefills: int = 0  # prefill chunks that stopped short of the prompt's end

@@ -1,0 +1,244 @@
+"""Iteration-level scheduling (vLLM v1 semantics).
+
+There is no prefill phase and no decode phase: each sequence has ``num_computed_tokens`` and a
+target (all its tokens). Every step hands out tokens from a budget (``max_num_batched_tokens``)
+to at most ``max_num_seqs`` sequences: running ones first (decodes and unfinished prefill
+chunks, oldest first), then waiting ones in admission order. When the KV pool runs dry the
+newest running sequence is preempted by recompute: its blocks are freed and it goes back to
+the front of the waiting queue.
+
+Admission: preempted sequences always come first. Under "batch" admission the rest are taken
+from buckets keyed by the hash of their first full block: members of a bucket that already has
+running sequences come first (their shared prefix is cached), then the longest expected work
+(prompt + max_tokens). Under "fcfs" arrival order is kept. Under either, a sequence whose next
+uncached block is being computed right now by another sequence waits a step, so it hits the
+cache instead of computing the same prefix twice.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Iterator
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.sequence import Sequence, Status
+
+
+class WaitingQueue:
+    """Waiting sequences. Entries carry the sequence's epoch at push time; leaving the queue
+    bumps the epoch, so stale entries (admitted, aborted, re-queued) are dropped lazily."""
+
+    def __init__(self, policy: str, block_size: int) -> None:
+        self.policy = policy
+        self.block_size = block_size
+        self.preempted: deque[tuple[Sequence, int]] = deque()
+        self.fifo: deque[tuple[Sequence, int]] = deque()
+        self.heap: list[tuple[int, int, Sequence, int]] = []
+        self.buckets: dict[object, list[tuple[int, int, Sequence, int]]] = {}
+        self.size = 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def push(self, seq: Sequence) -> None:
+        self.size += 1
+        seq.epoch += 1
+        if self.policy == "fcfs":
+            self.fifo.append((seq, seq.epoch))
+            return
+        item = (-seq.expected_work, seq.seq_id, seq, seq.epoch)
+        heapq.heappush(self.heap, item)
+        if seq.bucket is not None:
+            heapq.heappush(self.buckets.setdefault(seq.bucket, []), item)
+
+    def push_front(self, seq: Sequence) -> None:
+        self.size += 1
+        seq.epoch += 1
+        self.preempted.appendleft((seq, seq.epoch))
+
+    def taken(self, seq: Sequence) -> None:
+        """``seq`` left the queue (admitted or aborted)."""
+        self.size -= 1
+        seq.epoch += 1
+
+    def candidates(self, hot_buckets: dict[object, int]) -> Iterator[tuple[Sequence, bool]]:
+        """Waiting sequences in admission order, as (sequence, was_preempted)."""
+        yield from _deque_iter(self.preempted, True)
+        if self.policy == "fcfs":
+            yield from _deque_iter(self.fifo, False)
+            return
+        for key in list(hot_buckets):
+            bucket = self.buckets.get(key)
+            if bucket:
+                yield from _heap_iter(bucket)
+                if not bucket:
+                    del self.buckets[key]
+        yield from _heap_iter(self.heap)
+
+
+def _valid(seq: Sequence, epoch: int) -> bool:
+    return seq.epoch == epoch and seq.status is Status.WAITING
+
+
+def _deque_iter(queue: deque[tuple[Sequence, int]], preempted: bool) -> Iterator[tuple[Sequence, bool]]:
+    while queue and not _valid(*queue[0]):
+        queue.popleft()
+    for seq, epoch in list(queue):
+        if _valid(seq, epoch):
+            yield seq, preempted
+        while queue and not _valid(*queue[0]):
+            queue.popleft()
+
+
+def _heap_iter(heap: list[tuple[int, int, Sequence, int]]) -> Iterator[tuple[Sequence, bool]]:
+    """Walk a heap in order, dropping stale entries; entries the caller passes over stay."""
+    kept = []
+    try:
+        while heap:
+            item = heapq.heappop(heap)
+            if not _valid(item[2], item[3]):
+                continue
+            kept.append(item)
+            yield item[2], False
+            if not _valid(item[2], item[3]):
+                kept.pop()
+    finally:
+        for item in kept:
+            heapq.heappush(heap, item)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.bm = block_manager
+        self.block_size = config.block_size
+        self.waiting = WaitingQueue(config.admission, config.block_size)
+        self.running: list[Sequence] = []
+        self.hot_buckets: dict[object, int] = {}  # bucket -> number of running members
+        self.num_preemptions = 0
+        self.num_chunked_prefills = 0
+        self.total_prompt_tokens = 0
+        self.total_cached_tokens = 0
+
+    def add(self, seq: Sequence) -> None:
+        if len(seq) > self.block_size:
+            seq.bucket = seq.hashes_for(1, self.block_size)[0]
+        seq.status = Status.WAITING
+        self.waiting.push(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A forked sequence joins the running set directly (its blocks are already shared)."""
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        self._hot(seq, +1)
+
+    def has_work(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        """Pick this step's (sequence, number of tokens to compute) pairs."""
+        budget = self.config.max_num_batched_tokens
+        bm = self.bm
+        running = self.running
+        scheduled: list[tuple[Sequence, int]] = []
+        preempted = False
+        i = 0
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            remaining = len(seq) - seq.num_computed_tokens
+            n = min(remaining, budget)
+            while not bm.grow(seq, seq.num_computed_tokens + n):
+                victim = running[-1]
+                self.preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                if n < remaining:
+                    self.num_chunked_prefills += 1
+                scheduled.append((seq, n))
+                budget -= n
+                i += 1
+        if preempted or budget == 0 or len(running) >= self.config.max_num_seqs:
+            return scheduled
+        self._admit(scheduled, budget)
+        return scheduled
+
+    def _admit(self, scheduled: list[tuple[Sequence, int]], budget: int) -> None:
+        bm, bs = self.bm, self.block_size
+        caching = bm.enable_prefix_caching
+        pending: set[int] = set()
+        if caching:
+            for seq in self.running:
+                if seq.num_computed_tokens < len(seq) - 1:
+                    pending.update(seq.hashes_for(len(seq) // bs, bs)[seq.num_computed_tokens // bs:])
+        candidates = self.waiting.candidates(self.hot_buckets)
+        try:
+            for seq, was_preempted in candidates:
+                if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                    break
+                cached = bm.match_prefix(seq)
+                nxt = len(cached)
+                if (
+                    caching
+                    and not was_preempted
+                    and (nxt + 1) * bs < len(seq)
+                    and seq.hashes_for(nxt + 1, bs)[nxt] in pending
+                ):
+                    if self.config.admission == "fcfs":
+                        break
+                    continue  # wait a step: that block is being computed right now
+                num_cached = nxt * bs
+                remaining = len(seq) - num_cached
+                n = min(remaining, budget)
+                if not bm.allocate(seq, cached, num_cached + n):
+                    break
+                self.waiting.taken(seq)
+                seq.status = Status.RUNNING
+                seq.num_computed_tokens = num_cached
+                self.total_prompt_tokens += len(seq)
+                self.total_cached_tokens += num_cached
+                metrics = seq.request.metrics
+                if seq.index == 0 and seq.num_output_tokens == 0 and metrics.first_token_time is None:
+                    metrics.num_cached_tokens = num_cached
+                if n < remaining:
+                    self.num_chunked_prefills += 1
+                self.running.append(seq)
+                self._hot(seq, +1)
+                scheduled.append((seq, n))
+                budget -= n
+                if caching:
+                    pending.update(seq.hashes_for(len(seq) // bs, bs)[nxt:])
+        finally:
+            candidates.close()
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._hot(seq, -1)
+        self.bm.free_seq(seq)
+        seq.num_computed_tokens = 0
+        seq.status = Status.WAITING
+        self.waiting.push_front(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence) -> None:
+        """Drop a finished or aborted sequence from the queues and free its blocks."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+            self._hot(seq, -1)
+        elif seq.status is Status.WAITING:
+            self.waiting.taken(seq)
+        self.bm.free_seq(seq)
+        seq.status = Status.FINISHED
+
+    def _hot(self, seq: Sequence, delta: int) -> None:
+        key = seq.bucket
+        if key is None:
+            return
+        count = self.hot_buckets.get(key, 0) + delta
+        if count > 0:
+            self.hot_buckets[key] = count
+        else:
+            self.hot_buckets.pop(key, None)

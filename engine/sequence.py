@@ -1,0 +1,100 @@
+"""A sequence (one completion being generated) and the request that owns one or more of them."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.outputs import RequestMetrics, TokenLogprob
+from engine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """A user request: a prompt, its sampling parameters and its ``n`` sequences."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    seqs: list[Sequence] = field(default_factory=list)
+    num_unfinished: int = 0
+
+
+_ids = itertools.count()
+
+
+class Sequence:
+    """Token ids, how many of them have KV in the cache, the block table and sampling state.
+
+    ``num_computed_tokens`` counts tokens whose K/V are in the cache; the target is always
+    ``len(token_ids)``: the scheduler hands out tokens until they are all computed, and the step
+    that computes the last one samples the next token.
+    """
+
+    __slots__ = (
+        "seq_id", "request", "index", "params", "token_ids", "num_prompt_tokens",
+        "num_computed_tokens", "block_table", "block_hashes", "num_hashed_blocks", "status",
+        "max_len", "generator", "logprobs", "finish_reason", "stop_reason", "text",
+        "detok_prefix", "detok_read", "needs_fork", "expected_work", "bucket", "epoch",
+    )
+
+    def __init__(self, request: Request, index: int, token_ids: list[int], max_len: int,
+                 generator: torch.Generator | None) -> None:
+        self.seq_id = next(_ids)
+        self.request = request
+        self.index = index
+        self.params = request.params
+        self.token_ids = token_ids
+        self.num_prompt_tokens = len(request.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # hash chain over this sequence's full blocks
+        self.num_hashed_blocks = 0  # leading blocks registered in the prefix cache
+        self.status = Status.WAITING
+        self.max_len = max_len  # prompt + max_tokens, clamped to the model's length
+        self.generator = generator
+        self.logprobs: list[TokenLogprob] | None = [] if self.params.logprobs else None
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.text = ""
+        self.detok_prefix = 0
+        self.detok_read = 0
+        self.needs_fork = self.params.n > 1 and index == 0
+        self.expected_work = max_len
+        self.bucket: object = None
+        self.epoch = 0  # bumped whenever the sequence enters or leaves the waiting queue
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def hashes_for(self, num_blocks: int, block_size: int) -> list[int]:
+        """The hash chain of the first ``num_blocks`` full blocks, extended on demand."""
+        hashes = self.block_hashes
+        tokens = self.token_ids
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else 0
+            hashes.append(hash((parent, *tokens[i * block_size:(i + 1) * block_size])))
+        return hashes
