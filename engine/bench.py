@@ -1,0 +1,596 @@
+"""Throughput benchmark: this engine against transformers, side by side, on the same requests.
+
+    python -m engine.bench                                  # llama-25m, 64 mixed-length requests
+    python -m engine.bench --systems engine,static --json out.json
+    python -m engine.bench --compare-prefix-caching         # engine with and without the cache
+
+Systems, all in one process on the same requests, each warmed up once before it is timed:
+
+- ``engine``: this project's engine, driven through its ``add_request``/``step`` loop.
+- ``static``: transformers ``model.generate`` on padded static batches in arrival order (left
+  padding). A batch ends when its longest request ends, so it decodes ``max_new_tokens`` =
+  the batch's largest budget for every row; only each request's own ``max_tokens`` count as
+  useful output tokens.
+- ``generate_batch``: transformers' own continuous batching. ``model.generate_batch`` takes a
+  single ``max_new_tokens`` for all inputs, so the benchmark drives the same manager that
+  ``generate_batch`` uses (``init_continuous_batching`` / ``add_request`` / ``get_result``),
+  whose ``add_request`` does take a per-request ``max_new_tokens``: every system does exactly
+  the same work.
+
+Prompts are random token ids from the model's vocabulary (special tokens excluded), decoding
+is greedy and ignores EOS, so each request produces exactly its ``max_tokens`` tokens.
+Throughput figures count useful tokens: prompt tokens plus each request's requested output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import random
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, is_dataclass
+from pathlib import Path
+from typing import Any
+
+SYSTEMS = ("engine", "static", "generate_batch")
+DEFAULT_INPUT_LEN = "uniform:32:384"
+DEFAULT_OUTPUT_LEN = "lognormal:64:0.8"
+# The prefix-caching comparison is about prefill, so its default workload has long shared
+# prompts and short outputs.
+PREFIX_DEFAULT_INPUT_LEN = "uniform:384:768"
+PREFIX_DEFAULT_OUTPUT_LEN = "uniform:8:32"
+PREFIX_DEFAULT_SHARED_FRAC = 0.8
+
+
+# --------------------------------------------------------------------------- workload
+
+
+@dataclass(frozen=True)
+class LengthDist:
+    """``fixed:N``, ``uniform:LO:HI`` or ``lognormal:MEAN:SIGMA`` (MEAN is the mean length;
+    samples are clipped to [1, 4 * MEAN] and then to the model's limits)."""
+
+    kind: str
+    a: float
+    b: float = 0.0
+
+    @classmethod
+    def parse(cls, text: str) -> LengthDist:
+        parts = text.split(":")
+        try:
+            if parts[0] == "fixed" and len(parts) == 2:
+                dist = cls("fixed", int(parts[1]))
+            elif parts[0] == "uniform" and len(parts) == 3:
+                dist = cls("uniform", int(parts[1]), int(parts[2]))
+            elif parts[0] == "lognormal" and len(parts) == 3:
+                dist = cls("lognormal", float(parts[1]), float(parts[2]))
+            else:
+                raise ValueError
+        except ValueError:
+            raise ValueError(
+                f"bad length distribution {text!r}: use fixed:N, uniform:LO:HI or "
+                "lognormal:MEAN:SIGMA"
+            ) from None
+        if dist.a < 1 or (dist.kind == "uniform" and dist.b < dist.a) or dist.b < 0:
+            raise ValueError(f"bad length distribution {text!r}: lengths must be >= 1, LO <= HI")
+        return dist
+
+    def sample(self, rng: random.Random) -> int:
+        if self.kind == "fixed":
+            return int(self.a)
+        if self.kind == "uniform":
+            return rng.randint(int(self.a), int(self.b))
+        mu = math.log(self.a) - self.b**2 / 2  # so that the mean is self.a
+        return int(min(max(1, round(rng.lognormvariate(mu, self.b))), 4 * self.a))
+
+    def __str__(self) -> str:
+        if self.kind == "fixed":
+            return f"fixed:{int(self.a)}"
+        if self.kind == "uniform":
+            return f"uniform:{int(self.a)}:{int(self.b)}"
+        return f"lognormal:{self.a:g}:{self.b:g}"
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    max_tokens: list[int]
+    description: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.max_tokens)
+
+
+def _usable_token_ids(tokenizer: Any, vocab_size: int) -> list[int]:
+    special = set(tokenizer.all_special_ids or [])
+    return [i for i in range(vocab_size) if i not in special]
+
+
+def synthetic_workload(
+    *,
+    num_requests: int,
+    input_len: LengthDist,
+    output_len: LengthDist,
+    shared_prefix_frac: float,
+    vocab: Sequence[int],
+    max_model_len: int,
+    seed: int,
+) -> Workload:
+    if not 0.0 <= shared_prefix_frac <= 1.0:
+        raise ValueError(f"--shared-prefix-frac must be in [0, 1], got {shared_prefix_frac}")
+    rng = random.Random(seed)
+    lengths = []
+    for _ in range(num_requests):
+        out = max(1, min(output_len.sample(rng), max_model_len - 1))
+        inp = max(1, min(input_len.sample(rng), max_model_len - out))
+        lengths.append((inp, out))
+    longest = max((i for i, _ in lengths), default=0)
+    prefix = [rng.choice(vocab) for _ in range(longest)]
+    prompts = []
+    for inp, _ in lengths:
+        shared = int(round(shared_prefix_frac * inp))
+        prompts.append(prefix[:shared] + [rng.choice(vocab) for _ in range(inp - shared)])
+    return Workload(
+        prompts=prompts,
+        max_tokens=[out for _, out in lengths],
+        description={
+            "source": "synthetic",
+            "num_requests": num_requests,
+            "input_len": str(input_len),
+            "output_len": str(output_len),
+            "shared_prefix_frac": shared_prefix_frac,
+            "seed": seed,
+        },
+    )
+
+
+def jsonl_workload(path: Path, tokenizer: Any, *, max_model_len: int, default_max_tokens: int,
+                   limit: int | None) -> Workload:
+    """Prompts and ``max_tokens`` from an OpenAI batch file (``body.messages`` or
+    ``body.prompt``) or from plain ``{"prompt", "max_tokens"}`` lines."""
+    prompts, max_tokens = [], []
+    with open(path, encoding="utf-8") as fh:
+        for line_no, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            if limit is not None and len(prompts) >= limit:
+                break
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{line_no}: not JSON ({exc.msg})") from None
+            body = row.get("body", row)
+            if "messages" in body:
+                ids = tokenizer.apply_chat_template(
+                    body["messages"], add_generation_prompt=True, tokenize=True
+                )
+                if isinstance(ids, dict) or hasattr(ids, "keys"):
+                    ids = ids["input_ids"]
+            elif "prompt" in body:
+                prompt = body["prompt"]
+                if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+                    ids = list(prompt)
+                else:
+                    ids = tokenizer.encode(prompt if isinstance(prompt, str) else prompt[0])
+            else:
+                raise ValueError(f"{path}:{line_no}: no 'messages' or 'prompt' in the request")
+            out = body.get("max_completion_tokens") or body.get("max_tokens") or default_max_tokens
+            out = max(1, min(int(out), max_model_len - 1))
+            ids = list(ids)[-(max_model_len - out):] or [0]
+            prompts.append(ids)
+            max_tokens.append(out)
+    if not prompts:
+        raise ValueError(f"{path}: no requests")
+    return Workload(prompts, max_tokens, {"source": str(path), "num_requests": len(prompts)})
+
+
+# --------------------------------------------------------------------------- systems
+
+
+@dataclass
+class SystemResult:
+    name: str
+    wall_s: float
+    prompt_tokens: int
+    output_tokens: int  # useful output tokens (each request's own max_tokens)
+    generated_tokens: int  # every token the system decoded, padding rows included
+    token_ids: list[list[int]] = field(default_factory=list, repr=False)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def total_tok_s(self) -> float:
+        total = self.prompt_tokens + self.output_tokens
+        return total / self.wall_s if self.wall_s > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "wall_s": self.wall_s,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "generated_tokens": self.generated_tokens,
+            "output_tok_s": self.output_tok_s,
+            "total_tok_s": self.total_tok_s,
+            **self.extra,
+        }
+
+
+def _stats_dict(stats: Any) -> dict[str, Any]:
+    return asdict(stats) if is_dataclass(stats) else dict(vars(stats))
+
+
+def _engine_figures(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """Means over the timed run only (the engine's counters also hold the warm-up)."""
+
+    def delta(name: str) -> float:
+        return float(after.get(name, 0) or 0) - float(before.get(name, 0) or 0)
+
+    steps = delta("num_steps")
+    step_time = delta("total_step_time_s")
+    prompt = delta("total_prompt_tokens")
+    return {
+        "num_steps": int(steps),
+        "mean_running_seqs": delta("total_running_seq_steps") / steps if steps else 0.0,
+        "mean_tokens_per_step": delta("total_scheduled_tokens") / steps if steps else 0.0,
+        "num_preemptions": int(delta("num_preemptions")),
+        "prefix_cache_hit_rate": delta("total_cached_tokens") / prompt if prompt else 0.0,
+        "total_step_time_s": step_time,
+        "total_forward_time_s": delta("total_forward_time_s"),
+        "outside_forward_frac": 1.0 - delta("total_forward_time_s") / step_time
+        if step_time
+        else 0.0,
+        "kv_blocks_total": after.get("kv_blocks_total"),
+    }
+
+
+def run_engine(model_dir: str, workload: Workload, engine_config: dict[str, Any],
+               label: str = "engine") -> SystemResult:
+    from engine import Engine, SamplingParams
+
+    engine = Engine(model_dir, **engine_config)
+
+    def params(n: int) -> SamplingParams:
+        return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+    def drain(expected: int) -> dict[str, list[int]]:
+        done: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.error:
+                    raise RuntimeError(f"engine request {out.request_id} failed: {out.error}")
+                done[out.request_id] = list(out.outputs[0].token_ids)
+        if len(done) != expected:
+            raise RuntimeError(f"engine finished {len(done)} of {expected} requests")
+        return done
+
+    rng = random.Random(1234)
+    vocab_hi = max(4, len(engine.tokenizer) - 8)
+    for i in range(2):  # warm-up
+        engine.add_request(f"warmup-{i}", [rng.randrange(3, vocab_hi) for _ in range(8)], params(4))
+    drain(2)
+
+    before = _stats_dict(engine.stats())
+    start = time.perf_counter()
+    for i, (prompt, n) in enumerate(zip(workload.prompts, workload.max_tokens, strict=True)):
+        engine.add_request(f"req-{i}", prompt, params(n))
+    done = drain(len(workload.prompts))
+    wall = time.perf_counter() - start
+    after = _stats_dict(engine.stats())
+
+    token_ids = [done[f"req-{i}"] for i in range(len(workload.prompts))]
+    generated = sum(len(t) for t in token_ids)
+    extra = {
+        "engine_stats": _engine_figures(before, after),
+        "engine_config": _stats_dict(engine.config),
+    }
+    return SystemResult(label, wall, workload.prompt_tokens, generated, generated, token_ids, extra)
+
+
+def _load_hf_model(model_dir: str, dtype: str = "float32") -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+    return model.eval()
+
+
+def _greedy_config(model: Any, max_new_tokens: int) -> Any:
+    config = copy.deepcopy(model.generation_config)
+    config.do_sample = False
+    config.eos_token_id = None  # ignore EOS: every row decodes max_new_tokens
+    config.max_new_tokens = max_new_tokens
+    config.min_new_tokens = None
+    for name in ("temperature", "top_p", "top_k"):
+        setattr(config, name, None)
+    return config
+
+
+def run_static(model_dir: str, workload: Workload, batch_size: int, pad_id: int,
+               dtype: str = "float32") -> SystemResult:
+    import torch
+
+    model = _load_hf_model(model_dir, dtype)
+
+    def run_batch(prompts: list[list[int]], budgets: list[int]) -> list[list[int]]:
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        config = _greedy_config(model, max(budgets))
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+        return [row[width:].tolist() for row in out]
+
+    rng = random.Random(4321)
+    run_batch([[rng.randrange(3, 100) for _ in range(8)] for _ in range(2)], [4, 4])  # warm-up
+
+    token_ids: list[list[int]] = []
+    generated = 0
+    start = time.perf_counter()
+    for lo in range(0, len(workload.prompts), batch_size):
+        prompts = workload.prompts[lo : lo + batch_size]
+        budgets = workload.max_tokens[lo : lo + batch_size]
+        rows = run_batch(prompts, budgets)
+        generated += sum(len(r) for r in rows)
+        token_ids.extend(r[:n] for r, n in zip(rows, budgets, strict=True))
+    wall = time.perf_counter() - start
+    useful = sum(len(t) for t in token_ids)
+    return SystemResult("static", wall, workload.prompt_tokens, useful, generated, token_ids,
+                        {"batch_size": batch_size})
+
+
+def run_generate_batch(model_dir: str, workload: Workload, *, max_requests: int,
+                       max_batch_tokens: int, dtype: str = "float32") -> SystemResult:
+    import logging
+
+    import torch
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
+    model = _load_hf_model(model_dir, dtype)
+    page_size = 256
+    longest = max(len(p) + n for p, n in zip(workload.prompts, workload.max_tokens, strict=True))
+    num_blocks = max_requests * math.ceil(longest / page_size) + 8
+    cb_config = ContinuousBatchingConfig(
+        page_size=page_size,
+        num_blocks=num_blocks,
+        max_batch_tokens=max_batch_tokens,
+        max_requests_per_batch=max_requests,
+    )
+
+    def run(prompts: list[list[int]], budgets: list[int]) -> list[list[int]]:
+        config = _greedy_config(model, max(budgets))
+        config.eos_token_id = -1  # the manager's spelling of "no EOS"
+        with torch.inference_mode():
+            manager = model.init_continuous_batching(
+                generation_config=config, continuous_batching_config=cb_config
+            )
+            manager.start()
+            try:
+                ids = [
+                    manager.add_request(p, request_id=f"req-{i}", max_new_tokens=n, eos_token_id=-1)
+                    for i, (p, n) in enumerate(zip(prompts, budgets, strict=True))
+                ]
+                results: dict[str, Any] = {}
+                while len(results) < len(ids):
+                    result = manager.get_result(timeout=1)
+                    if result is not None and result.is_finished():
+                        if result.error is not None:
+                            raise RuntimeError(f"generate_batch {result.request_id}: {result.error}")
+                        results[result.request_id] = result
+                    elif result is None and not manager.is_running():
+                        raise RuntimeError("transformers' continuous batching loop stopped")
+            finally:
+                manager.stop(block=True)
+        return [list(results[i].generated_tokens) for i in ids]
+
+    rng = random.Random(4321)
+    run([[rng.randrange(3, 100) for _ in range(8)] for _ in range(2)], [4, 4])  # warm-up
+
+    start = time.perf_counter()
+    token_ids = run(workload.prompts, workload.max_tokens)
+    wall = time.perf_counter() - start
+    generated = sum(len(t) for t in token_ids)
+    return SystemResult("generate_batch", wall, workload.prompt_tokens, generated, generated,
+                        token_ids, {"max_requests_per_batch": max_requests,
+                                    "max_batch_tokens": max_batch_tokens})
+
+
+def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Share of requests whose greedy tokens are identical in both systems."""
+    if not a or len(a) != len(b):
+        return 0.0
+    return sum(x == y for x, y in zip(a, b, strict=True)) / len(a)
+
+
+# --------------------------------------------------------------------------- cli
+
+
+def _parse_engine_args(pairs: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise ValueError(f"--engine-arg takes KEY=VALUE, got {pair!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--model", help="model directory (default: the demo llama-25m, built on use)")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--input-len", help=f"prompt length distribution (default {DEFAULT_INPUT_LEN})")
+    p.add_argument("--output-len", help=f"output length distribution (default {DEFAULT_OUTPUT_LEN})")
+    p.add_argument("--from-jsonl", type=Path, help="take prompts and max_tokens from a JSONL file")
+    p.add_argument("--shared-prefix-frac", type=float, default=None,
+                   help="fraction of each prompt that is a prefix common to all (default 0)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of "
+                   + ",".join(SYSTEMS))
+    p.add_argument("--static-batch-size", type=int, default=16)
+    p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="engine config override (repeatable), e.g. max_num_seqs=64")
+    p.add_argument("--compare-prefix-caching", action="store_true",
+                   help="run the engine with and without prefix caching instead")
+    p.add_argument("--json", type=Path, help="write every figure to this file")
+    return p
+
+
+def _fmt(value: float, digits: int = 1) -> str:
+    return f"{value:,.{digits}f}"
+
+
+def _print_report(results: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    w = results["workload"]
+    console.print(
+        f"[bold]workload[/]: {w.get('num_requests')} requests, {w['prompt_tokens']} prompt + "
+        f"{w['output_tokens']} output tokens; {json.dumps(w.get('description', {}))}"
+    )
+    table = Table(title="throughput (useful tokens)")
+    for col in ("system", "wall s", "output tok/s", "total tok/s", "decoded tokens"):
+        table.add_column(col, justify="right" if col != "system" else "left")
+    for name, r in results["systems"].items():
+        table.add_row(name, _fmt(r["wall_s"], 2), _fmt(r["output_tok_s"]), _fmt(r["total_tok_s"]),
+                      str(r["generated_tokens"]))
+    console.print(table)
+    for key, value in results.get("ratios", {}).items():
+        console.print(f"{key}: [bold]{value:.2f}x[/]")
+    for name, r in results["systems"].items():
+        stats = r.get("engine_stats")
+        if not stats:
+            continue
+        console.print(
+            f"{name} stats: mean running seqs {stats['mean_running_seqs']:.1f}, mean tokens/step "
+            f"{stats['mean_tokens_per_step']:.1f}, steps {stats['num_steps']}, preemptions "
+            f"{stats['num_preemptions']}, prefix-cache hit rate {stats['prefix_cache_hit_rate']:.1%}, "
+            f"step time outside forward {stats['outside_forward_frac']:.1%}"
+        )
+    for key, value in results.get("agreement", {}).items():
+        console.print(f"greedy agreement {key}: {value:.0%} of requests identical")
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = build_parser().parse_args(argv)
+    from transformers import AutoConfig, AutoTokenizer
+
+    if args.model:
+        model_dir = str(args.model)
+    else:
+        from engine.demo_models import build
+
+        model_dir = str(build("llama-25m"))
+    engine_config = _parse_engine_args(args.engine_arg)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = sorted(set(systems) - set(SYSTEMS))
+    if unknown:
+        raise SystemExit(f"unknown system(s) {unknown}; choose from {', '.join(SYSTEMS)}")
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    max_model_len = int(engine_config.get("max_model_len") or hf_config.max_position_embeddings)
+
+    if args.compare_prefix_caching:
+        input_len = args.input_len or PREFIX_DEFAULT_INPUT_LEN
+        output_len = args.output_len or PREFIX_DEFAULT_OUTPUT_LEN
+        shared = PREFIX_DEFAULT_SHARED_FRAC if args.shared_prefix_frac is None else args.shared_prefix_frac
+    else:
+        input_len = args.input_len or DEFAULT_INPUT_LEN
+        output_len = args.output_len or DEFAULT_OUTPUT_LEN
+        shared = args.shared_prefix_frac or 0.0
+    if args.from_jsonl:
+        workload = jsonl_workload(args.from_jsonl, tokenizer, max_model_len=max_model_len,
+                                  default_max_tokens=LengthDist.parse(output_len).sample(
+                                      random.Random(args.seed)),
+                                  limit=None)
+    else:
+        workload = synthetic_workload(
+            num_requests=args.num_requests,
+            input_len=LengthDist.parse(input_len),
+            output_len=LengthDist.parse(output_len),
+            shared_prefix_frac=shared,
+            vocab=_usable_token_ids(tokenizer, len(tokenizer)),
+            max_model_len=max_model_len,
+            seed=args.seed,
+        )
+
+    results: dict[str, Any] = {
+        "model": model_dir,
+        "workload": {
+            "num_requests": len(workload.prompts),
+            "prompt_tokens": workload.prompt_tokens,
+            "output_tokens": workload.output_tokens,
+            "description": workload.description,
+        },
+        "systems": {},
+        "ratios": {},
+        "agreement": {},
+    }
+    tokens: dict[str, list[list[int]]] = {}
+
+    if args.compare_prefix_caching:
+        for label, enabled in (("engine_no_prefix_cache", False), ("engine_prefix_cache", True)):
+            r = run_engine(model_dir, workload, {**engine_config, "enable_prefix_caching": enabled},
+                           label=label)
+            results["systems"][label] = r.as_dict()
+            tokens[label] = r.token_ids
+        a, b = results["systems"]["engine_prefix_cache"], results["systems"]["engine_no_prefix_cache"]
+        results["ratios"]["prefix caching speedup (wall, off / on)"] = b["wall_s"] / a["wall_s"]
+        results["prefix_caching_speedup"] = b["wall_s"] / a["wall_s"]
+        results["agreement"]["prefix cache on vs off"] = _agreement(
+            tokens["engine_prefix_cache"], tokens["engine_no_prefix_cache"])
+    else:
+        max_seqs = int(engine_config.get("max_num_seqs", 0)) or None
+        max_batched = int(engine_config.get("max_num_batched_tokens", 0)) or None
+        for name in systems:
+            if name == "engine":
+                r = run_engine(model_dir, workload, engine_config)
+                cfg = r.extra["engine_config"]
+                max_seqs = max_seqs or int(cfg.get("max_num_seqs") or 0) or None
+                max_batched = max_batched or int(cfg.get("max_num_batched_tokens") or 0) or None
+            elif name == "static":
+                r = run_static(model_dir, workload, args.static_batch_size, tokenizer.pad_token_id
+                               if tokenizer.pad_token_id is not None else 0)
+            else:
+                r = run_generate_batch(model_dir, workload, max_requests=max_seqs or 64,
+                                       max_batch_tokens=max_batched or 2048)
+            results["systems"][name] = r.as_dict()
+            tokens[name] = r.token_ids
+        if "engine" in results["systems"]:
+            eng = results["systems"]["engine"]
+            for other in ("static", "generate_batch"):
+                if other in results["systems"]:
+                    o = results["systems"][other]
+                    results["ratios"][f"engine / {other} (output tok/s)"] = (
+                        eng["output_tok_s"] / o["output_tok_s"] if o["output_tok_s"] else math.inf
+                    )
+                    results["agreement"][f"engine vs {other}"] = _agreement(
+                        tokens["engine"], tokens[other])
+
+    _print_report(results)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    return results
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

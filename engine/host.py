@@ -1,0 +1,571 @@
+"""A thread-safe host that keeps one engine saturated while many producers feed it.
+
+The worker runs several shard threads per process, all sharing one model on one device. The
+engine itself is single-threaded: only the host's loop thread ever touches it. Producers call
+:meth:`EngineHost.submit` from any thread and get a :class:`concurrent.futures.Future`;
+submissions, aborts and stats requests travel to the loop through a lock-protected queue, and
+the loop applies them between two engine steps.
+
+Memory stays bounded at both ends: the host's own queue holds at most ``max_pending``
+requests (``submit`` blocks, optionally with a timeout, while it is full), and the loop hands
+the engine only as many requests as it can run plus a backlog (``engine_backlog``, default
+``max_num_seqs``) so the scheduler always has candidates to fill a freed slot.
+
+Aborted requests (``abort``, ``abort_group``, ``shutdown(abort_pending=True)``) never leave a
+future cancelled: every future resolves with a :class:`RequestOutput` whose completions carry
+``finish_reason == "abort"``. A request aborted before it reached the engine has empty
+completions; one aborted in flight carries what the engine reports for it (or empty
+completions when the engine reports nothing). A caller may still ``Future.cancel()`` a request
+that the loop has not admitted yet; the loop then skips it.
+
+A failure inside ``Engine.step()`` fails the futures of every request in flight with
+:class:`EngineStepError` (its ``__cause__`` is the original exception), aborts them in the
+engine so their KV blocks return, logs the traceback, and the host keeps serving.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass, field, is_dataclass
+from typing import Any
+
+from engine import (
+    CompletionOutput,
+    Engine,
+    EngineStats,
+    RequestMetrics,
+    RequestOutput,
+    SamplingParams,
+)
+
+logger = logging.getLogger(__name__)
+
+_PENDING, _IN_FLIGHT = "pending", "in_flight"
+
+
+class HostError(RuntimeError):
+    """The host cannot take the request: it is shut down, or its loop died."""
+
+
+class HostQueueFull(TimeoutError):
+    """``submit`` waited ``timeout`` seconds and the host's queue stayed full."""
+
+
+class EngineStepError(RuntimeError):
+    """``Engine.step()`` raised while this request was in flight; ``__cause__`` says why."""
+
+
+@dataclass(slots=True)
+class HostStats:
+    """Engine stats plus the host's own counters, snapshotted between two steps."""
+
+    engine: EngineStats | None
+    pending: int  # in the host's queue, not yet handed to the engine
+    in_flight: int  # handed to the engine, not finished
+    submitted: int
+    completed: int  # finished normally (stop or length)
+    aborted: int
+    failed: int  # RequestError, a step failure, or any other error set on the future
+    step_errors: int
+    steps: int  # engine steps run by this host
+    mean_occupancy: float  # running sequences / max_num_seqs, averaged over this host's steps
+    max_pending: int
+    max_in_flight: int
+
+    def as_dict(self) -> dict[str, Any]:
+        """One flat dict: the engine's fields, then the host's (for JSON and logs)."""
+        out: dict[str, Any] = {}
+        if self.engine is not None:
+            out.update(asdict(self.engine) if is_dataclass(self.engine) else vars(self.engine))
+        for name in self.__slots__:
+            if name != "engine":
+                out[name] = getattr(self, name)
+        return out
+
+
+@dataclass(slots=True, eq=False)
+class _Entry:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    group: str | None
+    future: Future
+    arrival_time: float
+    state: str = _PENDING
+    abort_requested: bool = False
+
+
+@dataclass(slots=True)
+class _Counters:
+    submitted: int = 0
+    completed: int = 0
+    aborted: int = 0
+    failed: int = 0
+    step_errors: int = 0
+    steps: int = 0
+    base_steps: int | None = None  # engine counters when the host started, for its own means
+    base_running_seq_steps: int = 0
+
+
+@dataclass(slots=True)
+class _StatsRequest:
+    future: Future = field(default_factory=Future)
+
+
+class EngineHost:
+    """Own one :class:`Engine` on a background thread; accept work from any thread.
+
+    ``EngineHost(engine)`` wraps an engine built by the caller (it must not be used by anyone
+    else afterwards); ``EngineHost.from_model(model_dir, **config)`` builds one.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        max_pending: int | None = None,
+        engine_backlog: int | None = None,
+        name: str = "engine-host",
+    ) -> None:
+        max_num_seqs = int(engine.config.max_num_seqs)
+        if max_pending is None:
+            max_pending = 2 * max_num_seqs
+        if engine_backlog is None:
+            engine_backlog = max_num_seqs
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be at least 1, got {max_pending}")
+        if engine_backlog < 0:
+            raise ValueError(f"engine_backlog must be at least 0, got {engine_backlog}")
+        self._engine = engine
+        self._max_num_seqs = max_num_seqs
+        self.max_pending = max_pending
+        self.max_in_flight = max_num_seqs + engine_backlog
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)  # the loop waits here when idle
+        self._space = threading.Condition(self._lock)  # producers wait here while full
+        self._pending: collections.deque[_Entry] = collections.deque()
+        self._live: dict[str, _Entry] = {}  # pending and in flight, by request id
+        self._groups: dict[str, set[str]] = {}
+        self._to_abort: list[_Entry] = []  # in-flight entries the loop must abort in the engine
+        self._stats_requests: list[_StatsRequest] = []
+        self._num_in_flight = 0
+        self._closing = False
+        self._drain = True
+        self._dead: BaseException | None = None
+        self._counters = _Counters()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._started = False
+
+    @classmethod
+    def from_model(
+        cls,
+        model_dir: str,
+        *,
+        max_pending: int | None = None,
+        engine_backlog: int | None = None,
+        **config: Any,
+    ) -> EngineHost:
+        return cls(Engine(model_dir, **config), max_pending=max_pending, engine_backlog=engine_backlog)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def engine(self) -> Engine:
+        """The engine, for reading its config or tokenizer; never call its methods directly."""
+        return self._engine
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._engine.tokenizer
+
+    def start(self) -> EngineHost:
+        with self._lock:
+            if self._started:
+                return self
+            if self._closing:
+                raise HostError("cannot start a host that was shut down")
+            self._started = True
+        self._thread.start()
+        return self
+
+    def shutdown(
+        self, wait: bool = True, *, abort_pending: bool = False, timeout: float | None = None
+    ) -> None:
+        """Stop taking work. By default the loop finishes everything already submitted and then
+        exits; with ``abort_pending`` every pending and in-flight request is aborted instead."""
+        with self._lock:
+            self._closing = True
+            if abort_pending:
+                self._drain = False
+            self._space.notify_all()
+            self._work.notify_all()
+            started = self._started
+        if abort_pending or not started:
+            self._abort_where(lambda e: True)
+        if wait and started and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def __enter__(self) -> EngineHost:
+        return self.start()
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self.shutdown(wait=True, abort_pending=exc_type is not None)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # ------------------------------------------------------------------ producers
+
+    def submit(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        group: str | None = None,
+        request_id: str | None = None,
+        callback: Callable[[Future], None] | None = None,
+        timeout: float | None = None,
+    ) -> Future:
+        """Queue one request; block while the host's queue is full.
+
+        Returns a future that resolves with the request's :class:`RequestOutput` (also for an
+        abort), or raises ``RequestError`` (the engine refused it) or :class:`EngineStepError`.
+        ``callback(future)`` runs when it resolves, on whichever thread resolves it (usually
+        the loop thread): keep it short. ``timeout`` bounds the wait for queue space and
+        raises :class:`HostQueueFull`.
+        """
+        entry = _Entry(
+            request_id=request_id if request_id is not None else uuid.uuid4().hex,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params if params is not None else SamplingParams(),
+            group=group,
+            future=Future(),
+            arrival_time=time.time(),
+        )
+        if callback is not None:
+            entry.future.add_done_callback(callback)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while True:
+                self._check_open()
+                if len(self._pending) < self.max_pending:
+                    break
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise HostQueueFull(
+                        f"engine host queue is full ({self.max_pending} pending requests) "
+                        f"after waiting {timeout:g}s"
+                    )
+                self._space.wait(remaining)
+            if entry.request_id in self._live:
+                raise ValueError(f"request id {entry.request_id!r} is already pending or in flight")
+            self._live[entry.request_id] = entry
+            if group is not None:
+                self._groups.setdefault(group, set()).add(entry.request_id)
+            self._pending.append(entry)
+            self._counters.submitted += 1
+            self._work.notify()
+        return entry.future
+
+    def submit_many(
+        self,
+        prompts: Iterable[Sequence[int]],
+        params: SamplingParams | None = None,
+        *,
+        group: str | None = None,
+        timeout: float | None = None,
+    ) -> list[Future]:
+        return [self.submit(p, params, group=group, timeout=timeout) for p in prompts]
+
+    def abort(self, request_id: str) -> bool:
+        """Abort one pending or in-flight request; False if it is unknown or already done."""
+        return self._abort_where(lambda e: e.request_id == request_id, ids=[request_id]) > 0
+
+    def abort_group(self, group: str) -> int:
+        """Abort every pending and in-flight request of ``group`` at once.
+
+        Pending ones resolve immediately; in-flight ones are aborted by the loop before its
+        next step (their KV blocks are freed) and resolve then. Returns how many requests were
+        pending or in flight when called (one finishing in the current step still counts).
+        """
+        with self._lock:
+            ids = list(self._groups.get(group, ()))
+        return self._abort_where(lambda e: e.group == group, ids=ids)
+
+    def stats(self, timeout: float | None = 30.0) -> HostStats:
+        """A snapshot taken by the loop between two steps (or directly when it is not running)."""
+        with self._lock:
+            loop_running = self._thread.is_alive() and self._dead is None
+            if loop_running:
+                request = _StatsRequest()
+                self._stats_requests.append(request)
+                self._work.notify()
+        if loop_running:
+            return request.future.result(timeout)
+        return self._snapshot()
+
+    # ------------------------------------------------------------------ internals
+
+    def _check_open(self) -> None:
+        if self._dead is not None:
+            raise HostError("engine host loop died") from self._dead
+        if self._closing:
+            raise HostError("engine host is shut down")
+
+    def _abort_where(self, match: Callable[[_Entry], bool], ids: Iterable[str] | None = None) -> int:
+        with self._lock:
+            candidates = (
+                [self._live[i] for i in ids if i in self._live]
+                if ids is not None
+                else list(self._live.values())
+            )
+            entries = [e for e in candidates if match(e) and not e.abort_requested]
+            pending = [e for e in entries if e.state == _PENDING]
+            in_flight = [e for e in entries if e.state == _IN_FLIGHT]
+            if pending:
+                gone = set(map(id, pending))
+                self._pending = collections.deque(e for e in self._pending if id(e) not in gone)
+                for e in pending:
+                    self._forget(e)
+                self._counters.aborted += len(pending)
+                self._space.notify_all()
+            for e in in_flight:
+                e.abort_requested = True
+            if in_flight:
+                self._to_abort.extend(in_flight)
+                self._work.notify()
+        for e in pending:
+            _resolve(e.future, _abort_output(e))
+        return len(entries)
+
+    def _forget(self, entry: _Entry) -> None:
+        """Drop an entry from the indexes; the caller holds the lock."""
+        self._live.pop(entry.request_id, None)
+        if entry.group is not None:
+            members = self._groups.get(entry.group)
+            if members is not None:
+                members.discard(entry.request_id)
+                if not members:
+                    del self._groups[entry.group]
+
+    def _snapshot(self) -> HostStats:
+        engine_stats = self._engine.stats()
+        c = self._counters
+        occupancy = 0.0
+        if c.base_steps is not None and self._max_num_seqs > 0:
+            steps = engine_stats.num_steps - c.base_steps
+            seq_steps = engine_stats.total_running_seq_steps - c.base_running_seq_steps
+            if steps > 0:
+                occupancy = seq_steps / steps / self._max_num_seqs
+        with self._lock:
+            pending = len(self._pending)
+        return HostStats(
+            engine=engine_stats,
+            pending=pending,
+            in_flight=self._num_in_flight,
+            submitted=c.submitted,
+            completed=c.completed,
+            aborted=c.aborted,
+            failed=c.failed,
+            step_errors=c.step_errors,
+            steps=c.steps,
+            mean_occupancy=occupancy,
+            max_pending=self.max_pending,
+            max_in_flight=self.max_in_flight,
+        )
+
+    def _run(self) -> None:
+        try:
+            base = self._engine.stats()
+            self._counters.base_steps = base.num_steps
+            self._counters.base_running_seq_steps = base.total_running_seq_steps
+            in_flight: dict[str, _Entry] = {}
+            while True:
+                with self._lock:
+                    while not (
+                        self._pending or self._to_abort or self._stats_requests or in_flight
+                    ) and not self._closing:
+                        self._work.wait()
+                    to_abort, self._to_abort = self._to_abort, []
+                    stats_requests, self._stats_requests = self._stats_requests, []
+                    admitted: list[_Entry] = []
+                    if self._drain:
+                        room = self.max_in_flight - len(in_flight)
+                        while room > 0 and self._pending:
+                            entry = self._pending.popleft()
+                            if not entry.future.set_running_or_notify_cancel():
+                                self._forget(entry)  # the caller cancelled it while pending
+                                continue
+                            entry.state = _IN_FLIGHT
+                            admitted.append(entry)
+                            room -= 1
+                        if admitted:
+                            self._space.notify_all()
+                    done = self._closing and not self._pending and not in_flight and not admitted
+                for request in stats_requests:
+                    _resolve_call(request.future, self._snapshot)
+                if done and not to_abort:
+                    break
+                self._apply_aborts(to_abort, in_flight)
+                self._admit(admitted, in_flight)
+                self._num_in_flight = len(in_flight)
+                if in_flight:
+                    self._step(in_flight)
+                self._num_in_flight = len(in_flight)
+        except BaseException as exc:  # a bug in the host or engine outside step(): fail loudly
+            logger.exception("engine host loop died")
+            with self._lock:
+                self._dead = exc
+                entries = list(self._live.values())
+                self._pending.clear()
+                self._live.clear()
+                self._groups.clear()
+                requests, self._stats_requests = self._stats_requests, []
+                self._space.notify_all()
+            for e in entries:
+                _fail(e.future, HostError("engine host loop died"), exc)
+            for request in requests:
+                _fail(request.future, HostError("engine host loop died"), exc)
+            raise
+
+    def _admit(self, admitted: list[_Entry], in_flight: dict[str, _Entry]) -> None:
+        failures: list[tuple[_Entry, BaseException]] = []
+        for entry in admitted:
+            try:
+                self._engine.add_request(entry.request_id, entry.prompt_token_ids, entry.params)
+            except Exception as exc:  # RequestError, or a bad argument the engine rejects
+                failures.append((entry, exc))
+                continue
+            in_flight[entry.request_id] = entry
+        if failures:
+            with self._lock:
+                for entry, _ in failures:
+                    self._forget(entry)
+                self._counters.failed += len(failures)
+            for entry, exc in failures:
+                _fail(entry.future, exc)
+
+    def _apply_aborts(self, to_abort: list[_Entry], in_flight: dict[str, _Entry]) -> None:
+        if not to_abort:
+            return
+        aborted: list[_Entry] = []
+        for entry in to_abort:
+            if in_flight.get(entry.request_id) is not entry:
+                continue  # finished in the step that was running when the abort came
+            try:
+                self._engine.abort_request(entry.request_id)
+            except Exception:
+                logger.exception("aborting request %s failed", entry.request_id)
+            del in_flight[entry.request_id]
+            aborted.append(entry)
+        self._finish([(e, _abort_output(e)) for e in aborted], aborted=len(aborted))
+        # The engine reports aborted requests from its next step(); they are resolved already,
+        # so the loop ignores those reports (their ids are no longer in flight).
+
+    def _step(self, in_flight: dict[str, _Entry]) -> None:
+        try:
+            outputs = self._engine.step()
+        except Exception as exc:
+            self._counters.step_errors += 1
+            logger.exception("engine step failed; failing %d in-flight requests", len(in_flight))
+            entries = list(in_flight.values())
+            in_flight.clear()
+            for entry in entries:
+                try:
+                    self._engine.abort_request(entry.request_id)
+                except Exception:
+                    logger.exception("aborting request %s after a failed step", entry.request_id)
+            with self._lock:
+                for entry in entries:
+                    self._forget(entry)
+                self._counters.failed += len(entries)
+            for entry in entries:
+                _fail(entry.future, EngineStepError(f"engine step failed: {exc!r}"), exc)
+            return
+        self._counters.steps += 1
+        finished: list[tuple[_Entry, RequestOutput]] = []
+        aborted = 0
+        for output in outputs:
+            entry = in_flight.pop(output.request_id, None)
+            if entry is None:
+                continue
+            finished.append((entry, output))
+            if any(c.finish_reason == "abort" for c in output.outputs):
+                aborted += 1
+        self._finish(finished, aborted=aborted)
+        if in_flight and not outputs and not self._engine.has_unfinished_requests():
+            # The engine forgot requests the host still waits on; never spin on them.
+            lost = list(in_flight.values())
+            in_flight.clear()
+            with self._lock:
+                for entry in lost:
+                    self._forget(entry)
+                self._counters.failed += len(lost)
+            for entry in lost:
+                _fail(entry.future, EngineStepError("the engine dropped this request"))
+
+    def _finish(self, finished: list[tuple[_Entry, RequestOutput]], *, aborted: int) -> None:
+        if not finished:
+            return
+        with self._lock:
+            for entry, _ in finished:
+                self._forget(entry)
+            self._counters.aborted += aborted
+            self._counters.completed += len(finished) - aborted
+        for entry, output in finished:
+            _resolve(entry.future, output)
+
+
+def _abort_output(entry: _Entry) -> RequestOutput:
+    now = time.time()
+    n = max(1, int(getattr(entry.params, "n", 1) or 1))
+    return RequestOutput(
+        request_id=entry.request_id,
+        prompt_token_ids=list(entry.prompt_token_ids),
+        outputs=[
+            CompletionOutput(
+                index=i, text="", token_ids=[], finish_reason="abort", stop_reason=None, logprobs=None
+            )
+            for i in range(n)
+        ],
+        finished=True,
+        metrics=RequestMetrics(
+            arrival_time=entry.arrival_time,
+            first_token_time=None,
+            finished_time=now,
+            num_cached_tokens=0,
+        ),
+        error=None,
+    )
+
+
+def _resolve(future: Future, output: RequestOutput) -> None:
+    if future.done():
+        return
+    if future.running() or future.set_running_or_notify_cancel():
+        future.set_result(output)
+
+
+def _fail(future: Future, error: BaseException, cause: BaseException | None = None) -> None:
+    if cause is not None and error is not cause:
+        error.__cause__ = cause
+    if future.done():
+        return
+    if future.running() or future.set_running_or_notify_cancel():
+        future.set_exception(error)
+
+
+def _resolve_call(future: Future, fn: Callable[[], Any]) -> None:
+    try:
+        future.set_result(fn())
+    except Exception as exc:
+        future.set_exception(exc)
+
+
