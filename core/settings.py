@@ -42,6 +42,7 @@ class Settings(BaseSettings):
     max_upload_bytes: int = 200 * 1024 * 1024
     max_requests_per_batch: int = 50_000
     max_errors_reported: int = 100
+    max_line_bytes: int = 8 * 1024 * 1024  # one request line in a batch file
     # Completion windows accepted on create: "24h" (OpenAI's only value) and, for tests and
     # short jobs, any "<n>s|m|h" up to this many seconds.
     max_completion_window_s: int = 7 * 24 * 3600
