@@ -1,0 +1,53 @@
+"""``python -m worker control|model|beat [celery options…]``: start a worker from the settings.
+
+* ``control``: the control queue (validate, finalize, cancel, sweep), threads pool.
+* ``model [NAME…]``: the queues of the named served models (default: all of them), threads
+  pool with ``BATCHD_WORKER_SHARD_CONCURRENCY`` shard tasks in flight; the engine loads once.
+* ``beat``: the scheduler that sends the expiry sweep.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from core.queue import CONTROL_QUEUE, model_queue
+from core.settings import get_settings
+
+
+def command(role: str, names: list[str]) -> list[str]:
+    settings = get_settings()
+    base = [sys.executable, "-m", "celery", "-A", "worker.celery_app"]
+    if role == "beat":
+        return [*base, "beat", "-s", str(settings.home / "celerybeat-schedule")]
+    if role == "control":
+        return [*base, "worker", "-Q", CONTROL_QUEUE, "--pool", "threads", "-c", "2",
+                "-n", f"control-{os.getpid()}@%h"]  # fmt: skip
+    if role == "model":
+        models = names or list(settings.models)
+        unknown = [m for m in models if m not in settings.models]
+        if unknown:
+            raise SystemExit(f"not served (see BATCHD_MODELS): {', '.join(unknown)}")
+        queues = ",".join(model_queue(m) for m in models)
+        return [*base, "worker", "-Q", queues, "--pool", "threads",
+                "-c", str(settings.worker_shard_concurrency),
+                "-n", f"model-{os.getpid()}@%h"]  # fmt: skip
+    raise SystemExit("usage: python -m worker control|model [NAME…]|beat [-- celery options]")
+
+
+def main(argv: list[str]) -> None:
+    if not argv:
+        command("", [])
+    role, rest = argv[0], argv[1:]
+    extra: list[str] = []
+    if "--" in rest:
+        cut = rest.index("--")
+        rest, extra = rest[:cut], rest[cut + 1 :]
+    settings = get_settings()
+    settings.home.mkdir(parents=True, exist_ok=True)
+    cmd = command(role, rest) + extra
+    os.execv(cmd[0], cmd)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,91 @@
+"""Shard checkpoint chunks in storage.
+
+A shard writes its results in chunks, ``batches/{batch}/shards/{index:05d}/{chunk:06d}.jsonl``,
+one JSON record per request, sorted by input line::
+
+    {"line": 17, "ok": true, "record": {<the output- or error-file line>}}
+
+A chunk counts only once the shard row's ``num_chunks`` has been advanced past it in the same
+database transaction that advances the live counters. Chunks at or beyond ``num_chunks`` were
+written by an attempt that died before committing: a retry deletes them and redoes their
+requests, so every request ends up in exactly one committed chunk.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from core.storage import ObjectNotFound, Storage
+
+
+@dataclass(slots=True)
+class ChunkRecord:
+    line: int
+    ok: bool
+    record: dict[str, Any]
+
+
+def batch_prefix(batch_id: str) -> str:
+    return f"batches/{batch_id}/shards"
+
+
+def shard_prefix(batch_id: str, shard_index: int) -> str:
+    return f"{batch_prefix(batch_id)}/{shard_index:05d}"
+
+
+def chunk_key(batch_id: str, shard_index: int, chunk: int) -> str:
+    return f"{shard_prefix(batch_id, shard_index)}/{chunk:06d}.jsonl"
+
+
+def _chunk_number(key: str) -> int | None:
+    name = key.rsplit("/", 1)[-1]
+    stem = name.removesuffix(".jsonl")
+    return int(stem) if stem != name and stem.isdigit() else None
+
+
+def write_chunk(storage: Storage, key: str, records: Iterable[ChunkRecord]) -> None:
+    """Write one chunk atomically, records sorted by line."""
+    with storage.writer(key) as out:
+        for rec in sorted(records, key=lambda r: r.line):
+            data = {"line": rec.line, "ok": rec.ok, "record": rec.record}
+            out.write(json.dumps(data, ensure_ascii=True, separators=(",", ":")).encode() + b"\n")
+
+
+def read_chunk(storage: Storage, key: str) -> Iterator[ChunkRecord]:
+    """Stream one chunk's records (in line order, as written)."""
+    with storage.reader(key) as stream:
+        for raw in stream:
+            if raw.strip():
+                obj = json.loads(raw)
+                yield ChunkRecord(obj["line"], obj["ok"], obj["record"])
+
+
+def committed_chunks(batch_id: str, shard_index: int, num_chunks: int) -> list[str]:
+    return [chunk_key(batch_id, shard_index, i) for i in range(num_chunks)]
+
+
+def committed_lines(storage: Storage, batch_id: str, shard_index: int, num_chunks: int) -> set[int]:
+    """Input lines whose results the shard's committed chunks already hold."""
+    done: set[int] = set()
+    for key in committed_chunks(batch_id, shard_index, num_chunks):
+        try:
+            done.update(rec.line for rec in read_chunk(storage, key))
+        except ObjectNotFound:
+            raise RuntimeError(
+                f"committed checkpoint chunk {key} is missing from storage"
+            ) from None
+    return done
+
+
+def discard_uncommitted(storage: Storage, batch_id: str, shard_index: int, num_chunks: int) -> int:
+    """Delete chunks written by an attempt that never committed them; return how many."""
+    removed = 0
+    for key in storage.list(shard_prefix(batch_id, shard_index)):
+        number = _chunk_number(key)
+        if number is None or number >= num_chunks:
+            storage.delete(key)
+            removed += 1
+    return removed

@@ -1,0 +1,235 @@
+"""Finalize a batch: merge its shards' checkpoint chunks into the output and error files.
+
+Records are merged in input-line order with bounded memory: shards are contiguous line ranges,
+so shards are taken one after another, and within a shard ``heapq.merge`` interleaves its
+chunk streams (each sorted by line). Only one shard's chunks are open at a time.
+
+The same path ends every batch that ran:
+
+* ``finalizing -> completed`` when every shard is done;
+* ``cancelling -> cancelled`` and ``in_progress|finalizing -> expired`` once no shard is
+  running: finished results are kept, and each request that never finished gets a
+  ``batch_cancelled`` / ``batch_expired`` line in the error file. Unfinished shards are first
+  sealed (``closed``) so no late checkpoint can slip in after the merge has read them.
+
+The files are written, then their ``files`` rows are inserted in the same transaction as the
+status transition. If another finalize won the transition, this one deletes what it wrote.
+Chunks are deleted only after the winning transaction commits.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import logging
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, BinaryIO
+
+from sqlalchemy import select, update
+
+from core import ids
+from core.batchfile import iter_lines
+from core.db import new_session, session_scope
+from core.lifecycle import TERMINAL, transition
+from core.models import Batch, File, Shard
+from core.results import batch_error_line, dumps_line
+from core.settings import get_settings
+from core.storage import Storage
+from worker.checkpoints import (
+    ChunkRecord,
+    batch_prefix,
+    chunk_key,
+    committed_lines,
+    read_chunk,
+)
+from worker.common import CLOSED, DONE, input_key, live_shards, past_expiry, storage, utcnow
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class _ShardView:
+    index: int
+    start_line: int
+    start_offset: int
+    end_offset: int
+    num_chunks: int
+    done: bool
+
+
+def target_status(batch: Batch) -> str | None:
+    """What a finalize of ``batch`` would end it as, or None if it is not time yet."""
+    if batch.status in TERMINAL:
+        return None
+    if batch.status == "cancelling":
+        return "cancelled"
+    if past_expiry(batch.expires_at):
+        return "expired"
+    if batch.status == "finalizing":
+        return "completed"
+    return None
+
+
+def _unfinished(
+    sto: Storage, batch_id: str, key: str, shard: _ShardView, code: str
+) -> Iterator[ChunkRecord]:
+    """``batch_<code>`` error records for the shard's lines that have no committed result."""
+    done = committed_lines(sto, batch_id, shard.index, shard.num_chunks)
+    chunks = sto.read_range(key, shard.start_offset, shard.end_offset)
+    for raw in iter_lines(
+        chunks,
+        max_line_bytes=get_settings().max_line_bytes,
+        first_line=shard.start_line,
+        base_offset=shard.start_offset,
+    ):
+        if raw.line in done:
+            continue
+        try:
+            custom_id = json.loads(raw.data).get("custom_id")
+        except ValueError:
+            custom_id = None
+        yield ChunkRecord(raw.line, False, batch_error_line(custom_id, code))
+
+
+def merged_records(
+    sto: Storage,
+    batch_id: str,
+    shards: list[_ShardView],
+    *,
+    key: str | None = None,
+    unfinished_code: str | None = None,
+) -> Iterator[ChunkRecord]:
+    """Every result record of the batch in input-line order (see the module docstring)."""
+    for shard in sorted(shards, key=lambda s: s.start_line):
+        streams: list[Iterator[ChunkRecord]] = [
+            read_chunk(sto, chunk_key(batch_id, shard.index, c)) for c in range(shard.num_chunks)
+        ]
+        if unfinished_code is not None and not shard.done and key is not None:
+            streams.append(_unfinished(sto, batch_id, key, shard, unfinished_code))
+        yield from heapq.merge(*streams, key=lambda r: r.line)
+
+
+class _LazyFile:
+    """An output object opened on its first line, so an empty file is never created."""
+
+    def __init__(self, sto: Storage, stack: ExitStack, filename: str):
+        self.sto = sto
+        self.stack = stack
+        self.filename = filename
+        self.file_id: str | None = None
+        self.key: str | None = None
+        self.bytes = 0
+        self.lines = 0
+        self._out: BinaryIO | None = None
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._out is None:
+            self.file_id = ids.file_id()
+            self.key = f"files/{self.file_id}"
+            self._out = self.stack.enter_context(self.sto.writer(self.key))
+        data = dumps_line(record)
+        self._out.write(data)
+        self.bytes += len(data)
+        self.lines += 1
+
+
+def finalize(batch_id: str) -> str | None:
+    """Finalize ``batch_id`` if it is ready; return the status it ended in, else None."""
+    settings = get_settings()
+    sto = storage()
+    with session_scope() as session:
+        batch = session.get(Batch, batch_id)
+        if batch is None:
+            return None
+        target = target_status(batch)
+        if target is None:
+            return None
+        source = batch.status
+        if target != "completed" and source != "finalizing" and live_shards(session, batch_id):
+            return None  # the running shards stop within seconds; the last one calls back
+        key = input_key(session, batch)
+        tenant = batch.tenant
+        expires_at = utcnow() + timedelta(seconds=settings.file_expiry_s)
+
+    if target != "completed":
+        with session_scope() as session:  # seal: no late checkpoint may land after the merge
+            session.execute(
+                update(Shard)
+                .where(Shard.batch_id == batch_id, Shard.status.not_in((DONE, CLOSED)))
+                .values(status=CLOSED)
+                .execution_options(synchronize_session=False)
+            )
+    with session_scope() as session:
+        shards = [
+            _ShardView(
+                s.index, s.start_line, s.start_offset, s.end_offset, s.num_chunks, s.status == DONE
+            )
+            for s in session.scalars(select(Shard).where(Shard.batch_id == batch_id))
+        ]
+    if target == "completed" and not all(s.done for s in shards):
+        logger.error("batch %s is finalizing with unfinished shards", batch_id)
+        return None
+
+    code = {"cancelled": "batch_cancelled", "expired": "batch_expired"}.get(target)
+    completed = failed = 0
+    with ExitStack() as stack:
+        out = _LazyFile(sto, stack, f"{batch_id}_output.jsonl")
+        err = _LazyFile(sto, stack, f"{batch_id}_error.jsonl")
+        for rec in merged_records(sto, batch_id, shards, key=key, unfinished_code=code):
+            if rec.ok:
+                out.write(rec.record)
+                completed += 1
+            else:
+                err.write(rec.record)
+                if rec.record.get("response") is not None:
+                    failed += 1
+
+    written = [f for f in (out, err) if f.file_id is not None]
+    session = new_session()
+    try:
+        for f in written:
+            session.add(
+                File(
+                    id=f.file_id,
+                    tenant=tenant,
+                    purpose="batch_output",
+                    filename=f.filename,
+                    bytes=f.bytes,
+                    storage_key=f.key,
+                    expires_at=expires_at,
+                )
+            )
+        session.flush()
+        won = transition(
+            session,
+            batch_id,
+            source,
+            target,
+            output_file_id=out.file_id,
+            error_file_id=err.file_id,
+            request_completed=completed,
+            request_failed=failed,
+        )
+        if won:
+            session.commit()
+        else:
+            session.rollback()
+    except BaseException:
+        session.rollback()
+        won = False
+        for f in written:
+            sto.delete(f.key)
+        raise
+    finally:
+        session.close()
+    if not won:
+        for f in written:
+            sto.delete(f.key)
+        logger.info("batch %s: another actor finalized it first", batch_id)
+        return None
+    sto.delete_prefix(batch_prefix(batch_id))
+    logger.info("batch %s %s: %s ok, %s error lines", batch_id, target, completed, err.lines)
+    return target

@@ -1,0 +1,195 @@
+"""Per-process model state: tokenizers for the control worker, one engine host per served
+model for the model workers, and the translation of a validated request into engine input.
+
+Everything the worker knows about the engine lives here. Engines load once per process, under
+a lock, on first use or at worker start (``worker_ready``); the threads pool then shares them,
+so there is never a fork after a model is loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from core.batchfile import COMPLETIONS_DEFAULT_MAX_TOKENS, BatchRequest
+from core.settings import get_settings
+
+if TYPE_CHECKING:
+    from engine import EngineHost, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_tokenizers: dict[str, Any] = {}
+_context: dict[str, int] = {}
+_hosts: dict[str, EngineHost] = {}
+_load_locks: dict[str, threading.Lock] = {}
+
+# Options in ``engine_options`` that size the host rather than the engine.
+HOST_OPTIONS = ("max_pending", "engine_backlog")
+
+
+class PromptError(ValueError):
+    """A request this model can never run (say, a prompt longer than its context)."""
+
+    def __init__(self, code: str, message: str, param: str | None = None):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.param = param
+
+
+def model_dir(model: str) -> Path:
+    """The local directory of served model ``model`` (demo presets are built on first use)."""
+    spec = get_settings().models.get(model)
+    if spec is None:
+        raise KeyError(f"model {model!r} is not served here")
+    if spec.startswith("demo:"):
+        from engine.demo_models import build
+
+        return build(spec.split(":", 1)[1])
+    return Path(spec).expanduser()
+
+
+def tokenizer(model: str) -> Any:
+    """The model's tokenizer; the engine's own when this process runs the model."""
+    with _lock:
+        host = _hosts.get(model)
+        if host is not None:
+            return host.tokenizer
+        tok = _tokenizers.get(model)
+        if tok is None:
+            from transformers import AutoTokenizer
+
+            tok = _tokenizers[model] = AutoTokenizer.from_pretrained(model_dir(model))
+        return tok
+
+
+def context_length(model: str) -> int:
+    """The most tokens (prompt + output) one sequence of ``model`` may hold."""
+    with _lock:
+        if model in _context:
+            return _context[model]
+    limit = get_settings().engine_options.get("max_model_len")
+    if limit is None:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_dir(model))
+        limit = getattr(config, "max_position_embeddings", None) or 2048
+    with _lock:
+        _context[model] = int(limit)
+    return int(limit)
+
+
+def host(model: str) -> EngineHost:
+    """The process-wide engine host for ``model``, loaded and started on first use."""
+    with _lock:
+        existing = _hosts.get(model)
+        if existing is not None:
+            return existing
+        load_lock = _load_locks.setdefault(model, threading.Lock())
+    with load_lock:  # one loader per model; other models and tokenizers stay available
+        with _lock:
+            existing = _hosts.get(model)
+        if existing is not None:
+            return existing
+        from engine import Engine, EngineHost
+
+        options = dict(get_settings().engine_options)
+        host_options = {k: options.pop(k) for k in HOST_OPTIONS if k in options}
+        path = model_dir(model)
+        logger.info("loading model %s from %s", model, path)
+        engine = Engine(str(path), **options)
+        started = EngineHost(engine, name=f"engine-host-{model}", **host_options).start()
+        configured = getattr(getattr(engine, "config", None), "max_model_len", None)
+        with _lock:
+            _hosts[model] = started
+            if configured:
+                _context[model] = int(configured)
+        logger.info("model %s ready", model)
+        return started
+
+
+def loaded_hosts() -> dict[str, EngineHost]:
+    with _lock:
+        return dict(_hosts)
+
+
+def shutdown_hosts() -> None:
+    with _lock:
+        hosts = list(_hosts.values())
+        _hosts.clear()
+    for h in hosts:
+        h.shutdown(wait=True, abort_pending=True, timeout=30)
+
+
+def _ids(encoded: Any) -> list[int]:
+    """Token ids from whatever a tokenizer call returned (list, BatchEncoding or dict)."""
+    if isinstance(encoded, Mapping) or hasattr(encoded, "keys"):
+        encoded = encoded["input_ids"]
+    ids = list(encoded)
+    if ids and isinstance(ids[0], list):  # a batch of one
+        ids = ids[0]
+    return [int(t) for t in ids]
+
+
+def prompt_token_ids(tok: Any, req: BatchRequest) -> list[int]:
+    if req.kind == "chat":
+        return _ids(
+            tok.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=True)
+        )
+    if isinstance(req.prompt, list):
+        return [int(t) for t in req.prompt]
+    return _ids(tok(req.prompt, add_special_tokens=True))
+
+
+def default_max_tokens(req: BatchRequest, prompt_len: int, context: int) -> int:
+    """OpenAI's defaults: chat may use the rest of the context, completions 16 tokens."""
+    if req.max_tokens is not None:
+        return req.max_tokens
+    remaining = context - prompt_len
+    if req.kind == "completion":
+        return min(COMPLETIONS_DEFAULT_MAX_TOKENS, max(remaining, 1))
+    return max(remaining, 1)
+
+
+def estimate_tokens(req: BatchRequest, prompt_len: int, context: int) -> int:
+    """Prompt plus the most output tokens the request may produce: the shard planner's unit."""
+    output = min(default_max_tokens(req, prompt_len, context), max(context - prompt_len, 0))
+    return prompt_len + output * max(req.n, 1)
+
+
+def check_prompt(req: BatchRequest, prompt_len: int, context: int) -> None:
+    param = "body.messages" if req.kind == "chat" else "body.prompt"
+    if prompt_len == 0:
+        raise PromptError("invalid_prompt", "The prompt is empty after tokenization", param)
+    if prompt_len >= context:
+        raise PromptError(
+            "context_length_exceeded",
+            f"This model's maximum context length is {context} tokens; the prompt has "
+            f"{prompt_len} tokens, which leaves no room for output",
+            param,
+        )
+
+
+def sampling_params(req: BatchRequest, prompt_len: int, context: int) -> SamplingParams:
+    """Engine sampling parameters; raises ValueError for values the engine cannot honour."""
+    from engine import SamplingParams
+
+    return SamplingParams(
+        max_tokens=default_max_tokens(req, prompt_len, context),
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        seed=req.seed,
+        stop=list(req.stop) or None,
+        ignore_eos=req.ignore_eos,
+        n=req.n,
+        logprobs=req.logprobs,
+        top_logprobs=req.top_logprobs,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+    )

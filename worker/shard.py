@@ -1,0 +1,640 @@
+"""The shard task (model queues): run one contiguous range of a batch's requests through the
+process-wide engine host and checkpoint the results.
+
+Flow of :func:`run_shard`:
+
+1. Re-read the shard and its batch. A batch that is no longer ``in_progress`` (cancelled,
+   expiring) means: do nothing, but help it finalize if no shard is running any more.
+2. Claim the shard: ``pending|running -> running``, ``attempts + 1``, while holding a share
+   lock on the batch row, so a cancel either sees this shard running or the claim sees the
+   cancel. ``attempts`` fences off any older attempt still alive: its commits stop matching.
+3. Delete chunks an earlier attempt wrote but never committed; read the committed ones to
+   learn which lines are done; skip those.
+4. Feed the remaining requests to the engine host (``group = batch id``, so a cancel aborts
+   the whole batch in one call). ``submit`` blocks while the host's queue is full, which
+   bounds memory; it is called with a short timeout so the loop keeps checkpointing and
+   watching the batch status meanwhile.
+5. Every ``checkpoint_every`` results or ``checkpoint_interval_s`` seconds: write a chunk
+   (atomic), then in one transaction advance ``num_chunks``/``done_requests`` conditionally
+   and add to the batch's live counters.
+6. Done: mark the shard ``done``; the shard that finds no unfinished shard left moves the
+   batch to ``finalizing`` (one conditional UPDATE: one winner) and enqueues the finalize.
+   Cancelled or expired: abort the group, checkpoint what finished, mark the shard
+   ``stopped``; the last one to stop enqueues the finalize.
+
+Per-request failures (a prompt too long for the model, bad sampling values, an engine error
+for that request) become error-file lines; they never fail the shard.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from celery.signals import worker_ready
+from sqlalchemy import select, update
+
+from core.batchfile import (
+    BatchRequest,
+    LineError,
+    iter_lines,
+    parse_request,
+)
+from core.db import session_scope
+from core.lifecycle import transition
+from core.models import Batch, Shard
+from core.queue import TASK_FINALIZE, TASK_RUN_SHARD, model_queue
+from core.results import (
+    ChoiceResult,
+    GenerationResult,
+    TokenLogprobInfo,
+    output_line,
+    request_error_line,
+    response_body,
+)
+from core.settings import get_settings
+from worker import runtime
+from worker.celery_app import app
+from worker.checkpoints import (
+    ChunkRecord,
+    chunk_key,
+    committed_lines,
+    discard_uncommitted,
+    write_chunk,
+)
+from worker.common import (
+    CLOSED,
+    DONE,
+    HEARTBEAT_INTERVAL_S,
+    PENDING,
+    RUNNING,
+    STOPPED,
+    input_key,
+    live_shards,
+    past_expiry,
+    send,
+    storage,
+    unfinished_shards,
+    utcnow,
+)
+
+logger = logging.getLogger(__name__)
+
+STATUS_POLL_S = 1.0
+SUBMIT_WAIT_S = 0.25
+MAX_ABORT_RETRIES = 3  # a request aborted while its batch is still running is run again
+
+
+class ShardLost(Exception):
+    """Another attempt claimed this shard, or a finalize sealed it: stop without a trace."""
+
+
+@dataclass
+class ShardOutcome:
+    status: str  # done | stopped | skipped | lost
+    ran: int = 0
+    chunks: int = 0
+
+
+@dataclass
+class _Pending:
+    records: list[ChunkRecord] = field(default_factory=list)
+    ok: int = 0
+    failed: int = 0
+    input_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+
+    def add_ok(self, line: int, record: dict[str, Any], result: GenerationResult) -> None:
+        self.records.append(ChunkRecord(line, True, record))
+        self.ok += 1
+        self.input_tokens += result.prompt_tokens
+        self.cached_tokens += result.cached_tokens
+        self.output_tokens += result.completion_tokens
+
+    def add_error(self, line: int, record: dict[str, Any]) -> None:
+        self.records.append(ChunkRecord(line, False, record))
+        self.failed += 1
+
+
+# --------------------------------------------------------------------------------------------
+# Database steps
+
+
+def claim(shard_id: int, worker: str) -> tuple[int, int] | None:
+    """Claim the shard for a new attempt; (attempt, num_chunks), or None if it is not runnable."""
+    with session_scope() as session:
+        shard = session.get(Shard, shard_id)
+        if shard is None:
+            return None
+        status = session.scalar(
+            select(Batch.status).where(Batch.id == shard.batch_id).with_for_update(read=True)
+        )
+        if status != "in_progress":
+            return None
+        row = session.execute(
+            update(Shard)
+            .where(Shard.id == shard_id, Shard.status.in_((PENDING, RUNNING)))
+            .values(
+                status=RUNNING,
+                attempts=Shard.attempts + 1,
+                worker=worker,
+                heartbeat_at=utcnow(),
+            )
+            .returning(Shard.attempts, Shard.num_chunks)
+            .execution_options(synchronize_session=False)
+        ).first()
+        return None if row is None else (row.attempts, row.num_chunks)
+
+
+def commit_chunk(shard: Shard, attempt: int, chunk: int, pending: _Pending) -> None:
+    """Write chunk ``chunk`` and commit it with the live counters, or raise ShardLost.
+
+    The shard row stays locked from the ownership check to the commit, so a newer attempt or
+    a finalize sealing the shard waits for this chunk rather than racing it.
+    """
+    with session_scope() as session:
+        row = session.execute(
+            select(Shard.attempts, Shard.num_chunks, Shard.status)
+            .where(Shard.id == shard.id)
+            .with_for_update()
+        ).first()
+        if (
+            row is None
+            or row.attempts != attempt
+            or row.status != RUNNING
+            or row.num_chunks != chunk
+        ):
+            raise ShardLost(f"shard {shard.id} is no longer this attempt's ({row})")
+        write_chunk(storage(), chunk_key(shard.batch_id, shard.index, chunk), pending.records)
+        session.execute(
+            update(Shard)
+            .where(Shard.id == shard.id, Shard.num_chunks == chunk)
+            .values(
+                num_chunks=chunk + 1,
+                done_requests=Shard.done_requests + len(pending.records),
+                heartbeat_at=utcnow(),
+            )
+            .execution_options(synchronize_session=False)
+        )
+        session.execute(
+            update(Batch)
+            .where(Batch.id == shard.batch_id)
+            .values(
+                request_completed=Batch.request_completed + pending.ok,
+                request_failed=Batch.request_failed + pending.failed,
+                input_tokens=Batch.input_tokens + pending.input_tokens,
+                cached_tokens=Batch.cached_tokens + pending.cached_tokens,
+                output_tokens=Batch.output_tokens + pending.output_tokens,
+            )
+            .execution_options(synchronize_session=False)
+        )
+
+
+def set_shard_status(shard_id: int, attempt: int, status: str) -> bool:
+    with session_scope() as session:
+        result = session.execute(
+            update(Shard)
+            .where(Shard.id == shard_id, Shard.attempts == attempt, Shard.status == RUNNING)
+            .values(status=status, heartbeat_at=utcnow())
+            .execution_options(synchronize_session=False)
+        )
+        return result.rowcount == 1
+
+
+def finish_if_last(batch_id: str) -> bool:
+    """Move the batch to finalizing if no shard is unfinished; True for the one caller that
+    wins. Callers commit their own shard's ``done`` first, so of two shards finishing at once
+    at least the later one sees both done, and the conditional transition lets one win."""
+    with session_scope() as session:
+        if unfinished_shards(session, batch_id):
+            return False
+        won = transition(session, batch_id, "in_progress", "finalizing")
+    if won:
+        send(TASK_FINALIZE, batch_id)
+    return won
+
+
+def finalize_if_idle(batch_id: str) -> bool:
+    """For a cancelling or expiring batch: enqueue the finalize once no shard is running."""
+    with session_scope() as session:
+        batch = session.get(Batch, batch_id)
+        if batch is None:
+            return False
+        stopping = batch.status == "cancelling" or (
+            batch.status in ("in_progress", "finalizing") and past_expiry(batch.expires_at)
+        )
+        if not stopping or live_shards(session, batch_id):
+            return False
+    send(TASK_FINALIZE, batch_id)
+    return True
+
+
+def _heartbeat(shard_id: int, attempt: int) -> None:
+    with session_scope() as session:
+        session.execute(
+            update(Shard)
+            .where(Shard.id == shard_id, Shard.attempts == attempt, Shard.status == RUNNING)
+            .values(heartbeat_at=utcnow())
+            .execution_options(synchronize_session=False)
+        )
+
+
+def _batch_stopping(batch_id: str) -> bool:
+    with session_scope() as session:
+        row = session.execute(
+            select(Batch.status, Batch.expires_at).where(Batch.id == batch_id)
+        ).first()
+    return row is None or row.status != "in_progress" or past_expiry(row.expires_at)
+
+
+# --------------------------------------------------------------------------------------------
+# Engine output -> result lines
+
+
+def _logprobs(tok: Any, entries: Any) -> list[TokenLogprobInfo] | None:
+    if entries is None:
+        return None
+    out = []
+    for entry in entries:
+        out.append(
+            TokenLogprobInfo(
+                token=tok.decode([entry.token_id]),
+                logprob=float(entry.logprob),
+                top=[(tok.decode([tid]), float(lp), None) for tid, lp in entry.top],
+            )
+        )
+    return out
+
+
+def generation_result(tok: Any, req: BatchRequest, output: Any) -> GenerationResult:
+    choices = [
+        ChoiceResult(
+            index=c.index,
+            text=c.text,
+            finish_reason=c.finish_reason or "stop",
+            completion_tokens=len(c.token_ids),
+            logprobs=_logprobs(tok, c.logprobs) if req.logprobs else None,
+        )
+        for c in output.outputs
+    ]
+    return GenerationResult(
+        prompt_tokens=len(output.prompt_token_ids),
+        cached_tokens=int(getattr(output.metrics, "num_cached_tokens", 0) or 0),
+        choices=choices,
+    )
+
+
+def _error_record(
+    req: BatchRequest,
+    code: str | None,
+    message: str,
+    *,
+    param: str | None = None,
+    status_code: int = 400,
+    type: str = "invalid_request_error",
+) -> dict[str, Any]:
+    return request_error_line(
+        req.custom_id, status_code=status_code, message=message, code=code, param=param, type=type
+    )
+
+
+def _error_for_exception(req: BatchRequest, exc: BaseException) -> dict[str, Any]:
+    from engine import RequestError
+
+    if isinstance(exc, runtime.PromptError):
+        return _error_record(req, exc.code, exc.message, param=exc.param)
+    if isinstance(exc, RequestError):
+        text = str(exc)
+        code = (
+            "context_length_exceeded" if "context" in text or "long" in text else "invalid_request"
+        )
+        return _error_record(req, code, text)
+    if isinstance(exc, ValueError):
+        return _error_record(req, "invalid_value", str(exc))
+    return _error_record(
+        req,
+        "server_error",
+        f"The engine failed on this request: {exc}",
+        status_code=500,
+        type="server_error",
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The run
+
+
+class ShardRun:
+    """One attempt at one shard. ``after_commit(chunk)`` is a test seam called after each
+    committed checkpoint."""
+
+    def __init__(
+        self,
+        shard: Shard,
+        batch: Batch,
+        key: str,
+        attempt: int,
+        num_chunks: int,
+        done_lines: set[int],
+        host: Any,
+        after_commit: Callable[[int], None] | None = None,
+    ):
+        settings = get_settings()
+        self.shard = shard
+        self.batch_id = batch.id
+        self.endpoint = batch.endpoint
+        self.model = batch.model or ""
+        self.key = key
+        self.attempt = attempt
+        self.chunk = num_chunks
+        self.done_lines = done_lines
+        self.host = host
+        self.tok = host.tokenizer
+        self.context = runtime.context_length(self.model)
+        self.every = max(1, settings.checkpoint_every)
+        self.interval = settings.checkpoint_interval_s
+        self.after_commit = after_commit
+        self.done_q: queue.SimpleQueue[tuple[BatchRequest, list[int], Any, Future]] = (
+            queue.SimpleQueue()
+        )
+        self.pending = _Pending()
+        self.in_flight = 0
+        self.ran = 0
+        self.stopping = False
+        self.retries: dict[int, int] = {}
+        self.to_retry: list[tuple[BatchRequest, list[int], Any]] = []
+        self._last_checkpoint = time.monotonic()
+        self._last_poll = time.monotonic()
+        self._last_heartbeat = time.monotonic()
+
+    # -- bookkeeping
+
+    def _checkpoint(self, force: bool = False) -> None:
+        n = len(self.pending.records)
+        if not n:
+            self._last_checkpoint = time.monotonic()
+            return
+        due = n >= self.every or time.monotonic() - self._last_checkpoint >= self.interval
+        if not (force or due):
+            return
+        commit_chunk(self.shard, self.attempt, self.chunk, self.pending)
+        self.chunk += 1
+        self.ran += n
+        self.pending = _Pending()
+        self._last_checkpoint = self._last_heartbeat = time.monotonic()
+        if self.after_commit is not None:
+            self.after_commit(self.chunk)
+
+    def _poll(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._last_poll >= STATUS_POLL_S:
+            self._last_poll = now
+            if not self.stopping and _batch_stopping(self.batch_id):
+                logger.info(
+                    "batch %s is stopping; shard %s aborts", self.batch_id, self.shard.index
+                )
+                self.stopping = True
+                self.host.abort_group(self.batch_id)
+        if now - self._last_heartbeat >= HEARTBEAT_INTERVAL_S:
+            self._last_heartbeat = now
+            _heartbeat(self.shard.id, self.attempt)
+
+    def _collect(self, block_s: float = 0.0) -> None:
+        """Move finished requests into the pending chunk."""
+        try:
+            item = self.done_q.get(timeout=block_s) if block_s > 0 else self.done_q.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(*item)
+            try:
+                item = self.done_q.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, req: BatchRequest, ids: list[int], params: Any, future: Future) -> None:
+        self.in_flight -= 1
+        exc = future.exception()
+        if exc is not None:
+            self.pending.add_error(req.line, _error_for_exception(req, exc))
+            return
+        output = future.result()
+        if output.error:
+            self.pending.add_error(req.line, _error_record(req, "invalid_request", output.error))
+            return
+        if not output.finished or any(c.finish_reason == "abort" for c in output.outputs):
+            # Aborted: part of a cancel or expiry (the finalize writes its error line), or,
+            # if the batch is still running, something else aborted it: run it again.
+            tries = self.retries.get(req.line, 0) + 1
+            self.retries[req.line] = tries
+            if tries <= MAX_ABORT_RETRIES:
+                self.to_retry.append((req, ids, params))
+            else:
+                self.pending.add_error(
+                    req.line,
+                    _error_record(
+                        req,
+                        "server_error",
+                        "The request was aborted by the engine",
+                        status_code=500,
+                        type="server_error",
+                    ),
+                )
+            return
+        result = generation_result(self.tok, req, output)
+        self.pending.add_ok(
+            req.line, output_line(req.custom_id, response_body(req, result)), result
+        )
+
+    def _submit(self, req: BatchRequest, ids: list[int], params: Any) -> None:
+        from engine.host import HostQueueFull
+
+        def done(fut: Future, req: BatchRequest = req) -> None:
+            self.done_q.put((req, ids, params, fut))
+
+        while not self.stopping:
+            try:
+                self.host.submit(
+                    ids, params, group=self.batch_id, callback=done, timeout=SUBMIT_WAIT_S
+                )
+            except HostQueueFull:
+                self._collect()
+                self._checkpoint()
+                self._poll()
+                continue
+            except ValueError as exc:  # refused at submission
+                self.pending.add_error(req.line, _error_for_exception(req, exc))
+                return
+            self.in_flight += 1
+            return
+
+    def _prepare(self, req: BatchRequest) -> tuple[list[int], Any] | None:
+        try:
+            ids = runtime.prompt_token_ids(self.tok, req)
+            runtime.check_prompt(req, len(ids), self.context)
+            params = runtime.sampling_params(req, len(ids), self.context)
+        except Exception as exc:
+            self.pending.add_error(req.line, _error_for_exception(req, exc))
+            return None
+        return ids, params
+
+    # -- the loop
+
+    def run(self) -> str:
+        """Return ``done`` or ``stopped``; raise ShardLost if this attempt lost the shard."""
+        try:
+            self._feed()
+            while not self.stopping and (self.in_flight or self.to_retry):
+                if self.to_retry:
+                    self._poll(force=True)  # was the abort a cancel this shard has not seen?
+                    if self.stopping:
+                        break
+                retry, self.to_retry = self.to_retry, []
+                for req, ids, params in retry:
+                    self._submit(req, ids, params)
+                self._collect(block_s=0.2)
+                self._checkpoint()
+                self._poll()
+            if self.stopping:
+                self.host.abort_group(self.batch_id)
+                deadline = time.monotonic() + 30
+                while self.in_flight and time.monotonic() < deadline:
+                    self._collect(block_s=0.2)
+                self.to_retry.clear()  # never-finished requests are the finalize's to report
+            self._checkpoint(force=True)
+        except ShardLost:
+            if self.stopping:
+                self.host.abort_group(self.batch_id)
+            raise
+        return STOPPED if self.stopping else DONE
+
+    def _feed(self) -> None:
+        sto = storage()
+        chunks = sto.read_range(self.key, self.shard.start_offset, self.shard.end_offset)
+        for raw in iter_lines(
+            chunks,
+            max_line_bytes=get_settings().max_line_bytes,
+            first_line=self.shard.start_line,
+            base_offset=self.shard.start_offset,
+        ):
+            if raw.line in self.done_lines:
+                continue
+            try:
+                req = parse_request(raw, endpoint=self.endpoint, served_models=None)
+            except LineError as err:  # validated before; only a changed file lands here
+                logger.error("shard %s line %s no longer parses: %s", self.shard.id, raw.line, err)
+                continue
+            prepared = self._prepare(req)
+            if prepared is not None:
+                self._submit(req, *prepared)
+            self._collect()
+            self._checkpoint()
+            self._poll()
+            if self.stopping:
+                return
+
+
+def run_shard(
+    shard_id: int,
+    *,
+    worker: str | None = None,
+    host: Any = None,
+    after_commit: Callable[[int], None] | None = None,
+) -> ShardOutcome:
+    """Run (or resume) one shard; see the module docstring. ``host`` defaults to the
+    process-wide engine host for the batch's model."""
+    worker = worker or f"{socket.gethostname()}:{threading.get_ident()}"
+    with session_scope() as session:
+        shard = session.get(Shard, shard_id)
+        batch = session.get(Batch, shard.batch_id) if shard is not None else None
+        if shard is None or batch is None:
+            logger.warning("shard %s is gone", shard_id)
+            return ShardOutcome("skipped")
+        key = input_key(session, batch)
+        session.expunge_all()
+    if (
+        shard.status in (DONE, CLOSED, STOPPED)
+        or batch.status != "in_progress"
+        or past_expiry(batch.expires_at)
+    ):
+        if shard.status == DONE and batch.status == "in_progress":
+            finish_if_last(batch.id)  # a redelivered task of a finished shard
+        else:
+            finalize_if_idle(batch.id)
+        return ShardOutcome("skipped")
+
+    claimed = claim(shard_id, worker)
+    if claimed is None:
+        finalize_if_idle(batch.id)
+        return ShardOutcome("skipped")
+    attempt, num_chunks = claimed
+    sto = storage()
+    discarded = discard_uncommitted(sto, batch.id, shard.index, num_chunks)
+    done_lines = committed_lines(sto, batch.id, shard.index, num_chunks)
+    if discarded or done_lines:
+        logger.info(
+            "shard %s attempt %s resumes: %s lines done, %s uncommitted chunks discarded",
+            shard_id,
+            attempt,
+            len(done_lines),
+            discarded,
+        )
+    if host is None:
+        host = runtime.host(batch.model or "")
+    run = ShardRun(shard, batch, key, attempt, num_chunks, done_lines, host, after_commit)
+    try:
+        status = run.run()
+    except ShardLost as lost:
+        logger.warning("shard %s attempt %s stops: %s", shard_id, attempt, lost)
+        return ShardOutcome("lost", run.ran, run.chunk)
+    except BaseException:
+        # Leave the shard running: the redelivered task (or the sweep) takes it from its
+        # last committed checkpoint.
+        logger.exception("shard %s attempt %s failed", shard_id, attempt)
+        raise
+    if not set_shard_status(shard_id, attempt, status):
+        return ShardOutcome("lost", run.ran, run.chunk)
+    if status == DONE:
+        finish_if_last(batch.id)
+    else:
+        finalize_if_idle(batch.id)
+    return ShardOutcome(status, run.ran, run.chunk)
+
+
+@app.task(name=TASK_RUN_SHARD, bind=True)
+def run_shard_task(self: Any, shard_id: int) -> None:
+    run_shard(int(shard_id), worker=f"{self.request.hostname}:{threading.get_ident()}")
+
+
+def send_shards(model: str, shard_ids: list[int]) -> None:
+    for shard_id in shard_ids:
+        send(TASK_RUN_SHARD, shard_id, queue=model_queue(model))
+
+
+@worker_ready.connect
+def _load_served_models(sender: Any = None, **_: Any) -> None:
+    """Load the engine of every model whose queue this worker consumes, once, at start."""
+    try:
+        consumed = set(sender.app.amqp.queues.consume_from or ())
+    except Exception:
+        return
+    models = [m for m in get_settings().models if model_queue(m) in consumed]
+    if not models:
+        return
+
+    def load() -> None:
+        for model in models:
+            try:
+                runtime.host(model)
+            except Exception:
+                logger.exception("could not load model %s", model)
+
+    threading.Thread(target=load, name="batchd-model-loader", daemon=True).start()

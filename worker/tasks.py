@@ -1,0 +1,200 @@
+"""Control-queue tasks: validate, finalize, cancel and the expiry sweep.
+
+Every task re-reads the batch and acts only if the world still calls for it, so a duplicate
+delivery (late acknowledgement) or a race with another actor is harmless: each status change is
+one conditional UPDATE (:func:`core.lifecycle.transition`) and only one actor wins it.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import UTC
+from typing import Any
+
+from sqlalchemy import select
+
+from core.batchfile import BatchRequest, validate_file
+from core.db import new_session, session_scope
+from core.lifecycle import transition
+from core.models import Batch, Shard
+from core.queue import TASK_CANCEL, TASK_FINALIZE, TASK_SWEEP_EXPIRED, TASK_VALIDATE
+from core.settings import get_settings
+from core.sharding import ShardPlanner
+from worker import runtime
+from worker.celery_app import app
+from worker.common import input_key, live_shards, send, stale_after_s, storage, utcnow
+from worker.finalize import finalize
+
+logger = logging.getLogger(__name__)
+
+
+class _TokenCounter:
+    """Estimates each request's tokens with the model's own tokenizer (no model weights)."""
+
+    def __init__(self, model_names: list[str]):
+        self.model_names = set(model_names)
+
+    def __call__(self, req: BatchRequest) -> int:
+        tok = runtime.tokenizer(req.model)
+        context = runtime.context_length(req.model)
+        try:
+            prompt_len = len(runtime.prompt_token_ids(tok, req))
+        except Exception:
+            prompt_len = 0
+        return runtime.estimate_tokens(req, prompt_len, context)
+
+
+def validate(batch_id: str) -> str | None:
+    """Validate the batch's input file and plan its shards; return the new status."""
+    settings = get_settings()
+    with session_scope() as session:
+        batch = session.get(Batch, batch_id)
+        if batch is None:
+            logger.warning("validate: batch %s is gone", batch_id)
+            return None
+        status, endpoint = batch.status, batch.endpoint
+        if status == "cancelling":
+            return finalize(batch_id)
+        if status != "validating":
+            return None  # someone else got here first
+        key = input_key(session, batch)
+
+    served = list(settings.models)
+    planner = ShardPlanner(settings.shard_max_tokens, settings.shard_max_requests)
+    count = _TokenCounter(served)
+
+    def on_request(req: BatchRequest) -> None:
+        planner.add(req.line, req.offset, req.length, count(req))
+
+    with storage().reader(key) as stream:
+        report = validate_file(
+            stream,
+            endpoint=endpoint,
+            served_models=served,
+            max_requests=settings.max_requests_per_batch,
+            max_line_bytes=settings.max_line_bytes,
+            max_errors=settings.max_errors_reported,
+            on_request=on_request,
+        )
+
+    session = new_session()
+    try:
+        if not report.ok:
+            errors = report.error_dicts()
+            if report.num_more_errors:
+                errors.append(
+                    {
+                        "code": "too_many_errors",
+                        "message": f"{report.num_more_errors} more errors were not reported "
+                        f"(the first {len(report.errors)} are listed)",
+                        "param": None,
+                        "line": None,
+                    }
+                )
+            won = transition(
+                session,
+                batch_id,
+                "validating",
+                "failed",
+                errors=errors,
+                request_total=report.num_requests + report.num_invalid,
+            )
+            session.commit()
+            if won:
+                return "failed"
+        else:
+            specs = planner.finish()
+            shards = [
+                Shard(
+                    batch_id=batch_id,
+                    index=spec.index,
+                    status="pending",
+                    start_line=spec.start_line,
+                    end_line=spec.end_line,
+                    start_offset=spec.start_offset,
+                    end_offset=spec.end_offset,
+                    num_requests=spec.num_requests,
+                    est_tokens=spec.est_tokens,
+                )
+                for spec in specs
+            ]
+            won = transition(
+                session,
+                batch_id,
+                "validating",
+                "in_progress",
+                model=report.model,
+                request_total=report.num_requests,
+            )
+            if won:
+                session.add_all(shards)
+                session.flush()
+                shard_ids = [s.id for s in shards]
+                session.commit()
+                from worker.shard import send_shards
+
+                send_shards(report.model or "", shard_ids)
+                logger.info(
+                    "batch %s: %s requests in %s shards", batch_id, report.num_requests, len(shards)
+                )
+                return "in_progress"
+            session.rollback()
+    finally:
+        session.close()
+    # Lost the race: the batch was cancelled (or expired) while it was being validated.
+    return finalize(batch_id)
+
+
+def cancel(batch_id: str) -> str | None:
+    """Finish a cancel now if no shard is running; otherwise the running shards notice within
+    about a second, abort their requests and the last one to stop enqueues the finalize."""
+    with session_scope() as session:
+        batch = session.get(Batch, batch_id)
+        if batch is None or batch.status != "cancelling":
+            return None
+        running = live_shards(session, batch_id)
+    if running:
+        logger.info("batch %s: waiting for %s running shards to stop", batch_id, running)
+        return None
+    return finalize(batch_id)
+
+
+def sweep_expired() -> int:
+    """End batches past their completion window; also re-drive cancels whose shards died."""
+    now = utcnow()
+    with session_scope() as session:
+        rows = session.execute(
+            select(Batch.id, Batch.status, Batch.cancelling_at)
+            .where(Batch.status.in_(("validating", "in_progress", "finalizing", "cancelling")))
+            .where((Batch.expires_at <= now) | (Batch.status == "cancelling"))
+        ).all()
+    sent = 0
+    for batch_id, status, cancelling_at in rows:
+        if status == "cancelling" and cancelling_at is not None:
+            if cancelling_at.tzinfo is None:
+                cancelling_at = cancelling_at.replace(tzinfo=UTC)
+            if (now - cancelling_at).total_seconds() < stale_after_s():
+                continue
+        send(TASK_FINALIZE, batch_id)
+        sent += 1
+    return sent
+
+
+@app.task(name=TASK_VALIDATE)
+def validate_batch(batch_id: str) -> None:
+    validate(batch_id)
+
+
+@app.task(name=TASK_FINALIZE)
+def finalize_batch(batch_id: str) -> None:
+    finalize(batch_id)
+
+
+@app.task(name=TASK_CANCEL)
+def cancel_batch(batch_id: str) -> None:
+    cancel(batch_id)
+
+
+@app.task(name=TASK_SWEEP_EXPIRED)
+def sweep_expired_task(**_: Any) -> None:
+    sweep_expired()
