@@ -16,6 +16,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    Text,
     MetaData,
     String,
     UniqueConstraint,
@@ -51,9 +52,30 @@ class File(Base):
     expires_at: Mapped[datetime | None] = mapped_column(Timestamp, nullable=True)
 
 
+class ApiKey(Base):
+    """A bearer key. Only its SHA-256 is stored; the key itself is shown once, at creation."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(64), index=True)
+    name: Mapped[str] = mapped_column(String(256), default="")
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    prefix: Mapped[str] = mapped_column(String(16))  # shown in listings: "sk-bd-ab12…"
+    created_at: Mapped[datetime] = mapped_column(Timestamp, server_default=func.now())
+    last_used_at: Mapped[datetime | None] = mapped_column(Timestamp, nullable=True)
+    revoked_at: Mapped[datetime | None] = mapped_column(Timestamp, nullable=True)
+    # Default webhook for batches created with this key (a batch may name its own).
+    webhook_url: Mapped[str | None] = mapped_column(Text, nullable=True)
+    webhook_secret: Mapped[str | None] = mapped_column(String(128), nullable=True)
+
+
 class Batch(Base):
     __tablename__ = "batches"
-    __table_args__ = (Index("ix_batches_status_expires_at", "status", "expires_at"),)
+    __table_args__ = (
+        Index("ix_batches_status_expires_at", "status", "expires_at"),
+        UniqueConstraint("tenant", "idempotency_key"),
+    )
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     tenant: Mapped[str] = mapped_column(String(64), default="default", index=True)
@@ -67,6 +89,13 @@ class Batch(Base):
     # OpenAI's errors.data: [{code, message, param, line}]
     errors: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, nullable=True)
     metadata_: Mapped[dict[str, str] | None] = mapped_column("metadata", JSON, nullable=True)
+    # Extensions: scheduling priority (high | normal | low), idempotent create, webhooks.
+    priority: Mapped[str] = mapped_column(String(8), default="normal", server_default="normal")
+    idempotency_key: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    webhook_url: Mapped[str | None] = mapped_column(Text, nullable=True)
+    webhook_secret: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    # Prompt tokens counted at validation: what the batch holds against the tenant's queue limit.
+    est_prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
     created_at: Mapped[datetime] = mapped_column(Timestamp, server_default=func.now())
     expires_at: Mapped[datetime] = mapped_column(Timestamp)
@@ -116,9 +145,27 @@ class Shard(Base):
     num_chunks: Mapped[int] = mapped_column(Integer, default=0)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     worker: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    released_at: Mapped[datetime | None] = mapped_column(Timestamp, nullable=True)
     heartbeat_at: Mapped[datetime | None] = mapped_column(Timestamp, nullable=True)
     updated_at: Mapped[datetime] = mapped_column(
         Timestamp, server_default=func.now(), onupdate=func.now()
     )
 
     batch: Mapped[Batch] = relationship(back_populates="shards")
+
+
+class WebhookDelivery(Base):
+    """One webhook event for a batch reaching a terminal status, and its delivery attempts."""
+
+    __tablename__ = "webhook_deliveries"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # the event's webhook-id
+    batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"), index=True)
+    event_type: Mapped[str] = mapped_column(String(32))  # batch.completed, batch.failed, …
+    url: Mapped[str] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(String(16), default="pending")  # pending|delivered|failed
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    last_status_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(Timestamp, server_default=func.now())
+    delivered_at: Mapped[datetime | None] = mapped_column(Timestamp, nullable=True)
