@@ -1,0 +1,154 @@
+"""The correctness oracle: greedy engine output equals transformers' ``generate()`` run one
+request at a time, token for token, under every scheduling regime the engine has."""
+
+from __future__ import annotations
+
+import copy
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from engine import Engine, SamplingParams
+from engine.demo_models import build
+
+NUM_REQUESTS = 32
+
+
+@dataclass
+class Case:
+    prompt: list[int]
+    max_tokens: int
+    ignore_eos: bool
+
+
+def _cases(seed: int, shared_prefixes: bool) -> list[Case]:
+    rng = random.Random(seed)
+    vocab = 2048
+    lengths = [1, 2, 15, 16, 17, 33, 64, 100, 160, 250, 300, 317]
+    lengths += [rng.randint(1, 320) for _ in range(NUM_REQUESTS - len(lengths))]
+    prefixes = [[rng.randrange(3, vocab) for _ in range(n)] for n in (48, 130, 200)]
+    cases = []
+    for i, n in enumerate(lengths):
+        if shared_prefixes:
+            prefix = prefixes[i % len(prefixes)]
+            prompt = prefix + [rng.randrange(3, vocab) for _ in range(rng.randint(1, 40))]
+        else:
+            prompt = [rng.randrange(3, vocab) for _ in range(n)]
+        cases.append(Case(prompt, rng.choice([1, 2, 5, 9, 16, 24]), ignore_eos=i % 3 != 0))
+    return cases
+
+
+def _hf_reference(path: str, cases: list[Case]) -> list[list[int]]:
+    """Greedy continuation by transformers, one request at a time, never stopping at eos
+    (the eos cut is applied afterwards for the requests that honour it)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    config = copy.deepcopy(model.generation_config)
+    config.eos_token_id = None
+    out = []
+    with torch.inference_mode():
+        for case in cases:
+            ids = torch.tensor([case.prompt])
+            gen = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=case.max_tokens,
+                do_sample=False, generation_config=config,
+            )
+            tokens = gen[0, len(case.prompt):].tolist()
+            assert len(tokens) == case.max_tokens
+            out.append(tokens)
+    return out
+
+
+@pytest.fixture(scope="module", params=["llama-tiny", "qwen2-tiny"])
+def model(request: pytest.FixtureRequest) -> dict:
+    path = str(build(request.param))
+    plain = _cases(1, shared_prefixes=False)
+    shared = _cases(2, shared_prefixes=True)
+    return {
+        "path": path,
+        "plain": (plain, _hf_reference(path, plain)),
+        "shared": (shared, _hf_reference(path, shared)),
+    }
+
+
+def _expected(reference: list[int], case: Case, eos: set[int]) -> list[int]:
+    if case.ignore_eos:
+        return reference
+    for i, t in enumerate(reference):
+        if t in eos:
+            return reference[: i + 1]
+    return reference
+
+
+def _run(engine: Engine, cases: list[Case]) -> dict[str, object]:
+    for i, case in enumerate(cases):
+        params = SamplingParams(max_tokens=case.max_tokens, temperature=0.0, ignore_eos=case.ignore_eos)
+        engine.add_request(str(i), case.prompt, params)
+    done = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done[out.request_id] = out
+        steps += 1
+        assert steps < 10_000
+    assert len(done) == len(cases)
+    return done
+
+
+def _check(engine: Engine, cases: list[Case], reference: list[list[int]]) -> dict[str, object]:
+    done = _run(engine, cases)
+    for i, case in enumerate(cases):
+        out = done[str(i)]
+        want = _expected(reference[i], case, set(engine.eos_token_ids))
+        got = out.outputs[0].token_ids
+        assert got == want, f"request {i} (prompt {len(case.prompt)} tokens) diverged"
+        assert out.outputs[0].finish_reason == ("length" if len(want) == case.max_tokens and
+                                                 (case.ignore_eos or want[-1] not in engine.eos_token_ids)
+                                                 else "stop")
+    stats = engine.stats()
+    assert stats.kv_blocks_used == 0, "every block is free once every request finished"
+    assert stats.num_running == stats.num_waiting == 0
+    return done
+
+
+def test_default_config(model: dict) -> None:
+    cases, ref = model["plain"]
+    engine = Engine(model["path"])
+    _check(engine, cases, ref)
+    assert engine.stats().num_preemptions == 0
+
+
+def test_preemption(model: dict) -> None:
+    cases, ref = model["plain"]
+    engine = Engine(model["path"], num_kv_blocks=40, max_num_seqs=64)
+    _check(engine, cases, ref)
+    assert engine.stats().num_preemptions > 0
+
+
+def test_chunked_prefill(model: dict) -> None:
+    cases, ref = model["plain"]
+    engine = Engine(model["path"], max_num_batched_tokens=48, enable_prefix_caching=False)
+    _check(engine, cases, ref)
+    stats = engine.stats()
+    assert stats.num_chunked_prefills > 0
+    assert stats.total_cached_tokens == 0
+
+
+def test_prefix_caching_shared_prefixes(model: dict) -> None:
+    cases, ref = model["shared"]
+    engine = Engine(model["path"])
+    done = _check(engine, cases, ref)
+    assert engine.stats().total_cached_tokens > 0
+    assert sum(o.metrics.num_cached_tokens for o in done.values()) > 0
+
+
+def test_prefix_caching_with_chunks_and_preemption(model: dict) -> None:
+    cases, ref = model["shared"]
+    engine = Engine(model["path"], num_kv_blocks=40, max_num_batched_tokens=64, admission="fcfs")
+    _check(engine, cases, ref)
+    stats = engine.stats()
+    assert stats.total_cached_tokens > 0
+    assert stats.num_chunked_prefills > 0
