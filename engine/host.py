@@ -453,21 +453,22 @@ class EngineHost:
                 _fail(entry.future, exc)
 
     def _apply_aborts(self, to_abort: list[_Entry], in_flight: dict[str, _Entry]) -> None:
-        if not to_abort:
-            return
-        aborted: list[_Entry] = []
+        """Abort in the engine now (its KV blocks are freed at once). The engine reports each
+        aborted request, with the tokens generated so far, from its next ``step()``; the
+        future resolves then. One the engine no longer knows resolves here."""
+        lost: list[_Entry] = []
         for entry in to_abort:
             if in_flight.get(entry.request_id) is not entry:
                 continue  # finished in the step that was running when the abort came
             try:
-                self._engine.abort_request(entry.request_id)
+                known = self._engine.abort_request(entry.request_id)
             except Exception:
                 logger.exception("aborting request %s failed", entry.request_id)
-            del in_flight[entry.request_id]
-            aborted.append(entry)
-        self._finish([(e, _abort_output(e)) for e in aborted], aborted=len(aborted))
-        # The engine reports aborted requests from its next step(); they are resolved already,
-        # so the loop ignores those reports (their ids are no longer in flight).
+                known = False
+            if not known:
+                del in_flight[entry.request_id]
+                lost.append(entry)
+        self._finish([(e, _abort_output(e)) for e in lost], aborted=len(lost))
 
     def _step(self, in_flight: dict[str, _Entry]) -> None:
         try:
@@ -482,11 +483,15 @@ class EngineHost:
                     self._engine.abort_request(entry.request_id)
                 except Exception:
                     logger.exception("aborting request %s after a failed step", entry.request_id)
+            # Requests already being aborted resolve as aborts; the rest carry the error.
+            aborted = [e for e in entries if e.abort_requested]
+            failed = [e for e in entries if not e.abort_requested]
+            self._finish([(e, _abort_output(e)) for e in aborted], aborted=len(aborted))
             with self._lock:
-                for entry in entries:
+                for entry in failed:
                     self._forget(entry)
-                self._counters.failed += len(entries)
-            for entry in entries:
+                self._counters.failed += len(failed)
+            for entry in failed:
                 _fail(entry.future, EngineStepError(f"engine step failed: {exc!r}"), exc)
             return
         self._counters.steps += 1

@@ -1,0 +1,200 @@
+"""EngineHost: many producers, one engine loop thread, bounded queue, aborts, failures."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, Engine, RequestError, SamplingParams
+from engine.demo_models import build
+from engine.host import EngineHost, EngineStepError, HostError, HostQueueFull
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    return build("llama-tiny")
+
+
+def _prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 2000) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def _engine(model_dir: Path, **config) -> Engine:
+    config.setdefault("max_num_seqs", 8)
+    config.setdefault("num_kv_blocks", 128)
+    return Engine(str(model_dir), **config)
+
+
+def _loop_cpu_ticks(host: EngineHost) -> int:
+    fields = Path(f"/proc/self/task/{host._thread.native_id}/stat").read_text().rsplit(")", 1)[1]
+    utime, stime = fields.split()[11:13]
+    return int(utime) + int(stime)
+
+
+def test_many_producers_get_the_same_results_as_llm_generate(model_dir: Path) -> None:
+    prompts = _prompts(24)
+    expected = [o.outputs[0].token_ids for o in LLM(str(model_dir), max_num_seqs=8).generate(
+        prompts, GREEDY, use_tqdm=False)]
+
+    results: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def producer(worker: int, host: EngineHost) -> None:
+        try:
+            futures = {
+                i: host.submit(prompts[i], GREEDY, group=f"shard-{worker}")
+                for i in range(worker, len(prompts), 4)
+            }
+            for i, fut in futures.items():
+                results[i] = fut.result(timeout=60).outputs[0].token_ids
+        except BaseException as exc:  # surfaced in the main thread below
+            errors.append(exc)
+
+    with EngineHost(_engine(model_dir), max_pending=3) as host:
+        threads = [threading.Thread(target=producer, args=(w, host)) for w in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        stats = host.stats()
+    assert not errors
+    assert [results[i] for i in range(len(prompts))] == expected
+    assert stats.completed == len(prompts) and stats.pending == 0 and stats.in_flight == 0
+    assert stats.submitted == len(prompts) and stats.failed == stats.aborted == 0
+    assert 0.0 < stats.mean_occupancy <= 1.0
+    assert stats.engine.kv_blocks_used == 0
+    assert not host.is_alive
+
+
+def test_bounded_queue_blocks_producers_until_the_loop_drains(model_dir: Path) -> None:
+    host = EngineHost(_engine(model_dir), max_pending=2)  # not started: nothing drains yet
+    prompts = _prompts(3, seed=1)
+    first = [host.submit(p, GREEDY) for p in prompts[:2]]
+    with pytest.raises(HostQueueFull, match="2 pending"):
+        host.submit(prompts[2], GREEDY, timeout=0.05)
+
+    submitted = threading.Event()
+    box = {}
+
+    def producer() -> None:
+        box["future"] = host.submit(prompts[2], GREEDY)
+        submitted.set()
+
+    thread = threading.Thread(target=producer)
+    thread.start()
+    assert not submitted.wait(0.3), "submit returned while the queue was full"
+    assert host.stats().pending == 2
+    host.start()
+    assert submitted.wait(30), "submit stayed blocked after the loop started draining"
+    thread.join(5)
+    for fut in [*first, box["future"]]:
+        assert fut.result(timeout=60).outputs[0].finish_reason == "length"
+    host.shutdown()
+
+
+def test_abort_group_frees_blocks_and_leaves_other_groups_running(model_dir: Path) -> None:
+    long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    short = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    with EngineHost(_engine(model_dir, max_num_seqs=4), max_pending=16) as host:
+        doomed = [host.submit(p, long, group="cancel-me") for p in _prompts(10, seed=2)]
+        kept = [host.submit(p, short, group="keep") for p in _prompts(4, seed=3)]
+        deadline = time.monotonic() + 30
+        while host.stats().engine.kv_blocks_used == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)  # let some of the doomed group start decoding
+        assert host.abort_group("cancel-me") == 10
+        assert host.abort_group("cancel-me") == 0
+        outs = [f.result(timeout=30) for f in doomed]
+        assert all(o.outputs[0].finish_reason == "abort" for o in outs)
+        assert any(o.outputs[0].token_ids for o in outs), "no doomed request was in flight"
+        assert all(len(o.outputs[0].token_ids) < 400 for o in outs)
+        kept_outs = [f.result(timeout=60) for f in kept]
+        assert [o.outputs[0].finish_reason for o in kept_outs] == ["length"] * 4
+        assert all(len(o.outputs[0].token_ids) == 12 for o in kept_outs)
+        stats = host.stats()
+        assert stats.engine.kv_blocks_used == 0
+        assert stats.aborted == 10 and stats.completed == 4 and stats.in_flight == 0
+
+
+def test_abort_one_request_and_unknown_ids(model_dir: Path) -> None:
+    long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    with EngineHost(_engine(model_dir)) as host:
+        fut = host.submit(_prompts(1)[0], long, request_id="r-1")
+        with pytest.raises(ValueError, match="already pending or in flight"):
+            host.submit([5, 6, 7], GREEDY, request_id="r-1")
+        assert host.abort("r-1")
+        assert fut.result(timeout=30).outputs[0].finish_reason == "abort"
+        assert not host.abort("r-1")
+        assert not host.abort("never-seen")
+
+
+def test_request_error_lands_on_its_own_future(model_dir: Path) -> None:
+    with EngineHost(_engine(model_dir, max_model_len=64)) as host:
+        good = host.submit(_prompts(1)[0], GREEDY)
+        bad = host.submit(list(range(3, 103)), GREEDY)  # 100 tokens > max_model_len
+        also_good = host.submit(_prompts(1, seed=5)[0], GREEDY)
+        assert isinstance(bad.exception(timeout=30), RequestError)
+        assert good.result(timeout=30).outputs[0].finish_reason == "length"
+        assert also_good.result(timeout=30).outputs[0].finish_reason == "length"
+        assert host.stats().failed == 1
+
+
+def test_step_failure_fails_in_flight_requests_and_the_host_keeps_serving(model_dir: Path) -> None:
+    engine = _engine(model_dir)
+    real_step = engine.step
+    calls = {"n": 0}
+
+    def flaky_step():
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("device fell over")
+        return real_step()
+
+    engine.step = flaky_step
+    with EngineHost(engine) as host:
+        futures = [host.submit(p, GREEDY) for p in _prompts(3, seed=6)]
+        for fut in futures:
+            exc = fut.exception(timeout=30)
+            assert isinstance(exc, EngineStepError)
+            assert "device fell over" in str(exc.__cause__)
+        after = host.submit(_prompts(1, seed=7)[0], GREEDY)
+        assert after.result(timeout=30).outputs[0].finish_reason == "length"
+        stats = host.stats()
+        assert stats.step_errors == 1 and stats.failed == 3
+        assert stats.engine.kv_blocks_used == 0
+
+
+def test_idle_loop_sleeps_and_callbacks_fire(model_dir: Path) -> None:
+    seen = []
+    with EngineHost(_engine(model_dir)) as host:
+        host.submit(_prompts(1)[0], GREEDY, callback=seen.append).result(timeout=30)
+        time.sleep(0.1)
+        steps, ticks = host.stats().steps, _loop_cpu_ticks(host)
+        time.sleep(0.5)
+        assert host.stats().steps == steps
+        assert _loop_cpu_ticks(host) - ticks <= 3, "the idle loop is spinning"
+    assert len(seen) == 1 and seen[0].done()
+
+
+def test_shutdown_drains_or_aborts_and_joins(model_dir: Path) -> None:
+    host = EngineHost(_engine(model_dir)).start()
+    drained = [host.submit(p, GREEDY) for p in _prompts(4, seed=8)]
+    host.shutdown(wait=True)
+    assert not host.is_alive
+    assert all(f.result(timeout=0).outputs[0].finish_reason == "length" for f in drained)
+    with pytest.raises(HostError, match="shut down"):
+        host.submit([1, 2, 3], GREEDY)
+
+    long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    host = EngineHost(_engine(model_dir, max_num_seqs=2), engine_backlog=0).start()
+    futures = [host.submit(p, long) for p in _prompts(6, seed=9)]
+    host.shutdown(wait=True, abort_pending=True)
+    assert not host.is_alive
+    assert all(f.result(timeout=0).outputs[0].finish_reason == "abort" for f in futures)
+    assert host.stats().engine.kv_blocks_used == 0
