@@ -74,7 +74,7 @@ class Batch(Base):
     __tablename__ = "batches"
     __table_args__ = (
         Index("ix_batches_status_expires_at", "status", "expires_at"),
-        UniqueConstraint("tenant", "idempotency_key"),
+        UniqueConstraint("tenant", "idempotency_key", name="uq_batches_tenant_idempotency_key"),
     )
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)

@@ -33,7 +33,7 @@ def upgrade() -> None:
     sa.Column('error_file_id', sa.String(length=64), nullable=True),
     sa.Column('errors', sa.JSON(), nullable=True),
     sa.Column('metadata', sa.JSON(), nullable=True),
-    sa.Column('created_at', sa.DateTime(timezone=True), server_default=sa.text('now()'), nullable=False),
+    sa.Column('created_at', sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False),
     sa.Column('expires_at', sa.DateTime(timezone=True), nullable=False),
     sa.Column('in_progress_at', sa.DateTime(timezone=True), nullable=True),
     sa.Column('finalizing_at', sa.DateTime(timezone=True), nullable=True),
@@ -59,7 +59,7 @@ def upgrade() -> None:
     sa.Column('filename', sa.String(length=512), nullable=False),
     sa.Column('bytes', sa.BigInteger(), nullable=False),
     sa.Column('storage_key', sa.String(length=512), nullable=False),
-    sa.Column('created_at', sa.DateTime(timezone=True), server_default=sa.text('now()'), nullable=False),
+    sa.Column('created_at', sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False),
     sa.Column('expires_at', sa.DateTime(timezone=True), nullable=True),
     sa.PrimaryKeyConstraint('id', name=op.f('pk_files'))
     )
@@ -80,7 +80,7 @@ def upgrade() -> None:
     sa.Column('attempts', sa.Integer(), nullable=False),
     sa.Column('worker', sa.String(length=256), nullable=True),
     sa.Column('heartbeat_at', sa.DateTime(timezone=True), nullable=True),
-    sa.Column('updated_at', sa.DateTime(timezone=True), server_default=sa.text('now()'), nullable=False),
+    sa.Column('updated_at', sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False),
     sa.ForeignKeyConstraint(['batch_id'], ['batches.id'], name=op.f('fk_shards_batch_id_batches'), ondelete='CASCADE'),
     sa.PrimaryKeyConstraint('id', name=op.f('pk_shards')),
     sa.UniqueConstraint('batch_id', 'index', name=op.f('uq_shards_batch_id'))
