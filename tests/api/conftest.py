@@ -29,6 +29,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.fixture
+def closed_port() -> int:
+    """A local port nothing listens on (connections are refused at once)."""
+    return free_port()
+
+
 @dataclass
 class Server:
     url: str
