@@ -112,7 +112,9 @@ class BatchdClient:
             ) from None
         except httpx.TransportError as exc:
             reason = str(exc) or type(exc).__name__
-            raise ServerUnreachable(f"Cannot reach the server at {self.base_url}: {reason}") from None
+            raise ServerUnreachable(
+                f"Cannot reach the server at {self.base_url}: {reason}"
+            ) from None
 
     def _request(self, method: str, path: str, **kwargs: Any) -> Any:
         with self._translate_errors():

@@ -184,7 +184,9 @@ def wait_for_batch(
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 return batch, True
-            sleep(poll_interval if deadline is None else max(0.0, min(poll_interval, deadline - now)))
+            sleep(
+                poll_interval if deadline is None else max(0.0, min(poll_interval, deadline - now))
+            )
             try:
                 batch = client.get_batch(batch_id)
                 last_answer = time.monotonic()

@@ -111,9 +111,10 @@ def up(
 
 
 def _register_commands() -> None:
-    from cli import client_commands
+    from cli import client_commands, run
 
     client_commands.register(app)
+    run.register(app)
 
 
 _register_commands()
