@@ -162,8 +162,18 @@ def estimate_tokens(req: BatchRequest, prompt_len: int, context: int) -> int:
     return prompt_len + output * max(req.n, 1)
 
 
-def check_prompt(req: BatchRequest, prompt_len: int, context: int) -> None:
+def check_prompt(
+    req: BatchRequest, prompt_len: int, context: int, vocab_size: int | None = None
+) -> None:
     param = "body.messages" if req.kind == "chat" else "body.prompt"
+    if vocab_size is not None and isinstance(req.prompt, list):
+        bad = next((t for t in req.prompt if t >= vocab_size), None)
+        if bad is not None:
+            raise PromptError(
+                "invalid_value",
+                f"Token id {bad} is out of range: this model's vocabulary has {vocab_size} tokens",
+                param,
+            )
     if prompt_len == 0:
         raise PromptError("invalid_prompt", "The prompt is empty after tokenization", param)
     if prompt_len >= context:

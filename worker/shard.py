@@ -105,23 +105,55 @@ class ShardOutcome:
 
 @dataclass
 class _Pending:
-    records: list[ChunkRecord] = field(default_factory=list)
-    ok: int = 0
-    failed: int = 0
-    input_tokens: int = 0
-    cached_tokens: int = 0
-    output_tokens: int = 0
+    """Finished results not yet checkpointed, each with its usage."""
+
+    items: list[tuple[ChunkRecord, int, int, int]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    @property
+    def records(self) -> list[ChunkRecord]:
+        return [item[0] for item in self.items]
+
+    @property
+    def ok(self) -> int:
+        return sum(1 for item in self.items if item[0].ok)
+
+    @property
+    def failed(self) -> int:
+        return len(self.items) - self.ok
+
+    @property
+    def input_tokens(self) -> int:
+        return sum(item[1] for item in self.items)
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(item[2] for item in self.items)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(item[3] for item in self.items)
 
     def add_ok(self, line: int, record: dict[str, Any], result: GenerationResult) -> None:
-        self.records.append(ChunkRecord(line, True, record))
-        self.ok += 1
-        self.input_tokens += result.prompt_tokens
-        self.cached_tokens += result.cached_tokens
-        self.output_tokens += result.completion_tokens
+        self.items.append(
+            (
+                ChunkRecord(line, True, record),
+                result.prompt_tokens,
+                result.cached_tokens,
+                result.completion_tokens,
+            )
+        )
 
     def add_error(self, line: int, record: dict[str, Any]) -> None:
-        self.records.append(ChunkRecord(line, False, record))
-        self.failed += 1
+        self.items.append((ChunkRecord(line, False, record), 0, 0, 0))
+
+    def take(self, n: int) -> _Pending:
+        """Split off the first ``n`` results (in the order they finished)."""
+        head = _Pending(self.items[:n])
+        del self.items[:n]
+        return head
 
 
 # --------------------------------------------------------------------------------------------
@@ -179,7 +211,7 @@ def commit_chunk(shard: Shard, attempt: int, chunk: int, pending: _Pending) -> N
             .where(Shard.id == shard.id, Shard.num_chunks == chunk)
             .values(
                 num_chunks=chunk + 1,
-                done_requests=Shard.done_requests + len(pending.records),
+                done_requests=Shard.done_requests + len(pending),
                 heartbeat_at=utcnow(),
             )
             .execution_options(synchronize_session=False)
@@ -314,7 +346,9 @@ def _error_for_exception(req: BatchRequest, exc: BaseException) -> dict[str, Any
     if isinstance(exc, RequestError):
         text = str(exc)
         code = (
-            "context_length_exceeded" if "context" in text or "long" in text else "invalid_request"
+            "context_length_exceeded"
+            if "max_model_len" in text or "context" in text
+            else "invalid_request"
         )
         return _error_record(req, code, text)
     if isinstance(exc, ValueError):
@@ -359,6 +393,7 @@ class ShardRun:
         self.host = host
         self.tok = host.tokenizer
         self.context = runtime.context_length(self.model)
+        self.vocab_size = len(self.tok)
         self.every = max(1, settings.checkpoint_every)
         self.interval = settings.checkpoint_interval_s
         self.after_commit = after_commit
@@ -378,20 +413,21 @@ class ShardRun:
     # -- bookkeeping
 
     def _checkpoint(self, force: bool = False) -> None:
-        n = len(self.pending.records)
-        if not n:
-            self._last_checkpoint = time.monotonic()
-            return
-        due = n >= self.every or time.monotonic() - self._last_checkpoint >= self.interval
-        if not (force or due):
-            return
-        commit_chunk(self.shard, self.attempt, self.chunk, self.pending)
-        self.chunk += 1
-        self.ran += n
-        self.pending = _Pending()
-        self._last_checkpoint = self._last_heartbeat = time.monotonic()
-        if self.after_commit is not None:
-            self.after_commit(self.chunk)
+        """Commit full chunks of ``checkpoint_every`` results; a partial one when the interval
+        has passed or ``force``."""
+        while self.pending:
+            n = len(self.pending)
+            late = time.monotonic() - self._last_checkpoint >= self.interval
+            if n < self.every and not (force or late):
+                return
+            chunk = self.pending.take(self.every)
+            commit_chunk(self.shard, self.attempt, self.chunk, chunk)
+            self.chunk += 1
+            self.ran += len(chunk)
+            self._last_checkpoint = self._last_heartbeat = time.monotonic()
+            if self.after_commit is not None:
+                self.after_commit(self.chunk)
+        self._last_checkpoint = time.monotonic()
 
     def _poll(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -479,7 +515,7 @@ class ShardRun:
     def _prepare(self, req: BatchRequest) -> tuple[list[int], Any] | None:
         try:
             ids = runtime.prompt_token_ids(self.tok, req)
-            runtime.check_prompt(req, len(ids), self.context)
+            runtime.check_prompt(req, len(ids), self.context, self.vocab_size)
             params = runtime.sampling_params(req, len(ids), self.context)
         except Exception as exc:
             self.pending.add_error(req.line, _error_for_exception(req, exc))

@@ -1,0 +1,216 @@
+"""Shard runs on real Postgres, local storage and an in-process engine host: checkpoints,
+resume after an interruption, finalize ordering and the last-shard race."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from worker_helpers import (
+    batch_row,
+    chat_line,
+    completion_line,
+    make_batch,
+    read_file_lines,
+    shard_rows,
+)
+
+pytestmark = pytest.mark.services
+
+
+class Interrupted(Exception):
+    pass
+
+
+def _validated(lines, **kw) -> str:
+    from worker.tasks import validate
+
+    batch_id = make_batch(lines, **kw)
+    assert validate(batch_id) == "in_progress"
+    return batch_id
+
+
+def test_interrupted_shard_resumes_with_exactly_one_result_per_request(worker_env, host):
+    from worker.checkpoints import chunk_key
+    from worker.common import storage
+    from worker.finalize import finalize
+    from worker.shard import run_shard
+
+    lines = [chat_line(f"r{i}", f"hello number {i}", max_tokens=6) for i in range(22)]
+    batch_id = _validated(lines)
+    (shard,) = shard_rows(batch_id)
+    assert (shard.status, shard.num_requests) == ("pending", 22)
+
+    def stop_after_two(chunk: int) -> None:
+        if chunk == 2:
+            raise Interrupted
+
+    with pytest.raises(Interrupted):
+        run_shard(shard.id, host=host, after_commit=stop_after_two)
+    (shard,) = shard_rows(batch_id)
+    assert (shard.status, shard.num_chunks, shard.done_requests, shard.attempts) == (
+        "running",
+        2,
+        8,
+        1,
+    )
+    assert batch_row(batch_id).request_completed == 8  # live counters advanced per checkpoint
+    # A chunk the dead attempt wrote but never committed: the retry must discard it.
+    from worker.checkpoints import ChunkRecord, write_chunk
+
+    stray = chunk_key(batch_id, shard.index, 2)
+    write_chunk(storage(), stray, [ChunkRecord(1, True, {"custom_id": "r0", "stray": True})])
+
+    outcome = run_shard(shard.id, host=host)
+    assert outcome.status == "done" and outcome.ran == 14
+    (shard,) = shard_rows(batch_id)
+    assert (shard.status, shard.done_requests, shard.attempts) == ("done", 22, 2)
+    batch = batch_row(batch_id)
+    assert batch.status == "finalizing"
+    assert (batch.request_completed, batch.request_failed) == (22, 0)
+
+    assert finalize(batch_id) == "completed"
+    batch = batch_row(batch_id)
+    out = read_file_lines(batch.output_file_id)
+    assert [r["custom_id"] for r in out] == [f"r{i}" for i in range(22)]
+    assert all("stray" not in r for r in out)
+    assert batch.error_file_id is None
+    assert batch.output_tokens == sum(
+        r["response"]["body"]["usage"]["completion_tokens"] for r in out
+    )
+    assert storage().list(f"batches/{batch_id}") == []  # chunks removed after finalize
+
+
+def test_multi_shard_finalize_keeps_input_order_and_reports_errors(worker_env, host, monkeypatch):
+    from core.settings import get_settings
+    from worker.finalize import finalize
+    from worker.shard import run_shard
+
+    monkeypatch.setenv("BATCHD_SHARD_MAX_REQUESTS", "5")
+    get_settings.cache_clear()
+    lines = []
+    for i in range(17):
+        if i == 6:
+            lines.append(completion_line("long", list(range(3, 1100))))  # over the context
+        elif i == 11:
+            lines.append(completion_line("bad-token", [5, 7, 99999]))
+        else:
+            lines.append(completion_line(f"c{i}", f"the cat {i}", max_tokens=4 + i % 5))
+    batch_id = _validated(lines, endpoint="/v1/completions")
+    shards = shard_rows(batch_id)
+    assert [s.num_requests for s in shards] == [5, 5, 5, 2]
+    # Shards finish in reverse order, and each writes several chunks whose lines interleave.
+    for shard in reversed(shards):
+        assert run_shard(shard.id, host=host).status == "done"
+    assert finalize(batch_id) == "completed"
+    batch = batch_row(batch_id)
+    out = read_file_lines(batch.output_file_id)
+    err = read_file_lines(batch.error_file_id)
+    assert [r["custom_id"] for r in out] == [f"c{i}" for i in range(17) if i not in (6, 11)]
+    assert [r["custom_id"] for r in err] == ["long", "bad-token"]
+    assert [r["response"]["status_code"] for r in err] == [400, 400]
+    codes = [r["response"]["body"]["error"]["code"] for r in err]
+    assert codes == ["context_length_exceeded", "invalid_value"]
+    assert (batch.request_completed, batch.request_failed) == (15, 2)
+
+
+def test_last_shard_race_has_one_winner(worker_env):
+    import redis
+
+    from worker.shard import finish_if_last, set_shard_status
+
+    client = redis.Redis.from_url(worker_env["BATCHD_BROKER_URL"])
+    lines = [chat_line(f"r{i}", "hi") for i in range(6)]
+    from core.settings import get_settings
+
+    for round_ in range(8):
+        get_settings.cache_clear()
+        import os
+
+        os.environ["BATCHD_SHARD_MAX_REQUESTS"] = "2"
+        try:
+            batch_id = _validated(lines)
+        finally:
+            del os.environ["BATCHD_SHARD_MAX_REQUESTS"]
+            get_settings.cache_clear()
+        shards = shard_rows(batch_id)
+        assert len(shards) == 3
+        from worker.shard import claim
+
+        attempts = {s.id: claim(s.id, "test")[0] for s in shards}
+        client.delete("batchd.control")
+        barrier = threading.Barrier(len(shards))
+        wins: list[bool] = []
+
+        def finish(shard_id: int, attempt: int, barrier=barrier, wins=wins, batch_id=batch_id):
+            barrier.wait()
+            assert set_shard_status(shard_id, attempt, "done")
+            wins.append(finish_if_last(batch_id))
+
+        threads = [threading.Thread(target=finish, args=(s.id, attempts[s.id])) for s in shards]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(wins) == [False, False, True], round_
+        assert batch_row(batch_id).status == "finalizing"
+        assert client.llen("batchd.control") == 1  # exactly one finalize enqueued
+
+
+def test_stale_attempt_cannot_commit(worker_env):
+    from worker.shard import ShardLost, _Pending, claim, commit_chunk
+
+    batch_id = _validated([chat_line("a", "hi"), chat_line("b", "yo")])
+    (shard,) = shard_rows(batch_id)
+    first, _ = claim(shard.id, "w1")
+    second, _ = claim(shard.id, "w2")
+    assert second == first + 1
+    with pytest.raises(ShardLost):
+        commit_chunk(shard, first, 0, _Pending())
+    commit_chunk(shard, second, 0, _Pending())
+    assert shard_rows(batch_id)[0].num_chunks == 1
+
+
+def test_cancel_finalize_keeps_finished_and_reports_the_rest(worker_env, host):
+    from core.db import session_scope
+    from core.lifecycle import transition
+    from worker.finalize import finalize
+    from worker.shard import run_shard
+    from worker.tasks import cancel
+
+    lines = [chat_line(f"r{i}", f"item {i}", max_tokens=5) for i in range(10)]
+    batch_id = _validated(lines)
+    (shard,) = shard_rows(batch_id)
+
+    def stop(chunk: int) -> None:
+        raise Interrupted
+
+    with pytest.raises(Interrupted):
+        run_shard(shard.id, host=host, after_commit=stop)  # 4 results committed, then dies
+    with session_scope() as session:
+        assert transition(session, batch_id, "in_progress", "cancelling")
+    # The dead attempt's shard still looks running (fresh heartbeat): cancel waits for it.
+    assert cancel(batch_id) is None
+    from sqlalchemy import update
+
+    from core.models import Shard
+
+    with session_scope() as session:  # its heartbeat goes stale
+        session.execute(
+            update(Shard).values(
+                heartbeat_at=Shard.heartbeat_at - __import__("datetime").timedelta(hours=1)
+            )
+        )
+    assert cancel(batch_id) == "cancelled"
+    batch = batch_row(batch_id)
+    out = read_file_lines(batch.output_file_id)
+    err = read_file_lines(batch.error_file_id)
+    assert [r["custom_id"] for r in out] + [r["custom_id"] for r in err] == [
+        f"r{i}" for i in range(10)
+    ] or sorted([r["custom_id"] for r in out + err]) == sorted(f"r{i}" for i in range(10))
+    assert len(out) == 4
+    assert all(r["error"]["code"] == "batch_cancelled" and r["response"] is None for r in err)
+    assert shard_rows(batch_id)[0].status == "closed"
+    assert finalize(batch_id) is None  # already terminal: a second finalize does nothing
+    # A shard task delivered late exits at once.
+    assert run_shard(shard.id, host=host).status == "skipped"

@@ -1,0 +1,124 @@
+"""Helpers for the worker tests: request lines, batches and rows."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from typing import Any
+
+MODEL = "batchd-demo"
+
+
+def chat_line(custom_id: str, text: str, max_tokens: int = 8, **body: Any) -> dict[str, Any]:
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": text}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            **body,
+        },
+    }
+
+
+def completion_line(
+    custom_id: str, prompt: Any, max_tokens: int = 8, **body: Any
+) -> dict[str, Any]:
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/completions",
+        "body": {
+            "model": MODEL,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            **body,
+        },
+    }
+
+
+def make_batch(
+    lines: list[dict[str, Any]] | bytes,
+    *,
+    endpoint: str = "/v1/chat/completions",
+    expires_in_s: float = 3600,
+) -> str:
+    """Store an input file and create its batch in ``validating``; return the batch id."""
+    from core import ids
+    from core.db import session_scope
+    from core.lifecycle import now
+    from core.models import Batch, File
+    from worker.common import storage
+
+    data = (
+        lines
+        if isinstance(lines, bytes)
+        else b"".join(json.dumps(x).encode() + b"\n" for x in lines)
+    )
+    file_id = ids.file_id()
+    with storage().writer(f"files/{file_id}") as out:
+        out.write(data)
+    batch_id = ids.batch_id()
+    with session_scope() as session:
+        session.add(
+            File(
+                id=file_id,
+                purpose="batch",
+                filename="in.jsonl",
+                bytes=len(data),
+                storage_key=f"files/{file_id}",
+            )
+        )
+        session.flush()
+        session.add(
+            Batch(
+                id=batch_id,
+                endpoint=endpoint,
+                input_file_id=file_id,
+                completion_window="24h",
+                status="validating",
+                expires_at=now() + timedelta(seconds=expires_in_s),
+            )
+        )
+    return batch_id
+
+
+def read_file_lines(file_id: str | None) -> list[dict[str, Any]]:
+    if file_id is None:
+        return []
+    from core.db import session_scope
+    from core.models import File
+    from worker.common import storage
+
+    with session_scope() as session:
+        key = session.get(File, file_id).storage_key
+    with storage().reader(key) as stream:
+        return [json.loads(line) for line in stream.read().splitlines() if line.strip()]
+
+
+def batch_row(batch_id: str) -> Any:
+    from core.db import session_scope
+    from core.models import Batch
+
+    with session_scope() as session:
+        batch = session.get(Batch, batch_id)
+        session.expunge(batch)
+        return batch
+
+
+def shard_rows(batch_id: str) -> list[Any]:
+    from sqlalchemy import select
+
+    from core.db import session_scope
+    from core.models import Shard
+
+    with session_scope() as session:
+        rows = list(
+            session.scalars(select(Shard).where(Shard.batch_id == batch_id).order_by(Shard.index))
+        )
+        session.expunge_all()
+        return rows
