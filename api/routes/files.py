@@ -17,7 +17,7 @@ from api.deps import CurrentKey, SessionDep, SettingsDep, StorageDep
 from api.errors import APIError, invalid_request, not_found
 from api.routes.common import error_responses
 from api.schemas import FileDeleted, FileList, FilePublic
-from api.uploads import FILE_FIELD, Upload, receive_upload
+from api.uploads import Upload, receive_upload
 from core.db import session_scope
 from core.ids import file_id
 from core.lifecycle import now
@@ -137,7 +137,10 @@ async def create_file(
             with session_scope(settings.database_url) as session:
                 session.add(row)
         except BaseException:
-            storage.delete(key)  # the row never committed: drop the bytes it would point at
+            try:  # the row never committed: drop the bytes it would have pointed at
+                storage.delete(key)
+            except Exception:
+                log.exception("could not delete %s after its file row failed to commit", key)
             raise
         return row
 
@@ -256,5 +259,3 @@ def delete_file(
         log.exception("could not delete the stored object %s of file %s", key, file_id)
     return FileDeleted(id=file_id)
 
-
-__all__ = ["FILE_FIELD", "get_file_row", "router"]
