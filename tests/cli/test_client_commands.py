@@ -160,7 +160,13 @@ def test_server_error_envelope(cli: CliRunner, api_server) -> None:
 
 @pytest.mark.parametrize(
     "args",
-    [["status", "batch_x"], ["list"], ["wait", "batch_x"], ["cancel", "batch_x"], ["submit", "FILE"]],
+    [
+        ["status", "batch_x"],
+        ["list"],
+        ["wait", "batch_x"],
+        ["cancel", "batch_x"],
+        ["submit", "FILE"],
+    ],
 )
 def test_unreachable_server(cli: CliRunner, tmp_path: Path, args: list[str]) -> None:
     batch_file = write_batch_file(tmp_path / "in.jsonl")
