@@ -34,6 +34,18 @@ DRAIN_LIMIT = 8 * 1024 * 1024
 MAX_FILENAME_CHARS = 255
 
 FILE_FIELD = "file"
+#: Uploads in progress at once per process. Each holds a thread while it waits on the network,
+#: so uploads get their own limiter instead of starving the pool the other routes run in;
+#: further uploads wait (unread) for a slot.
+MAX_CONCURRENT_UPLOADS = 16
+_upload_slots: anyio.CapacityLimiter | None = None
+
+
+def _slots() -> anyio.CapacityLimiter:
+    global _upload_slots
+    if _upload_slots is None:  # created inside the event loop, on first use
+        _upload_slots = anyio.CapacityLimiter(MAX_CONCURRENT_UPLOADS)
+    return _upload_slots
 
 
 def too_large(limit: int) -> APIError:
@@ -232,7 +244,7 @@ async def receive_upload(
             return sink.result
 
     try:
-        return await anyio.to_thread.run_sync(ingest, next_chunk)
+        return await anyio.to_thread.run_sync(ingest, next_chunk, limiter=_slots())
     except ClientDisconnect as error:
         raise invalid_request("The client disconnected during the upload.") from error
     except APIError as error:
