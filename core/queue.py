@@ -30,8 +30,16 @@ def _producer(broker_url: str):
     return app
 
 
-def enqueue(task: str, *args: Any, queue: str = CONTROL_QUEUE, countdown: float | None = None) -> None:
+def enqueue(
+    task: str,
+    *args: Any,
+    queue: str = CONTROL_QUEUE,
+    countdown: float | None = None,
+    broker_url: str | None = None,
+) -> None:
     """Send ``task`` by name. Call only after the rows it reads are committed."""
-    from core.settings import get_settings
+    if broker_url is None:
+        from core.settings import get_settings
 
-    _producer(get_settings().broker_url).send_task(task, args=list(args), queue=queue, countdown=countdown)
+        broker_url = get_settings().broker_url
+    _producer(broker_url).send_task(task, args=list(args), queue=queue, countdown=countdown)

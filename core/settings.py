@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 DEMO_MODEL_NAME = "batchd-demo"
 
@@ -34,9 +34,9 @@ class Settings(BaseSettings):
     s3_endpoint_url: str | None = None  # for S3-compatible stores (minio, moto)
 
     # Served model name -> local HF model directory, or "demo:<preset>" for a built-in demo model.
-    models: dict[str, str] = Field(default_factory=lambda: {DEMO_MODEL_NAME: "demo:llama-25m"})
+    models: Annotated[dict[str, str], NoDecode] = Field(default_factory=lambda: {DEMO_MODEL_NAME: "demo:llama-25m"})
     # Bearer keys accepted by the API; empty means the API is open (development only).
-    api_keys: list[str] = Field(default_factory=list)
+    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
 
     # Limits (OpenAI's defaults where it has them).
     max_upload_bytes: int = 200 * 1024 * 1024
@@ -56,7 +56,7 @@ class Settings(BaseSettings):
 
     # Worker.
     worker_shard_concurrency: int = 4  # shard tasks in flight per model worker (threads)
-    engine_options: dict[str, Any] = Field(default_factory=dict)  # passed to engine config
+    engine_options: Annotated[dict[str, Any], NoDecode] = Field(default_factory=dict)  # passed to engine config
     visibility_timeout_s: int = 6 * 3600
     expiry_sweep_interval_s: float = 60.0
 
