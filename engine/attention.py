@@ -6,9 +6,10 @@ layers call :func:`paged_attention` with that packed query/key/value and a
 unknown kwargs down to the attention function). The function
 
 1. writes the new K/V into the layer's paged cache at ``slot_mapping``
-   (cache layout: ``[num_blocks * block_size, kv_heads, head_dim]``, slot = block * size + offset);
+   (cache layout: ``[num_blocks, block_size, kv_heads, head_dim]``, slot = block * size + offset);
 2. attends decode tokens (one query per sequence) in one batched SDPA call over their gathered
-   K/V padded to the longest context with a length mask; query heads are folded onto their
+   K/V (whole blocks: one index_select over block ids) padded to the longest block table with a
+   length mask; query heads are folded onto their
    KV head (``[B, kv_heads, group, D]``) so GQA needs no K/V repeat;
 3. attends each prefill chunk on its own: a chunk that starts the sequence uses the fresh K/V
    with a causal SDPA; a chunk that continues one (chunked prefill, prefix-cache hit) gathers
@@ -32,7 +33,8 @@ ATTENTION_NAME = "batchd_paged"
 class PrefillChunk:
     start: int  # offsets of the chunk in the packed sequence
     end: int
-    gather: torch.Tensor | None = None  # slots of the whole context (cached + new), or None
+    context_len: int = 0  # cached + new tokens; 0 when the chunk starts the sequence
+    blocks: torch.Tensor | None = None  # the sequence's block ids covering the context
     mask: torch.Tensor | None = None  # [q, context] bool, True = attend
 
 
@@ -44,8 +46,8 @@ class AttentionContext:
     v_cache: list[torch.Tensor]
     slot_mapping: torch.Tensor  # [num_tokens] cache slot of every packed token
     num_decode: int = 0  # the first num_decode packed tokens are single-token decodes
-    decode_gather: torch.Tensor | None = None  # [B, Lmax] cache slots (padding points at slot 0)
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, Lmax] bool
+    decode_blocks: torch.Tensor | None = None  # [B, max_blocks] block tables (padding: block 0)
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -71,29 +73,35 @@ def paged_attention(
     q = query[0]  # [H, T, D]
     k_new = key[0].transpose(0, 1)  # [T, KV, D]
     v_new = value[0].transpose(0, 1)
-    k_cache.index_copy_(0, ctx.slot_mapping, k_new.to(k_cache.dtype))
-    v_cache.index_copy_(0, ctx.slot_mapping, v_new.to(v_cache.dtype))
+    num_blocks, block_size = k_cache.shape[:2]
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, ctx.slot_mapping, k_new.to(k_cache.dtype))
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, ctx.slot_mapping, v_new.to(v_cache.dtype))
 
     out = query.new_empty(num_tokens, num_heads, head_dim)
     nd = ctx.num_decode
     if nd:
         # [B, KV, group, D]: query heads h = kv * group + g share KV head kv.
         qd = q[:, :nd].transpose(0, 1).reshape(nd, kv_heads, group, head_dim)
-        kd = k_cache[ctx.decode_gather].transpose(1, 2)  # [B, KV, L, D]
-        vd = v_cache[ctx.decode_gather].transpose(1, 2)
+        blocks = ctx.decode_blocks
+        size = (nd, blocks.shape[1] * block_size, kv_heads, head_dim)
+        kd = k_cache.index_select(0, blocks.view(-1)).view(size).transpose(1, 2)  # [B, KV, L, D]
+        vd = v_cache.index_select(0, blocks.view(-1)).view(size).transpose(1, 2)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=ctx.decode_mask, scale=scaling)
         out[:nd] = od.reshape(nd, num_heads, head_dim)
     for chunk in ctx.prefills:
         qp = q[:, chunk.start:chunk.end].unsqueeze(0)  # [1, H, q, D]
-        if chunk.gather is None:
+        if chunk.blocks is None:
             kp = key[:, :, chunk.start:chunk.end]
             vp = value[:, :, chunk.start:chunk.end]
             op = F.scaled_dot_product_attention(
                 qp, kp, vp, is_causal=True, scale=scaling, enable_gqa=group > 1
             )
         else:
-            kp = k_cache[chunk.gather].transpose(0, 1).unsqueeze(0)  # [1, KV, ctx, D]
-            vp = v_cache[chunk.gather].transpose(0, 1).unsqueeze(0)
+            n = chunk.context_len
+            kp = k_cache.index_select(0, chunk.blocks).view(-1, kv_heads, head_dim)[:n]
+            vp = v_cache.index_select(0, chunk.blocks).view(-1, kv_heads, head_dim)[:n]
+            kp = kp.transpose(0, 1).unsqueeze(0)  # [1, KV, ctx, D]
+            vp = vp.transpose(0, 1).unsqueeze(0)
             op = F.scaled_dot_product_attention(
                 qp, kp, vp, attn_mask=chunk.mask, scale=scaling, enable_gqa=group > 1
             )

@@ -74,7 +74,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.num_blocks = self._num_blocks()
         slots = self.num_blocks * self.block_size
-        shape = (slots, self.num_kv_heads, self.head_dim)
+        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self._block_offsets = torch.arange(self.block_size, device=self.device)
@@ -140,14 +140,12 @@ class ModelRunner:
         sample_seqs = list(decodes)
         ctx = AttentionContext(self.k_cache, self.v_cache, slot_mapping=None, num_decode=nd)  # type: ignore[arg-type]
         if nd:
-            max_len = max(ctx_lens)
-            nb = -(-max_len // bs)
+            nb = -(-max(ctx_lens) // bs)
             padded = [t[:nb] + [0] * (nb - len(t[:nb])) for t in tables]
-            bt = torch.tensor(padded, dtype=torch.long, device=dev)
-            gather = (bt.unsqueeze(2) * bs + self._block_offsets).view(nd, nb * bs)[:, :max_len]
+            ctx.decode_blocks = torch.tensor(padded, dtype=torch.long, device=dev)
             lens = torch.tensor(ctx_lens, device=dev)
-            ctx.decode_gather = gather
-            ctx.decode_mask = (torch.arange(max_len, device=dev) < lens.unsqueeze(1)).view(nd, 1, 1, max_len)
+            span = nb * bs
+            ctx.decode_mask = (torch.arange(span, device=dev) < lens.unsqueeze(1)).view(nd, 1, 1, span)
         slot_parts = [torch.tensor(slots, dtype=torch.long, device=dev)] if nd else []
         pos_parts = [torch.tensor(pos, dtype=torch.long, device=dev)] if nd else []
         offset = nd
@@ -161,7 +159,8 @@ class ModelRunner:
             pos_parts.append(torch.arange(c0, end, device=dev))
             chunk = PrefillChunk(offset, offset + n)
             if c0 > 0:
-                chunk.gather = all_slots[:end]
+                chunk.context_len = end
+                chunk.blocks = table[: -(-end // bs)]
                 chunk.mask = torch.arange(end, device=dev).unsqueeze(0) <= (
                     torch.arange(c0, end, device=dev).unsqueeze(1)
                 )
