@@ -659,8 +659,10 @@ class BatchRunner:
                 ):
                     files.checkpoint(progress)
                     since_checkpoint, last_checkpoint = 0, now
-            if not self.slots and exhausted:
-                return computed
+            if not self.slots:
+                if exhausted:
+                    return computed
+                continue  # the whole window was written: read more input
             if self.stop.requested:
                 raise _Interrupted(self.stop.requested)
             if not self.engine.has_unfinished_requests():

@@ -87,7 +87,7 @@ def test_run_matches_llm_generate(tiny_model: str, tmp_path: Path) -> None:
     out = tmp_path / "out.jsonl"
     code, summary, err = run_cli(
         str(batch), "-o", str(out), "--model", tiny_model, "--endpoint", "/v1/completions",
-        "--max-num-seqs", "4", "--model-name", "tiny",
+        "--max-num-seqs", "4", "--window", "4", "--model-name", "tiny",
     )  # fmt: skip
     assert code == ExitCode.OK, err
     assert summary["succeeded"] == 12 and summary["failed"] == 0
