@@ -1,0 +1,250 @@
+"""Sampling, stops, n > 1, logprobs, aborts and request errors, on the tiny demo model."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine import LLM, Engine, EngineConfig, RequestError, SamplingParams
+from engine.demo_models import build
+from engine.outputs import RequestMetrics
+from engine.sampler import Sampler
+from engine.sequence import Request, Sequence
+
+
+@pytest.fixture(scope="module")
+def path() -> str:
+    return str(build("llama-tiny"))
+
+
+@pytest.fixture(scope="module")
+def llm(path: str) -> LLM:
+    return LLM(path)
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 2048) for _ in range(n)]
+
+
+def _drain(engine: Engine) -> dict:
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done[out.request_id] = out
+    return done
+
+
+def test_seeded_sampling_is_independent_of_the_batch(llm: LLM) -> None:
+    params = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, top_k=200, seed=1234, ignore_eos=True)
+    target = _prompt(1, 37)
+    alone = llm.generate([target], params, use_tqdm=False)[0].outputs[0].token_ids
+    others = [_prompt(10 + i, 5 + 23 * i) for i in range(9)]
+    other_params = [SamplingParams(max_tokens=5 + 3 * i, temperature=1.0, seed=i if i % 2 else None,
+                                   ignore_eos=True) for i in range(9)]
+    crowded = llm.generate(others[:4] + [target] + others[4:],
+                           other_params[:4] + [params] + other_params[4:], use_tqdm=False)
+    assert crowded[4].outputs[0].token_ids == alone
+    reordered = llm.generate([target] + others[::-1], [params] + other_params[::-1], use_tqdm=False)
+    assert reordered[0].outputs[0].token_ids == alone
+    other_seed = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, top_k=200, seed=99, ignore_eos=True)
+    assert llm.generate([target], other_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
+
+
+def test_stop_string_is_trimmed(llm: LLM) -> None:
+    prompt = _prompt(2, 20)
+    base = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True), use_tqdm=False)
+    text = base[0].outputs[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    assert stop.strip(), text
+    out = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[stop, "\x00never"]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop"
+    assert out.stop_reason == stop
+    assert out.text == text[: text.find(stop)]
+    assert len(out.token_ids) < 30
+
+
+def test_stop_token_ids(llm: LLM) -> None:
+    prompt = _prompt(3, 12)
+    tokens = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0].token_ids
+    stop = tokens[6]
+    out = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop_token_ids=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == tokens[: tokens.index(stop) + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+
+
+def test_n_completions_share_prompt_blocks_and_match_single_seeds(path: str) -> None:
+    engine = Engine(path)
+    prompt = _prompt(4, 40)  # 2 full blocks + 8 tokens
+    engine.add_request("n", prompt, SamplingParams(n=3, max_tokens=12, temperature=1.0, seed=50, ignore_eos=True))
+    assert engine.step() == []
+    request = engine.requests["n"]
+    assert len(request.seqs) == 3
+    parent = request.seqs[0]
+    for child in request.seqs[1:]:
+        assert child.block_table[:2] == parent.block_table[:2]
+    assert engine.block_manager.ref_count[parent.block_table[0]] == 3
+    out = _drain(engine)["n"]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert engine.stats().kv_blocks_used == 0
+    for i in range(len(out.outputs)):
+        engine.add_request(f"s{i}", prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=50 + i, ignore_eos=True))
+    singles = _drain(engine)
+    for i, completion in enumerate(out.outputs):
+        assert completion.token_ids == singles[f"s{i}"].outputs[0].token_ids
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_logprobs_match_the_model(llm: LLM, path: str, temperature: float) -> None:
+    from transformers import AutoModelForCausalLM
+
+    prompt = _prompt(5, 25)
+    params = SamplingParams(max_tokens=8, temperature=temperature, seed=3, logprobs=True, top_logprobs=5, ignore_eos=True)
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + out.token_ids])).logits[0].float()
+    logits = logits[len(prompt) - 1: -1] / (temperature or 1.0)
+    ref = torch.log_softmax(logits, dim=-1)
+    assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
+    for i, (token, lp) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+        assert lp.token_id == token
+        assert lp.logprob == pytest.approx(ref[i, token].item(), abs=1e-4)
+        values, ids = ref[i].topk(5)
+        assert [t for t, _ in lp.top] == ids.tolist()
+        assert [v for _, v in lp.top] == pytest.approx(values.tolist(), abs=1e-4)
+
+
+def test_penalties_follow_openai_semantics() -> None:
+    request = Request("p", [1, 2], SamplingParams(temperature=0, presence_penalty=1.0, frequency_penalty=0.5),
+                      RequestMetrics(arrival_time=0.0))
+    seq = Sequence(request, 0, [1, 2, 5, 5, 7], 20, None)
+    logits = torch.zeros(1, 10)
+    logits[0, 5] = 2.1  # 2.1 - 1.0 - 2 * 0.5 = 0.1
+    logits[0, 7] = 1.4  # 1.4 - 1.0 - 0.5 = -0.1
+    logits[0, 1] = 0.2  # prompt tokens are not penalized
+    tokens, _ = Sampler(0, torch.device("cpu"))(logits, [seq])
+    assert tokens == [1]
+    logits[0, 1] = 0.05
+    assert Sampler(0, torch.device("cpu"))(logits, [seq])[0] == [5]
+
+
+def test_abort_frees_blocks_and_reports(path: str) -> None:
+    engine = Engine(path)
+    for i in range(3):
+        engine.add_request(f"a{i}", _prompt(20 + i, 50), SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.step()
+    used = engine.stats().kv_blocks_used
+    assert engine.abort_request("a1") is True
+    assert engine.abort_request("a1") is False
+    assert engine.abort_request("missing") is False
+    assert engine.stats().kv_blocks_used < used
+    outs = engine.step()
+    aborted = [o for o in outs if o.request_id == "a1"]
+    assert aborted and aborted[0].outputs[0].finish_reason == "abort"
+    assert len(aborted[0].outputs[0].token_ids) >= 1
+    done = _drain(engine)
+    assert set(done) == {"a0", "a2"}
+    assert engine.stats().kv_blocks_used == 0
+    # Aborting a request that is still waiting works too.
+    engine.add_request("w", _prompt(30, 10), SamplingParams(max_tokens=5))
+    assert engine.abort_request("w")
+    assert [o.outputs[0].finish_reason for o in engine.step()] == ["abort"]
+    assert not engine.has_unfinished_requests()
+
+
+def test_a_request_that_cannot_run_fails_alone(llm: LLM, path: str) -> None:
+    limit = llm.engine.max_model_len
+    prompts = [_prompt(6, 10), _prompt(7, limit + 5), [], _prompt(8, 30)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert [len(o.outputs) for o in outs] == [1, 0, 0, 1]
+    assert "max_model_len" in outs[1].error and str(limit) in outs[1].error
+    assert "empty" in outs[2].error
+    assert outs[0].error is None and len(outs[3].outputs[0].token_ids) == 4
+    with pytest.raises(RequestError, match="vocabulary"):
+        llm.engine.add_request("bad", [1, 999999], SamplingParams())
+    small = Engine(path, num_kv_blocks=4)
+    with pytest.raises(RequestError, match="4 blocks"):
+        small.add_request("big", _prompt(9, 60), SamplingParams(max_tokens=10))
+    small.add_request("ok", _prompt(9, 30), SamplingParams(max_tokens=10, ignore_eos=True))
+    assert len(_drain(small)["ok"].outputs[0].token_ids) == 10
+
+
+def test_prompt_plus_max_tokens_is_clamped_to_max_model_len(path: str) -> None:
+    engine = Engine(path, max_model_len=40)
+    engine.add_request("c", _prompt(11, 30), SamplingParams(max_tokens=100, ignore_eos=True))
+    out = _drain(engine)["c"].outputs[0]
+    assert len(out.token_ids) == 10 and out.finish_reason == "length"
+
+
+def test_chat_applies_the_template(llm: LLM) -> None:
+    conv = [{"role": "user", "content": "hello world"}]
+    outs = llm.chat(conv, SamplingParams(max_tokens=5, temperature=0), use_tqdm=False)
+    assert len(outs) == 1 and outs[0].error is None
+    tail = llm.tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    assert outs[0].prompt_token_ids[-len(tail):] == tail
+    both = llm.chat([conv, conv + [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "again"}]],
+                    SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
+    assert both[0].outputs[0].token_ids == outs[0].outputs[0].token_ids[:3]
+
+
+def test_generate_accepts_a_single_prompt_and_metrics(llm: LLM) -> None:
+    out = llm.generate("the quick brown fox", SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
+    assert len(out) == 1
+    m = out[0].metrics
+    assert m.first_token_time is not None and m.finished_time >= m.first_token_time >= m.arrival_time
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"n": 0}, "n"),
+        ({"top_logprobs": 21}, "top_logprobs"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"stop": [""]}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"seed": "x"}, "seed"),
+    ],
+)
+def test_sampling_params_validation_names_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=rf"^{field} must"):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_normalises() -> None:
+    p = SamplingParams(stop="x", top_logprobs=3)
+    assert p.stop == ["x"] and p.logprobs
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"block_size": 0}, "block_size"),
+        ({"kv_cache_memory": 1.5}, "kv_cache_memory"),
+        ({"admission": "random"}, "admission"),
+        ({"dtype": "int8"}, "dtype"),
+        ({"num_kv_blocks": -1}, "num_kv_blocks"),
+        ({"bogus": 1}, "unknown engine config field"),
+    ],
+)
+def test_engine_config_validation(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.from_kwargs(**kwargs)
+
+
+def test_engine_rejects_unknown_config(path: str) -> None:
+    with pytest.raises(ValueError, match="unknown engine config field"):
+        Engine(path, max_batch=3)
