@@ -60,7 +60,6 @@ def create_app() -> Celery:
                 "options": {"queue": CONTROL_QUEUE, "expires": settings.expiry_sweep_interval_s},
             }
         },
-        worker_hijack_root_logger=False,
     )
     return celery
 

@@ -1,0 +1,155 @@
+"""The whole service, for real: the API under uvicorn, a control worker, a model worker and
+beat as subprocesses on Postgres, Redis and a local storage directory, serving the tiny demo
+model. Started once per test module; tests talk to it with the official ``openai`` client."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+MODEL = "batchd-demo"
+API_KEY = "sk-e2e-test-key"
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Stack:
+    base_url: str
+    env: dict[str, str]
+    root: Path
+    client: Any  # openai.OpenAI
+
+    def log(self, name: str) -> str:
+        return (self.root / f"{name}.log").read_text(errors="replace")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _own_redis_db(redis_url: str) -> str:
+    """A Redis database index of its own, so queues never mix with other tests' messages."""
+    base, _, index = redis_url.rpartition("/")
+    mine = (int(index) % 15) + 1
+    return f"{base}/{mine}"
+
+
+def _wait_for(predicate, timeout: float, what: str, logs: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    tail = ""
+    if logs is not None:
+        for path in sorted(logs.glob("*.log")):
+            tail += f"\n--- {path.name}\n" + path.read_text(errors="replace")[-3000:]
+    raise TimeoutError(f"timed out waiting for {what}{tail}")
+
+
+@pytest.fixture(scope="module")
+def stack(pg_url: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    import redis
+    from openai import OpenAI
+
+    from engine.demo_models import build
+
+    build("llama-tiny")  # once, before two processes race to build it
+    root = tmp_path_factory.mktemp("e2e")
+    broker = _own_redis_db(redis_url)
+    redis.Redis.from_url(broker).flushdb()
+    port = _free_port()
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "BATCHD_HOME": str(root / "home"),
+        "BATCHD_DATABASE_URL": pg_url,
+        "BATCHD_BROKER_URL": broker,
+        "BATCHD_STORAGE_URL": str(root / "storage"),
+        "BATCHD_MODELS": json.dumps({MODEL: "demo:llama-tiny"}),
+        "BATCHD_API_KEYS": API_KEY,
+        "BATCHD_RATE_LIMIT_PER_MINUTE": "0",  # the tests poll faster than a client would
+        "BATCHD_CHECKPOINT_EVERY": "4",
+        "BATCHD_CHECKPOINT_INTERVAL_S": "0.5",
+        "BATCHD_SHARD_MAX_REQUESTS": "16",
+        "BATCHD_WORKER_SHARD_CONCURRENCY": "2",
+        "BATCHD_EXPIRY_SWEEP_INTERVAL_S": "1",
+        # A small running batch keeps long workloads long enough to cancel or expire mid-way.
+        # Arrival order (not longest-first) so the quick requests at the head finish first.
+        "BATCHD_ENGINE_OPTIONS": json.dumps({"max_num_seqs": 4, "admission": "fcfs"}),
+    }
+    (root / "home").mkdir()
+    celery = [sys.executable, "-m", "celery", "-A", "worker.celery_app"]
+    commands = {
+        "api": [sys.executable, "-m", "uvicorn", "api.app:app", "--host", "127.0.0.1",
+                "--port", str(port), "--log-level", "warning"],
+        "control": [*celery, "worker", "-Q", "batchd.control", "--pool", "threads", "-c", "2",
+                    "-n", "control@e2e", "--loglevel", "INFO", "--without-gossip",
+                    "--without-mingle", "--without-heartbeat"],
+        "model": [*celery, "worker", "-Q", f"batchd.model.{MODEL}", "--pool", "threads",
+                  "-c", "2", "-n", "model@e2e", "--loglevel", "INFO", "--without-gossip",
+                  "--without-mingle", "--without-heartbeat"],
+        "beat": [*celery, "beat", "-s", str(root / "home" / "beat-schedule"), "--loglevel", "INFO"],
+    }  # fmt: skip
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        for name, cmd in commands.items():
+            log = open(root / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
+            procs[name] = subprocess.Popen(
+                cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        stack = Stack(
+            f"http://127.0.0.1:{port}/v1",
+            env,
+            root,
+            OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY, max_retries=0),
+        )
+
+        def api_up() -> bool:
+            import httpx
+
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        def alive() -> None:
+            for name, proc in procs.items():
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited early:\n{stack.log(name)[-3000:]}")
+
+        def ready() -> bool:
+            alive()
+            return (
+                api_up()
+                and "ready." in stack.log("control")
+                and f"model {MODEL} ready" in stack.log("model")
+            )
+
+        _wait_for(ready, 120, "the API, the workers and the model", root)
+        yield stack
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for proc in procs.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()

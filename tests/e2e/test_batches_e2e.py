@@ -1,0 +1,209 @@
+"""End to end: the official ``openai`` client against the API, with real workers running the
+tiny demo model. Upload, create, poll, download; errors, cancel, expiry, live counts."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.services, pytest.mark.slow]
+
+MODEL = "batchd-demo"
+TERMINAL = {"completed", "failed", "expired", "cancelled"}
+
+
+def _jsonl(lines: list[dict[str, Any]] | list[str]) -> bytes:
+    return b"".join((x if isinstance(x, str) else json.dumps(x)).encode() + b"\n" for x in lines)
+
+
+def _chat(custom_id: str, text: str, max_tokens: int, **body: Any) -> dict[str, Any]:
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": text}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            **body,
+        },
+    }
+
+
+def _completion(custom_id: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/completions",
+        "body": {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
+    }
+
+
+def _submit(stack, lines, endpoint: str = "/v1/chat/completions", window: str = "24h"):
+    f = stack.client.files.create(file=("input.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
+    return stack.client.batches.create(
+        input_file_id=f.id, endpoint=endpoint, completion_window=window
+    )
+
+
+def _wait(stack, batch_id: str, timeout: float, until=lambda b: b.status in TERMINAL):
+    deadline = time.monotonic() + timeout
+    while True:
+        batch = stack.client.batches.retrieve(batch_id)
+        if until(batch):
+            return batch
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"batch {batch_id} is {batch.status} after {timeout}s: {batch}\n"
+                + stack.log("control")[-3000:]
+                + stack.log("model")[-3000:]
+            )
+        time.sleep(0.2)
+
+
+def _download(stack, file_id: str | None) -> list[dict[str, Any]]:
+    if file_id is None:
+        return []
+    text = stack.client.files.content(file_id).text
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from engine import LLM
+    from engine.demo_models import build
+
+    return LLM(str(build("llama-tiny")))
+
+
+def test_chat_batch_matches_the_engine_and_reports_per_request_errors(stack, llm):
+    from engine import SamplingParams
+
+    texts = [f"hello world number {i}, please write a summary" for i in range(10)]
+    lines = [_chat(f"chat-{i}", t, 6 + i) for i, t in enumerate(texts)]
+    lines.insert(4, _chat("too-long", "the cat " * 700, 8))  # longer than the context (1024)
+    batch = _submit(stack, lines)
+    assert batch.status == "validating"
+    batch = _wait(stack, batch.id, 90)
+    assert batch.status == "completed", batch
+    assert batch.request_counts.total == 11
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (10, 1)
+
+    out = _download(stack, batch.output_file_id)
+    assert [r["custom_id"] for r in out] == [f"chat-{i}" for i in range(10)]
+    expected = llm.chat(
+        [[{"role": "user", "content": t}] for t in texts],
+        [SamplingParams(max_tokens=6 + i, temperature=0) for i in range(10)],
+        use_tqdm=False,
+    )
+    for record, want in zip(out, expected, strict=True):
+        body = record["response"]["body"]
+        assert record["response"]["status_code"] == 200
+        assert body["object"] == "chat.completion"
+        assert body["choices"][0]["message"]["content"] == want.outputs[0].text
+        assert body["usage"]["completion_tokens"] == len(want.outputs[0].token_ids)
+        assert body["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+
+    (err,) = _download(stack, batch.error_file_id)
+    assert err["custom_id"] == "too-long"
+    assert err["response"]["status_code"] == 400
+    assert err["response"]["body"]["error"]["code"] == "context_length_exceeded"
+
+
+def test_completions_batch_matches_the_engine(stack, llm):
+    from engine import SamplingParams
+
+    prompts = [f"The quick brown fox {i} jumps over" for i in range(8)]
+    batch = _submit(
+        stack,
+        [_completion(f"c-{i}", p, 10) for i, p in enumerate(prompts)],
+        endpoint="/v1/completions",
+    )
+    batch = _wait(stack, batch.id, 90)
+    assert batch.status == "completed", batch
+    assert batch.error_file_id is None
+    out = _download(stack, batch.output_file_id)
+    expected = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0), use_tqdm=False)
+    assert [r["custom_id"] for r in out] == [f"c-{i}" for i in range(8)]
+    for record, want in zip(out, expected, strict=True):
+        assert record["response"]["body"]["object"] == "text_completion"
+        assert record["response"]["body"]["choices"][0]["text"] == want.outputs[0].text
+    assert batch.usage is None or batch.usage.output_tokens == sum(
+        len(w.outputs[0].token_ids) for w in expected
+    )
+
+
+def test_validation_failure_names_the_lines(stack):
+    lines = [
+        json.dumps(_chat("ok-1", "hi", 4)),
+        "{not json",
+        json.dumps({**_chat("other-model", "hi", 4), "body": {"model": "nope", "messages": []}}),
+        json.dumps(_chat("ok-1", "duplicate id", 4)),
+    ]
+    batch = _submit(stack, lines)
+    batch = _wait(stack, batch.id, 60)
+    assert batch.status == "failed", batch
+    errors = [(e.line, e.code) for e in batch.errors.data]
+    assert errors == [
+        (2, "invalid_json_line"),
+        (3, "model_not_found"),
+        (4, "duplicate_custom_id"),
+    ]
+    assert batch.output_file_id is None
+
+
+def _long_workload(n: int, tokens: int) -> list[dict[str, Any]]:
+    return [
+        _chat(f"long-{i}", f"write about the river {i}", tokens, ignore_eos=True) for i in range(n)
+    ]
+
+
+def test_live_counts_then_cancel_keeps_partial_results(stack):
+    lines = _long_workload(48, 400)
+    batch = _submit(stack, lines)
+    # request_counts advance while the batch runs.
+    running = _wait(stack, batch.id, 90, until=lambda b: b.request_counts.completed >= 1)
+    assert running.status == "in_progress", running
+    assert 0 < running.request_counts.completed < 48
+    later = _wait(
+        stack,
+        batch.id,
+        60,
+        until=lambda b: b.request_counts.completed > running.request_counts.completed,
+    )
+    assert later.status == "in_progress"
+
+    cancelled_at = time.monotonic()
+    assert stack.client.batches.cancel(batch.id).status == "cancelling"
+    batch = _wait(stack, batch.id, 30)
+    took = time.monotonic() - cancelled_at
+    assert batch.status == "cancelled", batch
+    assert took < 15, f"cancel took {took:.1f}s"
+
+    out = _download(stack, batch.output_file_id)
+    err = _download(stack, batch.error_file_id)
+    assert len(out) >= later.request_counts.completed
+    assert len(out) < 48 and err
+    ids = [r["custom_id"] for r in out] + [r["custom_id"] for r in err]
+    assert sorted(ids) == sorted(f"long-{i}" for i in range(48))  # exactly one line each
+    assert all(r["response"]["body"]["choices"][0]["finish_reason"] == "length" for r in out)
+    assert {r["error"]["code"] for r in err} == {"batch_cancelled"}
+    assert batch.request_counts.completed == len(out)
+
+
+def test_expiry_keeps_finished_results_and_reports_the_rest(stack):
+    batch = _submit(stack, _long_workload(48, 500), window="6s")
+    batch = _wait(stack, batch.id, 60)
+    assert batch.status == "expired", batch
+    out = _download(stack, batch.output_file_id)
+    err = _download(stack, batch.error_file_id)
+    assert err and {r["error"]["code"] for r in err} == {"batch_expired"}
+    ids = [r["custom_id"] for r in out] + [r["custom_id"] for r in err]
+    assert sorted(ids) == sorted(f"long-{i}" for i in range(48))
+    assert len(out) > 0, "some requests finish within the window"
+    assert batch.expired_at is not None and batch.expired_at - batch.created_at < 20
