@@ -12,6 +12,14 @@ from fastapi import Depends, Request
 from sqlalchemy.orm import Session
 
 from api.errors import APIError
+from api.limits import (
+    Buckets,
+    auth_enabled,
+    open_buckets,
+    rate_limit_per_minute,
+    retry_after_header,
+)
+from core.auth import hash_key, lookup
 from core.db import new_session
 from core.settings import Settings
 from core.storage import Storage, open_storage
@@ -59,10 +67,15 @@ StorageDep = Annotated[Storage, Depends(get_storage)]
 
 @dataclass(frozen=True, slots=True)
 class Caller:
-    """Who is calling: the key they presented and the tenant their rows belong to."""
+    """Who is calling: the key they presented, the tenant their rows belong to, and the key's
+    defaults for the batches it creates."""
 
     key: str | None
     tenant: str = DEFAULT_TENANT
+    #: What the rate limit counts against: the key's id (static keys: a digest of the key).
+    key_id: str = "anonymous"
+    webhook_url: str | None = None
+    webhook_secret: str | None = None
 
 
 def _unauthorized(message: str) -> APIError:
@@ -78,9 +91,8 @@ def _masked(key: str) -> str:
     return key[:3] + "*" * 8 + key[-4:] if len(key) > 8 else "*" * len(key)
 
 
-def authenticate(request: Request, settings: SettingsDep) -> Caller:
-    """Require ``Authorization: Bearer <key>`` when keys are configured; open otherwise."""
-    if not settings.api_keys:
+def _identify(request: Request, settings: Settings, session: Session) -> Caller:
+    if not auth_enabled(settings):
         return Caller(key=None)
     header = request.headers.get("authorization", "")
     scheme, _, presented = header.partition(" ")
@@ -94,9 +106,52 @@ def authenticate(request: Request, settings: SettingsDep) -> Caller:
     matched = False
     for key in settings.api_keys:  # compare with every key: the time does not reveal which
         matched |= hmac.compare_digest(candidate, key.encode("utf-8", "surrogateescape"))
-    if not matched:
+    if matched:
+        return Caller(key=presented, key_id="static-" + hash_key(presented)[:16])
+    row = lookup(session, presented)
+    if row is None:
         raise _unauthorized(f"Incorrect API key provided: {_masked(presented)}.")
-    return Caller(key=presented)
+    return Caller(
+        key=presented,
+        tenant=row.tenant,
+        key_id=row.id,
+        webhook_url=row.webhook_url,
+        webhook_secret=row.webhook_secret,
+    )
+
+
+_buckets_lock = threading.Lock()
+
+
+def _buckets(request: Request, settings: Settings) -> Buckets:
+    state = request.app.state
+    buckets = getattr(state, "rate_buckets", None)
+    if buckets is None:
+        with _buckets_lock:
+            buckets = getattr(state, "rate_buckets", None)
+            if buckets is None:
+                buckets = open_buckets(settings.broker_url)
+                state.rate_buckets = buckets
+    return buckets
+
+
+def authenticate(request: Request, settings: SettingsDep, session: SessionDep) -> Caller:
+    """Require ``Authorization: Bearer <key>`` (a key from ``api_keys`` or a static
+    ``BATCHD_API_KEYS`` key, whose tenant is ``default``) unless auth is switched off; then
+    take one token from the key's rate-limit bucket."""
+    caller = _identify(request, settings, session)
+    per_minute = rate_limit_per_minute(settings)
+    if per_minute > 0:
+        wait = _buckets(request, settings).take(caller.key_id, per_minute)
+        if wait > 0:
+            raise APIError(
+                429,
+                f"Rate limit reached: {per_minute} requests per minute for this API key. "
+                f"Retry in {retry_after_header(wait)} s.",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": retry_after_header(wait)},
+            )
+    return caller
 
 
 CurrentKey = Annotated[Caller, Depends(authenticate)]

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from core.auth import MAX_WEBHOOK_URL_CHARS, webhook_url_problem
 from core.models import Batch, File
 
 MAX_METADATA_PAIRS = 16
@@ -19,6 +20,8 @@ MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
 
 BatchEndpoint = Literal["/v1/chat/completions", "/v1/completions"]
+BatchPriority = Literal["high", "normal", "low"]
+MAX_IDEMPOTENCY_KEY_CHARS = 256
 BatchStatus = Literal[
     "validating",
     "failed",
@@ -123,6 +126,30 @@ class BatchCreate(BaseModel):
         description="Up to 16 pairs; keys up to 64 characters, values up to 512.",
     )
     output_expires_after: ExpiresAfter | None = None
+    # Extensions (OpenAI clients send them with ``extra_body``).
+    priority: BatchPriority = Field(
+        default="normal", description="Scheduling priority among this server's batches."
+    )
+    webhook_url: str | None = Field(
+        default=None,
+        description="An http(s) URL notified when the batch finishes; defaults to the API "
+        "key's webhook URL. Deliveries are signed with the key's webhook secret.",
+        max_length=MAX_WEBHOOK_URL_CHARS,
+    )
+    idempotency_key: str | None = Field(
+        default=None,
+        description="Like the Idempotency-Key header: a repeated create with the same key "
+        "returns the batch the first one created.",
+        min_length=1,
+        max_length=MAX_IDEMPOTENCY_KEY_CHARS,
+    )
+
+    @field_validator("webhook_url")
+    @classmethod
+    def _webhook_url(cls, value: str | None) -> str | None:
+        if value is not None and (problem := webhook_url_problem(value)):
+            raise ValueError(problem)
+        return value
 
     @field_validator("completion_window")
     @classmethod
@@ -211,9 +238,18 @@ class BatchPublic(BaseModel):
     request_counts: RequestCounts
     metadata: dict[str, str] | None = None
     usage: BatchUsage
+    # Extensions; OpenAI's client keeps unknown fields.
+    priority: BatchPriority = "normal"
+    webhook_url: str | None = None
+    webhook_secret: str | None = Field(
+        default=None,
+        description="Only in the answer to the create that made the batch, and only when the "
+        "batch has a webhook but the API key has no webhook secret: the secret generated for "
+        "this batch's deliveries.",
+    )
 
     @classmethod
-    def of(cls, row: Batch) -> BatchPublic:
+    def of(cls, row: Batch, *, show_secret: bool = False) -> BatchPublic:
         errors = None
         if row.errors:
             errors = BatchErrors(data=[BatchErrorItem(**_error_fields(e)) for e in row.errors])
@@ -251,6 +287,9 @@ class BatchPublic(BaseModel):
                 output_tokens_details=OutputTokensDetails(reasoning_tokens=0),
                 total_tokens=input_tokens + output_tokens,
             ),
+            priority=row.priority if row.priority in ("high", "low") else "normal",  # type: ignore[arg-type]
+            webhook_url=row.webhook_url,
+            webhook_secret=row.webhook_secret if show_secret else None,
         )
 
 

@@ -6,15 +6,24 @@ import logging
 from datetime import timedelta
 from typing import Annotated
 
-from fastapi import APIRouter, Query
-from sqlalchemy import and_, or_, select
+from fastapi import APIRouter, Header, Query
+from sqlalchemy import and_, func, or_, select, text
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from api.deps import CurrentKey, SessionDep, SettingsDep
+from api.deps import Caller, CurrentKey, SessionDep, SettingsDep
 from api.errors import APIError, invalid_request, not_found
+from api.limits import max_unfinished_batches
 from api.routes.common import error_responses
 from api.routes.files import get_file_row
-from api.schemas import BatchCreate, BatchList, BatchPublic, window_seconds
+from api.schemas import (
+    MAX_IDEMPOTENCY_KEY_CHARS,
+    BatchCreate,
+    BatchList,
+    BatchPublic,
+    window_seconds,
+)
+from core.auth import generate_webhook_secret
 from core.ids import batch_id
 from core.lifecycle import TERMINAL, now, transition
 from core.models import Batch
@@ -25,6 +34,7 @@ log = logging.getLogger("batchd.api")
 router = APIRouter(prefix="/batches", tags=["batches"])
 
 CANCELLABLE = ("validating", "in_progress")
+UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
 BROKER_UNAVAILABLE = "The task broker is unavailable; please retry shortly."
 
 
@@ -35,12 +45,93 @@ def get_batch_row(session: Session, tenant: str, batch_id: str) -> Batch:
     return row
 
 
+IdempotencyHeader = Annotated[
+    str | None,
+    Header(
+        alias="Idempotency-Key",
+        min_length=1,
+        max_length=MAX_IDEMPOTENCY_KEY_CHARS,
+        description="A repeated create with the same key (for the same tenant) returns the "
+        "batch the first one created instead of creating another.",
+    ),
+]
+
+
+def _idempotency_key(header: str | None, body: str | None) -> str | None:
+    if header is not None and body is not None and header != body:
+        raise invalid_request(
+            "The Idempotency-Key header and the 'idempotency_key' field differ; send one.",
+            param="idempotency_key",
+        )
+    return header if header is not None else body
+
+
+def _existing(session: Session, tenant: str, key: str) -> Batch | None:
+    return session.scalars(
+        select(Batch).where(Batch.tenant == tenant, Batch.idempotency_key == key)
+    ).first()
+
+
+def _replay(row: Batch, body: BatchCreate, caller: Caller) -> BatchPublic:
+    """The answer to a create that repeats an idempotency key: the first create's batch, as it
+    is now; a different request under the same key is a client bug and gets 409."""
+    if (row.input_file_id, row.endpoint) != (body.input_file_id, body.endpoint):
+        raise APIError(
+            409,
+            f"The idempotency key was already used for batch {row.id}, created from "
+            f"{row.input_file_id} for {row.endpoint}; use a new key for a different batch.",
+            param="idempotency_key",
+            code="idempotency_key_reused",
+            headers={"x-should-retry": "false"},
+        )
+    return BatchPublic.of(row, show_secret=_generated_secret(row, caller))
+
+
+def _generated_secret(row: Batch, caller: Caller) -> bool:
+    """A batch's webhook secret is shown to its creator only when it was generated for the
+    batch; a key's own secret was shown when the key was created."""
+    return row.webhook_secret is not None and row.webhook_secret != caller.webhook_secret
+
+
+def _check_unfinished_quota(session: Session, tenant: str, limit: int) -> None:
+    """Refuse a new batch when the tenant already has ``limit`` unfinished ones. On Postgres a
+    transaction lock per tenant (held until the create commits) makes concurrent creates
+    count one after another, so the limit holds under races."""
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(
+            text("SELECT pg_advisory_xact_lock(hashtext(:lock))"),
+            {"lock": f"batchd.unfinished_batches:{tenant}"},
+        )
+    unfinished = session.scalar(
+        select(func.count())
+        .select_from(Batch)
+        .where(Batch.tenant == tenant, Batch.status.in_(UNFINISHED))
+    )
+    if (unfinished or 0) >= limit:
+        raise APIError(
+            429,
+            f"Too many unfinished batches: this tenant has {unfinished}, and the limit is "
+            f"{limit} (max_unfinished_batches_per_tenant). Wait for some to finish or cancel "
+            "some, then retry.",
+            code="unfinished_batch_limit_exceeded",
+            headers={"x-should-retry": "false"},
+        )
+
+
 @router.post(
-    "", response_model=BatchPublic, responses=error_responses(400, 404), summary="Create a batch"
+    "",
+    response_model=BatchPublic,
+    responses=error_responses(400, 404, 409, 429),
+    summary="Create a batch",
 )
 def create_batch(
-    body: BatchCreate, caller: CurrentKey, session: SessionDep, settings: SettingsDep
+    body: BatchCreate,
+    caller: CurrentKey,
+    session: SessionDep,
+    settings: SettingsDep,
+    idempotency_key: IdempotencyHeader = None,
 ) -> BatchPublic:
+    key = _idempotency_key(idempotency_key, body.idempotency_key)
     seconds = window_seconds(body.completion_window) or 0
     if seconds > settings.max_completion_window_s:
         raise invalid_request(
@@ -48,6 +139,8 @@ def create_batch(
             f"the maximum of {settings.max_completion_window_s} seconds.",
             param="completion_window",
         )
+    if key is not None and (existing := _existing(session, caller.tenant, key)) is not None:
+        return _replay(existing, body, caller)
     input_file = get_file_row(session, caller.tenant, body.input_file_id, param="input_file_id")
     if input_file.purpose != "batch":
         raise invalid_request(
@@ -55,6 +148,11 @@ def create_batch(
             "a batch needs a file uploaded with purpose 'batch'.",
             param="input_file_id",
         )
+    _check_unfinished_quota(session, caller.tenant, max_unfinished_batches(settings))
+    webhook_url = body.webhook_url or caller.webhook_url
+    webhook_secret = None
+    if webhook_url is not None:
+        webhook_secret = caller.webhook_secret or generate_webhook_secret()
     created = now()
     row = Batch(
         id=batch_id(),
@@ -64,6 +162,10 @@ def create_batch(
         completion_window=body.completion_window,
         status="validating",
         metadata_=body.metadata,
+        priority=body.priority,
+        idempotency_key=key,
+        webhook_url=webhook_url,
+        webhook_secret=webhook_secret,
         created_at=created,
         expires_at=created + timedelta(seconds=seconds),
         request_total=0,
@@ -74,7 +176,16 @@ def create_batch(
         output_tokens=0,
     )
     session.add(row)
-    session.commit()
+    try:
+        session.commit()
+    except IntegrityError:
+        # A concurrent create with the same idempotency key committed first: answer with its
+        # batch, exactly as if this request had come second.
+        session.rollback()
+        existing = _existing(session, caller.tenant, key) if key is not None else None
+        if existing is None:
+            raise
+        return _replay(existing, body, caller)
     try:
         enqueue(TASK_VALIDATE, row.id)
     except Exception as error:
@@ -92,7 +203,7 @@ def create_batch(
             f"{BROKER_UNAVAILABLE} Batch {row.id} was not started and has been marked failed.",
             code="broker_unavailable",
         ) from error
-    return BatchPublic.of(row)
+    return BatchPublic.of(row, show_secret=_generated_secret(row, caller))
 
 
 @router.get(

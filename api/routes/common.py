@@ -7,18 +7,20 @@ from typing import Any
 from api.schemas import ErrorResponse
 
 
-def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI entries for the error statuses a route can answer, all in the error envelope."""
+def error_responses(*codes: int, authenticated: bool = True) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI entries for the error statuses a route can answer, all in the error envelope.
+    Authenticated routes can also answer 401 (no or bad key) and 429 (the key's rate limit)."""
     descriptions = {
         400: "Invalid request",
         401: "Missing or invalid API key",
         404: "No such object",
         409: "Conflict with the object's current state",
         413: "Upload too large",
+        429: "Rate limit or quota reached",
         500: "Unexpected server error",
         503: "Database or broker unavailable",
     }
     return {
         code: {"model": ErrorResponse, "description": descriptions.get(code, "Error")}
-        for code in (*codes, 401, 500, 503)
+        for code in (*codes, *((401, 429) if authenticated else ()), 500, 503)
     }

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
+from datetime import UTC, timedelta
 from typing import Annotated, Literal
 from urllib.parse import quote
 
@@ -57,9 +57,20 @@ _UPLOAD_SCHEMA = {
 }
 
 
+def is_expired(row: File) -> bool:
+    expires_at = row.expires_at
+    if expires_at is None:
+        return False
+    if expires_at.tzinfo is None:  # SQLite hands back naive UTC
+        expires_at = expires_at.replace(tzinfo=UTC)
+    return expires_at <= now()
+
+
 def get_file_row(session: Session, tenant: str, file_id: str, param: str | None = None) -> File:
+    """The caller's live file. Another tenant's file and an expired one (whose bytes the
+    retention sweep deletes) answer exactly like a missing one."""
     row = session.get(File, file_id)
-    if row is None or row.tenant != tenant:
+    if row is None or row.tenant != tenant or is_expired(row):
         raise not_found("File", file_id, param=param)
     return row
 
@@ -156,12 +167,14 @@ def list_files(
     after: Annotated[str | None, Query(max_length=64)] = None,
     order: Annotated[Literal["asc", "desc"], Query()] = "desc",
 ) -> FileList:
-    query = select(File).where(File.tenant == caller.tenant)
+    query = select(File).where(
+        File.tenant == caller.tenant, or_(File.expires_at.is_(None), File.expires_at > now())
+    )
     if purpose is not None:
         query = query.where(File.purpose == purpose)
     if after is not None:
         cursor = session.get(File, after)
-        if cursor is None or cursor.tenant != caller.tenant:
+        if cursor is None or cursor.tenant != caller.tenant or is_expired(cursor):
             raise invalid_request(f"No such File object for 'after': {after}", param="after")
         if order == "desc":
             query = query.where(

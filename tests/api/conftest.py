@@ -41,6 +41,8 @@ class Server:
     process: subprocess.Popen[bytes]
     log_path: Path
     env: dict[str, str]
+    #: A key of this test's own tenant, which ``client()`` and ``http()`` send unless told not to.
+    api_key: str | None = None
 
     @property
     def pid(self) -> int:
@@ -50,11 +52,20 @@ class Server:
     def storage_url(self) -> str:
         return self.env["BATCHD_STORAGE_URL"]
 
-    def client(self, api_key: str = "sk-test", **kwargs) -> OpenAI:
-        return OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, **kwargs)
+    def client(self, api_key: str | None = None, **kwargs) -> OpenAI:
+        return OpenAI(
+            base_url=f"{self.url}/v1",
+            api_key=api_key or self.api_key or "sk-none",
+            max_retries=0,
+            **kwargs,
+        )
 
-    def http(self, **kwargs) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=60.0, **kwargs)
+    def http(self, api_key: str | None = "", **kwargs) -> httpx.Client:
+        """A raw client sending ``api_key`` (default: the server's test key; None: no key)."""
+        key = self.api_key if api_key == "" else api_key
+        headers = {"authorization": f"Bearer {key}"} if key else {}
+        headers.update(kwargs.pop("headers", {}))
+        return httpx.Client(base_url=self.url, timeout=60.0, headers=headers, **kwargs)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -82,8 +93,33 @@ def _wait_until_listening(server: Server) -> None:
 
 
 @pytest.fixture
+def make_key(pg_url: str) -> Callable[..., str]:
+    """Create an API key in the database: ``make_key(tenant=None, **create_key options)``;
+    each call without a tenant gets a tenant of its own."""
+    import secrets
+
+    from core.auth import create_key
+    from core.db import session_scope
+
+    def make(tenant: str | None = None, name: str = "test", **options) -> str:
+        with session_scope(pg_url) as session:
+            _row, plaintext = create_key(
+                session, tenant or f"tenant-{secrets.token_hex(4)}", name, **options
+            )
+        return plaintext
+
+    return make
+
+
+@pytest.fixture
+def api_key(make_key: Callable[..., str]) -> str:
+    """A key of a fresh tenant: each test sees only its own files and batches."""
+    return make_key()
+
+
+@pytest.fixture
 def start_server(
-    service_env: dict[str, str], tmp_path: Path
+    service_env: dict[str, str], tmp_path: Path, api_key: str
 ) -> Iterator[Callable[..., Server]]:
     """Start ``uvicorn api.app:app`` with ``service_env`` plus overrides; stopped after the test,
     which fails if the server logged an unhandled error it was not told to expect."""
@@ -114,7 +150,7 @@ def start_server(
             stderr=subprocess.STDOUT,
         )
         log_file.close()
-        server = Server(f"http://127.0.0.1:{port}", process, log_path, env)
+        server = Server(f"http://127.0.0.1:{port}", process, log_path, env, api_key)
         started.append((server, allow_unhandled))
         _wait_until_listening(server)
         return server

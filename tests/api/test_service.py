@@ -22,9 +22,9 @@ def _assert_envelope(response, status: int) -> dict:
     return body["error"]
 
 
-def test_api_keys_are_required_when_configured(start_server):
+def test_static_keys_are_accepted_for_the_default_tenant(start_server):
     server = start_server(BATCHD_API_KEYS='["sk-first", "sk-second"]')
-    with server.http() as http:
+    with server.http(api_key=None) as http:
         error = _assert_envelope(http.get("/v1/models"), 401)
         assert "API key" in error["message"]
         _assert_envelope(http.get("/v1/files", headers={"authorization": "Basic c2stZmlyc3Q="}), 401)

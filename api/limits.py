@@ -1,0 +1,150 @@
+"""Backpressure at the door: a token bucket per API key, and settings read with safe defaults.
+
+The bucket lives in Redis when the broker is Redis, so every API process behind a load balancer
+draws from the same one; otherwise (embedded mode, one process) it lives in this process. If
+Redis stops answering, the limiter keeps working from in-process buckets for a while rather
+than failing requests: rate limiting must never be the reason the API is down.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+from collections import OrderedDict
+from typing import Any, Protocol
+
+from core.settings import Settings
+
+log = logging.getLogger("batchd.api")
+
+DEFAULT_RATE_LIMIT_PER_MINUTE = 600
+DEFAULT_MAX_UNFINISHED_BATCHES = 100
+REDIS_KEY_PREFIX = "batchd:ratelimit:"
+#: After a Redis error, use in-process buckets for this long before trying Redis again.
+REDIS_RETRY_AFTER_S = 5.0
+#: In-process buckets kept at most (least recently used dropped first): bounded memory.
+MAX_LOCAL_BUCKETS = 10_000
+
+
+def setting(settings: Settings, name: str, default: Any) -> Any:
+    """``settings.<name>`` when the field exists, else ``BATCHD_<NAME>`` from the environment,
+    else ``default``; a value read from the environment takes the default's type."""
+    value = getattr(settings, name, None)
+    if value is not None:
+        return value
+    raw = os.environ.get("BATCHD_" + name.upper())
+    if raw is None or not raw.strip():
+        return default
+    if isinstance(default, bool):
+        return raw.strip().lower() in {"1", "true", "yes", "on"}
+    try:
+        return type(default)(raw.strip())
+    except ValueError:
+        log.warning("ignoring BATCHD_%s=%r: not a %s", name.upper(), raw, type(default).__name__)
+        return default
+
+
+def auth_enabled(settings: Settings) -> bool:
+    """Auth is on unless ``BATCHD_AUTH=off`` (or ``auth_disabled``) says otherwise."""
+    if setting(settings, "auth_disabled", False):
+        return False
+    mode = str(setting(settings, "auth", "on")).strip().lower()
+    return mode not in {"off", "false", "0", "no", "disabled"}
+
+
+def rate_limit_per_minute(settings: Settings) -> int:
+    return int(setting(settings, "rate_limit_per_minute", DEFAULT_RATE_LIMIT_PER_MINUTE))
+
+
+def max_unfinished_batches(settings: Settings) -> int:
+    return int(
+        setting(settings, "max_unfinished_batches_per_tenant", DEFAULT_MAX_UNFINISHED_BATCHES)
+    )
+
+
+class Buckets(Protocol):
+    def take(self, bucket: str, per_minute: int) -> float:
+        """Take one token; 0 when granted, else the seconds until one is available."""
+
+
+class LocalBuckets:
+    """Token buckets in this process: capacity ``per_minute``, refilled at ``per_minute/60``/s."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._state: OrderedDict[str, tuple[float, float]] = OrderedDict()
+
+    def take(self, bucket: str, per_minute: int) -> float:
+        rate = per_minute / 60.0
+        now = time.monotonic()
+        with self._lock:
+            tokens, updated = self._state.pop(bucket, (float(per_minute), now))
+            tokens = min(float(per_minute), tokens + (now - updated) * rate)
+            wait = 0.0
+            if tokens >= 1.0:
+                tokens -= 1.0
+            else:
+                wait = (1.0 - tokens) / rate
+            self._state[bucket] = (tokens, now)
+            while len(self._state) > MAX_LOCAL_BUCKETS:
+                self._state.popitem(last=False)
+        return wait
+
+
+# One atomic step of the bucket, timed by the Redis server's clock so API hosts need not agree.
+_TAKE_SCRIPT = """
+local capacity = tonumber(ARGV[1])
+local per_ms = capacity / 60000
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local state = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
+local tokens = tonumber(state[1]) or capacity
+local ts = tonumber(state[2]) or now
+tokens = math.min(capacity, tokens + math.max(0, now - ts) * per_ms)
+local wait = 0
+if tokens >= 1 then
+  tokens = tokens - 1
+else
+  wait = math.ceil((1 - tokens) / per_ms)
+end
+redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'ts', tostring(now))
+redis.call('PEXPIRE', KEYS[1], 61000)
+return wait
+"""
+
+
+class RedisBuckets:
+    """Token buckets shared by every API process through one Redis."""
+
+    def __init__(self, url: str) -> None:
+        import redis
+
+        self._client = redis.Redis.from_url(
+            url, socket_connect_timeout=0.5, socket_timeout=0.5, health_check_interval=30
+        )
+        self._script = self._client.register_script(_TAKE_SCRIPT)
+        self._fallback = LocalBuckets()
+        self._down_until = 0.0
+
+    def take(self, bucket: str, per_minute: int) -> float:
+        if time.monotonic() >= self._down_until:
+            try:
+                wait_ms = self._script(keys=[REDIS_KEY_PREFIX + bucket], args=[per_minute])
+                return int(wait_ms) / 1000.0
+            except Exception as error:  # any Redis failure: keep serving from local buckets
+                log.warning("rate limiter: Redis unavailable (%s); using in-process buckets", error)
+                self._down_until = time.monotonic() + REDIS_RETRY_AFTER_S
+        return self._fallback.take(bucket, per_minute)
+
+
+def open_buckets(broker_url: str) -> Buckets:
+    if broker_url.startswith(("redis://", "rediss://")):
+        return RedisBuckets(broker_url)
+    return LocalBuckets()
+
+
+def retry_after_header(wait_s: float) -> str:
+    return str(max(1, math.ceil(wait_s)))

@@ -1,0 +1,155 @@
+"""API keys: generated here, stored only as their SHA-256, shown once at creation.
+
+A key is ``sk-bd-`` followed by 43 URL-safe characters (256 random bits), so a fast hash is
+enough: nobody can search that space, and looking a key up by its hash takes one index probe
+whose timing reveals nothing about the key. Each key belongs to a tenant; every file and batch
+created with it belongs to that tenant too.
+
+Each key also gets a webhook secret (Standard Webhooks' ``whsec_…`` form) used to sign the
+deliveries of batches created with it, so the client knows it from the moment it gets the key.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import secrets
+from datetime import UTC, datetime, timedelta
+
+from sqlalchemy import or_, select, update
+from sqlalchemy.orm import Session
+from sqlalchemy.orm.attributes import set_committed_value
+
+from core.models import ApiKey
+
+KEY_PREFIX = "sk-bd-"
+#: How much of a key listings show: enough to tell keys apart, far too little to guess one.
+SHOWN_PREFIX_CHARS = 12
+WEBHOOK_SECRET_PREFIX = "whsec_"
+#: ``last_used_at`` is written at most this often per key, so busy keys cost no write per call.
+TOUCH_INTERVAL = timedelta(minutes=1)
+MAX_TENANT_CHARS = 64
+MAX_NAME_CHARS = 256
+
+
+def hash_key(plaintext: str) -> str:
+    return hashlib.sha256(plaintext.encode("utf-8", "surrogateescape")).hexdigest()
+
+
+def generate_key() -> tuple[str, str]:
+    """A new key and its hash: ``("sk-bd-…", sha256 hex)``."""
+    plaintext = KEY_PREFIX + secrets.token_urlsafe(32)
+    return plaintext, hash_key(plaintext)
+
+
+def generate_webhook_secret() -> str:
+    """A Standard Webhooks secret: ``whsec_`` and 32 random bytes in base64."""
+    return WEBHOOK_SECRET_PREFIX + base64.b64encode(secrets.token_bytes(32)).decode("ascii")
+
+
+def key_id() -> str:
+    return f"key_{secrets.token_hex(8)}"
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+def create_key(
+    session: Session, tenant: str, name: str = "", *, webhook_url: str | None = None
+) -> tuple[ApiKey, str]:
+    """Add a key for ``tenant`` (flushed, not committed) and return it with its plaintext,
+    which is not stored anywhere: show it to the user now or never."""
+    tenant = tenant.strip()
+    if not tenant or len(tenant) > MAX_TENANT_CHARS:
+        raise ValueError(f"a tenant is 1 to {MAX_TENANT_CHARS} characters, got {len(tenant)}")
+    if len(name) > MAX_NAME_CHARS:
+        raise ValueError(f"a key name is at most {MAX_NAME_CHARS} characters, got {len(name)}")
+    plaintext, digest = generate_key()
+    row = ApiKey(
+        id=key_id(),
+        tenant=tenant,
+        name=name,
+        key_hash=digest,
+        prefix=plaintext[:SHOWN_PREFIX_CHARS],
+        created_at=_now(),
+        webhook_url=webhook_url,
+        webhook_secret=generate_webhook_secret(),
+    )
+    session.add(row)
+    session.flush()
+    return row, plaintext
+
+
+def revoke_key(session: Session, key_id: str) -> ApiKey | None:
+    """Revoke a key (flushed, not committed); None when there is no such key. Revoking a
+    revoked key keeps its first revocation time."""
+    row = session.get(ApiKey, key_id)
+    if row is None:
+        return None
+    if row.revoked_at is None:
+        row.revoked_at = _now()
+        session.flush()
+    return row
+
+
+def lookup(session: Session, plaintext: str) -> ApiKey | None:
+    """The live key whose hash matches ``plaintext``; None for unknown or revoked keys.
+
+    Records the use in ``last_used_at`` when the last record is over a minute old, with one
+    conditional UPDATE (concurrent requests write it once) that is committed here, so the
+    record survives requests that only read.
+    """
+    if not plaintext.startswith(KEY_PREFIX):
+        return None
+    row = session.scalars(select(ApiKey).where(ApiKey.key_hash == hash_key(plaintext))).first()
+    if row is None or row.revoked_at is not None:
+        return None
+    current = _now()
+    last = row.last_used_at
+    if last is not None and last.tzinfo is None:  # SQLite hands back naive UTC
+        last = last.replace(tzinfo=UTC)
+    if last is None or current - last >= TOUCH_INTERVAL:
+        session.execute(
+            update(ApiKey)
+            .where(
+                ApiKey.id == row.id,
+                or_(ApiKey.last_used_at.is_(None), ApiKey.last_used_at < current - TOUCH_INTERVAL),
+            )
+            .values(last_used_at=current)
+            .execution_options(synchronize_session=False)
+        )
+        session.commit()
+        set_committed_value(row, "last_used_at", current)
+    return row
+
+
+def list_keys(session: Session, tenant: str | None = None) -> list[ApiKey]:
+    query = select(ApiKey).order_by(ApiKey.created_at, ApiKey.id)
+    if tenant is not None:
+        query = query.where(ApiKey.tenant == tenant)
+    return list(session.scalars(query))
+
+
+MAX_WEBHOOK_URL_CHARS = 2048
+
+
+def webhook_url_problem(url: str) -> str | None:
+    """Why ``url`` cannot be a webhook target (an absolute http/https URL with a host), or
+    None when it can."""
+    from urllib.parse import urlsplit
+
+    if len(url) > MAX_WEBHOOK_URL_CHARS:
+        return f"is {len(url)} characters; the maximum is {MAX_WEBHOOK_URL_CHARS}"
+    if any(ch.isspace() or ord(ch) < 0x20 or ord(ch) == 0x7F for ch in url):
+        return "must not contain whitespace or control characters"
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises on a malformed port
+    except ValueError:
+        return "is not a valid URL"
+    if parts.scheme.lower() not in {"http", "https"}:
+        return "must be an http:// or https:// URL"
+    if not parts.hostname:
+        return "must name a host"
+    return None
