@@ -364,6 +364,10 @@ class RunError(Exception):
     """A problem the user must fix (bad input, inconsistent resume state): exit 2."""
 
 
+class ModelLoadError(Exception):
+    """The engine could not be built: exit 1."""
+
+
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -775,7 +779,7 @@ def run_batch_file(
     _say(f"validating {options.input} …")
     report = scan_input(options)
     for err in report.first_errors:
-        where = f"line {err.line}: " if err.line is not None else ""
+        where = "" if err.line is None or err.message.startswith("Line ") else f"line {err.line}: "
         _say(f"  {where}{err.message} ({err.code})")
     if report.num_invalid > len(report.first_errors):
         _say(f"  … {report.num_invalid - len(report.first_errors)} more invalid lines")
@@ -790,6 +794,14 @@ def run_batch_file(
             f"{report.num_invalid} invalid lines go to the error file; running the other {report.num_valid}"
         )
 
+    from engine import Engine
+
+    _say(f"loading {options.model} …")
+    try:
+        engine = Engine(options.model, **options.engine_config)
+    except Exception as exc:  # a missing or unreadable model dir, a bad engine option
+        raise ModelLoadError(f"cannot load the model {options.model}: {exc}") from exc
+
     resumed = 0
     if progress is None:
         progress = Progress(fingerprint=fingerprint)
@@ -799,16 +811,13 @@ def run_batch_file(
         resumed = progress.requests_done
         files.open(progress, resume=True)
         _say(
-            f"resuming at line {progress.next_line}: {resumed} of {report.num_requests} requests were already done"
+            f"resuming at line {progress.next_line}: {resumed} of {report.num_requests} "
+            "requests were already done"
         )
-
-    from engine import Engine
 
     stop = _StopFlag()
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        _say(f"loading {options.model} …")
-        engine = Engine(options.model, **options.engine_config)
         runner = BatchRunner(options, engine, report, stop)
         with _Bar(report.num_requests, resumed, show_progress) as bar:
             try:
@@ -879,18 +888,20 @@ def _memory_size(value: str | None) -> int | float | None:
     return int(text)
 
 
-RUN_HELP = """Run an OpenAI batch FILE through a local model in this process, no servers.
-
-Output and error lines have the service's formats, in input order. Input lines that do not
-validate (bad JSON, a missing field, a duplicate custom_id, …) become error-file lines whose
-message names the line number, and the run carries on; only a file with no valid request at
-all (say, every url differs from --endpoint), or any invalid line with --strict, stops the run
-before the model loads (exit 2). Requests the model cannot run (prompt too long) also go to the
-error file.
-
-Interrupted (Ctrl-C, SIGTERM, even SIGKILL), the same command resumes from the last
-checkpoint: OUT.partial, ERR.partial and OUT.progress.json hold the state until the run ends.
-"""
+RUN_HELP = (
+    "Run an OpenAI batch FILE through a local model in this process, no servers."
+    "\n\n"
+    "Output and error lines have the service's formats, in input order. Input lines that do "
+    "not validate (bad JSON, a missing field, a duplicate custom_id, ...) become error-file "
+    "lines whose message names the line number, and the run carries on. Only a file with no "
+    "valid request at all (say, every url differs from --endpoint), or any invalid line with "
+    "--strict, stops the run before the model loads (exit 2). Requests the model cannot run "
+    "(a prompt longer than its context) also go to the error file."
+    "\n\n"
+    "Interrupted (Ctrl-C, SIGTERM, even SIGKILL), the same command resumes from the last "
+    "checkpoint: OUT.partial, ERR.partial and OUT.progress.json hold the state until the run "
+    "ends. Memory stays bounded whatever the file's size."
+)
 
 
 def run(
@@ -901,14 +912,14 @@ def run(
     model: Annotated[str, typer.Option("--model", help="Local Hugging Face model directory.")],
     errors: Annotated[
         Path | None,
-        typer.Option("--errors", help="Error JSONL file [default: OUT's name with .errors]."),
+        typer.Option("--errors", help="Error JSONL file (default: OUT with .errors.jsonl)."),
     ] = None,
     endpoint: Annotated[str, typer.Option(help="Endpoint every request targets.")] = CHAT_URL,
     model_name: Annotated[
         str | None,
         typer.Option(
             help="Model name written in responses; requests naming another model are errors "
-            "[default: each request's own body.model, any accepted]."
+            "(default: each request's own body.model, any accepted)."
         ),
     ] = None,
     max_num_seqs: Annotated[
@@ -933,7 +944,7 @@ def run(
     ] = 30.0,
     window: Annotated[
         int | None,
-        typer.Option(min=1, help="Requests in flight at most [default: 4 x max-num-seqs]."),
+        typer.Option(min=1, help="Requests in flight at most (default: 4 x max-num-seqs)."),
     ] = None,
     strict: Annotated[bool, typer.Option(help="Refuse to run if any line is invalid.")] = False,
     restart: Annotated[
@@ -983,9 +994,9 @@ def run(
     except RunError as exc:
         _say(f"error: {exc}")
         raise typer.Exit(int(ExitCode.USAGE)) from None
-    except _Interrupted:
+    except (_Interrupted, KeyboardInterrupt):
         raise typer.Exit(int(ExitCode.INTERRUPTED)) from None
-    except (OSError, ValueError) as exc:  # unreadable model dir, bad engine option, disk full
+    except (ModelLoadError, OSError) as exc:  # no model, disk full, unreadable file
         _say(f"error: {exc}")
         raise typer.Exit(int(ExitCode.ERROR)) from None
     _say(

@@ -296,3 +296,11 @@ def test_sigint_checkpoints_and_resume_refuses_other_options(
     assert proc.returncode == ExitCode.OK, stderr.decode()[-2000:]
     assert json.loads(stdout)["resumed_requests"] == done
     assert [line["custom_id"] for line in read_jsonl(out)] == [f"req-{i}" for i in range(300)]
+
+
+def test_run_reports_a_model_that_does_not_load(tmp_path: Path) -> None:
+    batch = write_jsonl(tmp_path / "in.jsonl", [chat_line(0)])
+    code, _, err = run_cli(str(batch), "-o", str(tmp_path / "o.jsonl"), "--model", "/nonexistent")
+    assert code == ExitCode.ERROR
+    assert "cannot load the model /nonexistent" in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == [batch]  # no partial or progress files
