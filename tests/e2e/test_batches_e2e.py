@@ -158,8 +158,14 @@ def test_validation_failure_names_the_lines(stack):
 
 
 def _long_workload(n: int, tokens: int) -> list[dict[str, Any]]:
+    """Each shard (16 requests) starts with three quick requests, so results arrive early
+    whichever shard the engine takes first; the long rest keeps the batch running until it is
+    cancelled or expires."""
     return [
-        _chat(f"long-{i}", f"write about the river {i}", tokens, ignore_eos=True) for i in range(n)
+        _chat(
+            f"long-{i}", f"write about the river {i}", 12 if i % 16 < 3 else tokens, ignore_eos=True
+        )
+        for i in range(n)
     ]
 
 
@@ -197,7 +203,7 @@ def test_live_counts_then_cancel_keeps_partial_results(stack):
 
 
 def test_expiry_keeps_finished_results_and_reports_the_rest(stack):
-    batch = _submit(stack, _long_workload(48, 500), window="6s")
+    batch = _submit(stack, _long_workload(48, 1000), window="10s")
     batch = _wait(stack, batch.id, 60)
     assert batch.status == "expired", batch
     out = _download(stack, batch.output_file_id)
@@ -206,4 +212,4 @@ def test_expiry_keeps_finished_results_and_reports_the_rest(stack):
     ids = [r["custom_id"] for r in out] + [r["custom_id"] for r in err]
     assert sorted(ids) == sorted(f"long-{i}" for i in range(48))
     assert len(out) > 0, "some requests finish within the window"
-    assert batch.expired_at is not None and batch.expired_at - batch.created_at < 20
+    assert batch.expired_at is not None and batch.expired_at - batch.created_at < 25
