@@ -35,8 +35,9 @@ class Settings(BaseSettings):
 
     # Served model name -> local HF model directory, or "demo:<preset>" for a built-in demo model.
     models: Annotated[dict[str, str], NoDecode] = Field(default_factory=lambda: {DEMO_MODEL_NAME: "demo:llama-25m"})
-    # Bearer keys accepted by the API; empty means the API is open (development only).
+    # Static bearer keys accepted by the API for tenant "default" (besides the api_keys table).
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    auth: str = "on"  # "off" disables authentication (local development only)
 
     # Limits (OpenAI's defaults where it has them).
     max_upload_bytes: int = 200 * 1024 * 1024
@@ -47,12 +48,34 @@ class Settings(BaseSettings):
     # short jobs, any "<n>s|m|h" up to this many seconds.
     max_completion_window_s: int = 7 * 24 * 3600
     file_expiry_s: int = 30 * 24 * 3600
+    file_sweep_interval_s: float = 3600.0
+
+    # Quotas and backpressure.
+    rate_limit_per_minute: int = 600  # API requests per key; 0 disables
+    max_unfinished_batches_per_tenant: int = 100
+    # Prompt tokens enqueued per tenant and model across unfinished batches (OpenAI's batch
+    # queue limit); a batch that would exceed it fails validation with token_limit_exceeded.
+    max_enqueued_tokens_per_tenant: int = 2_000_000_000
+    # Shards released to a model's broker queue at a time (the rest wait in Postgres and are
+    # released round-robin across tenants and batches, by priority).
+    max_released_shards_per_model: int = 8
 
     # Sharding and checkpointing.
     shard_max_tokens: int = 200_000  # estimated prompt + max output tokens per shard
     shard_max_requests: int = 2_000
     checkpoint_every: int = 64  # requests per checkpoint chunk
     checkpoint_interval_s: float = 5.0  # or at most this long between checkpoints
+
+    # Crash recovery.
+    heartbeat_interval_s: float = 5.0
+    shard_stale_after_s: float = 30.0  # a running shard silent this long is reclaimed
+    reclaim_sweep_interval_s: float = 10.0
+    max_shard_attempts: int = 3  # then the shard's remaining requests are reported as errors
+    max_request_attempts: int = 2  # a request that makes the engine fail is retried alone
+
+    # Webhooks.
+    webhook_max_attempts: int = 8
+    webhook_timeout_s: float = 10.0
 
     # Worker.
     worker_shard_concurrency: int = 4  # shard tasks in flight per model worker (threads)
