@@ -220,11 +220,14 @@ def _finish_wait(batch: dict[str, Any], timed_out: bool, *, as_json: bool) -> Ex
 
 
 def _download_results(
-    client: BatchdClient, batch: dict[str, Any], output: Path, errors: Path | None
+    client: BatchdClient, batch: dict[str, Any], output: Path | None, errors: Path | None
 ) -> dict[str, Any]:
     """Download the output (and error) file of a finished batch; a batch with no output (or
     errors) gets an empty file, so a pipeline always finds the paths it asked for."""
-    written: dict[str, Any] = {"output": str(output), "errors": str(errors) if errors else None}
+    written: dict[str, Any] = {
+        "output": str(output) if output else None,
+        "errors": str(errors) if errors else None,
+    }
     for key, path in (("output", output), ("errors", errors)):
         if path is None:
             continue
@@ -299,9 +302,10 @@ def submit(
             show_progress=sys.stderr.isatty(),
         )
         code = _finish_wait(batch, timed_out, as_json=as_json)
-        if not timed_out and output is not None:
-            written = _download_results(client, batch, output, errors)
-            _stderr().print(f"wrote {written['output']}" + (f" and {errors}" if errors else ""))
+        if not timed_out and (output is not None or errors is not None):
+            _download_results(client, batch, output, errors)
+            wrote = " and ".join(str(p) for p in (output, errors) if p is not None)
+            _stderr().print(f"wrote {wrote}")
     raise _exit(code)
 
 
