@@ -7,7 +7,8 @@ unknown kwargs down to the attention function). The function
 
 1. writes the new K/V into the layer's paged cache at ``slot_mapping``
    (cache layout: ``[num_blocks, block_size, kv_heads, head_dim]``, slot = block * size + offset);
-2. attends decode tokens (one query per sequence) in one batched SDPA call over their gathered
+2. attends decode tokens (one query per sequence) in batched SDPA calls, one per group of
+   similar context lengths (less padding), over their gathered
    K/V (whole blocks: one index_select over block ids) padded to the longest block table with a
    length mask; query heads are folded onto their
    KV head (``[B, kv_heads, group, D]``) so GQA needs no K/V repeat;
@@ -39,15 +40,23 @@ class PrefillChunk:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Decodes of similar context length, attended in one SDPA call (less padding)."""
+
+    start: int  # offsets in the packed sequence (one token per sequence)
+    end: int
+    blocks: torch.Tensor  # [B, max_blocks] block tables (padding: block 0)
+    mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool, True = attend
+
+
+@dataclass(slots=True)
 class AttentionContext:
     """Everything the attention layers need for one step; built once, read by every layer."""
 
     k_cache: list[torch.Tensor]
     v_cache: list[torch.Tensor]
     slot_mapping: torch.Tensor  # [num_tokens] cache slot of every packed token
-    num_decode: int = 0  # the first num_decode packed tokens are single-token decodes
-    decode_blocks: torch.Tensor | None = None  # [B, max_blocks] block tables (padding: block 0)
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size] bool
+    decodes: list[DecodeGroup] = field(default_factory=list)  # the packed sequence starts with them
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -78,16 +87,16 @@ def paged_attention(
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, ctx.slot_mapping, v_new.to(v_cache.dtype))
 
     out = query.new_empty(num_tokens, num_heads, head_dim)
-    nd = ctx.num_decode
-    if nd:
+    for dg in ctx.decodes:
+        nd = dg.end - dg.start
         # [B, KV, group, D]: query heads h = kv * group + g share KV head kv.
-        qd = q[:, :nd].transpose(0, 1).reshape(nd, kv_heads, group, head_dim)
-        blocks = ctx.decode_blocks
+        qd = q[:, dg.start:dg.end].transpose(0, 1).reshape(nd, kv_heads, group, head_dim)
+        blocks = dg.blocks
         size = (nd, blocks.shape[1] * block_size, kv_heads, head_dim)
         kd = k_cache.index_select(0, blocks.view(-1)).view(size).transpose(1, 2)  # [B, KV, L, D]
         vd = v_cache.index_select(0, blocks.view(-1)).view(size).transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=ctx.decode_mask, scale=scaling)
-        out[:nd] = od.reshape(nd, num_heads, head_dim)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=dg.mask, scale=scaling)
+        out[dg.start:dg.end] = od.reshape(nd, num_heads, head_dim)
     for chunk in ctx.prefills:
         qp = q[:, chunk.start:chunk.end].unsqueeze(0)  # [1, H, q, D]
         if chunk.blocks is None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from engine import attention
-from engine.attention import AttentionContext, PrefillChunk
+from engine.attention import AttentionContext, DecodeGroup, PrefillChunk
 from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from engine.sequence import Sequence
 
@@ -122,30 +122,38 @@ class ModelRunner:
                 decodes.append(seq)
             else:
                 prefills.append((seq, n))
+        # Decodes sorted by context length, then cut into groups whose longest block table is
+        # at most twice the shortest: each group is one SDPA call with little padding.
+        decodes.sort(key=len)
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
-        ctx_lens: list[int] = []
-        tables: list[list[int]] = []
         for seq in decodes:
             p = len(seq) - 1
             ids.append(seq.token_ids[p])
             pos.append(p)
-            table = seq.block_table
-            slots.append(table[p // bs] * bs + p % bs)
-            ctx_lens.append(p + 1)
-            tables.append(table)
+            slots.append(seq.block_table[p // bs] * bs + p % bs)
         nd = len(decodes)
         sample_rows = list(range(nd))
         sample_seqs = list(decodes)
-        ctx = AttentionContext(self.k_cache, self.v_cache, slot_mapping=None, num_decode=nd)  # type: ignore[arg-type]
-        if nd:
-            nb = -(-max(ctx_lens) // bs)
-            padded = [t[:nb] + [0] * (nb - len(t[:nb])) for t in tables]
-            ctx.decode_blocks = torch.tensor(padded, dtype=torch.long, device=dev)
-            lens = torch.tensor(ctx_lens, device=dev)
+        ctx = AttentionContext(self.k_cache, self.v_cache, slot_mapping=None)  # type: ignore[arg-type]
+        start = 0
+        while start < nd:
+            first = -(-len(decodes[start]) // bs)
+            end = start + 1
+            while end < nd and -(-len(decodes[end]) // bs) <= 2 * first:
+                end += 1
+            nb = -(-len(decodes[end - 1]) // bs)
+            group = decodes[start:end]
+            padded = [s.block_table[:nb] + [0] * (nb - len(s.block_table[:nb])) for s in group]
+            lens = torch.tensor([len(s) for s in group], device=dev)
             span = nb * bs
-            ctx.decode_mask = (torch.arange(span, device=dev) < lens.unsqueeze(1)).view(nd, 1, 1, span)
+            ctx.decodes.append(DecodeGroup(
+                start, end,
+                blocks=torch.tensor(padded, dtype=torch.long, device=dev),
+                mask=(torch.arange(span, device=dev) < lens.unsqueeze(1)).view(end - start, 1, 1, span),
+            ))
+            start = end
         slot_parts = [torch.tensor(slots, dtype=torch.long, device=dev)] if nd else []
         pos_parts = [torch.tensor(pos, dtype=torch.long, device=dev)] if nd else []
         offset = nd
