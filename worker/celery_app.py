@@ -10,7 +10,9 @@ the engine's batch stays full across shard boundaries; never forks after the mod
     celery -A worker.celery_app worker -Q batchd.model.<name> --pool threads \\
         -c $BATCHD_WORKER_SHARD_CONCURRENCY
 
-Beat (the expiry sweep, every ``BATCHD_EXPIRY_SWEEP_INTERVAL_S`` seconds)::
+Beat (the sweeps: expiry every ``BATCHD_EXPIRY_SWEEP_INTERVAL_S`` seconds, shard release
+every ``BATCHD_RELEASE_SWEEP_INTERVAL_S``, file retention every ``BATCHD_FILE_SWEEP_INTERVAL_S``,
+the stale-shard reclaim every ``BATCHD_RECLAIM_SWEEP_INTERVAL_S``)::
 
     celery -A worker.celery_app beat
 
@@ -21,6 +23,9 @@ whose worker dies is delivered again) never runs a step twice in a way anyone ca
 """
 
 from __future__ import annotations
+
+import os
+from importlib.util import find_spec
 
 from celery import Celery
 
@@ -33,11 +38,64 @@ from core.queue import (
 )
 from core.settings import get_settings
 
+# Task modules every process registers. ``worker.recovery`` (heartbeats and the reclaim sweep)
+# is included when it is present.
+INCLUDE = ["worker.tasks", "worker.shard", "worker.release", "worker.webhooks", "worker.retention"]
+TASK_RECLAIM = "batchd.reclaim_stale_shards"
+# Task names of the modules above that core.queue does not list.
+TASK_RELEASE_SWEEP = "batchd.release_shards"
+TASK_DELIVER_WEBHOOK = "batchd.deliver_webhook"
+TASK_SWEEP_FILES = "batchd.sweep_files"
+
+
+def _has_recovery() -> bool:
+    try:
+        return find_spec("worker.recovery") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _every(task: str, seconds: float) -> dict:
+    seconds = float(seconds)
+    return {
+        "task": task,
+        "schedule": seconds,
+        # A sweep not started before the next one is due is dropped, never piled up.
+        "options": {"queue": CONTROL_QUEUE, "expires": max(seconds, 1.0)},
+    }
+
+
+def release_sweep_interval_s() -> float:
+    """How often beat runs the shard-release safety net (``BATCHD_RELEASE_SWEEP_INTERVAL_S``)."""
+    return float(os.environ.get("BATCHD_RELEASE_SWEEP_INTERVAL_S", "5"))
+
 
 def create_app() -> Celery:
     settings = get_settings()
-    celery = Celery("batchd", broker=settings.broker_url, include=["worker.tasks", "worker.shard"])
+    recovery = _has_recovery()
+    include = [*INCLUDE, "worker.recovery"] if recovery else list(INCLUDE)
+    celery = Celery("batchd", broker=settings.broker_url, include=include)
     control = {"queue": CONTROL_QUEUE}
+    routes = {
+        name: control
+        for name in (
+            TASK_VALIDATE,
+            TASK_FINALIZE,
+            TASK_CANCEL,
+            TASK_SWEEP_EXPIRED,
+            TASK_RELEASE_SWEEP,
+            TASK_DELIVER_WEBHOOK,
+            TASK_SWEEP_FILES,
+            TASK_RECLAIM,
+        )
+    }
+    schedule = {
+        "sweep-expired": _every(TASK_SWEEP_EXPIRED, settings.expiry_sweep_interval_s),
+        "release-shards": _every(TASK_RELEASE_SWEEP, release_sweep_interval_s()),
+        "sweep-files": _every(TASK_SWEEP_FILES, settings.file_sweep_interval_s),
+    }
+    if recovery:
+        schedule["reclaim-stale-shards"] = _every(TASK_RECLAIM, settings.reclaim_sweep_interval_s)
     celery.conf.update(
         task_ignore_result=True,
         task_acks_late=True,
@@ -47,19 +105,8 @@ def create_app() -> Celery:
         broker_connection_retry_on_startup=True,
         task_default_queue=CONTROL_QUEUE,
         # Shard tasks name their model's queue when they are sent (core.queue.model_queue).
-        task_routes={
-            TASK_VALIDATE: control,
-            TASK_FINALIZE: control,
-            TASK_CANCEL: control,
-            TASK_SWEEP_EXPIRED: control,
-        },
-        beat_schedule={
-            "sweep-expired": {
-                "task": TASK_SWEEP_EXPIRED,
-                "schedule": float(settings.expiry_sweep_interval_s),
-                "options": {"queue": CONTROL_QUEUE, "expires": settings.expiry_sweep_interval_s},
-            }
-        },
+        task_routes=routes,
+        beat_schedule=schedule,
     )
     return celery
 

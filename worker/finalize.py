@@ -15,6 +15,11 @@ The same path ends every batch that ran:
 The files are written, then their ``files`` rows are inserted in the same transaction as the
 status transition. If another finalize won the transition, this one deletes what it wrote.
 Chunks are deleted only after the winning transaction commits.
+
+The winner then sends the batch's webhook event (:mod:`worker.webhooks`), and after a cancel or
+expiry lets the release policy fill the slots its sealed shards held (:mod:`worker.release`).
+Output and error files expire ``settings.file_expiry_s`` after the finalize
+(:mod:`worker.retention` deletes them).
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ from worker.checkpoints import (
     read_chunk,
 )
 from worker.common import CLOSED, DONE, input_key, live_shards, past_expiry, storage, utcnow
+from worker.release import release_for_model
+from worker.webhooks import notify
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +159,7 @@ def finalize(batch_id: str) -> str | None:
             return None  # the running shards stop within seconds; the last one calls back
         key = input_key(session, batch)
         tenant = batch.tenant
+        model = batch.model
         expires_at = utcnow() + timedelta(seconds=settings.file_expiry_s)
 
     if target != "completed":
@@ -232,4 +240,11 @@ def finalize(batch_id: str) -> str | None:
         return None
     sto.delete_prefix(batch_prefix(batch_id))
     logger.info("batch %s %s: %s ok, %s error lines", batch_id, target, completed, err.lines)
+    notify(batch_id, target)
+    if target != "completed":
+        # Sealing freed the slots of its released shards that had not started.
+        try:
+            release_for_model(model)
+        except Exception:
+            logger.exception("batch %s: could not release the next shards of %s", batch_id, model)
     return target

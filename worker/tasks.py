@@ -7,11 +7,13 @@ one conditional UPDATE (:func:`core.lifecycle.transition`) and only one actor wi
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from datetime import UTC
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select, text
+from sqlalchemy.orm import Session
 
 from core.batchfile import BatchRequest, validate_file
 from core.db import new_session, session_scope
@@ -24,15 +26,19 @@ from worker import runtime
 from worker.celery_app import app
 from worker.common import input_key, live_shards, send, stale_after_s, storage, utcnow
 from worker.finalize import finalize
+from worker.release import release_for_model
+from worker.webhooks import notify
 
 logger = logging.getLogger(__name__)
 
 
 class _TokenCounter:
-    """Estimates each request's tokens with the model's own tokenizer (no model weights)."""
+    """Estimates each request's tokens with the model's own tokenizer (no model weights), and
+    sums the prompt tokens (what the batch holds against its tenant's enqueued-token limit)."""
 
     def __init__(self, model_names: list[str]):
         self.model_names = set(model_names)
+        self.prompt_tokens = 0
 
     def __call__(self, req: BatchRequest) -> int:
         tok = runtime.tokenizer(req.model)
@@ -41,7 +47,47 @@ class _TokenCounter:
             prompt_len = len(runtime.prompt_token_ids(tok, req))
         except Exception:
             prompt_len = 0
+        self.prompt_tokens += prompt_len
         return runtime.estimate_tokens(req, prompt_len, context)
+
+
+# Statuses whose batches hold their prompt tokens against the tenant's enqueued-token limit
+# (a batch still validating has not been counted yet, except the one being validated).
+ENQUEUED_STATUSES = ("in_progress", "finalizing", "cancelling")
+
+
+def _lock_tenant_model(session: Session, tenant: str, model: str) -> None:
+    """Serialize quota checks of one tenant and model until this transaction ends, so two
+    batches validated at once cannot both fit into the room for one (Postgres only; SQLite
+    writers are serialized by the database)."""
+    if session.get_bind().dialect.name != "postgresql":
+        return
+    digest = hashlib.sha256(f"batchd.quota:{tenant}:{model}".encode()).digest()
+    session.execute(
+        text("SELECT pg_advisory_xact_lock(:key)"),
+        {"key": int.from_bytes(digest[:8], "big", signed=True)},
+    )
+
+
+def enqueued_tokens(session: Session, tenant: str, model: str, exclude: str | None = None) -> int:
+    """Prompt tokens of ``tenant``'s unfinished batches on ``model``."""
+    query = select(func.coalesce(func.sum(Batch.est_prompt_tokens), 0)).where(
+        Batch.tenant == tenant, Batch.model == model, Batch.status.in_(ENQUEUED_STATUSES)
+    )
+    if exclude is not None:
+        query = query.where(Batch.id != exclude)
+    return int(session.scalar(query) or 0)
+
+
+def quota_error(tenant: str, model: str, limit: int, used: int, tokens: int) -> dict[str, Any]:
+    return {
+        "code": "token_limit_exceeded",
+        "message": f"Enqueued token limit reached for {model} in tenant {tenant}: "
+        f"limit {limit:,}, already enqueued {used:,}, this batch {tokens:,}. "
+        "Please try again once some of your batches have completed.",
+        "param": None,
+        "line": None,
+    }
 
 
 def validate(batch_id: str) -> str | None:
@@ -52,7 +98,7 @@ def validate(batch_id: str) -> str | None:
         if batch is None:
             logger.warning("validate: batch %s is gone", batch_id)
             return None
-        status, endpoint = batch.status, batch.endpoint
+        status, endpoint, tenant = batch.status, batch.endpoint, batch.tenant
         if status == "cancelling":
             return finalize(batch_id)
         if status != "validating":
@@ -101,8 +147,39 @@ def validate(batch_id: str) -> str | None:
             )
             session.commit()
             if won:
+                notify(batch_id, "failed")
                 return "failed"
         else:
+            model = report.model or ""
+            tokens = count.prompt_tokens
+            limit = settings.max_enqueued_tokens_per_tenant
+            _lock_tenant_model(session, tenant, model)
+            used = enqueued_tokens(session, tenant, model, exclude=batch_id)
+            if used + tokens > limit:
+                won = transition(
+                    session,
+                    batch_id,
+                    "validating",
+                    "failed",
+                    model=report.model,
+                    est_prompt_tokens=tokens,
+                    errors=[quota_error(tenant, model, limit, used, tokens)],
+                    request_total=report.num_requests,
+                )
+                session.commit()
+                if won:
+                    logger.info(
+                        "batch %s: over the enqueued-token limit (%s + %s > %s)",
+                        batch_id,
+                        used,
+                        tokens,
+                        limit,
+                    )
+                    notify(batch_id, "failed")
+                    return "failed"
+                session.rollback()
+                return finalize(batch_id)
+
             specs = planner.finish()
             shards = [
                 Shard(
@@ -125,15 +202,17 @@ def validate(batch_id: str) -> str | None:
                 "in_progress",
                 model=report.model,
                 request_total=report.num_requests,
+                est_prompt_tokens=tokens,
             )
             if won:
                 session.add_all(shards)
-                session.flush()
-                shard_ids = [s.id for s in shards]
                 session.commit()
-                from worker.shard import send_shards
-
-                send_shards(report.model or "", shard_ids)
+                # The shards wait as pending rows; the release policy sends them (and the
+                # release sweep does, should this fail).
+                try:
+                    release_for_model(model)
+                except Exception:
+                    logger.exception("batch %s: could not release its shards now", batch_id)
                 logger.info(
                     "batch %s: %s requests in %s shards", batch_id, report.num_requests, len(shards)
                 )

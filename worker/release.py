@@ -1,0 +1,330 @@
+"""Shard release: a bounded, fair window of each model's shards on the broker.
+
+Validation creates every shard as a ``pending`` row and sends none of them. This module sends
+("releases") shards to their model's queue so that at most
+``settings.max_released_shards_per_model`` shards of one model are released and unfinished
+(``released_at`` set, status ``pending`` or ``running``) at any time. The broker queue therefore
+never holds more than that many shard messages per model, and a job that arrives behind a big
+one waits for one free slot, not for the big job's whole backlog. Set the bound close to the
+total shard concurrency of the model's workers (``worker_shard_concurrency`` times workers): a
+larger bound only queues released shards in the broker, where FIFO order, not fairness, applies.
+
+When a slot frees, the next shard is chosen by, in this order:
+
+1. priority of its batch: ``high`` before ``normal`` before ``low``;
+2. tenant: the tenant with the fewest released-and-unfinished shards of this model
+   (round-robin across tenants);
+3. batch within the tenant: the batch with the fewest released-and-unfinished shards, then the
+   oldest batch;
+4. shard index.
+
+:func:`release_for_model` is called after validation commits, whenever a shard task ends (a
+``task_postrun`` hook on the model worker, and the shard code), after a cancel or expiry
+finalize, and from a beat sweep every few seconds as a safety net. Callers race freely: on
+Postgres one transaction-scoped advisory lock per model serializes the choice, and the
+conditional UPDATE (``released_at IS NULL AND status = 'pending'``) means a shard is released
+once. On SQLite (embedded mode) a throwaway write statement takes the database's write lock
+first, which serializes releasers across processes just as well.
+
+Messages are sent after the transaction commits. If the send fails, the shards are un-released
+(``released_at`` back to NULL). A process that dies between the commit and the send leaves
+released shards that no message will run: the sweep re-sends shards that have been released,
+yet still pending, for longer than ``resend_after_s()``; a duplicate message is harmless (the
+shard's claim fences older attempts off).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from celery.signals import task_postrun
+from sqlalchemy import and_, func, select, text, update
+from sqlalchemy.orm import Session
+
+from core.db import session_scope
+from core.models import Batch, Shard
+from core.queue import TASK_RUN_SHARD, model_queue
+from core.settings import get_settings
+from worker.celery_app import TASK_RELEASE_SWEEP, app
+from worker.common import PENDING, RUNNING, send, utcnow
+
+logger = logging.getLogger(__name__)
+
+PRIORITY_RANK = {"high": 0, "normal": 1, "low": 2}
+
+_local_lock = threading.Lock()  # SQLite: one releaser per process at a time
+
+
+def resend_after_s() -> float:
+    """A shard released this long ago and still pending is sent again by the sweep."""
+    return float(os.environ.get("BATCHD_RELEASE_RESEND_AFTER_S", "0") or 0) or max(
+        600.0, 10 * get_settings().shard_stale_after_s
+    )
+
+
+def _lock_key(model: str) -> int:
+    digest = hashlib.sha256(f"batchd.release:{model}".encode()).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+def _lock_model(session: Session, model: str) -> None:
+    """Serialize the releasers of ``model`` until this transaction ends."""
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _lock_key(model)})
+    else:
+        # SQLite: an UPDATE (even of no row) takes the database's write lock until commit.
+        session.execute(text("UPDATE shards SET released_at = released_at WHERE 1 = 0"))
+
+
+@dataclass(frozen=True, slots=True)
+class _Candidate:
+    shard_id: int
+    index: int
+    batch_id: str
+    tenant: str
+    priority: str
+    created_at: datetime
+
+
+def _in_flight(session: Session, model: str) -> tuple[int, dict[str, int], dict[str, int]]:
+    """Released-and-unfinished shards of ``model``: total, per tenant, per batch."""
+    rows = session.execute(
+        select(Batch.tenant, Shard.batch_id, func.count())
+        .select_from(Shard)
+        .join(Batch, Batch.id == Shard.batch_id)
+        .where(
+            Batch.model == model,
+            Shard.released_at.is_not(None),
+            Shard.status.in_((PENDING, RUNNING)),
+        )
+        .group_by(Batch.tenant, Shard.batch_id)
+    ).all()
+    per_tenant: dict[str, int] = defaultdict(int)
+    per_batch: dict[str, int] = defaultdict(int)
+    total = 0
+    for tenant, batch_id, n in rows:
+        per_tenant[tenant] += n
+        per_batch[batch_id] += n
+        total += n
+    return total, per_tenant, per_batch
+
+
+def _candidates(session: Session, model: str, per_batch_limit: int) -> list[_Candidate]:
+    """The first ``per_batch_limit`` unreleased pending shards of each runnable batch."""
+    ranked = (
+        select(
+            Shard.id.label("shard_id"),
+            Shard.index.label("index"),
+            Shard.batch_id.label("batch_id"),
+            func.row_number().over(partition_by=Shard.batch_id, order_by=Shard.index).label("rn"),
+        )
+        .join(Batch, Batch.id == Shard.batch_id)
+        .where(
+            Batch.model == model,
+            Batch.status == "in_progress",
+            Batch.expires_at > utcnow(),
+            Shard.status == PENDING,
+            Shard.released_at.is_(None),
+        )
+        .subquery()
+    )
+    rows = session.execute(
+        select(
+            ranked.c.shard_id,
+            ranked.c.index,
+            ranked.c.batch_id,
+            Batch.tenant,
+            Batch.priority,
+            Batch.created_at,
+        )
+        .join(Batch, Batch.id == ranked.c.batch_id)
+        .where(ranked.c.rn <= per_batch_limit)
+    ).all()
+    return [_Candidate(*row) for row in rows]
+
+
+def choose(
+    candidates: list[_Candidate],
+    slots: int,
+    per_tenant: dict[str, int],
+    per_batch: dict[str, int],
+) -> list[_Candidate]:
+    """Pick up to ``slots`` shards in release order (see the module docstring); updates the
+    counts as it goes, so consecutive picks rotate across tenants and batches."""
+    per_tenant = defaultdict(int, per_tenant)
+    per_batch = defaultdict(int, per_batch)
+    # Each batch's shards in index order; only a batch's head is ever a choice.
+    queues: dict[str, list[_Candidate]] = defaultdict(list)
+    for cand in sorted(candidates, key=lambda c: c.index):
+        queues[cand.batch_id].append(cand)
+    chosen: list[_Candidate] = []
+    while len(chosen) < slots and queues:
+        head = min(
+            (q[0] for q in queues.values()),
+            key=lambda c: (
+                PRIORITY_RANK.get(c.priority, 1),
+                per_tenant[c.tenant],
+                per_batch[c.batch_id],
+                c.created_at,
+                c.batch_id,
+                c.index,
+            ),
+        )
+        chosen.append(head)
+        per_tenant[head.tenant] += 1
+        per_batch[head.batch_id] += 1
+        queue = queues[head.batch_id]
+        queue.pop(0)
+        if not queue:
+            del queues[head.batch_id]
+    return chosen
+
+
+def _release(model: str, limit: int) -> list[int]:
+    with session_scope() as session:
+        _lock_model(session, model)
+        total, per_tenant, per_batch = _in_flight(session, model)
+        slots = limit - total
+        if slots <= 0:
+            return []
+        picks = choose(_candidates(session, model, slots), slots, per_tenant, per_batch)
+        if not picks:
+            return []
+        released = session.scalars(
+            update(Shard)
+            .where(
+                Shard.id.in_([p.shard_id for p in picks]),
+                Shard.status == PENDING,
+                Shard.released_at.is_(None),
+            )
+            .values(released_at=utcnow())
+            .returning(Shard.id)
+            .execution_options(synchronize_session=False)
+        ).all()
+        keep = set(released)
+        return [p.shard_id for p in picks if p.shard_id in keep]
+
+
+def _unrelease(shard_ids: list[int]) -> None:
+    with session_scope() as session:
+        session.execute(
+            update(Shard)
+            .where(Shard.id.in_(shard_ids), Shard.status == PENDING)
+            .values(released_at=None)
+            .execution_options(synchronize_session=False)
+        )
+
+
+def release_for_model(model: str | None) -> int:
+    """Send the next pending shards of ``model`` to its queue, up to the bound; return how
+    many were sent. Safe to call from any number of processes and threads at once."""
+    if not model:
+        return 0
+    limit = get_settings().max_released_shards_per_model
+    sqlite = get_settings().uses_embedded_defaults
+    if sqlite:
+        _local_lock.acquire()
+    try:
+        shard_ids = _release(model, limit)
+    finally:
+        if sqlite:
+            _local_lock.release()
+    sent: list[int] = []
+    try:
+        for shard_id in shard_ids:
+            send(TASK_RUN_SHARD, shard_id, queue=model_queue(model))
+            sent.append(shard_id)
+    except Exception:
+        unsent = [s for s in shard_ids if s not in set(sent)]
+        logger.exception(
+            "could not send %s released shards of %s; un-releasing", len(unsent), model
+        )
+        try:
+            _unrelease(unsent)
+        except Exception:
+            logger.exception("could not un-release shards %s (the sweep re-sends them)", unsent)
+    if sent:
+        logger.info("released %s shards of %s: %s", len(sent), model, sent)
+    return len(sent)
+
+
+def release_for_batch(batch_id: str) -> int:
+    """:func:`release_for_model` for the model of ``batch_id``."""
+    with session_scope() as session:
+        model = session.scalar(select(Batch.model).where(Batch.id == batch_id))
+    return release_for_model(model)
+
+
+def _resend_lost(model: str) -> int:
+    """Re-send shards released long ago that no worker has claimed (see module docstring)."""
+    cutoff = utcnow() - timedelta(seconds=resend_after_s())
+    with session_scope() as session:
+        stale = session.scalars(
+            update(Shard)
+            .where(
+                Shard.status == PENDING,
+                Shard.released_at.is_not(None),
+                Shard.released_at < cutoff,
+                Shard.batch_id.in_(
+                    select(Batch.id).where(
+                        and_(Batch.model == model, Batch.status == "in_progress")
+                    )
+                ),
+            )
+            .values(released_at=utcnow())
+            .returning(Shard.id)
+            .execution_options(synchronize_session=False)
+        ).all()
+    for shard_id in stale:
+        logger.warning("shard %s was released but never started; sending it again", shard_id)
+        send(TASK_RUN_SHARD, shard_id, queue=model_queue(model))
+    return len(stale)
+
+
+def sweep() -> int:
+    """Release for every model that has runnable pending shards; re-send lost releases."""
+    with session_scope() as session:
+        models = set(
+            session.scalars(
+                select(Batch.model)
+                .distinct()
+                .where(Batch.status == "in_progress", Batch.model.is_not(None))
+            )
+        )
+    sent = 0
+    for model in sorted(models):
+        try:
+            sent += _resend_lost(model)
+            sent += release_for_model(model)
+        except Exception:
+            logger.exception("release sweep failed for model %s", model)
+    return sent
+
+
+@app.task(name=TASK_RELEASE_SWEEP)
+def release_sweep_task(**_: Any) -> None:
+    sweep()
+
+
+@task_postrun.connect
+def _release_after_shard(sender: Any = None, args: Any = None, **_: Any) -> None:
+    """A shard task ended (done, stopped, lost or failed): its slot may be free."""
+    if getattr(sender, "name", None) != TASK_RUN_SHARD or not args:
+        return
+    try:
+        with session_scope() as session:
+            model = session.scalar(
+                select(Batch.model)
+                .join(Shard, Shard.batch_id == Batch.id)
+                .where(Shard.id == int(args[0]))
+            )
+        release_for_model(model)
+    except Exception:
+        logger.exception("release after shard %s failed (the sweep retries)", args[0])

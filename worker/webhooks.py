@@ -1,0 +1,239 @@
+"""Batch webhooks: an event when a batch ends, signed per Standard Webhooks, delivered with
+retries.
+
+When a batch that has a ``webhook_url`` reaches ``completed``, ``failed``, ``expired`` or
+``cancelled``, the actor whose transition won calls :func:`notify` after its commit. That
+inserts one ``webhook_deliveries`` row (its id is the event id and the ``webhook-id`` header)
+and enqueues the delivery task on the control queue. The event is shaped like OpenAI's batch
+webhooks::
+
+    {"id": "evt_…", "object": "event", "type": "batch.completed", "created_at": 1700000000,
+     "data": {"id": "batch_…"}}
+
+Each attempt POSTs the event as JSON with these headers (Standard Webhooks):
+
+* ``webhook-id``: the event id (the same on every attempt, so receivers can de-duplicate);
+* ``webhook-timestamp``: the attempt's unix time in seconds;
+* ``webhook-signature``: ``v1,<base64 HMAC-SHA256 of "{id}.{timestamp}.{body}">``. The key is
+  the batch's webhook secret: for a ``whsec_<base64>`` secret (what batchd generates) the
+  base64-decoded bytes after the prefix, exactly as the Standard Webhooks libraries do, so
+  ``standardwebhooks.Webhook(secret).verify(body, headers)`` accepts it; any other secret is
+  used as its UTF-8 bytes.
+
+A 2xx answer marks the delivery ``delivered``. Anything else (another status, a timeout, a
+connection error) is recorded in ``attempts``/``last_status_code``/``last_error`` and retried
+with exponential backoff: ``BATCHD_WEBHOOK_BACKOFF_S`` (default 30 s) doubled per attempt,
+capped at ``BATCHD_WEBHOOK_BACKOFF_MAX_S`` (default 1 h), up to
+``settings.webhook_max_attempts`` attempts; then the delivery is ``failed``. The body is
+rebuilt from the row on every attempt, so it is byte-for-byte the same each time.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import logging
+import os
+import secrets
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+from sqlalchemy import select, update
+
+from core.db import session_scope
+from core.models import Batch, WebhookDelivery
+from core.queue import CONTROL_QUEUE
+from core.settings import get_settings
+from worker.celery_app import TASK_DELIVER_WEBHOOK, app
+from worker.common import send, utcnow
+
+logger = logging.getLogger(__name__)
+
+EVENT_TYPES = {
+    "completed": "batch.completed",
+    "failed": "batch.failed",
+    "expired": "batch.expired",
+    "cancelled": "batch.cancelled",
+}
+SECRET_PREFIX = "whsec_"
+USER_AGENT = "batchd-webhooks/1"
+
+
+def backoff_s(attempts: int) -> float:
+    """Seconds to wait after the ``attempts``-th failed attempt."""
+    base = float(os.environ.get("BATCHD_WEBHOOK_BACKOFF_S", "30"))
+    cap = float(os.environ.get("BATCHD_WEBHOOK_BACKOFF_MAX_S", "3600"))
+    return min(cap, base * 2 ** max(attempts - 1, 0))
+
+
+def event_id() -> str:
+    return "evt_" + secrets.token_hex(12)
+
+
+def signing_key(secret: str) -> bytes:
+    if secret.startswith(SECRET_PREFIX):
+        return base64.b64decode(secret[len(SECRET_PREFIX) :])
+    return secret.encode()
+
+
+def sign(secret: str, msg_id: str, timestamp: int, body: bytes) -> str:
+    """The ``webhook-signature`` header value for one attempt."""
+    signed = f"{msg_id}.{timestamp}.".encode() + body
+    digest = hmac.new(signing_key(secret), signed, hashlib.sha256).digest()
+    return "v1," + base64.b64encode(digest).decode("ascii")
+
+
+def verify(secret: str, headers: dict[str, str], body: bytes) -> bool:
+    """Check a delivery's signature (what a receiver does); for tests and clients."""
+    lower = {k.lower(): v for k, v in headers.items()}
+    expected = sign(secret, lower["webhook-id"], int(lower["webhook-timestamp"]), body)
+    return any(
+        hmac.compare_digest(expected, part) for part in lower.get("webhook-signature", "").split()
+    )
+
+
+def _unix(value: datetime) -> int:
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=UTC)
+    return int(value.timestamp())
+
+
+def event_body(delivery: WebhookDelivery) -> bytes:
+    event = {
+        "id": delivery.id,
+        "object": "event",
+        "type": delivery.event_type,
+        "created_at": _unix(delivery.created_at),
+        "data": {"id": delivery.batch_id},
+    }
+    return json.dumps(event, separators=(",", ":")).encode()
+
+
+def notify(batch_id: str, status: str) -> str | None:
+    """Record and enqueue the event for ``batch_id`` having ended in ``status``; call after
+    the transition commits. Returns the delivery id, or None when there is nothing to send.
+    Never raises: a webhook problem must not undo or fail the transition."""
+    event_type = EVENT_TYPES.get(status)
+    if event_type is None:
+        return None
+    try:
+        with session_scope() as session:
+            row = session.execute(select(Batch.webhook_url).where(Batch.id == batch_id)).first()
+            if row is None or not row.webhook_url:
+                return None
+            existing = session.scalar(
+                select(WebhookDelivery.id).where(
+                    WebhookDelivery.batch_id == batch_id,
+                    WebhookDelivery.event_type == event_type,
+                )
+            )
+            if existing is not None:
+                return None  # already recorded (a repeated call)
+            delivery_id = event_id()
+            session.add(
+                WebhookDelivery(
+                    id=delivery_id,
+                    batch_id=batch_id,
+                    event_type=event_type,
+                    url=row.webhook_url,
+                    status="pending",
+                    attempts=0,
+                    created_at=utcnow().replace(microsecond=0),
+                )
+            )
+        send(TASK_DELIVER_WEBHOOK, delivery_id, queue=CONTROL_QUEUE)
+        logger.info("batch %s: %s webhook %s enqueued", batch_id, event_type, delivery_id)
+        return delivery_id
+    except Exception:
+        logger.exception("batch %s: could not record or enqueue its %s webhook", batch_id, status)
+        return None
+
+
+def attempt(delivery_id: str) -> float | None:
+    """Make one delivery attempt. Returns None when there is nothing more to do (delivered,
+    failed for good, or another attempt is under way), else the seconds to wait before the
+    next attempt."""
+    settings = get_settings()
+    with session_scope() as session:
+        delivery = session.get(WebhookDelivery, delivery_id)
+        if delivery is None or delivery.status != "pending":
+            return None
+        secret = session.scalar(select(Batch.webhook_secret).where(Batch.id == delivery.batch_id))
+        seen = delivery.attempts
+        body = event_body(delivery)
+        url = delivery.url
+        # Claim this attempt: one conditional UPDATE, so duplicate task deliveries never
+        # POST twice for the same attempt number.
+        claimed = session.execute(
+            update(WebhookDelivery)
+            .where(
+                WebhookDelivery.id == delivery_id,
+                WebhookDelivery.status == "pending",
+                WebhookDelivery.attempts == seen,
+            )
+            .values(attempts=seen + 1)
+            .execution_options(synchronize_session=False)
+        ).rowcount
+    if claimed != 1:
+        return None
+    number = seen + 1
+    timestamp = int(time.time())
+    headers = {
+        "content-type": "application/json",
+        "user-agent": USER_AGENT,
+        "webhook-id": delivery_id,
+        "webhook-timestamp": str(timestamp),
+    }
+    if secret:
+        headers["webhook-signature"] = sign(secret, delivery_id, timestamp, body)
+    code: int | None = None
+    error: str | None = None
+    try:
+        response = httpx.post(
+            url,
+            content=body,
+            headers=headers,
+            timeout=settings.webhook_timeout_s,
+            follow_redirects=False,
+        )
+        code = response.status_code
+        if not 200 <= code < 300:
+            error = f"HTTP {code}: {response.text[:200]}"
+    except httpx.HTTPError as exc:
+        error = f"{type(exc).__name__}: {exc}"[:500]
+    ok = error is None
+    final = ok or number >= settings.webhook_max_attempts
+    values: dict[str, Any] = {"last_status_code": code, "last_error": error}
+    if ok:
+        values.update(status="delivered", delivered_at=utcnow())
+    elif final:
+        values["status"] = "failed"
+    with session_scope() as session:
+        session.execute(
+            update(WebhookDelivery)
+            .where(WebhookDelivery.id == delivery_id, WebhookDelivery.attempts == number)
+            .values(**values)
+            .execution_options(synchronize_session=False)
+        )
+    if ok:
+        logger.info("webhook %s delivered on attempt %s", delivery_id, number)
+        return None
+    if final:
+        logger.warning("webhook %s failed after %s attempts: %s", delivery_id, number, error)
+        return None
+    wait = backoff_s(number)
+    logger.info(
+        "webhook %s attempt %s failed (%s); retry in %.1fs", delivery_id, number, error, wait
+    )
+    return wait
+
+
+@app.task(name=TASK_DELIVER_WEBHOOK, bind=True, max_retries=None)
+def deliver_webhook(self: Any, delivery_id: str) -> None:
+    wait = attempt(delivery_id)
+    if wait is not None:
+        raise self.retry(countdown=wait)
