@@ -1,10 +1,15 @@
-"""Helpers shared by the control and shard tasks: storage, sending tasks, shard liveness."""
+"""Helpers shared by the control and shard tasks: storage, sending tasks, shard liveness,
+retrying database and broker calls through short outages."""
 
 from __future__ import annotations
 
+import logging
+import random
+import time
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from functools import lru_cache
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -18,7 +23,12 @@ from core.storage import Storage, open_storage
 # ``closed``: a cancel/expiry finalize sealed it (no more chunks may be committed).
 PENDING, RUNNING, DONE, STOPPED, CLOSED = "pending", "running", "done", "stopped", "closed"
 
-HEARTBEAT_INTERVAL_S = 10.0
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# How long a worker keeps retrying a database or broker call before giving up on it.
+OUTAGE_PATIENCE_S = 120.0
 
 
 @lru_cache
@@ -40,11 +50,83 @@ def input_key(session: Session, batch: Batch) -> str:
     return file.storage_key
 
 
+def transient_error(exc: BaseException) -> bool:
+    """A lost or refused connection to the database or the broker: worth retrying."""
+    from sqlalchemy import exc as sa_exc
+
+    if isinstance(exc, sa_exc.OperationalError | sa_exc.InterfaceError | sa_exc.TimeoutError):
+        return True
+    if isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated:
+        return True
+    try:
+        from kombu.exceptions import OperationalError as KombuOperationalError
+    except ImportError:  # pragma: no cover - kombu ships with celery
+        KombuOperationalError = ()  # type: ignore[assignment]
+    try:
+        from redis.exceptions import ConnectionError as RedisConnectionError
+        from redis.exceptions import TimeoutError as RedisTimeoutError
+    except ImportError:  # pragma: no cover
+        RedisConnectionError = RedisTimeoutError = ()  # type: ignore[assignment]
+    return isinstance(
+        exc, KombuOperationalError | RedisConnectionError | RedisTimeoutError | ConnectionError
+    )
+
+
+def retrying(
+    fn: Callable[[], T],
+    what: str,
+    *,
+    patience_s: float | None = None,
+    first_delay_s: float = 0.2,
+    max_delay_s: float = 5.0,
+) -> T:
+    """Call ``fn`` until it succeeds, retrying transient database/broker errors with
+    exponential backoff (with jitter) for up to ``patience_s`` seconds; other errors, and the
+    last transient one, propagate. ``fn`` must be safe to call again after a failure (each
+    call opens its own transaction, so a failed one rolled back or is detected as done)."""
+    deadline = time.monotonic() + (OUTAGE_PATIENCE_S if patience_s is None else patience_s)
+    delay = first_delay_s
+    attempt = 0
+    while True:
+        try:
+            return fn()
+        except Exception as exc:
+            if not transient_error(exc) or time.monotonic() + delay > deadline:
+                raise
+            attempt += 1
+            logger.warning(
+                "%s failed (%s: %s); retry %d in %.1fs",
+                what,
+                type(exc).__name__,
+                str(exc).splitlines()[0] if str(exc) else "",
+                attempt,
+                delay,
+            )
+            time.sleep(delay * (0.75 + random.random() / 2))
+            delay = min(max_delay_s, delay * 2)
+
+
 def send(task: str, *args: Any, queue: str = CONTROL_QUEUE) -> None:
-    """Enqueue ``task``; call only after the rows it reads are committed."""
+    """Enqueue ``task``; call only after the rows it reads are committed. Retries through a
+    broker outage (a task that must not be lost, like a finalize, is sent once it is back)."""
     from worker.celery_app import app
 
-    app.send_task(task, args=list(args), queue=queue)
+    retrying(lambda: app.send_task(task, args=list(args), queue=queue), f"sending {task}")
+
+
+def release_next(model: str | None) -> None:
+    """A shard of ``model`` ended: let the release policy send the next pending one, if the
+    deployment has one (``worker.release``); nothing to do otherwise."""
+    if not model:
+        return
+    try:
+        from worker.release import release_for_model
+    except ImportError:
+        return
+    try:
+        retrying(lambda: release_for_model(model), f"releasing shards of {model}")
+    except Exception:
+        logger.exception("releasing the next shards of %s failed", model)
 
 
 def utcnow() -> datetime:
@@ -59,9 +141,16 @@ def past_expiry(expires_at: datetime | None, now: datetime | None = None) -> boo
     return (now or utcnow()) >= expires_at
 
 
+def heartbeat_interval_s() -> float:
+    return max(0.05, float(get_settings().heartbeat_interval_s))
+
+
 def stale_after_s() -> float:
-    """A running shard whose heartbeat is older than this is presumed dead."""
-    return max(60.0, 6 * HEARTBEAT_INTERVAL_S, 6 * get_settings().checkpoint_interval_s)
+    """A running shard whose heartbeat is older than this is presumed dead (its worker was
+    killed, lost its node, or hangs); the reclaim sweep re-queues it. Never less than three
+    heartbeats, so one slow database round trip does not look like a death."""
+    settings = get_settings()
+    return max(float(settings.shard_stale_after_s), 3 * heartbeat_interval_s())
 
 
 def live_shards(session: Session, batch_id: str) -> int:

@@ -23,7 +23,15 @@ Flow of :func:`run_shard`:
    ``stopped``; the last one to stop enqueues the finalize.
 
 Per-request failures (a prompt too long for the model, bad sampling values, an engine error
-for that request) become error-file lines; they never fail the shard.
+for that request) become error-file lines; they never fail the shard. A request whose engine
+step failed is retried alone (see :class:`ShardRun`), up to ``max_request_attempts`` times.
+
+Crash recovery: while an attempt runs, a background thread stamps ``heartbeat_at`` every
+``heartbeat_interval_s``. A worker killed outright stops heartbeating; the reclaim sweep
+(:mod:`worker.recovery`) re-queues its shard after ``shard_stale_after_s``, and the new
+attempt resumes from the last committed checkpoint. A shard claimed more than
+``max_shard_attempts`` times has its remaining requests reported as ``shard_failed`` error
+lines. Every database step retries through a short database outage (``common.retrying``).
 """
 
 from __future__ import annotations
@@ -33,9 +41,11 @@ import queue
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 from celery.signals import worker_ready
@@ -72,14 +82,17 @@ from worker.checkpoints import (
 from worker.common import (
     CLOSED,
     DONE,
-    HEARTBEAT_INTERVAL_S,
     PENDING,
     RUNNING,
     STOPPED,
+    heartbeat_interval_s,
     input_key,
     live_shards,
     past_expiry,
+    release_next,
+    retrying,
     send,
+    stale_after_s,
     storage,
     unfinished_shards,
     utcnow,
@@ -96,9 +109,14 @@ class ShardLost(Exception):
     """Another attempt claimed this shard, or a finalize sealed it: stop without a trace."""
 
 
+class EngineUnavailable(RuntimeError):
+    """The engine host of this process is dead: the attempt fails and the shard is reclaimed
+    (by a healthy worker) once its heartbeat goes stale."""
+
+
 @dataclass
 class ShardOutcome:
-    status: str  # done | stopped | skipped | lost
+    status: str  # done | stopped | failed | skipped | lost
     ran: int = 0
     chunks: int = 0
 
@@ -160,44 +178,81 @@ class _Pending:
 # Database steps
 
 
-def claim(shard_id: int, worker: str) -> tuple[int, int] | None:
-    """Claim the shard for a new attempt; (attempt, num_chunks), or None if it is not runnable."""
-    with session_scope() as session:
-        shard = session.get(Shard, shard_id)
-        if shard is None:
-            return None
-        status = session.scalar(
-            select(Batch.status).where(Batch.id == shard.batch_id).with_for_update(read=True)
-        )
-        if status != "in_progress":
-            return None
-        row = session.execute(
-            update(Shard)
-            .where(Shard.id == shard_id, Shard.status.in_((PENDING, RUNNING)))
-            .values(
-                status=RUNNING,
-                attempts=Shard.attempts + 1,
-                worker=worker,
-                heartbeat_at=utcnow(),
+def claim(shard_id: int, worker: str, *, force: bool = False) -> tuple[int, int] | None:
+    """Claim the shard for a new attempt; (attempt, num_chunks), or None if it is not runnable.
+
+    A ``pending`` shard is claimed; a ``running`` one only if its heartbeat is stale (its
+    worker died), if ``worker`` already holds it (a retried claim whose first commit went
+    through), or with ``force``. So a duplicate delivery of the task (late acknowledgement,
+    a reclaim racing a redelivery) never takes a shard away from a live attempt."""
+
+    def attempt() -> tuple[int, int] | None:
+        with session_scope() as session:
+            shard = session.get(Shard, shard_id)
+            if shard is None:
+                return None
+            status = session.scalar(
+                select(Batch.status).where(Batch.id == shard.batch_id).with_for_update(read=True)
             )
-            .returning(Shard.attempts, Shard.num_chunks)
-            .execution_options(synchronize_session=False)
-        ).first()
-        return None if row is None else (row.attempts, row.num_chunks)
+            if status != "in_progress":
+                return None
+            claimable = Shard.status == PENDING
+            if force:
+                claimable = Shard.status.in_((PENDING, RUNNING))
+            else:
+                cutoff = utcnow() - timedelta(seconds=stale_after_s())
+                claimable = claimable | (
+                    (Shard.status == RUNNING)
+                    & (
+                        Shard.heartbeat_at.is_(None)
+                        | (Shard.heartbeat_at < cutoff)
+                        | (Shard.worker == worker)
+                    )
+                )
+            row = session.execute(
+                update(Shard)
+                .where(Shard.id == shard_id, claimable)
+                .values(
+                    status=RUNNING,
+                    attempts=Shard.attempts + 1,
+                    worker=worker,
+                    heartbeat_at=utcnow(),
+                )
+                .returning(Shard.attempts, Shard.num_chunks)
+                .execution_options(synchronize_session=False)
+            ).first()
+            return None if row is None else (row.attempts, row.num_chunks)
+
+    return retrying(attempt, f"claiming shard {shard_id}")
 
 
 def commit_chunk(shard: Shard, attempt: int, chunk: int, pending: _Pending) -> None:
     """Write chunk ``chunk`` and commit it with the live counters, or raise ShardLost.
 
     The shard row stays locked from the ownership check to the commit, so a newer attempt or
-    a finalize sealing the shard waits for this chunk rather than racing it.
-    """
+    a finalize sealing the shard waits for this chunk rather than racing it. Retried through
+    a database outage; a retry that finds the chunk already committed (the connection died
+    after the commit went through) counts it as done."""
+    retrying(
+        lambda: _commit_chunk_once(shard, attempt, chunk, pending),
+        f"committing chunk {chunk} of shard {shard.id}",
+    )
+
+
+def _commit_chunk_once(shard: Shard, attempt: int, chunk: int, pending: _Pending) -> None:
     with session_scope() as session:
         row = session.execute(
             select(Shard.attempts, Shard.num_chunks, Shard.status)
             .where(Shard.id == shard.id)
             .with_for_update()
         ).first()
+        if (
+            row is not None
+            and row.attempts == attempt
+            and row.status == RUNNING
+            and row.num_chunks == chunk + 1
+        ):
+            return  # an earlier try committed it; only its acknowledgement was lost
         if (
             row is None
             or row.attempts != attempt
@@ -231,60 +286,150 @@ def commit_chunk(shard: Shard, attempt: int, chunk: int, pending: _Pending) -> N
 
 
 def set_shard_status(shard_id: int, attempt: int, status: str) -> bool:
-    with session_scope() as session:
-        result = session.execute(
-            update(Shard)
-            .where(Shard.id == shard_id, Shard.attempts == attempt, Shard.status == RUNNING)
-            .values(status=status, heartbeat_at=utcnow())
-            .execution_options(synchronize_session=False)
-        )
-        return result.rowcount == 1
+    """End this attempt's shard as ``status``; False if the attempt no longer owns it.
+    Idempotent, so a retry after a lost acknowledgement still reports success."""
+
+    def attempt_once() -> bool:
+        with session_scope() as session:
+            result = session.execute(
+                update(Shard)
+                .where(
+                    Shard.id == shard_id,
+                    Shard.attempts == attempt,
+                    Shard.status.in_((RUNNING, status)),
+                )
+                .values(status=status, heartbeat_at=utcnow())
+                .execution_options(synchronize_session=False)
+            )
+            return result.rowcount == 1
+
+    return retrying(attempt_once, f"ending shard {shard_id} as {status}")
 
 
 def finish_if_last(batch_id: str) -> bool:
     """Move the batch to finalizing if no shard is unfinished; True for the one caller that
     wins. Callers commit their own shard's ``done`` first, so of two shards finishing at once
-    at least the later one sees both done, and the conditional transition lets one win."""
-    with session_scope() as session:
-        if unfinished_shards(session, batch_id):
-            return False
-        won = transition(session, batch_id, "in_progress", "finalizing")
-    if won:
+    at least the later one sees both done, and the conditional transition lets one win.
+
+    If the connection dies while the transition commits, a retry cannot tell whether it won:
+    it then sends the finalize anyway (a duplicate finalize is harmless; a lost one is not)."""
+    tried = False
+
+    def attempt() -> tuple[bool, bool]:
+        nonlocal tried
+        retry, tried = tried, True
+        with session_scope() as session:
+            if unfinished_shards(session, batch_id):
+                return False, False
+            if transition(session, batch_id, "in_progress", "finalizing"):
+                return True, True
+            status = session.scalar(select(Batch.status).where(Batch.id == batch_id))
+        return False, retry and status == "finalizing"
+
+    won, resend = retrying(attempt, f"finishing batch {batch_id}")
+    if won or resend:
         send(TASK_FINALIZE, batch_id)
     return won
 
 
 def finalize_if_idle(batch_id: str) -> bool:
     """For a cancelling or expiring batch: enqueue the finalize once no shard is running."""
-    with session_scope() as session:
-        batch = session.get(Batch, batch_id)
-        if batch is None:
-            return False
-        stopping = batch.status == "cancelling" or (
-            batch.status in ("in_progress", "finalizing") and past_expiry(batch.expires_at)
-        )
-        if not stopping or live_shards(session, batch_id):
-            return False
+
+    def attempt() -> bool:
+        with session_scope() as session:
+            batch = session.get(Batch, batch_id)
+            if batch is None:
+                return False
+            stopping = batch.status == "cancelling" or (
+                batch.status in ("in_progress", "finalizing") and past_expiry(batch.expires_at)
+            )
+            return stopping and not live_shards(session, batch_id)
+
+    if not retrying(attempt, f"checking batch {batch_id}"):
+        return False
     send(TASK_FINALIZE, batch_id)
     return True
 
 
-def _heartbeat(shard_id: int, attempt: int) -> None:
+def _heartbeat(shard_id: int, attempt: int) -> bool:
+    """Stamp the attempt's heartbeat; False if the attempt no longer owns the shard."""
     with session_scope() as session:
-        session.execute(
+        result = session.execute(
             update(Shard)
             .where(Shard.id == shard_id, Shard.attempts == attempt, Shard.status == RUNNING)
             .values(heartbeat_at=utcnow())
             .execution_options(synchronize_session=False)
         )
+        return result.rowcount == 1
+
+
+def abandon(shard_id: int, attempt: int) -> None:
+    """This attempt failed in-process: clear its heartbeat so the shard is reclaimable now."""
+
+    def attempt_once() -> None:
+        with session_scope() as session:
+            session.execute(
+                update(Shard)
+                .where(Shard.id == shard_id, Shard.attempts == attempt, Shard.status == RUNNING)
+                .values(heartbeat_at=None)
+                .execution_options(synchronize_session=False)
+            )
+
+    try:
+        retrying(attempt_once, f"abandoning shard {shard_id}", patience_s=10)
+    except Exception:
+        logger.exception("could not mark shard %s abandoned; the sweep will find it", shard_id)
+
+
+class Heartbeat:
+    """A background thread stamping one attempt's ``heartbeat_at`` every
+    ``heartbeat_interval_s``, independent of how long engine steps or storage writes take.
+
+    A database error is logged and the next beat tried (the shard goes stale only if the
+    outage outlasts ``shard_stale_after_s``). If the row no longer matches the attempt (it
+    was reclaimed, sealed by a finalize, or ended), :attr:`lost` is set and the thread ends.
+    """
+
+    def __init__(self, shard_id: int, attempt: int, interval_s: float | None = None):
+        self.shard_id = shard_id
+        self.attempt = attempt
+        self.interval_s = interval_s if interval_s is not None else heartbeat_interval_s()
+        self.lost = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name=f"batchd-heartbeat-{shard_id}", daemon=True
+        )
+
+    def start(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                owned = _heartbeat(self.shard_id, self.attempt)
+            except Exception as exc:
+                logger.warning("heartbeat of shard %s failed: %s", self.shard_id, exc)
+                continue
+            if not owned and not self._stop.is_set():
+                self.lost.set()
+                return
 
 
 def _batch_stopping(batch_id: str) -> bool:
-    with session_scope() as session:
-        row = session.execute(
-            select(Batch.status, Batch.expires_at).where(Batch.id == batch_id)
-        ).first()
-    return row is None or row.status != "in_progress" or past_expiry(row.expires_at)
+    def attempt() -> bool:
+        with session_scope() as session:
+            row = session.execute(
+                select(Batch.status, Batch.expires_at).where(Batch.id == batch_id)
+            ).first()
+        return row is None or row.status != "in_progress" or past_expiry(row.expires_at)
+
+    return retrying(attempt, f"reading batch {batch_id}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -368,7 +513,17 @@ def _error_for_exception(req: BatchRequest, exc: BaseException) -> dict[str, Any
 
 class ShardRun:
     """One attempt at one shard. ``after_commit(chunk)`` is a test seam called after each
-    committed checkpoint."""
+    committed checkpoint.
+
+    Engine failures are retried per request. A ``RequestError`` (the engine refused the
+    request) is submitted again, up to ``max_request_attempts`` tries in all. A failed engine
+    step fails every request in flight in that step, most of them bystanders; each of them
+    becomes a *suspect* and, once this shard has fed all its requests, is run again **alone**:
+    the shard takes the host's isolation gate (other shards of this process pause their
+    submissions), waits for the engine to drain, and runs its suspects one at a time. A
+    suspect that fails alone ``max_request_attempts`` times is reported as a ``server_error``
+    line; the shard and the worker go on.
+    """
 
     def __init__(
         self,
@@ -396,8 +551,9 @@ class ShardRun:
         self.vocab_size = len(self.tok)
         self.every = max(1, settings.checkpoint_every)
         self.interval = settings.checkpoint_interval_s
+        self.max_request_attempts = max(1, settings.max_request_attempts)
         self.after_commit = after_commit
-        self.done_q: queue.SimpleQueue[tuple[BatchRequest, list[int], Any, Future]] = (
+        self.done_q: queue.SimpleQueue[tuple[BatchRequest, list[int], Any, Future, bool]] = (
             queue.SimpleQueue()
         )
         self.pending = _Pending()
@@ -406,9 +562,14 @@ class ShardRun:
         self.stopping = False
         self.retries: dict[int, int] = {}
         self.to_retry: list[tuple[BatchRequest, list[int], Any]] = []
+        self.refusals: dict[int, int] = {}  # RequestError count per line
+        self.failures: dict[int, int] = {}  # failed engine steps while running alone, per line
+        self.suspects: list[tuple[BatchRequest, list[int], Any]] = []
+        self.suspect_line: int | None = None
+        self.gate = runtime.isolation_gate(host)
+        self.heartbeat: Heartbeat | None = None
         self._last_checkpoint = time.monotonic()
         self._last_poll = time.monotonic()
-        self._last_heartbeat = time.monotonic()
 
     # -- bookkeeping
 
@@ -424,12 +585,14 @@ class ShardRun:
             commit_chunk(self.shard, self.attempt, self.chunk, chunk)
             self.chunk += 1
             self.ran += len(chunk)
-            self._last_checkpoint = self._last_heartbeat = time.monotonic()
+            self._last_checkpoint = time.monotonic()
             if self.after_commit is not None:
                 self.after_commit(self.chunk)
         self._last_checkpoint = time.monotonic()
 
     def _poll(self, force: bool = False) -> None:
+        if self.heartbeat is not None and self.heartbeat.lost.is_set():
+            raise ShardLost(f"shard {self.shard.id} attempt {self.attempt} was reclaimed")
         now = time.monotonic()
         if force or now - self._last_poll >= STATUS_POLL_S:
             self._last_poll = now
@@ -439,9 +602,6 @@ class ShardRun:
                 )
                 self.stopping = True
                 self.host.abort_group(self.batch_id)
-        if now - self._last_heartbeat >= HEARTBEAT_INTERVAL_S:
-            self._last_heartbeat = now
-            _heartbeat(self.shard.id, self.attempt)
 
     def _collect(self, block_s: float = 0.0) -> None:
         """Move finished requests into the pending chunk."""
@@ -456,11 +616,57 @@ class ShardRun:
             except queue.Empty:
                 return
 
-    def _handle(self, req: BatchRequest, ids: list[int], params: Any, future: Future) -> None:
+    def _handle(
+        self, req: BatchRequest, ids: list[int], params: Any, future: Future, alone: bool
+    ) -> None:
+        from engine import RequestError
+        from engine.host import HostError
+
         self.in_flight -= 1
+        if alone:
+            self.suspect_line = None
         exc = future.exception()
         if exc is not None:
-            self.pending.add_error(req.line, _error_for_exception(req, exc))
+            if isinstance(exc, HostError):
+                raise EngineUnavailable(str(exc)) from exc
+            if isinstance(exc, RequestError):
+                tries = self.refusals.get(req.line, 0) + 1
+                self.refusals[req.line] = tries
+                if tries < self.max_request_attempts:
+                    self.to_retry.append((req, ids, params))
+                else:
+                    self.pending.add_error(req.line, _error_for_exception(req, exc))
+                return
+            if isinstance(exc, ValueError):  # a parameter the engine cannot honour
+                self.pending.add_error(req.line, _error_for_exception(req, exc))
+                return
+            # A failed engine step (or another engine failure): this request may be the
+            # culprit or a bystander; only a run alone tells.
+            if alone:
+                tries = self.failures.get(req.line, 0) + 1
+                self.failures[req.line] = tries
+                if tries >= self.max_request_attempts:
+                    cause = exc.__cause__ or exc
+                    logger.warning(
+                        "shard %s line %s failed the engine %s times alone: %r",
+                        self.shard.id,
+                        req.line,
+                        tries,
+                        cause,
+                    )
+                    self.pending.add_error(
+                        req.line,
+                        _error_record(
+                            req,
+                            "server_error",
+                            f"The engine failed on this request ({tries} attempts, the last "
+                            f"ones run alone): {cause!r}",
+                            status_code=500,
+                            type="server_error",
+                        ),
+                    )
+                    return
+            self.suspects.append((req, ids, params))
             return
         output = future.result()
         if output.error:
@@ -490,13 +696,20 @@ class ShardRun:
             req.line, output_line(req.custom_id, response_body(req, result)), result
         )
 
-    def _submit(self, req: BatchRequest, ids: list[int], params: Any) -> None:
-        from engine.host import HostQueueFull
+    def _submit(self, req: BatchRequest, ids: list[int], params: Any, alone: bool = False) -> bool:
+        """Hand one request to the host; False if the shard stopped first. Ordinary
+        submissions wait while another shard isolates its suspects."""
+        from engine.host import HostError, HostQueueFull
 
         def done(fut: Future, req: BatchRequest = req) -> None:
-            self.done_q.put((req, ids, params, fut))
+            self.done_q.put((req, ids, params, fut, alone))
 
         while not self.stopping:
+            if not alone and self.gate.held_by_other(self):
+                self._collect(block_s=0.05)
+                self._checkpoint()
+                self._poll()
+                continue
             try:
                 self.host.submit(
                     ids, params, group=self.batch_id, callback=done, timeout=SUBMIT_WAIT_S
@@ -506,11 +719,14 @@ class ShardRun:
                 self._checkpoint()
                 self._poll()
                 continue
+            except HostError as exc:
+                raise EngineUnavailable(str(exc)) from exc
             except ValueError as exc:  # refused at submission
                 self.pending.add_error(req.line, _error_for_exception(req, exc))
-                return
+                return True
             self.in_flight += 1
-            return
+            return True
+        return False
 
     def _prepare(self, req: BatchRequest) -> tuple[list[int], Any] | None:
         try:
@@ -522,13 +738,35 @@ class ShardRun:
             return None
         return ids, params
 
+    def _host_idle(self) -> bool:
+        try:
+            stats = self.host.stats(timeout=10)
+        except Exception:
+            return False
+        return stats.pending + stats.in_flight == 0
+
+    def _advance_suspects(self) -> None:
+        """Run the next suspect alone once the engine has drained (see the class docstring)."""
+        if self.stopping or self.suspect_line is not None:
+            return
+        if not self.suspects:
+            self.gate.release(self)
+            return
+        if not self.gate.try_acquire(self) or self.in_flight or not self._host_idle():
+            return
+        req, ids, params = self.suspects.pop(0)
+        self.suspect_line = req.line
+        if not self._submit(req, ids, params, alone=True):
+            self.suspect_line = None
+
     # -- the loop
 
     def run(self) -> str:
         """Return ``done`` or ``stopped``; raise ShardLost if this attempt lost the shard."""
+        self.heartbeat = Heartbeat(self.shard.id, self.attempt).start()
         try:
             self._feed()
-            while not self.stopping and (self.in_flight or self.to_retry):
+            while not self.stopping and (self.in_flight or self.to_retry or self.suspects):
                 if self.to_retry:
                     self._poll(force=True)  # was the abort a cancel this shard has not seen?
                     if self.stopping:
@@ -536,7 +774,8 @@ class ShardRun:
                 retry, self.to_retry = self.to_retry, []
                 for req, ids, params in retry:
                     self._submit(req, ids, params)
-                self._collect(block_s=0.2)
+                self._advance_suspects()
+                self._collect(block_s=0.2 if self.in_flight else 0.05)
                 self._checkpoint()
                 self._poll()
             if self.stopping:
@@ -545,11 +784,15 @@ class ShardRun:
                 while self.in_flight and time.monotonic() < deadline:
                     self._collect(block_s=0.2)
                 self.to_retry.clear()  # never-finished requests are the finalize's to report
+                self.suspects.clear()
             self._checkpoint(force=True)
         except ShardLost:
             if self.stopping:
                 self.host.abort_group(self.batch_id)
             raise
+        finally:
+            self.gate.release(self)
+            self.heartbeat.stop()
         return STOPPED if self.stopping else DONE
 
     def _feed(self) -> None:
@@ -578,6 +821,20 @@ class ShardRun:
                 return
 
 
+def _load(shard_id: int) -> tuple[Shard, Batch, str] | None:
+    def attempt() -> tuple[Shard, Batch, str] | None:
+        with session_scope() as session:
+            shard = session.get(Shard, shard_id)
+            batch = session.get(Batch, shard.batch_id) if shard is not None else None
+            if shard is None or batch is None:
+                return None
+            key = input_key(session, batch)
+            session.expunge_all()
+        return shard, batch, key
+
+    return retrying(attempt, f"reading shard {shard_id}")
+
+
 def run_shard(
     shard_id: int,
     *,
@@ -588,14 +845,12 @@ def run_shard(
     """Run (or resume) one shard; see the module docstring. ``host`` defaults to the
     process-wide engine host for the batch's model."""
     worker = worker or f"{socket.gethostname()}:{threading.get_ident()}"
-    with session_scope() as session:
-        shard = session.get(Shard, shard_id)
-        batch = session.get(Batch, shard.batch_id) if shard is not None else None
-        if shard is None or batch is None:
-            logger.warning("shard %s is gone", shard_id)
-            return ShardOutcome("skipped")
-        key = input_key(session, batch)
-        session.expunge_all()
+    worker = f"{worker}:{uuid.uuid4().hex[:8]}"  # one token per attempt (see claim)
+    loaded = _load(shard_id)
+    if loaded is None:
+        logger.warning("shard %s is gone", shard_id)
+        return ShardOutcome("skipped")
+    shard, batch, key = loaded
     if (
         shard.status in (DONE, CLOSED, STOPPED)
         or batch.status != "in_progress"
@@ -605,6 +860,7 @@ def run_shard(
             finish_if_last(batch.id)  # a redelivered task of a finished shard
         else:
             finalize_if_idle(batch.id)
+        release_next(batch.model)
         return ShardOutcome("skipped")
 
     claimed = claim(shard_id, worker)
@@ -612,6 +868,19 @@ def run_shard(
         finalize_if_idle(batch.id)
         return ShardOutcome("skipped")
     attempt, num_chunks = claimed
+    max_attempts = get_settings().max_shard_attempts
+    if attempt > max_attempts:
+        from worker.recovery import fail_claimed
+
+        fail_claimed(
+            shard_id,
+            attempt,
+            num_chunks,
+            f"The shard holding this request failed {attempt - 1} times "
+            f"(max_shard_attempts={max_attempts}); its unfinished requests are reported as "
+            "errors",
+        )
+        return ShardOutcome("failed")
     sto = storage()
     discarded = discard_uncommitted(sto, batch.id, shard.index, num_chunks)
     done_lines = committed_lines(sto, batch.id, shard.index, num_chunks)
@@ -632,9 +901,11 @@ def run_shard(
         logger.warning("shard %s attempt %s stops: %s", shard_id, attempt, lost)
         return ShardOutcome("lost", run.ran, run.chunk)
     except BaseException:
-        # Leave the shard running: the redelivered task (or the sweep) takes it from its
-        # last committed checkpoint.
+        # Leave the shard running but mark it abandoned (no heartbeat): a redelivered task
+        # may claim it at once, the reclaim sweep re-queues it on its next pass, and a cancel
+        # does not wait for it. Either resumes from the last committed checkpoint.
         logger.exception("shard %s attempt %s failed", shard_id, attempt)
+        abandon(shard_id, attempt)
         raise
     if not set_shard_status(shard_id, attempt, status):
         return ShardOutcome("lost", run.ran, run.chunk)
@@ -642,6 +913,7 @@ def run_shard(
         finish_if_last(batch.id)
     else:
         finalize_if_idle(batch.id)
+    release_next(batch.model)
     return ShardOutcome(status, run.ran, run.chunk)
 
 

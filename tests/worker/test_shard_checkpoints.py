@@ -163,7 +163,7 @@ def test_stale_attempt_cannot_commit(worker_env):
     batch_id = _validated([chat_line("a", "hi"), chat_line("b", "yo")])
     (shard,) = shard_rows(batch_id)
     first, _ = claim(shard.id, "w1")
-    second, _ = claim(shard.id, "w2")
+    second, _ = claim(shard.id, "w2", force=True)  # the first attempt is alive: force
     assert second == first + 1
     with pytest.raises(ShardLost):
         commit_chunk(shard, first, 0, _Pending())
@@ -187,9 +187,13 @@ def test_cancel_finalize_keeps_finished_and_reports_the_rest(worker_env, host):
 
     with pytest.raises(Interrupted):
         run_shard(shard.id, host=host, after_commit=stop)  # 4 results committed, then dies
+    from worker.shard import claim
+
+    # Another attempt holds the shard (as a worker killed outright would: fresh heartbeat).
+    assert claim(shard.id, "killed-later", force=True) is not None
     with session_scope() as session:
         assert transition(session, batch_id, "in_progress", "cancelling")
-    # The dead attempt's shard still looks running (fresh heartbeat): cancel waits for it.
+    # The shard still looks running (fresh heartbeat): cancel waits for it.
     assert cancel(batch_id) is None
     from sqlalchemy import update
 

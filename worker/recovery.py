@@ -1,0 +1,232 @@
+"""Crash recovery: the reclaim sweep and giving up on a shard.
+
+A running shard's attempt stamps ``shards.heartbeat_at`` every ``heartbeat_interval_s`` from a
+background thread (``worker.shard.Heartbeat``). A worker that is killed (SIGKILL, OOM, a lost
+node) or hangs stops doing so. The broker would redeliver its task only after the visibility
+timeout (hours), so beat runs :func:`reclaim_stale_shards` every ``reclaim_sweep_interval_s``:
+
+* a ``running`` shard of an ``in_progress`` batch whose heartbeat is older than
+  ``shard_stale_after_s`` is put back to ``pending`` and its task sent again to its model's
+  queue. The status change fences off the silent attempt (its next commit or heartbeat no
+  longer matches), and the next claim bumps ``attempts``; the new attempt resumes from the
+  last committed checkpoint, so at most one checkpoint interval of work is redone;
+* a stale shard that has used up ``max_shard_attempts`` is given up: its requests without a
+  committed result become ``shard_failed`` error lines (one committed chunk, so still exactly
+  one line per request), the shard is ``done``, and the batch finalizes as usual;
+* a batch left in ``finalizing`` for long (its finalize task was lost) gets its finalize sent
+  again; finalize is idempotent.
+
+The reclaimed shard keeps its ``released_at``: it was released once and is only re-sent.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import select, update
+
+from core.batchfile import iter_lines
+from core.db import session_scope
+from core.models import Batch, Shard
+from core.queue import TASK_FINALIZE, TASK_RUN_SHARD, model_queue
+from core.results import request_error_line
+from core.settings import get_settings
+from worker.celery_app import app
+from worker.checkpoints import committed_lines, discard_uncommitted
+from worker.common import (
+    DONE,
+    PENDING,
+    RUNNING,
+    input_key,
+    release_next,
+    retrying,
+    send,
+    stale_after_s,
+    storage,
+    utcnow,
+)
+
+logger = logging.getLogger(__name__)
+
+TASK_RECLAIM = "batchd.reclaim_stale_shards"
+SHARD_FAILED = "shard_failed"
+RECOVERY_WORKER = "batchd-recovery"
+
+
+@dataclass
+class SweepReport:
+    requeued: list[int]
+    failed: list[int]
+    refinalized: list[str]
+
+
+def _shard_failed_line(custom_id: str | None, message: str) -> dict[str, Any]:
+    return request_error_line(
+        custom_id, status_code=500, message=message, code=SHARD_FAILED, type="server_error"
+    )
+
+
+def fail_claimed(shard_id: int, attempt: int, num_chunks: int, message: str) -> bool:
+    """Given up: report every request of the shard that has no committed result as a
+    ``shard_failed`` error line, in one chunk committed by ``attempt`` (which the caller
+    claimed), mark the shard ``done`` and let the batch finalize. False if the attempt lost
+    the shard meanwhile (someone else then owns its fate)."""
+    from worker.shard import ShardLost, _Pending, commit_chunk, finish_if_last, set_shard_status
+
+    def read() -> tuple[Shard, Batch, str]:
+        with session_scope() as session:
+            shard = session.get(Shard, shard_id)
+            batch = session.get(Batch, shard.batch_id)
+            key = input_key(session, batch)
+            session.expunge_all()
+        return shard, batch, key
+
+    shard, batch, key = retrying(read, f"reading shard {shard_id}")
+    sto = storage()
+    discard_uncommitted(sto, batch.id, shard.index, num_chunks)
+    done = committed_lines(sto, batch.id, shard.index, num_chunks)
+    pending = _Pending()
+    chunks = sto.read_range(key, shard.start_offset, shard.end_offset)
+    for raw in iter_lines(
+        chunks,
+        max_line_bytes=get_settings().max_line_bytes,
+        first_line=shard.start_line,
+        base_offset=shard.start_offset,
+    ):
+        if raw.line in done:
+            continue
+        try:
+            custom_id = json.loads(raw.data).get("custom_id")
+        except ValueError:
+            custom_id = None
+        pending.add_error(raw.line, _shard_failed_line(custom_id, message))
+    try:
+        if pending:
+            commit_chunk(shard, attempt, num_chunks, pending)
+    except ShardLost as lost:
+        logger.warning("giving up shard %s: %s", shard_id, lost)
+        return False
+    if not set_shard_status(shard_id, attempt, DONE):
+        return False
+    logger.error(
+        "shard %s of batch %s given up after %s attempts: %s requests reported as %s",
+        shard_id,
+        batch.id,
+        attempt - 1,
+        len(pending),
+        SHARD_FAILED,
+    )
+    finish_if_last(batch.id)
+    release_next(batch.model)
+    return True
+
+
+def fail_shard(shard_id: int, message: str) -> bool:
+    """Fence off whatever attempt holds the shard, then :func:`fail_claimed`."""
+    from worker.shard import claim
+
+    claimed = claim(shard_id, RECOVERY_WORKER, force=True)
+    if claimed is None:
+        return False
+    attempt, num_chunks = claimed
+    return fail_claimed(shard_id, attempt, num_chunks, message)
+
+
+def _stale_shards(cutoff: Any) -> list[tuple[int, int, str | None]]:
+    with session_scope() as session:
+        rows = session.execute(
+            select(Shard.id, Shard.attempts, Batch.model)
+            .join(Batch, Batch.id == Shard.batch_id)
+            .where(
+                Shard.status == RUNNING,
+                Batch.status == "in_progress",
+                Shard.heartbeat_at.is_(None) | (Shard.heartbeat_at < cutoff),
+            )
+            .order_by(Shard.id)
+        ).all()
+    return [(r.id, r.attempts, r.model) for r in rows]
+
+
+def _requeue(shard_id: int, attempts: int, cutoff: Any) -> bool:
+    """``running -> pending`` if the shard is still the same stale attempt's."""
+    with session_scope() as session:
+        result = session.execute(
+            update(Shard)
+            .where(
+                Shard.id == shard_id,
+                Shard.status == RUNNING,
+                Shard.attempts == attempts,
+                Shard.heartbeat_at.is_(None) | (Shard.heartbeat_at < cutoff),
+            )
+            .values(status=PENDING, worker=None)
+            .execution_options(synchronize_session=False)
+        )
+        return result.rowcount == 1
+
+
+def _stuck_finalizing(cutoff: Any) -> list[str]:
+    with session_scope() as session:
+        return list(
+            session.scalars(
+                select(Batch.id).where(Batch.status == "finalizing", Batch.finalizing_at < cutoff)
+            )
+        )
+
+
+def reclaim_stale_shards() -> SweepReport:
+    """One sweep; see the module docstring."""
+    settings = get_settings()
+    now = utcnow()
+    stale = stale_after_s()
+    cutoff = now - timedelta(seconds=stale)
+    report = SweepReport([], [], [])
+    for shard_id, attempts, model in retrying(
+        lambda: _stale_shards(cutoff), "finding stale shards"
+    ):
+        if attempts >= settings.max_shard_attempts:
+            message = (
+                f"The shard holding this request failed {attempts} times (its worker stopped "
+                f"responding; max_shard_attempts={settings.max_shard_attempts}); its unfinished "
+                "requests are reported as errors"
+            )
+            if fail_shard(shard_id, message):
+                report.failed.append(shard_id)
+            continue
+        requeued = retrying(
+            lambda shard_id=shard_id, attempts=attempts: _requeue(shard_id, attempts, cutoff),
+            f"requeueing shard {shard_id}",
+        )
+        if requeued:
+            logger.warning(
+                "shard %s (attempt %s) went silent for over %.0fs: re-queued",
+                shard_id,
+                attempts,
+                stale,
+            )
+            send(TASK_RUN_SHARD, shard_id, queue=model_queue(model or ""))
+            report.requeued.append(shard_id)
+    # A finalize that never ran (its message was lost): finalize is idempotent, send it again.
+    finalize_cutoff = now - timedelta(seconds=max(120.0, 4 * stale))
+    for batch_id in retrying(
+        lambda: _stuck_finalizing(finalize_cutoff), "finding batches stuck finalizing"
+    ):
+        logger.warning("batch %s has been finalizing for long: finalize sent again", batch_id)
+        send(TASK_FINALIZE, batch_id)
+        report.refinalized.append(batch_id)
+    return report
+
+
+@app.task(name=TASK_RECLAIM)
+def reclaim_stale_shards_task(**_: Any) -> None:
+    report = reclaim_stale_shards()
+    if report.requeued or report.failed or report.refinalized:
+        logger.info(
+            "reclaim sweep: %s re-queued, %s given up, %s finalizes re-sent",
+            report.requeued,
+            report.failed,
+            report.refinalized,
+        )
