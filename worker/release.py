@@ -12,10 +12,10 @@ larger bound only queues released shards in the broker, where FIFO order, not fa
 When a slot frees, the next shard is chosen by, in this order:
 
 1. priority of its batch: ``high`` before ``normal`` before ``low``;
-2. tenant: the tenant with the fewest released-and-unfinished shards of this model
-   (round-robin across tenants);
+2. tenant: the tenant with the fewest released-and-unfinished shards of this model, and among
+   those the one served longest ago (round-robin across tenants);
 3. batch within the tenant: the batch with the fewest released-and-unfinished shards, then the
-   oldest batch;
+   one served longest ago, then the oldest batch;
 4. shard index.
 
 :func:`release_for_model` is called after validation commits, whenever a shard task ends (a
@@ -39,9 +39,10 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from collections import defaultdict
-from dataclasses import dataclass
-from datetime import datetime, timedelta
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from celery.signals import task_postrun
@@ -93,8 +94,20 @@ class _Candidate:
     created_at: datetime
 
 
-def _in_flight(session: Session, model: str) -> tuple[int, dict[str, int], dict[str, int]]:
-    """Released-and-unfinished shards of ``model``: total, per tenant, per batch."""
+@dataclass
+class _Load:
+    """What a model's shards hold now: released-and-unfinished shards in total, per tenant and
+    per batch, and when each tenant and batch last had a shard released (unix seconds)."""
+
+    total: int = 0
+    per_tenant: dict[str, int] = field(default_factory=dict)
+    per_batch: dict[str, int] = field(default_factory=dict)
+    tenant_last: dict[str, float] = field(default_factory=dict)
+    batch_last: dict[str, float] = field(default_factory=dict)
+
+
+def _load(session: Session, model: str) -> _Load:
+    load = _Load(per_tenant=defaultdict(int), per_batch=defaultdict(int))
     rows = session.execute(
         select(Batch.tenant, Shard.batch_id, func.count())
         .select_from(Shard)
@@ -106,14 +119,32 @@ def _in_flight(session: Session, model: str) -> tuple[int, dict[str, int], dict[
         )
         .group_by(Batch.tenant, Shard.batch_id)
     ).all()
-    per_tenant: dict[str, int] = defaultdict(int)
-    per_batch: dict[str, int] = defaultdict(int)
-    total = 0
     for tenant, batch_id, n in rows:
-        per_tenant[tenant] += n
-        per_batch[batch_id] += n
-        total += n
-    return total, per_tenant, per_batch
+        load.per_tenant[tenant] += n
+        load.per_batch[batch_id] += n
+        load.total += n
+    last = session.execute(
+        select(Batch.tenant, Shard.batch_id, func.max(Shard.released_at))
+        .select_from(Shard)
+        .join(Batch, Batch.id == Shard.batch_id)
+        .where(
+            Batch.model == model,
+            Batch.status.in_(("in_progress", "cancelling")),
+            Shard.released_at.is_not(None),
+        )
+        .group_by(Batch.tenant, Shard.batch_id)
+    ).all()
+    for tenant, batch_id, when in last:
+        ts = _ts(when)
+        load.batch_last[batch_id] = ts
+        load.tenant_last[tenant] = max(ts, load.tenant_last.get(tenant, ts))
+    return load
+
+
+def _ts(value: datetime) -> float:
+    if value.tzinfo is None:  # SQLite hands back naive UTC
+        value = value.replace(tzinfo=UTC)
+    return value.timestamp()
 
 
 def _candidates(session: Session, model: str, per_batch_limit: int) -> list[_Candidate]:
@@ -150,16 +181,17 @@ def _candidates(session: Session, model: str, per_batch_limit: int) -> list[_Can
     return [_Candidate(*row) for row in rows]
 
 
-def choose(
-    candidates: list[_Candidate],
-    slots: int,
-    per_tenant: dict[str, int],
-    per_batch: dict[str, int],
-) -> list[_Candidate]:
-    """Pick up to ``slots`` shards in release order (see the module docstring); updates the
-    counts as it goes, so consecutive picks rotate across tenants and batches."""
-    per_tenant = defaultdict(int, per_tenant)
-    per_batch = defaultdict(int, per_batch)
+def choose(candidates: list[_Candidate], slots: int, load: _Load) -> list[_Candidate]:
+    """Pick up to ``slots`` shards in release order (see the module docstring). Counts are
+    updated as it goes, so consecutive picks rotate across tenants and batches; among equals,
+    the tenant (then the batch) whose last release is the oldest goes first, which makes the
+    rotation a true round-robin even when one slot frees at a time."""
+    per_tenant = defaultdict(int, load.per_tenant)
+    per_batch = defaultdict(int, load.per_batch)
+    tenant_last = dict(load.tenant_last)
+    batch_last = dict(load.batch_last)
+    never = float("-inf")
+    clock = max([time.time(), *tenant_last.values()])
     # Each batch's shards in index order; only a batch's head is ever a choice.
     queues: dict[str, list[_Candidate]] = defaultdict(list)
     for cand in sorted(candidates, key=lambda c: c.index):
@@ -171,15 +203,19 @@ def choose(
             key=lambda c: (
                 PRIORITY_RANK.get(c.priority, 1),
                 per_tenant[c.tenant],
+                tenant_last.get(c.tenant, never),
                 per_batch[c.batch_id],
-                c.created_at,
+                batch_last.get(c.batch_id, never),
+                _ts(c.created_at),
                 c.batch_id,
                 c.index,
             ),
         )
         chosen.append(head)
+        clock += 1e-3
         per_tenant[head.tenant] += 1
         per_batch[head.batch_id] += 1
+        tenant_last[head.tenant] = batch_last[head.batch_id] = clock
         queue = queues[head.batch_id]
         queue.pop(0)
         if not queue:
@@ -190,26 +226,31 @@ def choose(
 def _release(model: str, limit: int) -> list[int]:
     with session_scope() as session:
         _lock_model(session, model)
-        total, per_tenant, per_batch = _in_flight(session, model)
-        slots = limit - total
+        load = _load(session, model)
+        slots = limit - load.total
         if slots <= 0:
             return []
-        picks = choose(_candidates(session, model, slots), slots, per_tenant, per_batch)
+        picks = choose(_candidates(session, model, slots), slots, load)
         if not picks:
             return []
-        released = session.scalars(
-            update(Shard)
-            .where(
-                Shard.id.in_([p.shard_id for p in picks]),
-                Shard.status == PENDING,
-                Shard.released_at.is_(None),
-            )
-            .values(released_at=utcnow())
-            .returning(Shard.id)
-            .execution_options(synchronize_session=False)
-        ).all()
-        keep = set(released)
-        return [p.shard_id for p in picks if p.shard_id in keep]
+        # One UPDATE per pick, each stamped a microsecond apart, so ``released_at`` records the
+        # release order (the next choice's "served longest ago" reads it).
+        base = utcnow()
+        released = []
+        for k, pick in enumerate(picks):
+            won = session.execute(
+                update(Shard)
+                .where(
+                    Shard.id == pick.shard_id,
+                    Shard.status == PENDING,
+                    Shard.released_at.is_(None),
+                )
+                .values(released_at=base + timedelta(microseconds=k))
+                .execution_options(synchronize_session=False)
+            ).rowcount
+            if won == 1:
+                released.append(pick.shard_id)
+        return released
 
 
 def _unrelease(shard_ids: list[int]) -> None:
