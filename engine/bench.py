@@ -203,6 +203,7 @@ class SystemResult:
     prompt_tokens: int
     output_tokens: int  # useful output tokens (each request's own max_tokens)
     generated_tokens: int  # every token the system decoded, padding rows included
+    cpu_s: float = 0.0  # process CPU time (all threads): steadier than wall on a shared machine
     token_ids: list[list[int]] = field(default_factory=list, repr=False)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -223,6 +224,8 @@ class SystemResult:
             "generated_tokens": self.generated_tokens,
             "output_tok_s": self.output_tok_s,
             "total_tok_s": self.total_tok_s,
+            "cpu_s": self.cpu_s,
+            "output_tok_per_cpu_s": self.output_tokens / self.cpu_s if self.cpu_s > 0 else 0.0,
             **self.extra,
         }
 
@@ -282,11 +285,11 @@ def run_engine(model_dir: str, workload: Workload, engine_config: dict[str, Any]
     drain(2)
 
     before = _stats_dict(engine.stats())
-    start = time.perf_counter()
+    cpu0, start = time.process_time(), time.perf_counter()
     for i, (prompt, n) in enumerate(zip(workload.prompts, workload.max_tokens, strict=True)):
         engine.add_request(f"req-{i}", prompt, params(n))
     done = drain(len(workload.prompts))
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu0
     after = _stats_dict(engine.stats())
 
     token_ids = [done[f"req-{i}"] for i in range(len(workload.prompts))]
@@ -295,7 +298,8 @@ def run_engine(model_dir: str, workload: Workload, engine_config: dict[str, Any]
         "engine_stats": _engine_figures(before, after),
         "engine_config": _stats_dict(engine.config),
     }
-    return SystemResult(label, wall, workload.prompt_tokens, generated, generated, token_ids, extra)
+    return SystemResult(label, wall, workload.prompt_tokens, generated, generated, cpu,
+                        token_ids, extra)
 
 
 def _load_hf_model(model_dir: str, dtype: str = "float32") -> Any:
@@ -337,16 +341,16 @@ def run_static(model_dir: str, workload: Workload, batch_size: int, pad_id: int,
 
     token_ids: list[list[int]] = []
     generated = 0
-    start = time.perf_counter()
+    cpu0, start = time.process_time(), time.perf_counter()
     for lo in range(0, len(workload.prompts), batch_size):
         prompts = workload.prompts[lo : lo + batch_size]
         budgets = workload.max_tokens[lo : lo + batch_size]
         rows = run_batch(prompts, budgets)
         generated += sum(len(r) for r in rows)
         token_ids.extend(r[:n] for r, n in zip(rows, budgets, strict=True))
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu0
     useful = sum(len(t) for t in token_ids)
-    return SystemResult("static", wall, workload.prompt_tokens, useful, generated, token_ids,
+    return SystemResult("static", wall, workload.prompt_tokens, useful, generated, cpu, token_ids,
                         {"batch_size": batch_size})
 
 
@@ -398,12 +402,12 @@ def run_generate_batch(model_dir: str, workload: Workload, *, max_requests: int,
     rng = random.Random(4321)
     run([[rng.randrange(3, 100) for _ in range(8)] for _ in range(2)], [4, 4])  # warm-up
 
-    start = time.perf_counter()
+    cpu0, start = time.process_time(), time.perf_counter()
     token_ids = run(workload.prompts, workload.max_tokens)
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu0
     generated = sum(len(t) for t in token_ids)
     return SystemResult("generate_batch", wall, workload.prompt_tokens, generated, generated,
-                        token_ids, {"max_requests_per_batch": max_requests,
+                        cpu, token_ids, {"max_requests_per_batch": max_requests,
                                     "max_batch_tokens": max_batch_tokens})
 
 
@@ -466,10 +470,12 @@ def _print_report(results: dict[str, Any]) -> None:
         f"{w['output_tokens']} output tokens; {json.dumps(w.get('description', {}))}"
     )
     table = Table(title="throughput (useful tokens)")
-    for col in ("system", "wall s", "output tok/s", "total tok/s", "decoded tokens"):
+    for col in ("system", "wall s", "output tok/s", "total tok/s", "cpu s", "output tok/cpu-s",
+                "decoded tokens"):
         table.add_column(col, justify="right" if col != "system" else "left")
     for name, r in results["systems"].items():
         table.add_row(name, _fmt(r["wall_s"], 2), _fmt(r["output_tok_s"]), _fmt(r["total_tok_s"]),
+                      _fmt(r["cpu_s"], 1), _fmt(r["output_tok_per_cpu_s"]),
                       str(r["generated_tokens"]))
     console.print(table)
     for key, value in results.get("ratios", {}).items():
@@ -555,6 +561,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         a, b = results["systems"]["engine_prefix_cache"], results["systems"]["engine_no_prefix_cache"]
         results["ratios"]["prefix caching speedup (wall, off / on)"] = b["wall_s"] / a["wall_s"]
         results["prefix_caching_speedup"] = b["wall_s"] / a["wall_s"]
+        if a["cpu_s"]:
+            results["ratios"]["prefix caching speedup (cpu-s, off / on)"] = b["cpu_s"] / a["cpu_s"]
         results["agreement"]["prefix cache on vs off"] = _agreement(
             tokens["engine_prefix_cache"], tokens["engine_no_prefix_cache"])
     else:
@@ -582,6 +590,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     results["ratios"][f"engine / {other} (output tok/s)"] = (
                         eng["output_tok_s"] / o["output_tok_s"] if o["output_tok_s"] else math.inf
                     )
+                    if o["output_tok_per_cpu_s"]:
+                        results["ratios"][f"engine / {other} (output tok per cpu-s)"] = (
+                            eng["output_tok_per_cpu_s"] / o["output_tok_per_cpu_s"]
+                        )
                     results["agreement"][f"engine vs {other}"] = _agreement(
                         tokens["engine"], tokens[other])
 

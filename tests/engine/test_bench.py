@@ -31,13 +31,14 @@ def test_bench_runs_every_system_on_the_same_work(model_dir: Path, tmp_path: Pat
         assert r["prompt_tokens"] == work["prompt_tokens"], name
         assert r["output_tokens"] == work["output_tokens"], name
         assert r["wall_s"] > 0 and r["output_tok_s"] > 0 and r["total_tok_s"] > r["output_tok_s"]
+        assert r["cpu_s"] > 0 and r["output_tok_per_cpu_s"] > 0
     # Static batches decode every row to the batch's longest budget.
     assert data["systems"]["static"]["generated_tokens"] >= work["output_tokens"]
     stats = data["systems"]["engine"]["engine_stats"]
     assert stats["num_steps"] > 0 and 0 < stats["mean_running_seqs"] <= 4
     assert stats["mean_tokens_per_step"] >= 1 and 0.0 <= stats["outside_forward_frac"] < 1.0
-    assert set(data["ratios"]) == {"engine / static (output tok/s)",
-                                   "engine / generate_batch (output tok/s)"}
+    assert {"engine / static (output tok/s)", "engine / generate_batch (output tok/s)"} <= set(
+        data["ratios"])
     assert all(v > 0 for v in data["ratios"].values())
     # Greedy decoding on identical prompts: the engine agrees with transformers token for token.
     assert data["agreement"]["engine vs generate_batch"] == 1.0
