@@ -1,0 +1,229 @@
+"""Batch webhooks end to end: a real HTTP receiver on 127.0.0.1 gets a signed event when a
+batch completes or fails validation; a receiver that errors is retried with backoff until it
+answers 2xx (or the attempts run out), and every attempt is recorded in webhook_deliveries."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import io
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.services, pytest.mark.slow]
+
+MODEL = "batchd-demo"
+TERMINAL = {"completed", "failed", "expired", "cancelled"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fast_retries() -> Iterator[None]:
+    """Short backoff and few attempts for the stack this module starts (read by the workers;
+    set before the module's ``stack`` fixture starts them)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("BATCHD_WEBHOOK_BACKOFF_S", "0.3")
+        mp.setenv("BATCHD_WEBHOOK_BACKOFF_MAX_S", "1")
+        mp.setenv("BATCHD_WEBHOOK_MAX_ATTEMPTS", "4")
+        mp.setenv("BATCHD_WEBHOOK_TIMEOUT_S", "5")
+        yield
+
+
+class Receiver:
+    """Records every POST; answers each path with its scripted status codes, then 200."""
+
+    def __init__(self) -> None:
+        self.requests: list[dict[str, Any]] = []
+        self.script: dict[str, list[int]] = {}
+        self.lock = threading.Lock()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length", 0)))
+                with receiver.lock:
+                    receiver.requests.append(
+                        {"path": self.path, "headers": dict(self.headers), "body": body}
+                    )
+                    codes = receiver.script.get(self.path, [])
+                    code = codes.pop(0) if codes else 200
+                self.send_response(code)
+                self.send_header("content-length", "2")
+                self.end_headers()
+                self.wfile.write(b"ok")
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}{path}"
+
+    def received(self, path: str) -> list[dict[str, Any]]:
+        with self.lock:
+            return [r for r in self.requests if r["path"] == path]
+
+    def wait(self, path: str, count: int, timeout: float) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            got = self.received(path)
+            if len(got) >= count:
+                return got
+            time.sleep(0.1)
+        raise AssertionError(f"{path}: {len(self.received(path))} deliveries, wanted {count}")
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def receiver() -> Iterator[Receiver]:
+    r = Receiver()
+    yield r
+    r.close()
+
+
+def verify_signature(secret: str, request: dict[str, Any]) -> bool:
+    """Standard Webhooks verification, written out as a receiver would."""
+    headers = {k.lower(): v for k, v in request["headers"].items()}
+    key = base64.b64decode(secret.removeprefix("whsec_"))
+    signed = f"{headers['webhook-id']}.{headers['webhook-timestamp']}.".encode() + request["body"]
+    expected = base64.b64encode(hmac.new(key, signed, hashlib.sha256).digest()).decode()
+    versions = [s.split(",", 1) for s in headers["webhook-signature"].split()]
+    return any(v == "v1" and hmac.compare_digest(sig, expected) for v, sig in versions)
+
+
+def _chat(custom_id: str, text: str, max_tokens: int = 6) -> dict[str, Any]:
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": text}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+        },
+    }
+
+
+def _submit(stack, lines: list[Any], webhook_url: str):
+    data = b"".join((x if isinstance(x, str) else json.dumps(x)).encode() + b"\n" for x in lines)
+    f = stack.client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
+    return stack.client.batches.create(
+        input_file_id=f.id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        extra_body={"webhook_url": webhook_url},
+    )
+
+
+def _wait_terminal(stack, batch_id: str, timeout: float = 90):
+    deadline = time.monotonic() + timeout
+    while True:
+        batch = stack.client.batches.retrieve(batch_id)
+        if batch.status in TERMINAL:
+            return batch
+        assert time.monotonic() < deadline, f"{batch_id} is still {batch.status}"
+        time.sleep(0.2)
+
+
+def _deliveries(stack, batch_id: str) -> list[dict[str, Any]]:
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(stack.env["BATCHD_DATABASE_URL"])
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(
+                text("SELECT * FROM webhook_deliveries WHERE batch_id = :b ORDER BY created_at"),
+                {"b": batch_id},
+            )
+            return [dict(r._mapping) for r in rows]
+    finally:
+        engine.dispose()
+
+
+def _wait_delivery(stack, batch_id: str, status: str, timeout: float = 30) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = _deliveries(stack, batch_id)
+        if rows and rows[0]["status"] == status:
+            return rows[0]
+        assert time.monotonic() < deadline, f"deliveries of {batch_id}: {rows}"
+        time.sleep(0.2)
+
+
+def _check_event(request: dict[str, Any], secret: str, batch_id: str, event_type: str) -> dict:
+    assert verify_signature(secret, request), request["headers"]
+    assert not verify_signature("whsec_" + base64.b64encode(os.urandom(32)).decode(), request)
+    headers = {k.lower(): v for k, v in request["headers"].items()}
+    event = json.loads(request["body"])
+    assert event["object"] == "event"
+    assert event["type"] == event_type
+    assert event["data"] == {"id": batch_id}
+    assert event["id"] == headers["webhook-id"] and event["id"].startswith("evt_")
+    assert abs(int(headers["webhook-timestamp"]) - time.time()) < 60
+    assert abs(event["created_at"] - time.time()) < 120
+    assert headers["content-type"] == "application/json"
+    return event
+
+
+def test_completed_batch_sends_a_signed_event(stack, receiver):
+    created = _submit(stack, [_chat(f"r{i}", f"hello {i}") for i in range(3)], receiver.url("/ok"))
+    secret = created.model_extra["webhook_secret"]
+    assert secret.startswith("whsec_")
+    batch = _wait_terminal(stack, created.id)
+    assert batch.status == "completed"
+    (request,) = receiver.wait("/ok", 1, 30)
+    event = _check_event(request, secret, created.id, "batch.completed")
+    row = _wait_delivery(stack, created.id, "delivered")
+    assert row["id"] == event["id"] and row["event_type"] == "batch.completed"
+    assert (row["attempts"], row["last_status_code"], row["last_error"]) == (1, 200, None)
+    assert row["url"] == receiver.url("/ok") and row["delivered_at"] is not None
+
+
+def test_failed_validation_sends_batch_failed(stack, receiver):
+    created = _submit(stack, ["{not json", _chat("a", "hi")], receiver.url("/failed"))
+    secret = created.model_extra["webhook_secret"]
+    batch = _wait_terminal(stack, created.id, 60)
+    assert batch.status == "failed"
+    (request,) = receiver.wait("/failed", 1, 30)
+    _check_event(request, secret, created.id, "batch.failed")
+    assert _wait_delivery(stack, created.id, "delivered")["attempts"] == 1
+
+
+def test_receiver_errors_are_retried_with_the_same_event(stack, receiver):
+    receiver.script["/flaky"] = [500, 500, 200]
+    created = _submit(stack, [_chat("x", "hello")], receiver.url("/flaky"))
+    secret = created.model_extra["webhook_secret"]
+    assert _wait_terminal(stack, created.id).status == "completed"
+    requests = receiver.wait("/flaky", 3, 30)
+    row = _wait_delivery(stack, created.id, "delivered")
+    assert (row["attempts"], row["last_status_code"], row["last_error"]) == (3, 200, None)
+    assert len(receiver.received("/flaky")) == 3  # nothing after the 2xx
+    assert len({r["body"] for r in requests}) == 1  # the same event every time
+    assert len({r["headers"]["webhook-id"] for r in requests}) == 1
+    for request in requests:
+        _check_event(request, secret, created.id, "batch.completed")
+
+
+def test_delivery_fails_for_good_after_the_last_attempt(stack, receiver):
+    receiver.script["/down"] = [503] * 10
+    created = _submit(stack, [_chat("x", "hello")], receiver.url("/down"))
+    assert _wait_terminal(stack, created.id).status == "completed"
+    row = _wait_delivery(stack, created.id, "failed")
+    assert (row["attempts"], row["last_status_code"]) == (4, 503)
+    assert "HTTP 503" in row["last_error"] and row["delivered_at"] is None
+    time.sleep(1.5)  # longer than the capped backoff: no fifth attempt
+    assert len(receiver.received("/down")) == 4
