@@ -153,3 +153,146 @@ def stack(pg_url: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+# ---------------------------------------------------------------------------------------------
+# Processes a test starts, kills and restarts itself (crash recovery and outage tests).
+
+CELERY = [sys.executable, "-m", "celery", "-A", "worker.celery_app"]
+
+
+def celery_command(kind: str, name: str, root: Path, concurrency: int = 2) -> list[str]:
+    """A control worker, a model worker (the demo model's queue) or beat."""
+    if kind == "beat":
+        return [*CELERY, "beat", "-s", str(root / f"beat-schedule-{name}"), "--loglevel", "INFO"]
+    queue = "batchd.control" if kind == "control" else f"batchd.model.{MODEL}"
+    return [*CELERY, "worker", "-Q", queue, "--pool", "threads", "-c", str(concurrency),
+            "-n", f"{name}@e2e", "--loglevel", "INFO", "--without-gossip", "--without-mingle",
+            "--without-heartbeat"]  # fmt: skip
+
+
+def api_command(port: int) -> list[str]:
+    return [sys.executable, "-m", "uvicorn", "api.app:app", "--host", "127.0.0.1",
+            "--port", str(port), "--log-level", "warning"]  # fmt: skip
+
+
+def base_env(pg_url: str, broker: str, root: Path, **overrides: str) -> dict[str, str]:
+    """The environment of a private service on ``root`` (tiny model, small checkpoints)."""
+    (root / "home").mkdir(parents=True, exist_ok=True)
+    return {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "BATCHD_HOME": str(root / "home"),
+        "BATCHD_DATABASE_URL": pg_url,
+        "BATCHD_BROKER_URL": broker,
+        "BATCHD_STORAGE_URL": str(root / "storage"),
+        "BATCHD_MODELS": json.dumps({MODEL: "demo:llama-tiny"}),
+        "BATCHD_API_KEYS": API_KEY,
+        "BATCHD_RATE_LIMIT_PER_MINUTE": "0",
+        **overrides,
+    }
+
+
+class Procs:
+    """Named subprocesses, each logging to ``root/<name>.log`` (appended across restarts);
+    all are killed when the test ends."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
+        log = open(self.root / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        log.close()
+        self.procs[name] = proc
+        return proc
+
+    def log(self, name: str) -> str:
+        path = self.root / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def logs(self, chars: int = 3000) -> str:
+        return "".join(
+            f"\n--- {p.name}\n" + p.read_text(errors="replace")[-chars:]
+            for p in sorted(self.root.glob("*.log"))
+        )
+
+    def wait_log(self, name: str, text: str, timeout: float, count: int = 1) -> None:
+        def seen() -> bool:
+            proc = self.procs.get(name)
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"{name} exited:{self.logs()}")
+            return self.log(name).count(text) >= count
+
+        _wait_for(seen, timeout, f"{text!r} in {name}.log", self.root)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        proc = self.procs[name]
+        if proc.poll() is None:
+            os.killpg(proc.pid, sig)
+        proc.wait(30)
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[Procs]:
+    from engine.demo_models import build
+
+    build("llama-tiny")  # once, before several processes race to build it
+    manager = Procs(tmp_path)
+    try:
+        yield manager
+    finally:
+        manager.stop_all()
+
+
+@pytest.fixture
+def private_broker(redis_url: str, tmp_path: Path) -> Iterator[str]:
+    """A private redis-server on a free port for this test (no queue is shared with anyone);
+    without the binary, a Redis database index of the shared server, emptied."""
+    import shutil
+
+    import redis
+
+    binary = shutil.which("redis-server")
+    if binary is None:
+        base, _, index = redis_url.rpartition("/")
+        url = f"{base}/{(int(index) + 1) % 15 + 1}"
+        redis.Redis.from_url(url).flushdb()
+        yield url
+        return
+    port = _free_port()
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        _wait_for(lambda: _port_open(port), 10, "the private redis-server")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _port_open(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False

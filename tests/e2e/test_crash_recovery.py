@@ -1,0 +1,290 @@
+"""Crashes: a model worker SIGKILLed at seeded random moments of a multi-shard job, and the
+API SIGKILLed in the middle of an upload. Real subprocesses on Postgres, a private Redis and
+a local storage directory."""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import (
+    API_KEY,
+    MODEL,
+    Procs,
+    _free_port,
+    _wait_for,
+    api_command,
+    base_env,
+    celery_command,
+)
+
+pytestmark = [pytest.mark.services, pytest.mark.slow]
+
+SEED = 20261129
+
+
+def _chat(custom_id: str, text: str, max_tokens: int) -> dict[str, Any]:
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": text}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    }
+
+
+def _use_env(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Point this process's settings (database, storage) at the service under test."""
+    from core.settings import get_settings
+
+    for key in ("BATCHD_DATABASE_URL", "BATCHD_STORAGE_URL", "BATCHD_BROKER_URL", "BATCHD_HOME"):
+        monkeypatch.setenv(key, env[key])
+    get_settings.cache_clear()
+
+
+def _create_batch(lines: list[dict[str, Any]], broker: str) -> str:
+    """Store the input, insert its file and batch rows, enqueue the validate task."""
+    from datetime import timedelta
+
+    from core import ids
+    from core.db import session_scope
+    from core.lifecycle import now
+    from core.models import Batch, File
+    from core.queue import TASK_VALIDATE, enqueue
+    from worker.common import storage
+
+    data = b"".join(json.dumps(x).encode() + b"\n" for x in lines)
+    file_id, batch_id = ids.file_id(), ids.batch_id()
+    with storage().writer(f"files/{file_id}") as out:
+        out.write(data)
+    with session_scope() as session:
+        session.add(
+            File(id=file_id, purpose="batch", filename="in.jsonl", bytes=len(data),
+                 storage_key=f"files/{file_id}")
+        )  # fmt: skip
+        session.flush()
+        session.add(
+            Batch(id=batch_id, endpoint="/v1/chat/completions", input_file_id=file_id,
+                  completion_window="24h", status="validating",
+                  expires_at=now() + timedelta(hours=1))
+        )  # fmt: skip
+    enqueue(TASK_VALIDATE, batch_id, broker_url=broker)
+    return batch_id
+
+
+def _batch(batch_id: str) -> Any:
+    from core.db import session_scope
+    from core.models import Batch
+
+    with session_scope() as session:
+        batch = session.get(Batch, batch_id)
+        session.expunge(batch)
+        return batch
+
+
+def _shards(batch_id: str) -> list[Any]:
+    from sqlalchemy import select
+
+    from core.db import session_scope
+    from core.models import Shard
+
+    with session_scope() as session:
+        rows = list(session.scalars(select(Shard).where(Shard.batch_id == batch_id)))
+        session.expunge_all()
+        return rows
+
+
+def _file_lines(file_id: str | None) -> list[dict[str, Any]]:
+    if file_id is None:
+        return []
+    from core.db import session_scope
+    from core.models import File
+    from worker.common import storage
+
+    with session_scope() as session:
+        key = session.get(File, file_id).storage_key
+    with storage().reader(key) as stream:
+        return [json.loads(x) for x in stream.read().splitlines() if x.strip()]
+
+
+def test_sigkilled_model_worker_loses_nothing_and_repeats_nothing(
+    pg_url, private_broker, tmp_path, procs: Procs, monkeypatch
+):
+    env = base_env(
+        pg_url,
+        private_broker,
+        tmp_path,
+        BATCHD_CHECKPOINT_EVERY="2",
+        BATCHD_CHECKPOINT_INTERVAL_S="0.5",
+        BATCHD_SHARD_MAX_REQUESTS="6",
+        BATCHD_WORKER_SHARD_CONCURRENCY="2",
+        BATCHD_ENGINE_OPTIONS=json.dumps({"max_num_seqs": 4}),
+        BATCHD_HEARTBEAT_INTERVAL_S="0.5",
+        BATCHD_SHARD_STALE_AFTER_S="3",
+        BATCHD_RECLAIM_SWEEP_INTERVAL_S="1",
+        BATCHD_MAX_SHARD_ATTEMPTS="20",
+        BATCHD_RELEASE_SWEEP_INTERVAL_S="1",
+        # Shards a killed worker had reserved but not started are sent again after this.
+        BATCHD_RELEASE_RESEND_AFTER_S="6",
+        BATCHD_EXPIRY_SWEEP_INTERVAL_S="5",
+    )
+    _use_env(env, monkeypatch)
+    procs.start("control", celery_command("control", "control", tmp_path), env)
+    procs.start("beat", celery_command("beat", "beat", tmp_path), env)
+    procs.start("model-0", celery_command("model", "model-0", tmp_path), env)
+    texts = {f"k{i:02d}": f"tell me about the mountain number {i}" for i in range(36)}
+    batch_id = _create_batch([_chat(c, t, 32) for c, t in texts.items()], private_broker)
+
+    rng = random.Random(SEED)
+    kills = []
+    for k in range(3):
+        name = f"model-{k}"
+        procs.wait_log(name, f"model {MODEL} ready", 120)
+        before = _batch(batch_id).request_completed
+        # Let this worker commit something first, so every kill interrupts work under way.
+        _wait_for(
+            lambda before=before: _batch(batch_id).request_completed > before,
+            90,
+            f"progress by {name}",
+            tmp_path,
+        )
+        delay = rng.uniform(0.0, 2.5)
+        time.sleep(delay)
+        batch = _batch(batch_id)
+        assert batch.status == "in_progress", f"the job ended before kill {k}; make it longer"
+        procs.kill(name)
+        kills.append((round(delay, 2), batch.request_completed))
+        procs.start(f"model-{k + 1}", celery_command("model", f"model-{k + 1}", tmp_path), env)
+
+    _wait_for(
+        lambda: _batch(batch_id).status in ("completed", "failed", "expired", "cancelled"),
+        180,
+        "the batch to finish",
+        tmp_path,
+    )
+    batch = _batch(batch_id)
+    assert batch.status == "completed", procs.logs()
+    out = _file_lines(batch.output_file_id)
+    err = _file_lines(batch.error_file_id)
+    counts = Counter(r["custom_id"] for r in out + err)
+    assert counts == Counter(texts), f"not exactly one line per request: {counts}"
+    assert not err, err[:3]
+    assert [r["custom_id"] for r in out] == list(texts)  # input order
+    assert (batch.request_completed, batch.request_failed) == (36, 0)
+
+    # Same text as an uninterrupted greedy run.
+    from engine import LLM, SamplingParams
+    from engine.demo_models import build
+
+    llm = LLM(str(build("llama-tiny")), max_num_seqs=8)
+    want = llm.chat(
+        [[{"role": "user", "content": t}] for t in texts.values()],
+        SamplingParams(max_tokens=32, temperature=0, ignore_eos=True),
+        use_tqdm=False,
+    )
+    for record, expected in zip(out, want, strict=True):
+        assert record["response"]["body"]["choices"][0]["message"]["content"] == (
+            expected.outputs[0].text
+        ), record["custom_id"]
+
+    # Killed attempts were resumed from their checkpoints, not started over.
+    logs = "".join(procs.log(f"model-{k}") for k in range(4))
+    assert "resumes:" in logs, procs.logs()
+    attempts = sorted(s.attempts for s in _shards(batch_id))
+    print(f"kills (delay s, results committed): {kills}; attempts per shard: {attempts}")
+    assert max(attempts) >= 2
+
+
+def _multipart_head(boundary: str, filename: str) -> bytes:
+    return (
+        f"--{boundary}\r\n"
+        'Content-Disposition: form-data; name="purpose"\r\n\r\n'
+        "batch\r\n"
+        f"--{boundary}\r\n"
+        f'Content-Disposition: form-data; name="file"; filename="{filename}"\r\n'
+        "Content-Type: application/jsonl\r\n\r\n"
+    ).encode()
+
+
+def test_api_killed_mid_upload_leaves_nothing_listed_or_usable(
+    pg_url, private_broker, tmp_path, procs: Procs
+):
+    import httpx
+
+    from core.storage import TEMP_PREFIX
+    from core.storage_local import LocalStorage
+
+    env = base_env(pg_url, private_broker, tmp_path)
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+
+    def api_up() -> bool:
+        try:
+            return httpx.get(f"{base}/healthz", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    procs.start("api", api_command(port), env)
+    _wait_for(api_up, 60, "the API", tmp_path)
+    before = httpx.get(f"{base}/v1/files", headers=headers).json()["data"]
+
+    line = json.dumps(_chat("x", "y" * 900, 4)).encode() + b"\n"
+    boundary = "batchd-crash-boundary"
+    head = _multipart_head(boundary, "big.jsonl")
+    total = len(head) + 8 * 1024 * 1024  # declared: 8 MiB of lines, never all sent
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(
+        (
+            f"POST /v1/files HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+            f"Authorization: Bearer {API_KEY}\r\n"
+            f"Content-Type: multipart/form-data; boundary={boundary}\r\n"
+            f"Content-Length: {total}\r\n\r\n"
+        ).encode()
+        + head
+    )
+    storage_root = Path(env["BATCHD_STORAGE_URL"])
+    sent = 0
+    deadline = time.monotonic() + 30
+    partial: list[Path] = []
+    while time.monotonic() < deadline:  # slowly, until the server is visibly mid-write
+        sock.sendall(line * 64)
+        sent += len(line) * 64
+        time.sleep(0.02)
+        partial = [p for p in storage_root.rglob("*") if p.is_file()]
+        if sent > 1024 * 1024 and partial and partial[0].stat().st_size > 256 * 1024:
+            break
+    assert partial, "the upload never reached storage"
+    assert all(p.name.startswith(TEMP_PREFIX) for p in partial), partial
+    procs.kill("api")
+    sock.close()
+
+    procs.start("api", api_command(port), env)
+    _wait_for(api_up, 60, "the restarted API", tmp_path)
+    files = httpx.get(f"{base}/v1/files", headers=headers).json()["data"]
+    assert files == before, "a half-written upload is listed"
+    # Whatever the dead server left behind is a temporary file: never an object.
+    leftovers = [p for p in storage_root.rglob("*") if p.is_file()]
+    assert all(p.name.startswith(TEMP_PREFIX) for p in leftovers), leftovers
+    assert LocalStorage(storage_root).list("") == []
+    # And the service still takes a whole upload afterwards.
+    ok = httpx.post(
+        f"{base}/v1/files",
+        headers=headers,
+        data={"purpose": "batch"},
+        files={"file": ("small.jsonl", line * 3)},
+    )
+    assert ok.status_code == 200, ok.text
+    listed = httpx.get(f"{base}/v1/files", headers=headers).json()["data"]
+    assert [f["id"] for f in listed] == [ok.json()["id"]] + [f["id"] for f in before]
