@@ -1,0 +1,143 @@
+"""File retention end to end: the beat sweep deletes expired files (row and stored object),
+never the input of a batch that is still running, and batch output files get an expiry."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+pytestmark = [pytest.mark.services, pytest.mark.slow]
+
+MODEL = "batchd-demo"
+TERMINAL = {"completed", "failed", "expired", "cancelled"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fast_sweep() -> Iterator[None]:
+    """The file sweep every second in the stack this module starts."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("BATCHD_FILE_SWEEP_INTERVAL_S", "1")
+        yield
+
+
+def _sql(stack, query: str, **params: Any) -> list[dict[str, Any]]:
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(stack.env["BATCHD_DATABASE_URL"])
+    try:
+        with engine.begin() as conn:
+            result = conn.execute(text(query), params)
+            return [dict(r._mapping) for r in result] if result.returns_rows else []
+    finally:
+        engine.dispose()
+
+
+def _file(stack, file_id: str) -> dict[str, Any] | None:
+    rows = _sql(stack, "SELECT * FROM files WHERE id = :id", id=file_id)
+    return rows[0] if rows else None
+
+
+def _object(stack, row: dict[str, Any]) -> Path:
+    return Path(stack.env["BATCHD_STORAGE_URL"]) / row["storage_key"]
+
+
+def _expire_now(stack, file_id: str) -> None:
+    _sql(
+        stack,
+        "UPDATE files SET expires_at = now() - interval '1 second' WHERE id = :id",
+        id=file_id,
+    )
+
+
+def _upload(stack, lines: list[dict[str, Any]]) -> str:
+    data = b"".join(json.dumps(x).encode() + b"\n" for x in lines)
+    return stack.client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch").id
+
+
+def _chat(custom_id: str, max_tokens: int) -> dict[str, Any]:
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": f"write about the sea {custom_id}"}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    }
+
+
+def _until(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_expired_unused_upload_is_deleted(stack):
+    file_id = _upload(stack, [_chat("a", 4)])
+    row = _file(stack, file_id)
+    assert row["expires_at"] is not None and _object(stack, row).exists()
+    _expire_now(stack, file_id)
+    _until(lambda: _file(stack, file_id) is None, 15, "the sweep to delete the file row")
+    assert not _object(stack, row).exists()
+    with pytest.raises(openai.NotFoundError):
+        stack.client.files.retrieve(file_id)
+
+
+def test_running_batch_keeps_its_expired_input_until_it_ends(stack):
+    lines = [_chat(f"r{i}", 4 if i % 8 == 0 else 250) for i in range(32)]
+    file_id = _upload(stack, lines)
+    batch = stack.client.batches.create(
+        input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    _until(
+        lambda: stack.client.batches.retrieve(batch.id).request_counts.completed >= 1,
+        90,
+        "the batch to make progress",
+    )
+    row = _file(stack, file_id)
+    _expire_now(stack, file_id)
+    time.sleep(3)  # three sweeps while the batch runs
+    assert stack.client.batches.retrieve(batch.id).status == "in_progress", (
+        "the workload finished too early for this test"
+    )
+    assert _file(stack, file_id) is not None and _object(stack, row).exists()
+
+    done = _until(
+        lambda: (b := stack.client.batches.retrieve(batch.id)).status in TERMINAL and b,
+        120,
+        "the batch to finish",
+    )
+    assert done.status == "completed", done
+    assert done.request_counts.completed == 32 and done.request_counts.failed == 0
+    out_id = done.output_file_id
+    assert len(stack.client.files.content(out_id).text.splitlines()) == 32
+
+    # Now the batch has ended, the sweep deletes its expired input.
+    _until(lambda: _file(stack, file_id) is None, 15, "the sweep to delete the used input")
+    assert not _object(stack, row).exists()
+
+    # The output file expires settings.file_expiry_s (30 days by default) after the finalize.
+    out = _file(stack, out_id)
+    completed_at = datetime.fromtimestamp(done.completed_at, UTC)
+    assert abs((out["expires_at"] - completed_at).total_seconds() - 30 * 24 * 3600) < 60
+    assert stack.client.files.retrieve(out_id).expires_at == int(out["expires_at"].timestamp())
+    _expire_now(stack, out_id)
+    _until(lambda: _file(stack, out_id) is None, 15, "the sweep to delete the output file")
+    assert not _object(stack, out).exists()
+    with pytest.raises(openai.NotFoundError):
+        stack.client.files.content(out_id)
