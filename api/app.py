@@ -58,10 +58,23 @@ def _document_validation_as_400(app: FastAPI) -> None:
         components = schema.get("components", {}).get("schemas", {})
         components.pop("HTTPValidationError", None)
         components.pop("ValidationError", None)
+        _document_bearer_auth(schema)
         app.openapi_schema = schema
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _document_bearer_auth(schema: dict[str, Any]) -> None:
+    """Every operation but the health check takes ``Authorization: Bearer <key>``."""
+    schema.setdefault("components", {})["securitySchemes"] = {
+        "bearer": {"type": "http", "scheme": "bearer", "description": "An API key, sk-bd-…"}
+    }
+    schema["security"] = [{"bearer": []}]
+    for path_item in schema.get("paths", {}).values():
+        for operation in path_item.values():
+            if isinstance(operation, dict) and "401" not in operation.get("responses", {}):
+                operation["security"] = []
 
 
 app = create_app()

@@ -22,6 +22,8 @@ MAX_METADATA_VALUE_CHARS = 512
 BatchEndpoint = Literal["/v1/chat/completions", "/v1/completions"]
 BatchPriority = Literal["high", "normal", "low"]
 MAX_IDEMPOTENCY_KEY_CHARS = 256
+#: Printable ASCII: what survives any HTTP header and any database. Checked in the route.
+IDEMPOTENCY_KEY_PATTERN = "^[ -~]+$"
 BatchStatus = Literal[
     "validating",
     "failed",
@@ -43,6 +45,15 @@ def window_seconds(window: str) -> int | None:
     if not match:
         return None
     return int(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+
+
+def _is_text(value: str) -> bool:
+    """False for strings with lone surrogates, which JSON may carry but no database stores."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def unix(value: datetime | None) -> int | None:
@@ -120,6 +131,8 @@ class BatchCreate(BaseModel):
         description='"24h", or "<n>s", "<n>m", "<n>h" up to the server\'s maximum window.',
         min_length=2,
         max_length=16,
+        # Documented, and checked by the validator below with a clearer message.
+        json_schema_extra={"pattern": _WINDOW.pattern},
     )
     metadata: dict[str, str] | None = Field(
         default=None,
@@ -135,6 +148,7 @@ class BatchCreate(BaseModel):
         description="An http(s) URL notified when the batch finishes; defaults to the API "
         "key's webhook URL. Deliveries are signed with the key's webhook secret.",
         max_length=MAX_WEBHOOK_URL_CHARS,
+        json_schema_extra={"format": "uri", "pattern": "^[Hh][Tt][Tt][Pp][Ss]?://[^/?#]"},
     )
     idempotency_key: str | None = Field(
         default=None,
@@ -142,6 +156,7 @@ class BatchCreate(BaseModel):
         "returns the batch the first one created.",
         min_length=1,
         max_length=MAX_IDEMPOTENCY_KEY_CHARS,
+        json_schema_extra={"pattern": IDEMPOTENCY_KEY_PATTERN},
     )
 
     @field_validator("webhook_url")
@@ -168,6 +183,8 @@ class BatchCreate(BaseModel):
                 f"at most {MAX_METADATA_PAIRS} key-value pairs are allowed, got {len(value)}"
             )
         for key, item in value.items():
+            if not _is_text(key) or not _is_text(item):
+                raise ValueError("keys and values must be valid Unicode text")
             if len(key) > MAX_METADATA_KEY_CHARS:
                 raise ValueError(
                     f"key {key[:16]!r}... is {len(key)} characters; the maximum is "

@@ -134,6 +134,15 @@ def list_keys(session: Session, tenant: str | None = None) -> list[ApiKey]:
 MAX_WEBHOOK_URL_CHARS = 2048
 
 
+def _is_text(value: str) -> bool:
+    """False for strings with lone surrogates, which no database text column accepts."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def webhook_url_problem(url: str) -> str | None:
     """Why ``url`` cannot be a webhook target (an absolute http/https URL with a host), or
     None when it can."""
@@ -143,6 +152,8 @@ def webhook_url_problem(url: str) -> str | None:
         return f"is {len(url)} characters; the maximum is {MAX_WEBHOOK_URL_CHARS}"
     if any(ch.isspace() or ord(ch) < 0x20 or ord(ch) == 0x7F for ch in url):
         return "must not contain whitespace or control characters"
+    if not _is_text(url):
+        return "is not valid Unicode text"
     try:
         parts = urlsplit(url)
         parts.port  # noqa: B018 - raises on a malformed port

@@ -14,9 +14,10 @@ from sqlalchemy.orm import Session
 from api.deps import Caller, CurrentKey, SessionDep, SettingsDep
 from api.errors import APIError, invalid_request, not_found
 from api.limits import max_unfinished_batches
-from api.routes.common import error_responses
+from api.routes.common import could_be_id, error_responses
 from api.routes.files import get_file_row
 from api.schemas import (
+    IDEMPOTENCY_KEY_PATTERN,
     MAX_IDEMPOTENCY_KEY_CHARS,
     BatchCreate,
     BatchList,
@@ -39,7 +40,7 @@ BROKER_UNAVAILABLE = "The task broker is unavailable; please retry shortly."
 
 
 def get_batch_row(session: Session, tenant: str, batch_id: str) -> Batch:
-    row = session.get(Batch, batch_id)
+    row = session.get(Batch, batch_id) if could_be_id(batch_id) else None
     if row is None or row.tenant != tenant:
         raise not_found("Batch", batch_id)
     return row
@@ -51,6 +52,7 @@ IdempotencyHeader = Annotated[
         alias="Idempotency-Key",
         min_length=1,
         max_length=MAX_IDEMPOTENCY_KEY_CHARS,
+        json_schema_extra={"pattern": IDEMPOTENCY_KEY_PATTERN},
         description="A repeated create with the same key (for the same tenant) returns the "
         "batch the first one created instead of creating another.",
     ),
@@ -63,7 +65,14 @@ def _idempotency_key(header: str | None, body: str | None) -> str | None:
             "The Idempotency-Key header and the 'idempotency_key' field differ; send one.",
             param="idempotency_key",
         )
-    return header if header is not None else body
+    key = header if header is not None else body
+    if key is not None and not all(0x20 <= ord(ch) < 0x7F for ch in key):
+        raise invalid_request(
+            "An idempotency key is printable ASCII (space to '~'), at most "
+            f"{MAX_IDEMPOTENCY_KEY_CHARS} characters.",
+            param="idempotency_key",
+        )
+    return key
 
 
 def _existing(session: Session, tenant: str, key: str) -> Batch | None:
@@ -222,7 +231,7 @@ def list_batches(
 ) -> BatchList:
     query = select(Batch).where(Batch.tenant == caller.tenant)
     if after is not None:
-        cursor = session.get(Batch, after)
+        cursor = session.get(Batch, after) if could_be_id(after) else None
         if cursor is None or cursor.tenant != caller.tenant:
             raise invalid_request(f"No such Batch object for 'after': {after}", param="after")
         query = query.where(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from api.schemas import ErrorResponse
@@ -24,3 +25,13 @@ def error_responses(*codes: int, authenticated: bool = True) -> dict[int | str, 
         code: {"model": ErrorResponse, "description": descriptions.get(code, "Error")}
         for code in (*codes, *((401, 429) if authenticated else ()), 500, 503)
     }
+
+
+_OBJECT_ID = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+
+
+def could_be_id(value: str) -> bool:
+    """Whether ``value`` has the shape of an id this service issues. Anything else cannot name
+    an object, and is answered as missing without a query (NUL bytes or lone surrogates would
+    make the database refuse it with an error)."""
+    return _OBJECT_ID.fullmatch(value) is not None

@@ -10,12 +10,12 @@ from urllib.parse import quote
 from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
-from sqlalchemy import and_, or_, select
+from sqlalchemy import and_, false, or_, select
 from sqlalchemy.orm import Session
 
 from api.deps import CurrentKey, SessionDep, SettingsDep, StorageDep
 from api.errors import APIError, invalid_request, not_found
-from api.routes.common import error_responses
+from api.routes.common import could_be_id, error_responses
 from api.schemas import FileDeleted, FileList, FilePublic
 from api.uploads import Upload, receive_upload
 from core.db import session_scope
@@ -40,6 +40,11 @@ _UPLOAD_SCHEMA = {
                 "schema": {
                     "type": "object",
                     "required": ["file", "purpose"],
+                    # OpenAI's expires_after: both fields or neither.
+                    "dependentRequired": {
+                        "expires_after[anchor]": ["expires_after[seconds]"],
+                        "expires_after[seconds]": ["expires_after[anchor]"],
+                    },
                     "properties": {
                         "file": {"type": "string", "format": "binary"},
                         "purpose": {"type": "string", "enum": list(ACCEPTED_PURPOSES)},
@@ -69,7 +74,7 @@ def is_expired(row: File) -> bool:
 def get_file_row(session: Session, tenant: str, file_id: str, param: str | None = None) -> File:
     """The caller's live file. Another tenant's file and an expired one (whose bytes the
     retention sweep deletes) answer exactly like a missing one."""
-    row = session.get(File, file_id)
+    row = session.get(File, file_id) if could_be_id(file_id) else None
     if row is None or row.tenant != tenant or is_expired(row):
         raise not_found("File", file_id, param=param)
     return row
@@ -171,9 +176,10 @@ def list_files(
         File.tenant == caller.tenant, or_(File.expires_at.is_(None), File.expires_at > now())
     )
     if purpose is not None:
-        query = query.where(File.purpose == purpose)
+        # No purpose holds a NUL (which the database would refuse): nothing matches it.
+        query = query.where(File.purpose == purpose if "\x00" not in purpose else false())
     if after is not None:
-        cursor = session.get(File, after)
+        cursor = session.get(File, after) if could_be_id(after) else None
         if cursor is None or cursor.tenant != caller.tenant or is_expired(cursor):
             raise invalid_request(f"No such File object for 'after': {after}", param="after")
         if order == "desc":
