@@ -178,7 +178,7 @@ def test_sigkilled_model_worker_loses_nothing_and_repeats_nothing(
     out = _file_lines(batch.output_file_id)
     err = _file_lines(batch.error_file_id)
     counts = Counter(r["custom_id"] for r in out + err)
-    assert counts == Counter(texts), f"not exactly one line per request: {counts}"
+    assert counts == Counter(list(texts)), f"not exactly one line per request: {counts}"
     assert not err, err[:3]
     assert [r["custom_id"] for r in out] == list(texts)  # input order
     assert (batch.request_completed, batch.request_failed) == (36, 0)
