@@ -198,7 +198,9 @@ class EngineHost:
         self, wait: bool = True, *, abort_pending: bool = False, timeout: float | None = None
     ) -> None:
         """Stop taking work. By default the loop finishes everything already submitted and then
-        exits; with ``abort_pending`` every pending and in-flight request is aborted instead."""
+        exits; with ``abort_pending`` every pending and in-flight request is aborted instead
+        (as are requests queued on a host that was never started). Producers blocked in
+        ``submit`` get :class:`HostError`."""
         with self._lock:
             self._closing = True
             if abort_pending:
@@ -258,10 +260,12 @@ class EngineHost:
                 if len(self._pending) < self.max_pending:
                     break
                 remaining = None if deadline is None else deadline - time.monotonic()
+                if threading.current_thread() is self._thread:
+                    remaining = 0.0  # a callback on the loop thread must not wait for itself
                 if remaining is not None and remaining <= 0:
                     raise HostQueueFull(
                         f"engine host queue is full ({self.max_pending} pending requests) "
-                        f"after waiting {timeout:g}s"
+                        f"after waiting {timeout or 0:g}s"
                     )
                 self._space.wait(remaining)
             if entry.request_id in self._live:
@@ -301,6 +305,8 @@ class EngineHost:
 
     def stats(self, timeout: float | None = 30.0) -> HostStats:
         """A snapshot taken by the loop between two steps (or directly when it is not running)."""
+        if threading.current_thread() is self._thread:
+            return self._snapshot()
         with self._lock:
             loop_running = self._thread.is_alive() and self._dead is None
             if loop_running:

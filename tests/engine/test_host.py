@@ -173,13 +173,17 @@ def test_step_failure_fails_in_flight_requests_and_the_host_keeps_serving(model_
 def test_idle_loop_sleeps_and_callbacks_fire(model_dir: Path) -> None:
     seen = []
     with EngineHost(_engine(model_dir)) as host:
-        host.submit(_prompts(1)[0], GREEDY, callback=seen.append).result(timeout=30)
+
+        def callback(fut) -> None:  # runs on the loop thread: stats() must not wait for itself
+            seen.append((fut, host.stats().completed))
+
+        host.submit(_prompts(1)[0], GREEDY, callback=callback).result(timeout=30)
         time.sleep(0.1)
         steps, ticks = host.stats().steps, _loop_cpu_ticks(host)
         time.sleep(0.5)
         assert host.stats().steps == steps
         assert _loop_cpu_ticks(host) - ticks <= 3, "the idle loop is spinning"
-    assert len(seen) == 1 and seen[0].done()
+    assert len(seen) == 1 and seen[0][0].done() and seen[0][1] == 1
 
 
 def test_shutdown_drains_or_aborts_and_joins(model_dir: Path) -> None:
