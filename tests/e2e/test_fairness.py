@@ -1,0 +1,90 @@
+"""Fair sharing end to end: shards are released a few at a time, so a small job submitted
+just after another tenant's big job finishes long before it, in a time close to its time
+alone; and a ``high`` priority job overtakes a ``normal`` bulk job of the same tenant.
+``scripts/bench_fairness.py`` measures the same scenarios at full size."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+pytestmark = [pytest.mark.services, pytest.mark.slow]
+
+BIG = 160  # requests (10 shards of 16)
+SMALL = 20
+MAX_TOKENS = 8
+# Generous: the small job shares the engine with the big one and waits for a free slot.
+FACTOR, SLACK_S = 4.0, 10.0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_settings() -> Iterator[None]:
+    """As many released shards as the model worker runs at once (2), and a quick sweep, in the
+    stack this module starts."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("BATCHD_MAX_RELEASED_SHARDS_PER_MODEL", "2")
+        mp.setenv("BATCHD_RELEASE_SWEEP_INTERVAL_S", "1")
+        yield
+
+
+@pytest.fixture(scope="module")
+def bench():
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import bench_fairness
+
+    return bench_fairness
+
+
+@pytest.fixture(scope="module")
+def clients(stack, bench):
+    from openai import OpenAI
+
+    url = stack.env["BATCHD_DATABASE_URL"]
+    return {
+        tenant: OpenAI(
+            base_url=stack.base_url, api_key=bench.tenant_key(url, tenant), max_retries=0
+        )
+        for tenant in ("tenant-a", "tenant-b")
+    }
+
+
+@pytest.fixture(scope="module")
+def small_alone(clients, bench) -> float:
+    bench.alone(clients["tenant-b"], 4, 2, 60)  # warm-up
+    return min(bench.alone(clients["tenant-b"], SMALL, MAX_TOKENS, 60) for _ in range(2))
+
+
+def test_small_job_is_not_stuck_behind_another_tenants_big_job(clients, bench, small_alone):
+    r = bench.contended(
+        clients["tenant-a"],
+        clients["tenant-b"],
+        big=BIG,
+        small=SMALL,
+        max_tokens=MAX_TOKENS,
+        timeout=180,
+        finish_big=False,
+    )
+    print(f"small job alone {small_alone:.2f}s, behind the big job {r.small_s:.2f}s")
+    assert r.small_done_first, r
+    assert r.big_done_at_small_end < BIG
+    assert r.small_s <= FACTOR * small_alone + SLACK_S, (r, small_alone)
+
+
+def test_high_priority_overtakes_a_normal_bulk_job_of_the_same_tenant(clients, bench, small_alone):
+    r = bench.contended(
+        clients["tenant-a"],
+        clients["tenant-a"],
+        big=BIG,
+        small=SMALL,
+        max_tokens=MAX_TOKENS,
+        timeout=180,
+        small_extra={"priority": "high"},
+        finish_big=False,
+    )
+    print(f"high job alone {small_alone:.2f}s, behind the bulk job {r.small_s:.2f}s")
+    assert r.small_done_first, r
+    assert r.small_s <= FACTOR * small_alone + SLACK_S, (r, small_alone)
