@@ -1,0 +1,178 @@
+"""Outages in the middle of a job: Postgres and then Redis cut off (every connection closed,
+new ones refused) for a few seconds through TCP proxies that the API and workers connect
+through. The API answers 503 while the database is away; the job completes, correctly."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import (
+    API_KEY,
+    MODEL,
+    Procs,
+    _free_port,
+    _wait_for,
+    api_command,
+    base_env,
+    celery_command,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "worker"))
+from tcp_proxy import TcpProxy
+
+pytestmark = [pytest.mark.services, pytest.mark.slow]
+
+OUTAGE_S = 4.0
+
+
+def _chat(custom_id: str, text: str, max_tokens: int) -> dict[str, Any]:
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": text}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    }
+
+
+def test_database_and_broker_outages_mid_job(pg_url, private_broker, tmp_path, procs: Procs):
+    import httpx
+
+    from tests.conftest import PG_HOST, PG_PORT
+
+    redis_port = int(private_broker.rsplit(":", 1)[1].split("/")[0])
+    pg = TcpProxy(PG_HOST, PG_PORT).start()
+    rd = TcpProxy("127.0.0.1", redis_port).start()
+    try:
+        env = base_env(
+            pg.url_for(pg_url, PG_PORT),
+            rd.url_for(private_broker, redis_port),
+            tmp_path,
+            BATCHD_CHECKPOINT_EVERY="2",
+            BATCHD_CHECKPOINT_INTERVAL_S="0.5",
+            BATCHD_SHARD_MAX_REQUESTS="6",
+            BATCHD_WORKER_SHARD_CONCURRENCY="2",
+            BATCHD_ENGINE_OPTIONS=json.dumps({"max_num_seqs": 4}),
+            BATCHD_HEARTBEAT_INTERVAL_S="1",
+            BATCHD_SHARD_STALE_AFTER_S="20",
+            BATCHD_RECLAIM_SWEEP_INTERVAL_S="2",
+            BATCHD_RELEASE_SWEEP_INTERVAL_S="1",
+            BATCHD_EXPIRY_SWEEP_INTERVAL_S="5",
+        )
+        port = _free_port()
+        base = f"http://127.0.0.1:{port}"
+        client = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {API_KEY}"})
+        procs.start("api", api_command(port), env)
+        procs.start("control", celery_command("control", "control", tmp_path), env)
+        procs.start("beat", celery_command("beat", "beat", tmp_path), env)
+        procs.start("model", celery_command("model", "model", tmp_path), env)
+        procs.wait_log("model", f"model {MODEL} ready", 120)
+
+        ids = [f"o{i:02d}" for i in range(18)]
+        data = b"".join(
+            json.dumps(_chat(c, f"the outage report {c}", 24)).encode() + b"\n" for c in ids
+        )
+        f = client.post(
+            "/v1/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", io.BytesIO(data))}
+        )
+        assert f.status_code == 200, f.text
+        created = client.post(
+            "/v1/batches",
+            json={
+                "input_file_id": f.json()["id"],
+                "endpoint": "/v1/chat/completions",
+                "completion_window": "24h",
+            },
+        )
+        assert created.status_code == 200, created.text
+        batch_id = created.json()["id"]
+
+        def batch() -> dict[str, Any]:
+            return client.get(f"/v1/batches/{batch_id}").json()
+
+        _wait_for(lambda: batch()["request_counts"]["completed"] >= 2, 90, "progress", tmp_path)
+
+        # Postgres goes away: the API says so (503), the workers wait and retry.
+        pg.cut()
+        try:
+            down = _during_outage(client, f"/v1/batches/{batch_id}")
+            assert down.status_code == 503, down.text
+            error = down.json()["error"]
+            assert error["code"] == "database_unavailable" and error["message"]
+            time.sleep(OUTAGE_S)
+        finally:
+            pg.resume()
+        assert pg.refused > 0
+        after_db = _wait_for_ok(client, batch_id)
+        assert after_db["status"] in ("in_progress", "finalizing", "completed")
+
+        # Redis goes away while shards still run (or the finalize is being sent).
+        rd.outage(OUTAGE_S).join()
+        assert rd.refused > 0
+
+        _wait_for(
+            lambda: batch()["status"] in ("completed", "failed", "expired", "cancelled"),
+            150,
+            "the batch to finish",
+            tmp_path,
+        )
+        final = batch()
+        assert final["status"] == "completed", (final, procs.logs())
+        out = _download(client, final["output_file_id"])
+        err = _download(client, final["error_file_id"])
+        assert not err, err[:3]
+        assert Counter(r["custom_id"] for r in out) == Counter(ids)
+        assert [r["custom_id"] for r in out] == ids
+        assert final["request_counts"] == {"total": 18, "completed": 18, "failed": 0}
+        logs = procs.log("model") + procs.log("control")
+        print(
+            f"pg refused {pg.refused} connections, redis {rd.refused}; "
+            f"{logs.count('; retry ')} retried database/broker calls logged"
+        )
+    finally:
+        pg.close()
+        rd.close()
+
+
+def _during_outage(client: Any, path: str) -> Any:
+    """GET ``path`` while the database is cut off. A request served by a pooled connection
+    that the cut killed may be dropped without a response (api/deps.py's session close
+    raises after the response started); the next one must get a 503."""
+    import httpx
+
+    for _ in range(3):
+        try:
+            return client.get(path)
+        except httpx.RemoteProtocolError:
+            continue
+    raise AssertionError(f"GET {path} never answered while the database was away")
+
+
+def _wait_for_ok(client: Any, batch_id: str) -> dict[str, Any]:
+    deadline = time.monotonic() + 30
+    while True:
+        r = client.get(f"/v1/batches/{batch_id}")
+        if r.status_code == 200:
+            return r.json()
+        assert time.monotonic() < deadline, r.text
+        time.sleep(0.3)
+
+
+def _download(client: Any, file_id: str | None) -> list[dict[str, Any]]:
+    if file_id is None:
+        return []
+    r = client.get(f"/v1/files/{file_id}/content")
+    assert r.status_code == 200, r.text
+    return [json.loads(x) for x in r.text.splitlines() if x.strip()]
