@@ -16,6 +16,7 @@ PG_PORT = int(os.environ.get("BATCHD_TEST_PG_PORT", "5432"))
 PG_ADMIN_URL = f"postgresql+psycopg://postgres@{PG_HOST}:{PG_PORT}/postgres"
 REDIS_HOST = os.environ.get("BATCHD_TEST_REDIS_HOST", "127.0.0.1")
 REDIS_PORT = int(os.environ.get("BATCHD_TEST_REDIS_PORT", "6379"))
+STATIC_TEST_KEY = "sk-test-static"
 
 
 def _reachable(host: str, port: int) -> bool:
@@ -89,6 +90,11 @@ def service_env(
         "BATCHD_DATABASE_URL": pg_url,
         "BATCHD_BROKER_URL": redis_url,
         "BATCHD_STORAGE_URL": str(tmp_path / "storage"),
+        # A static key for tenant "default" (the API requires a key by default), sent by the
+        # batchd client commands too; no per-key rate limit so tests can poll freely.
+        "BATCHD_API_KEYS": STATIC_TEST_KEY,
+        "BATCHD_API_KEY": STATIC_TEST_KEY,
+        "BATCHD_RATE_LIMIT_PER_MINUTE": "0",
     }
     for key, value in env.items():
         monkeypatch.setenv(key, value)
