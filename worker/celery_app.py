@@ -70,6 +70,14 @@ def release_sweep_interval_s() -> float:
     return float(os.environ.get("BATCHD_RELEASE_SWEEP_INTERVAL_S", "5"))
 
 
+def transport_options(broker_url: str) -> dict:
+    """Redis (and SQS) redeliver an unacknowledged task after the visibility timeout; the
+    SQLAlchemy transport of embedded mode has none and hands every option to create_engine."""
+    if broker_url.startswith(("sqla+", "sqlalchemy+")):
+        return {}
+    return {"visibility_timeout": get_settings().visibility_timeout_s}
+
+
 def create_app() -> Celery:
     settings = get_settings()
     recovery = _has_recovery()
@@ -101,7 +109,7 @@ def create_app() -> Celery:
         task_acks_late=True,
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
-        broker_transport_options={"visibility_timeout": settings.visibility_timeout_s},
+        broker_transport_options=transport_options(settings.broker_url),
         broker_connection_retry_on_startup=True,
         task_default_queue=CONTROL_QUEUE,
         # Shard tasks name their model's queue when they are sent (core.queue.model_queue).
