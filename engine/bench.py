@@ -463,7 +463,7 @@ def _print_report(results: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=max(Console().width, 110))
     w = results["workload"]
     console.print(
         f"[bold]workload[/]: {w.get('num_requests')} requests, {w['prompt_tokens']} prompt + "
