@@ -28,9 +28,10 @@ first, which serializes releasers across processes just as well.
 
 Messages are sent after the transaction commits. If the send fails, the shards are un-released
 (``released_at`` back to NULL). A process that dies between the commit and the send leaves
-released shards that no message will run: the sweep re-sends shards that have been released,
-yet still pending, for longer than ``resend_after_s()``; a duplicate message is harmless (the
-shard's claim fences older attempts off).
+released shards that no message will run: the sweep re-sends shards that were released, never
+claimed (``attempts = 0``) and untouched for longer than ``resend_after_s()``; a duplicate
+message is harmless (the shard's claim fences older attempts off). Shards reclaimed from dead
+workers are re-sent by ``worker.recovery``, not here.
 """
 
 from __future__ import annotations
@@ -311,8 +312,10 @@ def _resend_lost(model: str) -> int:
             update(Shard)
             .where(
                 Shard.status == PENDING,
+                Shard.attempts == 0,  # never claimed; a reclaimed shard is recovery's to re-send
                 Shard.released_at.is_not(None),
                 Shard.released_at < cutoff,
+                Shard.updated_at < cutoff,
                 Shard.batch_id.in_(
                     select(Batch.id).where(
                         and_(Batch.model == model, Batch.status == "in_progress")

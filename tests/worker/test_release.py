@@ -305,3 +305,29 @@ def test_concurrent_releasers_never_exceed_the_bound(model, monkeypatch):
     assert total_sent == 5 + 5 * 2
     assert queued_messages(model) == total_sent
     assert {b for b, _ in released(model)} <= set(batches)
+
+
+def test_sweep_resends_a_release_that_was_never_sent(model):
+    from sqlalchemy import update
+
+    from core.db import session_scope
+    from core.lifecycle import now
+    from core.models import Shard
+    from worker.release import _resend_lost, release_for_model
+
+    batch = add_batch(model, "t", 5)
+    assert release_for_model(model) == 3
+    long_ago = now() - timedelta(hours=2)
+    with session_scope() as session:
+        # Shard 0: released, never claimed, silent for hours (its message was lost).
+        # Shard 1: the same, but a worker claimed it once (recovery re-sends those).
+        for index, attempts in ((0, 0), (1, 1)):
+            session.execute(
+                update(Shard)
+                .where(Shard.batch_id == batch, Shard.index == index)
+                .values(released_at=long_ago, updated_at=long_ago, attempts=attempts)
+            )
+    assert _resend_lost(model) == 1
+    assert queued_messages(model) == 4
+    assert _resend_lost(model) == 0  # its release time was renewed
+    assert len(released(model)) == 3  # still within the bound
