@@ -46,6 +46,8 @@ TASK_RECLAIM = "batchd.reclaim_stale_shards"
 TASK_RELEASE_SWEEP = "batchd.release_shards"
 TASK_DELIVER_WEBHOOK = "batchd.deliver_webhook"
 TASK_SWEEP_FILES = "batchd.sweep_files"
+TASK_SWEEP_WEBHOOKS = "batchd.sweep_webhooks"
+WEBHOOK_SWEEP_INTERVAL_S = 60.0
 
 
 def _has_recovery() -> bool:
@@ -94,6 +96,7 @@ def create_app() -> Celery:
             TASK_RELEASE_SWEEP,
             TASK_DELIVER_WEBHOOK,
             TASK_SWEEP_FILES,
+            TASK_SWEEP_WEBHOOKS,
             TASK_RECLAIM,
         )
     }
@@ -101,6 +104,7 @@ def create_app() -> Celery:
         "sweep-expired": _every(TASK_SWEEP_EXPIRED, settings.expiry_sweep_interval_s),
         "release-shards": _every(TASK_RELEASE_SWEEP, release_sweep_interval_s()),
         "sweep-files": _every(TASK_SWEEP_FILES, settings.file_sweep_interval_s),
+        "sweep-webhooks": _every(TASK_SWEEP_WEBHOOKS, WEBHOOK_SWEEP_INTERVAL_S),
     }
     if recovery:
         schedule["reclaim-stale-shards"] = _every(TASK_RECLAIM, settings.reclaim_sweep_interval_s)

@@ -25,7 +25,9 @@ connection error) is recorded in ``attempts``/``last_status_code``/``last_error`
 with exponential backoff: ``BATCHD_WEBHOOK_BACKOFF_S`` (default 30 s) doubled per attempt,
 capped at ``BATCHD_WEBHOOK_BACKOFF_MAX_S`` (default 1 h), up to
 ``settings.webhook_max_attempts`` attempts; then the delivery is ``failed``. The body is
-rebuilt from the row on every attempt, so it is byte-for-byte the same each time.
+rebuilt from the row on every attempt, so it is byte-for-byte the same each time. A beat
+sweep enqueues deliveries that were recorded but never attempted for a minute (the process
+that recorded one died before enqueueing it).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import logging
 import os
 import secrets
 import time
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
@@ -48,7 +50,7 @@ from core.db import session_scope
 from core.models import Batch, WebhookDelivery
 from core.queue import CONTROL_QUEUE
 from core.settings import get_settings
-from worker.celery_app import TASK_DELIVER_WEBHOOK, app
+from worker.celery_app import TASK_DELIVER_WEBHOOK, TASK_SWEEP_WEBHOOKS, app
 from worker.common import send, utcnow
 
 logger = logging.getLogger(__name__)
@@ -230,6 +232,34 @@ def attempt(delivery_id: str) -> float | None:
         "webhook %s attempt %s failed (%s); retry in %.1fs", delivery_id, number, error, wait
     )
     return wait
+
+
+def sweep_unsent(older_than_s: float = 60.0) -> int:
+    """Enqueue deliveries recorded but never attempted for a while (the process that recorded
+    one died, or the broker refused the task); return how many were enqueued."""
+    cutoff = utcnow() - timedelta(seconds=older_than_s)
+    with session_scope() as session:
+        ids = list(
+            session.scalars(
+                select(WebhookDelivery.id)
+                .where(
+                    WebhookDelivery.status == "pending",
+                    WebhookDelivery.attempts == 0,
+                    WebhookDelivery.created_at < cutoff,
+                )
+                .limit(1000)
+            )
+        )
+    for delivery_id in ids:
+        send(TASK_DELIVER_WEBHOOK, delivery_id, queue=CONTROL_QUEUE)
+    if ids:
+        logger.warning("re-enqueued %s webhook deliveries never attempted", len(ids))
+    return len(ids)
+
+
+@app.task(name=TASK_SWEEP_WEBHOOKS)
+def sweep_webhooks_task(**_: Any) -> None:
+    sweep_unsent()
 
 
 @app.task(name=TASK_DELIVER_WEBHOOK, bind=True, max_retries=None)
