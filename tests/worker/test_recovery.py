@@ -128,17 +128,19 @@ def test_reclaim_requeues_a_silent_shard_which_resumes_from_its_checkpoint(
         run_shard(shard.id, host=host, after_commit=die)  # 4 results committed
     # As if the worker had been SIGKILLed instead: running, fresh heartbeat, no thread.
     assert claim(shard.id, "killed-worker", force=True) is not None
-    assert reclaim_stale_shards().requeued == []  # not silent long enough yet
+    assert shard.id not in reclaim_stale_shards().requeued  # not silent long enough yet
     _age_heartbeat(shard.id, 120)
     client = redis.Redis.from_url(redis_url)
     client.delete(model_queue(MODEL))
     report = reclaim_stale_shards()
-    assert report.requeued == [shard.id] and report.failed == []
+    assert shard.id in report.requeued and shard.id not in report.failed
     (row,) = shard_rows(batch_id)
     assert (row.status, row.attempts, row.num_chunks) == ("pending", 2, 1)
-    (message,) = client.lrange(model_queue(MODEL), 0, -1)
-    assert json.loads(message)["headers"]["task"] == "batchd.run_shard"
-    assert reclaim_stale_shards().requeued == []  # once
+    sent = [json.loads(m)["headers"] for m in client.lrange(model_queue(MODEL), 0, -1)]
+    assert {"task": "batchd.run_shard", "argsrepr": f"[{shard.id}]"} in [
+        {"task": h["task"], "argsrepr": h["argsrepr"]} for h in sent
+    ]
+    assert shard.id not in reclaim_stale_shards().requeued  # once
 
     outcome = run_shard(shard.id, host=host)
     assert (outcome.status, outcome.ran) == ("done", 6)  # only what was not committed
@@ -166,7 +168,7 @@ def test_shard_given_up_after_max_attempts_reports_shard_failed(worker_env, host
         run_shard(second.id, host=host, after_commit=die)  # 4 of 5 committed
     _set_shard(second.id, attempts=get_settings().max_shard_attempts)
     report = reclaim_stale_shards()  # abandoned (no heartbeat) and out of attempts
-    assert report.failed == [second.id] and report.requeued == []
+    assert second.id in report.failed and second.id not in report.requeued
     row = shard_rows(batch_id)[1]
     assert (row.status, row.done_requests) == ("done", 5)
     assert batch_row(batch_id).status == "in_progress"  # the first shard still runs
@@ -205,7 +207,7 @@ def test_heartbeat_thread_beats_and_stops_a_reclaimed_attempt(worker_env, host, 
     monkeypatch.setenv("BATCHD_HEARTBEAT_INTERVAL_S", "0.2")
     monkeypatch.setenv("BATCHD_CHECKPOINT_EVERY", "1000")
     get_settings.cache_clear()
-    lines = [chat_line(f"h{i}", f"story {i}", max_tokens=300, ignore_eos=True) for i in range(12)]
+    lines = [chat_line(f"h{i}", f"story {i}", max_tokens=800, ignore_eos=True) for i in range(12)]
     batch_id = _validated(lines)
     (shard,) = shard_rows(batch_id)
     outcome: list[Any] = []
@@ -213,12 +215,12 @@ def test_heartbeat_thread_beats_and_stops_a_reclaimed_attempt(worker_env, host, 
     t.start()
     beats = []
     deadline = time.monotonic() + 30
-    while len(set(beats)) < 4 and time.monotonic() < deadline:
+    while len(set(beats)) < 3 and time.monotonic() < deadline:
         row = shard_rows(batch_id)[0]
         if row.status == "running" and row.heartbeat_at is not None:
             beats.append(row.heartbeat_at)
         time.sleep(0.1)
-    assert len(set(beats)) >= 4, "heartbeat_at advances while the shard runs"
+    assert len(set(beats)) >= 3, "heartbeat_at advances while the shard runs"
     # A reclaim takes the shard away: the attempt notices through its heartbeat and stops.
     stopped_at = time.monotonic()
     _set_shard(shard.id, status="pending")
