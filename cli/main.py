@@ -112,9 +112,11 @@ def up(
 
 def _register_commands() -> None:
     from cli import client_commands, run
+    from cli.admin import keys_app
 
     client_commands.register(app)
     run.register(app)
+    app.add_typer(keys_app, name="keys")
 
 
 _register_commands()
