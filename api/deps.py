@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Request
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from api.errors import APIError
@@ -39,7 +40,12 @@ def get_session(settings: SettingsDep) -> Iterator[Session]:
     try:
         yield session
     finally:
-        session.close()
+        try:
+            session.close()
+        except DBAPIError:
+            # The connection died under us (database restarted): the response is already
+            # decided, so drop the connection from the pool instead of failing the request.
+            session.invalidate()
 
 
 SessionDep = Annotated[Session, Depends(get_session)]
