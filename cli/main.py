@@ -38,6 +38,24 @@ def _resolve_models(models: dict[str, str]) -> dict[str, str]:
     return resolved
 
 
+def development_key(settings) -> str | None:
+    """The key ``batchd up`` prints: created once for tenant "default" and kept (mode 0600) in
+    ``BATCHD_HOME/dev-key``, so restarts print the same key instead of minting new ones."""
+    from core import auth
+    from core.db import session_scope
+
+    path = settings.home / "dev-key"
+    with session_scope(settings.database_url) as session:
+        if path.exists():
+            saved = path.read_text().strip()
+            if saved and auth.lookup(session, saved) is not None:
+                return saved
+        _row, plaintext = auth.create_key(session, "default", "development key (batchd up)")
+    path.touch(mode=0o600)
+    path.write_text(plaintext + "\n")
+    return plaintext
+
+
 def worker_command(queues: list[str], concurrency: int, *, beat: bool, home: str) -> list[str]:
     cmd = [
         sys.executable, "-m", "celery", "-A", "worker.celery_app", "worker",
@@ -82,10 +100,11 @@ def up(
     children.append(subprocess.Popen(api_cmd, env=env))
     shown_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     typer.echo(f"\nbatchd is up: base URL http://{shown_host}:{port}/v1")
-    if settings.api_keys:
-        typer.echo("API keys are required (BATCHD_API_KEYS).")
+    if settings.auth.strip().lower() in {"off", "false", "0", "no", "disabled"}:
+        typer.echo("Authentication is off (BATCHD_AUTH=off): any key works.")
     else:
-        typer.echo("No API key is required (set BATCHD_API_KEYS to require one); any key works.")
+        typer.echo(f"development API key (tenant 'default'): {development_key(settings)}")
+        typer.echo(f"  export OPENAI_BASE_URL=http://{shown_host}:{port}/v1 OPENAI_API_KEY=<that key>")
 
     def _stop(*_args: object) -> None:
         for child in children:
@@ -105,8 +124,7 @@ def up(
                 child.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 child.kill()
-    failed = [c.args[3] if len(c.args) > 3 else c.args for c in children if c.returncode]
-    if failed:
+    if any(child.returncode not in (0, -signal.SIGTERM) for child in children):
         raise typer.Exit(1)
 
 
