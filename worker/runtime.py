@@ -282,3 +282,59 @@ def sampling_params(req: BatchRequest, prompt_len: int, context: int) -> Samplin
         presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty,
     )
+
+
+# --------------------------------------------------------------------------------------------
+# Remote control: ``engine_stats``
+#
+# A Celery inspect command that answers with the stats of every engine host this process has
+# loaded, as JSON-safe dicts keyed by served model name (``HostStats.as_dict()`` plus the
+# engine's ``max_num_seqs``). It is registered when this module is imported, which every
+# worker process does through its task modules (``worker.shard`` imports it). Ask one worker:
+#
+#     celery -A worker.celery_app inspect engine_stats -d model@host
+#     app.control.broadcast("engine_stats", destination=["model@host"], reply=True, timeout=1)
+#
+# A worker without a loaded model answers ``{"models": {}}``.
+
+
+def engine_stats_snapshot(timeout: float = 5.0) -> dict[str, dict[str, Any]]:
+    """Each loaded host's stats (a host that cannot answer reports ``{"error": …}``)."""
+    out: dict[str, dict[str, Any]] = {}
+    for model, engine_host in loaded_hosts().items():
+        try:
+            stats = engine_host.stats(timeout=timeout).as_dict()
+            stats["max_num_seqs"] = int(engine_host.engine.config.max_num_seqs)
+            stats["alive"] = engine_host.is_alive
+            out[model] = _json_safe(stats)
+        except Exception as exc:  # a dead loop or a stats timeout: say so, answer the rest
+            out[model] = {"error": repr(exc)}
+    return out
+
+
+def _json_safe(value: Any) -> Any:
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        return value if value == value and abs(value) != float("inf") else None
+    if isinstance(value, Mapping):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [_json_safe(v) for v in value]
+    return repr(value)
+
+
+def _register_engine_stats_command() -> None:
+    try:
+        from celery.worker.control import inspect_command
+    except ImportError:  # no Celery worker machinery here: nothing to register
+        return
+
+    @inspect_command(name="engine_stats")
+    def engine_stats(state: Any, **_: Any) -> dict[str, Any]:
+        import time
+
+        return {"time": time.time(), "pid": os.getpid(), "models": engine_stats_snapshot()}
+
+
+_register_engine_stats_command()

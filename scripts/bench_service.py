@@ -1,0 +1,591 @@
+"""The whole service against the engine alone, on the same batch file, side by side in one run.
+
+One seeded JSONL batch (``--requests`` chat requests, greedy, prompt length and ``max_tokens``
+drawn from seeded log-normal distributions) is run two ways:
+
+1. **engine alone**, in this process: ``LLM(model, **engine options)`` with the worker's engine
+   options, the prompts tokenized by the worker's own conversion (``worker.runtime``: chat
+   template, context checks, ``SamplingParams``), one ``generate()`` call. Wall clock of that
+   call; output tokens counted from its outputs.
+2. **the service**: a fresh Postgres database, a private Redis, the API (uvicorn), a control
+   worker, a model worker (threads pool, ``BATCHD_WORKER_SHARD_CONCURRENCY`` shard threads)
+   and beat as subprocesses. Upload with the ``openai`` client, create, poll, download, parse.
+   Timed from the upload's start to the output downloaded (end to end), and from the batch
+   created to completed; output tokens summed from the results' ``usage``.
+
+Both engines are warmed first (the model worker loads its model at start; the benchmark
+waits for ``model … ready`` and runs a small warm-up batch through the service).
+
+Engine occupancy of the service run comes from the model worker's ``engine_stats``
+remote-control command (``worker.runtime``), polled every ``--stats-interval`` seconds, and
+the batch's shard rows in Postgres. Between two polls the engine's counters give the mean
+number of running sequences per engine step exactly (Δ running-sequence-steps / Δ steps).
+**Occupancy while backlogged** is Σ Δ running-sequence-steps / (Σ Δ steps × max_num_seqs)
+over every poll interval that began, after the engine's first step for the batch, with work
+waiting: requests in the engine's waiting queue or the host's queue, or shards of the batch
+not yet claimed by a worker. The drain at the end (nothing waits; the last requests finish)
+is left out. **Busy** is the fraction of those intervals' wall time the engine spent inside
+``step()``; busy × occupancy is a time-weighted occupancy that also counts idle gaps.
+
+    .venv/bin/python scripts/bench_service.py                                  # 500 requests, llama-25m
+    .venv/bin/python scripts/bench_service.py --model-preset llama-tiny --requests 100
+    .venv/bin/python scripts/bench_service.py --json /tmp/bench.json
+
+Targets: service/engine output throughput ≥ 0.85, occupancy while backlogged ≥ 0.90.
+Needs Postgres (``--pg-admin-url``, trust auth) and Redis (a private ``redis-server`` when
+installed, else a database index of ``--redis-url``), as the tests do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import _bench_stack as bs
+
+ENDPOINT = "/v1/chat/completions"
+THROUGHPUT_TARGET = 0.85
+OCCUPANCY_TARGET = 0.90
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "batch",
+    "requests",
+    "stream",
+    "through",
+    "one",
+    "model",
+    "token",
+    "by",
+    "token",
+    "and",
+    "every",
+    "shard",
+    "keeps",
+    "the",
+    "engine",
+    "busy",
+    "until",
+    "nothing",
+    "is",
+    "left",
+    "to",
+    "run",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# The workload
+
+
+def workload(
+    n: int, seed: int, *, prompt_words: float, max_tokens: float, max_tokens_cap: int
+) -> list[dict[str, Any]]:
+    """``n`` chat requests; prompt words and ``max_tokens`` log-normal around the given means
+    (sigma 0.7), so a few requests are several times longer than most."""
+    rng = random.Random(seed)
+    sigma = 0.7
+    lines = []
+    for i in range(n):
+        words = max(2, round(rng.lognormvariate(_mu(prompt_words, sigma), sigma)))
+        tokens = max(
+            1, min(max_tokens_cap, round(rng.lognormvariate(_mu(max_tokens, sigma), sigma)))
+        )
+        text = " ".join(rng.choice(WORDS) for _ in range(words))
+        messages = [{"role": "user", "content": f"{i}: {text}"}]
+        if rng.random() < 0.3:
+            messages.insert(0, {"role": "system", "content": "Answer briefly."})
+        lines.append(
+            {
+                "custom_id": f"req-{i}",
+                "method": "POST",
+                "url": ENDPOINT,
+                "body": {
+                    "model": bs.MODEL,
+                    "messages": messages,
+                    "max_tokens": tokens,
+                    "temperature": 0,
+                },
+            }
+        )
+    return lines
+
+
+def _mu(mean: float, sigma: float) -> float:
+    import math
+
+    return math.log(max(mean, 1.0)) - sigma * sigma / 2
+
+
+def write_jsonl(path: Path, lines: list[dict[str, Any]]) -> None:
+    with path.open("w") as fh:
+        for line in lines:
+            fh.write(json.dumps(line, separators=(",", ":")) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. The engine alone
+
+
+@dataclass
+class EngineRun:
+    seconds: float
+    requests: int
+    output_tokens: int
+    errors: int
+    occupancy: float  # running sequences / max_num_seqs, averaged over the run's steps
+    steps: int
+    tokens_by_id: dict[str, list[int]] = field(repr=False, default_factory=dict)
+
+
+def run_engine(path: Path, model_dir: Path, warmup: int) -> EngineRun:
+    """The batch file through ``LLM`` in this process, converted exactly as a shard does."""
+    from core.batchfile import iter_lines, parse_request
+    from core.settings import get_settings
+    from engine import LLM
+    from worker import runtime
+
+    settings = get_settings()
+    options = dict(settings.engine_options)
+    for key in runtime.HOST_OPTIONS:
+        options.pop(key, None)
+    llm = LLM(str(model_dir), **options)
+    tok = llm.tokenizer
+    context = llm.engine.max_model_len
+    ids_list, params_list, custom_ids = [], [], []
+    errors = 0
+    with path.open("rb") as fh:
+        for raw in iter_lines(fh, max_line_bytes=settings.max_line_bytes):
+            req = parse_request(raw, endpoint=ENDPOINT, served_models=None)
+            ids = runtime.prompt_token_ids(tok, req)
+            try:
+                runtime.check_prompt(req, len(ids), context, len(tok))
+                params = runtime.sampling_params(req, len(ids), context)
+            except ValueError:
+                errors += 1
+                continue
+            ids_list.append(ids)
+            params_list.append(params)
+            custom_ids.append(req.custom_id)
+    if warmup:
+        llm.generate(ids_list[:warmup], params_list[:warmup], use_tqdm=False)
+    engine = llm.engine
+    max_num_seqs = engine.config.max_num_seqs
+    before = engine.stats()
+    start = time.perf_counter()
+    outputs = llm.generate(ids_list, params_list, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    after = engine.stats()
+    steps = after.num_steps - before.num_steps
+    seq_steps = after.total_running_seq_steps - before.total_running_seq_steps
+    tokens_by_id = {}
+    for cid, out in zip(custom_ids, outputs, strict=True):
+        if out.error:
+            errors += 1
+            continue
+        tokens_by_id[cid] = [t for c in out.outputs for t in c.token_ids]
+    del llm, engine
+    return EngineRun(
+        seconds=seconds,
+        requests=len(tokens_by_id),
+        output_tokens=sum(len(t) for t in tokens_by_id.values()),
+        errors=errors,
+        occupancy=seq_steps / steps / max_num_seqs if steps else 0.0,
+        steps=steps,
+        tokens_by_id=tokens_by_id,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. The service
+
+
+@dataclass
+class Sample:
+    t: float  # monotonic, when the reply came back
+    stats: dict[str, Any]  # the model's HostStats.as_dict() (+ max_num_seqs)
+    shards: dict[str, int]  # shard status -> count, for the batch
+
+
+class Sampler:
+    """Polls the model worker's engine stats and the batch's shard rows in a thread."""
+
+    def __init__(self, broker_url: str, database_url: str, interval: float):
+        self.probe = bs.EngineStatsProbe(broker_url)
+        self.database_url = database_url
+        self.interval = interval
+        self.batch_id: str | None = None
+        self.samples: list[Sample] = []
+        self.failures = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-sampler", daemon=True)
+
+    def start(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+        self.probe.close()
+
+    def once(self) -> dict[str, Any] | None:
+        answer = self.probe(timeout=2.0)
+        return None if answer is None else answer["models"].get(bs.MODEL)
+
+    def _shards(self) -> dict[str, int]:
+        if self.batch_id is None:
+            return {}
+        from sqlalchemy import func, select
+
+        from core.db import session_scope
+        from core.models import Shard
+
+        with session_scope(self.database_url) as session:
+            rows = session.execute(
+                select(Shard.status, func.count())
+                .where(Shard.batch_id == self.batch_id)
+                .group_by(Shard.status)
+            ).all()
+        return {status: count for status, count in rows}
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            began = time.monotonic()
+            try:
+                shards = self._shards()
+                stats = self.once()
+            except Exception:
+                stats = None
+            if stats is None or "error" in stats:
+                self.failures += 1
+            else:
+                self.samples.append(Sample(time.monotonic(), stats, shards))
+            self._stop.wait(max(0.0, self.interval - (time.monotonic() - began)))
+
+
+@dataclass
+class ServiceRun:
+    e2e_seconds: float  # upload start -> output downloaded
+    batch_seconds: float  # created -> completed (as polled)
+    upload_seconds: float
+    download_seconds: float
+    requests: int
+    output_tokens: int
+    errors: int
+    status: str
+    shards: int
+    tokens_by_id: dict[str, int] = field(repr=False, default_factory=dict)
+
+
+def run_service(client: Any, path: Path, sampler: Sampler, poll: float) -> ServiceRun:
+    start = time.monotonic()
+    with path.open("rb") as fh:
+        uploaded = client.files.create(file=(path.name, fh), purpose="batch")
+    upload_done = time.monotonic()
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint=ENDPOINT, completion_window="24h"
+    )
+    created = time.monotonic()
+    sampler.batch_id = batch.id
+    while batch.status not in bs.TERMINAL:
+        time.sleep(poll)
+        batch = client.batches.retrieve(batch.id)
+    completed = time.monotonic()
+    text = client.files.content(batch.output_file_id).text if batch.output_file_id else ""
+    errors_text = client.files.content(batch.error_file_id).text if batch.error_file_id else ""
+    downloaded = time.monotonic()
+    tokens = 0
+    tokens_by_id: dict[str, int] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        body = record["response"]["body"]
+        tokens += int(body["usage"]["completion_tokens"])
+        tokens_by_id[record["custom_id"]] = int(body["usage"]["completion_tokens"])
+    shards = sum(sampler._shards().values())
+    return ServiceRun(
+        e2e_seconds=downloaded - start,
+        batch_seconds=completed - created,
+        upload_seconds=upload_done - start,
+        download_seconds=downloaded - completed,
+        requests=len(tokens_by_id),
+        output_tokens=tokens,
+        errors=sum(1 for ln in errors_text.splitlines() if ln.strip()),
+        status=batch.status,
+        shards=shards,
+        tokens_by_id=tokens_by_id,
+    )
+
+
+def occupancy(samples: list[Sample]) -> dict[str, Any]:
+    """Occupancy while backlogged, busy fraction, and the whole run's figures (see the
+    module docstring for the definitions)."""
+    if len(samples) < 2:
+        return {"samples": len(samples)}
+    base_steps = samples[0].stats["num_steps"]
+    max_num_seqs = samples[0].stats["max_num_seqs"]
+    steps = seq_steps = 0
+    busy = wall = 0.0
+    all_steps = all_seq_steps = 0
+    all_busy = all_wall = 0.0
+    first = last = None
+    peak_waiting = peak_pending = 0
+    for prev, cur in zip(samples, samples[1:], strict=False):
+        d_steps = cur.stats["num_steps"] - prev.stats["num_steps"]
+        d_seq = cur.stats["total_running_seq_steps"] - prev.stats["total_running_seq_steps"]
+        d_busy = cur.stats["total_step_time_s"] - prev.stats["total_step_time_s"]
+        d_wall = cur.t - prev.t
+        started = prev.stats["num_steps"] > base_steps
+        if started:
+            all_steps += d_steps
+            all_seq_steps += d_seq
+            all_busy += d_busy
+            all_wall += d_wall
+        waiting = prev.stats["num_waiting"] + prev.stats["pending"]
+        backlog = waiting > 0 or prev.shards.get("pending", 0) > 0
+        peak_waiting = max(peak_waiting, prev.stats["num_waiting"])
+        peak_pending = max(peak_pending, prev.stats["pending"])
+        if started and backlog:
+            steps += d_steps
+            seq_steps += d_seq
+            busy += d_busy
+            wall += d_wall
+            first = prev.t if first is None else first
+            last = cur.t
+    occ = seq_steps / steps / max_num_seqs if steps else 0.0
+    busy_frac = min(1.0, busy / wall) if wall else 0.0
+    return {
+        "samples": len(samples),
+        "max_num_seqs": max_num_seqs,
+        "backlogged_s": (last - first) if first is not None else 0.0,
+        "backlogged_steps": steps,
+        "occupancy_backlogged": occ,
+        "busy_backlogged": busy_frac,
+        "time_weighted_occupancy_backlogged": occ * busy_frac,
+        "occupancy_whole_run": all_seq_steps / all_steps / max_num_seqs if all_steps else 0.0,
+        "busy_whole_run": min(1.0, all_busy / all_wall) if all_wall else 0.0,
+        "peak_engine_waiting": peak_waiting,
+        "peak_host_pending": peak_pending,
+        "max_pending": samples[-1].stats.get("max_pending"),
+        "max_in_flight": samples[-1].stats.get("max_in_flight"),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=500)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt-words", type=float, default=40.0, help="mean prompt words")
+    p.add_argument("--max-tokens", type=float, default=40.0, help="mean max_tokens")
+    p.add_argument("--max-tokens-cap", type=int, default=256)
+    p.add_argument("--model-preset", default="llama-25m", help="a demo model preset")
+    p.add_argument("--model", help="a local HF model directory (instead of a preset)")
+    p.add_argument("--engine-options", default="{}", help="BATCHD_ENGINE_OPTIONS (JSON)")
+    p.add_argument("--shard-requests", type=int, default=100, help="BATCHD_SHARD_MAX_REQUESTS")
+    p.add_argument("--concurrency", type=int, help="BATCHD_WORKER_SHARD_CONCURRENCY")
+    p.add_argument("--stats-interval", type=float, default=0.25, help="engine stats polling s")
+    p.add_argument("--poll", type=float, default=0.25, help="batch status polling s")
+    p.add_argument("--warmup", type=int, default=8, help="warm-up requests for each side")
+    p.add_argument("--pg-admin-url", default=bs.PG_ADMIN_URL)
+    p.add_argument("--redis-url", default=bs.REDIS_URL, help="without redis-server only")
+    p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
+    args = p.parse_args(argv)
+
+    spec = str(Path(args.model).resolve()) if args.model else f"demo:{args.model_preset}"
+    engine_options = json.loads(args.engine_options)
+    overrides = {
+        "BATCHD_MODELS": json.dumps({bs.MODEL: spec}),
+        "BATCHD_ENGINE_OPTIONS": json.dumps(engine_options),
+        "BATCHD_SHARD_MAX_REQUESTS": str(args.shard_requests),
+    }
+    if args.concurrency:
+        overrides["BATCHD_WORKER_SHARD_CONCURRENCY"] = str(args.concurrency)
+    work = Path(tempfile.mkdtemp(prefix="batchd-bench-service-"))
+    db = broker = stack = None
+    try:
+        db = bs.Database(args.pg_admin_url)
+        broker = bs.Broker(work, args.redis_url)
+        env = bs.service_env(work, db.url, broker.url, **overrides)
+        for key, value in env.items():
+            if key.startswith("BATCHD_"):
+                os.environ[key] = value
+        from core.settings import get_settings
+
+        get_settings.cache_clear()
+        settings = get_settings()
+        from worker import runtime
+
+        model_dir = runtime.model_dir(bs.MODEL)  # builds a demo model once, before the workers
+        lines = workload(
+            args.requests,
+            args.seed,
+            prompt_words=args.prompt_words,
+            max_tokens=args.max_tokens,
+            max_tokens_cap=args.max_tokens_cap,
+        )
+        path = work / "batch.jsonl"
+        write_jsonl(path, lines)
+        warm_path = work / "warmup.jsonl"
+        write_jsonl(warm_path, lines[: max(1, args.warmup)])
+
+        stack = bs.Stack(work, env, bs.free_port())
+        stack.start(("api", "control", "model", "beat"), settings.worker_shard_concurrency)
+        stack.wait_ready()
+        client = stack.client(timeout=600)
+        sampler = Sampler(broker.url, db.url, args.stats_interval)
+        if sampler.once() is None:
+            raise RuntimeError("the model worker does not answer engine_stats" + stack.logs())
+        # Warm the service (first-request costs in every process), then the engine alone.
+        warm = run_service(client, warm_path, sampler, args.poll)
+        if warm.status != "completed":
+            raise RuntimeError(f"the warm-up batch ended {warm.status}" + stack.logs())
+        print(f"engine alone: {args.requests} requests …", flush=True)
+        eng = run_engine(path, model_dir, args.warmup)
+        print(f"service: {args.requests} requests …", flush=True)
+        sampler.batch_id = None
+        sampler.start()
+        svc = run_service(client, path, sampler, args.poll)
+        sampler.stop()
+        stack.check_alive()
+        occ = occupancy(sampler.samples)
+    finally:
+        if stack is not None:
+            stack.stop()
+        if broker is not None:
+            broker.stop()
+        if db is not None:
+            db.drop()
+        if not args.keep:
+            import shutil
+
+            shutil.rmtree(work, ignore_errors=True)
+
+    same_counts = sum(
+        1 for cid, toks in eng.tokens_by_id.items() if svc.tokens_by_id.get(cid) == len(toks)
+    )
+    eng_tps = eng.output_tokens / eng.seconds
+    eng_rps = eng.requests / eng.seconds
+    e2e_tps = svc.output_tokens / svc.e2e_seconds
+    e2e_rps = svc.requests / svc.e2e_seconds
+    batch_tps = svc.output_tokens / svc.batch_seconds
+    ratio = e2e_tps / eng_tps
+    ratio_batch = batch_tps / eng_tps
+    occ_b = occ.get("occupancy_backlogged", 0.0)
+    print()
+    print(
+        f"model {spec}, {args.requests} chat requests (seed {args.seed}), engine options "
+        f"{json.dumps(engine_options)}, max_num_seqs {occ.get('max_num_seqs')}, "
+        f"{settings.worker_shard_concurrency} shard threads, {svc.shards} shards of ≤"
+        f"{args.shard_requests} requests, checkpoint every {settings.checkpoint_every} requests"
+        f" or {settings.checkpoint_interval_s:g}s"
+    )
+    print(f"{'':34} {'seconds':>9} {'out tok':>8} {'tok/s':>8} {'req/s':>7} {'x engine':>9}")
+    rows = [
+        ("engine alone (LLM.generate)", eng.seconds, eng.output_tokens, eng_tps, eng_rps, 1.0),
+        ("service, upload -> downloaded", svc.e2e_seconds, svc.output_tokens, e2e_tps, e2e_rps,
+         ratio),
+        ("service, created -> completed", svc.batch_seconds, svc.output_tokens, batch_tps,
+         svc.requests / svc.batch_seconds, ratio_batch),
+    ]  # fmt: skip
+    for label, s, tok, tps, rps, x in rows:
+        print(f"{label:34} {s:>9.2f} {tok:>8} {tps:>8.1f} {rps:>7.2f} {x:>9.3f}")
+    print(
+        f"service: status {svc.status}, {svc.requests} results, {svc.errors} errors, upload "
+        f"{svc.upload_seconds:.2f}s, download {svc.download_seconds:.2f}s; engine alone: "
+        f"{eng.requests} results, {eng.errors} errors, occupancy {eng.occupancy:.3f} over "
+        f"{eng.steps} steps"
+    )
+    print(
+        f"throughput ratio (service end to end / engine alone, output tok/s): {ratio:.3f} "
+        f"(target ≥ {THROUGHPUT_TARGET}) {'PASS' if ratio >= THROUGHPUT_TARGET else 'FAIL'}"
+    )
+    print(
+        "occupancy while backlogged (Σ running-seq-steps / (Σ steps × max_num_seqs) over poll "
+        "intervals that began with requests waiting in the engine or host queue, or with "
+        f"unclaimed shards): {occ_b:.3f} (target ≥ {OCCUPANCY_TARGET}) "
+        f"{'PASS' if occ_b >= OCCUPANCY_TARGET else 'FAIL'}"
+    )
+    if "backlogged_s" in occ:
+        print(
+            f"  over {occ['backlogged_s']:.1f}s, {occ['backlogged_steps']} steps; engine busy "
+            f"{occ['busy_backlogged']:.3f} of that wall time (time-weighted occupancy "
+            f"{occ['time_weighted_occupancy_backlogged']:.3f}); whole run from the first step: "
+            f"occupancy {occ['occupancy_whole_run']:.3f}, busy {occ['busy_whole_run']:.3f}; "
+            f"peak engine waiting {occ['peak_engine_waiting']}, peak host pending "
+            f"{occ['peak_host_pending']} (max_pending {occ['max_pending']}, max_in_flight "
+            f"{occ['max_in_flight']}); {occ['samples']} samples, {sampler.failures} unanswered"
+        )
+    print(
+        f"requests with the same number of output tokens both ways (greedy): {same_counts}/"
+        f"{len(eng.tokens_by_id)}"
+    )
+    result = {
+        "model": spec,
+        "requests": args.requests,
+        "seed": args.seed,
+        "engine_options": engine_options,
+        "shard_max_requests": args.shard_requests,
+        "shard_concurrency": settings.worker_shard_concurrency,
+        "shards": svc.shards,
+        "engine": {
+            "seconds": eng.seconds,
+            "requests": eng.requests,
+            "errors": eng.errors,
+            "output_tokens": eng.output_tokens,
+            "output_tok_s": eng_tps,
+            "requests_s": eng_rps,
+            "occupancy": eng.occupancy,
+        },
+        "service": {
+            "status": svc.status,
+            "e2e_seconds": svc.e2e_seconds,
+            "batch_seconds": svc.batch_seconds,
+            "upload_seconds": svc.upload_seconds,
+            "download_seconds": svc.download_seconds,
+            "requests": svc.requests,
+            "errors": svc.errors,
+            "output_tokens": svc.output_tokens,
+            "output_tok_s": e2e_tps,
+            "requests_s": e2e_rps,
+            "batch_output_tok_s": batch_tps,
+        },
+        "throughput_ratio": ratio,
+        "throughput_ratio_created_to_completed": ratio_batch,
+        "occupancy": occ,
+        "stats_unanswered": sampler.failures,
+        "same_output_token_counts": same_counts,
+        "targets": {"throughput_ratio": THROUGHPUT_TARGET, "occupancy": OCCUPANCY_TARGET},
+    }
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
