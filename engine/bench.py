@@ -451,6 +451,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine config override (repeatable), e.g. max_num_seqs=64")
     p.add_argument("--compare-prefix-caching", action="store_true",
                    help="run the engine with and without prefix caching instead")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's choice). On a shared machine 1 "
+                   "avoids OpenMP barrier stalls that make small decode steps erratic")
     p.add_argument("--json", type=Path, help="write every figure to this file")
     return p
 
@@ -496,7 +499,11 @@ def _print_report(results: dict[str, Any]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
+    import torch
     from transformers import AutoConfig, AutoTokenizer
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
 
     if args.model:
         model_dir = str(args.model)
@@ -540,6 +547,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     results: dict[str, Any] = {
         "model": model_dir,
+        "torch_threads": torch.get_num_threads(),
         "workload": {
             "num_requests": len(workload.prompts),
             "prompt_tokens": workload.prompt_tokens,
