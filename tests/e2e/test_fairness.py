@@ -20,9 +20,18 @@ FACTOR, SLACK_S = 4.0, 10.0
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _release_settings() -> Iterator[None]:
+def _release_settings(pg_url: str) -> Iterator[None]:
     """As many released shards as the model worker runs at once (2), and a quick sweep, in the
-    stack this module starts."""
+    stack this module starts. Batches that earlier tests of this session left running (their
+    workers are gone) are ended first: they would hold this model's two release slots."""
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(pg_url)
+    with engine.begin() as conn:
+        stale = "SELECT id FROM batches WHERE status IN ('validating', 'in_progress', 'finalizing')"
+        conn.execute(text(f"UPDATE shards SET status = 'closed' WHERE batch_id IN ({stale})"))
+        conn.execute(text(f"UPDATE batches SET status = 'cancelled' WHERE id IN ({stale})"))
+    engine.dispose()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("BATCHD_MAX_RELEASED_SHARDS_PER_MODEL", "2")
         mp.setenv("BATCHD_RELEASE_SWEEP_INTERVAL_S", "1")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import secrets
 import threading
+from collections.abc import Iterator
 
 import pytest
 from worker_helpers import batch_row, chat_line, make_batch, shard_rows
@@ -24,10 +25,36 @@ def _set(batch_id: str, **values) -> None:
         session.execute(update(Batch).where(Batch.id == batch_id).values(**values))
 
 
+_created: list[str] = []
+
+
 def _batch(tenant: str, lines) -> str:
     batch_id = make_batch(lines)
     _set(batch_id, tenant=tenant)
+    _created.append(batch_id)
     return batch_id
+
+
+@pytest.fixture(autouse=True)
+def _end_batches() -> Iterator[None]:
+    """End this test's batches afterwards: their shards never run, and the database is shared
+    with later tests (whose services would count them as released work of the same model)."""
+    yield
+    if not _created:
+        return
+    from sqlalchemy import update
+
+    from core.db import session_scope
+    from core.models import Batch, Shard
+
+    with session_scope() as session:
+        session.execute(update(Shard).where(Shard.batch_id.in_(_created)).values(status="closed"))
+        session.execute(
+            update(Batch)
+            .where(Batch.id.in_(_created), Batch.status.not_in(("completed", "failed")))
+            .values(status="cancelled")
+        )
+    _created.clear()
 
 
 def _prompt_tokens(lines) -> int:

@@ -14,12 +14,24 @@ pytestmark = pytest.mark.services
 
 @pytest.fixture
 def model(worker_env, monkeypatch):
-    """A model name of this test's own (the database is shared by the whole session)."""
+    """A model name of this test's own (the database is shared by the whole session); its
+    batches are ended afterwards, so no later service sees them as work to release."""
+    from sqlalchemy import select, update
+
+    from core.db import session_scope
+    from core.models import Batch, Shard
     from core.settings import get_settings
 
     monkeypatch.setenv("BATCHD_MAX_RELEASED_SHARDS_PER_MODEL", "3")
     get_settings.cache_clear()
-    return f"rel-{secrets.token_hex(4)}"
+    name = f"rel-{secrets.token_hex(4)}"
+    yield name
+    with session_scope() as session:
+        mine = select(Batch.id).where(Batch.model.like(f"{name}%")).scalar_subquery()
+        session.execute(update(Shard).where(Shard.batch_id.in_(mine)).values(status="closed"))
+        session.execute(
+            update(Batch).where(Batch.model.like(f"{name}%")).values(status="cancelled")
+        )
 
 
 def add_batch(model: str, tenant: str, shards: int, *, priority: str = "normal", age_s: float = 0):
