@@ -222,7 +222,7 @@ def run_engine(path: Path, model_dir: Path, warmup: int) -> EngineRun:
 
 @dataclass
 class Sample:
-    t: float  # monotonic, when the reply came back
+    t: float  # when the worker took the snapshot (time.time() on this machine)
     stats: dict[str, Any]  # the model's HostStats.as_dict() (+ max_num_seqs)
     shards: dict[str, int]  # shard status -> count, for the batch
 
@@ -249,9 +249,10 @@ class Sampler:
         self._thread.join(30)
         self.probe.close()
 
-    def once(self) -> dict[str, Any] | None:
-        answer = self.probe(timeout=2.0)
-        return None if answer is None else answer["models"].get(bs.MODEL)
+    def once(self) -> tuple[float, dict[str, Any]] | None:
+        answer = self.probe(timeout=3.0)
+        stats = None if answer is None else answer.get("models", {}).get(bs.MODEL)
+        return None if stats is None else (float(answer["time"]), stats)
 
     def _shards(self) -> dict[str, int]:
         if self.batch_id is None:
@@ -274,13 +275,13 @@ class Sampler:
             began = time.monotonic()
             try:
                 shards = self._shards()
-                stats = self.once()
+                answer = self.once()
             except Exception:
-                stats = None
-            if stats is None or "error" in stats:
+                answer = None
+            if answer is None or "error" in answer[1]:
                 self.failures += 1
-            else:
-                self.samples.append(Sample(time.monotonic(), stats, shards))
+            elif not self.samples or answer[0] > self.samples[-1].t:
+                self.samples.append(Sample(answer[0], answer[1], shards))
             self._stop.wait(max(0.0, self.interval - (time.monotonic() - began)))
 
 

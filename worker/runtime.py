@@ -289,8 +289,10 @@ def sampling_params(req: BatchRequest, prompt_len: int, context: int) -> Samplin
 #
 # A Celery inspect command that answers with the stats of every engine host this process has
 # loaded, as JSON-safe dicts keyed by served model name (``HostStats.as_dict()`` plus the
-# engine's ``max_num_seqs``). It is registered when this module is imported, which every
-# worker process does through its task modules (``worker.shard`` imports it). Ask one worker:
+# engine's ``max_num_seqs``) and ``time`` (when the snapshot was taken, ``time.time()``),
+# from a cache refreshed every 0.1 s while someone asks (see ``_StatsCache``). It is
+# registered when this module is imported, which every worker process does through its task
+# modules (``worker.shard`` imports it). Ask one worker:
 #
 #     celery -A worker.celery_app inspect engine_stats -d model@host
 #     app.control.broadcast("engine_stats", destination=["model@host"], reply=True, timeout=1)
@@ -324,6 +326,51 @@ def _json_safe(value: Any) -> Any:
     return repr(value)
 
 
+class _StatsCache:
+    """Answers ``engine_stats`` at once from snapshots a background thread takes every
+    ``interval`` seconds: ``EngineHost.stats()`` waits for the end of the current engine step,
+    and the command runs on the worker's consumer thread, which must never wait that long
+    (it also receives tasks). The thread starts with the first command and stops once nobody
+    has asked for ``idle_s`` seconds; the first answer after a start waits for one snapshot."""
+
+    def __init__(self, interval: float = 0.1, idle_s: float = 60.0) -> None:
+        self.interval = interval
+        self.idle_s = idle_s
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._latest: dict[str, Any] = {}
+        self._asked = 0.0
+        self._thread: threading.Thread | None = None
+
+    def get(self, wait_s: float = 2.0) -> dict[str, Any]:
+        import time
+
+        with self._lock:
+            self._asked = time.monotonic()
+            if self._thread is None or not self._thread.is_alive():
+                self._ready.clear()
+                self._thread = threading.Thread(
+                    target=self._run, name="batchd-engine-stats", daemon=True
+                )
+                self._thread.start()
+        self._ready.wait(wait_s)
+        with self._lock:
+            return dict(self._latest)
+
+    def _run(self) -> None:
+        import time
+
+        while time.monotonic() - self._asked < self.idle_s:
+            models = engine_stats_snapshot()
+            with self._lock:
+                self._latest = {"time": time.time(), "models": models}
+            self._ready.set()
+            time.sleep(self.interval)
+
+
+_stats_cache = _StatsCache()
+
+
 def _register_engine_stats_command() -> None:
     try:
         from celery.worker.control import inspect_command
@@ -332,9 +379,8 @@ def _register_engine_stats_command() -> None:
 
     @inspect_command(name="engine_stats")
     def engine_stats(state: Any, **_: Any) -> dict[str, Any]:
-        import time
-
-        return {"time": time.time(), "pid": os.getpid(), "models": engine_stats_snapshot()}
+        snapshot = _stats_cache.get()
+        return {"pid": os.getpid(), "time": snapshot.get("time"), **snapshot}
 
 
 _register_engine_stats_command()
