@@ -64,34 +64,49 @@ class Engine:
     # -- requests -------------------------------------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
     ) -> None:
+        """Queue a request. ``priority``: lower is admitted first (vLLM's convention); requests
+        already running are never preempted for it."""
         params = params or SamplingParams()
         if request_id in self.requests:
-            raise RequestError(f"request_id {request_id!r} is already in the engine")
+            raise RequestError(
+                f"request_id {request_id!r} is already in the engine", "duplicate_request_id"
+            )
         prompt = list(prompt_token_ids)
         if not prompt:
-            raise RequestError(f"request {request_id!r}: the prompt is empty; it needs at least 1 token")
+            raise RequestError(
+                f"request {request_id!r}: the prompt is empty; it needs at least 1 token",
+                "invalid_prompt",
+            )
         bad = next((t for t in prompt if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise RequestError(
-                f"request {request_id!r}: prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})"
+                f"request {request_id!r}: prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})",
+                "invalid_prompt",
             )
         if len(prompt) >= self.max_model_len:
             raise RequestError(
                 f"request {request_id!r}: the prompt has {len(prompt)} tokens; max_model_len is "
-                f"{self.max_model_len} and at least one token must be generated"
+                f"{self.max_model_len} and at least one token must be generated",
+                "context_length_exceeded",
             )
         max_len = min(len(prompt) + params.max_tokens, self.max_model_len)
         bm = self.block_manager
         if bm.blocks_needed(max_len) > bm.num_blocks:
             raise RequestError(
                 f"request {request_id!r} needs up to {max_len} tokens ({bm.blocks_needed(max_len)} KV "
-                f"blocks) but the KV cache holds {bm.num_blocks} blocks of {bm.block_size} tokens"
+                f"blocks) but the KV cache holds {bm.num_blocks} blocks of {bm.block_size} tokens",
+                "kv_cache_too_small",
             )
         request = Request(request_id, prompt, params, RequestMetrics(arrival_time=time.time()))
         seq = Sequence(request, 0, list(prompt), max_len, self._generator(params, 0))
         seq.expected_work = max_len * params.n
+        seq.priority = int(priority)
         start_detokenizer(seq)
         request.seqs.append(seq)
         request.num_unfinished = 1
@@ -207,6 +222,7 @@ class Engine:
         child.block_hashes = parent.block_hashes[:full]
         child.num_hashed_blocks = min(parent.num_hashed_blocks, full)
         child.bucket = parent.bucket
+        child.priority = parent.priority
         start_detokenizer(child)
         request.seqs.append(child)
         request.num_unfinished += 1

@@ -11,8 +11,14 @@ FinishReason = Literal["stop", "length", "abort"]
 class RequestError(ValueError):
     """A request that can never run (empty, too long for the model or the KV pool).
 
-    Raised by ``Engine.add_request``; the engine and every other request carry on.
+    Raised by ``Engine.add_request``; the engine and every other request carry on. ``code`` is a
+    stable name for the reason (``context_length_exceeded``, ``kv_cache_too_small``,
+    ``invalid_prompt``, ``duplicate_request_id``), for callers that map it to an API error.
     """
+
+    def __init__(self, message: str, code: str = "invalid_request") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass(slots=True)

@@ -7,7 +7,8 @@ chunks, oldest first), then waiting ones in admission order. When the KV pool ru
 newest running sequence is preempted by recompute: its blocks are freed and it goes back to
 the front of the waiting queue.
 
-Admission: preempted sequences always come first. Under "batch" admission the rest are taken
+Admission: preempted sequences always come first, then by request priority (lower value first,
+vLLM's convention; 0 by default). Within a priority, under "batch" admission the rest are taken
 from buckets keyed by the hash of their first full block: members of a bucket that already has
 running sequences come first (their shared prefix is cached), then the longest expected work
 (prompt + max_tokens). Under "fcfs" arrival order is kept. Under either, a sequence whose next
@@ -25,6 +26,9 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.sequence import Sequence, Status
 
+# (priority, -expected work, sequence id, sequence, epoch at push)
+HeapItem = tuple[int, int, int, Sequence, int]
+
 
 class WaitingQueue:
     """Waiting sequences. Entries carry the sequence's epoch at push time; leaving the queue
@@ -34,9 +38,9 @@ class WaitingQueue:
         self.policy = policy
         self.block_size = block_size
         self.preempted: deque[tuple[Sequence, int]] = deque()
-        self.fifo: deque[tuple[Sequence, int]] = deque()
-        self.heap: list[tuple[int, int, Sequence, int]] = []
-        self.buckets: dict[object, list[tuple[int, int, Sequence, int]]] = {}
+        self.fifo: dict[int, deque[tuple[Sequence, int]]] = {}  # priority -> arrival order
+        self.heap: list[HeapItem] = []
+        self.buckets: dict[object, list[HeapItem]] = {}
         self.size = 0
 
     def __len__(self) -> int:
@@ -46,9 +50,9 @@ class WaitingQueue:
         self.size += 1
         seq.epoch += 1
         if self.policy == "fcfs":
-            self.fifo.append((seq, seq.epoch))
+            self.fifo.setdefault(seq.priority, deque()).append((seq, seq.epoch))
             return
-        item = (-seq.expected_work, seq.seq_id, seq, seq.epoch)
+        item = (seq.priority, -seq.expected_work, seq.seq_id, seq, seq.epoch)
         heapq.heappush(self.heap, item)
         if seq.bucket is not None:
             heapq.heappush(self.buckets.setdefault(seq.bucket, []), item)
@@ -67,12 +71,19 @@ class WaitingQueue:
         """Waiting sequences in admission order, as (sequence, was_preempted)."""
         yield from _deque_iter(self.preempted, True)
         if self.policy == "fcfs":
-            yield from _deque_iter(self.fifo, False)
+            for priority in sorted(self.fifo):
+                yield from _deque_iter(self.fifo[priority], False)
+                if not self.fifo[priority]:
+                    del self.fifo[priority]
             return
+        # Shared-prefix buckets go first only within the most urgent waiting priority.
+        while self.heap and not _valid(self.heap[0][3], self.heap[0][4]):
+            heapq.heappop(self.heap)
+        top = self.heap[0][0] if self.heap else 0
         for key in list(hot_buckets):
             bucket = self.buckets.get(key)
             if bucket:
-                yield from _heap_iter(bucket)
+                yield from _heap_iter(bucket, max_priority=top)
                 if not bucket:
                     del self.buckets[key]
         yield from _heap_iter(self.heap)
@@ -92,17 +103,20 @@ def _deque_iter(queue: deque[tuple[Sequence, int]], preempted: bool) -> Iterator
             queue.popleft()
 
 
-def _heap_iter(heap: list[tuple[int, int, Sequence, int]]) -> Iterator[tuple[Sequence, bool]]:
-    """Walk a heap in order, dropping stale entries; entries the caller passes over stay."""
+def _heap_iter(heap: list[HeapItem], max_priority: int | None = None) -> Iterator[tuple[Sequence, bool]]:
+    """Walk a heap in order, dropping stale entries; entries the caller passes over stay.
+    With ``max_priority``, stop at the first entry of a less urgent priority."""
     kept = []
     try:
         while heap:
+            if max_priority is not None and heap[0][0] > max_priority:
+                break
             item = heapq.heappop(heap)
-            if not _valid(item[2], item[3]):
+            if not _valid(item[3], item[4]):
                 continue
             kept.append(item)
-            yield item[2], False
-            if not _valid(item[2], item[3]):
+            yield item[3], False
+            if not _valid(item[3], item[4]):
                 kept.pop()
     finally:
         for item in kept:

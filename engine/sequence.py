@@ -46,6 +46,7 @@ class Sequence:
         "num_computed_tokens", "block_table", "block_hashes", "num_hashed_blocks", "status",
         "max_len", "generator", "logprobs", "finish_reason", "stop_reason", "text",
         "detok_prefix", "detok_read", "needs_fork", "expected_work", "bucket", "epoch",
+        "priority",
     )
 
     def __init__(self, request: Request, index: int, token_ids: list[int], max_len: int,
@@ -73,6 +74,7 @@ class Sequence:
         self.expected_work = max_len
         self.bucket: object = None
         self.epoch = 0  # bumped whenever the sequence enters or leaves the waiting queue
+        self.priority = 0  # admission order: lower first
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -168,11 +168,16 @@ def test_a_request_that_cannot_run_fails_alone(llm: LLM, path: str) -> None:
     assert "max_model_len" in outs[1].error and str(limit) in outs[1].error
     assert "empty" in outs[2].error
     assert outs[0].error is None and len(outs[3].outputs[0].token_ids) == 4
-    with pytest.raises(RequestError, match="vocabulary"):
+    with pytest.raises(RequestError, match="vocabulary") as bad:
         llm.engine.add_request("bad", [1, 999999], SamplingParams())
+    assert bad.value.code == "invalid_prompt"
+    with pytest.raises(RequestError) as too_long:
+        llm.engine.add_request("long", _prompt(7, limit + 5), SamplingParams())
+    assert too_long.value.code == "context_length_exceeded"
     small = Engine(path, num_kv_blocks=4)
-    with pytest.raises(RequestError, match="4 blocks"):
+    with pytest.raises(RequestError, match="4 blocks") as too_big:
         small.add_request("big", _prompt(9, 60), SamplingParams(max_tokens=10))
+    assert too_big.value.code == "kv_cache_too_small"
     small.add_request("ok", _prompt(9, 30), SamplingParams(max_tokens=10, ignore_eos=True))
     assert len(_drain(small)["ok"].outputs[0].token_ids) == 10
 
@@ -248,3 +253,19 @@ def test_engine_config_validation(kwargs: dict, message: str) -> None:
 def test_engine_rejects_unknown_config(path: str) -> None:
     with pytest.raises(ValueError, match="unknown engine config field"):
         Engine(path, max_batch=3)
+
+
+@pytest.mark.parametrize("admission", ["batch", "fcfs"])
+def test_priority_is_admitted_first(admission: str) -> None:
+    """With one sequence slot, a more urgent request queued last is admitted before the others
+    (lower priority value first), whatever the admission policy."""
+    engine = Engine(str(build("llama-tiny")), max_num_seqs=1, admission=admission)
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    engine.add_request("bulk-0", [5, 6, 7], params, priority=1)
+    engine.add_request("bulk-1", [5, 6, 8], params, priority=1)
+    engine.add_request("normal", [9, 10, 11], params)
+    engine.add_request("urgent", [12, 13], params, priority=-1)
+    order = []
+    while engine.has_unfinished_requests():
+        order += [out.request_id for out in engine.step() if out.finished]
+    assert order == ["urgent", "normal", "bulk-0", "bulk-1"]
