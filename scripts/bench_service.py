@@ -155,6 +155,7 @@ class EngineRun:
     errors: int
     occupancy: float  # running sequences / max_num_seqs, averaged over the run's steps
     steps: int
+    step_seconds: float  # mean time inside Engine.step()
     tokens_by_id: dict[str, list[int]] = field(repr=False, default_factory=dict)
 
 
@@ -212,6 +213,7 @@ def run_engine(path: Path, model_dir: Path, warmup: int) -> EngineRun:
         errors=errors,
         occupancy=seq_steps / steps / max_num_seqs if steps else 0.0,
         steps=steps,
+        step_seconds=(after.total_step_time_s - before.total_step_time_s) / steps if steps else 0.0,
         tokens_by_id=tokens_by_id,
     )
 
@@ -387,6 +389,8 @@ def occupancy(samples: list[Sample]) -> dict[str, Any]:
         "time_weighted_occupancy_backlogged": occ * busy_frac,
         "occupancy_whole_run": all_seq_steps / all_steps / max_num_seqs if all_steps else 0.0,
         "busy_whole_run": min(1.0, all_busy / all_wall) if all_wall else 0.0,
+        "steps_whole_run": all_steps,
+        "mean_step_s_whole_run": all_busy / all_steps if all_steps else 0.0,
         "peak_engine_waiting": peak_waiting,
         "peak_host_pending": peak_pending,
         "max_pending": samples[-1].stats.get("max_pending"),
@@ -520,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
         f"service: status {svc.status}, {svc.requests} results, {svc.errors} errors, upload "
         f"{svc.upload_seconds:.2f}s, download {svc.download_seconds:.2f}s; engine alone: "
         f"{eng.requests} results, {eng.errors} errors, occupancy {eng.occupancy:.3f} over "
-        f"{eng.steps} steps"
+        f"{eng.steps} steps of {eng.step_seconds:.3f}s mean"
     )
     print(
         f"throughput ratio (service end to end / engine alone, output tok/s): {ratio:.3f} "
@@ -537,7 +541,8 @@ def main(argv: list[str] | None = None) -> int:
             f"  over {occ['backlogged_s']:.1f}s, {occ['backlogged_steps']} steps; engine busy "
             f"{occ['busy_backlogged']:.3f} of that wall time (time-weighted occupancy "
             f"{occ['time_weighted_occupancy_backlogged']:.3f}); whole run from the first step: "
-            f"occupancy {occ['occupancy_whole_run']:.3f}, busy {occ['busy_whole_run']:.3f}; "
+            f"occupancy {occ['occupancy_whole_run']:.3f}, busy {occ['busy_whole_run']:.3f}, "
+            f"{occ['steps_whole_run']} steps of {occ['mean_step_s_whole_run']:.3f}s mean; "
             f"peak engine waiting {occ['peak_engine_waiting']}, peak host pending "
             f"{occ['peak_host_pending']} (max_pending {occ['max_pending']}, max_in_flight "
             f"{occ['max_in_flight']}); {occ['samples']} samples, {sampler.failures} unanswered"
@@ -562,6 +567,8 @@ def main(argv: list[str] | None = None) -> int:
             "output_tok_s": eng_tps,
             "requests_s": eng_rps,
             "occupancy": eng.occupancy,
+            "steps": eng.steps,
+            "mean_step_s": eng.step_seconds,
         },
         "service": {
             "status": svc.status,
