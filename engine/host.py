@@ -97,6 +97,7 @@ class _Entry:
     group: str | None
     future: Future
     arrival_time: float
+    priority: int = 0
     state: str = _PENDING
     abort_requested: bool = False
 
@@ -234,8 +235,12 @@ class EngineHost:
         request_id: str | None = None,
         callback: Callable[[Future], None] | None = None,
         timeout: float | None = None,
+        priority: int = 0,
     ) -> Future:
         """Queue one request; block while the host's queue is full.
+
+        ``priority`` orders both the host's queue and the engine's admission: lower first
+        (vLLM's convention), arrival order within a priority.
 
         Returns a future that resolves with the request's :class:`RequestOutput` (also for an
         abort), or raises ``RequestError`` (the engine refused it) or :class:`EngineStepError`.
@@ -250,6 +255,7 @@ class EngineHost:
             group=group,
             future=Future(),
             arrival_time=time.time(),
+            priority=int(priority),
         )
         if callback is not None:
             entry.future.add_done_callback(callback)
@@ -273,10 +279,21 @@ class EngineHost:
             self._live[entry.request_id] = entry
             if group is not None:
                 self._groups.setdefault(group, set()).add(entry.request_id)
-            self._pending.append(entry)
+            self._enqueue(entry)
             self._counters.submitted += 1
             self._work.notify()
         return entry.future
+
+    def _enqueue(self, entry: _Entry) -> None:
+        """Append, or insert before the first less urgent entry (the queue is short)."""
+        pending = self._pending
+        if not pending or pending[-1].priority <= entry.priority:
+            pending.append(entry)
+            return
+        for i, other in enumerate(pending):
+            if other.priority > entry.priority:
+                pending.insert(i, entry)
+                return
 
     def submit_many(
         self,
@@ -445,7 +462,9 @@ class EngineHost:
         failures: list[tuple[_Entry, BaseException]] = []
         for entry in admitted:
             try:
-                self._engine.add_request(entry.request_id, entry.prompt_token_ids, entry.params)
+                self._engine.add_request(
+                    entry.request_id, entry.prompt_token_ids, entry.params, entry.priority
+                )
             except Exception as exc:  # RequestError, or a bad argument the engine rejects
                 failures.append((entry, exc))
                 continue

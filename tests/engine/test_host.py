@@ -202,3 +202,23 @@ def test_shutdown_drains_or_aborts_and_joins(model_dir: Path) -> None:
     assert not host.is_alive
     assert all(f.result(timeout=0).outputs[0].finish_reason == "abort" for f in futures)
     assert host.stats().engine.kv_blocks_used == 0
+
+
+def test_priority_orders_the_host_queue_and_the_engine(model_dir: Path) -> None:
+    """Submitted before the loop starts, with one sequence slot: the urgent request finishes
+    first, then normal ones in arrival order, then the low-priority bulk."""
+    host = EngineHost(_engine(model_dir, max_num_seqs=1), max_pending=8)
+    prompts = _prompts(5, seed=7)
+    order: list[str] = []
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    names_priorities = [("low-a", 1), ("normal-a", 0), ("low-b", 1), ("urgent", -1), ("normal-b", 0)]
+    futures = [
+        host.submit(p, params, request_id=name, priority=priority,
+                    callback=lambda f: order.append(f.result().request_id))
+        for p, (name, priority) in zip(prompts, names_priorities, strict=True)
+    ]  # fmt: skip
+    host.start()
+    for fut in futures:
+        fut.result(timeout=60)
+    host.shutdown()
+    assert order == ["urgent", "normal-a", "normal-b", "low-a", "low-b"]
