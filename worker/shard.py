@@ -105,6 +105,9 @@ SUBMIT_WAIT_S = 0.25
 MAX_ABORT_RETRIES = 3  # a request aborted while its batch is still running is run again
 
 
+ENGINE_PRIORITY = {"high": -1, "normal": 0, "low": 1}
+
+
 class ShardLost(Exception):
     """Another attempt claimed this shard, or a finalize sealed it: stop without a trace."""
 
@@ -489,13 +492,7 @@ def _error_for_exception(req: BatchRequest, exc: BaseException) -> dict[str, Any
     if isinstance(exc, runtime.PromptError):
         return _error_record(req, exc.code, exc.message, param=exc.param)
     if isinstance(exc, RequestError):
-        text = str(exc)
-        code = (
-            "context_length_exceeded"
-            if "max_model_len" in text or "context" in text
-            else "invalid_request"
-        )
-        return _error_record(req, code, text)
+        return _error_record(req, exc.code, str(exc))
     if isinstance(exc, ValueError):
         return _error_record(req, "invalid_value", str(exc))
     return _error_record(
@@ -539,6 +536,8 @@ class ShardRun:
         settings = get_settings()
         self.shard = shard
         self.batch_id = batch.id
+        # The engine admits lower values first: a "high" batch overtakes the nightly bulk.
+        self.priority = ENGINE_PRIORITY.get(batch.priority or "normal", 0)
         self.endpoint = batch.endpoint
         self.model = batch.model or ""
         self.key = key
@@ -712,7 +711,12 @@ class ShardRun:
                 continue
             try:
                 self.host.submit(
-                    ids, params, group=self.batch_id, callback=done, timeout=SUBMIT_WAIT_S
+                    ids,
+                    params,
+                    group=self.batch_id,
+                    callback=done,
+                    timeout=SUBMIT_WAIT_S,
+                    priority=self.priority,
                 )
             except HostQueueFull:
                 self._collect()
