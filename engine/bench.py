@@ -20,6 +20,9 @@ Systems, all in one process on the same requests, each warmed up once before it 
 Prompts are random token ids from the model's vocabulary (special tokens excluded), decoding
 is greedy and ignores EOS, so each request produces exactly its ``max_tokens`` tokens.
 Throughput figures count useful tokens: prompt tokens plus each request's requested output.
+Each system also reports its process CPU time. On a machine shared with other work, pass
+``--threads 1``: with several intra-op threads a small decode step waits at every OpenMP
+barrier for whichever thread was descheduled, and the figures swing by 5x from run to run.
 """
 
 from __future__ import annotations
