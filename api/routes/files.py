@@ -20,8 +20,8 @@ from api.schemas import FileDeleted, FileList, FilePublic
 from api.uploads import Upload, receive_upload
 from core.db import session_scope
 from core.ids import file_id
-from core.lifecycle import now
-from core.models import File
+from core.lifecycle import TERMINAL, now
+from core.models import Batch, File
 from core.storage import ObjectNotFound
 
 log = logging.getLogger("batchd.api")
@@ -270,6 +270,17 @@ def delete_file(
 ) -> FileDeleted:
     row = get_file_row(session, caller.tenant, file_id)
     key = row.storage_key
+    in_use = session.scalar(
+        select(Batch.id)
+        .where(Batch.input_file_id == row.id, Batch.status.not_in(TERMINAL))
+        .limit(1)
+    )
+    if in_use is not None:
+        # A batch that has not ended still reads this file: hide it now (expired files answer
+        # 404 everywhere) and let the retention sweep delete it once the batch ends.
+        row.expires_at = now()
+        session.commit()
+        return FileDeleted(id=file_id)
     session.delete(row)
     session.commit()
     try:

@@ -157,3 +157,23 @@ def test_cancel(client, input_file, pg_url, control_messages):
     with pytest.raises(openai.NotFoundError) as caught:
         client.batches.cancel("batch_missing")
     assert caught.value.body["message"] == "No such Batch object: batch_missing"
+
+
+def test_deleting_the_input_of_an_unfinished_batch_hides_it_but_keeps_its_bytes(
+    client, input_file, server
+):
+    """A running batch still reads its input: DELETE answers like OpenAI (deleted) and the
+    file is gone from the API at once, but its bytes stay until the batch ends."""
+    from core.storage import open_storage
+
+    batch = _create(client, input_file)
+    assert client.files.delete(input_file).deleted is True
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(input_file)
+    assert input_file not in [f.id for f in client.files.list()]
+    assert open_storage(server.storage_url).exists(f"files/{input_file}")
+    assert client.batches.retrieve(batch.id).input_file_id == input_file
+
+    unused = client.files.create(file=("other.jsonl", LINES), purpose="batch").id
+    assert client.files.delete(unused).deleted is True
+    assert not open_storage(server.storage_url).exists(f"files/{unused}")
