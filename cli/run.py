@@ -39,7 +39,6 @@ import typer
 from cli.exit_codes import ExitCode, exit_codes_help
 from core.batchfile import (
     CHAT_URL,
-    COMPLETIONS_DEFAULT_MAX_TOKENS,
     DEFAULT_MAX_LINE_BYTES,
     SUPPORTED_URLS,
     BatchRequest,
@@ -48,167 +47,27 @@ from core.batchfile import (
     iter_lines,
     parse_request,
 )
-from core.results import (
-    ChoiceResult,
-    GenerationResult,
-    TokenLogprobInfo,
-    dumps_line,
-    output_line,
-    request_error_line,
-    response_body,
+from core.generation import (
+    check_prompt,
+    error_for_exception,
+    error_record,
+    generation_result,
+    prompt_token_ids,
+    sampling_kwargs,
 )
+from core.results import dumps_line, output_line, response_body
 
 if TYPE_CHECKING:
-    from engine import Engine, RequestOutput, SamplingParams
+    from engine import Engine, SamplingParams
 
 PROGRESS_VERSION = 1
 
 
-# ============================================================================================
-# Request <-> engine conversion.
-#
-# The same translation as the worker's (worker/runtime.py: prompt_token_ids, check_prompt,
-# default_max_tokens, sampling_params; worker/shard.py: generation_result and the error
-# records). It is repeated here because cli must not import worker; both copies should move to
-# one shared, engine-agnostic module so the service and `batchd run` cannot drift apart.
-# ============================================================================================
-
-
-class PromptError(ValueError):
-    """A request this model can never run (say, a prompt longer than its context)."""
-
-    def __init__(self, code: str, message: str, param: str | None = None):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.param = param
-
-
-def _ids(encoded: Any) -> list[int]:
-    if isinstance(encoded, dict) or hasattr(encoded, "keys"):
-        encoded = encoded["input_ids"]
-    ids = list(encoded)
-    if ids and isinstance(ids[0], list):
-        ids = ids[0]
-    return [int(t) for t in ids]
-
-
-def prompt_token_ids(tok: Any, req: BatchRequest) -> list[int]:
-    if req.kind == "chat":
-        return _ids(
-            tok.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=True)
-        )
-    if isinstance(req.prompt, list):
-        return [int(t) for t in req.prompt]
-    return _ids(tok(req.prompt, add_special_tokens=True))
-
-
-def default_max_tokens(req: BatchRequest, prompt_len: int, context: int) -> int:
-    """OpenAI's defaults: chat may use the rest of the context, completions 16 tokens."""
-    if req.max_tokens is not None:
-        return req.max_tokens
-    remaining = context - prompt_len
-    if req.kind == "completion":
-        return min(COMPLETIONS_DEFAULT_MAX_TOKENS, max(remaining, 1))
-    return max(remaining, 1)
-
-
-def check_prompt(req: BatchRequest, prompt_len: int, context: int) -> None:
-    param = "body.messages" if req.kind == "chat" else "body.prompt"
-    if prompt_len == 0:
-        raise PromptError("invalid_prompt", "The prompt is empty after tokenization", param)
-    if prompt_len >= context:
-        raise PromptError(
-            "context_length_exceeded",
-            f"This model's maximum context length is {context} tokens; the prompt has "
-            f"{prompt_len} tokens, which leaves no room for output",
-            param,
-        )
-
-
 def sampling_params(req: BatchRequest, prompt_len: int, context: int) -> SamplingParams:
+    """The same translation as the service's (``core.generation``), as engine parameters."""
     from engine import SamplingParams
 
-    return SamplingParams(
-        max_tokens=default_max_tokens(req, prompt_len, context),
-        temperature=req.temperature,
-        top_p=req.top_p,
-        top_k=req.top_k,
-        seed=req.seed,
-        stop=list(req.stop) or None,
-        ignore_eos=req.ignore_eos,
-        n=req.n,
-        logprobs=req.logprobs,
-        top_logprobs=req.top_logprobs,
-        presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty,
-    )
-
-
-def _logprobs(tok: Any, entries: Any) -> list[TokenLogprobInfo] | None:
-    if entries is None:
-        return None
-    return [
-        TokenLogprobInfo(
-            token=tok.decode([e.token_id]),
-            logprob=float(e.logprob),
-            top=[(tok.decode([tid]), float(lp), None) for tid, lp in e.top],
-        )
-        for e in entries
-    ]
-
-
-def generation_result(tok: Any, req: BatchRequest, output: RequestOutput) -> GenerationResult:
-    return GenerationResult(
-        prompt_tokens=len(output.prompt_token_ids),
-        cached_tokens=int(getattr(output.metrics, "num_cached_tokens", 0) or 0),
-        choices=[
-            ChoiceResult(
-                index=c.index,
-                text=c.text,
-                finish_reason=c.finish_reason or "stop",
-                completion_tokens=len(c.token_ids),
-                logprobs=_logprobs(tok, c.logprobs) if req.logprobs else None,
-            )
-            for c in output.outputs
-        ],
-    )
-
-
-def error_record(
-    custom_id: str | None,
-    code: str | None,
-    message: str,
-    *,
-    param: str | None = None,
-    status_code: int = 400,
-    type: str = "invalid_request_error",
-) -> dict[str, Any]:
-    return request_error_line(
-        custom_id, status_code=status_code, message=message, code=code, param=param, type=type
-    )
-
-
-def error_for_exception(req: BatchRequest, exc: BaseException) -> dict[str, Any]:
-    from engine import RequestError
-
-    if isinstance(exc, PromptError):
-        return error_record(req.custom_id, exc.code, exc.message, param=exc.param)
-    if isinstance(exc, RequestError):
-        text = str(exc)
-        code = (
-            "context_length_exceeded" if "context" in text or "long" in text else "invalid_request"
-        )
-        return error_record(req.custom_id, code, text)
-    if isinstance(exc, ValueError):
-        return error_record(req.custom_id, "invalid_value", str(exc))
-    return error_record(
-        req.custom_id,
-        "server_error",
-        f"The engine failed on this request: {exc}",
-        status_code=500,
-        type="server_error",
-    )
+    return SamplingParams(**sampling_kwargs(req, prompt_len, context))
 
 
 # ============================================================================================

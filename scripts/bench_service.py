@@ -161,6 +161,7 @@ class EngineRun:
 
 def run_engine(path: Path, model_dir: Path, warmup: int) -> EngineRun:
     """The batch file through ``LLM`` in this process, converted exactly as a shard does."""
+    from core import generation
     from core.batchfile import iter_lines, parse_request
     from core.settings import get_settings
     from engine import LLM
@@ -178,9 +179,9 @@ def run_engine(path: Path, model_dir: Path, warmup: int) -> EngineRun:
     with path.open("rb") as fh:
         for raw in iter_lines(fh, max_line_bytes=settings.max_line_bytes):
             req = parse_request(raw, endpoint=ENDPOINT, served_models=None)
-            ids = runtime.prompt_token_ids(tok, req)
+            ids = generation.prompt_token_ids(tok, req)
             try:
-                runtime.check_prompt(req, len(ids), context, len(tok))
+                generation.check_prompt(req, len(ids), context, len(tok))
                 params = runtime.sampling_params(req, len(ids), context)
             except ValueError:
                 errors += 1

@@ -16,7 +16,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from core.batchfile import COMPLETIONS_DEFAULT_MAX_TOKENS, BatchRequest
+from core.batchfile import BatchRequest
+from core.generation import sampling_kwargs
 from core.settings import get_settings
 
 if TYPE_CHECKING:
@@ -86,12 +87,12 @@ def install_test_fault(engine: Any, spec: str) -> None:
     poisoned: set[str] = set()
     add_request, abort_request, step = engine.add_request, engine.abort_request, engine.step
 
-    def faulty_add_request(request_id: str, prompt_token_ids: Any, *args: Any, **kw: Any) -> Any:
-        if marker in tok.decode(list(prompt_token_ids)):
+    def faulty_add_request(request_id: str, prompt: Any, *args: Any, **kw: Any) -> Any:
+        if marker in tok.decode(list(prompt)):
             if kind == "request":
                 raise RequestError(f"injected test fault: the prompt contains {marker!r}")
             poisoned.add(request_id)
-        return add_request(request_id, prompt_token_ids, *args, **kw)
+        return add_request(request_id, prompt, *args, **kw)
 
     def faulty_abort_request(request_id: str) -> Any:
         poisoned.discard(request_id)
@@ -106,16 +107,6 @@ def install_test_fault(engine: Any, spec: str) -> None:
     engine.abort_request = faulty_abort_request
     engine.step = faulty_step
     logger.warning("engine fault injection is on (%s=%s)", TEST_FAULT_ENV, spec)
-
-
-class PromptError(ValueError):
-    """A request this model can never run (say, a prompt longer than its context)."""
-
-    def __init__(self, code: str, message: str, param: str | None = None):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.param = param
 
 
 def model_dir(model: str) -> Path:
@@ -205,83 +196,11 @@ def shutdown_hosts() -> None:
         h.shutdown(wait=True, abort_pending=True, timeout=30)
 
 
-def _ids(encoded: Any) -> list[int]:
-    """Token ids from whatever a tokenizer call returned (list, BatchEncoding or dict)."""
-    if isinstance(encoded, Mapping) or hasattr(encoded, "keys"):
-        encoded = encoded["input_ids"]
-    ids = list(encoded)
-    if ids and isinstance(ids[0], list):  # a batch of one
-        ids = ids[0]
-    return [int(t) for t in ids]
-
-
-def prompt_token_ids(tok: Any, req: BatchRequest) -> list[int]:
-    if req.kind == "chat":
-        return _ids(
-            tok.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=True)
-        )
-    if isinstance(req.prompt, list):
-        return [int(t) for t in req.prompt]
-    return _ids(tok(req.prompt, add_special_tokens=True))
-
-
-def default_max_tokens(req: BatchRequest, prompt_len: int, context: int) -> int:
-    """OpenAI's defaults: chat may use the rest of the context, completions 16 tokens."""
-    if req.max_tokens is not None:
-        return req.max_tokens
-    remaining = context - prompt_len
-    if req.kind == "completion":
-        return min(COMPLETIONS_DEFAULT_MAX_TOKENS, max(remaining, 1))
-    return max(remaining, 1)
-
-
-def estimate_tokens(req: BatchRequest, prompt_len: int, context: int) -> int:
-    """Prompt plus the most output tokens the request may produce: the shard planner's unit."""
-    output = min(default_max_tokens(req, prompt_len, context), max(context - prompt_len, 0))
-    return prompt_len + output * max(req.n, 1)
-
-
-def check_prompt(
-    req: BatchRequest, prompt_len: int, context: int, vocab_size: int | None = None
-) -> None:
-    param = "body.messages" if req.kind == "chat" else "body.prompt"
-    if vocab_size is not None and isinstance(req.prompt, list):
-        bad = next((t for t in req.prompt if t >= vocab_size), None)
-        if bad is not None:
-            raise PromptError(
-                "invalid_value",
-                f"Token id {bad} is out of range: this model's vocabulary has {vocab_size} tokens",
-                param,
-            )
-    if prompt_len == 0:
-        raise PromptError("invalid_prompt", "The prompt is empty after tokenization", param)
-    if prompt_len >= context:
-        raise PromptError(
-            "context_length_exceeded",
-            f"This model's maximum context length is {context} tokens; the prompt has "
-            f"{prompt_len} tokens, which leaves no room for output",
-            param,
-        )
-
-
 def sampling_params(req: BatchRequest, prompt_len: int, context: int) -> SamplingParams:
     """Engine sampling parameters; raises ValueError for values the engine cannot honour."""
     from engine import SamplingParams
 
-    return SamplingParams(
-        max_tokens=default_max_tokens(req, prompt_len, context),
-        temperature=req.temperature,
-        top_p=req.top_p,
-        top_k=req.top_k,
-        seed=req.seed,
-        stop=list(req.stop) or None,
-        ignore_eos=req.ignore_eos,
-        n=req.n,
-        logprobs=req.logprobs,
-        top_logprobs=req.top_logprobs,
-        presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty,
-    )
+    return SamplingParams(**sampling_kwargs(req, prompt_len, context))
 
 
 # --------------------------------------------------------------------------------------------

@@ -51,6 +51,7 @@ from typing import Any
 from celery.signals import worker_ready
 from sqlalchemy import select, update
 
+from core import generation
 from core.batchfile import (
     BatchRequest,
     LineError,
@@ -58,17 +59,11 @@ from core.batchfile import (
     parse_request,
 )
 from core.db import session_scope
+from core.generation import error_for_exception, error_record, generation_result
 from core.lifecycle import transition
 from core.models import Batch, Shard
 from core.queue import TASK_FINALIZE, TASK_RUN_SHARD, model_queue
-from core.results import (
-    ChoiceResult,
-    GenerationResult,
-    TokenLogprobInfo,
-    output_line,
-    request_error_line,
-    response_body,
-)
+from core.results import GenerationResult, output_line, response_body
 from core.settings import get_settings
 from worker import runtime
 from worker.celery_app import app
@@ -439,71 +434,6 @@ def _batch_stopping(batch_id: str) -> bool:
 # Engine output -> result lines
 
 
-def _logprobs(tok: Any, entries: Any) -> list[TokenLogprobInfo] | None:
-    if entries is None:
-        return None
-    out = []
-    for entry in entries:
-        out.append(
-            TokenLogprobInfo(
-                token=tok.decode([entry.token_id]),
-                logprob=float(entry.logprob),
-                top=[(tok.decode([tid]), float(lp), None) for tid, lp in entry.top],
-            )
-        )
-    return out
-
-
-def generation_result(tok: Any, req: BatchRequest, output: Any) -> GenerationResult:
-    choices = [
-        ChoiceResult(
-            index=c.index,
-            text=c.text,
-            finish_reason=c.finish_reason or "stop",
-            completion_tokens=len(c.token_ids),
-            logprobs=_logprobs(tok, c.logprobs) if req.logprobs else None,
-        )
-        for c in output.outputs
-    ]
-    return GenerationResult(
-        prompt_tokens=len(output.prompt_token_ids),
-        cached_tokens=int(getattr(output.metrics, "num_cached_tokens", 0) or 0),
-        choices=choices,
-    )
-
-
-def _error_record(
-    req: BatchRequest,
-    code: str | None,
-    message: str,
-    *,
-    param: str | None = None,
-    status_code: int = 400,
-    type: str = "invalid_request_error",
-) -> dict[str, Any]:
-    return request_error_line(
-        req.custom_id, status_code=status_code, message=message, code=code, param=param, type=type
-    )
-
-
-def _error_for_exception(req: BatchRequest, exc: BaseException) -> dict[str, Any]:
-    from engine import RequestError
-
-    if isinstance(exc, runtime.PromptError):
-        return _error_record(req, exc.code, exc.message, param=exc.param)
-    if isinstance(exc, RequestError):
-        return _error_record(req, exc.code, str(exc))
-    if isinstance(exc, ValueError):
-        return _error_record(req, "invalid_value", str(exc))
-    return _error_record(
-        req,
-        "server_error",
-        f"The engine failed on this request: {exc}",
-        status_code=500,
-        type="server_error",
-    )
-
-
 # --------------------------------------------------------------------------------------------
 # The run
 
@@ -634,10 +564,10 @@ class ShardRun:
                 if tries < self.max_request_attempts:
                     self.to_retry.append((req, ids, params))
                 else:
-                    self.pending.add_error(req.line, _error_for_exception(req, exc))
+                    self.pending.add_error(req.line, error_for_exception(req, exc))
                 return
             if isinstance(exc, ValueError):  # a parameter the engine cannot honour
-                self.pending.add_error(req.line, _error_for_exception(req, exc))
+                self.pending.add_error(req.line, error_for_exception(req, exc))
                 return
             # A failed engine step (or another engine failure): this request may be the
             # culprit or a bystander; only a run alone tells.
@@ -655,8 +585,8 @@ class ShardRun:
                     )
                     self.pending.add_error(
                         req.line,
-                        _error_record(
-                            req,
+                        error_record(
+                            req.custom_id,
                             "server_error",
                             f"The engine failed on this request ({tries} attempts, the last "
                             f"ones run alone): {cause!r}",
@@ -669,7 +599,9 @@ class ShardRun:
             return
         output = future.result()
         if output.error:
-            self.pending.add_error(req.line, _error_record(req, "invalid_request", output.error))
+            self.pending.add_error(
+                req.line, error_record(req.custom_id, "invalid_request", output.error)
+            )
             return
         if not output.finished or any(c.finish_reason == "abort" for c in output.outputs):
             # Aborted: part of a cancel or expiry (the finalize writes its error line), or,
@@ -681,8 +613,8 @@ class ShardRun:
             else:
                 self.pending.add_error(
                     req.line,
-                    _error_record(
-                        req,
+                    error_record(
+                        req.custom_id,
                         "server_error",
                         "The request was aborted by the engine",
                         status_code=500,
@@ -726,7 +658,7 @@ class ShardRun:
             except HostError as exc:
                 raise EngineUnavailable(str(exc)) from exc
             except ValueError as exc:  # refused at submission
-                self.pending.add_error(req.line, _error_for_exception(req, exc))
+                self.pending.add_error(req.line, error_for_exception(req, exc))
                 return True
             self.in_flight += 1
             return True
@@ -734,11 +666,11 @@ class ShardRun:
 
     def _prepare(self, req: BatchRequest) -> tuple[list[int], Any] | None:
         try:
-            ids = runtime.prompt_token_ids(self.tok, req)
-            runtime.check_prompt(req, len(ids), self.context, self.vocab_size)
+            ids = generation.prompt_token_ids(self.tok, req)
+            generation.check_prompt(req, len(ids), self.context, self.vocab_size)
             params = runtime.sampling_params(req, len(ids), self.context)
         except Exception as exc:
-            self.pending.add_error(req.line, _error_for_exception(req, exc))
+            self.pending.add_error(req.line, error_for_exception(req, exc))
             return None
         return ids, params
 

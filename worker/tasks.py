@@ -15,6 +15,7 @@ from typing import Any
 from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
+from core import generation
 from core.batchfile import BatchRequest, validate_file
 from core.db import new_session, session_scope
 from core.lifecycle import transition
@@ -44,11 +45,11 @@ class _TokenCounter:
         tok = runtime.tokenizer(req.model)
         context = runtime.context_length(req.model)
         try:
-            prompt_len = len(runtime.prompt_token_ids(tok, req))
+            prompt_len = len(generation.prompt_token_ids(tok, req))
         except Exception:
             prompt_len = 0
         self.prompt_tokens += prompt_len
-        return runtime.estimate_tokens(req, prompt_len, context)
+        return generation.estimate_tokens(req, prompt_len, context)
 
 
 # Statuses whose batches hold their prompt tokens against the tenant's enqueued-token limit

@@ -62,12 +62,13 @@ def _prompt_tokens(lines) -> int:
 
     from worker_helpers import MODEL
 
+    from core import generation
     from worker import runtime
 
     tok = runtime.tokenizer(MODEL)
     return sum(
         len(
-            runtime.prompt_token_ids(
+            generation.prompt_token_ids(
                 tok, SimpleNamespace(kind="chat", messages=line["body"]["messages"])
             )
         )

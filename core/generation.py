@@ -1,0 +1,168 @@
+"""How a validated batch request becomes engine input, and engine output becomes a result.
+
+Shared by the model worker (``worker/``) and the offline runner (``batchd run``), so both
+produce the same tokens, sampling parameters, response bodies and error lines. ``core`` does
+not import the engine: the tokenizer (a Hugging Face tokenizer) and the engine's outputs are
+used through their attributes, and sampling parameters are returned as keyword arguments for
+``engine.SamplingParams``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from core.batchfile import COMPLETIONS_DEFAULT_MAX_TOKENS, BatchRequest
+from core.results import ChoiceResult, GenerationResult, TokenLogprobInfo, request_error_line
+
+
+class PromptError(ValueError):
+    """A request this model can never run (say, a prompt longer than its context)."""
+
+    def __init__(self, code: str, message: str, param: str | None = None):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.param = param
+
+
+def token_ids(encoded: Any) -> list[int]:
+    """Token ids from whatever a tokenizer call returned (list, BatchEncoding or dict)."""
+    if isinstance(encoded, Mapping) or hasattr(encoded, "keys"):
+        encoded = encoded["input_ids"]
+    ids = list(encoded)
+    if ids and isinstance(ids[0], list):  # a batch of one
+        ids = ids[0]
+    return [int(t) for t in ids]
+
+
+def prompt_token_ids(tok: Any, req: BatchRequest) -> list[int]:
+    """Chat: the model's chat template with the assistant turn opened; completions: the
+    prompt string tokenized, or the token list as given."""
+    if req.kind == "chat":
+        return token_ids(
+            tok.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=True)
+        )
+    if isinstance(req.prompt, list):
+        return [int(t) for t in req.prompt]
+    return token_ids(tok(req.prompt, add_special_tokens=True))
+
+
+def default_max_tokens(req: BatchRequest, prompt_len: int, context: int) -> int:
+    """OpenAI's defaults: chat may use the rest of the context, completions 16 tokens."""
+    if req.max_tokens is not None:
+        return req.max_tokens
+    remaining = context - prompt_len
+    if req.kind == "completion":
+        return min(COMPLETIONS_DEFAULT_MAX_TOKENS, max(remaining, 1))
+    return max(remaining, 1)
+
+
+def estimate_tokens(req: BatchRequest, prompt_len: int, context: int) -> int:
+    """Prompt plus the most output tokens the request may produce: the shard planner's unit."""
+    output = min(default_max_tokens(req, prompt_len, context), max(context - prompt_len, 0))
+    return prompt_len + output * max(req.n, 1)
+
+
+def check_prompt(
+    req: BatchRequest, prompt_len: int, context: int, vocab_size: int | None = None
+) -> None:
+    """Raise :class:`PromptError` for a prompt the model can never run."""
+    param = "body.messages" if req.kind == "chat" else "body.prompt"
+    if vocab_size is not None and isinstance(req.prompt, list):
+        bad = next((t for t in req.prompt if t >= vocab_size), None)
+        if bad is not None:
+            raise PromptError(
+                "invalid_value",
+                f"Token id {bad} is out of range: this model's vocabulary has {vocab_size} tokens",
+                param,
+            )
+    if prompt_len == 0:
+        raise PromptError("invalid_prompt", "The prompt is empty after tokenization", param)
+    if prompt_len >= context:
+        raise PromptError(
+            "context_length_exceeded",
+            f"This model's maximum context length is {context} tokens; the prompt has "
+            f"{prompt_len} tokens, which leaves no room for output",
+            param,
+        )
+
+
+def sampling_kwargs(req: BatchRequest, prompt_len: int, context: int) -> dict[str, Any]:
+    """Keyword arguments for ``engine.SamplingParams`` (which rejects values it cannot honour)."""
+    return {
+        "max_tokens": default_max_tokens(req, prompt_len, context),
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "seed": req.seed,
+        "stop": list(req.stop) or None,
+        "ignore_eos": req.ignore_eos,
+        "n": req.n,
+        "logprobs": req.logprobs,
+        "top_logprobs": req.top_logprobs,
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+    }
+
+
+def _logprobs(tok: Any, entries: Any) -> list[TokenLogprobInfo] | None:
+    if entries is None:
+        return None
+    return [
+        TokenLogprobInfo(
+            token=tok.decode([e.token_id]),
+            logprob=float(e.logprob),
+            top=[(tok.decode([tid]), float(lp), None) for tid, lp in e.top],
+        )
+        for e in entries
+    ]
+
+
+def generation_result(tok: Any, req: BatchRequest, output: Any) -> GenerationResult:
+    """The engine's ``RequestOutput`` as the result that ``core.results`` formats."""
+    return GenerationResult(
+        prompt_tokens=len(output.prompt_token_ids),
+        cached_tokens=int(getattr(output.metrics, "num_cached_tokens", 0) or 0),
+        choices=[
+            ChoiceResult(
+                index=c.index,
+                text=c.text,
+                finish_reason=c.finish_reason or "stop",
+                completion_tokens=len(c.token_ids),
+                logprobs=_logprobs(tok, c.logprobs) if req.logprobs else None,
+            )
+            for c in output.outputs
+        ],
+    )
+
+
+def error_record(
+    custom_id: str | None,
+    code: str | None,
+    message: str,
+    *,
+    param: str | None = None,
+    status_code: int = 400,
+    type: str = "invalid_request_error",
+) -> dict[str, Any]:
+    return request_error_line(
+        custom_id, status_code=status_code, message=message, code=code, param=param, type=type
+    )
+
+
+def error_for_exception(req: BatchRequest, exc: BaseException) -> dict[str, Any]:
+    """The error line of a request that failed on its own: refused before it ran (a
+    :class:`PromptError`, an invalid sampling value, the engine's ``RequestError`` with its
+    ``code``) is a 400; anything else the engine raised is a 500 ``server_error``."""
+    if isinstance(exc, PromptError):
+        return error_record(req.custom_id, exc.code, exc.message, param=exc.param)
+    if isinstance(exc, ValueError):
+        return error_record(req.custom_id, getattr(exc, "code", None) or "invalid_value", str(exc))
+    return error_record(
+        req.custom_id,
+        "server_error",
+        f"The engine failed on this request: {exc}",
+        status_code=500,
+        type="server_error",
+    )

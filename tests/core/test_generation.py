@@ -1,0 +1,69 @@
+"""The request → engine translation shared by the worker and `batchd run`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from core.batchfile import RawLine, parse_request
+from core.generation import (
+    PromptError,
+    check_prompt,
+    default_max_tokens,
+    error_for_exception,
+    estimate_tokens,
+    sampling_kwargs,
+)
+
+
+def _req(body: dict, url: str = "/v1/chat/completions"):
+    data = json.dumps({"custom_id": "c1", "method": "POST", "url": url, "body": body}).encode()
+    return parse_request(RawLine(7, 0, len(data) + 1, data), endpoint=url, served_models=None)
+
+
+def test_defaults_follow_openai() -> None:
+    chat = _req({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    assert default_max_tokens(chat, prompt_len=10, context=100) == 90  # the rest of the context
+    completion = _req({"model": "m", "prompt": "hi"}, url="/v1/completions")
+    assert default_max_tokens(completion, prompt_len=10, context=100) == 16
+    assert estimate_tokens(chat, prompt_len=10, context=100) == 100
+
+
+def test_sampling_kwargs_carry_every_field() -> None:
+    req = _req(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+         "temperature": 0.5, "top_p": 0.9, "n": 2, "stop": ["x"], "seed": 3, "logprobs": True,
+         "top_logprobs": 2, "presence_penalty": 0.1, "frequency_penalty": -0.2}
+    )  # fmt: skip
+    assert sampling_kwargs(req, 4, 100) == {
+        "max_tokens": 5, "temperature": 0.5, "top_p": 0.9, "top_k": 0, "seed": 3, "stop": ["x"],
+        "ignore_eos": False, "n": 2, "logprobs": True, "top_logprobs": 2,
+        "presence_penalty": 0.1, "frequency_penalty": -0.2,
+    }  # fmt: skip
+
+
+def test_prompts_the_model_can_never_run_are_request_errors() -> None:
+    req = _req({"model": "m", "prompt": [5, 999], "max_tokens": 1}, url="/v1/completions")
+    with pytest.raises(PromptError) as bad_token:
+        check_prompt(req, 2, 100, vocab_size=100)
+    assert (bad_token.value.code, bad_token.value.param) == ("invalid_value", "body.prompt")
+    with pytest.raises(PromptError) as too_long:
+        check_prompt(req, 100, 100)
+    assert too_long.value.code == "context_length_exceeded" and "100 tokens" in str(too_long.value)
+
+
+def test_error_lines_keep_the_engine_code_and_separate_server_errors() -> None:
+    req = _req({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+
+    class Refused(ValueError):
+        code = "kv_cache_too_small"
+
+    line = error_for_exception(req, Refused("needs 40 blocks, the cache holds 4"))
+    assert line["custom_id"] == "c1" and line["response"]["status_code"] == 400
+    assert line["response"]["body"]["error"]["code"] == "kv_cache_too_small"
+    line = error_for_exception(req, ValueError("temperature must be between 0 and 2"))
+    assert line["response"]["body"]["error"]["code"] == "invalid_value"
+    line = error_for_exception(req, RuntimeError("CUDA out of memory"))
+    assert line["response"]["status_code"] == 500
+    assert line["response"]["body"]["error"]["type"] == "server_error"
