@@ -78,7 +78,10 @@ class Settings(BaseSettings):
     webhook_timeout_s: float = 10.0
 
     # Worker.
-    worker_shard_concurrency: int = 4  # shard tasks in flight per model worker (threads)
+    # Shard tasks in flight per model worker (threads). A shard holds its thread until its last
+    # request finishes, so this should be at least max_released_shards_per_model: the next
+    # shard then starts feeding the engine while another drains.
+    worker_shard_concurrency: int = 8
     engine_options: Annotated[dict[str, Any], NoDecode] = Field(default_factory=dict)  # passed to engine config
     visibility_timeout_s: int = 6 * 3600
     expiry_sweep_interval_s: float = 60.0
