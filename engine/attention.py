@@ -7,11 +7,11 @@ unknown kwargs down to the attention function). The function
 
 1. writes the new K/V into the layer's paged cache at ``slot_mapping``
    (cache layout: ``[num_blocks, block_size, kv_heads, head_dim]``, slot = block * size + offset);
-2. attends decode tokens (one query per sequence) in batched SDPA calls, one per group of
-   similar context lengths (less padding), over their gathered
-   K/V (whole blocks: one index_select over block ids) padded to the longest block table with a
-   length mask; query heads are folded onto their
-   KV head (``[B, kv_heads, group, D]``) so GQA needs no K/V repeat;
+2. attends each decode token (one query per sequence) with its own SDPA call over exactly the
+   sequence's gathered K/V (one index_select over its block ids, cut to its length): on CPU
+   this beats batching sequences of unequal length, whose padding and length mask cost more
+   than the extra calls; query heads are folded onto their KV head (``[kv_heads, group, D]``)
+   so GQA needs no K/V repeat;
 3. attends each prefill chunk on its own: a chunk that starts the sequence uses the fresh K/V
    with a causal SDPA; a chunk that continues one (chunked prefill, prefix-cache hit) gathers
    the sequence's cached K/V and uses a causal mask offset by the context already computed.
@@ -40,13 +40,11 @@ class PrefillChunk:
 
 
 @dataclass(slots=True)
-class DecodeGroup:
-    """Decodes of similar context length, attended in one SDPA call (less padding)."""
+class Decode:
+    """One decoding sequence: its token sits at ``row`` of the packed sequence."""
 
-    start: int  # offsets in the packed sequence (one token per sequence)
-    end: int
-    blocks: torch.Tensor  # [B, max_blocks] block tables (padding: block 0)
-    mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool, True = attend
+    blocks: torch.Tensor  # the block ids covering the context (a view of one per-step tensor)
+    context_len: int  # tokens to attend, the new one included
 
 
 @dataclass(slots=True)
@@ -56,7 +54,7 @@ class AttentionContext:
     k_cache: list[torch.Tensor]
     v_cache: list[torch.Tensor]
     slot_mapping: torch.Tensor  # [num_tokens] cache slot of every packed token
-    decodes: list[DecodeGroup] = field(default_factory=list)  # the packed sequence starts with them
+    decodes: list[Decode] = field(default_factory=list)  # the packed sequence starts with them
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -87,16 +85,17 @@ def paged_attention(
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, ctx.slot_mapping, v_new.to(v_cache.dtype))
 
     out = query.new_empty(num_tokens, num_heads, head_dim)
-    for dg in ctx.decodes:
-        nd = dg.end - dg.start
-        # [B, KV, group, D]: query heads h = kv * group + g share KV head kv.
-        qd = q[:, dg.start:dg.end].transpose(0, 1).reshape(nd, kv_heads, group, head_dim)
-        blocks = dg.blocks
-        size = (nd, blocks.shape[1] * block_size, kv_heads, head_dim)
-        kd = k_cache.index_select(0, blocks.view(-1)).view(size).transpose(1, 2)  # [B, KV, L, D]
-        vd = v_cache.index_select(0, blocks.view(-1)).view(size).transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=dg.mask, scale=scaling)
-        out[dg.start:dg.end] = od.reshape(nd, num_heads, head_dim)
+    nd = len(ctx.decodes)
+    if nd:
+        # One SDPA per sequence over exactly its context: no padding, no mask. Query heads are
+        # folded onto their KV head ([KV, group, D]) so GQA needs no K/V repeat.
+        qd = q[:, :nd].transpose(0, 1).reshape(nd, kv_heads, group, head_dim)
+        od = out[:nd].view(nd, kv_heads, group, head_dim)
+        for i, d in enumerate(ctx.decodes):
+            n = d.context_len
+            kd = k_cache.index_select(0, d.blocks).view(-1, kv_heads, head_dim)[:n].transpose(0, 1)
+            vd = v_cache.index_select(0, d.blocks).view(-1, kv_heads, head_dim)[:n].transpose(0, 1)
+            od[i] = F.scaled_dot_product_attention(qd[i], kd, vd, scale=scaling)
     for chunk in ctx.prefills:
         qp = q[:, chunk.start:chunk.end].unsqueeze(0)  # [1, H, q, D]
         if chunk.blocks is None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from engine import attention
-from engine.attention import AttentionContext, DecodeGroup, PrefillChunk
+from engine.attention import AttentionContext, Decode, PrefillChunk
 from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from engine.sequence import Sequence
 
@@ -122,38 +122,28 @@ class ModelRunner:
                 decodes.append(seq)
             else:
                 prefills.append((seq, n))
-        # Decodes sorted by context length, then cut into groups whose longest block table is
-        # at most twice the shortest: each group is one SDPA call with little padding.
-        decodes.sort(key=len)
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
+        flat_blocks: list[int] = []
         for seq in decodes:
             p = len(seq) - 1
             ids.append(seq.token_ids[p])
             pos.append(p)
-            slots.append(seq.block_table[p // bs] * bs + p % bs)
+            table = seq.block_table
+            slots.append(table[p // bs] * bs + p % bs)
+            flat_blocks.extend(table[: p // bs + 1])
         nd = len(decodes)
         sample_rows = list(range(nd))
         sample_seqs = list(decodes)
         ctx = AttentionContext(self.k_cache, self.v_cache, slot_mapping=None)  # type: ignore[arg-type]
-        start = 0
-        while start < nd:
-            first = -(-len(decodes[start]) // bs)
-            end = start + 1
-            while end < nd and -(-len(decodes[end]) // bs) <= 2 * first:
-                end += 1
-            nb = -(-len(decodes[end - 1]) // bs)
-            group = decodes[start:end]
-            padded = [s.block_table[:nb] + [0] * (nb - len(s.block_table[:nb])) for s in group]
-            lens = torch.tensor([len(s) for s in group], device=dev)
-            span = nb * bs
-            ctx.decodes.append(DecodeGroup(
-                start, end,
-                blocks=torch.tensor(padded, dtype=torch.long, device=dev),
-                mask=(torch.arange(span, device=dev) < lens.unsqueeze(1)).view(end - start, 1, 1, span),
-            ))
-            start = end
+        if nd:
+            all_blocks = torch.tensor(flat_blocks, dtype=torch.long, device=dev)
+            at = 0
+            for seq in decodes:
+                nb = (len(seq) - 1) // bs + 1
+                ctx.decodes.append(Decode(all_blocks[at:at + nb], len(seq)))
+                at += nb
         slot_parts = [torch.tensor(slots, dtype=torch.long, device=dev)] if nd else []
         pos_parts = [torch.tensor(pos, dtype=torch.long, device=dev)] if nd else []
         offset = nd
