@@ -27,6 +27,7 @@ def test_bench_runs_every_system_on_the_same_work(model_dir: Path, tmp_path: Pat
     assert data["systems"].keys() == {"engine", "static", "generate_batch"}
     work = data["workload"]
     assert work["num_requests"] == 6
+    assert work["description"]["workload"] == "generation-heavy"  # the default preset
     for name, r in data["systems"].items():
         assert r["prompt_tokens"] == work["prompt_tokens"], name
         assert r["output_tokens"] == work["output_tokens"], name
@@ -43,6 +44,21 @@ def test_bench_runs_every_system_on_the_same_work(model_dir: Path, tmp_path: Pat
     # Greedy decoding on identical prompts: the engine agrees with transformers token for token.
     assert data["agreement"]["engine vs generate_batch"] == 1.0
     assert results["workload"] == work
+
+
+def test_bench_workload_presets() -> None:
+    args = bench.build_parser().parse_args([])
+    assert args.workload == bench.DEFAULT_WORKLOAD == "generation-heavy"
+    totals = {}
+    for name, (n, inp, out) in bench.WORKLOADS.items():
+        assert n >= 64, name
+        w = bench.synthetic_workload(
+            num_requests=n, input_len=bench.LengthDist.parse(inp),
+            output_len=bench.LengthDist.parse(out), shared_prefix_frac=0.0, vocab=range(10, 500),
+            max_model_len=4096, seed=0)
+        assert len(set(w.max_tokens)) > n // 4 and len({len(p) for p in w.prompts}) > n // 4
+        totals[name] = w.prompt_tokens / w.output_tokens
+    assert totals["generation-heavy"] < 1.5 and totals["prompt-heavy"] > 3
 
 
 def test_bench_compares_prefix_caching(model_dir: Path) -> None:
