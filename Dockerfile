@@ -1,7 +1,11 @@
-# CPU image for the API, control worker, beat and migrations (and CPU model workers).
+# CPU image: the API, the control worker, beat, Flower and migrations (and CPU model workers).
+# torch comes first, from PyTorch's CPU index (PyPI's Linux wheel is the much larger CUDA
+# build); `pip install .` then finds its torch==2.13.0 pin satisfied and replaces nothing.
 FROM python:3.11-slim
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
 WORKDIR /app
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+RUN pip install ${TORCH_INDEX:+--index-url "$TORCH_INDEX"} torch==2.13.0
 COPY pyproject.toml README.md alembic.ini ./
 COPY api ./api
 COPY core ./core
@@ -9,8 +13,7 @@ COPY engine ./engine
 COPY worker ./worker
 COPY cli ./cli
 COPY migrations ./migrations
-ARG TORCH_INDEX=""
-RUN if [ -n "$TORCH_INDEX" ]; then pip install --index-url "$TORCH_INDEX" torch==2.13.0; fi && pip install .
+RUN pip install .
 RUN useradd --create-home batchd
 USER batchd
 EXPOSE 8000
