@@ -32,6 +32,9 @@ MAX_FIELD_BYTES = 1024
 #: still sending, gets the 413 instead of a reset connection.
 DRAIN_LIMIT = 8 * 1024 * 1024
 MAX_FILENAME_CHARS = 255
+#: The longest header line of one part (python-multipart's default, 4 KiB, refuses file names
+#: that clients do send; the name is cut to MAX_FILENAME_CHARS once received).
+MAX_PART_HEADER_BYTES = 32 * 1024
 
 FILE_FIELD = "file"
 #: Uploads in progress at once per process. Each holds a thread while it waits on the network,
@@ -128,6 +131,8 @@ class _Ingest:
 
     def on_header_value(self, data: bytes, start: int, end: int) -> None:
         self._header_value += data[start:end]
+        if len(self._header_value) > MAX_PART_HEADER_BYTES:
+            raise _header_too_long()
 
     def on_header_end(self) -> None:
         name = self._header_field.decode("latin-1").strip().lower()
@@ -138,7 +143,9 @@ class _Ingest:
     def on_headers_finished(self) -> None:
         disposition, options = parse_options_header(self._headers.get("content-disposition"))
         if disposition != b"form-data" or b"name" not in options:
-            raise invalid_request("Each multipart part needs a 'Content-Disposition: form-data; name=...' header.")
+            raise invalid_request(
+                "Each multipart part needs a 'Content-Disposition: form-data; name=...' header."
+            )
         name = options[b"name"].decode("utf-8", "replace")
         if name == FILE_FIELD:
             if self._out is not None:
@@ -173,6 +180,25 @@ class _Ingest:
 
     def on_end(self) -> None:
         self.ended = True
+
+
+def _header_too_long() -> APIError:
+    return invalid_request(
+        f"A multipart part header is longer than {MAX_PART_HEADER_BYTES} bytes "
+        "(is the file name that long?).",
+        param=FILE_FIELD,
+    )
+
+
+def _parser(boundary: bytes, callbacks: dict[str, Callable[..., None]]) -> MultipartParser:
+    try:
+        return MultipartParser(
+            boundary,
+            callbacks,  # type: ignore[arg-type]
+            max_header_size=MAX_PART_HEADER_BYTES + 1024,  # the limit above trips first
+        )
+    except TypeError:  # older python-multipart releases have no header limit of their own
+        return MultipartParser(boundary, callbacks)  # type: ignore[arg-type]
 
 
 def _boundary(request: Request) -> bytes:
@@ -229,12 +255,14 @@ async def receive_upload(
     def ingest(receive: Callable[[], Awaitable[bytes | None]]) -> Upload:
         with ExitStack() as stack:
             sink = _Ingest(stack, storage, key, max_bytes)
-            parser = MultipartParser(boundary, sink.callbacks())  # type: ignore[arg-type]
+            parser = _parser(boundary, sink.callbacks())
             while (chunk := anyio.from_thread.run(receive)) is not None:
                 if chunk:
                     try:
                         parser.write(chunk)
                     except FormParserError as error:
+                        if "header size" in str(error):
+                            raise _header_too_long() from error
                         raise invalid_request(f"Malformed multipart body: {error}") from error
             if not sink.ended:
                 raise invalid_request("The multipart body ended before its closing boundary.")

@@ -41,7 +41,7 @@ Error codes (``LineError.code``; stable, snake_case)
 ``empty_file``              the file has no request lines (``line`` is ``None``)
 ``too_many_requests``       more request lines than the batch limit (validation stops)
 ``line_too_long``           a line longer than ``max_line_bytes``
-``invalid_encoding``        the line is not valid UTF-8
+``invalid_encoding``        the line is not valid UTF-8, or a string escapes a lone surrogate
 ``invalid_json_line``       not JSON, NaN/Infinity, nested too deeply, or not an object
 ``missing_custom_id``       ``custom_id`` absent or null
 ``invalid_custom_id``       ``custom_id`` not a string, empty, or over 512 characters
@@ -79,6 +79,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Literal
@@ -592,6 +593,29 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+# A \\u escape of a UTF-16 surrogate: JSON allows a lone one, Unicode (and UTF-8) does not.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _lone_surrogate(obj: Any) -> str | None:
+    """The first string (key or value) of ``obj`` holding a lone surrogate, if any; iterative,
+    so however deep ``obj`` is."""
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return item
+    return None
+
+
 def _load_object(raw: RawLine, max_line_bytes: int | None) -> dict[str, Any]:
     line = raw.line
     if raw.too_long:
@@ -620,6 +644,14 @@ def _load_object(raw: RawLine, max_line_bytes: int | None) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise LineError(
             line, "invalid_json_line", f"Line {line} must be a JSON object, got {_type_name(obj)}"
+        )
+    # Every later step (tokenizer, error messages, the API's JSON) needs valid Unicode.
+    if _SURROGATE_ESCAPE.search(text) and _lone_surrogate(obj) is not None:
+        raise LineError(
+            line,
+            "invalid_encoding",
+            f"Line {line} holds a \\u escape of a lone UTF-16 surrogate, which is not valid "
+            "Unicode (a surrogate escape must be a high one followed by a low one)",
         )
     return obj
 

@@ -67,7 +67,9 @@ def estimate_tokens(req: BatchRequest, prompt_len: int, context: int) -> int:
 def check_prompt(
     req: BatchRequest, prompt_len: int, context: int, vocab_size: int | None = None
 ) -> None:
-    """Raise :class:`PromptError` for a prompt the model can never run."""
+    """Raise :class:`PromptError` for a request the model can never run: a token id outside
+    the vocabulary, an empty prompt, a prompt that fills the context, or ``max_tokens`` of at
+    least the context (``invalid_value``, naming the limit)."""
     param = "body.messages" if req.kind == "chat" else "body.prompt"
     if vocab_size is not None and isinstance(req.prompt, list):
         bad = next((t for t in req.prompt if t >= vocab_size), None)
@@ -86,6 +88,24 @@ def check_prompt(
             f"{prompt_len} tokens, which leaves no room for output",
             param,
         )
+    if req.max_tokens is not None and req.max_tokens >= context:
+        # OpenAI answers 400 "max_tokens is too large" for more output than the model can
+        # produce; a limit that merely exceeds what this prompt leaves is clamped (the
+        # completion then ends with finish_reason "length").
+        chat_mct = req.kind == "chat" and req.body.get("max_completion_tokens") is not None
+        name = "max_completion_tokens" if chat_mct else "max_tokens"
+        raise PromptError(
+            "invalid_value",
+            f"{name} is too large: {_short(req.max_tokens)}. This model's maximum context "
+            f"length is {context} tokens, so a request can produce at most {context - 1} "
+            f"tokens (this prompt of {prompt_len} tokens leaves room for {context - prompt_len})",
+            f"body.{name}",
+        )
+
+
+def _short(value: int) -> str:
+    text = str(value)
+    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} digits)"
 
 
 def sampling_kwargs(req: BatchRequest, prompt_len: int, context: int) -> dict[str, Any]:
