@@ -795,6 +795,13 @@ def run(
         str | None, typer.Option(help="Engine: auto, float32, float16, bfloat16.")
     ] = None,
     device: Annotated[str | None, typer.Option(help="Engine: auto, cpu, cuda, cuda:N.")] = None,
+    engine_options: Annotated[
+        str | None,
+        typer.Option(
+            help="Any engine options as JSON, like BATCHD_ENGINE_OPTIONS "
+            '(\'{"admission": "fcfs", "max_model_len": 2048}\'); the flags above win.'
+        ),
+    ] = None,
     checkpoint_every: Annotated[
         int, typer.Option(min=1, help="Checkpoint after this many requests.")
     ] = 256,
@@ -823,7 +830,13 @@ def run(
             f"expected a fraction or a size, got {kv_cache_memory!r}",
             param_hint="--kv-cache-memory",
         ) from None
-    engine_config = {
+    try:
+        extra = json.loads(engine_options) if engine_options else {}
+    except ValueError as exc:
+        raise typer.BadParameter(f"not JSON: {exc}", param_hint="--engine-options") from None
+    if not isinstance(extra, dict):
+        raise typer.BadParameter("expected a JSON object", param_hint="--engine-options")
+    engine_config = extra | {
         k: v
         for k, v in {
             "max_num_seqs": max_num_seqs,

@@ -304,3 +304,25 @@ def test_run_reports_a_model_that_does_not_load(tmp_path: Path) -> None:
     assert code == ExitCode.ERROR
     assert "cannot load the model /nonexistent" in err and "Traceback" not in err
     assert list(tmp_path.iterdir()) == [batch]  # no partial or progress files
+
+
+def test_engine_options_json_reaches_the_engine(tiny_model: str, tmp_path: Path) -> None:
+    batch = write_jsonl(tmp_path / "in.jsonl", [completion_line(i) for i in range(3)])
+    out = tmp_path / "o.jsonl"
+    code, summary, err = run_cli(
+        str(batch), "-o", str(out), "--model", tiny_model, "--endpoint", "/v1/completions",
+        "--engine-options", '{"admission": "fcfs", "max_model_len": 64}',
+    )  # fmt: skip
+    assert code == ExitCode.OK, err
+    assert summary["succeeded"] == 3 and len(read_jsonl(out)) == 3
+
+    code, _, err = run_cli(
+        str(batch), "-o", str(tmp_path / "o2.jsonl"), "--model", tiny_model,
+        "--endpoint", "/v1/completions", "--engine-options", '{"no_such_option": 1}',
+    )  # fmt: skip
+    assert code == ExitCode.ERROR and "no_such_option" in err
+    code, _, err = run_cli(
+        str(batch), "-o", str(tmp_path / "o3.jsonl"), "--model", tiny_model,
+        "--engine-options", "[1]",
+    )  # fmt: skip
+    assert code == ExitCode.USAGE and "JSON object" in err
