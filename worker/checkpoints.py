@@ -18,6 +18,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from core.batchfile import iter_lines
+from core.settings import get_settings
 from core.storage import ObjectNotFound, Storage
 
 
@@ -89,3 +91,29 @@ def discard_uncommitted(storage: Storage, batch_id: str, shard_index: int, num_c
             storage.delete(key)
             removed += 1
     return removed
+
+
+def lines_without_result(
+    storage: Storage,
+    input_key: str,
+    batch_id: str,
+    shard: Any,
+    num_chunks: int,
+) -> Iterator[tuple[int, str | None]]:
+    """(line, custom_id) of the shard's input lines that its committed chunks hold no result
+    for: what a cancel, an expiry or a given-up shard must still report."""
+    done = committed_lines(storage, batch_id, shard.index, num_chunks)
+    chunks = storage.read_range(input_key, shard.start_offset, shard.end_offset)
+    for raw in iter_lines(
+        chunks,
+        max_line_bytes=get_settings().max_line_bytes,
+        first_line=shard.start_line,
+        base_offset=shard.start_offset,
+    ):
+        if raw.line in done:
+            continue
+        try:
+            custom_id = json.loads(raw.data).get("custom_id")
+        except (ValueError, AttributeError):
+            custom_id = None
+        yield raw.line, custom_id if isinstance(custom_id, str) else None

@@ -25,7 +25,6 @@ Output and error files expire ``settings.file_expiry_s`` after the finalize
 from __future__ import annotations
 
 import heapq
-import json
 import logging
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -36,7 +35,6 @@ from typing import Any, BinaryIO
 from sqlalchemy import select, update
 
 from core import ids
-from core.batchfile import iter_lines
 from core.db import new_session, session_scope
 from core.lifecycle import TERMINAL, transition
 from core.models import Batch, File, Shard
@@ -47,7 +45,7 @@ from worker.checkpoints import (
     ChunkRecord,
     batch_prefix,
     chunk_key,
-    committed_lines,
+    lines_without_result,
     read_chunk,
 )
 from worker.common import CLOSED, DONE, input_key, live_shards, past_expiry, storage, utcnow
@@ -84,21 +82,8 @@ def _unfinished(
     sto: Storage, batch_id: str, key: str, shard: _ShardView, code: str
 ) -> Iterator[ChunkRecord]:
     """``batch_<code>`` error records for the shard's lines that have no committed result."""
-    done = committed_lines(sto, batch_id, shard.index, shard.num_chunks)
-    chunks = sto.read_range(key, shard.start_offset, shard.end_offset)
-    for raw in iter_lines(
-        chunks,
-        max_line_bytes=get_settings().max_line_bytes,
-        first_line=shard.start_line,
-        base_offset=shard.start_offset,
-    ):
-        if raw.line in done:
-            continue
-        try:
-            custom_id = json.loads(raw.data).get("custom_id")
-        except ValueError:
-            custom_id = None
-        yield ChunkRecord(raw.line, False, batch_error_line(custom_id, code))
+    for line, custom_id in lines_without_result(sto, key, batch_id, shard, shard.num_chunks):
+        yield ChunkRecord(line, False, batch_error_line(custom_id, code))
 
 
 def merged_records(

@@ -21,7 +21,6 @@ The reclaimed shard keeps its ``released_at``: it was released once and is only 
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from datetime import timedelta
@@ -29,14 +28,13 @@ from typing import Any
 
 from sqlalchemy import select, update
 
-from core.batchfile import iter_lines
 from core.db import session_scope
 from core.models import Batch, Shard
 from core.queue import TASK_FINALIZE, TASK_RUN_SHARD, model_queue
 from core.results import request_error_line
 from core.settings import get_settings
 from worker.celery_app import app
-from worker.checkpoints import committed_lines, discard_uncommitted
+from worker.checkpoints import discard_uncommitted, lines_without_result
 from worker.common import (
     DONE,
     PENDING,
@@ -88,22 +86,9 @@ def fail_claimed(shard_id: int, attempt: int, num_chunks: int, message: str) -> 
     shard, batch, key = retrying(read, f"reading shard {shard_id}")
     sto = storage()
     discard_uncommitted(sto, batch.id, shard.index, num_chunks)
-    done = committed_lines(sto, batch.id, shard.index, num_chunks)
     pending = _Pending()
-    chunks = sto.read_range(key, shard.start_offset, shard.end_offset)
-    for raw in iter_lines(
-        chunks,
-        max_line_bytes=get_settings().max_line_bytes,
-        first_line=shard.start_line,
-        base_offset=shard.start_offset,
-    ):
-        if raw.line in done:
-            continue
-        try:
-            custom_id = json.loads(raw.data).get("custom_id")
-        except ValueError:
-            custom_id = None
-        pending.add_error(raw.line, _shard_failed_line(custom_id, message))
+    for line, custom_id in lines_without_result(sto, key, batch.id, shard, num_chunks):
+        pending.add_error(line, _shard_failed_line(custom_id, message))
     try:
         if pending:
             commit_chunk(shard, attempt, num_chunks, pending)
