@@ -56,6 +56,7 @@ from core.generation import (
     sampling_kwargs,
 )
 from core.results import dumps_line, output_line, response_body
+from core.storage_local import fsync_dir
 
 if TYPE_CHECKING:
     from engine import Engine, SamplingParams
@@ -227,19 +228,6 @@ class ModelLoadError(Exception):
     """The engine could not be built: exit 1."""
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 class ResultFiles:
     """OUT.partial and ERR.partial, written in input order, checkpointed with the progress
     file; :meth:`finish` renames them into place."""
@@ -291,7 +279,7 @@ class ResultFiles:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, self.progress_path)
-        _fsync_dir(self.progress_path.parent)
+        fsync_dir(self.progress_path.parent)
 
     def close(self) -> None:
         for fh in (self._out, self._err):
@@ -313,9 +301,9 @@ class ResultFiles:
         for partial, final in ((self.err_partial, self.errors), (self.out_partial, self.output)):
             if partial.exists():
                 os.replace(partial, final)
-        _fsync_dir(self.output.parent)
+        fsync_dir(self.output.parent)
         if self.errors.parent != self.output.parent:
-            _fsync_dir(self.errors.parent)
+            fsync_dir(self.errors.parent)
         self.progress_path.unlink(missing_ok=True)
 
 

@@ -28,7 +28,8 @@ from core.storage import (
 )
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in ``path`` durable (best effort where unsupported)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -109,7 +110,7 @@ class LocalStorage(Storage):
             with suppress(FileNotFoundError):
                 os.unlink(tmp)
             raise
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
 
     # -- reading ---------------------------------------------------------------------------
 
