@@ -99,7 +99,8 @@ def test_expired_unused_upload_is_deleted(stack):
 
 
 def test_running_batch_keeps_its_expired_input_until_it_ends(stack):
-    lines = [_chat(f"r{i}", 4 if i % 8 == 0 else 100) for i in range(16)]
+    # Long enough to outlast three sweeps even on a quiet machine (quick ones finish first).
+    lines = [_chat(f"r{i}", 4 if i % 8 == 0 else 800) for i in range(32)]
     file_id = _upload(stack, lines)
     batch = stack.client.batches.create(
         input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
@@ -119,13 +120,13 @@ def test_running_batch_keeps_its_expired_input_until_it_ends(stack):
 
     done = _until(
         lambda: (b := stack.client.batches.retrieve(batch.id)).status in TERMINAL and b,
-        120,
+        240,
         "the batch to finish",
     )
     assert done.status == "completed", done
-    assert done.request_counts.completed == 16 and done.request_counts.failed == 0
+    assert done.request_counts.completed == len(lines) and done.request_counts.failed == 0
     out_id = done.output_file_id
-    assert len(stack.client.files.content(out_id).text.splitlines()) == 16
+    assert len(stack.client.files.content(out_id).text.splitlines()) == len(lines)
 
     # Now the batch has ended, the sweep deletes its expired input.
     _until(lambda: _file(stack, file_id) is None, 15, "the sweep to delete the used input")
