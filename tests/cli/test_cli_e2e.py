@@ -1,6 +1,6 @@
 """The client commands against the whole service (API, control and model workers, beat) on the
 tiny demo model: the exit codes a pipeline sees for completed, completed-with-failures,
-failed and cancelled batches, and the downloaded files."""
+failed, expired and cancelled batches, and the downloaded files."""
 
 from __future__ import annotations
 
@@ -108,3 +108,22 @@ def test_cancel_then_wait_exits_cancelled(stack, tmp_path: Path) -> None:  # noq
     ids = [json.loads(x)["custom_id"] for x in out.read_text().splitlines()]
     ids += [json.loads(x)["custom_id"] for x in err.read_text().splitlines()]
     assert sorted(ids) == sorted(f"long-{i}" for i in range(32))
+
+
+def test_expired_batch_exits_expired(stack, tmp_path: Path) -> None:  # noqa: F811
+    """A real expiry: an 8-second window (time to validate even on a busy machine) over a
+    workload far longer than that; the beat sweep expires it and `submit --wait` exits with the
+    expired code, the finished results and `batch_expired` lines downloaded."""
+    rows = [chat(f"slow-{i}", f"ocean {i}", 900, ignore_eos=True) for i in range(64)]
+    out, err = tmp_path / "out.jsonl", tmp_path / "err.jsonl"
+    result = batchd(
+        stack, "submit", str(write_jsonl(tmp_path / "in.jsonl", rows)), "--window", "8s",
+        "--wait", "-o", str(out), "--errors", str(err), "--poll-interval", "0.2",
+        "--timeout", "120",
+    )  # fmt: skip
+    assert result.exit_code == ExitCode.EXPIRED, result.output
+    errors = [json.loads(x) for x in err.read_text().splitlines()] if err.exists() else []
+    assert errors, (result.output, out.exists(), err.exists())
+    assert all(e["error"]["code"] == "batch_expired" for e in errors)
+    done = out.read_text().splitlines() if out.exists() else []
+    assert len(done) + len(errors) == 64
