@@ -193,15 +193,10 @@ def chat_completion_body(
         }
         for c in sorted(result.choices, key=lambda c: c.index)
     ]
-    return {
-        "id": completion_id or new_chat_completion_id(),
-        "object": "chat.completion",
-        "created": int(time.time()) if created is None else created,
-        "model": model or req.model,
-        "choices": choices,
-        "usage": usage_dict(result),
-        "system_fingerprint": system_fingerprint,
-    }
+    return _envelope(
+        completion_id or new_chat_completion_id(), "chat.completion", req, result, choices,
+        created=created, model=model, system_fingerprint=system_fingerprint,
+    )  # fmt: skip
 
 
 def _completion_logprobs(req: BatchRequest, choice: ChoiceResult) -> dict[str, Any] | None:
@@ -246,9 +241,27 @@ def completion_body(
         }
         for c in sorted(result.choices, key=lambda c: c.index)
     ]
+    return _envelope(
+        completion_id or new_completion_id(), "text_completion", req, result, choices,
+        created=created, model=model, system_fingerprint=system_fingerprint,
+    )  # fmt: skip
+
+
+def _envelope(
+    body_id: str,
+    obj: str,
+    req: BatchRequest,
+    result: GenerationResult,
+    choices: list[dict[str, Any]],
+    *,
+    created: int | None,
+    model: str | None,
+    system_fingerprint: str | None,
+) -> dict[str, Any]:
+    """The fields a ChatCompletion and a Completion share around their choices."""
     return {
-        "id": completion_id or new_completion_id(),
-        "object": "text_completion",
+        "id": body_id,
+        "object": obj,
         "created": int(time.time()) if created is None else created,
         "model": model or req.model,
         "choices": choices,
