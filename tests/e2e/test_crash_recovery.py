@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 import socket
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -24,24 +25,12 @@ from conftest import (
     celery_command,
 )
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "worker"))
+from worker_helpers import batch_row, chat_line, read_file_lines, shard_rows
+
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 
 SEED = 20261129
-
-
-def _chat(custom_id: str, text: str, max_tokens: int) -> dict[str, Any]:
-    return {
-        "custom_id": custom_id,
-        "method": "POST",
-        "url": "/v1/chat/completions",
-        "body": {
-            "model": MODEL,
-            "messages": [{"role": "user", "content": text}],
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-        },
-    }
 
 
 def _use_env(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -83,41 +72,6 @@ def _create_batch(lines: list[dict[str, Any]], broker: str) -> str:
     return batch_id
 
 
-def _batch(batch_id: str) -> Any:
-    from core.db import session_scope
-    from core.models import Batch
-
-    with session_scope() as session:
-        batch = session.get(Batch, batch_id)
-        session.expunge(batch)
-        return batch
-
-
-def _shards(batch_id: str) -> list[Any]:
-    from sqlalchemy import select
-
-    from core.db import session_scope
-    from core.models import Shard
-
-    with session_scope() as session:
-        rows = list(session.scalars(select(Shard).where(Shard.batch_id == batch_id)))
-        session.expunge_all()
-        return rows
-
-
-def _file_lines(file_id: str | None) -> list[dict[str, Any]]:
-    if file_id is None:
-        return []
-    from core.db import session_scope
-    from core.models import File
-    from worker.common import storage
-
-    with session_scope() as session:
-        key = session.get(File, file_id).storage_key
-    with storage().reader(key) as stream:
-        return [json.loads(x) for x in stream.read().splitlines() if x.strip()]
-
-
 # 96 requests of this many tokens on two sequence slots outlast the three kills even on a quiet
 # machine (the tiny model decodes ~2,000 tokens/s there).
 MAX_TOKENS = 256
@@ -150,39 +104,41 @@ def test_sigkilled_model_worker_loses_nothing_and_repeats_nothing(
     procs.start("beat", celery_command("beat", "beat", tmp_path), env)
     procs.start("model-0", celery_command("model", "model-0", tmp_path), env)
     texts = {f"k{i:02d}": f"tell me about the mountain number {i}" for i in range(96)}
-    batch_id = _create_batch([_chat(c, t, MAX_TOKENS) for c, t in texts.items()], private_broker)
+    batch_id = _create_batch(
+        [chat_line(c, t, MAX_TOKENS, ignore_eos=True) for c, t in texts.items()], private_broker
+    )
 
     rng = random.Random(SEED)
     kills = []
     for k in range(3):
         name = f"model-{k}"
         procs.wait_log(name, f"model {MODEL} ready", 120)
-        before = _batch(batch_id).request_completed
+        before = batch_row(batch_id).request_completed
         # Let this worker commit something first, so every kill interrupts work under way.
         _wait_for(
-            lambda before=before: _batch(batch_id).request_completed > before,
+            lambda before=before: batch_row(batch_id).request_completed > before,
             90,
             f"progress by {name}",
             tmp_path,
         )
         delay = rng.uniform(0.0, 2.5)
         time.sleep(delay)
-        batch = _batch(batch_id)
+        batch = batch_row(batch_id)
         assert batch.status == "in_progress", f"the job ended before kill {k}; make it longer"
         procs.kill(name)
         kills.append((round(delay, 2), batch.request_completed))
         procs.start(f"model-{k + 1}", celery_command("model", f"model-{k + 1}", tmp_path), env)
 
     _wait_for(
-        lambda: _batch(batch_id).status in ("completed", "failed", "expired", "cancelled"),
+        lambda: batch_row(batch_id).status in ("completed", "failed", "expired", "cancelled"),
         400,
         "the batch to finish",
         tmp_path,
     )
-    batch = _batch(batch_id)
+    batch = batch_row(batch_id)
     assert batch.status == "completed", procs.logs()
-    out = _file_lines(batch.output_file_id)
-    err = _file_lines(batch.error_file_id)
+    out = read_file_lines(batch.output_file_id)
+    err = read_file_lines(batch.error_file_id)
     counts = Counter(r["custom_id"] for r in out + err)
     assert counts == Counter(list(texts)), f"not exactly one line per request: {counts}"
     assert not err, err[:3]
@@ -207,7 +163,7 @@ def test_sigkilled_model_worker_loses_nothing_and_repeats_nothing(
     # Killed attempts were resumed from their checkpoints, not started over.
     logs = "".join(procs.log(f"model-{k}") for k in range(4))
     assert "resumes:" in logs, procs.logs()
-    attempts = sorted(s.attempts for s in _shards(batch_id))
+    attempts = sorted(s.attempts for s in shard_rows(batch_id))
     print(f"kills (delay s, results committed): {kills}; attempts per shard: {attempts}")
     assert max(attempts) >= 2
 
@@ -246,7 +202,7 @@ def test_api_killed_mid_upload_leaves_nothing_listed_or_usable(
     _wait_for(api_up, 60, "the API", tmp_path)
     before = httpx.get(f"{base}/v1/files", headers=headers).json()["data"]
 
-    line = json.dumps(_chat("x", "y" * 900, 4)).encode() + b"\n"
+    line = json.dumps(chat_line("x", "y" * 900, 4, ignore_eos=True)).encode() + b"\n"
     boundary = "batchd-crash-boundary"
     head = _multipart_head(boundary, "big.jsonl")
     total = len(head) + 8 * 1024 * 1024  # declared: 8 MiB of lines, never all sent

@@ -26,25 +26,11 @@ from conftest import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "worker"))
 from tcp_proxy import TcpProxy
+from worker_helpers import chat_line
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 
 OUTAGE_S = 4.0
-
-
-def _chat(custom_id: str, text: str, max_tokens: int) -> dict[str, Any]:
-    return {
-        "custom_id": custom_id,
-        "method": "POST",
-        "url": "/v1/chat/completions",
-        "body": {
-            "model": MODEL,
-            "messages": [{"role": "user", "content": text}],
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-        },
-    }
 
 
 def test_database_and_broker_outages_mid_job(pg_url, private_broker, tmp_path, procs: Procs):
@@ -82,7 +68,8 @@ def test_database_and_broker_outages_mid_job(pg_url, private_broker, tmp_path, p
 
         ids = [f"o{i:02d}" for i in range(18)]
         data = b"".join(
-            json.dumps(_chat(c, f"the outage report {c}", 24)).encode() + b"\n" for c in ids
+            json.dumps(chat_line(c, f"the outage report {c}", 24, ignore_eos=True)).encode() + b"\n"
+            for c in ids
         )
         f = client.post(
             "/v1/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", io.BytesIO(data))}
