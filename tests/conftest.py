@@ -64,7 +64,8 @@ def redis_url() -> str:
         pytest.fail(f"Redis is not reachable at {REDIS_HOST}:{REDIS_PORT}; start it (see .ci/run)")
     import redis
 
-    index = 1 + secrets.randbelow(15)
+    # BATCHD_TEST_REDIS_DB pins the index, so test runs side by side on one server stay apart.
+    index = int(os.environ.get("BATCHD_TEST_REDIS_DB") or 1 + secrets.randbelow(15))
     url = f"redis://{REDIS_HOST}:{REDIS_PORT}/{index}"
     redis.Redis.from_url(url).flushdb()
     return url
