@@ -31,6 +31,7 @@ from rich.table import Table
 
 from cli.client import BatchdClient, ClientError, ServerUnreachable
 from cli.exit_codes import TERMINAL_STATUSES, ExitCode, exit_code_for_batch, exit_codes_help
+from core.batchfile import CHAT_URL, LineError, file_endpoint
 
 # How long polling tolerates a server that stopped answering after it answered once (an API
 # restart should not fail a pipeline that waits for hours); the first call never retries.
@@ -249,8 +250,9 @@ def submit(
         typer.Argument(exists=True, dir_okay=False, readable=True, help="JSONL batch file."),
     ],
     endpoint: Annotated[
-        str, typer.Option(help="Endpoint every request targets.")
-    ] = "/v1/chat/completions",
+        str | None,
+        typer.Option(help="Endpoint every request targets (default: the file's first url)."),
+    ] = None,
     window: Annotated[str, typer.Option(help="Completion window, e.g. 24h.")] = "24h",
     metadata: Annotated[
         list[str] | None, typer.Option(help="KEY=VALUE metadata; repeat for more.")
@@ -276,6 +278,7 @@ def submit(
     meta = _parse_metadata(metadata)
     if (output or errors) and not wait:
         raise typer.BadParameter("-o/--errors need --wait (or use `batchd download`)")
+    endpoint = _endpoint_for(file, endpoint)
     with _client(base_url, api_key) as client:
         uploaded = client.upload_file(file)
         batch = client.create_batch(
@@ -302,11 +305,44 @@ def submit(
             show_progress=sys.stderr.isatty(),
         )
         code = _finish_wait(batch, timed_out, as_json=as_json)
-        if not timed_out and (output is not None or errors is not None):
+        wanted = output is not None or errors is not None
+        if wanted and not timed_out and _has_results(batch):
             _download_results(client, batch, output, errors)
             wrote = " and ".join(str(p) for p in (output, errors) if p is not None)
             _stderr().print(f"wrote {wrote}")
     raise _exit(code)
+
+
+def _endpoint_for(file: Path, endpoint: str | None) -> str:
+    """Check that FILE targets one endpoint before anything is uploaded; without --endpoint,
+    take it from the file (saying so), falling back to chat completions."""
+    try:
+        with file.open("rb") as fh:
+            found = file_endpoint(fh)
+    except LineError as exc:
+        raise typer.BadParameter(f"{file}: {exc.message}", param_hint="FILE") from None
+    if endpoint is None:
+        if found is None:
+            return CHAT_URL
+        _stderr().print(f"endpoint {found[0]} (from line {found[1]}'s url; --endpoint to set it)")
+        return found[0]
+    if found is not None and found[0] != endpoint:
+        raise typer.BadParameter(
+            f"{file}: line {found[1]} has url {found[0]!r}, but --endpoint is {endpoint!r}",
+            param_hint="--endpoint",
+        )
+    return endpoint
+
+
+def _has_results(batch: dict[str, Any]) -> bool:
+    """A batch that failed validation ran nothing: it has no output or error file to write
+    (its errors are in the batch object), so nothing is written and the user is told so."""
+    if batch.get("status") == "failed":
+        _stderr().print(
+            f"batch {batch['id']} failed validation: there is no output (nothing written)"
+        )
+        return False
+    return True
 
 
 def status(
@@ -361,23 +397,47 @@ def list_(
     if as_json:
         _print_json(page)
         return
-    table = Table()
-    for name in ("id", "status", "endpoint", "completed", "failed", "total", "created"):
-        table.add_column(name, no_wrap=name == "id")
-    for batch in page.get("data", []):
-        completed, failed, total = _counts(batch)
-        table.add_row(
-            batch.get("id"),
-            batch.get("status"),
-            batch.get("endpoint"),
-            str(completed),
-            str(failed),
-            str(total),
-            _when(batch.get("created_at")),
-        )
-    _stdout().print(table)
+    console = _stdout()
+    console.print(_batch_table(page.get("data", []), console.width))
     if page.get("has_more"):
         _stderr().print(f"more: --after {page.get('last_id')}")
+
+
+# The columns of `batchd list`, and the order in which a narrow terminal drops them: ids and
+# statuses are never cut (a truncated id cannot be pasted into the next command).
+_LIST_COLUMNS = ("id", "status", "completed", "failed", "total", "endpoint", "created")
+_LIST_DROP_ORDER = ("endpoint", "created", "failed", "total", "completed")
+
+
+def _batch_table(batches: list[dict[str, Any]], width: int) -> Table:
+    """The table of ``batchd list``, with as many columns as fit in ``width`` whole."""
+    rows = []
+    for batch in batches:
+        completed, failed, total = _counts(batch)
+        rows.append(
+            {
+                "id": str(batch.get("id")),
+                "status": str(batch.get("status")),
+                "completed": str(completed),
+                "failed": str(failed),
+                "total": str(total),
+                "endpoint": str(batch.get("endpoint") or "-").removeprefix("/v1/"),
+                "created": _when(batch.get("created_at")),
+            }
+        )
+    widths = {c: max([len(c), *(len(r[c]) for r in rows)]) for c in _LIST_COLUMNS}
+    columns = list(_LIST_COLUMNS)
+    # Rich's default box: one rule left of each column and one at the end, one space of
+    # padding on either side of each cell.
+    drop = iter(_LIST_DROP_ORDER)
+    while sum(widths[c] + 3 for c in columns) + 1 > width and (name := next(drop, None)):
+        columns.remove(name)
+    table = Table()
+    for name in columns:
+        table.add_column(name, no_wrap=True, min_width=widths[name] if name == "id" else None)
+    for row in rows:
+        table.add_row(*(row[c] for c in columns))
+    return table
 
 
 def wait(
@@ -419,6 +479,8 @@ def download(
                 f"results yet (wait for it: batchd wait {batch_id})"
             )
             raise _exit(ExitCode.ERROR)
+        if not _has_results(batch):
+            raise _exit(ExitCode.FAILED)
         written = _download_results(client, batch, output, errors)
     if as_json:
         _print_json(written)

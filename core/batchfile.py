@@ -95,6 +95,7 @@ __all__ = [
     "LineError",
     "RawLine",
     "ValidationReport",
+    "file_endpoint",
     "iter_lines",
     "parse_request",
     "validate_file",
@@ -654,6 +655,34 @@ def _load_object(raw: RawLine, max_line_bytes: int | None) -> dict[str, Any]:
             "Unicode (a surrogate escape must be a high one followed by a low one)",
         )
     return obj
+
+
+def file_endpoint(
+    stream: BinaryIO | Iterable[bytes], *, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+) -> tuple[str, int] | None:
+    """The ``url`` every line of a batch file targets, with the line that first named it; None
+    when no line names one. A line naming another ``url`` raises ``LineError``
+    (``mixed_endpoints``): a batch targets one endpoint. Lines that do not parse, or carry no
+    string ``url``, are left to validation."""
+    first: tuple[str, int] | None = None
+    for raw in iter_lines(stream, max_line_bytes=max_line_bytes):
+        try:
+            url = _load_object(raw, max_line_bytes).get("url")
+        except LineError:
+            continue
+        if not isinstance(url, str):
+            continue
+        if first is None:
+            first = (url, raw.line)
+        elif url != first[0]:
+            raise LineError(
+                raw.line,
+                "mixed_endpoints",
+                f"Line {raw.line} has url {_show(url)} but line {first[1]} has "
+                f"{_show(first[0])}: a batch targets one endpoint (split the file by url)",
+                "url",
+            )
+    return first
 
 
 def parse_request(

@@ -16,9 +16,9 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
-    Text,
     MetaData,
     String,
+    Text,
     UniqueConstraint,
     func,
 )

@@ -3,6 +3,7 @@ database, storage directories and settings pointing at them. Real servers, real 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import socket
@@ -48,10 +49,8 @@ def pg_url() -> Iterator[str]:
         from core.db import get_engine
 
         for engine_url in (url, None):
-            try:
+            with contextlib.suppress(Exception):
                 get_engine(engine_url).dispose()
-            except Exception:
-                pass
         with admin.connect() as conn:
             conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()

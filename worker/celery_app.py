@@ -24,6 +24,7 @@ whose worker dies is delivered again) never runs a step twice in a way anyone ca
 
 from __future__ import annotations
 
+import logging
 import os
 from importlib.util import find_spec
 
@@ -67,6 +68,38 @@ def _every(task: str, seconds: float) -> dict:
     }
 
 
+# Celery's own loggers that write one INFO line per task sent by beat, received and finished.
+_TASK_LIFECYCLE_LOGGERS = ("celery.beat", "celery.worker.strategy", "celery.app.trace")
+
+
+class _QuietHousekeeping(logging.Filter):
+    """Demotes Celery's per-task INFO lines about the periodic sweeps to DEBUG: a sweep runs
+    every few seconds and mostly finds nothing to do, so at INFO those lines drown the log. A
+    sweep that acts logs its own INFO line; a failing one keeps Celery's ERROR line."""
+
+    def __init__(self, task_names: set[str]) -> None:
+        super().__init__()
+        self.task_names = frozenset(task_names)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.INFO:
+            return True
+        message = record.getMessage()
+        if not any(name in message for name in self.task_names):
+            return True
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+
+def quiet_housekeeping_logs(task_names: set[str]) -> None:
+    """Install :class:`_QuietHousekeeping` for ``task_names`` (replacing an earlier one)."""
+    for name in _TASK_LIFECYCLE_LOGGERS:
+        logger = logging.getLogger(name)
+        for old in [f for f in logger.filters if isinstance(f, _QuietHousekeeping)]:
+            logger.removeFilter(old)
+        logger.addFilter(_QuietHousekeeping(task_names))
+
+
 def release_sweep_interval_s() -> float:
     """How often beat runs the shard-release safety net (``BATCHD_RELEASE_SWEEP_INTERVAL_S``)."""
     return float(os.environ.get("BATCHD_RELEASE_SWEEP_INTERVAL_S", "5"))
@@ -108,6 +141,7 @@ def create_app() -> Celery:
     }
     if recovery:
         schedule["reclaim-stale-shards"] = _every(TASK_RECLAIM, settings.reclaim_sweep_interval_s)
+    quiet_housekeeping_logs({entry["task"] for entry in schedule.values()})
     celery.conf.update(
         task_ignore_result=True,
         task_acks_late=True,

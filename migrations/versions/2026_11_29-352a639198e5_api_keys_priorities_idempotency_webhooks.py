@@ -5,17 +5,16 @@ Revises: f9c17a0eb1b5
 Create Date: 2026-11-29 16:30:47.380754
 
 """
-from typing import Sequence, Union
+from collections.abc import Sequence
 
-from alembic import op
 import sqlalchemy as sa
-
+from alembic import op
 
 # revision identifiers, used by Alembic.
 revision: str = '352a639198e5'
-down_revision: Union[str, Sequence[str], None] = 'f9c17a0eb1b5'
-branch_labels: Union[str, Sequence[str], None] = None
-depends_on: Union[str, Sequence[str], None] = None
+down_revision: str | Sequence[str] | None = 'f9c17a0eb1b5'
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:

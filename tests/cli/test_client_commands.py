@@ -197,3 +197,111 @@ def test_usage_errors(cli: CliRunner, tmp_path: Path) -> None:
     assert result.exit_code == ExitCode.USAGE
     result = cli.invoke(app, ["--help"])
     assert "Exit codes" in result.stdout and "cancelled" in result.stdout
+
+
+def _flat(text: str) -> str:
+    """Text from rich's error box, without its borders and line breaks."""
+    return " ".join(text.replace("│", " ").split())
+
+
+def _uploaded_files(base_url: str) -> list[dict]:
+    import httpx
+
+    from tests.conftest import STATIC_TEST_KEY
+
+    headers = {"Authorization": f"Bearer {STATIC_TEST_KEY}"}
+    return httpx.get(f"{base_url}/files", headers=headers).json()["data"]
+
+
+def test_submit_takes_the_endpoint_from_the_file(
+    cli: CliRunner, api_server, tmp_path: Path
+) -> None:
+    url = api_server.base_url
+    examples = Path(__file__).resolve().parents[2] / "examples" / "completions.jsonl"
+    result = invoke(cli, url, "submit", str(examples), "--json")
+    assert result.exit_code == ExitCode.OK, result.output
+    assert json.loads(result.stdout)["endpoint"] == "/v1/completions"
+    assert "endpoint /v1/completions (from line 1" in result.stderr
+
+    # A file mixing endpoints fails before anything is uploaded, naming the line.
+    before = len(_uploaded_files(url))
+    mixed = write_batch_file(tmp_path / "mixed.jsonl", 2)
+    with mixed.open("a") as fh:
+        fh.write(examples.read_text().splitlines()[0] + "\n")
+    result = invoke(cli, url, "submit", str(mixed))
+    assert result.exit_code == ExitCode.USAGE, result.output
+    assert "Line 3" in _flat(result.output) and "one endpoint" in _flat(result.output)
+    # So does an --endpoint the file contradicts.
+    result = invoke(cli, url, "submit", str(examples), "--endpoint", "/v1/chat/completions")
+    assert result.exit_code == ExitCode.USAGE, result.output
+    assert "line 1 has url '/v1/completions'" in _flat(result.output)
+    assert len(_uploaded_files(url)) == before
+
+
+def test_failed_batch_writes_no_output(cli: CliRunner, api_server, tmp_path: Path) -> None:
+    import threading
+
+    url = api_server.base_url
+    batch_file = write_batch_file(tmp_path / "in.jsonl")
+    out, err = tmp_path / "out.jsonl", tmp_path / "err.jsonl"
+    stop = threading.Event()
+    from core.db import session_scope
+    from core.models import Batch
+
+    def validating() -> set[str]:
+        with session_scope() as session:
+            return {b.id for b in session.query(Batch).filter_by(status="validating")}
+
+    earlier = validating()
+
+    def fail_it() -> None:  # what the worker's validate does to a bad file
+        while not stop.is_set():
+            batch_id = next(iter(validating() - earlier), None)
+            if batch_id:
+                set_status(batch_id, "failed")
+                return
+            stop.wait(0.05)
+
+    failer = threading.Thread(target=fail_it, daemon=True)
+    failer.start()
+    try:
+        result = invoke(
+            cli, url, "submit", str(batch_file), "--wait", "--poll-interval", "0.1",
+            "--timeout", "60", "-o", str(out), "--errors", str(err),
+        )  # fmt: skip
+    finally:
+        stop.set()
+        failer.join()
+    assert result.exit_code == ExitCode.FAILED, result.output
+    assert "there is no output" in result.stderr and "wrote" not in result.stderr
+    assert not out.exists() and not err.exists()
+
+    batch_id = result.stdout.strip()
+    result = invoke(cli, url, "download", batch_id, "-o", str(out))
+    assert result.exit_code == ExitCode.FAILED, result.output
+    assert "there is no output" in result.stderr and not out.exists()
+
+
+def test_list_never_cuts_ids(cli: CliRunner, api_server, tmp_path: Path, monkeypatch) -> None:
+    from rich.console import Console
+
+    from cli.client_commands import _batch_table
+
+    url = api_server.base_url
+    batch_file = write_batch_file(tmp_path / "in.jsonl")
+    ids = [invoke(cli, url, "submit", str(batch_file)).stdout.strip() for _ in range(2)]
+    for width in (80, 60, 200):
+        monkeypatch.setenv("COLUMNS", str(width))
+        result = invoke(cli, url, "list")
+        assert result.exit_code == ExitCode.OK, result.output
+        lines = result.stdout.splitlines()
+        assert all(len(line) <= width for line in lines), result.stdout
+        for batch_id in ids:  # whole, on one line
+            assert any(batch_id in line for line in lines), result.stdout
+        assert ("endpoint" in result.stdout) == (width >= 120)
+
+    # A status wider than the rest still leaves the id whole.
+    batches = [{"id": "batch_" + "f" * 24, "status": "in_progress", "request_counts": {}}]
+    console = Console(width=50, record=True)
+    console.print(_batch_table(batches, 50))
+    assert "batch_" + "f" * 24 in console.export_text()

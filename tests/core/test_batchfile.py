@@ -656,3 +656,34 @@ def test_reparse_shard_range_matches_validation() -> None:
         )
     ]
     assert again == reqs[2:5]
+
+
+# --------------------------------------------------------------------------------------------
+# The endpoint a file targets (read by `batchd submit` before uploading)
+
+
+def _jsonl(*objs: Any) -> io.BytesIO:
+    return io.BytesIO(b"".join(json.dumps(o).encode() + b"\n" for o in objs))
+
+
+def test_file_endpoint_from_first_url() -> None:
+    from core.batchfile import file_endpoint
+
+    completion = {**chat_line("c"), "url": COMPLETIONS_URL}
+    assert file_endpoint(_jsonl(completion, completion)) == (COMPLETIONS_URL, 1)
+    # Lines without a usable url are left to validation; the first one that has one counts.
+    stream = io.BytesIO(b"not json\n" + json.dumps({"url": 7}).encode() + b"\n")
+    stream = io.BytesIO(stream.getvalue() + json.dumps(chat_line()).encode() + b"\n")
+    assert file_endpoint(stream) == (CHAT_URL, 3)
+    assert file_endpoint(io.BytesIO(b"")) is None
+
+
+def test_file_endpoint_refuses_a_mixed_file() -> None:
+    from core.batchfile import file_endpoint
+
+    completion = {**chat_line("c"), "url": COMPLETIONS_URL}
+    with pytest.raises(LineError) as info:
+        file_endpoint(_jsonl(chat_line("a"), chat_line("b"), completion))
+    err = info.value
+    assert (err.line, err.code, err.param) == (3, "mixed_endpoints", "url")
+    assert COMPLETIONS_URL in err.message and "line 1" in err.message
