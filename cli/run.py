@@ -40,7 +40,7 @@ from cli.exit_codes import ExitCode, exit_codes_help
 from core.batchfile import (
     CHAT_URL,
     DEFAULT_MAX_LINE_BYTES,
-    SUPPORTED_URLS,
+    GENERATION_URLS,
     BatchRequest,
     LineError,
     RawLine,
@@ -597,9 +597,9 @@ def run_batch_file(
     """Run ``options.input`` to completion (or resume it); raises :class:`RunError` for input
     the user must fix and :class:`_Interrupted` on SIGINT/SIGTERM after a checkpoint."""
     start = time.monotonic()
-    if options.endpoint not in SUPPORTED_URLS:
+    if options.endpoint not in GENERATION_URLS:
         raise RunError(
-            f"--endpoint must be one of {', '.join(SUPPORTED_URLS)}, got {options.endpoint}"
+            f"--endpoint must be one of {', '.join(GENERATION_URLS)}, got {options.endpoint}"
         )
     files = ResultFiles(options.output, options.errors)
     fingerprint = options.fingerprint()

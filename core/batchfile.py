@@ -88,6 +88,8 @@ __all__ = [
     "CHAT_URL",
     "COMPLETIONS_DEFAULT_MAX_TOKENS",
     "COMPLETIONS_URL",
+    "EMBEDDINGS_URL",
+    "GENERATION_URLS",
     "DEFAULT_MAX_LINE_BYTES",
     "MAX_CUSTOM_ID_CHARS",
     "SUPPORTED_URLS",
@@ -103,7 +105,12 @@ __all__ = [
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
-SUPPORTED_URLS: tuple[str, ...] = (CHAT_URL, COMPLETIONS_URL)
+EMBEDDINGS_URL = "/v1/embeddings"
+SUPPORTED_URLS: tuple[str, ...] = (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL)
+GENERATION_URLS: tuple[str, ...] = (CHAT_URL, COMPLETIONS_URL)
+# OpenAI's limit on the inputs of one embeddings request.
+MAX_EMBEDDING_INPUTS = 2048
+ENCODING_FORMATS = ("float", "base64")
 MAX_CUSTOM_ID_CHARS = 512
 DEFAULT_MAX_LINE_BYTES = 8 * 1024 * 1024
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -267,7 +274,7 @@ class BatchRequest:
     url: str
     model: str
     body: dict[str, Any]
-    kind: Literal["chat", "completion"]
+    kind: Literal["chat", "completion", "embedding"]
     messages: list[dict[str, str]] | None = None  # chat: role/content(/name), content flattened
     prompt: str | list[int] | None = None  # completion: text or token ids
     max_tokens: int | None = None  # None: the caller applies its default
@@ -282,6 +289,10 @@ class BatchRequest:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     ignore_eos: bool = False
+    # embeddings: the inputs (texts or token-id arrays), their output format and size
+    inputs: list[str | list[int]] | None = None
+    encoding_format: str = "float"
+    dimensions: int | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -586,6 +597,78 @@ def _check_completion(c: _Checker, req: BatchRequest) -> None:
     req.top_logprobs = lp or 0
 
 
+def _check_embedding(c: _Checker, req: BatchRequest) -> None:
+    body = c.body
+    if body.get("input") is None:
+        raise c.fail(
+            "missing_required_param", "body.input", "body.input is required for embeddings"
+        )
+    value = body["input"]
+    param = "body.input"
+    if isinstance(value, str) or (
+        isinstance(value, list) and value and not isinstance(value[0], str | list)
+    ):
+        value = [value]  # one text, or one token array
+        index = False
+    elif isinstance(value, list):
+        index = True
+    else:
+        raise c.type_error(param, "a string, an array of strings or of token-id arrays", value)
+    if not value:
+        raise c.fail("invalid_value", param, f"{param} must not be an empty array")
+    if len(value) > MAX_EMBEDDING_INPUTS:
+        raise c.fail(
+            "invalid_value",
+            param,
+            f"{param} may hold at most {MAX_EMBEDDING_INPUTS} inputs, got {len(value)}",
+        )
+    inputs: list[str | list[int]] = []
+    for i, item in enumerate(value):
+        where = f"{param}[{i}]" if index else param
+        if isinstance(item, str):
+            if not item:
+                raise c.fail("invalid_value", where, f"{where} must not be an empty string")
+        elif isinstance(item, list):
+            if not item:
+                raise c.fail("invalid_value", where, f"{where} must not be an empty array")
+            for j, tok in enumerate(item):
+                if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+                    raise c.fail(
+                        "invalid_value" if isinstance(tok, int) else "invalid_type",
+                        f"{where}[{j}]",
+                        f"{where}[{j}] must be a token id (an integer of at least 0), got {_show(tok)}",
+                    )
+            item = list(item)
+        else:
+            raise c.type_error(where, "a string or an array of token ids", item)
+        inputs.append(item)
+    req.inputs = inputs
+    fmt = body.get("encoding_format")
+    if fmt is not None and fmt not in ENCODING_FORMATS:
+        raise c.fail(
+            "invalid_value",
+            "body.encoding_format",
+            f"body.encoding_format must be one of {', '.join(ENCODING_FORMATS)}, got {_show(fmt)}",
+        )
+    req.encoding_format = fmt or "float"
+    req.dimensions = c.integer("dimensions", 1, None, None)
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise c.type_error("body.user", "a string", user)
+
+
+_KINDS: dict[str, Literal["chat", "completion", "embedding"]] = {
+    CHAT_URL: "chat",
+    COMPLETIONS_URL: "completion",
+    EMBEDDINGS_URL: "embedding",
+}
+_CHECKS: dict[str, Callable[[_Checker, BatchRequest], None]] = {
+    "chat": _check_chat,
+    "completion": _check_completion,
+    "embedding": _check_embedding,
+}
+
+
 # --------------------------------------------------------------------------------------------
 # One line
 
@@ -777,13 +860,9 @@ def parse_request(
         url=url,
         model=model,
         body=body,
-        kind="chat" if url == CHAT_URL else "completion",
+        kind=_KINDS[url],
     )
-    checker = _Checker(line, body)
-    if req.kind == "chat":
-        _check_chat(checker, req)
-    else:
-        _check_completion(checker, req)
+    _CHECKS[req.kind](_Checker(line, body), req)
     return req
 
 

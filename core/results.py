@@ -29,9 +29,11 @@ characters from the start of the generated text.
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import secrets
+import struct
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -275,6 +277,30 @@ def response_body(req: BatchRequest, result: GenerationResult, **kwargs: Any) ->
     if req.kind == "chat":
         return chat_completion_body(req, result, **kwargs)
     return completion_body(req, result, **kwargs)
+
+
+def embedding_body(
+    req: BatchRequest, vectors: list[Any], prompt_tokens: int, *, model: str | None = None
+) -> dict[str, Any]:
+    """OpenAI's ``CreateEmbeddingResponse`` for ``req``: one entry per input, in input order.
+
+    ``vectors`` are sequences of floats (lists, or 1-D float arrays/tensors with ``tolist``);
+    ``encoding_format: "base64"`` sends each as the base64 of its little-endian float32 bytes,
+    which is what OpenAI returns and its SDK decodes."""
+    data = []
+    for index, vector in enumerate(vectors):
+        values = vector.tolist() if hasattr(vector, "tolist") else list(vector)
+        if req.encoding_format == "base64":
+            encoded: Any = base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode()
+        else:
+            encoded = [float(v) for v in values]
+        data.append({"object": "embedding", "index": index, "embedding": encoded})
+    return {
+        "object": "list",
+        "data": data,
+        "model": model or req.model,
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+    }
 
 
 # --------------------------------------------------------------------------------------------

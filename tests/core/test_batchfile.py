@@ -292,7 +292,7 @@ LINE_CASES: list[tuple[str, Any, str, str | None]] = [
     ("GET", _with(chat_line(), method="GET"), "invalid_method", "method"),
     ("post lowercase", _with(chat_line(), method="post"), "invalid_method", "method"),
     ("no url", _with(chat_line(), url=_DROP), "invalid_url", "url"),
-    ("unknown url", _with(chat_line(), url="/v1/embeddings"), "invalid_url", "url"),
+    ("unknown url", _with(chat_line(), url="/v1/moderations"), "invalid_url", "url"),
     ("url not a string", _with(chat_line(), url=["/v1/chat/completions"]), "invalid_url", "url"),
     ("no body", _with(chat_line(), body=_DROP), "missing_required_param", "body"),
     ("body list", _with(chat_line(), body=[]), "invalid_type", "body"),
@@ -547,7 +547,7 @@ def test_validate_file_malformed_corpus() -> None:
         long_line.encode(),  # 4
         b"[" * 10_000 + b"]" * 10_000,  # 5
         chat_line("a"),  # 6 duplicate of line 1
-        _with(chat_line("u"), url="/v1/embeddings"),  # 7
+        _with(chat_line("u"), url="/v1/moderations"),  # 7
         completion_line("v"),  # 8 mismatches the endpoint
         chat_line("w", model="nope"),  # 9
         chat_line("x", stream=True),  # 10
@@ -687,3 +687,58 @@ def test_file_endpoint_refuses_a_mixed_file() -> None:
     err = info.value
     assert (err.line, err.code, err.param) == (3, "mixed_endpoints", "url")
     assert COMPLETIONS_URL in err.message and "line 1" in err.message
+
+
+# --------------------------------------------------------------------------------------------
+# Embeddings lines
+
+
+def embedding_line(custom_id: str = "e1", **body: Any) -> dict[str, Any]:
+    b: dict[str, Any] = {"model": "m1", "input": "Hello"}
+    b.update(body)
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/embeddings", "body": b}
+
+
+def parse_embedding(obj: dict[str, Any]) -> BatchRequest:
+    raw = RawLine(1, 0, 1, json.dumps(obj).encode())
+    return parse_request(raw, endpoint="/v1/embeddings", served_models=MODELS)
+
+
+@pytest.mark.parametrize(
+    ("value", "inputs"),
+    [
+        ("one text", ["one text"]),
+        (["a", "b"], ["a", "b"]),
+        ([1, 2, 3], [[1, 2, 3]]),
+        ([[1, 2], [3]], [[1, 2], [3]]),
+    ],
+)
+def test_embedding_inputs(value: Any, inputs: list) -> None:
+    req = parse_embedding(embedding_line(input=value, encoding_format="base64", dimensions=64))
+    assert (req.kind, req.inputs, req.encoding_format, req.dimensions) == (
+        "embedding",
+        inputs,
+        "base64",
+        64,
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        ({"input": None}, "body.input", "body.input is required"),
+        ({"input": []}, "body.input", "must not be an empty array"),
+        ({"input": ["a", ""]}, "body.input[1]", "body.input[1] must not be an empty string"),
+        ({"input": [[1], [2, -1]]}, "body.input[1][1]", "must be a token id"),
+        ({"input": ["a", 3]}, "body.input[1]", "a string or an array of token ids"),
+        ({"input": ["x"] * 2049}, "body.input", "at most 2048 inputs, got 2049"),
+        ({"input": {"a": 1}}, "body.input", "must be a string, an array of strings"),
+        ({"encoding_format": "int8"}, "body.encoding_format", "one of float, base64"),
+        ({"dimensions": 0}, "body.dimensions", "at least 1"),
+        ({"user": 5}, "body.user", "must be a string"),
+    ],
+)
+def test_embedding_errors_name_the_field(body: dict, param: str, message: str) -> None:
+    with pytest.raises(LineError) as info:
+        parse_embedding(embedding_line(**body))
+    assert info.value.param == param and message in info.value.message, info.value

@@ -251,3 +251,29 @@ def test_dumps_line() -> None:
     assert json.loads(data) == weird
     with pytest.raises(ValueError):
         dumps_line({"x": math.nan})
+
+
+def test_embedding_body_is_openais_shape() -> None:
+    import base64
+    import struct
+
+    from openai.types import CreateEmbeddingResponse
+
+    from core.batchfile import RawLine, parse_request
+    from core.results import embedding_body
+
+    line = {"custom_id": "e", "method": "POST", "url": "/v1/embeddings",
+            "body": {"model": "m", "input": ["a", "b"]}}  # fmt: skip
+    raw = RawLine(1, 0, 1, json.dumps(line).encode())
+    req = parse_request(raw, endpoint="/v1/embeddings", served_models=None)
+    vectors = [[0.5, -1.0, 0.25], [1.0, 0.0, 2.0]]
+    body = embedding_body(req, vectors, prompt_tokens=7)
+    parsed = CreateEmbeddingResponse.model_validate(body)
+    assert [d.embedding for d in parsed.data] == vectors
+    assert [d.index for d in parsed.data] == [0, 1]
+    assert (parsed.object, parsed.usage.prompt_tokens, parsed.usage.total_tokens) == ("list", 7, 7)
+
+    req.encoding_format = "base64"
+    body = embedding_body(req, vectors, prompt_tokens=7)
+    decoded = [list(struct.unpack("<3f", base64.b64decode(d["embedding"]))) for d in body["data"]]
+    assert decoded == vectors

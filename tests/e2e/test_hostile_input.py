@@ -168,7 +168,7 @@ CORPUS = [
     Case(
         "unknown-urls",
         jsonl(
-            with_(chat("u1"), url="/v1/embeddings"),
+            with_(chat("u1"), url="/v1/moderations"),
             with_(chat("u2"), url="/v2/chat/completions"),
             with_(chat("u3"), url=["/v1/chat/completions"]),
             with_(chat("u4"), url="/v1/completions"),
