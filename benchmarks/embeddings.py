@@ -32,11 +32,14 @@ def make_inputs(n: int, low: int, high: int, vocab: int, seed: int) -> list[list
     """``n`` inputs of uniform length in [low, high] tokens (special tokens included), with
     random ids from the vocabulary (past the first 1,000, where BERT keeps its specials)."""
     rng = random.Random(seed)
-    return [[rng.randrange(1000, vocab) for _ in range(rng.randint(low, high) - 2)] for _ in range(n)]
+    return [
+        [rng.randrange(1000, vocab) for _ in range(rng.randint(low, high) - 2)] for _ in range(n)
+    ]
 
 
-def run_system(engine: EmbeddingEngine, ids: list[list[int]], *, sort: bool, batch_size: int,
-               budget: int) -> dict:
+def run_system(
+    engine: EmbeddingEngine, ids: list[list[int]], *, sort: bool, batch_size: int, budget: int
+) -> dict:
     engine.sort_by_length = sort
     engine.max_batch_size = batch_size
     engine.max_batch_tokens = budget
@@ -78,10 +81,14 @@ def main(argv: list[str] | None = None) -> dict:
         max_model_len=max(args.max_tokens, 16), max_batch_tokens=args.max_batch_tokens,
     )  # fmt: skip
     vocab = engine.model.config.vocab_size
-    ids = [engine.with_special_tokens(x) for x in
-           make_inputs(args.n, args.min_tokens, args.max_tokens, vocab, args.seed)]
+    ids = [
+        engine.with_special_tokens(x)
+        for x in make_inputs(args.n, args.min_tokens, args.max_tokens, vocab, args.seed)
+    ]
     sample = random.Random(args.seed + 1).sample(ids, min(args.sample, len(ids)))
-    run_system(engine, ids[: min(64, len(ids))], sort=True, batch_size=512, budget=args.max_batch_tokens)  # warm-up
+    run_system(
+        engine, ids[: min(64, len(ids))], sort=True, batch_size=512, budget=args.max_batch_tokens
+    )  # warm-up
     report = {
         "model": args.model, "device": str(engine.device), "dtype": str(engine.dtype),
         "threads": torch.get_num_threads(), "n": args.n,
@@ -103,7 +110,9 @@ def main(argv: list[str] | None = None) -> dict:
         return report
     print(f"model {args.model} on {report['device']} ({report['dtype']}, {report['threads']} threads); "
           f"{args.n} inputs, {report['lengths']}")  # fmt: skip
-    print(f"{'system':<15}{'inputs':>8}{'seconds':>10}{'inputs/s':>10}{'tokens/s':>11}{'padding':>9}")
+    print(
+        f"{'system':<15}{'inputs':>8}{'seconds':>10}{'inputs/s':>10}{'tokens/s':>11}{'padding':>9}"
+    )
     for name, s in systems.items():
         print(f"{name:<15}{s['inputs']:>8}{s['seconds']:>10.1f}{s['inputs_per_s']:>10.1f}"
               f"{s['tokens_per_s']:>11.0f}{s['padding_fraction']:>8.1%}")  # fmt: skip

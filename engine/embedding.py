@@ -67,7 +67,9 @@ class Pooling:
         kinds = {m.get("type", "").rsplit(".", 1)[-1]: m for m in modules}
         if "Pooling" not in kinds:
             raise ValueError(f"{root}/modules.json names no Pooling module")
-        pooling_cfg = json.loads((root / kinds["Pooling"].get("path", "") / "config.json").read_text())
+        pooling_cfg = json.loads(
+            (root / kinds["Pooling"].get("path", "") / "config.json").read_text()
+        )
         modes = [mode for key, mode in _POOLING_MODES.items() if pooling_cfg.get(key)]
         if len(modes) != 1:
             raise ValueError(
@@ -76,7 +78,9 @@ class Pooling:
             )
         unsupported = set(kinds) - {"Transformer", "Pooling", "Normalize"}
         if unsupported:
-            raise ValueError(f"{root}: unsupported sentence-transformers modules {sorted(unsupported)}")
+            raise ValueError(
+                f"{root}: unsupported sentence-transformers modules {sorted(unsupported)}"
+            )
         st_cfg = root / "sentence_bert_config.json"
         max_len = json.loads(st_cfg.read_text()).get("max_seq_length") if st_cfg.is_file() else None
         dims: tuple[int, ...] = ()
@@ -123,7 +127,9 @@ def plan_batches(
     longest = 0
     for i in order:
         grown = max(longest, lengths[i])
-        if current and (len(current) >= max_batch_size or grown * (len(current) + 1) > max_batch_tokens):
+        if current and (
+            len(current) >= max_batch_size or grown * (len(current) + 1) > max_batch_tokens
+        ):
             batches.append(current)
             current, grown = [], lengths[i]
         current.append(i)
@@ -191,7 +197,9 @@ class EmbeddingEngine:
             vocab = self.model.config.vocab_size
             bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
             if bad is not None:
-                raise EmbeddingError(f"{where} holds token id {bad!r}, outside the vocabulary [0, {vocab})")
+                raise EmbeddingError(
+                    f"{where} holds token id {bad!r}, outside the vocabulary [0, {vocab})"
+                )
             ids = self.with_special_tokens(ids)
         if len(ids) > self.max_model_len:
             raise EmbeddingError(
@@ -228,13 +236,17 @@ class EmbeddingEngine:
         return self.embed_ids(ids, size)
 
     @torch.inference_mode()
-    def embed_ids(self, ids: Sequence[Sequence[int]], dimensions: int | None = None) -> list[EmbeddingOutput]:
+    def embed_ids(
+        self, ids: Sequence[Sequence[int]], dimensions: int | None = None
+    ) -> list[EmbeddingOutput]:
         """Embed already tokenized inputs (as :meth:`token_ids` makes them), in input order."""
         size = dimensions or self.dimension
         start = time.perf_counter()
         lengths = [len(x) for x in ids]
         out: list[EmbeddingOutput | None] = [None] * len(ids)
-        plan = plan_batches(lengths, self.max_batch_tokens, self.max_batch_size, sort=self.sort_by_length)
+        plan = plan_batches(
+            lengths, self.max_batch_tokens, self.max_batch_size, sort=self.sort_by_length
+        )
         for batch in plan:
             vectors = self._forward([ids[i] for i in batch], size)
             for row, i in enumerate(batch):
