@@ -44,15 +44,23 @@ def _run_one(stack, client, custom_id: str) -> dict[str, Any]:
         "url": "/v1/completions",
         "body": {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0},
     }
-    f = client.files.create(file=("in.jsonl", io.BytesIO(json.dumps(line).encode() + b"\n")), purpose="batch")
-    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    f = client.files.create(
+        file=("in.jsonl", io.BytesIO(json.dumps(line).encode() + b"\n")), purpose="batch"
+    )
+    batch = client.batches.create(
+        input_file_id=f.id, endpoint="/v1/completions", completion_window="24h"
+    )
     deadline = time.monotonic() + 120
     while batch.status not in ("completed", "failed", "expired", "cancelled"):
         assert time.monotonic() < deadline, f"{batch}\n{stack.log('model')[-3000:]}"
         time.sleep(0.2)
         batch = client.batches.retrieve(batch.id)
-    assert batch.status == "completed" and batch.output_file_id, f"{batch}\n{stack.log('model')[-3000:]}"
-    (result,) = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
+    assert batch.status == "completed" and batch.output_file_id, (
+        f"{batch}\n{stack.log('model')[-3000:]}"
+    )
+    (result,) = [
+        json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()
+    ]
     assert result["custom_id"] == custom_id and result["response"]["status_code"] == 200
     return result["response"]["body"]
 
