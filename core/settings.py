@@ -83,6 +83,10 @@ class Settings(BaseSettings):
     # shard then starts feeding the engine while another drains.
     worker_shard_concurrency: int = 8
     engine_options: Annotated[dict[str, Any], NoDecode] = Field(default_factory=dict)  # passed to engine config
+    # Off: each tenant's requests reuse cached prompt blocks only of the same tenant (no tenant
+    # can learn, from cached_tokens or timing, what another's prompts begin with). On: one
+    # cache for all, for single-tenant deployments.
+    share_prefix_cache_across_tenants: bool = False
     visibility_timeout_s: int = 6 * 3600
     expiry_sweep_interval_s: float = 60.0
 

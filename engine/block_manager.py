@@ -1,10 +1,15 @@
 """A fixed pool of KV blocks with ref counts and prefix caching.
 
-A full block is identified by a hash chain: hash(parent block's hash, the block's token ids),
-so equal hashes mean equal prefixes. A block whose K/V are computed is registered under its
-hash; when its last user frees it, it stays cached in an LRU free list and is reused (evicted)
-only when a fresh block is needed. Sequences free their blocks tail first, so the end of a
-prompt is evicted before its shared beginning.
+A full block is identified by a key chain: SHA-256 of the parent block's key and the block's
+token ids (``engine.sequence.block_digest``), so equal keys mean equal prefixes. A block whose
+K/V are computed is registered under (its request's cache salt, its key); when its last user
+frees it, it stays cached in an LRU free list and is reused (evicted) only when a fresh block
+is needed. Sequences free their blocks tail first, so the end of a prompt is evicted before its
+shared beginning.
+
+Isolation does not rest on the digest alone: the salt is part of the lookup key, compared for
+equality, and a hit must also hold the same token ids. Requests with different salts (the
+service salts each tenant's) never share a block, even if two digests were to collide.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from collections import OrderedDict
 
 from engine.sequence import Sequence
 
+CacheKey = tuple[str | None, bytes]  # (cache salt, block key)
+
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
@@ -20,8 +27,9 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_count = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
-        self.hash_to_block: dict[int, int] = {}
+        self.block_hash: list[CacheKey | None] = [None] * num_blocks
+        self.block_tokens: list[list[int] | None] = [None] * num_blocks  # of a cached block
+        self.hash_to_block: dict[CacheKey, int] = {}
         # Free blocks, least recently freed first; cached ones keep their hash until reused.
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
 
@@ -47,15 +55,13 @@ class BlockManager:
         if max_blocks == 0:
             return []
         matched = []
-        for h in seq.hashes_for(max_blocks, self.block_size):
-            block = self.hash_to_block.get(h)
-            if block is None:
+        salt, bs, tokens = seq.cache_salt, self.block_size, seq.token_ids
+        for i, h in enumerate(seq.hashes_for(max_blocks, bs)):
+            block = self.hash_to_block.get((salt, h))
+            if block is None or self.block_tokens[block] != tokens[i * bs:(i + 1) * bs]:
                 break
             matched.append(block)
         return matched
-
-    def is_cached(self, block_hash: int) -> bool:
-        return block_hash in self.hash_to_block
 
     def num_new_blocks_for(self, cached: list[int], num_tokens: int) -> int:
         """Blocks that must come off the free list to hold ``num_tokens`` given ``cached``
@@ -97,6 +103,7 @@ class BlockManager:
             if self.hash_to_block.get(h) == block:
                 del self.hash_to_block[h]
             self.block_hash[block] = None
+            self.block_tokens[block] = None
         self.ref_count[block] = 1
         return block
 
@@ -121,11 +128,13 @@ class BlockManager:
         full = seq.num_computed_tokens // self.block_size
         if full <= seq.num_hashed_blocks:
             return
-        hashes = seq.hashes_for(full, self.block_size)
+        bs, salt = self.block_size, seq.cache_salt
+        hashes = seq.hashes_for(full, bs)
         for i in range(seq.num_hashed_blocks, full):
             block = seq.block_table[i]
-            h = hashes[i]
-            if self.block_hash[block] is None and h not in self.hash_to_block:
-                self.block_hash[block] = h
-                self.hash_to_block[h] = block
+            key = (salt, hashes[i])
+            if self.block_hash[block] is None and key not in self.hash_to_block:
+                self.block_hash[block] = key
+                self.block_tokens[block] = seq.token_ids[i * bs:(i + 1) * bs]
+                self.hash_to_block[key] = block
         seq.num_hashed_blocks = full

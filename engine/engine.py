@@ -12,7 +12,10 @@ Decisions worth knowing:
   next ``step()`` with finish_reason "abort" and the tokens generated so far.
 - ``n > 1``: the request's prompt is computed once; when it is, the sequence forks into ``n``
   completions sharing the prompt's full KV blocks (each recomputes only the partial last
-  block). Completion ``i`` samples with ``seed + i`` when a seed is given.
+  block). Completion ``i`` samples with ``seed + i`` when a seed is given. Forks never push
+  the running set past ``max_num_seqs``: those that do not fit wait first in line and take
+  the prompt's blocks from the prefix cache when admitted (they recompute the prompt when
+  prefix caching is off).
 """
 
 from __future__ import annotations
@@ -69,10 +72,18 @@ class Engine:
         prompt_token_ids: list[int],
         params: SamplingParams | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         """Queue a request. ``priority``: lower is admitted first (vLLM's convention); requests
-        already running are never preempted for it."""
+        already running are never preempted for it. ``cache_salt`` (vLLM's name): the request
+        reuses cached prompt blocks only of requests with the same salt; a multi-tenant caller
+        passes the tenant, so no tenant can see (or time) another's cached prompts."""
         params = params or SamplingParams()
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise RequestError(
+                f"request {request_id!r}: cache_salt must be a non-empty string or None, got {cache_salt!r}",
+                "invalid_request",
+            )
         if request_id in self.requests:
             raise RequestError(
                 f"request_id {request_id!r} is already in the engine", "duplicate_request_id"
@@ -103,7 +114,9 @@ class Engine:
                 f"blocks) but the KV cache holds {bm.num_blocks} blocks of {bm.block_size} tokens",
                 "kv_cache_too_small",
             )
-        request = Request(request_id, prompt, params, RequestMetrics(arrival_time=time.time()))
+        request = Request(
+            request_id, prompt, params, RequestMetrics(arrival_time=time.time()), cache_salt=cache_salt
+        )
         seq = Sequence(request, 0, list(prompt), max_len, self._generator(params, 0))
         seq.expected_work = max_len * params.n
         seq.priority = int(priority)
@@ -165,9 +178,15 @@ class Engine:
             if seq.needs_fork:
                 seq.needs_fork = False
                 rows = rows if rows is not None else list(range(len(sample_seqs)))
+                deferred = []
                 for j in range(1, seq.params.n):
-                    seqs.append(self._fork(seq, j))
-                    rows.append(i)
+                    if len(self.scheduler.running) < self.config.max_num_seqs:
+                        seqs.append(self._fork(seq, j))
+                        rows.append(i)
+                    else:
+                        deferred.append(self._defer_fork(seq, j))
+                for child in reversed(deferred):  # first in line, in index order
+                    self.scheduler.waiting.push_front(child)
         if rows is not None:
             logits = logits[torch.tensor(rows, device=logits.device)]
         tokens, logprobs = self.sampler(logits, seqs)
@@ -227,6 +246,21 @@ class Engine:
         request.seqs.append(child)
         request.num_unfinished += 1
         self.scheduler.add_running(child)
+        return child
+
+    def _defer_fork(self, parent: Sequence, index: int) -> Sequence:
+        """Completion ``index`` of an ``n > 1`` request when the running set is full: it waits,
+        first in line, as a sequence of the prompt alone; admitted, it reads the prompt's
+        blocks from the prefix cache and samples its first token from its own logits."""
+        request = parent.request
+        child = Sequence(request, index, list(request.prompt_token_ids), parent.max_len,
+                         self._generator(parent.params, index))
+        child.expected_work = parent.max_len
+        child.bucket = parent.bucket
+        child.priority = parent.priority
+        start_detokenizer(child)
+        request.seqs.append(child)
+        request.num_unfinished += 1
         return child
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:

@@ -98,6 +98,7 @@ class _Entry:
     future: Future
     arrival_time: float
     priority: int = 0
+    cache_salt: str | None = None
     state: str = _PENDING
     abort_requested: bool = False
 
@@ -236,11 +237,13 @@ class EngineHost:
         callback: Callable[[Future], None] | None = None,
         timeout: float | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> Future:
         """Queue one request; block while the host's queue is full.
 
         ``priority`` orders both the host's queue and the engine's admission: lower first
-        (vLLM's convention), arrival order within a priority.
+        (vLLM's convention), arrival order within a priority. ``cache_salt`` scopes the
+        prefix cache (see ``Engine.add_request``).
 
         Returns a future that resolves with the request's :class:`RequestOutput` (also for an
         abort), or raises ``RequestError`` (the engine refused it) or :class:`EngineStepError`.
@@ -256,6 +259,7 @@ class EngineHost:
             future=Future(),
             arrival_time=time.time(),
             priority=int(priority),
+            cache_salt=cache_salt,
         )
         if callback is not None:
             entry.future.add_done_callback(callback)
@@ -463,7 +467,8 @@ class EngineHost:
         for entry in admitted:
             try:
                 self._engine.add_request(
-                    entry.request_id, entry.prompt_token_ids, entry.params, entry.priority
+                    entry.request_id, entry.prompt_token_ids, entry.params, entry.priority,
+                    cache_salt=entry.cache_salt,
                 )
             except Exception as exc:  # RequestError, or a bad argument the engine rejects
                 failures.append((entry, exc))

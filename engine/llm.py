@@ -25,11 +25,13 @@ class LLM:
         prompts: Prompt | list[Prompt],
         params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order.
 
         A prompt the engine rejects gets a RequestOutput with ``error`` set and no outputs;
-        the others still run.
+        the others still run. ``cache_salt``: these prompts share cached prefix blocks only
+        with prompts generated under the same salt.
         """
         if isinstance(prompts, str) or (prompts and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]  # type: ignore[list-item]
@@ -47,7 +49,7 @@ class LLM:
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             request_id = f"{batch}-{i}"
             try:
-                self.engine.add_request(request_id, ids, p)
+                self.engine.add_request(request_id, ids, p, cache_salt=cache_salt)
             except RequestError as exc:
                 results[i] = RequestOutput(
                     request_id=request_id, prompt_token_ids=ids, outputs=[], finished=True,
@@ -78,9 +80,10 @@ class LLM:
         conversations: list[list[dict]] | list[dict],
         params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         """Generate the assistant's reply to each conversation (chat template applied)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
         prompts = [chat_prompt_ids(self.tokenizer, conv) for conv in conversations]  # type: ignore[arg-type]
-        return self.generate(prompts, params, use_tqdm=use_tqdm)
+        return self.generate(prompts, params, use_tqdm=use_tqdm, cache_salt=cache_salt)

@@ -212,11 +212,7 @@ class Scheduler:
                 self.waiting.taken(seq)
                 seq.status = Status.RUNNING
                 seq.num_computed_tokens = num_cached
-                self.total_prompt_tokens += len(seq)
-                self.total_cached_tokens += num_cached
-                metrics = seq.request.metrics
-                if seq.index == 0 and seq.num_output_tokens == 0 and metrics.first_token_time is None:
-                    metrics.num_cached_tokens = num_cached
+                self._count_prompt(seq, num_cached)
                 if n < remaining:
                     self.num_chunked_prefills += 1
                 self.running.append(seq)
@@ -227,6 +223,18 @@ class Scheduler:
                     pending.update(seq.hashes_for(len(seq) // bs, bs)[nxt:])
         finally:
             candidates.close()
+
+    def _count_prompt(self, seq: Sequence, num_cached: int) -> None:
+        """Count a request's prompt and its cache hit once, at its first admission: a preempted
+        sequence that is admitted again, or a completion of an ``n > 1`` request, would count
+        the same prompt twice and inflate the hit rate."""
+        request = seq.request
+        if request.admitted:
+            return
+        request.admitted = True
+        self.total_prompt_tokens += len(request.prompt_token_ids)
+        self.total_cached_tokens += num_cached
+        request.metrics.num_cached_tokens = num_cached
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

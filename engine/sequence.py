@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 import itertools
+from array import array
 from dataclasses import dataclass, field
 
 import torch
@@ -20,7 +22,11 @@ class Status(enum.Enum):
 
 @dataclass(slots=True, eq=False)
 class Request:
-    """A user request: a prompt, its sampling parameters and its ``n`` sequences."""
+    """A user request: a prompt, its sampling parameters and its ``n`` sequences.
+
+    ``cache_salt`` scopes the prefix cache: requests share cached KV blocks only with requests
+    of the same salt (None is a scope of its own).
+    """
 
     request_id: str
     prompt_token_ids: list[int]
@@ -28,6 +34,23 @@ class Request:
     metrics: RequestMetrics
     seqs: list[Sequence] = field(default_factory=list)
     num_unfinished: int = 0
+    cache_salt: str | None = None
+    admitted: bool = False  # its prompt was counted in the engine's prompt/cache totals
+
+
+def block_digest(parent: bytes, token_ids: list[int]) -> bytes:
+    """The key of one full KV block: SHA-256 over the parent block's key and the block's token
+    ids (4 bytes each), so equal keys mean equal prefixes and a key cannot be crafted to
+    collide with another prompt's."""
+    return hashlib.sha256(parent + array("I", token_ids).tobytes()).digest()
+
+
+def salt_digest(cache_salt: str | None) -> bytes:
+    """The parent key of a sequence's first block: empty without a salt, else a digest of it
+    (a different length from any block key, so the two never meet)."""
+    if cache_salt is None:
+        return b""
+    return hashlib.sha256(b"cache_salt:" + cache_salt.encode()).digest()[:16]
 
 
 _ids = itertools.count()
@@ -59,7 +82,7 @@ class Sequence:
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
-        self.block_hashes: list[int] = []  # hash chain over this sequence's full blocks
+        self.block_hashes: list[bytes] = []  # key chain over this sequence's full blocks
         self.num_hashed_blocks = 0  # leading blocks registered in the prefix cache
         self.status = Status.WAITING
         self.max_len = max_len  # prompt + max_tokens, clamped to the model's length
@@ -91,12 +114,17 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
 
-    def hashes_for(self, num_blocks: int, block_size: int) -> list[int]:
-        """The hash chain of the first ``num_blocks`` full blocks, extended on demand."""
+    @property
+    def cache_salt(self) -> str | None:
+        return self.request.cache_salt
+
+    def hashes_for(self, num_blocks: int, block_size: int) -> list[bytes]:
+        """The key chain of the first ``num_blocks`` full blocks, extended on demand; the
+        request's cache salt is folded into the first block's key."""
         hashes = self.block_hashes
         tokens = self.token_ids
         while len(hashes) < num_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else 0
-            hashes.append(hash((parent, *tokens[i * block_size:(i + 1) * block_size])))
+            parent = hashes[-1] if hashes else salt_digest(self.request.cache_salt)
+            hashes.append(block_digest(parent, tokens[i * block_size:(i + 1) * block_size]))
         return hashes

@@ -468,6 +468,8 @@ class ShardRun:
         self.batch_id = batch.id
         # The engine admits lower values first: a "high" batch overtakes the nightly bulk.
         self.priority = ENGINE_PRIORITY.get(batch.priority or "normal", 0)
+        # Each tenant its own prefix cache (see Settings.share_prefix_cache_across_tenants).
+        self.cache_salt = None if settings.share_prefix_cache_across_tenants else f"tenant:{batch.tenant}"
         self.endpoint = batch.endpoint
         self.model = batch.model or ""
         self.key = key
@@ -649,6 +651,7 @@ class ShardRun:
                     callback=done,
                     timeout=SUBMIT_WAIT_S,
                     priority=self.priority,
+                    cache_salt=self.cache_salt,
                 )
             except HostQueueFull:
                 self._collect()

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+import struct
+
+import pytest
+
+from engine import sequence as sequence_module
 from engine.block_manager import BlockManager
 from engine.outputs import RequestMetrics
 from engine.sampling_params import SamplingParams
@@ -10,8 +16,10 @@ from engine.sequence import Request, Sequence
 BS = 4
 
 
-def seq(tokens: list[int]) -> Sequence:
-    request = Request("r", list(tokens), SamplingParams(), RequestMetrics(arrival_time=0.0))
+def seq(tokens: list[int], cache_salt: str | None = None) -> Sequence:
+    request = Request(
+        "r", list(tokens), SamplingParams(), RequestMetrics(arrival_time=0.0), cache_salt=cache_salt
+    )
     return Sequence(request, 0, list(tokens), len(tokens) + 16, None)
 
 
@@ -108,3 +116,52 @@ def test_prefix_caching_off_never_hits() -> None:
     bm = BlockManager(8, BS, enable_prefix_caching=False)
     admit(bm, seq(list(range(12))))
     assert admit(bm, seq(list(range(12)))) == 0
+
+
+def test_block_keys_are_sha256_of_the_parent_key_and_the_tokens() -> None:
+    s = seq(list(range(9)))
+    first, second = s.hashes_for(2, BS)
+    assert first == hashlib.sha256(struct.pack("<4I", 0, 1, 2, 3)).digest()
+    assert second == hashlib.sha256(first + struct.pack("<4I", 4, 5, 6, 7)).digest()
+    # The salt changes the first key, and through the chain every later one.
+    salted = seq(list(range(9)), cache_salt="tenant-a").hashes_for(2, BS)
+    assert salted[0] != first and salted[1] != second
+
+
+def test_cache_salt_scopes_the_prefix_cache() -> None:
+    bm = BlockManager(32, BS)
+    tokens = list(range(13))  # 3 full blocks; a hit is capped at 12 tokens
+    assert admit(bm, seq(tokens, cache_salt="tenant-a")) == 0
+    assert admit(bm, seq(tokens, cache_salt="tenant-b")) == 0
+    assert admit(bm, seq(tokens)) == 0  # no salt is a scope of its own
+    assert admit(bm, seq(tokens, cache_salt="tenant-a")) == 12
+    assert admit(bm, seq(tokens, cache_salt="tenant-b")) == 12
+    assert admit(bm, seq(tokens)) == 12
+
+
+@pytest.fixture
+def colliding_digest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every block of every prompt gets the same key: the worst case of a broken digest."""
+    monkeypatch.setattr(sequence_module, "block_digest", lambda parent, token_ids: b"collision")
+
+
+@pytest.mark.usefixtures("colliding_digest")
+def test_a_digest_collision_never_serves_another_salts_block() -> None:
+    bm = BlockManager(32, BS)
+    tokens = list(range(9))
+    a = seq(tokens, cache_salt="tenant-a")
+    admit(bm, a)
+    b = seq(tokens, cache_salt="tenant-b")
+    assert bm.match_prefix(b) == []
+    assert admit(bm, b) == 0
+    assert not set(b.block_table) & set(a.block_table)
+    # The same salt still hits its first block (the only one registered: all keys are equal).
+    assert admit(bm, seq(tokens, cache_salt="tenant-a")) == BS
+
+
+@pytest.mark.usefixtures("colliding_digest")
+def test_a_digest_collision_never_serves_other_tokens() -> None:
+    bm = BlockManager(32, BS)
+    admit(bm, seq(list(range(9)), cache_salt="tenant-a"))
+    other = seq([50, 51, 52, 53, 54, 55, 56, 57, 58], cache_salt="tenant-a")
+    assert bm.match_prefix(other) == []

@@ -269,3 +269,80 @@ def test_priority_is_admitted_first(admission: str) -> None:
     while engine.has_unfinished_requests():
         order += [out.request_id for out in engine.step() if out.finished]
     assert order == ["urgent", "normal", "bulk-0", "bulk-1"]
+
+
+def _run_n(path: str, max_num_seqs: int, caching: bool) -> tuple[dict, int]:
+    """Two ``n = 8`` requests (one greedy, one seeded); the outputs and the most sequences
+    ever running after a step."""
+    engine = Engine(path, max_num_seqs=max_num_seqs, enable_prefix_caching=caching)
+    engine.add_request("greedy", _prompt(40, 37), SamplingParams(n=8, max_tokens=9, temperature=0, ignore_eos=True))
+    engine.add_request("seeded", _prompt(41, 50), SamplingParams(n=8, max_tokens=9, temperature=1.0, seed=7,
+                                                                  ignore_eos=True))
+    done: dict = {}
+    peak = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done[out.request_id] = out
+        peak = max(peak, engine.stats().num_running)
+    assert engine.stats().kv_blocks_used == 0
+    return done, peak
+
+
+@pytest.mark.parametrize("caching", [True, False], ids=["prefix-caching", "no-prefix-caching"])
+def test_n_forks_never_exceed_max_num_seqs(path: str, caching: bool) -> None:
+    capped, peak = _run_n(path, 4, caching)
+    assert peak == 4
+    roomy, roomy_peak = _run_n(path, 16, caching)
+    assert roomy_peak == 16  # with room, every fork runs at once
+    for request_id in ("greedy", "seeded"):
+        outputs = capped[request_id].outputs
+        assert [c.index for c in outputs] == list(range(8))
+        assert all(len(c.token_ids) == 9 and c.finish_reason == "length" for c in outputs)
+        assert [c.token_ids for c in outputs] == [c.token_ids for c in roomy[request_id].outputs]
+    assert len({tuple(c.token_ids) for c in capped["greedy"].outputs}) == 1
+    assert len({tuple(c.token_ids) for c in capped["seeded"].outputs}) > 1
+
+
+def test_waiting_forks_are_aborted_with_their_request(path: str) -> None:
+    engine = Engine(path, max_num_seqs=2)
+    engine.add_request("n", _prompt(42, 20), SamplingParams(n=5, max_tokens=30, ignore_eos=True))
+    engine.step()
+    assert engine.stats().num_running == 2 and engine.stats().num_waiting == 3
+    assert engine.abort_request("n")
+    out = engine.step()[0]
+    assert [c.finish_reason for c in out.outputs] == ["abort"] * 5
+    stats = engine.stats()
+    assert (stats.num_running, stats.num_waiting, stats.kv_blocks_used) == (0, 0, 0)
+
+
+def test_preemption_counts_each_prompt_once(path: str) -> None:
+    """A preempted sequence is admitted again; its prompt (and cache hit) counts once."""
+    prompts = [_prompt(50 + i, 60) for i in range(6)]
+    engine = Engine(path, num_kv_blocks=14, max_num_seqs=6)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    done = _drain(engine)
+    stats = engine.stats()
+    assert stats.num_preemptions > 0
+    assert stats.total_prompt_tokens == sum(map(len, prompts))
+    assert stats.total_cached_tokens == sum(o.metrics.num_cached_tokens for o in done.values())
+    assert stats.prefix_cache_hit_rate == stats.total_cached_tokens / stats.total_prompt_tokens
+
+
+def test_cache_salt_scopes_the_prefix_cache(llm: LLM) -> None:
+    prompt = _prompt(60, 80)  # 5 full blocks: a hit is 64 tokens (the last block is computed)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+    def run(salt: str | None) -> tuple[int, list[int]]:
+        out = llm.generate([prompt], params, use_tqdm=False, cache_salt=salt)[0]
+        return out.metrics.num_cached_tokens, out.outputs[0].token_ids
+
+    first, tokens = run("tenant-a")
+    assert first == 0
+    assert run("tenant-b") == (0, tokens)
+    assert run(None) == (0, tokens)
+    assert run("tenant-a") == (64, tokens)
+    assert run("tenant-b") == (64, tokens)
+    assert run(None) == (64, tokens)
+    with pytest.raises(RequestError, match="cache_salt"):
+        llm.engine.add_request("salt", prompt, params, cache_salt="")

@@ -111,6 +111,9 @@ def _check(engine: Engine, cases: list[Case], reference: list[list[int]]) -> dic
     stats = engine.stats()
     assert stats.kv_blocks_used == 0, "every block is free once every request finished"
     assert stats.num_running == stats.num_waiting == 0
+    # Each prompt counts once, however often its sequence was preempted and admitted again.
+    assert stats.total_prompt_tokens == sum(len(case.prompt) for case in cases)
+    assert stats.total_cached_tokens == sum(o.metrics.num_cached_tokens for o in done.values())
     return done
 
 
@@ -146,9 +149,12 @@ def test_prefix_caching_shared_prefixes(model: dict) -> None:
 
 
 def test_prefix_caching_with_chunks_and_preemption(model: dict) -> None:
+    """40 blocks of 16 tokens cannot hold every running sequence's prompt and output, so
+    sequences are preempted and admitted again, reading their prefix back from the cache."""
     cases, ref = model["shared"]
     engine = Engine(model["path"], num_kv_blocks=40, max_num_batched_tokens=64, admission="fcfs")
     _check(engine, cases, ref)
     stats = engine.stats()
+    assert stats.num_preemptions > 0
     assert stats.total_cached_tokens > 0
     assert stats.num_chunked_prefills > 0
