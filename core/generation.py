@@ -13,7 +13,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from core.batchfile import COMPLETIONS_DEFAULT_MAX_TOKENS, BatchRequest
-from core.results import ChoiceResult, GenerationResult, TokenLogprobInfo, request_error_line
+from core.results import (
+    ChoiceResult,
+    GenerationResult,
+    TokenLogprobInfo,
+    output_line,
+    request_error_line,
+    response_body,
+)
 
 
 class PromptError(ValueError):
@@ -167,6 +174,45 @@ def generation_result(tok: Any, req: BatchRequest, output: Any) -> GenerationRes
             for c in output.outputs
         ],
     )
+
+
+def prepare_request(
+    tok: Any, req: BatchRequest, context: int, vocab_size: int | None
+) -> tuple[list[int], dict[str, Any]]:
+    """A request as engine input: its prompt token ids and its sampling parameters (keyword
+    arguments for ``engine.SamplingParams``). Raises :class:`PromptError` or ``ValueError``
+    for a request this model can never run; :func:`error_for_exception` makes its line."""
+    ids = prompt_token_ids(tok, req)
+    check_prompt(req, len(ids), context, vocab_size)
+    return ids, sampling_kwargs(req, len(ids), context)
+
+
+def is_aborted(output: Any) -> bool:
+    """The engine stopped the request before it finished (a cancel, expiry or shutdown)."""
+    return not output.finished or any(c.finish_reason == "abort" for c in output.outputs)
+
+
+def aborted_record(req: BatchRequest) -> dict[str, Any]:
+    """The error line of a request the engine aborted and nobody ran again."""
+    return error_record(
+        req.custom_id,
+        "server_error",
+        "The request was aborted by the engine",
+        status_code=500,
+        type="server_error",
+    )
+
+
+def finished_record(
+    tok: Any, req: BatchRequest, output: Any, *, model: str | None = None
+) -> tuple[dict[str, Any], GenerationResult | None]:
+    """The line of a finished, not aborted engine output, and its result (for usage): the
+    error line of a request the engine refused (``output.error``; result None), else the
+    output line with its response body."""
+    if output.error:
+        return error_record(req.custom_id, "invalid_request", output.error), None
+    result = generation_result(tok, req, output)
+    return output_line(req.custom_id, response_body(req, result, model=model)), result
 
 
 def error_record(

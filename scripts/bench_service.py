@@ -4,7 +4,7 @@ One seeded JSONL batch (``--requests`` chat requests, greedy, prompt length and 
 drawn from seeded log-normal distributions) is run two ways:
 
 1. **engine alone**, in this process: ``LLM(model, **engine options)`` with the worker's engine
-   options, the prompts tokenized by the worker's own conversion (``worker.runtime``: chat
+   options, the prompts tokenized by the worker's own conversion (``core.generation``: chat
    template, context checks, ``SamplingParams``), one ``generate()`` call. Wall clock of that
    call; output tokens counted from its outputs.
 2. **the service**: a fresh Postgres database, a private Redis, the API (uvicorn), a control
@@ -165,7 +165,7 @@ def run_engine(path: Path, model_dir: Path, warmup: int) -> EngineRun:
     from core import generation
     from core.batchfile import iter_lines, parse_request
     from core.settings import get_settings
-    from engine import LLM
+    from engine import LLM, SamplingParams
     from worker import runtime
 
     settings = get_settings()
@@ -180,10 +180,9 @@ def run_engine(path: Path, model_dir: Path, warmup: int) -> EngineRun:
     with path.open("rb") as fh:
         for raw in iter_lines(fh, max_line_bytes=settings.max_line_bytes):
             req = parse_request(raw, endpoint=ENDPOINT, served_models=None)
-            ids = generation.prompt_token_ids(tok, req)
             try:
-                generation.check_prompt(req, len(ids), context, len(tok))
-                params = runtime.sampling_params(req, len(ids), context)
+                ids, kwargs = generation.prepare_request(tok, req, context, len(tok))
+                params = SamplingParams(**kwargs)
             except ValueError:
                 errors += 1
                 continue

@@ -16,12 +16,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from core.batchfile import BatchRequest
-from core.generation import sampling_kwargs
 from core.settings import get_settings
 
 if TYPE_CHECKING:
-    from engine import EngineHost, SamplingParams
+    from engine import EngineHost
 
 logger = logging.getLogger(__name__)
 
@@ -194,13 +192,6 @@ def shutdown_hosts() -> None:
         _hosts.clear()
     for h in hosts:
         h.shutdown(wait=True, abort_pending=True, timeout=30)
-
-
-def sampling_params(req: BatchRequest, prompt_len: int, context: int) -> SamplingParams:
-    """Engine sampling parameters; raises ValueError for values the engine cannot honour."""
-    from engine import SamplingParams
-
-    return SamplingParams(**sampling_kwargs(req, prompt_len, context))
 
 
 # --------------------------------------------------------------------------------------------

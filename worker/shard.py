@@ -59,11 +59,11 @@ from core.batchfile import (
     parse_request,
 )
 from core.db import session_scope
-from core.generation import error_for_exception, error_record, generation_result
+from core.generation import error_for_exception, error_record
 from core.lifecycle import transition
 from core.models import Batch, Shard
 from core.queue import TASK_FINALIZE, TASK_RUN_SHARD, model_queue
-from core.results import GenerationResult, output_line, response_body
+from core.results import GenerationResult
 from core.settings import get_settings
 from worker import runtime
 from worker.celery_app import app
@@ -600,12 +600,7 @@ class ShardRun:
             self.suspects.append((req, ids, params))
             return
         output = future.result()
-        if output.error:
-            self.pending.add_error(
-                req.line, error_record(req.custom_id, "invalid_request", output.error)
-            )
-            return
-        if not output.finished or any(c.finish_reason == "abort" for c in output.outputs):
+        if generation.is_aborted(output):
             # Aborted: part of a cancel or expiry (the finalize writes its error line), or,
             # if the batch is still running, something else aborted it: run it again.
             tries = self.retries.get(req.line, 0) + 1
@@ -613,21 +608,13 @@ class ShardRun:
             if tries <= MAX_ABORT_RETRIES:
                 self.to_retry.append((req, ids, params))
             else:
-                self.pending.add_error(
-                    req.line,
-                    error_record(
-                        req.custom_id,
-                        "server_error",
-                        "The request was aborted by the engine",
-                        status_code=500,
-                        type="server_error",
-                    ),
-                )
+                self.pending.add_error(req.line, generation.aborted_record(req))
             return
-        result = generation_result(self.tok, req, output)
-        self.pending.add_ok(
-            req.line, output_line(req.custom_id, response_body(req, result)), result
-        )
+        record, result = generation.finished_record(self.tok, req, output)
+        if result is None:
+            self.pending.add_error(req.line, record)
+        else:
+            self.pending.add_ok(req.line, record, result)
 
     def _submit(self, req: BatchRequest, ids: list[int], params: Any, alone: bool = False) -> bool:
         """Hand one request to the host; False if the shard stopped first. Ordinary
@@ -668,10 +655,11 @@ class ShardRun:
         return False
 
     def _prepare(self, req: BatchRequest) -> tuple[list[int], Any] | None:
+        from engine import SamplingParams
+
         try:
-            ids = generation.prompt_token_ids(self.tok, req)
-            generation.check_prompt(req, len(ids), self.context, self.vocab_size)
-            params = runtime.sampling_params(req, len(ids), self.context)
+            ids, kwargs = generation.prepare_request(self.tok, req, self.context, self.vocab_size)
+            params = SamplingParams(**kwargs)
         except Exception as exc:
             self.pending.add_error(req.line, error_for_exception(req, exc))
             return None

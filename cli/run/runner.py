@@ -11,6 +11,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from cli.run.files import Progress, ResultFiles
+from cli.run.options import ModelLoadError, RunError, RunOptions, RunSummary
+from cli.run.scan import ScanReport, duplicate_error, line_error_record, parse_line, scan_input
 from core.batchfile import (
     GENERATION_URLS,
     BatchRequest,
@@ -19,28 +22,17 @@ from core.batchfile import (
     iter_lines,
 )
 from core.generation import (
-    check_prompt,
+    aborted_record,
     error_for_exception,
     error_record,
-    generation_result,
-    prompt_token_ids,
-    sampling_kwargs,
+    finished_record,
+    is_aborted,
+    prepare_request,
 )
-from core.results import dumps_line, output_line, response_body
+from core.results import dumps_line
 
 if TYPE_CHECKING:
-    from engine import Engine, SamplingParams
-from cli.run.files import Progress, ResultFiles
-from cli.run.options import ModelLoadError, RunError, RunOptions, RunSummary
-from cli.run.scan import ScanReport, duplicate_error, line_error_record, parse_line, scan_input
-
-
-def sampling_params(req: BatchRequest, prompt_len: int, context: int) -> SamplingParams:
-    """The same translation as the service's (``core.generation``), as engine parameters."""
-    from engine import SamplingParams
-
-    return SamplingParams(**sampling_kwargs(req, prompt_len, context))
-
+    from engine import Engine
 
 # ============================================================================================
 
@@ -87,6 +79,7 @@ class BatchRunner:
         self.engine = engine
         self.tok = engine.tokenizer
         self.context = int(engine.max_model_len)
+        self.vocab_size = len(self.tok)
         self.report = report
         max_num_seqs = int(engine.config.max_num_seqs)
         self.window = options.window or max(4 * max_num_seqs, 64)
@@ -104,6 +97,8 @@ class BatchRunner:
             )
 
     def _admit(self, raw: RawLine) -> _Slot:
+        from engine import SamplingParams
+
         slot = _Slot(raw.line, raw.offset + raw.length)
         try:
             req = parse_line(raw, self.options)
@@ -117,9 +112,8 @@ class BatchRunner:
             return slot
         slot.req = req
         try:
-            ids = prompt_token_ids(self.tok, req)
-            check_prompt(req, len(ids), self.context)
-            params = sampling_params(req, len(ids), self.context)
+            ids, kwargs = prepare_request(self.tok, req, self.context, self.vocab_size)
+            params = SamplingParams(**kwargs)  # may refuse a value: an error line too
             slot.request_id = f"line-{raw.line}"
             self.engine.add_request(slot.request_id, ids, params)
         except Exception as exc:
@@ -131,19 +125,12 @@ class BatchRunner:
     def _record_for(self, slot: _Slot) -> None:
         output, req = slot.output, slot.req
         assert req is not None
-        if output.error:
-            slot.record = error_record(req.custom_id, "invalid_request", output.error)
-        elif any(c.finish_reason == "abort" for c in output.outputs):
-            slot.record = error_record(
-                req.custom_id, "server_error", "The request was aborted by the engine",
-                status_code=500, type="server_error",
-            )  # fmt: skip
-        else:
-            result = generation_result(self.tok, req, output)
-            body = response_body(req, result, model=self.options.model_name)
-            slot.record = output_line(req.custom_id, body)
-            slot.ok = True
-            slot.output = result  # keep only the token counts
+        if is_aborted(output):
+            slot.record = aborted_record(req)
+            return
+        slot.record, result = finished_record(self.tok, req, output, model=self.options.model_name)
+        slot.ok = result is not None
+        slot.output = result  # keep only the token counts
 
     def run(self, files: ResultFiles, progress: Progress, bar: Any) -> int:
         """Returns the number of requests computed by this run."""

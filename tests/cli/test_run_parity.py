@@ -60,6 +60,10 @@ def completion_rows() -> list[dict[str, Any]]:
         line("c-default-max", COMPLETIONS, prompt="the river", temperature=0),  # 16 by default
         line("c-tokens", COMPLETIONS, prompt=[5, 6, 7, 8], max_tokens=5, temperature=0),
         line("c-too-long", COMPLETIONS, prompt="hi " * 3000, max_tokens=4),
+        # Error cases where the two paths once drifted: a token outside the vocabulary, a
+        # max_tokens of the whole context, an empty token prompt after validation's checks.
+        line("c-bad-token", COMPLETIONS, prompt=[5, 10**9], max_tokens=4),
+        line("c-max-context", COMPLETIONS, prompt="hi", max_tokens=10**6),
     ]  # fmt: skip
 
 
@@ -147,7 +151,9 @@ def test_batchd_run_equals_the_service(stack, tmp_path: Path, endpoint, rows) ->
     assert [r["custom_id"] for r in service_err] == [r["custom_id"] for r in run_err]
     assert len(service_out) + len(service_err) == len(rows)
     assert {r["custom_id"] for r in service_err} == {
-        r["custom_id"] for r in rows if r["custom_id"].endswith("too-long")
+        r["custom_id"]
+        for r in rows
+        if r["custom_id"].endswith(("too-long", "bad-token", "max-context"))
     }
     for service_line, run_line in zip(service_out + service_err, run_out + run_err, strict=True):
         assert deterministic(run_line) == deterministic(service_line), service_line["custom_id"]
@@ -159,3 +165,19 @@ def test_batchd_run_equals_the_service(stack, tmp_path: Path, endpoint, rows) ->
         (sampled_n,) = [r for r in service_out if r["custom_id"] == "sampled-n"]
         first, second = (c["message"]["content"] for c in sampled_n["response"]["body"]["choices"])
         assert first != second
+
+
+def test_one_glue_for_both_paths() -> None:
+    """The worker and `batchd run` call the same functions for a request's engine input and
+    its result line; neither keeps a copy of its own."""
+    import inspect
+
+    import cli.run.runner
+    import worker.shard
+
+    for module in (worker.shard, cli.run.runner):
+        source = inspect.getsource(module)
+        assert "prepare_request(" in source and "finished_record(" in source
+        assert "aborted_record(" in source and "is_aborted(" in source
+        for copy in ("check_prompt(", "generation_result(", "response_body(", "prompt_token_ids("):
+            assert copy not in source, (module.__name__, copy)
