@@ -23,7 +23,8 @@ from api.limits import (
 from core.auth import hash_key, lookup
 from core.db import new_session
 from core.settings import Settings
-from core.storage import Storage, open_storage
+from core.storage import Storage
+from core.storage_factory import open_storage
 
 DEFAULT_TENANT = "default"
 

@@ -2,7 +2,8 @@
 
 Keys are relative POSIX paths (``files/file-abc``, ``batches/batch_x/shards/0003/00001.jsonl``).
 Writes are atomic: a reader never sees a half-written object, and a writer that fails leaves
-nothing behind. Backends: a local directory (default) and S3-compatible stores.
+nothing behind. Backends: a local directory (default) and S3-compatible stores, opened by URL with
+:func:`core.storage_factory.open_storage`.
 
 Keys are validated by :func:`validate_key`: no absolute paths, no ``.``/``..``/empty segments,
 no backslashes, NUL or control characters, so no key can reach outside the store's root.
@@ -105,14 +106,3 @@ class Storage(abc.ABC):
         with self.reader(key) as stream:
             while chunk := stream.read(chunk_size):
                 yield chunk
-
-
-def open_storage(url: str, *, s3_endpoint_url: str | None = None) -> Storage:
-    """``/some/dir`` or ``file:///some/dir`` → local; ``s3://bucket/prefix`` → S3."""
-    if url.startswith("s3://"):
-        from core.storage_s3 import S3Storage
-
-        return S3Storage.from_url(url, endpoint_url=s3_endpoint_url)
-    from core.storage_local import LocalStorage
-
-    return LocalStorage(url.removeprefix("file://"))

@@ -17,7 +17,8 @@ from sqlalchemy.orm import Session
 from core.models import Batch, Shard
 from core.queue import CONTROL_QUEUE
 from core.settings import get_settings
-from core.storage import Storage, open_storage
+from core.storage import Storage
+from core.storage_factory import open_storage
 
 # Shard statuses. ``stopped``: it quit because its batch was cancelled or expired;
 # ``closed``: a cancel/expiry finalize sealed it (no more chunks may be committed).

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from core.storage import ObjectNotFound, Storage, StorageError, open_storage, validate_key
+from core.storage import ObjectNotFound, Storage, StorageError, validate_key
+from core.storage_factory import open_storage
 from core.storage_local import LocalStorage
 from core.storage_s3 import MIN_PART_SIZE, S3Storage
 
