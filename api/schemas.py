@@ -19,7 +19,7 @@ MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
 
-BatchEndpoint = Literal["/v1/chat/completions", "/v1/completions"]
+BatchEndpoint = Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
 BatchPriority = Literal["high", "normal", "low"]
 MAX_IDEMPOTENCY_KEY_CHARS = 256
 #: Printable ASCII: what survives any HTTP header and any database. Checked in the route.
@@ -338,6 +338,9 @@ class ModelPublic(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "batchd"
+    # Extensions: what the model does, and the batch endpoints it serves.
+    kind: Literal["generate", "embedding"] = "generate"
+    endpoints: list[str] = Field(default_factory=list)
 
 
 class ModelList(BaseModel):

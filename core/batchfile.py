@@ -846,7 +846,7 @@ def parse_request(
         raise LineError(
             line,
             "model_not_found",
-            f"The model {_show(model)} is not served here (served: {served})",
+            f"The model {_show(model)} is not served here for {endpoint} (served for it: {served})",
             "body.model",
         )
     if not model:

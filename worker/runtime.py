@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from core import served_models
 from core.settings import get_settings
 
 if TYPE_CHECKING:
@@ -107,16 +108,22 @@ def install_test_fault(engine: Any, spec: str) -> None:
     logger.warning("engine fault injection is on (%s=%s)", TEST_FAULT_ENV, spec)
 
 
-def model_dir(model: str) -> Path:
-    """The local directory of served model ``model`` (demo presets are built on first use)."""
+def model_spec(model: str) -> str:
     spec = get_settings().models.get(model)
     if spec is None:
         raise KeyError(f"model {model!r} is not served here")
-    if spec.startswith("demo:"):
+    return spec
+
+
+def model_dir(model: str) -> Path:
+    """The local directory of served model ``model`` (demo presets are built on first use)."""
+    spec = model_spec(model)
+    path = served_models.spec_dir(spec)
+    if path is None:
         from engine.demo_models import build
 
         return build(spec.split(":", 1)[1])
-    return Path(spec).expanduser()
+    return path
 
 
 def tokenizer(model: str) -> Any:
@@ -167,6 +174,8 @@ def host(model: str) -> EngineHost:
         host_options = {k: options.pop(k) for k in HOST_OPTIONS if k in options}
         path = model_dir(model)
         logger.info("loading model %s from %s", model, path)
+        if served_models.kind_of(model_spec(model)) == "embedding":
+            return _start_embedding_host(model, path, options)
         engine = Engine(str(path), **options)
         fault = os.environ.get(TEST_FAULT_ENV)
         if fault:
@@ -179,6 +188,26 @@ def host(model: str) -> EngineHost:
                 _context[model] = int(configured)
         logger.info("model %s ready", model)
         return started
+
+
+def _start_embedding_host(model: str, path: Path, options: dict[str, Any]) -> Any:
+    """An embedding model's host: its device and dtype from the engine options; its batches
+    sized by ``embedding_max_batch_tokens`` (default 16,384 padded tokens)."""
+    from engine.embedding import EmbeddingEngine
+    from engine.embedding_host import EmbeddingHost
+
+    engine = EmbeddingEngine(
+        path,
+        device=options.get("device", "auto"),
+        dtype=options.get("dtype", "auto"),
+        max_batch_tokens=int(options.get("embedding_max_batch_tokens", 16384)),
+    )
+    started = EmbeddingHost(engine, name=f"embedding-host-{model}").start()
+    with _lock:
+        _hosts[model] = started
+        _context[model] = engine.max_model_len
+    logger.info("model %s ready (embeddings, %d dimensions)", model, engine.dimension)
+    return started
 
 
 def loaded_hosts() -> dict[str, EngineHost]:
@@ -214,6 +243,15 @@ def engine_stats_snapshot(timeout: float = 5.0) -> dict[str, dict[str, Any]]:
     """Each loaded host's stats (a host that cannot answer reports ``{"error": …}``)."""
     out: dict[str, dict[str, Any]] = {}
     for model, engine_host in loaded_hosts().items():
+        if not hasattr(engine_host, "stats"):  # an embedding host: its own few counters
+            out[model] = {
+                "kind": "embedding",
+                "pending": engine_host.pending(),
+                "completed": engine_host.completed,
+                "failed": engine_host.failed,
+                "aborted": engine_host.aborted,
+            }
+            continue
         try:
             stats = engine_host.stats(timeout=timeout).as_dict()
             stats["max_num_seqs"] = int(engine_host.engine.config.max_num_seqs)

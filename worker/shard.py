@@ -53,6 +53,7 @@ from sqlalchemy import select, update
 
 from core import generation
 from core.batchfile import (
+    EMBEDDINGS_URL,
     BatchRequest,
     LineError,
     iter_lines,
@@ -63,7 +64,7 @@ from core.generation import error_for_exception, error_record
 from core.lifecycle import transition
 from core.models import Batch, Shard
 from core.queue import TASK_FINALIZE, TASK_RUN_SHARD, model_queue
-from core.results import GenerationResult
+from core.results import GenerationResult, embedding_body, output_line
 from core.settings import get_settings
 from worker import runtime
 from worker.celery_app import app
@@ -478,7 +479,11 @@ class ShardRun:
         self.done_lines = done_lines
         self.host = host
         self.tok = host.tokenizer
-        self.context = runtime.context_length(self.model)
+        # An embeddings batch runs on the model's embedding host (``runtime.host``): its
+        # requests are prepared, submitted and turned into lines by the ``_*_embedding``
+        # methods; everything else (checkpoints, cancel, retries) is the same.
+        self.embedding = self.endpoint == EMBEDDINGS_URL
+        self.context = 0 if self.embedding else runtime.context_length(self.model)
         self.vocab_size = len(self.tok)
         self.every = max(1, settings.checkpoint_every)
         self.interval = settings.checkpoint_interval_s
@@ -553,6 +558,9 @@ class ShardRun:
         from engine import RequestError
         from engine.host import HostError
 
+        if self.embedding:
+            self._handle_embedding(req, ids, params, future)
+            return
         self.in_flight -= 1
         if alone:
             self.suspect_line = None
@@ -616,10 +624,36 @@ class ShardRun:
         else:
             self.pending.add_ok(req.line, record, result)
 
+    def _handle_embedding(self, req: BatchRequest, inputs: Any, dims: Any, future: Future) -> None:
+        from engine.embedding_host import EmbeddingAborted, EmbeddingHostClosed
+
+        self.in_flight -= 1
+        exc = future.exception()
+        if isinstance(exc, EmbeddingHostClosed):
+            raise EngineUnavailable(str(exc)) from exc
+        if exc is not None:
+            # Aborted (a cancel, or something else: run it again), or its round failed.
+            counts = self.retries if isinstance(exc, EmbeddingAborted) else self.failures
+            limit = MAX_ABORT_RETRIES + 1 if isinstance(exc, EmbeddingAborted) else self.max_request_attempts
+            tries = counts.get(req.line, 0) + 1
+            counts[req.line] = tries
+            if tries < limit:
+                self.to_retry.append((req, inputs, dims))
+            elif isinstance(exc, EmbeddingAborted):
+                self.pending.add_error(req.line, generation.aborted_record(req))
+            else:
+                self.pending.add_error(req.line, error_for_exception(req, exc))
+            return
+        outputs = future.result()
+        tokens = sum(o.num_tokens for o in outputs)
+        body = embedding_body(req, [o.embedding for o in outputs], tokens)
+        usage = GenerationResult(prompt_tokens=tokens, cached_tokens=0, choices=[])
+        self.pending.add_ok(req.line, output_line(req.custom_id, body), usage)
+
     def _submit(self, req: BatchRequest, ids: list[int], params: Any, alone: bool = False) -> bool:
         """Hand one request to the host; False if the shard stopped first. Ordinary
         submissions wait while another shard isolates its suspects."""
-        from engine.host import HostError, HostQueueFull
+        from engine.host import HostError
 
         def done(fut: Future, req: BatchRequest = req) -> None:
             self.done_q.put((req, ids, params, fut, alone))
@@ -631,6 +665,12 @@ class ShardRun:
                 self._poll()
                 continue
             try:
+                if self.embedding:
+                    self.host.submit(
+                        ids, dimensions=params, group=self.batch_id, timeout=SUBMIT_WAIT_S
+                    ).add_done_callback(done)
+                    self.in_flight += 1
+                    return True
                 self.host.submit(
                     ids,
                     params,
@@ -640,7 +680,7 @@ class ShardRun:
                     priority=self.priority,
                     cache_salt=self.cache_salt,
                 )
-            except HostQueueFull:
+            except TimeoutError:  # HostQueueFull, or the embedding host's full queue
                 self._collect()
                 self._checkpoint()
                 self._poll()
@@ -654,9 +694,11 @@ class ShardRun:
             return True
         return False
 
-    def _prepare(self, req: BatchRequest) -> tuple[list[int], Any] | None:
+    def _prepare(self, req: BatchRequest) -> tuple[Any, Any] | None:
         from engine import SamplingParams
 
+        if self.embedding:
+            return self._prepare_embedding(req)
         try:
             ids, kwargs = generation.prepare_request(self.tok, req, self.context, self.vocab_size)
             params = SamplingParams(**kwargs)
@@ -664,6 +706,29 @@ class ShardRun:
             self.pending.add_error(req.line, error_for_exception(req, exc))
             return None
         return ids, params
+
+    def _prepare_embedding(self, req: BatchRequest) -> tuple[list[list[int]], int] | None:
+        """The inputs as the model's token ids and the output size, or the request's error
+        line (an input over the model's length, a token outside its vocabulary, a size it
+        cannot cut to), naming the field."""
+        from engine.embedding import EmbeddingError
+
+        engine = self.host.engine
+        single = not isinstance(req.body.get("input"), list) or not isinstance(
+            req.body["input"][0], str | list
+        )
+        try:
+            dims = engine.check_dimensions(req.dimensions)
+            inputs = [engine.token_ids(item, i) for i, item in enumerate(req.inputs or ())]
+        except EmbeddingError as exc:
+            param, message = f"body.{exc.param}", str(exc)
+            if exc.param.startswith("input") and single:  # one input: no index to name
+                param, message = "body.input", message.replace("input[0]", "input", 1)
+            self.pending.add_error(
+                req.line, error_record(req.custom_id, exc.code, message, param=param)
+            )
+            return None
+        return inputs, dims
 
     def _host_idle(self) -> bool:
         try:

@@ -15,7 +15,7 @@ from typing import Any
 from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
-from core import generation
+from core import generation, served_models
 from core.batchfile import BatchRequest, validate_file
 from core.db import new_session, session_scope
 from core.lifecycle import transition
@@ -106,7 +106,7 @@ def validate(batch_id: str) -> str | None:
             return None  # someone else got here first
         key = input_key(session, batch)
 
-    served = list(settings.models)
+    served = [m for m, spec in settings.models.items() if served_models.serves(spec, endpoint)]
     planner = ShardPlanner(settings.shard_max_tokens, settings.shard_max_requests)
     count = _TokenCounter(served)
 

@@ -8,17 +8,24 @@ from api.deps import CurrentKey, SettingsDep
 from api.errors import not_found
 from api.routes.common import error_responses
 from api.schemas import ModelList, ModelPublic
+from core import served_models
 
 router = APIRouter(prefix="/models", tags=["models"])
 
 
-def _model(request: Request, name: str) -> ModelPublic:
-    return ModelPublic(id=name, created=request.app.state.started_at)
+def _model(request: Request, name: str, spec: str) -> ModelPublic:
+    kind = served_models.kind_of(spec)
+    return ModelPublic(
+        id=name,
+        created=request.app.state.started_at,
+        kind=kind,
+        endpoints=list(served_models.ENDPOINTS[kind]),
+    )
 
 
 @router.get("", response_model=ModelList, responses=error_responses(), summary="List models")
 def list_models(request: Request, _caller: CurrentKey, settings: SettingsDep) -> ModelList:
-    return ModelList(data=[_model(request, name) for name in settings.models])
+    return ModelList(data=[_model(request, name, spec) for name, spec in settings.models.items()])
 
 
 @router.get(
@@ -32,4 +39,4 @@ def retrieve_model(
 ) -> ModelPublic:
     if model_id not in settings.models:
         raise not_found("Model", model_id)
-    return _model(request, model_id)
+    return _model(request, model_id, settings.models[model_id])

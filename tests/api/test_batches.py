@@ -90,7 +90,7 @@ def test_bad_create_requests(server, client, input_file):
     assert caught.value.body["param"] == "input_file_id"
 
     with pytest.raises(openai.BadRequestError) as caught:
-        _create(client, input_file, endpoint="/v1/embeddings")
+        _create(client, input_file, endpoint="/v1/moderations")
     assert caught.value.body["param"] == "endpoint"
 
     with server.http() as http:
