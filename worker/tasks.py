@@ -3,6 +3,10 @@
 Every task re-reads the batch and acts only if the world still calls for it, so a duplicate
 delivery (late acknowledgement) or a race with another actor is harmless: each status change is
 one conditional UPDATE (:func:`core.lifecycle.transition`) and only one actor wins it.
+
+No failure may strand a batch: a validate, finalize or cancel that raises is retried with
+backoff and, past ``control_task_max_attempts`` runs, the batch fails with the error named in
+its ``errors`` (:func:`run_control_step`); a task that was lost is sent again by the sweeps.
 """
 
 from __future__ import annotations
@@ -312,7 +316,7 @@ def give_up(batch_id: str, step: str, attempts: int, exc: BaseException) -> bool
             session, batch_id, sources, "failed", errors=[task_failed_error(step, attempts, exc)]
         )
     if won:
-        logger.error("batch %s failed: %s", batch_id, task_failed_error(step, attempts, exc))
+        logger.error("batch %s failed: %s the batch failed %s times", batch_id, step, attempts)
         notify(batch_id, "failed")
     return won
 
@@ -322,7 +326,8 @@ def run_control_step(task: Any, step: str, batch_id: str) -> None:
     ``task``. If it raises, the task is retried with backoff, up to
     ``control_task_max_attempts`` runs; then the batch fails with the error named (see
     :func:`give_up`), unless the last error was a database or broker outage: the batch then
-    stays as it is and the reclaim sweep sends its task again once it is stuck."""
+    stays as it is and the sweeps send its task again (a batch stuck validating or finalizing:
+    the reclaim sweep; one past its window or cancelling: the expiry sweep)."""
     steps = {"validate": validate, "finalize": finalize, "cancel": cancel}
     try:
         steps[step](batch_id)
@@ -345,7 +350,7 @@ def run_control_step(task: Any, step: str, batch_id: str) -> None:
             raise task.retry(exc=exc, countdown=delay) from exc
         if transient_error(exc):
             logger.error(
-                "%s batch %s failed %s times (%s); the reclaim sweep sends it again",
+                "%s batch %s failed %s times (%s); the sweeps send it again",
                 step,
                 batch_id,
                 attempt,
