@@ -81,6 +81,16 @@ class Settings(BaseSettings):
     max_shard_attempts: int = 3  # then the shard's remaining requests are reported as errors
     max_request_attempts: int = 2  # a request that makes the engine fail is retried alone
 
+    # Control tasks (validate, finalize, cancel) that raise. A task is run up to
+    # control_task_max_attempts times, waiting control_task_retry_delay_s, doubling up to a
+    # minute, between runs; then the batch fails with the error named in its ``errors``
+    # (a database or broker outage instead leaves it to the reclaim sweep). A batch still
+    # ``validating`` (since created) or ``finalizing`` after stuck_batch_after_s has its task
+    # sent again by the reclaim sweep, once per stuck_batch_after_s.
+    control_task_max_attempts: int = 5
+    control_task_retry_delay_s: float = 2.0
+    stuck_batch_after_s: float = 300.0
+
     # Webhooks.
     webhook_max_attempts: int = 8
     webhook_timeout_s: float = 10.0

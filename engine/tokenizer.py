@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from engine.sequence import Sequence
 
+# transformers resolves its classes through a lazy module that is not safe for concurrent
+# first imports (a thread may see ``cannot import name 'AutoTokenizer'`` while another one
+# imports it), and loading a tokenizer imports its class on first use: one load at a time.
+_load_lock = threading.Lock()
+
 
 def load_tokenizer(model: str) -> Any:
-    from transformers import AutoTokenizer
+    """The Hugging Face tokenizer of the model directory ``model``; thread-safe."""
+    with _load_lock:
+        from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model)
+        return AutoTokenizer.from_pretrained(model)
 
 
 def chat_prompt_ids(tokenizer: Any, messages: list[dict]) -> list[int]:

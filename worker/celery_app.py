@@ -18,6 +18,10 @@ the stale-shard reclaim every ``BATCHD_RECLAIM_SWEEP_INTERVAL_S``)::
 
 ``python -m worker control|model|beat`` builds these command lines from the settings.
 
+Every worker imports what its tasks import lazily (transformers' Auto classes, the tokenizer
+loader, the engine) at start, in its main thread, before any task thread runs
+(:func:`import_task_dependencies`).
+
 Tasks are idempotent and re-read the database before acting, so late acknowledgement (a task
 whose worker dies is delivered again) never runs a step twice in a way anyone can see.
 """
@@ -27,8 +31,10 @@ from __future__ import annotations
 import logging
 import os
 from importlib.util import find_spec
+from typing import Any
 
 from celery import Celery
+from celery.signals import worker_init
 
 from core.queue import (
     CONTROL_QUEUE,
@@ -155,6 +161,30 @@ def create_app() -> Celery:
         beat_schedule=schedule,
     )
     return celery
+
+
+# What tasks import on first use. transformers resolves names through a lazy module that is
+# not safe for concurrent first imports: two task threads importing ``AutoTokenizer`` and
+# ``AutoModelForCausalLM`` at once (a validate beside the engine load) can fail with
+# ``ImportError: cannot import name 'AutoTokenizer' from 'transformers'``.
+TRANSFORMERS_NAMES = ("AutoConfig", "AutoTokenizer", "AutoModelForCausalLM")
+TASK_DEPENDENCIES = ("engine", "engine.host", "engine.tokenizer")
+
+
+def import_task_dependencies() -> None:
+    """Import :data:`TRANSFORMERS_NAMES` and :data:`TASK_DEPENDENCIES` once, in one thread."""
+    import importlib
+
+    transformers = importlib.import_module("transformers")
+    for name in TRANSFORMERS_NAMES:
+        getattr(transformers, name)
+    for module in TASK_DEPENDENCIES:
+        importlib.import_module(module)
+
+
+@worker_init.connect
+def _import_before_tasks(**_: Any) -> None:
+    import_task_dependencies()
 
 
 app = create_app()

@@ -6,11 +6,14 @@ chunk streams (each sorted by line). Only one shard's chunks are open at a time.
 
 The same path ends every batch that ran:
 
-* ``finalizing -> completed`` when every shard is done;
-* ``cancelling -> cancelled`` and ``in_progress|finalizing -> expired`` once no shard is
-  running: finished results are kept, and each request that never finished gets a
-  ``batch_cancelled`` / ``batch_expired`` line in the error file. Unfinished shards are first
-  sealed (``closed``) so no late checkpoint can slip in after the merge has read them.
+* ``finalizing -> completed`` when every shard is done, even past ``expires_at``: a batch
+  with nothing left to run completes, however late its finalize runs;
+* ``cancelling -> cancelled`` and ``in_progress -> expired`` once no shard is running:
+  finished results are kept, and each request that never finished gets a ``batch_cancelled``
+  / ``batch_expired`` line in the error file. Unfinished shards are first sealed (``closed``)
+  so no late checkpoint can slip in after the merge has read them. An expiring batch whose
+  merge finds that every request has a result after all (its shards stopped right after
+  their last one) completes instead (``in_progress -> finalizing -> completed``).
 
 The files are written, then their ``files`` rows are inserted in the same transaction as the
 status transition. If another finalize won the transition, this one deletes what it wrote.
@@ -48,7 +51,16 @@ from worker.checkpoints import (
     lines_without_result,
     read_chunk,
 )
-from worker.common import CLOSED, DONE, input_key, live_shards, past_expiry, storage, utcnow
+from worker.common import (
+    CLOSED,
+    DONE,
+    input_key,
+    live_shards,
+    past_expiry,
+    storage,
+    unfinished_shards,
+    utcnow,
+)
 from worker.release import release_for_model
 from worker.webhooks import notify
 
@@ -66,15 +78,16 @@ class _ShardView:
 
 
 def target_status(batch: Batch) -> str | None:
-    """What a finalize of ``batch`` would end it as, or None if it is not time yet."""
+    """What a finalize of ``batch`` would end it as, or None if it is not time yet. Expiry
+    cuts short only work still to run: a ``finalizing`` batch has none, so it completes."""
     if batch.status in TERMINAL:
         return None
     if batch.status == "cancelling":
         return "cancelled"
-    if past_expiry(batch.expires_at):
-        return "expired"
     if batch.status == "finalizing":
         return "completed"
+    if past_expiry(batch.expires_at):
+        return "expired"
     return None
 
 
@@ -140,6 +153,12 @@ def finalize(batch_id: str) -> str | None:
         if target is None:
             return None
         source = batch.status
+        if (
+            target == "completed"
+            and past_expiry(batch.expires_at)
+            and unfinished_shards(session, batch_id)
+        ):
+            target = "expired"  # finalizing with a shard unfinished: never left hanging
         if target != "completed" and source != "finalizing" and live_shards(session, batch_id):
             return None  # the running shards stop within seconds; the last one calls back
         key = input_key(session, batch)
@@ -167,7 +186,7 @@ def finalize(batch_id: str) -> str | None:
         return None
 
     code = {"cancelled": "batch_cancelled", "expired": "batch_expired"}.get(target)
-    completed = failed = 0
+    completed = failed = never_ran = 0
     with ExitStack() as stack:
         out = _LazyFile(sto, stack, f"{batch_id}_output.jsonl")
         err = _LazyFile(sto, stack, f"{batch_id}_error.jsonl")
@@ -179,6 +198,11 @@ def finalize(batch_id: str) -> str | None:
                 err.write(rec.record)
                 if rec.record.get("response") is not None:
                     failed += 1
+                else:  # a batch_<code> line: the request never ran
+                    never_ran += 1
+    sealed = target != "completed"
+    if target == "expired" and source != "validating" and shards and not never_ran:
+        target = "completed"  # every request has a result: the window cut nothing short
 
     written = [f for f in (out, err) if f.file_id is not None]
     session = new_session()
@@ -196,7 +220,10 @@ def finalize(batch_id: str) -> str | None:
                 )
             )
         session.flush()
-        won = transition(
+        won = True
+        if target == "completed" and source == "in_progress":  # completes through finalizing
+            won, source = transition(session, batch_id, source, "finalizing"), "finalizing"
+        won = won and transition(
             session,
             batch_id,
             source,
@@ -226,7 +253,7 @@ def finalize(batch_id: str) -> str | None:
     sto.delete_prefix(batch_prefix(batch_id))
     logger.info("batch %s %s: %s ok, %s error lines", batch_id, target, completed, err.lines)
     notify(batch_id, target)
-    if target != "completed":
+    if sealed:
         # Sealing freed the slots of its released shards that had not started.
         try:
             release_for_model(model)

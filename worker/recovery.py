@@ -13,8 +13,10 @@ timeout (hours), so beat runs :func:`reclaim_stale_shards` every ``reclaim_sweep
 * a stale shard that has used up ``max_shard_attempts`` is given up: its requests without a
   committed result become ``shard_failed`` error lines (one committed chunk, so still exactly
   one line per request), the shard is ``done``, and the batch finalizes as usual;
-* a batch left in ``finalizing`` for long (its finalize task was lost) gets its finalize sent
-  again; finalize is idempotent.
+* a batch left in ``validating`` or ``finalizing`` for longer than ``stuck_batch_after_s``
+  (its task was lost, or kept failing through an outage) gets its validate or finalize sent
+  again, once per ``stuck_batch_after_s`` (:func:`redrive_due`); both are idempotent. A
+  validating batch past its window is left to the expiry sweep.
 
 The reclaimed shard keeps its ``released_at``: it was released once and is only re-sent.
 """
@@ -22,15 +24,15 @@ The reclaimed shard keeps its ``released_at``: it was released once and is only 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from datetime import timedelta
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import select, update
 
 from core.db import session_scope
 from core.models import Batch, Shard
-from core.queue import TASK_FINALIZE, TASK_RUN_SHARD, model_queue
+from core.queue import TASK_FINALIZE, TASK_RUN_SHARD, TASK_VALIDATE, model_queue
 from core.results import request_error_line
 from core.settings import get_settings
 from worker.celery_app import app
@@ -60,6 +62,7 @@ class SweepReport:
     requeued: list[int]
     failed: list[int]
     refinalized: list[str]
+    revalidated: list[str] = field(default_factory=list)
 
 
 def _shard_failed_line(custom_id: str | None, message: str) -> dict[str, Any]:
@@ -153,13 +156,35 @@ def _requeue(shard_id: int, attempts: int, cutoff: Any) -> bool:
         return result.rowcount == 1
 
 
-def _stuck_finalizing(cutoff: Any) -> list[str]:
+def redrive_due(age_s: float, bound_s: float, every_s: float) -> bool:
+    """Whether a sweep (one every ``every_s``) re-sends the task of a batch stuck for
+    ``age_s``: on the first sweep after the age passes ``bound_s``, ``2 * bound_s``, … so a
+    slow but live task is not flooded with duplicates while a lost one is sent again."""
+    return age_s >= bound_s and (age_s - bound_s) % bound_s < every_s
+
+
+def _stuck_batches(now: datetime, bound_s: float, every_s: float) -> list[tuple[str, str]]:
+    """(batch id, status) of the batches whose validate or finalize is due to be re-sent."""
+    cutoff = now - timedelta(seconds=bound_s)
     with session_scope() as session:
-        return list(
-            session.scalars(
-                select(Batch.id).where(Batch.status == "finalizing", Batch.finalizing_at < cutoff)
+        rows = session.execute(
+            select(Batch.id, Batch.status, Batch.created_at, Batch.finalizing_at).where(
+                (
+                    (Batch.status == "validating")
+                    & (Batch.created_at < cutoff)
+                    & (Batch.expires_at > now)
+                )
+                | ((Batch.status == "finalizing") & (Batch.finalizing_at < cutoff))
             )
-        )
+        ).all()
+    due = []
+    for row in rows:
+        since = row.created_at if row.status == "validating" else row.finalizing_at
+        if since.tzinfo is None:  # SQLite hands back naive datetimes
+            since = since.replace(tzinfo=UTC)
+        if redrive_due((now - since).total_seconds(), bound_s, every_s):
+            due.append((row.id, row.status))
+    return due
 
 
 def reclaim_stale_shards() -> SweepReport:
@@ -194,14 +219,19 @@ def reclaim_stale_shards() -> SweepReport:
             )
             send(TASK_RUN_SHARD, shard_id, queue=model_queue(model or ""))
             report.requeued.append(shard_id)
-    # A finalize that never ran (its message was lost): finalize is idempotent, send it again.
-    finalize_cutoff = now - timedelta(seconds=max(120.0, 4 * stale))
-    for batch_id in retrying(
-        lambda: _stuck_finalizing(finalize_cutoff), "finding batches stuck finalizing"
+    # A validate or finalize that never ran (its message was lost) or kept failing through an
+    # outage: both are idempotent, send it again.
+    bound = float(settings.stuck_batch_after_s)
+    every = float(settings.reclaim_sweep_interval_s)
+    for batch_id, status in retrying(
+        lambda: _stuck_batches(now, bound, every), "finding stuck batches"
     ):
-        logger.warning("batch %s has been finalizing for long: finalize sent again", batch_id)
-        send(TASK_FINALIZE, batch_id)
-        report.refinalized.append(batch_id)
+        task = TASK_VALIDATE if status == "validating" else TASK_FINALIZE
+        logger.warning(
+            "batch %s has been %s for over %.0fs: %s sent again", batch_id, status, bound, task
+        )
+        send(task, batch_id)
+        (report.revalidated if status == "validating" else report.refinalized).append(batch_id)
     return report
 
 

@@ -134,9 +134,9 @@ def tokenizer(model: str) -> Any:
             return host.tokenizer
         tok = _tokenizers.get(model)
         if tok is None:
-            from transformers import AutoTokenizer
+            from engine.tokenizer import load_tokenizer
 
-            tok = _tokenizers[model] = AutoTokenizer.from_pretrained(model_dir(model))
+            tok = _tokenizers[model] = load_tokenizer(str(model_dir(model)))
         return tok
 
 

@@ -3,12 +3,17 @@
 Every task re-reads the batch and acts only if the world still calls for it, so a duplicate
 delivery (late acknowledgement) or a race with another actor is harmless: each status change is
 one conditional UPDATE (:func:`core.lifecycle.transition`) and only one actor wins it.
+
+No failure may strand a batch: a validate, finalize or cancel that raises is retried with
+backoff and, past ``control_task_max_attempts`` runs, the batch fails with the error named in
+its ``errors`` (:func:`run_control_step`); a task that was lost is sent again by the sweeps.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import random
 from datetime import UTC
 from typing import Any
 
@@ -25,7 +30,15 @@ from core.settings import get_settings
 from core.sharding import ShardPlanner
 from worker import runtime
 from worker.celery_app import app
-from worker.common import input_key, live_shards, send, stale_after_s, storage, utcnow
+from worker.common import (
+    input_key,
+    live_shards,
+    send,
+    stale_after_s,
+    storage,
+    transient_error,
+    utcnow,
+)
 from worker.finalize import finalize
 from worker.release import release_for_model
 from worker.webhooks import notify
@@ -260,19 +273,107 @@ def sweep_expired() -> int:
     return sent
 
 
-@app.task(name=TASK_VALIDATE)
-def validate_batch(batch_id: str) -> None:
-    validate(batch_id)
+STEP_NAMES = {"validate": "Validating", "finalize": "Finalizing", "cancel": "Cancelling"}
+# The statuses a control step that gave up moves to ``failed`` (a cancelling batch cannot fail:
+# the expiry sweep re-drives its finalize).
+GIVE_UP_FROM = {
+    "validate": ("validating",),
+    "finalize": ("validating", "in_progress", "finalizing"),
+    "cancel": (),
+}
 
 
-@app.task(name=TASK_FINALIZE)
-def finalize_batch(batch_id: str) -> None:
-    finalize(batch_id)
+def retry_delay_s(attempt: int) -> float:
+    """The wait before run ``attempt + 1`` of a control task: doubling, at most a minute,
+    with jitter so batches that failed together do not retry in lockstep."""
+    base = get_settings().control_task_retry_delay_s * 2 ** (attempt - 1)
+    return min(60.0, base) * (0.75 + random.random() / 2)
 
 
-@app.task(name=TASK_CANCEL)
-def cancel_batch(batch_id: str) -> None:
-    cancel(batch_id)
+def _describe(exc: BaseException) -> str:
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def task_failed_error(step: str, attempts: int, exc: BaseException) -> dict[str, Any]:
+    """The ``errors`` entry of a batch whose control step kept raising."""
+    return {
+        "code": "server_error",
+        "message": f"{STEP_NAMES[step]} the batch failed {attempts} times; the last error was "
+        f"{_describe(exc)}. Please create the batch again.",
+        "param": None,
+        "line": None,
+    }
+
+
+def give_up(batch_id: str, step: str, attempts: int, exc: BaseException) -> bool:
+    """Fail the batch of a control step that kept raising; True if this call failed it."""
+    sources = GIVE_UP_FROM[step]
+    if not sources:
+        return False
+    with session_scope() as session:
+        won = transition(
+            session, batch_id, sources, "failed", errors=[task_failed_error(step, attempts, exc)]
+        )
+    if won:
+        logger.error("batch %s failed: %s the batch failed %s times", batch_id, step, attempts)
+        notify(batch_id, "failed")
+    return won
+
+
+def run_control_step(task: Any, step: str, batch_id: str) -> None:
+    """Run ``step`` (validate, finalize or cancel) of ``batch_id`` for the bound Celery
+    ``task``. If it raises, the task is retried with backoff, up to
+    ``control_task_max_attempts`` runs; then the batch fails with the error named (see
+    :func:`give_up`), unless the last error was a database or broker outage: the batch then
+    stays as it is and the sweeps send its task again (a batch stuck validating or finalizing:
+    the reclaim sweep; one past its window or cancelling: the expiry sweep)."""
+    steps = {"validate": validate, "finalize": finalize, "cancel": cancel}
+    try:
+        steps[step](batch_id)
+        return
+    except Exception as exc:
+        settings = get_settings()
+        attempt = task.request.retries + 1
+        if attempt < settings.control_task_max_attempts:
+            delay = retry_delay_s(attempt)
+            logger.warning(
+                "%s batch %s failed (run %s of %s): %s; retrying in %.1fs",
+                step,
+                batch_id,
+                attempt,
+                settings.control_task_max_attempts,
+                _describe(exc),
+                delay,
+                exc_info=True,
+            )
+            raise task.retry(exc=exc, countdown=delay) from exc
+        if transient_error(exc):
+            logger.error(
+                "%s batch %s failed %s times (%s); the sweeps send it again",
+                step,
+                batch_id,
+                attempt,
+                _describe(exc),
+            )
+            raise
+        logger.exception("%s batch %s failed %s times; giving up", step, batch_id, attempt)
+        give_up(batch_id, step, attempt, exc)
+
+
+@app.task(name=TASK_VALIDATE, bind=True, max_retries=None)
+def validate_batch(self: Any, batch_id: str) -> None:
+    run_control_step(self, "validate", batch_id)
+
+
+@app.task(name=TASK_FINALIZE, bind=True, max_retries=None)
+def finalize_batch(self: Any, batch_id: str) -> None:
+    run_control_step(self, "finalize", batch_id)
+
+
+@app.task(name=TASK_CANCEL, bind=True, max_retries=None)
+def cancel_batch(self: Any, batch_id: str) -> None:
+    run_control_step(self, "cancel", batch_id)
 
 
 @app.task(name=TASK_SWEEP_EXPIRED)

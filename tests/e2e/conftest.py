@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -260,10 +261,10 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
         manager.stop_all()
 
 
-@pytest.fixture
-def private_broker(redis_url: str, tmp_path: Path) -> Iterator[str]:
-    """A private redis-server on a free port for this test (no queue is shared with anyone);
-    without the binary, a Redis database index of the shared server, emptied."""
+@contextmanager
+def private_redis(redis_url: str, directory: Path) -> Iterator[str]:
+    """A private redis-server on a free port (no queue is shared with anyone); without the
+    binary, a Redis database index of the shared server, emptied."""
     import shutil
 
     import redis
@@ -278,7 +279,7 @@ def private_broker(redis_url: str, tmp_path: Path) -> Iterator[str]:
     port = _free_port()
     proc = subprocess.Popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(tmp_path)],
+         "--dir", str(directory)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
     url = f"redis://127.0.0.1:{port}/0"
@@ -288,6 +289,13 @@ def private_broker(redis_url: str, tmp_path: Path) -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+@pytest.fixture
+def private_broker(redis_url: str, tmp_path: Path) -> Iterator[str]:
+    """A private broker for this test (see :func:`private_redis`)."""
+    with private_redis(redis_url, tmp_path) as url:
+        yield url
 
 
 def _port_open(port: int) -> bool:

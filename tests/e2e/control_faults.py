@@ -1,0 +1,66 @@
+"""Faults for a real control worker, loaded only by tests: ``celery worker -I control_faults``
+with this folder on ``PYTHONPATH``. Nothing in the service refers to this module.
+
+A batch gets a fault when the file ``$BATCHD_TEST_FAULT_DIR/<batch id>`` exists; its text
+names it: ``validate:once`` (the first validate of the batch raises), ``validate:always`` or
+``finalize:always``. Each injected failure logs ``injected fault``.
+
+The first validate this process runs also logs which of transformers' Auto classes were
+already imported (``auto classes before the first validate: [...]``): in a control worker
+nothing else imports them, so this shows what the worker's start imported.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from collections import Counter
+from pathlib import Path
+
+import worker.tasks as tasks
+from worker.celery_app import TRANSFORMERS_NAMES
+
+logger = logging.getLogger("control_faults")
+_lock = threading.Lock()
+_calls: Counter[tuple[str, str]] = Counter()
+_first_validate = True
+_real = {"validate": tasks.validate, "finalize": tasks.finalize}
+
+
+def _fault(step: str, batch_id: str) -> None:
+    path = Path(os.environ["BATCHD_TEST_FAULT_DIR"]) / batch_id
+    try:
+        kind, _, mode = path.read_text().strip().partition(":")
+    except FileNotFoundError:
+        return
+    if kind != step:
+        return
+    with _lock:
+        _calls[step, batch_id] += 1
+        call = _calls[step, batch_id]
+    if mode == "always" or (mode == "once" and call == 1):
+        logger.warning("injected fault: %s of %s, call %s", step, batch_id, call)
+        raise RuntimeError(f"injected {step} fault (call {call})")
+
+
+def validate(batch_id: str) -> str | None:
+    global _first_validate
+    with _lock:
+        first, _first_validate = _first_validate, False
+    if first:
+        transformers = sys.modules.get("transformers")
+        ready = [n for n in TRANSFORMERS_NAMES if transformers and n in vars(transformers)]
+        logger.warning("auto classes before the first validate: %s", ready)
+    _fault("validate", batch_id)
+    return _real["validate"](batch_id)
+
+
+def finalize(batch_id: str) -> str | None:
+    _fault("finalize", batch_id)
+    return _real["finalize"](batch_id)
+
+
+tasks.validate = validate
+tasks.finalize = finalize
