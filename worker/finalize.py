@@ -145,7 +145,11 @@ def finalize(batch_id: str) -> str | None:
         key = input_key(session, batch)
         tenant = batch.tenant
         model = batch.model
-        expires_at = utcnow() + timedelta(seconds=settings.file_expiry_s)
+        # Output and error files expire output_expires_after seconds after their creation.
+        files_created_at = utcnow().replace(microsecond=0)
+        expires_at = files_created_at + timedelta(
+            seconds=batch.output_expires_after_s or settings.file_expiry_s
+        )
 
     if target != "completed":
         with session_scope() as session:  # seal: no late checkpoint may land after the merge
@@ -192,6 +196,7 @@ def finalize(batch_id: str) -> str | None:
                     filename=f.filename,
                     bytes=f.bytes,
                     storage_key=f.key,
+                    created_at=files_created_at,
                     expires_at=expires_at,
                 )
             )
