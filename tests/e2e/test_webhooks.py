@@ -250,10 +250,10 @@ def test_loopback_outside_the_allow_list_is_refused_at_create(stack, receiver):
     import openai
 
     before = len(receiver.requests)
-    for host in ("127.0.0.2", "[::1]", "2130706433"):
+    for host in ("127.0.0.2", "[::1]", "2130706434", "0x7f.2"):  # not 127.0.0.1, the allowed
         url = f"http://{host}:{receiver.server.server_address[1]}/refused"
         with pytest.raises(openai.BadRequestError) as caught:
             _submit(stack, [_chat("x", "hello")], url)
-        assert caught.value.body["param"] == "webhook_url"
-        assert "loopback" in caught.value.body["message"]
+        assert caught.value.body["param"] == "webhook_url", host
+        assert "loopback" in caught.value.body["message"], host
     assert len(receiver.requests) == before
