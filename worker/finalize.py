@@ -18,8 +18,8 @@ Chunks are deleted only after the winning transaction commits.
 
 The winner then sends the batch's webhook event (:mod:`worker.webhooks`), and after a cancel or
 expiry lets the release policy fill the slots its sealed shards held (:mod:`worker.release`).
-Output and error files expire ``settings.file_expiry_s`` after the finalize
-(:mod:`worker.retention` deletes them).
+Output and error files expire the batch's ``output_expires_after`` seconds (default
+``settings.file_expiry_s``) after the finalize (:mod:`worker.retention` deletes them).
 """
 
 from __future__ import annotations
