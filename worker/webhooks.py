@@ -77,6 +77,8 @@ EVENT_TYPES = {
 }
 SECRET_PREFIX = "whsec_"
 USER_AGENT = "batchd-webhooks/1"
+#: How much of a receiver's answer is read (into ``last_error`` on a failed attempt).
+ANSWER_BYTES_KEPT = 200
 
 
 def backoff_s(attempts: int) -> float:
@@ -177,12 +179,13 @@ def post_pinned(
     timeout: float,
     allow: AllowList,
     resolver: Resolver = system_resolver,
-) -> httpx.Response:
+) -> tuple[int, str]:
     """POST ``body`` to ``url`` at an address checked by :mod:`core.netcheck`: the host is
     resolved once, every address is checked, and the connection goes to the checked address
     (the ``Host`` header and TLS server name stay the URL's host, so virtual hosts and
     certificates work as usual). No redirect is followed and no proxy from the environment is
-    used (either would send the request somewhere unchecked)."""
+    used (either would send the request somewhere unchecked). Returns the status code and the
+    start of the answer's body (only that much is read)."""
     target = httpx.URL(url)
     port = target.port or (443 if target.scheme == "https" else 80)
     address = resolve_checked(target.host, port, allow, resolver)
@@ -190,13 +193,18 @@ def post_pinned(
     if target.scheme == "https" and parse_address(target.host) is None:
         extensions["sni_hostname"] = target.host
     pinned = target.copy_with(host=str(address))
-    with httpx.Client(trust_env=False, follow_redirects=False, timeout=timeout) as client:
-        return client.post(
+    with (
+        httpx.Client(trust_env=False, follow_redirects=False, timeout=timeout) as client,
+        client.stream(
+            "POST",
             pinned,
             content=body,
             headers={**headers, "host": target.netloc.decode("ascii")},
             extensions=extensions,
-        )
+        ) as response,
+    ):
+        start = next(response.iter_bytes(ANSWER_BYTES_KEPT), b"")[:ANSWER_BYTES_KEPT]
+        return response.status_code, start.decode("utf-8", "replace")
 
 
 def attempt(delivery_id: str, *, resolver: Resolver = system_resolver) -> float | None:
@@ -241,7 +249,7 @@ def attempt(delivery_id: str, *, resolver: Resolver = system_resolver) -> float 
     error: str | None = None
     refused = False
     try:
-        response = post_pinned(
+        code, answer = post_pinned(
             url,
             body,
             headers,
@@ -249,9 +257,8 @@ def attempt(delivery_id: str, *, resolver: Resolver = system_resolver) -> float 
             allow=settings.webhook_allow_list(),
             resolver=resolver,
         )
-        code = response.status_code
         if not 200 <= code < 300:
-            error = f"HTTP {code}: {response.text[:200]}"
+            error = f"HTTP {code}: {answer}"
     except DestinationRefused as exc:
         refused = True  # the rule, not the receiver: another attempt would be refused too
         error = f"refused: {exc}"[:500]
