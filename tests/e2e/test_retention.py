@@ -98,52 +98,6 @@ def test_expired_unused_upload_is_deleted(stack):
         stack.client.files.retrieve(file_id)
 
 
-def test_running_batch_keeps_its_expired_input_until_it_ends(stack):
-    # Long enough to outlast three sweeps even on a quiet machine (quick ones finish first).
-    lines = [_chat(f"r{i}", 4 if i % 8 == 0 else 800) for i in range(32)]
-    file_id = _upload(stack, lines)
-    batch = stack.client.batches.create(
-        input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
-    )
-    _until(
-        lambda: stack.client.batches.retrieve(batch.id).request_counts.completed >= 1,
-        90,
-        "the batch to make progress",
-    )
-    row = _file(stack, file_id)
-    _expire_now(stack, file_id)
-    time.sleep(3)  # three sweeps while the batch runs
-    assert stack.client.batches.retrieve(batch.id).status == "in_progress", (
-        "the workload finished too early for this test"
-    )
-    assert _file(stack, file_id) is not None and _object(stack, row).exists()
-
-    done = _until(
-        lambda: (b := stack.client.batches.retrieve(batch.id)).status in TERMINAL and b,
-        240,
-        "the batch to finish",
-    )
-    assert done.status == "completed", done
-    assert done.request_counts.completed == len(lines) and done.request_counts.failed == 0
-    out_id = done.output_file_id
-    assert len(stack.client.files.content(out_id).text.splitlines()) == len(lines)
-
-    # Now the batch has ended, the sweep deletes its expired input.
-    _until(lambda: _file(stack, file_id) is None, 15, "the sweep to delete the used input")
-    assert not _object(stack, row).exists()
-
-    # The output file expires settings.file_expiry_s (30 days by default) after the finalize.
-    out = _file(stack, out_id)
-    completed_at = datetime.fromtimestamp(done.completed_at, UTC)
-    assert abs((out["expires_at"] - completed_at).total_seconds() - 30 * 24 * 3600) < 60
-    assert stack.client.files.retrieve(out_id).expires_at == int(out["expires_at"].timestamp())
-    _expire_now(stack, out_id)
-    _until(lambda: _file(stack, out_id) is None, 15, "the sweep to delete the output file")
-    assert not _object(stack, out).exists()
-    with pytest.raises(openai.NotFoundError):
-        stack.client.files.content(out_id)
-
-
 def test_output_expires_after_sets_the_expiry_of_output_and_error_files(stack):
     """OpenAI's ``output_expires_after``: the output and the error file expire that many
     seconds after they are created, and the sweep deletes them once they have."""
@@ -160,7 +114,7 @@ def test_output_expires_after_sets_the_expiry_of_output_and_error_files(stack):
     )
     done = _until(
         lambda: (b := stack.client.batches.retrieve(batch.id)).status in TERMINAL and b,
-        120,
+        240,
         "the batch to finish",
     )
     assert done.status == "completed", done
@@ -207,3 +161,50 @@ def test_output_expires_after_out_of_range_is_400(stack, value, param, message):
     assert (error["type"], error["param"], error["message"]) == (
         "invalid_request_error", param, message,
     )  # fmt: skip
+
+
+def test_running_batch_keeps_its_expired_input_until_it_ends(stack):
+    # Long enough to outlast three sweeps even on a quiet machine (quick ones finish first).
+    lines = [_chat(f"r{i}", 4 if i % 8 == 0 else 800) for i in range(32)]
+    file_id = _upload(stack, lines)
+    batch = stack.client.batches.create(
+        input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    _until(
+        lambda: stack.client.batches.retrieve(batch.id).request_counts.completed >= 1,
+        90,
+        "the batch to make progress",
+    )
+    row = _file(stack, file_id)
+    _expire_now(stack, file_id)
+    time.sleep(3)  # three sweeps while the batch runs
+    assert stack.client.batches.retrieve(batch.id).status == "in_progress", (
+        "the workload finished too early for this test"
+    )
+    assert _file(stack, file_id) is not None and _object(stack, row).exists()
+
+    done = _until(
+        lambda: (b := stack.client.batches.retrieve(batch.id)).status in TERMINAL and b,
+        240,
+        "the batch to finish",
+    )
+    assert done.status == "completed", done
+    assert done.request_counts.completed == len(lines) and done.request_counts.failed == 0
+    out_id = done.output_file_id
+    assert len(stack.client.files.content(out_id).text.splitlines()) == len(lines)
+
+    # Now the batch has ended, the sweep deletes its expired input.
+    _until(lambda: _file(stack, file_id) is None, 15, "the sweep to delete the used input")
+    assert not _object(stack, row).exists()
+
+    # The output file expires settings.file_expiry_s (30 days by default) after the finalize.
+    out = _file(stack, out_id)
+    completed_at = datetime.fromtimestamp(done.completed_at, UTC)
+    assert abs((out["expires_at"] - completed_at).total_seconds() - 30 * 24 * 3600) < 60
+    assert stack.client.files.retrieve(out_id).expires_at == int(out["expires_at"].timestamp())
+    _expire_now(stack, out_id)
+    _until(lambda: _file(stack, out_id) is None, 15, "the sweep to delete the output file")
+    assert not _object(stack, out).exists()
+    with pytest.raises(openai.NotFoundError):
+        stack.client.files.content(out_id)
+
