@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from api.errors import invalid_request
 from core.auth import MAX_WEBHOOK_URL_CHARS, webhook_url_problem
 from core.models import Batch, File
 
@@ -117,11 +118,40 @@ class FileDeleted(BaseModel):
 # ---- batches ---------------------------------------------------------------------------------
 
 
+#: The lifetime a client may give a file (OpenAI's ``expires_after``/``output_expires_after``).
+MIN_EXPIRY_S = 3600
+MAX_EXPIRY_S = 30 * 24 * 3600
+
+
 class ExpiresAfter(BaseModel):
+    """``{"anchor": "created_at", "seconds": 3600..2592000}``. The schema documents the range
+    and the anchor; :meth:`checked_seconds` enforces them with OpenAI's messages."""
+
     model_config = ConfigDict(extra="forbid")
 
-    anchor: Literal["created_at"]
-    seconds: int = Field(ge=3600, le=2_592_000)
+    anchor: str = Field(json_schema_extra={"enum": ["created_at"]})
+    seconds: int = Field(json_schema_extra={"minimum": MIN_EXPIRY_S, "maximum": MAX_EXPIRY_S})
+
+    def checked_seconds(self, param: str) -> int:
+        """The lifetime in seconds; :class:`APIError` 400 naming ``param``'s field otherwise."""
+        if self.anchor != "created_at":
+            raise invalid_request(
+                f"Invalid value: {self.anchor[:64]!r}. Supported values are: 'created_at'.",
+                param=f"{param}.anchor",
+            )
+        if self.seconds < MIN_EXPIRY_S:
+            raise invalid_request(
+                f"Invalid '{param}.seconds': integer below minimum value. Expected a value "
+                f">= {MIN_EXPIRY_S}, but got {self.seconds} instead.",
+                param=f"{param}.seconds",
+            )
+        if self.seconds > MAX_EXPIRY_S:
+            raise invalid_request(
+                f"Invalid '{param}.seconds': integer above maximum value. Expected a value "
+                f"<= {MAX_EXPIRY_S}, but got {self.seconds} instead.",
+                param=f"{param}.seconds",
+            )
+        return self.seconds
 
 
 class BatchCreate(BaseModel):

@@ -94,6 +94,9 @@ class Batch(Base):
     idempotency_key: Mapped[str | None] = mapped_column(String(256), nullable=True)
     webhook_url: Mapped[str | None] = mapped_column(Text, nullable=True)
     webhook_secret: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    # OpenAI's output_expires_after.seconds: the output and error files expire this long after
+    # they are created (None: settings.file_expiry_s).
+    output_expires_after_s: Mapped[int | None] = mapped_column(Integer, nullable=True)
     # Prompt tokens counted at validation: what the batch holds against the tenant's queue limit.
     est_prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 

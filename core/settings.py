@@ -15,6 +15,8 @@ from typing import Annotated, Any
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from core.netcheck import AllowList
+
 EMBEDDING_MODEL_NAME = "minilm"
 DEMO_MODEL_NAME = "batchd-demo"
 
@@ -94,6 +96,10 @@ class Settings(BaseSettings):
     # Webhooks.
     webhook_max_attempts: int = 8
     webhook_timeout_s: float = 10.0
+    # Webhook destinations (core/netcheck.py): only public addresses, except these host names,
+    # IP addresses and CIDR ranges (comma-separated), e.g. "hooks.corp,10.20.0.0/16" for an
+    # intranet receiver.
+    webhook_allowed_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list)
 
     # Worker.
     # Shard tasks in flight per model worker (threads). A shard holds its thread until its last
@@ -120,7 +126,7 @@ class Settings(BaseSettings):
             return dict(p.split("=", 1) for p in pairs)
         return value
 
-    @field_validator("api_keys", mode="before")
+    @field_validator("api_keys", "webhook_allowed_hosts", mode="before")
     @classmethod
     def _csv_list(cls, value: Any) -> Any:
         if isinstance(value, str):
@@ -129,6 +135,15 @@ class Settings(BaseSettings):
                 return json.loads(value)
             return [v.strip() for v in value.split(",") if v.strip()]
         return value
+
+    @field_validator("webhook_allowed_hosts")
+    @classmethod
+    def _allow_list(cls, value: list[str]) -> list[str]:
+        AllowList.parse(value)  # fail at start on an entry that is no name, address or range
+        return value
+
+    def webhook_allow_list(self) -> AllowList:
+        return AllowList.parse(self.webhook_allowed_hosts)
 
     def model_post_init(self, __context: Any) -> None:
         if not self.database_url:

@@ -8,15 +8,19 @@ unless given as client keyword arguments.
 Writes stream: the ``writer`` buffers one part (``part_size``, at least 5 MiB) at a time and
 uploads it as a multipart-upload part, so an object is never held whole in memory. An object
 smaller than one part goes up with a single ``PutObject``. The multipart upload is completed only
-when the block exits cleanly and aborted otherwise, so a failed write leaves no object (and no
-pending upload). A process killed mid-write can still leave a pending upload behind: give the
-bucket a lifecycle rule that aborts incomplete multipart uploads after a day.
+when the block exits cleanly and aborted otherwise (whatever the error, retried if the abort
+fails too), so a failed write leaves no object and no pending upload. A process killed
+mid-write cannot abort: a bucket that batchd creates gets a lifecycle rule that aborts
+multipart uploads still incomplete a day after they started (:data:`LIFECYCLE_RULE`); give a
+bucket created by hand the same rule.
 """
 
 from __future__ import annotations
 
 import io
+import logging
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from typing import Any, BinaryIO
@@ -25,6 +29,7 @@ from urllib.parse import urlsplit
 import boto3
 from botocore.config import Config
 from botocore.exceptions import (
+    BotoCoreError,
     ClientError,
     ConnectionClosedError,
     IncompleteReadError,
@@ -47,6 +52,17 @@ _STREAM_ERRORS = (
     ConnectionClosedError,
 )
 READ_RETRIES = 3
+ABORT_ATTEMPTS = 3
+ABORT_INCOMPLETE_UPLOADS_AFTER_DAYS = 1
+#: The lifecycle rule set on a bucket batchd creates.
+LIFECYCLE_RULE = {
+    "ID": "batchd-abort-incomplete-multipart-uploads",
+    "Status": "Enabled",
+    "Filter": {"Prefix": ""},
+    "AbortIncompleteMultipartUpload": {"DaysAfterInitiation": ABORT_INCOMPLETE_UPLOADS_AFTER_DAYS},
+}
+
+logger = logging.getLogger(__name__)
 
 
 def _code(exc: ClientError) -> str:
@@ -118,12 +134,39 @@ class _MultipartWriter(io.BufferedIOBase):
         self._buf = bytearray()
 
     def _abort(self) -> None:
+        """Abort the multipart upload, if one was started: its parts would otherwise be kept
+        (and billed) forever. Tried a few times, since the failure that brought us here (a
+        dropped connection, a throttled store) may hit the abort too; S3 also asks to repeat
+        an abort that raced a part upload until no part is left."""
         self._buf = bytearray()
-        if self._upload_id is not None:
-            self._client.abort_multipart_upload(
-                Bucket=self._bucket, Key=self._key, UploadId=self._upload_id
-            )
-            self._upload_id = None
+        if self._upload_id is None:
+            return
+        upload_id, self._upload_id = self._upload_id, None
+        for attempt in range(ABORT_ATTEMPTS):
+            try:
+                self._client.abort_multipart_upload(
+                    Bucket=self._bucket, Key=self._key, UploadId=upload_id
+                )
+                left = self._client.list_parts(
+                    Bucket=self._bucket, Key=self._key, UploadId=upload_id
+                ).get("Parts")
+            except ClientError as exc:
+                if _code(exc) in {"NoSuchUpload", "404"}:
+                    return  # aborted (now, or by an earlier try whose answer was lost)
+                error: Exception = exc
+            except BotoCoreError as exc:
+                error = exc
+            else:
+                if not left:
+                    return
+                error = StorageError(f"{len(left)} parts remain")
+            if attempt + 1 < ABORT_ATTEMPTS:
+                time.sleep(0.2 * 2**attempt)
+        logger.error(
+            "could not abort multipart upload %s of %r in bucket %r (%s); the bucket's "
+            "lifecycle rule removes it after %s day(s)",
+            upload_id, self._key, self._bucket, error, ABORT_INCOMPLETE_UPLOADS_AFTER_DAYS,
+        )  # fmt: skip
 
 
 class _BodyRaw(io.RawIOBase):
@@ -254,6 +297,24 @@ class S3Storage(Storage):
             except ClientError as exc:
                 if _code(exc) not in {"BucketAlreadyOwnedByYou", "BucketAlreadyExists"}:
                     raise StorageError(f"cannot create bucket {self.bucket!r}: {exc}") from exc
+                return  # someone else's bucket settings are theirs to keep
+            self._set_lifecycle()
+
+    def _set_lifecycle(self) -> None:
+        """Give a bucket batchd created the rule that aborts multipart uploads still
+        incomplete a day after they started (a process killed mid-write cannot abort its
+        own). A store without lifecycle support keeps working, with a warning: MinIO, for
+        one, reaps stale uploads itself (``api stale_uploads_expiry``, 24 h by default)."""
+        try:
+            self.client.put_bucket_lifecycle_configuration(
+                Bucket=self.bucket, LifecycleConfiguration={"Rules": [LIFECYCLE_RULE]}
+            )
+        except (ClientError, BotoCoreError) as exc:
+            logger.warning(
+                "bucket %r: could not set the rule that aborts incomplete multipart uploads "
+                "(%s); set it by hand if the store does not reap them itself",
+                self.bucket, exc,
+            )  # fmt: skip
 
     # -- keys ------------------------------------------------------------------------------
 
@@ -281,8 +342,9 @@ class S3Storage(Storage):
             yield stream  # type: ignore[misc]
             stream._commit()
         except BaseException as exc:
-            # The original error matters more; a lifecycle rule reaps an upload left behind.
-            with suppress(ClientError):
+            # The original error matters more than one from the abort (which logs its own);
+            # the bucket's lifecycle rule reaps an upload left behind.
+            with suppress(Exception):
                 stream._abort()
             if isinstance(exc, ClientError):
                 raise self._error(exc, key, "upload") from exc

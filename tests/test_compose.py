@@ -139,6 +139,23 @@ def test_every_variable_is_in_env_example_and_secrets_are_required() -> None:
         assert used.get(name) == ":?", f"{name} must be required (${{{name}:?…}})"
 
 
+# A release: "16.6", "7.4.2-alpine", "RELEASE.2025-09-07T16-13-09Z" (not "16", "7", "latest").
+_PINNED_TAG = re.compile(r"^(\d+\.\d+(\.\d+)?|RELEASE\.\d{4}-\d\d-\d\dT\d\d-\d\d-\d\dZ)(-[\w.]+)?$")
+
+
+def test_third_party_images_are_pinned_to_a_release() -> None:
+    """An image pulled by the deployment names a release (or a digest), so that two
+    `docker compose up` a month apart run the same store, database and broker."""
+    pulled = {n: s["image"] for n, s in services().items() if "build" not in s}
+    assert {"postgres", "redis", "minio"} <= set(pulled)
+    for name, image in pulled.items():
+        if "@sha256:" in image:
+            continue
+        repository, sep, tag = image.rpartition(":")
+        assert sep and "/" not in tag, f"{name}: {image} has no tag"
+        assert _PINNED_TAG.match(tag), f"{name}: {image} is not pinned to a release"
+
+
 def test_depends_on_targets_and_conditions() -> None:
     all_services = services()
     for name, service in all_services.items():

@@ -21,8 +21,8 @@ Chunks are deleted only after the winning transaction commits.
 
 The winner then sends the batch's webhook event (:mod:`worker.webhooks`), and after a cancel or
 expiry lets the release policy fill the slots its sealed shards held (:mod:`worker.release`).
-Output and error files expire ``settings.file_expiry_s`` after the finalize
-(:mod:`worker.retention` deletes them).
+Output and error files expire the batch's ``output_expires_after`` seconds (default
+``settings.file_expiry_s``) after the finalize (:mod:`worker.retention` deletes them).
 """
 
 from __future__ import annotations
@@ -164,7 +164,11 @@ def finalize(batch_id: str) -> str | None:
         key = input_key(session, batch)
         tenant = batch.tenant
         model = batch.model
-        expires_at = utcnow() + timedelta(seconds=settings.file_expiry_s)
+        # Output and error files expire output_expires_after seconds after their creation.
+        files_created_at = utcnow().replace(microsecond=0)
+        expires_at = files_created_at + timedelta(
+            seconds=batch.output_expires_after_s or settings.file_expiry_s
+        )
 
     if target != "completed":
         with session_scope() as session:  # seal: no late checkpoint may land after the merge
@@ -216,6 +220,7 @@ def finalize(batch_id: str) -> str | None:
                     filename=f.filename,
                     bytes=f.bytes,
                     storage_key=f.key,
+                    created_at=files_created_at,
                     expires_at=expires_at,
                 )
             )

@@ -1,9 +1,9 @@
 """File retention: a beat sweep that deletes files whose ``expires_at`` has passed.
 
 Every ``settings.file_sweep_interval_s`` the sweep takes expired ``files`` rows (uploads get
-``expires_at`` from the API, batch output and error files from the finalize:
-``settings.file_expiry_s`` after it), deletes each row, and after that commits deletes the
-stored object. The API already answers 404 for an expired file, so the order is invisible.
+``expires_at`` from the API, batch output and error files from the finalize: the batch's
+``output_expires_after`` seconds after it, or ``settings.file_expiry_s``), deletes each row,
+and after that commits deletes the stored object. The API already answers 404 for an expired file, so the order is invisible.
 
 An input file that a batch still needs is never deleted: the shards read their line ranges
 from it, and a cancel/expiry finalize reads it to name the requests that never ran. A file

@@ -28,6 +28,12 @@ capped at ``BATCHD_WEBHOOK_BACKOFF_MAX_S`` (default 1 h), up to
 rebuilt from the row on every attempt, so it is byte-for-byte the same each time. A beat
 sweep enqueues deliveries that were recorded but never attempted for a minute (the process
 that recorded one died before enqueueing it).
+
+Every attempt resolves the URL's host, checks every address against the destination rule of
+:mod:`core.netcheck` (public addresses only, unless ``BATCHD_WEBHOOK_ALLOWED_HOSTS`` allows
+the destination) and connects to the checked address; a refused destination fails the delivery
+at once, with ``last_error`` naming the rule. Redirects are not followed (a 3xx is a failed
+attempt).
 """
 
 from __future__ import annotations
@@ -48,6 +54,14 @@ from sqlalchemy import select, update
 
 from core.db import session_scope
 from core.models import Batch, WebhookDelivery
+from core.netcheck import (
+    AllowList,
+    DestinationRefused,
+    Resolver,
+    parse_address,
+    resolve_checked,
+    system_resolver,
+)
 from core.queue import CONTROL_QUEUE
 from core.settings import get_settings
 from worker.celery_app import TASK_DELIVER_WEBHOOK, TASK_SWEEP_WEBHOOKS, app
@@ -63,6 +77,8 @@ EVENT_TYPES = {
 }
 SECRET_PREFIX = "whsec_"
 USER_AGENT = "batchd-webhooks/1"
+#: How much of a receiver's answer is read (into ``last_error`` on a failed attempt).
+ANSWER_BYTES_KEPT = 200
 
 
 def backoff_s(attempts: int) -> float:
@@ -155,10 +171,47 @@ def notify(batch_id: str, status: str) -> str | None:
         return None
 
 
-def attempt(delivery_id: str) -> float | None:
+def post_pinned(
+    url: str,
+    body: bytes,
+    headers: dict[str, str],
+    *,
+    timeout: float,
+    allow: AllowList,
+    resolver: Resolver = system_resolver,
+) -> tuple[int, str]:
+    """POST ``body`` to ``url`` at an address checked by :mod:`core.netcheck`: the host is
+    resolved once, every address is checked, and the connection goes to the checked address
+    (the ``Host`` header and TLS server name stay the URL's host, so virtual hosts and
+    certificates work as usual). No redirect is followed and no proxy from the environment is
+    used (either would send the request somewhere unchecked). Returns the status code and the
+    start of the answer's body (only that much is read)."""
+    target = httpx.URL(url)
+    port = target.port or (443 if target.scheme == "https" else 80)
+    address = resolve_checked(target.host, port, allow, resolver)
+    extensions = {}
+    if target.scheme == "https" and parse_address(target.host) is None:
+        extensions["sni_hostname"] = target.host
+    pinned = target.copy_with(host=str(address))
+    with (
+        httpx.Client(trust_env=False, follow_redirects=False, timeout=timeout) as client,
+        client.stream(
+            "POST",
+            pinned,
+            content=body,
+            headers={**headers, "host": target.netloc.decode("ascii")},
+            extensions=extensions,
+        ) as response,
+    ):
+        start = next(response.iter_bytes(ANSWER_BYTES_KEPT), b"")[:ANSWER_BYTES_KEPT]
+        return response.status_code, start.decode("utf-8", "replace")
+
+
+def attempt(delivery_id: str, *, resolver: Resolver = system_resolver) -> float | None:
     """Make one delivery attempt. Returns None when there is nothing more to do (delivered,
     failed for good, or another attempt is under way), else the seconds to wait before the
-    next attempt."""
+    next attempt. A destination the address rule refuses (core.netcheck) fails the delivery
+    for good, without a request."""
     settings = get_settings()
     with session_scope() as session:
         delivery = session.get(WebhookDelivery, delivery_id)
@@ -194,21 +247,25 @@ def attempt(delivery_id: str) -> float | None:
         headers["webhook-signature"] = sign(secret, delivery_id, timestamp, body)
     code: int | None = None
     error: str | None = None
+    refused = False
     try:
-        response = httpx.post(
+        code, answer = post_pinned(
             url,
-            content=body,
-            headers=headers,
+            body,
+            headers,
             timeout=settings.webhook_timeout_s,
-            follow_redirects=False,
+            allow=settings.webhook_allow_list(),
+            resolver=resolver,
         )
-        code = response.status_code
         if not 200 <= code < 300:
-            error = f"HTTP {code}: {response.text[:200]}"
-    except httpx.HTTPError as exc:
+            error = f"HTTP {code}: {answer}"
+    except DestinationRefused as exc:
+        refused = True  # the rule, not the receiver: another attempt would be refused too
+        error = f"refused: {exc}"[:500]
+    except (httpx.HTTPError, httpx.InvalidURL, OSError) as exc:
         error = f"{type(exc).__name__}: {exc}"[:500]
     ok = error is None
-    final = ok or number >= settings.webhook_max_attempts
+    final = ok or refused or number >= settings.webhook_max_attempts
     values: dict[str, Any] = {"last_status_code": code, "last_error": error}
     if ok:
         values.update(status="delivered", delivered_at=utcnow())

@@ -28,6 +28,7 @@ from core.auth import generate_webhook_secret
 from core.ids import batch_id
 from core.lifecycle import TERMINAL, now, transition
 from core.models import Batch
+from core.netcheck import url_problem
 from core.queue import TASK_CANCEL, TASK_VALIDATE, enqueue
 
 log = logging.getLogger("batchd.api")
@@ -150,6 +151,19 @@ def create_batch(
         )
     if key is not None and (existing := _existing(session, caller.tenant, key)) is not None:
         return _replay(existing, body, caller)
+    output_expiry_s = None
+    if body.output_expires_after is not None:
+        output_expiry_s = body.output_expires_after.checked_seconds("output_expires_after")
+    webhook_url = body.webhook_url or caller.webhook_url
+    if webhook_url is not None and (
+        problem := url_problem(webhook_url, settings.webhook_allow_list())
+    ):
+        source = "" if body.webhook_url else " (the API key's default webhook URL)"
+        raise invalid_request(
+            f"Invalid value for 'webhook_url'{source}: {problem}.",
+            param="webhook_url",
+            code="webhook_url_not_allowed",
+        )
     input_file = get_file_row(session, caller.tenant, body.input_file_id, param="input_file_id")
     if input_file.purpose != "batch":
         raise invalid_request(
@@ -158,7 +172,6 @@ def create_batch(
             param="input_file_id",
         )
     _check_unfinished_quota(session, caller.tenant, max_unfinished_batches(settings))
-    webhook_url = body.webhook_url or caller.webhook_url
     webhook_secret = None
     if webhook_url is not None:
         webhook_secret = caller.webhook_secret or generate_webhook_secret()
@@ -175,6 +188,7 @@ def create_batch(
         idempotency_key=key,
         webhook_url=webhook_url,
         webhook_secret=webhook_secret,
+        output_expires_after_s=output_expiry_s,
         created_at=created,
         expires_at=created + timedelta(seconds=seconds),
         request_total=0,

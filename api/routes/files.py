@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 from api.deps import CurrentKey, SessionDep, SettingsDep, StorageDep
 from api.errors import APIError, invalid_request, not_found
 from api.routes.common import could_be_id, error_responses
-from api.schemas import FileDeleted, FileList, FilePublic
+from api.schemas import MAX_EXPIRY_S, MIN_EXPIRY_S, FileDeleted, FileList, FilePublic
 from api.uploads import Upload, receive_upload
 from core.db import session_scope
 from core.ids import file_id
@@ -29,8 +29,6 @@ log = logging.getLogger("batchd.api")
 router = APIRouter(prefix="/files", tags=["files"])
 
 ACCEPTED_PURPOSES = ("batch",)
-MIN_EXPIRY_S = 3600
-MAX_EXPIRY_S = 30 * 24 * 3600
 
 _UPLOAD_SCHEMA = {
     "requestBody": {

@@ -132,8 +132,8 @@ def test_webhooks_use_the_keys_url_and_secret(server, make_key, pg_url):
     row = _batch_row(pg_url, by_default.id)
     assert (row.webhook_url, row.webhook_secret) == ("https://hooks.example.com/default", key_secret)
 
-    own = _create(client, input_file, extra_body={"webhook_url": "http://10.0.0.5:8080/done?x=1"})
-    assert own.model_extra["webhook_url"] == "http://10.0.0.5:8080/done?x=1"
+    own = _create(client, input_file, extra_body={"webhook_url": "http://hooks.example.net:8080/done?x=1"})
+    assert own.model_extra["webhook_url"] == "http://hooks.example.net:8080/done?x=1"
     assert _batch_row(pg_url, own.id).webhook_secret == key_secret
 
 

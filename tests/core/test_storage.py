@@ -360,6 +360,94 @@ def test_s3_failed_multipart_write_leaves_no_object_and_no_upload(s3_endpoint: s
     assert _pending_uploads(storage) == []
 
 
+def _fail_calls(storage: S3Storage, operation: str, times: int, after: int = 0) -> list[str]:
+    """Make the store's ``operation`` fail ``times`` times (after ``after`` calls succeed) as a
+    dropped connection would; returns the log of the calls seen."""
+    from botocore.exceptions import EndpointConnectionError
+
+    seen: list[str] = []
+
+    def fail(**_: object) -> None:
+        seen.append(operation)
+        if after < len(seen) <= after + times:
+            raise EndpointConnectionError(endpoint_url="http://127.0.0.1:1")
+
+    storage.client.meta.events.register(f"before-call.s3.{operation}", fail)
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("operation", "after"),
+    [("UploadPart", 1), ("CompleteMultipartUpload", 0), ("UploadPart", 0)],
+)
+def test_s3_store_failure_mid_upload_leaves_no_pending_upload(
+    s3_endpoint: str, operation: str, after: int
+) -> None:
+    """The store fails under the writer (a part, or the completion): the upload is aborted."""
+    from botocore.exceptions import EndpointConnectionError
+
+    storage = _s3(s3_endpoint)
+    _fail_calls(storage, operation, times=1, after=after)
+    with pytest.raises(EndpointConnectionError), storage.writer("big") as out:
+        for _ in range(3):
+            out.write(b"p" * (3 * MiB))
+    assert _pending_uploads(storage) == []
+    assert not storage.exists("big")
+
+
+def test_s3_abort_is_retried_when_it_fails_too(s3_endpoint: str) -> None:
+    storage = _s3(s3_endpoint)
+    aborts = _fail_calls(storage, "AbortMultipartUpload", times=1)
+    with pytest.raises(RuntimeError, match="killed"), storage.writer("big") as out:
+        out.write(b"a" * (6 * MiB))
+        raise RuntimeError("killed")  # the caller's error is the one raised, not the abort's
+    assert len(aborts) == 2
+    assert _pending_uploads(storage) == []
+    # An abort that keeps failing leaves the caller's error intact and says so in the log.
+    storage = _s3(s3_endpoint)
+    _fail_calls(storage, "AbortMultipartUpload", times=99)
+    with pytest.raises(RuntimeError, match="killed"), storage.writer("big") as out:
+        out.write(b"a" * (6 * MiB))
+        raise RuntimeError("killed")
+    assert len(_pending_uploads(storage)) == 1  # left for the bucket's lifecycle rule
+
+
+def test_s3_created_bucket_aborts_incomplete_uploads_after_a_day(s3_endpoint: str) -> None:
+    from core.storage_s3 import LIFECYCLE_RULE
+
+    storage = _s3(s3_endpoint)
+    rules = storage.client.get_bucket_lifecycle_configuration(Bucket=storage.bucket)["Rules"]
+    assert [r["AbortIncompleteMultipartUpload"] for r in rules] == [{"DaysAfterInitiation": 1}]
+    assert rules[0]["Status"] == "Enabled" and rules[0]["ID"] == LIFECYCLE_RULE["ID"]
+    # A bucket that exists already (someone else's settings) is left as it is.
+    bucket = _bucket()
+    storage.client.create_bucket(Bucket=bucket)
+    existing = _s3(s3_endpoint, bucket)
+    with pytest.raises(Exception, match="NoSuchLifecycleConfiguration"):
+        existing.client.get_bucket_lifecycle_configuration(Bucket=bucket)
+
+
+def test_s3_store_without_lifecycle_support_still_works(
+    s3_endpoint: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    import boto3
+    from botocore.exceptions import ClientError
+
+    client = boto3.session.Session().client("s3", endpoint_url=s3_endpoint)
+
+    def unsupported(**_: object) -> None:
+        raise ClientError(
+            {"Error": {"Code": "NotImplemented", "Message": "not supported"}},
+            "PutBucketLifecycleConfiguration",
+        )
+
+    client.meta.events.register("before-call.s3.PutBucketLifecycleConfiguration", unsupported)
+    storage = S3Storage(_bucket(), client=client)
+    assert "could not set the rule that aborts incomplete multipart uploads" in caplog.text
+    _put(storage, "x", b"1")
+    assert _get(storage, "x") == b"1"
+
+
 def test_s3_writer_streams_parts_and_bounds_its_buffer(s3_endpoint: str) -> None:
     storage = _s3(s3_endpoint)
     with storage.writer("streamed") as out:

@@ -98,6 +98,71 @@ def test_expired_unused_upload_is_deleted(stack):
         stack.client.files.retrieve(file_id)
 
 
+def test_output_expires_after_sets_the_expiry_of_output_and_error_files(stack):
+    """OpenAI's ``output_expires_after``: the output and the error file expire that many
+    seconds after they are created, and the sweep deletes them once they have."""
+    lines = [_chat("ok-1", 4), _chat("ok-2", 4)]
+    lines.append(
+        {**_chat("too-long", 4), "body": {**_chat("x", 4)["body"],
+         "messages": [{"role": "user", "content": "the cat " * 700}]}}
+    )  # fmt: skip  # longer than the context: an error line
+    batch = stack.client.batches.create(
+        input_file_id=_upload(stack, lines),
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        extra_body={"output_expires_after": {"anchor": "created_at", "seconds": 7200}},
+    )
+    done = _until(
+        lambda: (b := stack.client.batches.retrieve(batch.id)).status in TERMINAL and b,
+        240,
+        "the batch to finish",
+    )
+    assert done.status == "completed", done
+    assert done.output_file_id and done.error_file_id
+    for file_id in (done.output_file_id, done.error_file_id):
+        public = stack.client.files.retrieve(file_id)
+        assert public.purpose == "batch_output"
+        assert public.expires_at == public.created_at + 7200, public
+        assert abs(public.created_at - done.completed_at) <= 5
+    # The sweep deletes the output once it has expired (moved into the past here).
+    out = _file(stack, done.output_file_id)
+    _expire_now(stack, done.output_file_id)
+    _until(lambda: _file(stack, done.output_file_id) is None, 15, "the sweep to delete the output")
+    assert not _object(stack, out).exists()
+    with pytest.raises(openai.NotFoundError):
+        stack.client.files.content(done.output_file_id)
+    assert _file(stack, done.error_file_id) is not None  # not expired yet: kept
+
+
+@pytest.mark.parametrize(
+    ("value", "param", "message"),
+    [
+        ({"anchor": "created_at", "seconds": 3599}, "output_expires_after.seconds",
+         "Invalid 'output_expires_after.seconds': integer below minimum value. Expected a value "
+         ">= 3600, but got 3599 instead."),
+        ({"anchor": "created_at", "seconds": 2592001}, "output_expires_after.seconds",
+         "Invalid 'output_expires_after.seconds': integer above maximum value. Expected a value "
+         "<= 2592000, but got 2592001 instead."),
+        ({"anchor": "completed_at", "seconds": 3600}, "output_expires_after.anchor",
+         "Invalid value: 'completed_at'. Supported values are: 'created_at'."),
+        ({"seconds": 3600}, "output_expires_after.anchor",
+         "Missing required parameter: 'output_expires_after.anchor'."),
+    ],
+)  # fmt: skip
+def test_output_expires_after_out_of_range_is_400(stack, value, param, message):
+    with pytest.raises(openai.BadRequestError) as caught:
+        stack.client.batches.create(
+            input_file_id=_upload(stack, [_chat("a", 4)]),
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+            extra_body={"output_expires_after": value},
+        )
+    error = caught.value.body
+    assert (error["type"], error["param"], error["message"]) == (
+        "invalid_request_error", param, message,
+    )  # fmt: skip
+
+
 def test_running_batch_keeps_its_expired_input_until_it_ends(stack):
     # Long enough to outlast three sweeps even on a quiet machine (quick ones finish first).
     lines = [_chat(f"r{i}", 4 if i % 8 == 0 else 800) for i in range(32)]
@@ -142,3 +207,4 @@ def test_running_batch_keeps_its_expired_input_until_it_ends(stack):
     assert not _object(stack, out).exists()
     with pytest.raises(openai.NotFoundError):
         stack.client.files.content(out_id)
+

@@ -1,6 +1,8 @@
-"""Batch webhooks end to end: a real HTTP receiver on 127.0.0.1 gets a signed event when a
+"""Batch webhooks end to end: a real HTTP receiver on 127.0.0.1 (allowed by
+BATCHD_WEBHOOK_ALLOWED_HOSTS, as loopback is refused by default) gets a signed event when a
 batch completes or fails validation; a receiver that errors is retried with backoff until it
-answers 2xx (or the attempts run out), and every attempt is recorded in webhook_deliveries."""
+answers 2xx (or the attempts run out), and every attempt is recorded in webhook_deliveries;
+a redirect is not followed. Every receiver here is on loopback."""
 
 from __future__ import annotations
 
@@ -33,6 +35,9 @@ def _fast_retries() -> Iterator[None]:
         mp.setenv("BATCHD_WEBHOOK_BACKOFF_MAX_S", "1")
         mp.setenv("BATCHD_WEBHOOK_MAX_ATTEMPTS", "4")
         mp.setenv("BATCHD_WEBHOOK_TIMEOUT_S", "5")
+        # The receiver is on loopback, which webhooks may reach only when the operator allows
+        # it; this address alone, so other loopback addresses stay refused.
+        mp.setenv("BATCHD_WEBHOOK_ALLOWED_HOSTS", "127.0.0.1")
         yield
 
 
@@ -55,6 +60,8 @@ class Receiver:
                     codes = receiver.script.get(self.path, [])
                     code = codes.pop(0) if codes else 200
                 self.send_response(code)
+                if 300 <= code < 400:  # a redirect to another path of this receiver
+                    self.send_header("location", "/redirected")
                 self.send_header("content-length", "2")
                 self.end_headers()
                 self.wfile.write(b"ok")
@@ -227,3 +234,26 @@ def test_delivery_fails_for_good_after_the_last_attempt(stack, receiver):
     assert "HTTP 503" in row["last_error"] and row["delivered_at"] is None
     time.sleep(1.5)  # longer than the capped backoff: no fifth attempt
     assert len(receiver.received("/down")) == 4
+
+
+def test_redirects_are_not_followed(stack, receiver):
+    receiver.script["/moved"] = [307] * 10
+    created = _submit(stack, [_chat("x", "hello")], receiver.url("/moved"))
+    assert _wait_terminal(stack, created.id).status == "completed"
+    row = _wait_delivery(stack, created.id, "failed")
+    assert (row["attempts"], row["last_status_code"]) == (4, 307)
+    assert len(receiver.received("/moved")) == 4
+    assert receiver.received("/redirected") == []
+
+
+def test_loopback_outside_the_allow_list_is_refused_at_create(stack, receiver):
+    import openai
+
+    before = len(receiver.requests)
+    for host in ("127.0.0.2", "[::1]", "2130706434", "0x7f.2"):  # not 127.0.0.1, the allowed
+        url = f"http://{host}:{receiver.server.server_address[1]}/refused"
+        with pytest.raises(openai.BadRequestError) as caught:
+            _submit(stack, [_chat("x", "hello")], url)
+        assert caught.value.body["param"] == "webhook_url", host
+        assert "loopback" in caught.value.body["message"], host
+    assert len(receiver.requests) == before
