@@ -71,8 +71,10 @@ def mask_mod_for(step: FlexStep, window: int | None) -> Any:
 def block_mask(step: FlexStep, window: int | None, num_slots: int, device: torch.device) -> BlockMask:
     if window not in step.masks:
         num_tokens = step.q_seq.shape[0]
+        # On CUDA the mask is built by a compiled function (no dense [tokens, slots] tensor).
         step.masks[window] = create_block_mask(
-            mask_mod_for(step, window), B=None, H=None, Q_LEN=num_tokens, KV_LEN=num_slots, device=device
+            mask_mod_for(step, window), B=None, H=None, Q_LEN=num_tokens, KV_LEN=num_slots,
+            device=device, _compile=device.type == "cuda",
         )
     return step.masks[window]
 
@@ -92,7 +94,9 @@ def _kernel(device: torch.device) -> Any:
     if device.type != "cuda":
         return flex_attention
     if _compiled is None:
-        _compiled = torch.compile(flex_attention, dynamic=False)
+        # Default (automatic) dynamic shapes: the step's token count changes every step, and a
+        # static compile would recompile for each new count.
+        _compiled = torch.compile(flex_attention)
     return _compiled
 
 
