@@ -139,6 +139,9 @@ def check_kwargs(kwargs: dict[str, object]) -> None:
         if name in _INERT_KWARGS:
             if name == "output_attentions" and value:
                 raise ValueError("batchd_paged attention cannot return attention weights")
+            if name == "is_causal" and value is False:
+                raise ValueError("the model asks for non-causal attention (is_causal=False), "
+                                 "which the batchd_paged attention backends do not implement")
             continue
         if value is None or value is False:
             continue

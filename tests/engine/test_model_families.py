@@ -142,6 +142,8 @@ def test_unknown_attention_kwarg_is_refused_by_name() -> None:
     check_kwargs({"position_ids": torch.zeros(1), "output_attentions": False, "s_aux": None})
     with pytest.raises(ValueError, match="'s_aux'"):
         check_kwargs({"s_aux": torch.zeros(4)})
+    with pytest.raises(ValueError, match="is_causal=False"):
+        check_kwargs({"is_causal": False})
     q = torch.zeros(1, 2, 1, 8)
     with pytest.raises(ValueError, match="'attention_sinks'"):
         layer = torch.nn.Module()
