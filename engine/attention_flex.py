@@ -32,6 +32,14 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 from engine.attention import AttentionContext, FlexStep
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a device tensor; on CUDA through pinned memory and a non-blocking copy,
+    so preparing a step never waits for the GPU to finish the previous one."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
+
+
 def build_step(
     tables: list[list[int]], token_seqs: list[int], positions: torch.Tensor, num_blocks: int,
     block_size: int, device: torch.device,
@@ -41,12 +49,12 @@ def build_step(
     into the per-sequence block -> logical index map."""
     width = max(len(t) for t in tables)
     padded = [t + [num_blocks] * (width - len(t)) for t in tables]
-    table = torch.tensor(padded, dtype=torch.long, device=device)
+    table = to_device(padded, torch.long, device)
     logical = torch.arange(width, dtype=torch.int32, device=device).expand(len(tables), width)
     block_to_logical = torch.full((len(tables), num_blocks + 1), -1, dtype=torch.int32, device=device)
     block_to_logical.scatter_(1, table, logical)
     return FlexStep(
-        q_seq=torch.tensor(token_seqs, dtype=torch.int32, device=device),
+        q_seq=to_device(token_seqs, torch.int32, device),
         q_pos=positions.to(torch.int32),
         block_to_logical=block_to_logical,
         block_size=block_size,

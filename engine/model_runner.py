@@ -9,7 +9,7 @@ import torch
 
 from engine import attention
 from engine.attention import AttentionContext, Decode, PrefillChunk
-from engine.attention_flex import build_step
+from engine.attention_flex import build_step, to_device
 from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from engine.sequence import Sequence
 
@@ -167,16 +167,16 @@ class ModelRunner:
             if end == len(seq):
                 sample_rows.append(len(ids) - 1)
                 sample_seqs.append(seq)
-        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        positions = to_device(pos, torch.long, dev)
         ctx = AttentionContext(
-            self.k_cache, self.v_cache, torch.tensor(slots, dtype=torch.long, device=dev), self.backend,
+            self.k_cache, self.v_cache, to_device(slots, torch.long, dev), self.backend,
             flex=build_step(tables, q_seq, positions, self.num_blocks + 1, bs, dev),
         )
         return StepBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            input_ids=to_device(ids, torch.long, dev),
             positions=positions,
             ctx=ctx,
-            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),
+            sample_rows=to_device(sample_rows, torch.long, dev),
             sample_seqs=sample_seqs,
             num_tokens=len(ids),
         )
