@@ -7,7 +7,8 @@ Two forwards are timed at the same shapes in one run:
   sequences, the forward the engine runs most.
 
 Each prints eager ms, compiled ms (after warm-up; compile time printed apart) and the ratio
-eager / compiled (> 1: compile wins).
+eager / compiled (> 1: compile wins); then the compiled engine forward's first call on the next
+decode step, whose shapes differ (what a compiled forward would pay inside a running engine).
 
     python -m benchmarks.compile_cpu --model llama-25m --threads 1
 """
@@ -84,6 +85,15 @@ def main(argv: list[str] | None = None) -> None:
                           use_cache=False, batchd_ctx=batch.ctx)
 
         _compare("engine", lambda: run(base), lambda: run(compiled_base), args.repeats)
+
+        # The engine's next step has other context lengths (and, as sequences come and go,
+        # another number of them): the compiled forward's first call on it.
+        engine.step()
+        batch = runner.prepare(engine.scheduler.schedule())
+        t0 = time.perf_counter()
+        run(compiled_base)
+        print(f"engine  the next decode step, compiled: first call {time.perf_counter() - t0:.1f} s "
+              f"(eager {_time(lambda: run(base), 1):.2f} ms)")
 
 
 if __name__ == "__main__":
