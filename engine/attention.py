@@ -1,20 +1,24 @@
 """Paged attention, registered with transformers' attention interface as ``batchd_paged``.
 
 A step's tokens are packed into one flat sequence (batch 1, no padding). The model's attention
-layers call :func:`paged_attention` with that packed query/key/value and a
+layers call :func:`paged_attention` with that packed query/key/value and an
 :class:`AttentionContext` passed as the ``batchd_ctx`` forward kwarg (transformers forwards
-unknown kwargs down to the attention function). The function
+unknown kwargs down to the attention function). The function writes the new K/V into the
+layer's paged cache at ``slot_mapping`` (layout ``[num_blocks, block_size, kv_heads, head_dim]``,
+slot = block * size + offset), then hands the step to the context's backend:
 
-1. writes the new K/V into the layer's paged cache at ``slot_mapping``
-   (cache layout: ``[num_blocks, block_size, kv_heads, head_dim]``, slot = block * size + offset);
-2. attends each decode token (one query per sequence) with its own SDPA call over exactly the
-   sequence's gathered K/V (one index_select over its block ids, cut to its length): on CPU
-   this beats batching sequences of unequal length, whose padding and length mask cost more
-   than the extra calls; query heads are folded onto their KV head (``[kv_heads, group, D]``)
-   so GQA needs no K/V repeat;
-3. attends each prefill chunk on its own: a chunk that starts the sequence uses the fresh K/V
-   with a causal SDPA; a chunk that continues one (chunked prefill, prefix-cache hit) gathers
-   the sequence's cached K/V and uses a causal mask offset by the context already computed.
+- ``sdpa`` (:mod:`engine.attention_sdpa`, the CPU backend): one SDPA call per sequence over its
+  gathered K/V. On CPU this beats one batched call, whose padding and masks cost more.
+- ``flex`` (:mod:`engine.attention_flex`, the CUDA backend): one FlexAttention call per layer
+  over the whole packed step, reading K/V in place from the paged cache through the block
+  tables, so the kernel launches of a step do not grow with the number of sequences.
+
+Every backend honours the attention features the model families pass: ``sliding_window``
+(Mistral, Qwen2 with ``use_sliding_window``, Gemma-2/3 local layers: a query at position p sees
+keys at positions p - window < k <= p) and ``softcap`` (Gemma-2: scores become
+``softcap * tanh(scores / softcap)`` before the softmax). Any other keyword the model passes is
+refused with an error naming it, never dropped; the runner makes one probe forward at load so a
+model whose attention needs something the backends lack fails there, not mid-run.
 
 Because ``batchd_paged`` has no entry in transformers' mask interface, the model builds no
 attention mask over the packed sequence at all.
@@ -23,11 +27,24 @@ attention mask over the packed sequence at all.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 
 ATTENTION_NAME = "batchd_paged"
+BACKENDS = ("sdpa", "flex")
+
+# Keywords a model may pass that change nothing here: they are None/False/0 for inference,
+# or describe masks and caches that the paged context replaces.
+_INERT_KWARGS = frozenset({
+    "position_ids", "cache_position", "output_attentions", "use_cache", "is_causal",
+    "past_key_values", "past_key_value", "cache",
+})
+# Config attributes of attention features no backend implements: such a model is refused at load.
+_UNSUPPORTED_CONFIG = {
+    "attention_chunk_size": "chunked local attention (attention_chunk_size)",
+    "use_bidirectional_attention": "bidirectional attention (use_bidirectional_attention)",
+}
 
 
 @dataclass(slots=True)
@@ -36,7 +53,8 @@ class PrefillChunk:
     end: int
     context_len: int = 0  # cached + new tokens; 0 when the chunk starts the sequence
     blocks: torch.Tensor | None = None  # the sequence's block ids covering the context
-    mask: torch.Tensor | None = None  # [q, context] bool, True = attend
+    first_pos: int = 0  # position of the chunk's first token in its sequence
+    masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)  # by window
 
 
 @dataclass(slots=True)
@@ -48,14 +66,39 @@ class Decode:
 
 
 @dataclass(slots=True)
+class FlexStep:
+    """The packed step as FlexAttention sees it: query row -> (sequence, position), and for
+    each sequence the logical index of every physical block it owns (-1 where it owns none)."""
+
+    q_seq: torch.Tensor  # [num_tokens] int32
+    q_pos: torch.Tensor  # [num_tokens] int32
+    block_to_logical: torch.Tensor  # [num_seqs, num_blocks] int32
+    block_size: int
+    masks: dict[int | None, Any] = field(default_factory=dict)  # BlockMask by window
+
+
+class Backend(Protocol):
+    name: str
+
+    def attend(
+        self, ctx: AttentionContext, layer: int, query: torch.Tensor, key: torch.Tensor,
+        value: torch.Tensor, scaling: float | None, window: int | None, softcap: float | None,
+    ) -> torch.Tensor:
+        """``query`` [1, H, T, D], ``key``/``value`` [1, KV, T, D]; return [T, H, D]."""
+        ...
+
+
+@dataclass(slots=True)
 class AttentionContext:
     """Everything the attention layers need for one step; built once, read by every layer."""
 
     k_cache: list[torch.Tensor]
     v_cache: list[torch.Tensor]
     slot_mapping: torch.Tensor  # [num_tokens] cache slot of every packed token
+    backend: Backend | None = None
     decodes: list[Decode] = field(default_factory=list)  # the packed sequence starts with them
     prefills: list[PrefillChunk] = field(default_factory=list)
+    flex: FlexStep | None = None
 
 
 def paged_attention(
@@ -67,57 +110,75 @@ def paged_attention(
     scaling: float | None = None,
     dropout: float = 0.0,
     batchd_ctx: AttentionContext | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
     ctx = batchd_ctx
-    if ctx is None:
+    if ctx is None or ctx.backend is None:
         raise RuntimeError("batchd_paged attention needs the batchd_ctx forward kwarg")
+    check_kwargs(kwargs)
+    if dropout:
+        raise ValueError(f"batchd_paged attention runs inference only; got dropout={dropout}")
     layer = module.layer_idx
     k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
-    _, num_heads, num_tokens, head_dim = query.shape
-    kv_heads = key.shape[1]
-    group = num_heads // kv_heads
-    q = query[0]  # [H, T, D]
+    kv_heads, head_dim = key.shape[1], key.shape[3]
     k_new = key[0].transpose(0, 1)  # [T, KV, D]
     v_new = value[0].transpose(0, 1)
-    num_blocks, block_size = k_cache.shape[:2]
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, ctx.slot_mapping, k_new.to(k_cache.dtype))
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, ctx.slot_mapping, v_new.to(v_cache.dtype))
-
-    out = query.new_empty(num_tokens, num_heads, head_dim)
-    nd = len(ctx.decodes)
-    if nd:
-        # One SDPA per sequence over exactly its context: no padding, no mask. Query heads are
-        # folded onto their KV head ([KV, group, D]) so GQA needs no K/V repeat.
-        # 4-D operands: SDPA's CPU path is ~25% faster with them than with 3-D ones.
-        qd = q[:, :nd].transpose(0, 1).reshape(nd, 1, kv_heads, group, head_dim)
-        od = out[:nd].view(nd, kv_heads, group, head_dim)
-        for i, d in enumerate(ctx.decodes):
-            n = d.context_len
-            kd = k_cache.index_select(0, d.blocks).view(-1, kv_heads, head_dim)[:n]
-            vd = v_cache.index_select(0, d.blocks).view(-1, kv_heads, head_dim)[:n]
-            od[i] = F.scaled_dot_product_attention(
-                qd[i], kd.transpose(0, 1).unsqueeze(0), vd.transpose(0, 1).unsqueeze(0), scale=scaling
-            )[0]
-    for chunk in ctx.prefills:
-        qp = q[:, chunk.start:chunk.end].unsqueeze(0)  # [1, H, q, D]
-        if chunk.blocks is None:
-            kp = key[:, :, chunk.start:chunk.end]
-            vp = value[:, :, chunk.start:chunk.end]
-            op = F.scaled_dot_product_attention(
-                qp, kp, vp, is_causal=True, scale=scaling, enable_gqa=group > 1
-            )
-        else:
-            n = chunk.context_len
-            kp = k_cache.index_select(0, chunk.blocks).view(-1, kv_heads, head_dim)[:n]
-            vp = v_cache.index_select(0, chunk.blocks).view(-1, kv_heads, head_dim)[:n]
-            kp = kp.transpose(0, 1).unsqueeze(0)  # [1, KV, ctx, D]
-            vp = vp.transpose(0, 1).unsqueeze(0)
-            op = F.scaled_dot_product_attention(
-                qp, kp, vp, attn_mask=chunk.mask, scale=scaling, enable_gqa=group > 1
-            )
-        out[chunk.start:chunk.end] = op[0].transpose(0, 1)
+    window = int(sliding_window) if sliding_window else None
+    cap = float(softcap) if softcap else None
+    out = ctx.backend.attend(ctx, layer, query, key, value, scaling, window, cap)
     return out.unsqueeze(0), None
+
+
+def check_kwargs(kwargs: dict[str, object]) -> None:
+    """Refuse an attention keyword this engine does not implement instead of ignoring it."""
+    for name, value in kwargs.items():
+        if name in _INERT_KWARGS:
+            if name == "output_attentions" and value:
+                raise ValueError("batchd_paged attention cannot return attention weights")
+            if name == "is_causal" and value is False:
+                raise ValueError("the model asks for non-causal attention (is_causal=False), "
+                                 "which the batchd_paged attention backends do not implement")
+            continue
+        if value is None or value is False:
+            continue
+        raise ValueError(
+            f"the model passes the attention argument {name!r} ({type(value).__name__}), "
+            f"which the batchd_paged attention backends do not implement; refusing the model "
+            f"rather than ignoring it"
+        )
+
+
+def check_config(config: Any) -> None:
+    """Refuse at load a model whose config asks for an attention feature no backend has."""
+    for attr, feature in _UNSUPPORTED_CONFIG.items():
+        if getattr(config, attr, None):
+            raise ValueError(f"the model uses {feature}, which batchd's attention backends do not implement")
+
+
+def softcapped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    if name == "auto":
+        return "flex" if device.type == "cuda" else "sdpa"
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend must be 'auto' or one of {list(BACKENDS)}, got {name!r}")
+    return name
+
+
+def make_backend(name: str) -> Backend:
+    if name == "flex":
+        from engine.attention_flex import FlexBackend
+
+        return FlexBackend()
+    from engine.attention_sdpa import SdpaBackend
+
+    return SdpaBackend()
 
 
 def register() -> str:

@@ -17,6 +17,10 @@ class EngineConfig:
     memory after the weights are loaded; on CPU a fraction applies to 1 GiB. ``num_kv_blocks``,
     when set, overrides the memory budget. ``admission`` orders waiting requests: "batch"
     groups shared prefixes and starts long work first, "fcfs" keeps arrival order.
+    ``attention_backend``: "sdpa" (one call per sequence, fastest on CPU), "flex" (one
+    FlexAttention call per layer per step over the paged cache, for CUDA) or "auto" (sdpa on
+    CPU, flex on CUDA). ``cuda_graphs``: capture decode-only steps as CUDA graphs at bucketed
+    batch sizes up to ``cuda_graph_max_batch`` (flex backend on CUDA only; ignored elsewhere).
     """
 
     dtype: str = "auto"
@@ -30,6 +34,9 @@ class EngineConfig:
     max_model_len: int | None = None
     admission: str = "batch"
     seed: int = 0
+    attention_backend: str = "auto"
+    cuda_graphs: bool = True
+    cuda_graph_max_batch: int = 256
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
@@ -56,6 +63,13 @@ class EngineConfig:
             _positive_int("max_model_len", self.max_model_len)
         if self.admission not in ("batch", "fcfs"):
             raise ValueError(f"admission must be 'batch' or 'fcfs', got {self.admission!r}")
+        if self.attention_backend not in ("auto", "sdpa", "flex"):
+            raise ValueError(
+                f"attention_backend must be 'auto', 'sdpa' or 'flex', got {self.attention_backend!r}"
+            )
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be true or false, got {self.cuda_graphs!r}")
+        _positive_int("cuda_graph_max_batch", self.cuda_graph_max_batch)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 

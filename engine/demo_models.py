@@ -35,7 +35,7 @@ BUILD_VERSION = 1  # bump when the recipe changes, so cached directories are reb
 
 @dataclass(frozen=True)
 class Preset:
-    arch: str  # "llama" or "qwen2"
+    arch: str  # "llama", "qwen2", "mistral" or "gemma2"
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -47,6 +47,11 @@ class Preset:
     # decoding has clear winners and batched and unbatched runs agree token for token.
     initializer_range: float = 0.08
     seed: int = 0
+    # Attention features of the model families (None: off). A window small enough, and a cap
+    # low enough, that ignoring them changes the text of a prompt longer than the window.
+    sliding_window: int | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
 
 
 PRESETS: dict[str, Preset] = {
@@ -56,7 +61,19 @@ PRESETS: dict[str, Preset] = {
     # The benchmark and demo model: ~25M parameters, 8 layers, hidden 512.
     "llama-25m": Preset("llama", 512, 8, 8, 4, 1376, max_position_embeddings=4096),
     "qwen2-25m": Preset("qwen2", 512, 8, 8, 4, 1376, max_position_embeddings=4096, seed=1),
+    # Tiny members of model families with attention features of their own (tests):
+    # Mistral: a sliding window on every layer.
+    "mistral-tiny": Preset("mistral", 64, 2, 4, 2, 176, max_position_embeddings=1024, seed=2,
+                           sliding_window=32),
+    # Qwen2 with use_sliding_window: layer 0 global, layer 1 windowed (max_window_layers=1).
+    "qwen2-swa-tiny": Preset("qwen2", 64, 2, 4, 2, 176, max_position_embeddings=1024, seed=3,
+                             sliding_window=32),
+    # Gemma-2: local (windowed) and global layers alternate; attention and final logits
+    # soft-capped.
+    "gemma2-tiny": Preset("gemma2", 64, 2, 4, 2, 176, max_position_embeddings=1024, seed=4,
+                          sliding_window=32, attn_logit_softcapping=2.0, final_logit_softcapping=8.0),
 }
+FAMILY_MODELS = ("mistral-tiny", "qwen2-swa-tiny", "gemma2-tiny")
 DEFAULT_DEMO_MODEL = "llama-25m"
 
 _WORDS = (
@@ -116,7 +133,7 @@ def _build_tokenizer(preset: Preset, out: Path) -> None:
 
 def _build_model(preset: Preset, out: Path, eos_id: int, pad_id: int) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     common = dict(
         vocab_size=preset.vocab_size,
@@ -133,11 +150,34 @@ def _build_model(preset: Preset, out: Path, eos_id: int, pad_id: int) -> None:
         tie_word_embeddings=False,
         torch_dtype="float32",
     )
-    config = LlamaConfig(**common) if preset.arch == "llama" else Qwen2Config(**common)
+    config = _family_config(preset, common)
     torch.manual_seed(preset.seed)
     model = AutoModelForCausalLM.from_config(config)
     model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id)
     model.save_pretrained(out)
+
+
+def _family_config(preset: Preset, common: dict) -> object:
+    from transformers import Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+    head_dim = preset.hidden_size // preset.num_heads
+    if preset.arch == "llama":
+        return LlamaConfig(**common)
+    if preset.arch == "qwen2":
+        if preset.sliding_window is None:
+            return Qwen2Config(**common)
+        return Qwen2Config(**common, use_sliding_window=True, sliding_window=preset.sliding_window,
+                           max_window_layers=preset.num_layers // 2)
+    if preset.arch == "mistral":
+        return MistralConfig(**common, head_dim=head_dim, sliding_window=preset.sliding_window)
+    if preset.arch == "gemma2":
+        return Gemma2Config(
+            **common, head_dim=head_dim, query_pre_attn_scalar=head_dim,
+            sliding_window=preset.sliding_window,
+            attn_logit_softcapping=preset.attn_logit_softcapping,
+            final_logit_softcapping=preset.final_logit_softcapping,
+        )
+    raise ValueError(f"unknown demo architecture {preset.arch!r}")
 
 
 def build(name: str = DEFAULT_DEMO_MODEL, root: Path | None = None) -> Path:

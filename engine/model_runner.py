@@ -9,6 +9,7 @@ import torch
 
 from engine import attention
 from engine.attention import AttentionContext, Decode, PrefillChunk
+from engine.attention_flex import build_step, to_device
 from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from engine.sequence import Sequence
 
@@ -49,6 +50,8 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         name = attention.register()
+        self.backend_name = attention.resolve_backend(config.attention_backend, self.device)
+        self.backend = attention.make_backend(self.backend_name)
         hf_model = AutoModelForCausalLM.from_pretrained(model, dtype=self.dtype)
         hf_model.to(self.device).eval()
         hf_model.set_attn_implementation(name)
@@ -56,6 +59,7 @@ class ModelRunner:
         self.base = getattr(hf_model, hf_model.base_model_prefix)
         self.lm_head = hf_model.get_output_embeddings()
         text_config = hf_model.config.get_text_config()
+        attention.check_config(text_config)
         self.model_config = text_config
         self.num_layers = text_config.num_hidden_layers
         self.num_kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
@@ -74,7 +78,10 @@ class ModelRunner:
         self.block_size = config.block_size
         self.num_blocks = self._num_blocks()
         slots = self.num_blocks * self.block_size
-        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        # One block past those the block manager hands out: a scratch block that the load-time
+        # probe and the padding rows of a CUDA graph write to, never read by a real sequence.
+        self.scratch_block = self.num_blocks
+        shape = (self.num_blocks + 1, self.block_size, self.num_kv_heads, self.head_dim)
         self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self._block_offsets = torch.arange(self.block_size, device=self.device)
@@ -83,6 +90,13 @@ class ModelRunner:
             self.num_blocks, self.block_size, slots, self.bytes_per_block * self.num_blocks / 2**20,
             self.device, self.dtype,
         )
+        self.graphs = None
+        self._probe()
+        if config.cuda_graphs and self.device.type == "cuda" and self.backend_name == "flex":
+            from engine.cuda_graph import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self, config.cuda_graph_max_batch)
+        log.info("attention backend %s, CUDA graphs %s", self.backend_name, self.graphs is not None)
 
     @property
     def bytes_per_block(self) -> int:
@@ -112,9 +126,13 @@ class ModelRunner:
 
     # -- one step -------------------------------------------------------------------------------
 
+    def _probe(self) -> None:
+        """One token through the model at load, written to the scratch block: a model whose
+        attention passes something the backend does not implement fails here, by name."""
+        probe = _ProbeSeq([0], [self.scratch_block])
+        self.forward(self.prepare([(probe, 1)]))  # type: ignore[list-item]
+
     def prepare(self, scheduled: list[tuple[Sequence, int]]) -> StepBatch:
-        bs = self.block_size
-        dev = self.device
         decodes = []
         prefills = []
         for seq, n in scheduled:
@@ -122,6 +140,50 @@ class ModelRunner:
                 decodes.append(seq)
             else:
                 prefills.append((seq, n))
+        if self.backend_name == "flex":
+            return self._prepare_flex(decodes, prefills)
+        return self._prepare_sdpa(decodes, prefills)
+
+    def _prepare_flex(self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]]) -> StepBatch:
+        """Pack the step with a fixed number of tensor ops, whatever the number of sequences."""
+        bs = self.block_size
+        dev = self.device
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        q_seq: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+        parts = [(seq, len(seq) - 1, len(seq)) for seq in decodes]
+        parts += [(seq, seq.num_computed_tokens, seq.num_computed_tokens + n) for seq, n in prefills]
+        for i, (seq, c0, end) in enumerate(parts):
+            table = seq.block_table
+            tables.append(table[: -(-end // bs)])
+            ids.extend(seq.token_ids[c0:end])
+            pos.extend(range(c0, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(c0, end))
+            q_seq.extend([i] * (end - c0))
+            if end == len(seq):
+                sample_rows.append(len(ids) - 1)
+                sample_seqs.append(seq)
+        positions = to_device(pos, torch.long, dev)
+        ctx = AttentionContext(
+            self.k_cache, self.v_cache, to_device(slots, torch.long, dev), self.backend,
+            flex=build_step(tables, q_seq, positions, self.num_blocks + 1, bs, dev),
+        )
+        return StepBatch(
+            input_ids=to_device(ids, torch.long, dev),
+            positions=positions,
+            ctx=ctx,
+            sample_rows=to_device(sample_rows, torch.long, dev),
+            sample_seqs=sample_seqs,
+            num_tokens=len(ids),
+        )
+
+    def _prepare_sdpa(self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]]) -> StepBatch:
+        bs = self.block_size
+        dev = self.device
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -136,7 +198,7 @@ class ModelRunner:
         nd = len(decodes)
         sample_rows = list(range(nd))
         sample_seqs = list(decodes)
-        ctx = AttentionContext(self.k_cache, self.v_cache, slot_mapping=None)  # type: ignore[arg-type]
+        ctx = AttentionContext(self.k_cache, self.v_cache, None, self.backend)  # type: ignore[arg-type]
         if nd:
             all_blocks = torch.tensor(flat_blocks, dtype=torch.long, device=dev)
             at = 0
@@ -155,13 +217,10 @@ class ModelRunner:
             all_slots = (table.unsqueeze(1) * bs + self._block_offsets).view(-1)
             slot_parts.append(all_slots[c0:end])
             pos_parts.append(torch.arange(c0, end, device=dev))
-            chunk = PrefillChunk(offset, offset + n)
+            chunk = PrefillChunk(offset, offset + n, first_pos=c0)
             if c0 > 0:
                 chunk.context_len = end
                 chunk.blocks = table[: -(-end // bs)]
-                chunk.mask = torch.arange(end, device=dev).unsqueeze(0) <= (
-                    torch.arange(c0, end, device=dev).unsqueeze(1)
-                )
             ctx.prefills.append(chunk)
             offset += n
             if end == len(seq):
@@ -182,14 +241,36 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor:
         """Run the model on the packed step; return float32 logits of the sampled rows."""
+        if self.graphs is not None and not batch.ctx.prefills and batch.ctx.flex is not None:
+            logits = self.graphs.run(batch)
+            if logits is not None:
+                return logits
+        return self.eager_forward(batch)
+
+    def eager_forward(self, batch: StepBatch) -> torch.Tensor:
         out = self.base(
             input_ids=batch.input_ids.unsqueeze(0),
             position_ids=batch.positions.unsqueeze(0),
             use_cache=False,
             batchd_ctx=batch.ctx,
         )
-        hidden = out.last_hidden_state[0].index_select(0, batch.sample_rows)
+        return self.logits(out.last_hidden_state[0].index_select(0, batch.sample_rows))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits of hidden rows, final soft-capping (Gemma-2) applied."""
         logits = self.lm_head(hidden).float()
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+
+class _ProbeSeq:
+    """The least of a sequence that ``prepare`` reads: a prompt not yet computed."""
+
+    def __init__(self, token_ids: list[int], block_table: list[int]) -> None:
+        self.token_ids = token_ids
+        self.block_table = block_table
+        self.num_computed_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self.token_ids)

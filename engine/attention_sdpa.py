@@ -1,0 +1,111 @@
+"""The CPU attention backend: one call per sequence over exactly its K/V.
+
+1. Each decode token (one query per sequence) attends with its own SDPA call over the
+   sequence's gathered K/V (one index_select over its block ids, cut to its length, and to the
+   last ``window`` tokens on a sliding-window layer): on CPU this beats batching sequences of
+   unequal length, whose padding and length mask cost more than the extra calls. Query heads
+   are folded onto their KV head (``[kv_heads, group, D]``) so GQA needs no K/V repeat.
+2. Each prefill chunk attends on its own: a chunk that starts the sequence uses the fresh K/V
+   with a causal SDPA; a chunk that continues one (chunked prefill, prefix-cache hit) gathers
+   the sequence's cached K/V and uses a causal mask offset by the context already computed.
+   A sliding window adds its lower bound to the mask.
+
+SDPA has no soft-capping, so a layer with ``softcap`` runs the same shapes through explicit
+matmul -> softcap -> mask -> float32 softmax -> matmul (transformers' eager order).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import AttentionContext, PrefillChunk, softcapped
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
+    mask: torch.Tensor | None, causal: bool, softcap: float | None,
+) -> torch.Tensor:
+    """``q`` [1, H, q, D] against ``k``/``v`` [1, KV, n, D]; H a multiple of KV (GQA)."""
+    _, num_heads, n_q, head_dim = q.shape
+    kv_heads = k.shape[1]
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=num_heads > kv_heads
+        )
+    # Fold the query heads of a group onto their KV head: no K/V repeat.
+    q = q.view(1, kv_heads, num_heads // kv_heads, n_q, head_dim)
+    k, v = k.unsqueeze(2), v.unsqueeze(2)
+    scale = head_dim ** -0.5 if scale is None else scale
+    scores = softcapped(torch.matmul(q, k.transpose(-1, -2)) * scale, softcap)
+    if causal:
+        n_q, n_k = scores.shape[-2:]
+        mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(n_k - n_q)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v).view(1, num_heads, n_q, head_dim)
+
+
+def _chunk_mask(chunk: PrefillChunk, key_start: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """[q, keys] bool, True = attend, for keys at positions ``key_start .. context_len - 1``."""
+    if window not in chunk.masks:
+        end = chunk.first_pos + (chunk.end - chunk.start)
+        qpos = torch.arange(chunk.first_pos, end, device=device).unsqueeze(1)
+        kpos = torch.arange(key_start, end, device=device).unsqueeze(0)
+        mask = kpos <= qpos
+        if window is not None:
+            mask &= kpos > qpos - window
+        chunk.masks[window] = mask
+    return chunk.masks[window]
+
+
+class SdpaBackend:
+    name = "sdpa"
+
+    def attend(
+        self, ctx: AttentionContext, layer: int, query: torch.Tensor, key: torch.Tensor,
+        value: torch.Tensor, scaling: float | None, window: int | None, softcap: float | None,
+    ) -> torch.Tensor:
+        k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
+        _, num_heads, num_tokens, head_dim = query.shape
+        kv_heads = key.shape[1]
+        group = num_heads // kv_heads
+        q = query[0]  # [H, T, D]
+        out = query.new_empty(num_tokens, num_heads, head_dim)
+        nd = len(ctx.decodes)
+        if nd:
+            # 4-D operands: SDPA's CPU path is ~25% faster with them than with 3-D ones.
+            qd = q[:, :nd].transpose(0, 1).reshape(nd, 1, kv_heads, group, head_dim)
+            od = out[:nd].view(nd, kv_heads, group, head_dim)
+            for i, d in enumerate(ctx.decodes):
+                n = d.context_len
+                lo = max(0, n - window) if window is not None else 0
+                kd = k_cache.index_select(0, d.blocks).view(-1, kv_heads, head_dim)[lo:n]
+                vd = v_cache.index_select(0, d.blocks).view(-1, kv_heads, head_dim)[lo:n]
+                od[i] = _attend(
+                    qd[i], kd.transpose(0, 1).unsqueeze(0), vd.transpose(0, 1).unsqueeze(0),
+                    scaling, None, False, softcap,
+                )[0]
+        for chunk in ctx.prefills:
+            n_q = chunk.end - chunk.start
+            qp = q[:, chunk.start:chunk.end].unsqueeze(0)  # [1, H, q, D]
+            if chunk.blocks is None:
+                kp = key[:, :, chunk.start:chunk.end]
+                vp = value[:, :, chunk.start:chunk.end]
+                key_start = 0
+            else:
+                n = chunk.context_len
+                # Keys before the first query's window are never attended: leave them out.
+                key_start = max(0, chunk.first_pos - window + 1) if window is not None else 0
+                kp = k_cache.index_select(0, chunk.blocks).view(-1, kv_heads, head_dim)[key_start:n]
+                vp = v_cache.index_select(0, chunk.blocks).view(-1, kv_heads, head_dim)[key_start:n]
+                kp = kp.transpose(0, 1).unsqueeze(0)  # [1, KV, ctx, D]
+                vp = vp.transpose(0, 1).unsqueeze(0)
+            if chunk.blocks is None and (window is None or window >= n_q):
+                op = _attend(qp, kp, vp, scaling, None, True, softcap)
+            else:
+                mask = _chunk_mask(chunk, key_start, window, q.device)
+                op = _attend(qp, kp, vp, scaling, mask, False, softcap)
+            out[chunk.start:chunk.end] = op[0].transpose(0, 1)
+        return out
