@@ -171,16 +171,6 @@ def resolve_backend(name: str, device: torch.device) -> str:
     return name
 
 
-def make_backend(name: str) -> Backend:
-    if name == "flex":
-        from engine.attention_flex import FlexBackend
-
-        return FlexBackend()
-    from engine.attention_sdpa import SdpaBackend
-
-    return SdpaBackend()
-
-
 def register() -> str:
     """Register the attention function with transformers (idempotent); return its name."""
     from transformers import AttentionInterface

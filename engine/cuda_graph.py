@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from engine.attention import AttentionContext, FlexStep
-
-if TYPE_CHECKING:
-    from engine.model_runner import ModelRunner, StepBatch
+from engine.step import StepBatch
 
 log = logging.getLogger("engine")
 
@@ -61,7 +59,8 @@ class StaticDecode:
 
 
 class DecodeGraphs:
-    def __init__(self, runner: ModelRunner, max_batch: int) -> None:
+    def __init__(self, runner: Any, max_batch: int) -> None:
+        """``runner``: the ``ModelRunner`` whose decode steps these graphs replay."""
         self.runner = runner
         self.buckets = graph_buckets(min(max_batch, runner.config.max_num_seqs))
         self.static: dict[int, StaticDecode] = {}

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
 from engine import attention
 from engine.attention import AttentionContext, Decode, PrefillChunk
-from engine.attention_flex import build_step, to_device
+from engine.attention_flex import FlexBackend, build_step, to_device
+from engine.attention_sdpa import SdpaBackend
 from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from engine.sequence import Sequence
+from engine.step import StepBatch
 
 log = logging.getLogger("engine")
 
@@ -30,18 +31,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-@dataclass(slots=True)
-class StepBatch:
-    """The packed inputs of one step and which sequences get a sampled token."""
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    ctx: AttentionContext
-    sample_rows: torch.Tensor  # rows of the packed sequence whose logits are sampled
-    sample_seqs: list[Sequence]
-    num_tokens: int
-
-
 class ModelRunner:
     def __init__(self, model: str, config: EngineConfig) -> None:
         from transformers import AutoModelForCausalLM
@@ -51,7 +40,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         name = attention.register()
         self.backend_name = attention.resolve_backend(config.attention_backend, self.device)
-        self.backend = attention.make_backend(self.backend_name)
+        self.backend = FlexBackend() if self.backend_name == "flex" else SdpaBackend()
         hf_model = AutoModelForCausalLM.from_pretrained(model, dtype=self.dtype)
         hf_model.to(self.device).eval()
         hf_model.set_attn_implementation(name)
