@@ -33,12 +33,6 @@ _load_locks: dict[str, threading.Lock] = {}
 # Options in ``engine_options`` that size the host rather than the engine.
 HOST_OPTIONS = ("max_pending", "engine_backlog")
 
-# Fault injection for tests of the retry paths; never set it in production. Its value is
-# ``step:<text>`` (every engine step fails while a request whose prompt contains <text> is in
-# the engine) or ``request:<text>`` (the engine refuses such a request with a RequestError).
-TEST_FAULT_ENV = "BATCHD_TESTING_ENGINE_FAULT"
-
-
 class IsolationGate:
     """Lets one shard at a time run requests alone on a host (see ``worker.shard.ShardRun``):
     while it is held, the other shards of the process hold back their submissions."""
@@ -73,39 +67,6 @@ def isolation_gate(engine_host: Any) -> IsolationGate:
         if gate is None:
             gate = _gates[engine_host] = IsolationGate()
         return gate
-
-
-def install_test_fault(engine: Any, spec: str) -> None:
-    """Make ``engine`` fail on prompts containing a marker (``TEST_FAULT_ENV``): for tests."""
-    from engine import RequestError
-
-    kind, _, marker = spec.partition(":")
-    if kind not in ("step", "request") or not marker:
-        raise ValueError(f"{TEST_FAULT_ENV} must be step:<text> or request:<text>, not {spec!r}")
-    tok = engine.tokenizer
-    poisoned: set[str] = set()
-    add_request, abort_request, step = engine.add_request, engine.abort_request, engine.step
-
-    def faulty_add_request(request_id: str, prompt: Any, *args: Any, **kw: Any) -> Any:
-        if marker in tok.decode(list(prompt)):
-            if kind == "request":
-                raise RequestError(f"injected test fault: the prompt contains {marker!r}")
-            poisoned.add(request_id)
-        return add_request(request_id, prompt, *args, **kw)
-
-    def faulty_abort_request(request_id: str) -> Any:
-        poisoned.discard(request_id)
-        return abort_request(request_id)
-
-    def faulty_step() -> Any:
-        if poisoned:
-            raise RuntimeError(f"injected test fault: a prompt in this step contains {marker!r}")
-        return step()
-
-    engine.add_request = faulty_add_request
-    engine.abort_request = faulty_abort_request
-    engine.step = faulty_step
-    logger.warning("engine fault injection is on (%s=%s)", TEST_FAULT_ENV, spec)
 
 
 def model_spec(model: str) -> str:
@@ -177,9 +138,6 @@ def host(model: str) -> EngineHost:
         if served_models.kind_of(model_spec(model)) == "embedding":
             return _start_embedding_host(model, path, options)
         engine = Engine(str(path), **options)
-        fault = os.environ.get(TEST_FAULT_ENV)
-        if fault:
-            install_test_fault(engine, fault)
         started = EngineHost(engine, name=f"engine-host-{model}", **host_options).start()
         configured = getattr(getattr(engine, "config", None), "max_model_len", None)
         with _lock:
