@@ -337,7 +337,7 @@ def test_dockerfiles(dockerfile: str) -> None:
         assert (major, minor) >= (3, 11)
     else:  # the distribution's python3: Ubuntu 24.04's is 3.12 (22.04's 3.10 is too old)
         assert base.endswith("ubuntu24.04"), base
-    packages = {p.strip() for p in re.findall(r'packages = \[([^\]]*)\]', pyproject)[0]
+    packages = {p.strip().rstrip("*") for p in re.findall(r'include = \[([^\]]*)\]', pyproject)[0]
                 .replace('"', "").split(",")}  # fmt: skip
     copied = {src.rstrip("/") for ln in lines if ln.startswith("COPY") for src in ln.split()[1:-1]}
     assert packages <= copied, f"{dockerfile}: packages not copied: {packages - copied}"
