@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import bench
+from benchmarks import engine as bench
 from engine.demo_models import build
 
 

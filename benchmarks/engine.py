@@ -1,9 +1,9 @@
 """Throughput benchmark: this engine against transformers, side by side, on the same requests.
 
-    python -m engine.bench                                  # llama-25m, 96 generation-heavy requests
-    python -m engine.bench --workload prompt-heavy          # 64 requests, long prompts, short outputs
-    python -m engine.bench --systems engine,static --json out.json
-    python -m engine.bench --compare-prefix-caching         # engine with and without the cache
+    python -m benchmarks.engine                                  # llama-25m, 96 generation-heavy requests
+    python -m benchmarks.engine --workload prompt-heavy          # 64 requests, long prompts, short outputs
+    python -m benchmarks.engine --systems engine,static --json out.json
+    python -m benchmarks.engine --compare-prefix-caching         # engine with and without the cache
 
 Systems, all in one process on the same requests, each warmed up once before it is timed:
 
@@ -447,7 +447,7 @@ def _parse_engine_args(pairs: list[str]) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.engine", description=__doc__.split("\n")[0])
     p.add_argument("--model", help="model directory (default: the demo llama-25m, built on use)")
     p.add_argument("--workload", choices=sorted(WORKLOADS), default=DEFAULT_WORKLOAD,
                    help="named synthetic workload; --num-requests/--input-len/--output-len "
