@@ -276,6 +276,7 @@ def _engine_figures(before: dict[str, Any], after: dict[str, Any]) -> dict[str, 
         "num_preemptions": int(delta("num_preemptions")),
         "prefix_cache_hit_rate": delta("total_cached_tokens") / prompt if prompt else 0.0,
         "total_step_time_s": step_time,
+        "mean_step_ms": 1000 * step_time / steps if steps else 0.0,
         "total_forward_time_s": delta("total_forward_time_s"),
         "outside_forward_frac": 1.0 - delta("total_forward_time_s") / step_time
         if step_time
@@ -568,7 +569,8 @@ def _print_report(results: dict[str, Any]) -> None:
             continue
         console.print(
             f"{name} stats: mean running seqs {stats['mean_running_seqs']:.1f}, mean tokens/step "
-            f"{stats['mean_tokens_per_step']:.1f}, steps {stats['num_steps']}, preemptions "
+            f"{stats['mean_tokens_per_step']:.1f}, steps {stats['num_steps']}, mean step "
+            f"{stats['mean_step_ms']:.1f} ms, preemptions "
             f"{stats['num_preemptions']}, prefix-cache hit rate {stats['prefix_cache_hit_rate']:.1%}, "
             f"step time outside forward {stats['outside_forward_frac']:.1%}"
         )
