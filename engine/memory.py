@@ -65,7 +65,8 @@ def profile_activation_peak(model: Any, *, num_tokens: int, max_model_len: int,
     """Peak bytes above the resident weights of one forward over ``num_tokens`` packed tokens
     (positions restart every ``max_model_len``), logits for ``num_sampled`` rows included.
 
-    The forward runs with transformers' "sdpa" attention, because the paged attention needs
+    The forward runs with transformers' "sdpa" attention ("eager" for a model without it),
+    because the paged attention needs
     the cache this measurement sizes; the other activations (MLP, norms, logits) are those of
     the engine's step, and they dominate. Returns 0 where the device keeps no allocator
     statistics (CPU)."""
@@ -79,7 +80,10 @@ def profile_activation_peak(model: Any, *, num_tokens: int, max_model_len: int,
         torch.cuda.reset_peak_memory_stats(device)
         resident = torch.cuda.memory_allocated(device)
     base = getattr(model, model.base_model_prefix)
-    model.set_attn_implementation("sdpa")
+    try:
+        model.set_attn_implementation("sdpa")
+    except ValueError:  # a model without an sdpa path: its eager attention (a larger peak)
+        model.set_attn_implementation("eager")
     try:
         hidden = base(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
         rows = hidden[0, -max(1, min(num_sampled, num_tokens)):]
