@@ -66,9 +66,8 @@ def profile_activation_peak(model: Any, *, num_tokens: int, max_model_len: int,
     (positions restart every ``max_model_len``), logits for ``num_sampled`` rows included.
 
     The forward runs with transformers' "sdpa" attention ("eager" for a model without it),
-    because the paged attention needs
-    the cache this measurement sizes; the other activations (MLP, norms, logits) are those of
-    the engine's step, and they dominate. Returns 0 where the device keeps no allocator
+    because the paged attention needs the cache this measurement sizes; the other activations
+    (MLP, norms, logits) are those of the engine's step, and they dominate. Returns 0 where the device keeps no allocator
     statistics (CPU)."""
     previous = model.config._attn_implementation
     ids = torch.zeros((1, num_tokens), dtype=torch.long, device=device)
