@@ -542,7 +542,7 @@ def _print_report(results: dict[str, Any]) -> None:
 
     from benchmarks.phases import print_profile
 
-    console = Console(width=max(Console().width, 130))
+    console = Console(width=max(Console().width, 140))
     w = results["workload"]
     ratio = w["prompt_tokens"] / w["output_tokens"] if w["output_tokens"] else math.inf
     console.print(

@@ -5,7 +5,8 @@ A step is classed by what it computes: "prefill" when most of its tokens are pro
 (prefill chunks), "decode" when most are decode tokens (one per running sequence), and "tail"
 for the steps at the end of the run after which fewer than a quarter of ``max_num_seqs``
 sequences ever run again (the batch has drained and the device is underfed, whatever the
-step computes). For each phase: steps, seconds and share of the run, mean running sequences,
+step computes). For each phase: steps, seconds and share of the run, CPU seconds of the
+thread running the steps (steadier than wall time on a shared machine), mean running sequences,
 prefill and decode tokens per second of step time, and the same two rates per second of
 model forward only: the ceiling the step would reach if scheduling, input packing, sampling
 and bookkeeping cost nothing.
@@ -13,6 +14,7 @@ and bookkeeping cost nothing.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +30,7 @@ class Step:
     running: int
     step_s: float = 0.0
     forward_s: float = 0.0
+    cpu_s: float = 0.0  # CPU time of the thread running the step: steady on a loaded machine
 
 
 @dataclass
@@ -39,6 +42,8 @@ class StepTrace:
     sync: Callable[[], None] = lambda: None  # a device sync, so forward times are real
     steps: list[Step] = field(default_factory=list)
     _t0: float | None = None
+    _cpu0: float = 0.0
+    _thread: int = 0
     _enabled: bool = False
 
     def start(self) -> None:
@@ -48,10 +53,10 @@ class StepTrace:
     def begin(self, prefill_tokens: int, decode_tokens: int, running: int) -> None:
         if not self._enabled:
             return
-        now = time.perf_counter()
         if self._t0 is not None and self.steps:  # a system without an end hook
-            self.steps[-1].step_s = now - self._t0
-        self._t0 = now
+            self.end()
+        self._t0, self._cpu0 = time.perf_counter(), time.thread_time()
+        self._thread = threading.get_ident()
         self.steps.append(Step(prefill_tokens, decode_tokens, running))
 
     def timed_forward(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -67,6 +72,8 @@ class StepTrace:
     def end(self) -> None:
         if self._enabled and self._t0 is not None and self.steps:
             self.steps[-1].step_s = time.perf_counter() - self._t0
+            if threading.get_ident() == self._thread:  # else the step's thread is not this one
+                self.steps[-1].cpu_s = time.thread_time() - self._cpu0
             self._t0 = None
 
     def close(self) -> None:
@@ -93,6 +100,7 @@ def summarise(steps: list[Step], max_num_seqs: int) -> dict[str, Any]:
     for name, group in [*groups.items(), ("all", steps)]:
         step_s = sum(s.step_s for s in group)
         fwd_s = sum(s.forward_s for s in group)
+        cpu_s = sum(s.cpu_s for s in group)
         pre = sum(s.prefill_tokens for s in group)
         dec = sum(s.decode_tokens for s in group)
         figures = {
@@ -105,6 +113,9 @@ def summarise(steps: list[Step], max_num_seqs: int) -> dict[str, Any]:
             "prefill_tok_s": pre / step_s if step_s else 0.0,
             "decode_tok_s": dec / step_s if step_s else 0.0,
             "forward_s": fwd_s,
+            "cpu_s": cpu_s,
+            "prefill_tok_per_cpu_s": pre / cpu_s if cpu_s else 0.0,
+            "decode_tok_per_cpu_s": dec / cpu_s if cpu_s else 0.0,
             "forward_prefill_tok_s": pre / fwd_s if fwd_s else 0.0,
             "forward_decode_tok_s": dec / fwd_s if fwd_s else 0.0,
             "outside_forward_frac": 1.0 - fwd_s / step_s if step_s else 0.0,
@@ -120,13 +131,13 @@ def print_profile(console: Any, name: str, profile: dict[str, Any]) -> None:
     from rich.table import Table
 
     table = Table(title=f"{name}: where the time goes (forward-only rates are the ceiling)")
-    cols = ("phase", "steps", "time s", "share", "mean seqs", "prefill tok/s", "decode tok/s",
-            "fwd prefill tok/s", "fwd decode tok/s", "outside fwd")
+    cols = ("phase", "steps", "time s", "share", "cpu s", "mean seqs", "prefill tok/s",
+            "decode tok/s", "fwd prefill tok/s", "fwd decode tok/s", "outside fwd")
     for col in cols:
         table.add_column(col, justify="left" if col == "phase" else "right")
     for phase, f in [*profile["phases"].items(), ("all", profile["all"])]:
         table.add_row(phase, str(f["steps"]), f"{f['time_s']:.2f}", f"{f['time_share']:.0%}",
-                      f"{f['mean_running']:.1f}", f"{f['prefill_tok_s']:,.0f}",
+                      f"{f['cpu_s']:.2f}", f"{f['mean_running']:.1f}", f"{f['prefill_tok_s']:,.0f}",
                       f"{f['decode_tok_s']:,.0f}", f"{f['forward_prefill_tok_s']:,.0f}",
                       f"{f['forward_decode_tok_s']:,.0f}", f"{f['outside_forward_frac']:.0%}")
     console.print(table)

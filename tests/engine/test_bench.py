@@ -60,6 +60,7 @@ def test_bench_runs_every_system_on_the_same_work(model_dir: Path, tmp_path: Pat
         # Every output token but the first (sampled by its prefill step) is a decode token.
         assert whole["decode_tokens"] == work["output_tokens"] - work["num_requests"], name
         assert 0 < whole["forward_s"] <= whole["time_s"] <= data["systems"][name]["wall_s"]
+        assert 0 < whole["cpu_s"] <= data["systems"][name]["cpu_s"] * 1.05, name
         assert whole["forward_prefill_tok_s"] >= whole["prefill_tok_s"] > 0
         assert prof["phases"]["prefill"]["steps"] > 0 and prof["phases"]["decode"]["steps"] > 0
     assert data["systems"]["engine"]["phases"]["num_steps"] == stats["num_steps"]
