@@ -13,8 +13,9 @@ DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB on CPU unless told otherwise
 class EngineConfig:
     """How the engine runs a model.
 
-    ``kv_cache_memory`` is bytes (int) or a fraction (float in (0, 1]) of free accelerator
-    memory after the weights are loaded; on CPU a fraction applies to 1 GiB. ``num_kv_blocks``,
+    ``kv_cache_memory`` is bytes (int) or a fraction (float in (0, 1]) of the accelerator
+    memory left free by the weights and by the activation peak of a profiling forward at
+    ``max_num_batched_tokens`` (engine/memory.py); on CPU a fraction applies to 1 GiB. ``num_kv_blocks``,
     when set, overrides the memory budget. ``admission`` orders waiting requests: "batch"
     groups shared prefixes and starts long work first, "fcfs" keeps arrival order.
     ``attention_backend``: "sdpa" (one call per sequence, fastest on CPU), "flex" (one

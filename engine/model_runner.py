@@ -6,11 +6,11 @@ import logging
 
 import torch
 
-from engine import attention
+from engine import attention, memory
 from engine.attention import AttentionContext, Decode, PrefillChunk
 from engine.attention_flex import FlexBackend, build_step, to_device
 from engine.attention_sdpa import SdpaBackend
-from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
+from engine.config import EngineConfig
 from engine.sequence import Sequence
 from engine.step import StepBatch
 
@@ -93,25 +93,28 @@ class ModelRunner:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
     def _num_blocks(self) -> int:
+        """KV blocks for this device: ``num_kv_blocks`` if set, else the memory budget
+        (engine/memory.py: on an accelerator, a fraction of the memory left free by the
+        weights and by a profiling forward at ``max_num_batched_tokens``)."""
         cfg = self.config
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
-        budget = cfg.kv_cache_memory
-        if isinstance(budget, float):
-            if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * budget)
-            else:
-                budget = int(DEFAULT_CPU_KV_BYTES * budget)
-        # No use holding more than every sequence at full length.
-        useful = cfg.max_num_seqs * (-(-self.max_model_len // self.block_size))
-        num = min(budget // self.bytes_per_block, useful)
-        if num < 1:
-            raise ValueError(
-                f"kv_cache_memory {cfg.kv_cache_memory!r} holds no KV block "
-                f"({self.bytes_per_block} bytes each)"
-            )
-        return int(num)
+        free: int | None = None
+        peak = 0
+        describe = f" (kv_cache_memory {cfg.kv_cache_memory!r})"
+        if isinstance(cfg.kv_cache_memory, float) and self.device.type == "cuda":
+            peak = memory.profile_activation_peak(
+                self.model, num_tokens=cfg.max_num_batched_tokens, max_model_len=self.max_model_len,
+                num_sampled=cfg.max_num_seqs, device=self.device)
+            free, _ = torch.cuda.mem_get_info(self.device)
+            describe = (f" (kv_cache_memory {cfg.kv_cache_memory!r} of {free / 2**20:.0f} MiB free "
+                        f"less a {peak / 2**20:.0f} MiB activation peak)")
+        budget = memory.kv_budget_bytes(cfg.kv_cache_memory, free_bytes=free,
+                                        activation_peak_bytes=peak)
+        budget -= self.bytes_per_block  # the scratch block (see __init__)
+        return memory.num_kv_blocks(
+            budget, bytes_per_block=self.bytes_per_block, block_size=self.block_size,
+            max_model_len=self.max_model_len, max_num_seqs=cfg.max_num_seqs, describe=describe)
 
     # -- one step -------------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import bench
+from benchmarks import engine as bench
 from engine.demo_models import build
 
 
@@ -16,7 +16,8 @@ def model_dir() -> Path:
     return build("llama-tiny")
 
 
-def test_bench_runs_every_system_on_the_same_work(model_dir: Path, tmp_path: Path) -> None:
+def test_bench_runs_every_system_on_the_same_work(model_dir: Path, tmp_path: Path,
+                                                  engine_test_device: str) -> None:
     out = tmp_path / "bench.json"
     results = bench.main([
         "--model", str(model_dir), "--num-requests", "6", "--input-len", "uniform:4:24",
@@ -41,6 +42,28 @@ def test_bench_runs_every_system_on_the_same_work(model_dir: Path, tmp_path: Pat
     assert {"engine / static (output tok/s)", "engine / generate_batch (output tok/s)"} <= set(
         data["ratios"])
     assert all(v > 0 for v in data["ratios"].values())
+    # Every system on the engine's device and dtype.
+    device = data["device"]
+    assert device.startswith(engine_test_device) and data["dtype"] == "float32"
+    assert {r["device"] for r in data["systems"].values()} == {device}
+    assert {r["dtype"] for r in data["systems"].values()} == {"float32"}
+    assert data["systems"]["generate_batch"]["attn_implementation"] in ("sdpa", "flash_attention_2",
+                                                                        "flash_attention_3")
+    # Where the time goes, for both continuous-batching systems: the phases cover the run,
+    # every prompt and output token is counted once, the forward is part of each step.
+    for name in ("engine", "generate_batch"):
+        prof = data["systems"][name]["phases"]
+        assert set(prof["phases"]) == {"prefill", "decode", "tail"}, name
+        whole = prof["all"]
+        assert whole["steps"] == sum(p["steps"] for p in prof["phases"].values()) > 0
+        assert whole["prefill_tokens"] == work["prompt_tokens"], name
+        # Every output token but the first (sampled by its prefill step) is a decode token.
+        assert whole["decode_tokens"] == work["output_tokens"] - work["num_requests"], name
+        assert 0 < whole["forward_s"] <= whole["time_s"] <= data["systems"][name]["wall_s"]
+        assert 0 < whole["cpu_s"] <= data["systems"][name]["cpu_s"] * 1.05, name
+        assert whole["forward_prefill_tok_s"] >= whole["prefill_tok_s"] > 0
+        assert prof["phases"]["prefill"]["steps"] > 0 and prof["phases"]["decode"]["steps"] > 0
+    assert data["systems"]["engine"]["phases"]["num_steps"] == stats["num_steps"]
     # Greedy decoding on identical prompts: the engine agrees with transformers token for token.
     assert data["agreement"]["engine vs generate_batch"] == 1.0
     assert results["workload"] == work
@@ -51,7 +74,7 @@ def test_bench_workload_presets() -> None:
     assert args.workload == bench.DEFAULT_WORKLOAD == "generation-heavy"
     totals = {}
     for name, (n, inp, out) in bench.WORKLOADS.items():
-        assert n >= 64, name
+        assert n >= (32 if name == "long-context" else 64), name
         w = bench.synthetic_workload(
             num_requests=n, input_len=bench.LengthDist.parse(inp),
             output_len=bench.LengthDist.parse(out), shared_prefix_frac=0.0, vocab=range(10, 500),
@@ -59,6 +82,9 @@ def test_bench_workload_presets() -> None:
         assert len(set(w.max_tokens)) > n // 4 and len({len(p) for p in w.prompts}) > n // 4
         totals[name] = w.prompt_tokens / w.output_tokens
     assert totals["generation-heavy"] < 1.5 and totals["prompt-heavy"] > 3
+    assert totals["long-context"] > 10
+    long = bench.WORKLOADS["long-context"]
+    assert long[1:] == ("uniform:1000:2000", "lognormal:96:0.6")
 
 
 def test_bench_compares_prefix_caching(model_dir: Path) -> None:
@@ -98,3 +124,24 @@ def test_length_distributions_and_jsonl_workload(tmp_path: Path, model_dir: Path
     work = bench.jsonl_workload(path, tok, max_model_len=1024, default_max_tokens=16, limit=None)
     assert work.max_tokens == [5, 3]
     assert work.prompts[1] == tok.encode("the quick brown fox")
+
+
+def test_phase_summary_classes_steps_and_finds_the_tail() -> None:
+    from benchmarks.phases import Step, summarise
+
+    steps = [
+        Step(60, 0, 4, step_s=1.0, forward_s=0.8),  # prefill
+        Step(10, 30, 40, step_s=1.0, forward_s=0.5),  # mostly decode
+        Step(30, 4, 9, step_s=2.0, forward_s=1.0),  # mostly prefill, busy
+        Step(0, 8, 8, step_s=0.5, forward_s=0.25),  # decode, 8 >= 32 / 4: not the tail yet
+        Step(0, 7, 7, step_s=0.5, forward_s=0.25),  # the tail: fewer than 8 run from here on
+        Step(5, 2, 2, step_s=0.5, forward_s=0.25),
+    ]
+    prof = summarise(steps, max_num_seqs=32)
+    ph = prof["phases"]
+    assert (ph["prefill"]["steps"], ph["decode"]["steps"], ph["tail"]["steps"]) == (2, 2, 2)
+    assert ph["prefill"]["time_s"] == 3.0 and ph["prefill"]["prefill_tokens"] == 90
+    assert ph["prefill"]["prefill_tok_s"] == 30.0 and ph["prefill"]["forward_prefill_tok_s"] == 50.0
+    assert ph["decode"]["decode_tokens"] == 38 and ph["tail"]["mean_running"] == 4.5
+    assert prof["all"]["time_s"] == 5.5 and abs(ph["tail"]["time_share"] - 1 / 5.5) < 1e-9
+    assert prof["all"]["outside_forward_frac"] == 1 - 3.05 / 5.5

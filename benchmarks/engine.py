@@ -1,22 +1,34 @@
 """Throughput benchmark: this engine against transformers, side by side, on the same requests.
 
-    python -m engine.bench                                  # llama-25m, 96 generation-heavy requests
-    python -m engine.bench --workload prompt-heavy          # 64 requests, long prompts, short outputs
-    python -m engine.bench --systems engine,static --json out.json
-    python -m engine.bench --compare-prefix-caching         # engine with and without the cache
+    python -m benchmarks.engine                                  # llama-25m, 96 generation-heavy requests
+    python -m benchmarks.engine --workload prompt-heavy          # 64 requests, long prompts, short outputs
+    python -m benchmarks.engine --workload long-context          # 32 requests of 1,000-2,000 prompt tokens
+    python -m benchmarks.engine --systems engine,static --json out.json
+    python -m benchmarks.engine --compare-prefix-caching         # engine with and without the cache
 
-Systems, all in one process on the same requests, each warmed up once before it is timed:
+Systems, all in one process on the same requests, on the engine's device and dtype (``auto``:
+CUDA and bf16 when there is a GPU, else CPU and fp32), each set up and warmed up before its
+timed region begins (model loading, cache allocation and transformers' CUDA-graph warm-up
+are outside it):
 
 - ``engine``: this project's engine, driven through its ``add_request``/``step`` loop.
 - ``static``: transformers ``model.generate`` on padded static batches in arrival order (left
   padding). A batch ends when its longest request ends, so it decodes ``max_new_tokens`` =
   the batch's largest budget for every row; only each request's own ``max_tokens`` count as
   useful output tokens.
-- ``generate_batch``: transformers' own continuous batching. ``model.generate_batch`` takes a
-  single ``max_new_tokens`` for all inputs, so the benchmark drives the same manager that
-  ``generate_batch`` uses (``init_continuous_batching`` / ``add_request`` / ``get_result``),
-  whose ``add_request`` does take a per-request ``max_new_tokens``: every system does exactly
-  the same work.
+- ``generate_batch``: transformers' own continuous batching over its own paged KV cache
+  (``PagedAttentionCache``), with the paged attention the installed transformers chooses
+  (``--hf-attn``, default "sdpa": since transformers 5.23 the cache makes sdpa and flash
+  attention paged and only "paged|eager" keeps the prefix; on a GPU with flash attention
+  installed transformers switches to it). ``model.generate_batch`` takes a single
+  ``max_new_tokens`` for all inputs, so the benchmark drives the same manager that
+  ``generate_batch`` uses (``init_continuous_batching`` / ``warmup`` / ``add_request`` /
+  ``get_result``), whose ``add_request`` does take a per-request ``max_new_tokens``: every
+  system does exactly the same work.
+
+The engine and ``generate_batch`` also report where their time goes (benchmarks/phases.py):
+time and token rates in mostly-prefill steps, mostly-decode steps and the drained tail, against
+the model forward alone as the ceiling.
 
 Prompts are random token ids from the model's vocabulary (special tokens excluded), decoding
 is greedy and ignores EOS, so each request produces exactly its ``max_tokens`` tokens.
@@ -48,6 +60,8 @@ SYSTEMS = ("engine", "static", "generate_batch")
 WORKLOADS = {
     "generation-heavy": (96, "uniform:16:256", "lognormal:128:1.0"),
     "prompt-heavy": (64, "uniform:32:384", "lognormal:64:0.8"),
+    # Long documents in, short answers out (summaries, extraction): prefill bound throughout.
+    "long-context": (32, "uniform:1000:2000", "lognormal:96:0.6"),
 }
 DEFAULT_WORKLOAD = "generation-heavy"
 DEFAULT_NUM_REQUESTS, DEFAULT_INPUT_LEN, DEFAULT_OUTPUT_LEN = WORKLOADS[DEFAULT_WORKLOAD]
@@ -262,6 +276,7 @@ def _engine_figures(before: dict[str, Any], after: dict[str, Any]) -> dict[str, 
         "num_preemptions": int(delta("num_preemptions")),
         "prefix_cache_hit_rate": delta("total_cached_tokens") / prompt if prompt else 0.0,
         "total_step_time_s": step_time,
+        "mean_step_ms": 1000 * step_time / steps if steps else 0.0,
         "total_forward_time_s": delta("total_forward_time_s"),
         "outside_forward_frac": 1.0 - delta("total_forward_time_s") / step_time
         if step_time
@@ -272,9 +287,12 @@ def _engine_figures(before: dict[str, Any], after: dict[str, Any]) -> dict[str, 
 
 def run_engine(model_dir: str, workload: Workload, engine_config: dict[str, Any],
                label: str = "engine") -> SystemResult:
+    from benchmarks import phases
     from engine import Engine, SamplingParams
 
     engine = Engine(model_dir, **engine_config)
+    trace = phases.StepTrace(sync=phases.device_sync(engine.runner.device))
+    phases.trace_engine(engine, trace)
 
     def params(n: int) -> SamplingParams:
         return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
@@ -297,11 +315,13 @@ def run_engine(model_dir: str, workload: Workload, engine_config: dict[str, Any]
     drain(2)
 
     before = _stats_dict(engine.stats())
+    trace.start()
     cpu0, start = time.process_time(), time.perf_counter()
     for i, (prompt, n) in enumerate(zip(workload.prompts, workload.max_tokens, strict=True)):
         engine.add_request(f"req-{i}", prompt, params(n))
     done = drain(len(workload.prompts))
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu0
+    trace.close()
     after = _stats_dict(engine.stats())
 
     token_ids = [done[f"req-{i}"] for i in range(len(workload.prompts))]
@@ -309,17 +329,31 @@ def run_engine(model_dir: str, workload: Workload, engine_config: dict[str, Any]
     extra = {
         "engine_stats": _engine_figures(before, after),
         "engine_config": _stats_dict(engine.config),
+        "device": str(engine.runner.device),
+        "dtype": str(engine.runner.dtype).removeprefix("torch."),
+        "phases": phases.summarise(trace.steps, engine.config.max_num_seqs),
     }
     return SystemResult(label, wall, workload.prompt_tokens, generated, generated, cpu,
                         token_ids, extra)
 
 
-def _load_hf_model(model_dir: str, dtype: str = "float32") -> Any:
+def engine_device_dtype(engine_config: dict[str, Any]) -> tuple[str, str]:
+    """The device and dtype the engine resolves ``engine_config`` to: every system runs there."""
+    from engine.config import EngineConfig
+    from engine.model_runner import resolve_device, resolve_dtype
+
+    cfg = EngineConfig.from_kwargs(**engine_config)
+    device = resolve_device(cfg.device)
+    return str(device), str(resolve_dtype(cfg.dtype, device)).removeprefix("torch.")
+
+
+def _load_hf_model(model_dir: str, dtype: str, device: str, attn: str | None = None) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
-    return model.eval()
+    kwargs = {"attn_implementation": attn} if attn else {}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype), **kwargs)
+    return model.to(device).eval()
 
 
 def _greedy_config(model: Any, max_new_tokens: int) -> Any:
@@ -333,16 +367,20 @@ def _greedy_config(model: Any, max_new_tokens: int) -> Any:
     return config
 
 
-def run_static(model_dir: str, workload: Workload, batch_size: int, pad_id: int,
-               dtype: str = "float32") -> SystemResult:
+def run_static(model_dir: str, workload: Workload, batch_size: int, pad_id: int, *,
+               dtype: str, device: str) -> SystemResult:
     import torch
 
-    model = _load_hf_model(model_dir, dtype)
+    from benchmarks.phases import device_sync
+
+    model = _load_hf_model(model_dir, dtype, device)
+    sync = device_sync(torch.device(device))
 
     def run_batch(prompts: list[list[int]], budgets: list[int]) -> list[list[int]]:
         width = max(len(p) for p in prompts)
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
+                            device=device)
         config = _greedy_config(model, max(budgets))
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
@@ -353,6 +391,7 @@ def run_static(model_dir: str, workload: Workload, batch_size: int, pad_id: int,
 
     token_ids: list[list[int]] = []
     generated = 0
+    sync()
     cpu0, start = time.process_time(), time.perf_counter()
     for lo in range(0, len(workload.prompts), batch_size):
         prompts = workload.prompts[lo : lo + batch_size]
@@ -363,64 +402,79 @@ def run_static(model_dir: str, workload: Workload, batch_size: int, pad_id: int,
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu0
     useful = sum(len(t) for t in token_ids)
     return SystemResult("static", wall, workload.prompt_tokens, useful, generated, cpu, token_ids,
-                        {"batch_size": batch_size})
+                        {"batch_size": batch_size, "device": device, "dtype": dtype})
 
 
 def run_generate_batch(model_dir: str, workload: Workload, *, max_requests: int,
-                       max_batch_tokens: int, dtype: str = "float32") -> SystemResult:
+                       max_batch_tokens: int, dtype: str, device: str,
+                       attn: str = "sdpa") -> SystemResult:
     import logging
 
     import torch
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
+    from benchmarks import phases
+
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
-    model = _load_hf_model(model_dir, dtype)
+    model = _load_hf_model(model_dir, dtype, device, attn)
     page_size = 256
-    longest = max(len(p) + n for p, n in zip(workload.prompts, workload.max_tokens, strict=True))
-    num_blocks = max_requests * math.ceil(longest / page_size) + 8
+    pages = [math.ceil((len(p) + n) / page_size)
+             for p, n in zip(workload.prompts, workload.max_tokens, strict=True)]
+    # Room for max_requests of the longest at once, but no more than the whole workload.
+    num_blocks = min(max_requests * max(pages), sum(pages)) + 8
     cb_config = ContinuousBatchingConfig(
         page_size=page_size,
         num_blocks=num_blocks,
         max_batch_tokens=max_batch_tokens,
         max_requests_per_batch=max_requests,
     )
+    config = _greedy_config(model, max(workload.max_tokens))
+    config.eos_token_id = -1  # the manager's spelling of "no EOS"
+    trace = phases.StepTrace(sync=phases.device_sync(torch.device(device)))
 
-    def run(prompts: list[list[int]], budgets: list[int]) -> list[list[int]]:
-        config = _greedy_config(model, max(budgets))
-        config.eos_token_id = -1  # the manager's spelling of "no EOS"
-        with torch.inference_mode():
-            manager = model.init_continuous_batching(
-                generation_config=config, continuous_batching_config=cb_config
-            )
-            manager.start()
-            try:
-                ids = [
-                    manager.add_request(p, request_id=f"req-{i}", max_new_tokens=n, eos_token_id=-1)
-                    for i, (p, n) in enumerate(zip(prompts, budgets, strict=True))
-                ]
-                results: dict[str, Any] = {}
-                while len(results) < len(ids):
-                    result = manager.get_result(timeout=1)
-                    if result is not None and result.is_finished():
-                        if result.error is not None:
-                            raise RuntimeError(f"generate_batch {result.request_id}: {result.error}")
-                        results[result.request_id] = result
-                    elif result is None and not manager.is_running():
-                        raise RuntimeError("transformers' continuous batching loop stopped")
-            finally:
-                manager.stop(block=True)
+    def run(manager: Any, prompts: list[list[int]], budgets: list[int],
+            prefix: str) -> list[list[int]]:
+        ids = [
+            manager.add_request(p, request_id=f"{prefix}-{i}", max_new_tokens=n, eos_token_id=-1)
+            for i, (p, n) in enumerate(zip(prompts, budgets, strict=True))
+        ]
+        results: dict[str, Any] = {}
+        while len(results) < len(ids):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                if result.error is not None:
+                    raise RuntimeError(f"generate_batch {result.request_id}: {result.error}")
+                results[result.request_id] = result
+            elif result is None and not manager.is_running():
+                raise RuntimeError("transformers' continuous batching loop stopped")
         return [list(results[i].generated_tokens) for i in ids]
 
     rng = random.Random(4321)
-    run([[rng.randrange(3, 100) for _ in range(8)] for _ in range(2)], [4, 4])  # warm-up
-
-    cpu0, start = time.process_time(), time.perf_counter()
-    token_ids = run(workload.prompts, workload.max_tokens)
-    wall, cpu = time.perf_counter() - start, time.process_time() - cpu0
+    with torch.inference_mode():
+        manager = model.init_continuous_batching(
+            generation_config=config, continuous_batching_config=cb_config
+        )
+        manager.warmup()  # creates the cache and batch processor, captures CUDA graphs
+        attn_used = model.config._attn_implementation
+        phases.trace_continuous_batching(manager.batch_processor, trace)
+        manager.start()
+        try:
+            run(manager, [[rng.randrange(3, 100) for _ in range(8)] for _ in range(2)], [4, 4],
+                "warmup")
+            trace.start()
+            cpu0, start = time.process_time(), time.perf_counter()
+            token_ids = run(manager, workload.prompts, workload.max_tokens, "req")
+            wall, cpu = time.perf_counter() - start, time.process_time() - cpu0
+            trace.close()
+        finally:
+            manager.stop(block=True)
     generated = sum(len(t) for t in token_ids)
     return SystemResult("generate_batch", wall, workload.prompt_tokens, generated, generated,
-                        cpu, token_ids, {"max_requests_per_batch": max_requests,
-                                    "max_batch_tokens": max_batch_tokens})
+                        cpu, token_ids, {
+                            "max_requests_per_batch": max_requests,
+                            "max_batch_tokens": max_batch_tokens, "device": device, "dtype": dtype,
+                            "attn_implementation": attn_used,
+                            "phases": phases.summarise(trace.steps, max_requests)})
 
 
 def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
@@ -447,7 +501,7 @@ def _parse_engine_args(pairs: list[str]) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.engine", description=__doc__.split("\n")[0])
     p.add_argument("--model", help="model directory (default: the demo llama-25m, built on use)")
     p.add_argument("--workload", choices=sorted(WORKLOADS), default=DEFAULT_WORKLOAD,
                    help="named synthetic workload; --num-requests/--input-len/--output-len "
@@ -464,6 +518,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of "
                    + ",".join(SYSTEMS))
     p.add_argument("--static-batch-size", type=int, default=16)
+    p.add_argument("--hf-attn", default="sdpa",
+                   help="attn_implementation of generate_batch (default sdpa, paged through "
+                   "transformers' PagedAttentionCache; or paged|eager, a flash implementation)")
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="engine config override (repeatable), e.g. max_num_seqs=64")
     p.add_argument("--compare-prefix-caching", action="store_true",
@@ -483,7 +540,9 @@ def _print_report(results: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=max(Console().width, 110))
+    from benchmarks.phases import print_profile
+
+    console = Console(width=max(Console().width, 140))
     w = results["workload"]
     ratio = w["prompt_tokens"] / w["output_tokens"] if w["output_tokens"] else math.inf
     console.print(
@@ -491,6 +550,8 @@ def _print_report(results: dict[str, Any]) -> None:
         f"{w['output_tokens']} output tokens (prompt/output {ratio:.2f}); "
         f"{json.dumps(w.get('description', {}))}"
     )
+    console.print(f"[bold]device[/]: {results.get('device')}, dtype {results.get('dtype')}, "
+                  f"torch threads {results.get('torch_threads')}")
     table = Table(title="throughput (useful tokens)")
     for col in ("system", "wall s", "output tok/s", "total tok/s", "cpu s", "output tok/cpu-s",
                 "decoded tokens"):
@@ -508,10 +569,14 @@ def _print_report(results: dict[str, Any]) -> None:
             continue
         console.print(
             f"{name} stats: mean running seqs {stats['mean_running_seqs']:.1f}, mean tokens/step "
-            f"{stats['mean_tokens_per_step']:.1f}, steps {stats['num_steps']}, preemptions "
+            f"{stats['mean_tokens_per_step']:.1f}, steps {stats['num_steps']}, mean step "
+            f"{stats['mean_step_ms']:.1f} ms, preemptions "
             f"{stats['num_preemptions']}, prefix-cache hit rate {stats['prefix_cache_hit_rate']:.1%}, "
             f"step time outside forward {stats['outside_forward_frac']:.1%}"
         )
+    for name, r in results["systems"].items():
+        if r.get("phases"):
+            print_profile(console, name, r["phases"])
     for key, value in results.get("agreement", {}).items():
         console.print(f"greedy agreement {key}: {value:.0%} of requests identical")
 
@@ -570,8 +635,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         )
         workload.description["workload"] = preset
 
+    device, dtype = engine_device_dtype(engine_config)
     results: dict[str, Any] = {
         "model": model_dir,
+        "device": device,
+        "dtype": dtype,
         "torch_threads": torch.get_num_threads(),
         "workload": {
             "num_requests": len(workload.prompts),
@@ -609,10 +677,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 max_batched = max_batched or int(cfg.get("max_num_batched_tokens") or 0) or None
             elif name == "static":
                 r = run_static(model_dir, workload, args.static_batch_size, tokenizer.pad_token_id
-                               if tokenizer.pad_token_id is not None else 0)
+                               if tokenizer.pad_token_id is not None else 0,
+                               dtype=dtype, device=device)
             else:
                 r = run_generate_batch(model_dir, workload, max_requests=max_seqs or 64,
-                                       max_batch_tokens=max_batched or 2048)
+                                       max_batch_tokens=max_batched or 2048, dtype=dtype,
+                                       device=device, attn=args.hf_attn)
             results["systems"][name] = r.as_dict()
             tokens[name] = r.token_ids
         if "engine" in results["systems"]:
