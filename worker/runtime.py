@@ -32,7 +32,7 @@ _hosts: dict[str, EngineHost] = {}
 _load_locks: dict[str, threading.Lock] = {}
 
 # Options in ``engine_options`` that size the host rather than the engine.
-HOST_OPTIONS = ("max_pending", "engine_backlog")
+HOST_OPTIONS = ("max_pending", "engine_backlog", "group_window")
 
 # Fault injection for tests of the retry paths; never set it in production. Its value is
 # ``step:<text>`` (every engine step fails while a request whose prompt contains <text> is in
@@ -165,7 +165,8 @@ def host(model: str) -> EngineHost:
             return existing
         from engine import Engine, EngineHost
 
-        options = dict(get_settings().engine_options)
+        settings = get_settings()
+        options = dict(settings.engine_options)
         host_options = {k: options.pop(k) for k in HOST_OPTIONS if k in options}
         path = model_dir(model)
         logger.info("loading model %s from %s", model, path)
@@ -173,6 +174,8 @@ def host(model: str) -> EngineHost:
         fault = os.environ.get(TEST_FAULT_ENV)
         if fault:
             install_test_fault(engine, fault)
+        host_options.setdefault("reserved_share", settings.high_priority_reserved_share)
+        host_options.setdefault("aging_s", settings.low_priority_aging_s)
         started = EngineHost(engine, name=f"engine-host-{model}", **host_options).start()
         configured = getattr(getattr(engine, "config", None), "max_model_len", None)
         with _lock:

@@ -102,7 +102,7 @@ def test_bounded_queue_blocks_producers_until_the_loop_drains(model_dir: Path) -
 def test_abort_group_frees_blocks_and_leaves_other_groups_running(model_dir: Path) -> None:
     long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
     short = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    with EngineHost(_engine(model_dir, max_num_seqs=4), max_pending=16) as host:
+    with EngineHost(_engine(model_dir, max_num_seqs=4), max_pending=16, group_window=16) as host:
         doomed = [host.submit(p, long, group="cancel-me") for p in _prompts(10, seed=2)]
         kept = [host.submit(p, short, group="keep") for p in _prompts(4, seed=3)]
         deadline = time.monotonic() + 30
