@@ -110,7 +110,8 @@ class Timing:
     occupancy: float | None = None  # mean running sequences / max_num_seqs meanwhile
 
 
-def _counters(probe: Probe | None) -> dict[str, Any] | None:
+def engine_counters(probe: Probe | None) -> dict[str, Any] | None:
+    """The model's engine stats from the model worker (``engine_stats``), or None."""
     answer = probe() if probe is not None else None
     return (answer or {}).get("models", {}).get(MODEL) if answer else None
 
@@ -128,11 +129,11 @@ def alone(
     client: Any, n: int, max_tokens: int, timeout: float, probe: Probe | None = None, **extra: Any
 ) -> Timing:
     """Create to completed for a job on an idle service."""
-    before = _counters(probe)
+    before = engine_counters(probe)
     batch, started = submit(client, chat_lines("alone", n, max_tokens), **extra)
     done, ended = wait(client, batch.id, timeout)
     assert done.status == "completed", done
-    return _timing(ended - started, before, _counters(probe))
+    return _timing(ended - started, before, engine_counters(probe))
 
 
 @dataclass
@@ -141,6 +142,7 @@ class Contended:
     big_s: float | None  # create -> completed of the big job (None if it was cancelled)
     small_done_first: bool
     big_done_at_small_end: int  # big job's requests done when the small one completed
+    big_first_s: float | None = None  # create -> first completed requests of the big job
 
 
 def contended(
@@ -160,15 +162,19 @@ def contended(
     """The big job first; the small one ``delay_s`` seconds after the big one was created
     (default: once the big one has completed requests); measure both."""
     big_batch, big_started = submit(big_client, chat_lines("big", big, max_tokens))
+    big_first_s = None
     if delay_s is None:
-        wait(big_client, big_batch.id, timeout, until=lambda b: b.request_counts.completed > 0)
+        _, first_at = wait(
+            big_client, big_batch.id, timeout, until=lambda b: b.request_counts.completed > 0
+        )
+        big_first_s = first_at - big_started
     else:
         time.sleep(max(0.0, big_started + delay_s - time.monotonic()))
-    before = _counters(probe)
+    before = engine_counters(probe)
     small_lines = chat_lines("small", small, small_max_tokens or max_tokens)
     small_batch, small_started = submit(small_client, small_lines, **(small_extra or {}))
     small_done, small_ended = wait(small_client, small_batch.id, timeout)
-    small_timing = _timing(small_ended - small_started, before, _counters(probe))
+    small_timing = _timing(small_ended - small_started, before, engine_counters(probe))
     assert small_done.status == "completed", small_done
     big_now = big_client.batches.retrieve(big_batch.id)
     first = big_now.status not in TERMINAL
@@ -180,7 +186,9 @@ def contended(
     else:
         big_client.batches.cancel(big_batch.id)
         wait(big_client, big_batch.id, timeout)
-    return Contended(small_timing, big_s, first, big_now.request_counts.completed)
+    return Contended(
+        small_timing, big_s, first, big_now.request_counts.completed, big_first_s
+    )
 
 
 def tenant_key(database_url: str, tenant: str) -> str:

@@ -25,8 +25,7 @@ MAX_TOKENS = 8
 FACTOR, SLACK_S = 4.0, 10.0
 # One shard (the stack's shard_max_requests is 16) of long requests: with 4 sequence slots it
 # runs in 4 waves, and a small job that waited for the whole shard would finish after it.
-SHARD, SHARD_TOKENS = 16, 160
-WAVES = SHARD // 4
+SHARD, SHARD_TOKENS = 16, 128
 AGING_S = 0.5
 
 
@@ -111,9 +110,10 @@ def test_high_priority_overtakes_a_normal_bulk_job_of_the_same_tenant(clients, b
     assert r.small.s <= FACTOR * small_alone + SLACK_S, (r, small_alone)
 
 
-def _behind_one_shard(clients, bench, small_client: str, **small_extra):
-    """Tenant A's single-shard bulk job, then a small job once the bulk has finished
-    requests; the bulk job runs to its end so its time per wave is known."""
+def _behind_one_shard(clients, bench, small_client: str, probe=None, **small_extra):
+    """Tenant A's single-shard bulk job, then a small job once the bulk has finished its
+    first requests (a wave: the time the small job may wait for a free slot); the bulk job
+    is cancelled once the small one is done."""
     r = bench.contended(
         clients["tenant-a"],
         clients[small_client],
@@ -121,32 +121,43 @@ def _behind_one_shard(clients, bench, small_client: str, **small_extra):
         small=SMALL,
         max_tokens=SHARD_TOKENS,
         small_max_tokens=MAX_TOKENS,
-        timeout=180,
+        timeout=600,
         small_extra=small_extra or None,
+        finish_big=False,
+        probe=probe,
     )
-    wave_s = r.big_s / WAVES
-    print(f"small job {r.small.s:.2f}s; bulk {r.big_s:.2f}s ({wave_s:.2f}s per wave), "
-          f"{r.big_done_at_small_end}/{SHARD} done when the small job completed")  # fmt: skip
+    print(f"small job {r.small.s:.2f}s (alone {SMALL}x{MAX_TOKENS}: see small_alone); first "
+          f"bulk wave {r.big_first_s:.2f}s; {r.big_done_at_small_end}/{SHARD} bulk requests "
+          f"done when the small job completed")  # fmt: skip
     # Not behind the shard's queue: at least one wave of the bulk job was still to run.
     assert r.small_done_first, r
     assert r.big_done_at_small_end <= SHARD - 4, r
-    return r, wave_s
+    return r
 
 
 def test_small_job_overtakes_another_tenants_single_shard_bulk_job(clients, bench, small_alone):
-    r, wave_s = _behind_one_shard(clients, bench, "tenant-b")
-    # Alone, plus the running bulk requests it waits for (nothing is preempted for it).
-    assert r.small.s <= 2 * small_alone + wave_s + SLACK_S, (r, small_alone)
+    r = _behind_one_shard(clients, bench, "tenant-b")
+    # It waits for the running bulk requests (nothing is preempted for it), then its turn.
+    assert r.small.s <= small_alone + 2 * r.big_first_s + SLACK_S, (r, small_alone)
 
 
-def test_high_priority_overtakes_its_own_tenants_single_shard_bulk(clients, bench, small_alone):
-    r, wave_s = _behind_one_shard(clients, bench, "tenant-a", priority="high")
-    # The reserved slot: it starts at once rather than after the running wave.
-    assert r.small.s <= 2 * small_alone + SLACK_S, (r, small_alone)
+def test_high_priority_overtakes_its_own_tenants_single_shard_bulk(stack, clients, bench):
+    """The reserved room: a bulk sequence is preempted so the high job starts at once."""
+    from _bench_stack import EngineStatsProbe
+
+    probe = EngineStatsProbe(stack.env["BATCHD_BROKER_URL"], worker="model@e2e")
+    try:
+        before = bench.engine_counters(probe)
+        _behind_one_shard(clients, bench, "tenant-a", probe=probe, priority="high")
+        after = bench.engine_counters(probe)
+    finally:
+        probe.close()
+    assert before is not None and after is not None, "the model worker's engine_stats"
+    assert after["num_preemptions"] > before["num_preemptions"], (before, after)
 
 
 def test_low_priority_job_completes_while_normal_work_keeps_arriving(clients, bench, small_alone):
     """Normal requests keep arriving from the bulk job's shard the whole time; without the
     aging bound the low job would wait for the last of them."""
-    r, wave_s = _behind_one_shard(clients, bench, "tenant-b", priority="low")
-    assert r.small.s <= 2 * small_alone + AGING_S + wave_s + SLACK_S, (r, small_alone)
+    r = _behind_one_shard(clients, bench, "tenant-b", priority="low")
+    assert r.small.s <= small_alone + AGING_S + 2 * r.big_first_s + SLACK_S, (r, small_alone)
