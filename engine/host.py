@@ -9,11 +9,11 @@ the loop applies them between two engine steps.
 Who runs next is decided here, not in the engine's waiting queue. Pending requests wait in a
 :class:`FairQueue`: one queue per batch (``group``), grouped by ``tenant`` and priority tier,
 served by deficit round-robin on tokens (prompt + ``max_tokens``): tiers strictly (lower
-``priority`` first, with an aging bound that promotes a starved tier), tenants fairly within a
-tier, a tenant's batches fairly within its share, longest work first within a batch. The loop
-refills the engine's free slots between two steps and hands it no backlog by default
-(``engine_backlog=0``): anything parked in the engine's own queue would be ordered by priority
-and length across batches, and a newly arriving batch would queue behind it.
+``priority`` first; an aging bound lifts a starved ``low`` batch to ``normal``), tenants
+fairly in a tier, a tenant's batches fairly in its share, longest work first in a batch. The
+loop refills the engine's free slots between two steps and hands it no backlog by default
+(``engine_backlog=0``): anything parked in the engine's own queue would be ordered by
+priority and length across batches, and a newly arriving batch would queue behind it.
 
 Memory stays bounded: a batch may hold at most ``group_window`` pending requests (default
 ``max_num_seqs``, enough to refill every slot of the engine at once, so a batch alone keeps it
