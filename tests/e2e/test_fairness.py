@@ -125,10 +125,12 @@ def _behind_one_shard(clients, bench, probe, small_client: str, **small_extra):
     first requests; the bulk job is cancelled once the small one is done.
 
     Bounds are in engine steps: on a loaded machine seconds per step vary from one minute to
-    the next, steps do not. A bulk request runs ``SHARD_TOKENS + 1`` steps, so a small job
-    that waits for the running bulk requests (nothing is preempted for normal work) and then
-    runs its own takes well under two of those; behind the whole shard it would take three
-    or four."""
+    the next, steps do not. A bulk request runs ``SHARD_TOKENS + 1`` steps (a wave: four run
+    at once), and when the small job is created at least 12 bulk requests, three waves, are
+    left: behind the shard's queue it would take three waves or more. Fairly admitted it
+    waits for the running wave (nothing is preempted for normal work), then runs its own
+    short requests; its start-up (validation, release, the shard thread reading its file)
+    also counts in steps, since the engine keeps stepping meanwhile."""
     r = bench.contended(
         clients["tenant-a"],
         clients[small_client],
@@ -152,7 +154,7 @@ def _behind_one_shard(clients, bench, probe, small_client: str, **small_extra):
 
 def test_small_job_overtakes_another_tenants_single_shard_bulk_job(clients, bench, probe):
     r = _behind_one_shard(clients, bench, probe, "tenant-b")
-    assert r.small.steps <= 2 * (SHARD_TOKENS + 1), r
+    assert r.small.steps < 3 * (SHARD_TOKENS + 1), r
 
 
 def test_high_priority_overtakes_its_own_tenants_single_shard_bulk(clients, bench, probe):
@@ -162,11 +164,11 @@ def test_high_priority_overtakes_its_own_tenants_single_shard_bulk(clients, benc
     r = _behind_one_shard(clients, bench, probe, "tenant-a", priority="high")
     after = bench.engine_counters(probe)
     assert after["num_preemptions"] > before["num_preemptions"], (before, after)
-    assert r.small.steps <= SHARD_TOKENS + 1, r
+    assert r.small.steps < 2 * (SHARD_TOKENS + 1), r
 
 
 def test_low_priority_job_completes_while_normal_work_keeps_arriving(clients, bench, probe):
     """Normal requests keep arriving from the bulk job's shard the whole time; without the
     aging bound the low job would wait for the last of them."""
     r = _behind_one_shard(clients, bench, probe, "tenant-b", priority="low")
-    assert r.small.steps <= 2 * (SHARD_TOKENS + 1), r
+    assert r.small.steps < 3 * (SHARD_TOKENS + 1), r
