@@ -111,9 +111,14 @@ class Timing:
 
 
 def engine_counters(probe: Probe | None) -> dict[str, Any] | None:
-    """The model's engine stats from the model worker (``engine_stats``), or None."""
-    answer = probe() if probe is not None else None
-    return (answer or {}).get("models", {}).get(MODEL) if answer else None
+    """The model's engine stats from the model worker (``engine_stats``), or None. A busy
+    worker may miss a one-second reply window: ask a few times."""
+    for _ in range(5 if probe is not None else 0):
+        answer = probe()
+        stats = (answer or {}).get("models", {}).get(MODEL)
+        if stats and "num_steps" in stats:
+            return stats
+    return None
 
 
 def _timing(seconds: float, before: dict | None, after: dict | None) -> Timing:
