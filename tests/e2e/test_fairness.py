@@ -26,7 +26,7 @@ FACTOR, SLACK_S = 4.0, 10.0
 # One shard (the stack's shard_max_requests is 16) of long requests: with 4 sequence slots it
 # runs in 4 waves, and a small job that waited for the whole shard would finish after it.
 SHARD, SHARD_TOKENS = 16, 128
-AGING_S = 0.5
+AGING_S = 0.2
 
 
 @pytest.fixture(scope="module", autouse=True)
