@@ -111,6 +111,13 @@ class Settings(BaseSettings):
     # can learn, from cached_tokens or timing, what another's prompts begin with). On: one
     # cache for all, for single-tenant deployments.
     share_prefix_cache_across_tenants: bool = False
+
+    # Fair admission inside the engine host (see engine.host): the share of the engine's
+    # max_num_seqs and token budget kept for "high" priority batches (lent to other work while
+    # no high work waits), and how long a "low" batch may wait for an admission before it
+    # shares the "normal" tier.
+    high_priority_reserved_share: float = Field(default=0.125, ge=0.0, lt=1.0)
+    low_priority_aging_s: float = Field(default=60.0, gt=0.0)
     visibility_timeout_s: int = 6 * 3600
     expiry_sweep_interval_s: float = 60.0
 

@@ -6,10 +6,26 @@ engine itself is single-threaded: only the host's loop thread ever touches it. P
 submissions, aborts and stats requests travel to the loop through a lock-protected queue, and
 the loop applies them between two engine steps.
 
-Memory stays bounded at both ends: the host's own queue holds at most ``max_pending``
-requests (``submit`` blocks, optionally with a timeout, while it is full), and the loop hands
-the engine only as many requests as it can run plus a backlog (``engine_backlog``, default
-``max_num_seqs``) so the scheduler always has candidates to fill a freed slot.
+Who runs next is decided here, not in the engine's waiting queue. Pending requests wait in a
+:class:`FairQueue`: one queue per batch (``group``), grouped by ``tenant`` and priority tier,
+served by deficit round-robin on tokens (prompt + ``max_tokens``): tiers strictly (lower
+``priority`` first; an aging bound lifts a starved ``low`` batch to ``normal``), tenants
+fairly in a tier, a tenant's batches fairly in its share, longest work first in a batch. The
+loop refills the engine's free slots between two steps and hands it no backlog by default
+(``engine_backlog=0``): anything parked in the engine's own queue would be ordered by
+priority and length across batches, and a newly arriving batch would queue behind it.
+
+Memory stays bounded: a batch may hold at most ``group_window`` pending requests (default
+``max_num_seqs``, enough to refill every slot of the engine at once, so a batch alone keeps it
+full) and at most its even share of ``max_pending``; ``submit`` blocks, optionally with a
+timeout, while its batch is at that bound. A batch with nothing pending is always let in, so
+a newcomer never waits for a bulk batch's queue to drain. Requests without a group share the
+whole ``max_pending`` bound.
+
+``reserved_share`` keeps a share of ``max_num_seqs`` and of the step's token budget for urgent
+work (``priority < 0``, the ``high`` tier): the host lets urgent requests past its in-flight
+cap by that many, and the engine's scheduler makes room for them (see
+``Scheduler.reserve_for_urgent``).
 
 Aborted requests (``abort``, ``abort_group``, ``shutdown(abort_pending=True)``) never leave a
 future cancelled: every future resolves with a :class:`RequestOutput` whose completions carry
@@ -26,7 +42,10 @@ engine so their KV blocks return, logs the traceback, and the host keeps serving
 from __future__ import annotations
 
 import collections
+import heapq
+import itertools
 import logging
+import math
 import threading
 import time
 import uuid
@@ -99,8 +118,219 @@ class _Entry:
     arrival_time: float
     priority: int = 0
     cache_salt: str | None = None
+    tenant: str | None = None
+    cost: int = 0  # tokens: prompt + expected output (max_tokens for each of n completions)
     state: str = _PENDING
     abort_requested: bool = False
+
+    @property
+    def flow(self) -> tuple[str | None, str | None, int]:
+        """The fair queue this entry waits in: its tenant's batch at its priority."""
+        return self.tenant, self.group, self.priority
+
+
+class _BatchQueue:
+    """One batch's pending entries (a DRR flow inside its tenant), longest work first; arrival
+    order for requests without a batch."""
+
+    __slots__ = ("key", "tier", "heap", "deficit", "in_turn", "waiting_since", "max_cost")
+
+    def __init__(self, key: tuple[str | None, str | None, int], tier: int, now: float) -> None:
+        self.key = key
+        self.tier = tier
+        self.heap: list[tuple[int, int, _Entry]] = []
+        self.deficit = 0
+        self.in_turn = False
+        self.waiting_since = now  # last admission, or when it started waiting
+        self.max_cost = 0  # the largest request it has held since it started waiting
+
+
+class _TenantQueue:
+    """A tenant's batches within one tier (a DRR flow inside the tier)."""
+
+    __slots__ = ("batches", "rotation", "deficit", "in_turn")
+
+    def __init__(self) -> None:
+        self.batches: dict[tuple[str | None, str | None, int], _BatchQueue] = {}
+        self.rotation: collections.deque[tuple[str | None, str | None, int]] = collections.deque()
+        self.deficit = 0
+        self.in_turn = False
+
+
+class _Tier:
+    __slots__ = ("tenants", "rotation")
+
+    def __init__(self) -> None:
+        self.tenants: dict[str | None, _TenantQueue] = {}
+        self.rotation: collections.deque[str | None] = collections.deque()
+
+
+class FairQueue:
+    """Pending requests, released by deficit round-robin on tokens. Not thread-safe: the host
+    calls it under its lock.
+
+    :meth:`pop` serves the most urgent tier (lowest ``priority``) that has work, strictly. In
+    a tier, tenants take turns; each turn adds a quantum of tokens to the tenant's deficit,
+    and the tenant is served while the cost of its next request fits in it. A tenant's turn is
+    spent the same way across its batches, and a batch's own order is longest work first, as
+    the engine's batch admission does (with few requests in the engine at a time, that order
+    has to be applied here). The quantum is the largest request cost pending, the smallest
+    that lets every turn serve at least one request (DRR's O(1) condition), so turns stay
+    short: a batch that arrives joins the rotation at the back and is served after at most one
+    turn of every other flow, never behind everything already queued. A flow that empties
+    leaves the rotation and loses its deficit (no credit is saved up while idle).
+
+    Aging: a batch of a tier above 0 (``low``) that has waited ``aging_s`` seconds without an
+    admission moves one tier up, at most to 0 (``normal``), and stays there while it has work
+    in the host, sharing that tier fairly. Urgent tiers (below 0) are never reached by aging:
+    the room reserved for them is not to be taken by promoted bulk.
+    """
+
+    def __init__(
+        self, aging_s: float | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.aging_s = aging_s
+        self._clock = clock
+        self._tiers: dict[int, _Tier] = {}
+        self._batches: dict[tuple[str | None, str | None, int], _BatchQueue] = {}
+        self._promoted: dict[tuple[str | None, str | None, int], int] = {}
+        self._per_group: collections.Counter[str] = collections.Counter()
+        self._order = itertools.count()
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def group_len(self, group: str) -> int:
+        return self._per_group.get(group, 0)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self._per_group)
+
+    def push(self, entry: _Entry) -> None:
+        bq = self._batches.get(entry.flow)
+        if bq is None:
+            tier = self._promoted.get(entry.flow, entry.priority)
+            bq = self._batches[entry.flow] = _BatchQueue(entry.flow, tier, self._clock())
+            self._activate(bq)
+        bq.max_cost = max(bq.max_cost, entry.cost)
+        longest_first = -entry.cost if entry.group is not None else 0
+        heapq.heappush(bq.heap, (longest_first, next(self._order), entry))
+        self._count(entry, +1)
+
+    def pop(self, max_priority: int | None = None) -> _Entry | None:
+        """The next entry to admit, or None; with ``max_priority``, only from tiers at or
+        below it (the in-flight room reserved for urgent work)."""
+        if self.aging_s is not None:
+            self._age()
+        for priority in sorted(self._tiers):
+            if max_priority is not None and priority > max_priority:
+                break
+            return self._pop_tier(self._tiers[priority])
+        return None
+
+    def remove(self, entries: Iterable[_Entry]) -> None:
+        by_flow: dict[tuple[str | None, str | None, int], set[int]] = {}
+        for e in entries:
+            by_flow.setdefault(e.flow, set()).add(id(e))
+        for flow, gone in by_flow.items():
+            bq = self._batches.get(flow)
+            if bq is None:
+                continue
+            kept = [item for item in bq.heap if id(item[2]) not in gone]
+            for item in bq.heap:
+                if id(item[2]) in gone:
+                    self._count(item[2], -1)
+            bq.heap = kept
+            heapq.heapify(kept)
+            if not kept:
+                self._deactivate(bq)
+
+    def forget_group(self, group: str) -> None:
+        """``group`` has nothing pending or in flight any more: drop its promotions."""
+        for flow in [f for f in self._promoted if f[1] == group]:
+            del self._promoted[flow]
+
+    def clear(self) -> list[_Entry]:
+        entries = [item[2] for bq in self._batches.values() for item in bq.heap]
+        self.__init__(self.aging_s, self._clock)  # type: ignore[misc]
+        return entries
+
+    # -- internals
+
+    def _count(self, entry: _Entry, delta: int) -> None:
+        self._len += delta
+        if entry.group is not None:
+            self._per_group[entry.group] += delta
+            if self._per_group[entry.group] <= 0:
+                del self._per_group[entry.group]
+
+    def _activate(self, bq: _BatchQueue) -> None:
+        tier = self._tiers.setdefault(bq.tier, _Tier())
+        tenant_name = bq.key[0]
+        tenant = tier.tenants.get(tenant_name)
+        if tenant is None:
+            tenant = tier.tenants[tenant_name] = _TenantQueue()
+            tier.rotation.append(tenant_name)
+        tenant.batches[bq.key] = bq
+        tenant.rotation.append(bq.key)
+
+    def _deactivate(self, bq: _BatchQueue, keep: bool = False) -> None:
+        tier = self._tiers[bq.tier]
+        tenant_name = bq.key[0]
+        tenant = tier.tenants[tenant_name]
+        del tenant.batches[bq.key]
+        tenant.rotation.remove(bq.key)
+        if not tenant.batches:
+            del tier.tenants[tenant_name]
+            tier.rotation.remove(tenant_name)
+        if not tier.tenants:
+            del self._tiers[bq.tier]
+        if not keep:
+            del self._batches[bq.key]
+
+    def _age(self) -> None:
+        deadline = self._clock() - self.aging_s  # type: ignore[operator]
+        for bq in list(self._batches.values()):
+            if bq.tier > 0 and bq.waiting_since < deadline:
+                self._deactivate(bq, keep=True)
+                bq.tier -= 1
+                bq.deficit, bq.in_turn = 0, False
+                bq.waiting_since = self._clock()
+                if bq.key[1] is not None:
+                    self._promoted[bq.key] = bq.tier
+                self._activate(bq)
+
+    def _quantum(self) -> int:
+        return max(bq.max_cost for bq in self._batches.values())
+
+    def _pop_tier(self, tier: _Tier) -> _Entry:
+        while True:
+            tenant = tier.tenants[tier.rotation[0]]
+            if not tenant.in_turn:
+                tenant.in_turn, tenant.deficit = True, tenant.deficit + self._quantum()
+            bq = tenant.batches[tenant.rotation[0]]
+            cost = bq.heap[0][2].cost
+            if tenant.deficit < cost:  # the tenant's turn is spent
+                tenant.in_turn = False
+                tier.rotation.rotate(-1)
+                continue
+            if not bq.in_turn:
+                bq.in_turn, bq.deficit = True, bq.deficit + self._quantum()
+            if bq.deficit < cost:  # this batch's part of the turn is spent
+                bq.in_turn = False
+                tenant.rotation.rotate(-1)
+                continue
+            entry = heapq.heappop(bq.heap)[2]
+            self._count(entry, -1)
+            tenant.deficit -= cost
+            bq.deficit -= cost
+            bq.waiting_since = self._clock()
+            entry.priority = min(entry.priority, bq.tier)  # what the engine is told
+            if not bq.heap:
+                self._deactivate(bq)
+            return entry
 
 
 @dataclass(slots=True)
@@ -133,25 +363,44 @@ class EngineHost:
         *,
         max_pending: int | None = None,
         engine_backlog: int | None = None,
+        group_window: int | None = None,
+        reserved_share: float = 0.0,
+        aging_s: float | None = None,
         name: str = "engine-host",
     ) -> None:
-        max_num_seqs = int(engine.config.max_num_seqs)
+        config = engine.config
+        max_num_seqs = int(config.max_num_seqs)
         if max_pending is None:
             max_pending = 2 * max_num_seqs
         if engine_backlog is None:
-            engine_backlog = max_num_seqs
+            engine_backlog = 0
+        if group_window is None:
+            group_window = max_num_seqs
         if max_pending < 1:
             raise ValueError(f"max_pending must be at least 1, got {max_pending}")
         if engine_backlog < 0:
             raise ValueError(f"engine_backlog must be at least 0, got {engine_backlog}")
+        if group_window < 1:
+            raise ValueError(f"group_window must be at least 1, got {group_window}")
+        if not 0.0 <= reserved_share < 1.0:
+            raise ValueError(f"reserved_share must be in [0, 1), got {reserved_share}")
+        if aging_s is not None and aging_s <= 0:
+            raise ValueError(f"aging_s must be positive (or None for no aging), got {aging_s}")
         self._engine = engine
         self._max_num_seqs = max_num_seqs
         self.max_pending = max_pending
+        self.group_window = group_window
         self.max_in_flight = max_num_seqs + engine_backlog
+        # Urgent work may exceed the in-flight cap by the reserved number of sequences.
+        self.reserved_seqs = math.ceil(reserved_share * max_num_seqs)
+        reserved_tokens = math.ceil(reserved_share * int(config.max_num_batched_tokens))
+        reserve = getattr(getattr(engine, "scheduler", None), "reserve_for_urgent", None)
+        if reserve is not None:
+            reserve(self.reserved_seqs, reserved_tokens)
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # the loop waits here when idle
         self._space = threading.Condition(self._lock)  # producers wait here while full
-        self._pending: collections.deque[_Entry] = collections.deque()
+        self._pending = FairQueue(aging_s)
         self._live: dict[str, _Entry] = {}  # pending and in flight, by request id
         self._groups: dict[str, set[str]] = {}
         self._to_abort: list[_Entry] = []  # in-flight entries the loop must abort in the engine
@@ -171,9 +420,19 @@ class EngineHost:
         *,
         max_pending: int | None = None,
         engine_backlog: int | None = None,
+        group_window: int | None = None,
+        reserved_share: float = 0.0,
+        aging_s: float | None = None,
         **config: Any,
     ) -> EngineHost:
-        return cls(Engine(model_dir, **config), max_pending=max_pending, engine_backlog=engine_backlog)
+        return cls(
+            Engine(model_dir, **config),
+            max_pending=max_pending,
+            engine_backlog=engine_backlog,
+            group_window=group_window,
+            reserved_share=reserved_share,
+            aging_s=aging_s,
+        )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -238,12 +497,14 @@ class EngineHost:
         timeout: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        tenant: str | None = None,
     ) -> Future:
-        """Queue one request; block while the host's queue is full.
+        """Queue one request; block while its batch (``group``) holds its share of the host's
+        queue (see the module docstring).
 
-        ``priority`` orders both the host's queue and the engine's admission: lower first
-        (vLLM's convention), arrival order within a priority. ``cache_salt`` scopes the
-        prefix cache (see ``Engine.add_request``).
+        ``priority`` is the request's tier: lower first (vLLM's convention), strictly, but for
+        aging. ``tenant`` and ``group`` (the batch) make the flows that share a tier fairly.
+        ``cache_salt`` scopes the prefix cache (see ``Engine.add_request``).
 
         Returns a future that resolves with the request's :class:`RequestOutput` (also for an
         abort), or raises ``RequestError`` (the engine refused it) or :class:`EngineStepError`.
@@ -251,15 +512,19 @@ class EngineHost:
         the loop thread): keep it short. ``timeout`` bounds the wait for queue space and
         raises :class:`HostQueueFull`.
         """
+        params = params if params is not None else SamplingParams()
+        prompt = list(prompt_token_ids)
         entry = _Entry(
             request_id=request_id if request_id is not None else uuid.uuid4().hex,
-            prompt_token_ids=list(prompt_token_ids),
-            params=params if params is not None else SamplingParams(),
+            prompt_token_ids=prompt,
+            params=params,
             group=group,
             future=Future(),
             arrival_time=time.time(),
             priority=int(priority),
             cache_salt=cache_salt,
+            tenant=tenant,
+            cost=_expected_tokens(prompt, params),
         )
         if callback is not None:
             entry.future.add_done_callback(callback)
@@ -267,15 +532,18 @@ class EngineHost:
         with self._lock:
             while True:
                 self._check_open()
-                if len(self._pending) < self.max_pending:
+                held, limit = self._bound(group)
+                if held < limit:
                     break
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if threading.current_thread() is self._thread:
                     remaining = 0.0  # a callback on the loop thread must not wait for itself
                 if remaining is not None and remaining <= 0:
+                    whose = "" if group is None else f" of group {group!r}"
                     raise HostQueueFull(
-                        f"engine host queue is full ({self.max_pending} pending requests) "
-                        f"after waiting {timeout or 0:g}s"
+                        f"engine host queue is full: {held} pending requests{whose} (limit "
+                        f"{limit}; max_pending={self.max_pending}, group_window="
+                        f"{self.group_window}) after waiting {timeout or 0:g}s"
                     )
                 self._space.wait(remaining)
             if entry.request_id in self._live:
@@ -283,21 +551,24 @@ class EngineHost:
             self._live[entry.request_id] = entry
             if group is not None:
                 self._groups.setdefault(group, set()).add(entry.request_id)
-            self._enqueue(entry)
+            self._pending.push(entry)
             self._counters.submitted += 1
             self._work.notify()
         return entry.future
 
-    def _enqueue(self, entry: _Entry) -> None:
-        """Append, or insert before the first less urgent entry (the queue is short)."""
+    def _bound(self, group: str | None) -> tuple[int, int]:
+        """(pending requests, the most it may hold) for ``group``; the caller holds the lock.
+        A batch may hold ``group_window`` pending requests and at most an even share of
+        ``max_pending`` among the batches that have some; one with none pending always gets
+        in. Requests without a group share ``max_pending``."""
         pending = self._pending
-        if not pending or pending[-1].priority <= entry.priority:
-            pending.append(entry)
-            return
-        for i, other in enumerate(pending):
-            if other.priority > entry.priority:
-                pending.insert(i, entry)
-                return
+        if group is None:
+            return len(pending), self.max_pending
+        held = pending.group_len(group)
+        if held == 0:
+            return 0, 1
+        share = self.max_pending // pending.num_groups
+        return held, max(1, min(self.group_window, share))
 
     def submit_many(
         self,
@@ -306,8 +577,13 @@ class EngineHost:
         *,
         group: str | None = None,
         timeout: float | None = None,
+        priority: int = 0,
+        tenant: str | None = None,
     ) -> list[Future]:
-        return [self.submit(p, params, group=group, timeout=timeout) for p in prompts]
+        return [
+            self.submit(p, params, group=group, timeout=timeout, priority=priority, tenant=tenant)
+            for p in prompts
+        ]
 
     def abort(self, request_id: str) -> bool:
         """Abort one pending or in-flight request; False if it is unknown or already done."""
@@ -357,8 +633,7 @@ class EngineHost:
             pending = [e for e in entries if e.state == _PENDING]
             in_flight = [e for e in entries if e.state == _IN_FLIGHT]
             if pending:
-                gone = set(map(id, pending))
-                self._pending = collections.deque(e for e in self._pending if id(e) not in gone)
+                self._pending.remove(pending)
                 for e in pending:
                     self._forget(e)
                 self._counters.aborted += len(pending)
@@ -381,6 +656,7 @@ class EngineHost:
                 members.discard(entry.request_id)
                 if not members:
                     del self._groups[entry.group]
+                    self._pending.forget_group(entry.group)
 
     def _snapshot(self) -> HostStats:
         engine_stats = self._engine.stats()
@@ -425,8 +701,11 @@ class EngineHost:
                     admitted: list[_Entry] = []
                     if self._drain:
                         room = self.max_in_flight - len(in_flight)
-                        while room > 0 and self._pending:
-                            entry = self._pending.popleft()
+                        while room + self.reserved_seqs > 0 and self._pending:
+                            # Past the cap, only urgent work enters (the reserved room).
+                            entry = self._pending.pop(None if room > 0 else -1)
+                            if entry is None:
+                                break
                             if not entry.future.set_running_or_notify_cancel():
                                 self._forget(entry)  # the caller cancelled it while pending
                                 continue
@@ -556,6 +835,12 @@ class EngineHost:
             self._counters.completed += len(finished) - aborted
         for entry, output in finished:
             _resolve(entry.future, output)
+
+
+def _expected_tokens(prompt: list[int], params: SamplingParams) -> int:
+    """A request's cost for fair sharing: its prompt plus the output it may generate."""
+    n = max(1, int(getattr(params, "n", 1) or 1))
+    return len(prompt) + n * int(getattr(params, "max_tokens", 0) or 0)
 
 
 def _abort_output(entry: _Entry) -> RequestOutput:

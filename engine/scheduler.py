@@ -67,6 +67,16 @@ class WaitingQueue:
         self.size -= 1
         seq.epoch += 1
 
+    def num_urgent(self) -> int:
+        """Waiting sequences with a negative (urgent) priority."""
+        if self.policy == "fcfs":
+            queues = [q for priority, q in self.fifo.items() if priority < 0]
+            items = [(seq, epoch) for q in queues for seq, epoch in q]
+        else:
+            items = [(item[3], item[4]) for item in self.heap if item[0] < 0]
+        items += [(seq, epoch) for seq, epoch in self.preempted if seq.priority < 0]
+        return sum(1 for seq, epoch in items if _valid(seq, epoch))
+
     def candidates(self, hot_buckets: dict[object, int]) -> Iterator[tuple[Sequence, bool]]:
         """Waiting sequences in admission order, as (sequence, was_preempted)."""
         yield from _deque_iter(self.preempted, True)
@@ -133,6 +143,9 @@ class Scheduler:
         self.hot_buckets: dict[object, int] = {}  # bucket -> number of running members
         self.num_preemptions = 0
         self.num_chunked_prefills = 0
+        self.urgent_seqs = 0  # see reserve_for_urgent
+        self.urgent_tokens = 0
+        self.urgent_waiting = False
         self.total_prompt_tokens = 0
         self.total_cached_tokens = 0
 
@@ -158,11 +171,15 @@ class Scheduler:
         running = self.running
         scheduled: list[tuple[Sequence, int]] = []
         preempted = False
+        held = self._make_room_for_urgent()
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
             remaining = len(seq) - seq.num_computed_tokens
-            n = min(remaining, budget)
+            n = min(remaining, budget if seq.priority < 0 else budget - held)
+            if n <= 0:  # the rest of the budget is held for waiting urgent work
+                i += 1
+                continue
             while not bm.grow(seq, seq.num_computed_tokens + n):
                 victim = running[-1]
                 self.preempt(victim)
@@ -193,6 +210,8 @@ class Scheduler:
             for seq, was_preempted in candidates:
                 if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                     break
+                if self.urgent_waiting and seq.priority >= 0:
+                    continue  # urgent work first, preempted bulk included
                 cached = bm.match_prefix(seq)
                 nxt = len(cached)
                 if (
@@ -235,6 +254,47 @@ class Scheduler:
         self.total_prompt_tokens += len(request.prompt_token_ids)
         self.total_cached_tokens += num_cached
         request.metrics.num_cached_tokens = num_cached
+
+    def reserve_for_urgent(self, seqs: int, tokens: int) -> None:
+        """Keep up to ``seqs`` sequence slots and ``tokens`` of each step's budget for urgent
+        work (``priority < 0``, the service's ``high`` tier).
+
+        The reservation is lent, not fenced off: while no urgent sequence waits, other work
+        may fill every slot, so a bulk job alone keeps the engine as full as without one.
+        When urgent sequences wait, this step (1) preempts the newest non-urgent running
+        sequences (least computed; their full blocks stay in the prefix cache, so the
+        recompute is mostly cache hits) until the urgent ones have free slots, up to the
+        reservation; (2) holds ``tokens`` back from non-urgent running sequences; (3) admits
+        no non-urgent sequence before the urgent ones. Urgent work beyond the reservation does
+        not preempt anything: it waits for slots that finishing sequences free, ahead of all
+        other waiting work. Preempting past the reservation would buy a few steps of latency
+        with recompute, and the reservation exists to bound exactly that trade.
+        """
+        if seqs < 0 or tokens < 0:
+            raise ValueError(f"reserved seqs and tokens must be >= 0, got {seqs}, {tokens}")
+        self.urgent_seqs = min(seqs, self.config.max_num_seqs)
+        self.urgent_tokens = min(tokens, self.config.max_num_batched_tokens - 1)
+
+    def _make_room_for_urgent(self) -> int:
+        """Apply the reservation for this step (see :meth:`reserve_for_urgent`); the tokens
+        to hold back from non-urgent running sequences."""
+        self.urgent_waiting = False
+        if not self.urgent_seqs:
+            return 0
+        waiting = self.waiting.num_urgent()
+        if not waiting:
+            return 0
+        self.urgent_waiting = True
+        urgent_running = sum(1 for seq in self.running if seq.priority < 0)
+        want = min(waiting, self.urgent_seqs - urgent_running)
+        free = self.config.max_num_seqs - len(self.running)
+        for victim in reversed(list(self.running)):
+            if free >= want:
+                break
+            if victim.priority >= 0:
+                self.preempt(victim)
+                free += 1
+        return self.urgent_tokens
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

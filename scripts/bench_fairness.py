@@ -3,18 +3,28 @@
 Starts the API, a control worker, a model worker (the tiny demo model) and beat on a fresh
 Postgres database and Redis, then measures, side by side in one run:
 
-1. a small job (tenant B, ``--small`` requests) alone (the median of three runs);
-2. the same small job submitted just after a big job of tenant A (``--big`` requests, many
-   shards) has started: its completion time, the big job's, and the ratio to (1);
-3. a ``high`` priority small job of tenant A submitted just after a ``normal`` bulk job of the
-   same tenant: its completion time and the ratio to (1).
+1. a small job (tenant B, ``--small`` requests of ``--small-max-tokens``) alone (the median
+   of three runs);
+2. the big job (tenant A, ``--big`` requests of ``--max-tokens``) alone: its throughput and
+   the engine's mean occupancy (running sequences / max_num_seqs) while it ran;
+3. the small job submitted ``--delay`` seconds after the big job: its completion time and
+   the ratio to (1), the big job's throughput and the ratio to (2);
+4. the same with the small job ``high`` priority and of tenant A (same-tenant bulk).
 
-    .venv/bin/python scripts/bench_fairness.py            # 600-request big job, 20-request small
-    .venv/bin/python scripts/bench_fairness.py --big 200  # quicker
+The default is the fair-admission scenario: a 1,200-request job in one shard, then another
+tenant's 16-request job 10 s later. Targets: (3) small job <= 2x alone, big job throughput
+within 5% of alone; (4) <= 1.5x alone; occupancy as alone. Engine steps (from the model
+worker's ``engine_stats``) are printed next to seconds: on a CPU a step with more sequences
+takes longer, so seconds mix scheduling delay with step cost; steps do not.
+
+    .venv/bin/python scripts/bench_fairness.py                      # the scenario above
+    .venv/bin/python scripts/bench_fairness.py --big 300 --delay 3  # quicker
+    .venv/bin/python scripts/bench_fairness.py --shard-requests 16 --big 600 --max-tokens 8 \
+        --small 20 --small-max-tokens 8 --max-num-seqs 16 --delay 0  # many shards
 
 Needs Postgres (``--pg-admin-url``, trust auth) and Redis (``--redis-url``) as the tests do.
-The helpers below (``chat_lines``, ``submit``, ``wait``, ``contended``) are shared with
-``tests/e2e/test_fairness.py``.
+The helpers below (``chat_lines``, ``submit``, ``wait``, ``alone``, ``contended``) are shared
+with ``tests/e2e/test_fairness.py``.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,20 +99,55 @@ def wait(client: Any, batch_id: str, timeout: float, until=None) -> tuple[Any, f
         time.sleep(0.1)
 
 
-def alone(client: Any, n: int, max_tokens: int, timeout: float, **extra: Any) -> float:
-    """Seconds from create to completed for a job on an idle service."""
+# Engine counters of the model worker, or None (``_bench_stack.EngineStatsProbe`` wrapped).
+Probe = Callable[[], dict[str, Any] | None]
+
+
+@dataclass
+class Timing:
+    s: float  # create -> completed
+    steps: int | None = None  # engine steps meanwhile (with a probe)
+    occupancy: float | None = None  # mean running sequences / max_num_seqs meanwhile
+
+
+def engine_counters(probe: Probe | None) -> dict[str, Any] | None:
+    """The model's engine stats from the model worker (``engine_stats``), or None. A busy
+    worker may miss a one-second reply window: ask a few times."""
+    for _ in range(5 if probe is not None else 0):
+        answer = probe()
+        stats = (answer or {}).get("models", {}).get(MODEL)
+        if stats and "num_steps" in stats:
+            return stats
+    return None
+
+
+def _timing(seconds: float, before: dict | None, after: dict | None) -> Timing:
+    if not before or not after or "num_steps" not in before or "num_steps" not in after:
+        return Timing(seconds)
+    steps = after["num_steps"] - before["num_steps"]
+    seq_steps = after["total_running_seq_steps"] - before["total_running_seq_steps"]
+    occupancy = seq_steps / steps / after["max_num_seqs"] if steps else None
+    return Timing(seconds, steps, occupancy)
+
+
+def alone(
+    client: Any, n: int, max_tokens: int, timeout: float, probe: Probe | None = None, **extra: Any
+) -> Timing:
+    """Create to completed for a job on an idle service."""
+    before = engine_counters(probe)
     batch, started = submit(client, chat_lines("alone", n, max_tokens), **extra)
     done, ended = wait(client, batch.id, timeout)
     assert done.status == "completed", done
-    return ended - started
+    return _timing(ended - started, before, engine_counters(probe))
 
 
 @dataclass
 class Contended:
-    small_s: float  # create -> completed of the small job
+    small: Timing  # create -> completed of the small job
     big_s: float | None  # create -> completed of the big job (None if it was cancelled)
     small_done_first: bool
     big_done_at_small_end: int  # big job's requests done when the small one completed
+    big_first_s: float | None = None  # create -> first completed requests of the big job
 
 
 def contended(
@@ -112,16 +158,28 @@ def contended(
     small: int,
     max_tokens: int,
     timeout: float,
+    small_max_tokens: int | None = None,
+    delay_s: float | None = None,
     small_extra: dict[str, Any] | None = None,
     finish_big: bool = True,
+    probe: Probe | None = None,
 ) -> Contended:
-    """The big job first; once it runs, the small one; measure both."""
+    """The big job first; the small one ``delay_s`` seconds after the big one was created
+    (default: once the big one has completed requests); measure both."""
     big_batch, big_started = submit(big_client, chat_lines("big", big, max_tokens))
-    wait(big_client, big_batch.id, timeout, until=lambda b: b.request_counts.completed > 0)
-    small_batch, small_started = submit(
-        small_client, chat_lines("small", small, max_tokens), **(small_extra or {})
-    )
+    big_first_s = None
+    if delay_s is None:
+        _, first_at = wait(
+            big_client, big_batch.id, timeout, until=lambda b: b.request_counts.completed > 0
+        )
+        big_first_s = first_at - big_started
+    else:
+        time.sleep(max(0.0, big_started + delay_s - time.monotonic()))
+    before = engine_counters(probe)
+    small_lines = chat_lines("small", small, small_max_tokens or max_tokens)
+    small_batch, small_started = submit(small_client, small_lines, **(small_extra or {}))
     small_done, small_ended = wait(small_client, small_batch.id, timeout)
+    small_timing = _timing(small_ended - small_started, before, engine_counters(probe))
     assert small_done.status == "completed", small_done
     big_now = big_client.batches.retrieve(big_batch.id)
     first = big_now.status not in TERMINAL
@@ -133,7 +191,9 @@ def contended(
     else:
         big_client.batches.cancel(big_batch.id)
         wait(big_client, big_batch.id, timeout)
-    return Contended(small_ended - small_started, big_s, first, big_now.request_counts.completed)
+    return Contended(
+        small_timing, big_s, first, big_now.request_counts.completed, big_first_s
+    )
 
 
 def tenant_key(database_url: str, tenant: str) -> str:
@@ -224,13 +284,15 @@ def _stop(procs: dict[str, subprocess.Popen]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--big", type=int, default=600, help="requests in the big job")
-    parser.add_argument("--small", type=int, default=20, help="requests in the small job")
-    parser.add_argument("--max-tokens", type=int, default=8, help="output tokens per request")
-    parser.add_argument("--shard-requests", type=int, default=16, help="requests per shard")
+    parser.add_argument("--big", type=int, default=1200, help="requests in the big job")
+    parser.add_argument("--max-tokens", type=int, default=64, help="output tokens, big job")
+    parser.add_argument("--small", type=int, default=16, help="requests in the small job")
+    parser.add_argument("--small-max-tokens", type=int, default=48, help="output tokens, small")
+    parser.add_argument("--delay", type=float, default=10.0, help="small job's delay, seconds")
+    parser.add_argument("--shard-requests", type=int, default=2000, help="requests per shard")
     parser.add_argument("--concurrency", type=int, default=2, help="shard threads per worker")
     parser.add_argument("--released", type=int, default=2, help="max released shards/model")
-    parser.add_argument("--max-num-seqs", type=int, default=16, help="engine batch size")
+    parser.add_argument("--max-num-seqs", type=int, default=128, help="engine batch size")
     parser.add_argument(
         "--pg-admin-url", default="postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
     )
@@ -239,6 +301,7 @@ def main() -> None:
     sys.path.insert(0, str(REPO))
 
     import redis
+    from _bench_stack import EngineStatsProbe
     from openai import OpenAI
     from sqlalchemy import create_engine, text
 
@@ -256,6 +319,7 @@ def main() -> None:
     for key in broker.keys("batchd.*"):
         broker.delete(key)
     procs: dict[str, subprocess.Popen] = {}
+    probe = EngineStatsProbe(args.redis_url)
     try:
         with tempfile.TemporaryDirectory(prefix="batchd-bench-") as tmp:
             base_url, procs = _start_stack(Path(tmp), database_url, args.redis_url, args)
@@ -263,22 +327,26 @@ def main() -> None:
             b = OpenAI(base_url=base_url, api_key=tenant_key(database_url, "tenant-b"))
             timeout = 3600.0
             alone(b, 4, 2, timeout)  # warm-up (first-request costs)
-            runs = sorted(alone(b, args.small, args.max_tokens, timeout) for _ in range(3))
+            runs = sorted(
+                (alone(b, args.small, args.small_max_tokens, timeout, probe) for _ in range(3)),
+                key=lambda t: t.s,
+            )
             small_alone = runs[1]  # the median of three
-            fair = contended(
-                a, b, big=args.big, small=args.small, max_tokens=args.max_tokens, timeout=timeout
-            )
-            prio = contended(
-                a,
-                a,
-                big=args.big,
-                small=args.small,
-                max_tokens=args.max_tokens,
-                timeout=timeout,
-                small_extra={"priority": "high"},
-            )
+            big_alone = alone(a, args.big, args.max_tokens, timeout, probe)
+            common = {
+                "big": args.big,
+                "small": args.small,
+                "max_tokens": args.max_tokens,
+                "small_max_tokens": args.small_max_tokens,
+                "delay_s": args.delay,
+                "timeout": timeout,
+                "probe": probe,
+            }
+            fair = contended(a, b, **common)
+            prio = contended(a, a, small_extra={"priority": "high"}, **common)
             _stop(procs)
     finally:
+        probe.close()
         _stop(procs)
         with admin.connect() as conn:
             conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
@@ -288,30 +356,54 @@ def main() -> None:
     print(
         f"service: tiny demo model, max_num_seqs={args.max_num_seqs}, {args.concurrency} shard "
         f"threads, max_released_shards_per_model={args.released}, {args.shard_requests} "
-        f"requests/shard, {args.max_tokens} output tokens/request"
+        f"requests/shard"
     )
-    print(f"big job: {args.big} requests ({shards} shards); small job: {args.small} requests")
-    print(f"{'scenario':<44} {'small job s':>11} {'x alone':>8} {'big job s':>10}")
-    print(f"{'small job alone (tenant B)':<44} {small_alone:>11.2f} {1.0:>8.2f} {'-':>10}")
-    for label, r in (
-        ("small job behind tenant A's big job", fair),
-        ("high-priority job behind same tenant's bulk", prio),
-    ):
+    print(
+        f"big job: {args.big} requests x {args.max_tokens} output tokens ({shards} shard(s)); "
+        f"small job: {args.small} x {args.small_max_tokens}, created {args.delay:g}s after it"
+    )
+
+    def steps(t: Timing) -> str:
+        return "-" if t.steps is None else str(t.steps)
+
+    def ratio(t: Timing) -> str:
+        if t.steps is None or not small_alone.steps:
+            return "-"
+        return f"{t.steps / small_alone.steps:.2f}"
+
+    print(f"{'scenario':<44} {'small s':>8} {'x alone':>8} {'steps':>6} {'x alone':>8}")
+    print(f"{'small job alone (tenant B)':<44} {small_alone.s:>8.2f} {1.0:>8.2f} "
+          f"{steps(small_alone):>6} {1.0:>8.2f}")  # fmt: skip
+    for label, r in (("small job behind tenant A's big job", fair),
+                     ("high-priority job behind same tenant's bulk", prio)):  # fmt: skip
         print(
-            f"{label:<44} {r.small_s:>11.2f} {r.small_s / small_alone:>8.2f} {r.big_s:>10.2f}"
-            f"   (small done first: {r.small_done_first}, big had {r.big_done_at_small_end}/"
-            f"{args.big} done then)"
+            f"{label:<44} {r.small.s:>8.2f} {r.small.s / small_alone.s:>8.2f} "
+            f"{steps(r.small):>6} {ratio(r.small):>8}   (done first: {r.small_done_first}, big "
+            f"had {r.big_done_at_small_end}/{args.big} done then)"
         )
+    alone_rps = args.big / big_alone.s
+    print(f"{'big job':<44} {'s':>8} {'req/s':>8} {'x alone':>8}")
+    print(f"{'alone':<44} {big_alone.s:>8.2f} {alone_rps:>8.2f} {1.0:>8.3f}"
+          f"   (mean occupancy {big_alone.occupancy or 0:.3f})")  # fmt: skip
+    for label, r in (("with tenant B's small job", fair), ("with the high-priority job", prio)):
+        rps = args.big / (r.big_s or float("nan"))
+        print(f"{label:<44} {r.big_s or 0:>8.2f} {rps:>8.2f} {rps / alone_rps:>8.3f}")
     print(
         json.dumps(
             {
-                "small_alone_s": round(small_alone, 3),
-                "small_behind_big_s": round(fair.small_s, 3),
-                "fair_ratio": round(fair.small_s / small_alone, 3),
-                "big_s": round(fair.big_s or 0, 3),
-                "high_behind_bulk_s": round(prio.small_s, 3),
-                "priority_ratio": round(prio.small_s / small_alone, 3),
-                "bulk_s": round(prio.big_s or 0, 3),
+                "small_alone_s": round(small_alone.s, 3),
+                "small_alone_steps": small_alone.steps,
+                "small_behind_big_s": round(fair.small.s, 3),
+                "small_behind_big_steps": fair.small.steps,
+                "fair_ratio": round(fair.small.s / small_alone.s, 3),
+                "high_behind_bulk_s": round(prio.small.s, 3),
+                "high_behind_bulk_steps": prio.small.steps,
+                "priority_ratio": round(prio.small.s / small_alone.s, 3),
+                "big_alone_s": round(big_alone.s, 3),
+                "big_alone_occupancy": big_alone.occupancy,
+                "big_with_small_s": round(fair.big_s or 0, 3),
+                "big_with_high_s": round(prio.big_s or 0, 3),
+                "big_throughput_ratio": round(big_alone.s / (fair.big_s or float("nan")), 3),
             }
         )
     )

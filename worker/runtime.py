@@ -31,7 +31,7 @@ _hosts: dict[str, EngineHost] = {}
 _load_locks: dict[str, threading.Lock] = {}
 
 # Options in ``engine_options`` that size the host rather than the engine.
-HOST_OPTIONS = ("max_pending", "engine_backlog")
+HOST_OPTIONS = ("max_pending", "engine_backlog", "group_window")
 
 class IsolationGate:
     """Lets one shard at a time run requests alone on a host (see ``worker.shard.ShardRun``):
@@ -131,13 +131,16 @@ def host(model: str) -> EngineHost:
             return existing
         from engine import Engine, EngineHost
 
-        options = dict(get_settings().engine_options)
+        settings = get_settings()
+        options = dict(settings.engine_options)
         host_options = {k: options.pop(k) for k in HOST_OPTIONS if k in options}
         path = model_dir(model)
         logger.info("loading model %s from %s", model, path)
         if served_models.kind_of(model_spec(model)) == "embedding":
             return _start_embedding_host(model, path, options)
         engine = Engine(str(path), **options)
+        host_options.setdefault("reserved_share", settings.high_priority_reserved_share)
+        host_options.setdefault("aging_s", settings.low_priority_aging_s)
         started = EngineHost(engine, name=f"engine-host-{model}", **host_options).start()
         configured = getattr(getattr(engine, "config", None), "max_model_len", None)
         with _lock:

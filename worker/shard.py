@@ -11,9 +11,12 @@ Flow of :func:`run_shard`:
 3. Delete chunks an earlier attempt wrote but never committed; read the committed ones to
    learn which lines are done; skip those.
 4. Feed the remaining requests to the engine host (``group = batch id``, so a cancel aborts
-   the whole batch in one call). ``submit`` blocks while the host's queue is full, which
-   bounds memory; it is called with a short timeout so the loop keeps checkpointing and
-   watching the batch status meanwhile.
+   the whole batch in one call; with the batch's tenant and priority, which the host's fair
+   queue shares by). ``submit`` blocks while the batch already holds its window of pending
+   requests in the host (``EngineHost.group_window``, one engine's worth of sequences, shared
+   by all shards of the batch in this process), which bounds memory and keeps a bulk batch
+   from queueing ahead of others; it is called with a short timeout so the loop keeps
+   checkpointing and watching the batch status meanwhile.
 5. Every ``checkpoint_every`` results or ``checkpoint_interval_s`` seconds: write a chunk
    (atomic), then in one transaction advance ``num_chunks``/``done_requests`` conditionally
    and add to the batch's live counters.
@@ -471,6 +474,7 @@ class ShardRun:
         self.priority = ENGINE_PRIORITY.get(batch.priority or "normal", 0)
         # Each tenant its own prefix cache (see Settings.share_prefix_cache_across_tenants).
         self.cache_salt = None if settings.share_prefix_cache_across_tenants else f"tenant:{batch.tenant}"
+        self.tenant = batch.tenant  # the host shares each tier fairly across tenants
         self.endpoint = batch.endpoint
         self.model = batch.model or ""
         self.key = key
@@ -679,6 +683,7 @@ class ShardRun:
                     timeout=SUBMIT_WAIT_S,
                     priority=self.priority,
                     cache_salt=self.cache_salt,
+                    tenant=self.tenant,
                 )
             except TimeoutError:  # HostQueueFull, or the embedding host's full queue
                 self._collect()

@@ -1,6 +1,12 @@
-"""Fair sharing end to end: shards are released a few at a time, so a small job submitted
-just after another tenant's big job finishes long before it, in a time close to its time
-alone; and a ``high`` priority job overtakes a ``normal`` bulk job of the same tenant.
+"""Fair sharing end to end.
+
+Across shards: shards are released a few at a time, so a small job submitted just after
+another tenant's many-shard job finishes long before it, in a time close to its time alone;
+and a ``high`` priority job overtakes a ``normal`` bulk job of the same tenant.
+
+Inside one shard (the engine host's fair queue): a bulk job that is a single shard still
+lets another tenant's small job, a ``high`` job of the same tenant, and (after the aging
+bound) a ``low`` job through, instead of feeding the engine all of its requests first.
 ``scripts/bench_fairness.py`` measures the same scenarios at full size."""
 
 from __future__ import annotations
@@ -17,6 +23,10 @@ SMALL = 20
 MAX_TOKENS = 8
 # Generous: the small job shares the engine with the big one and waits for a free slot.
 FACTOR, SLACK_S = 4.0, 10.0
+# One shard (the stack's shard_max_requests is 16) of long requests: with 4 sequence slots it
+# runs in 4 waves, and a small job that waited for the whole shard would finish after it.
+SHARD, SHARD_TOKENS = 16, 128
+AGING_S = 0.2
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -35,6 +45,7 @@ def _release_settings(pg_url: str) -> Iterator[None]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("BATCHD_MAX_RELEASED_SHARDS_PER_MODEL", "2")
         mp.setenv("BATCHD_RELEASE_SWEEP_INTERVAL_S", "1")
+        mp.setenv("BATCHD_LOW_PRIORITY_AGING_S", str(AGING_S))
         yield
 
 
@@ -64,7 +75,7 @@ def clients(stack, bench):
 @pytest.fixture(scope="module")
 def small_alone(clients, bench) -> float:
     bench.alone(clients["tenant-b"], 4, 2, 60)  # warm-up
-    return min(bench.alone(clients["tenant-b"], SMALL, MAX_TOKENS, 60) for _ in range(2))
+    return min(bench.alone(clients["tenant-b"], SMALL, MAX_TOKENS, 60).s for _ in range(2))
 
 
 def test_small_job_is_not_stuck_behind_another_tenants_big_job(clients, bench, small_alone):
@@ -77,10 +88,10 @@ def test_small_job_is_not_stuck_behind_another_tenants_big_job(clients, bench, s
         timeout=180,
         finish_big=False,
     )
-    print(f"small job alone {small_alone:.2f}s, behind the big job {r.small_s:.2f}s")
+    print(f"small job alone {small_alone:.2f}s, behind the big job {r.small.s:.2f}s")
     assert r.small_done_first, r
     assert r.big_done_at_small_end < BIG
-    assert r.small_s <= FACTOR * small_alone + SLACK_S, (r, small_alone)
+    assert r.small.s <= FACTOR * small_alone + SLACK_S, (r, small_alone)
 
 
 def test_high_priority_overtakes_a_normal_bulk_job_of_the_same_tenant(clients, bench, small_alone):
@@ -94,6 +105,70 @@ def test_high_priority_overtakes_a_normal_bulk_job_of_the_same_tenant(clients, b
         small_extra={"priority": "high"},
         finish_big=False,
     )
-    print(f"high job alone {small_alone:.2f}s, behind the bulk job {r.small_s:.2f}s")
+    print(f"high job alone {small_alone:.2f}s, behind the bulk job {r.small.s:.2f}s")
     assert r.small_done_first, r
-    assert r.small_s <= FACTOR * small_alone + SLACK_S, (r, small_alone)
+    assert r.small.s <= FACTOR * small_alone + SLACK_S, (r, small_alone)
+
+
+@pytest.fixture(scope="module")
+def probe(stack, bench):
+    """The model worker's engine counters (``engine_stats``)."""
+    from _bench_stack import EngineStatsProbe
+
+    probe = EngineStatsProbe(stack.env["BATCHD_BROKER_URL"], worker="model@e2e")
+    yield probe
+    probe.close()
+
+
+def _behind_one_shard(clients, bench, probe, small_client: str, **small_extra):
+    """Tenant A's single-shard bulk job, then a small job once the bulk has finished its
+    first requests; the bulk job is cancelled once the small one is done.
+
+    Bounds are in engine steps: on a loaded machine seconds per step vary from one minute to
+    the next, steps do not. A bulk request runs ``SHARD_TOKENS + 1`` steps (a wave: four run
+    at once), and when the small job is created at least 12 bulk requests, three waves, are
+    left: behind the shard's queue it would take three waves or more. Fairly admitted it
+    waits for the running wave (nothing is preempted for normal work), then runs its own
+    short requests; its start-up (validation, release, the shard thread reading its file)
+    also counts in steps, since the engine keeps stepping meanwhile."""
+    r = bench.contended(
+        clients["tenant-a"],
+        clients[small_client],
+        big=SHARD,
+        small=SMALL,
+        max_tokens=SHARD_TOKENS,
+        small_max_tokens=MAX_TOKENS,
+        timeout=600,
+        small_extra=small_extra or None,
+        finish_big=False,
+        probe=probe,
+    )
+    print(f"small job {r.small.s:.2f}s, {r.small.steps} engine steps; first bulk requests "
+          f"done after {r.big_first_s:.2f}s; {r.big_done_at_small_end}/{SHARD} bulk requests "
+          f"done when the small job completed")  # fmt: skip
+    assert r.small_done_first, r
+    assert r.big_done_at_small_end <= SHARD - 4, r  # at least one bulk wave was still to run
+    assert r.small.steps is not None, "the model worker's engine_stats"
+    return r
+
+
+def test_small_job_overtakes_another_tenants_single_shard_bulk_job(clients, bench, probe):
+    r = _behind_one_shard(clients, bench, probe, "tenant-b")
+    assert r.small.steps < 3 * (SHARD_TOKENS + 1), r
+
+
+def test_high_priority_overtakes_its_own_tenants_single_shard_bulk(clients, bench, probe):
+    """The reserved room: a bulk sequence is preempted, so the high job starts at once and
+    does not wait for the running bulk requests."""
+    before = bench.engine_counters(probe)
+    r = _behind_one_shard(clients, bench, probe, "tenant-a", priority="high")
+    after = bench.engine_counters(probe)
+    assert after["num_preemptions"] > before["num_preemptions"], (before, after)
+    assert r.small.steps < 2 * (SHARD_TOKENS + 1), r
+
+
+def test_low_priority_job_completes_while_normal_work_keeps_arriving(clients, bench, probe):
+    """Normal requests keep arriving from the bulk job's shard the whole time; without the
+    aging bound the low job would wait for the last of them."""
+    r = _behind_one_shard(clients, bench, probe, "tenant-b", priority="low")
+    assert r.small.steps < 3 * (SHARD_TOKENS + 1), r

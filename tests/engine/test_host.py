@@ -102,7 +102,7 @@ def test_bounded_queue_blocks_producers_until_the_loop_drains(model_dir: Path) -
 def test_abort_group_frees_blocks_and_leaves_other_groups_running(model_dir: Path) -> None:
     long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
     short = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    with EngineHost(_engine(model_dir, max_num_seqs=4), max_pending=16) as host:
+    with EngineHost(_engine(model_dir, max_num_seqs=4), max_pending=16, group_window=16) as host:
         doomed = [host.submit(p, long, group="cancel-me") for p in _prompts(10, seed=2)]
         kept = [host.submit(p, short, group="keep") for p in _prompts(4, seed=3)]
         deadline = time.monotonic() + 30
@@ -222,3 +222,158 @@ def test_priority_orders_the_host_queue_and_the_engine(model_dir: Path) -> None:
         fut.result(timeout=60)
     host.shutdown()
     assert order == ["urgent", "normal-a", "normal-b", "low-a", "low-b"]
+
+
+def _completion_order(host: EngineHost, submissions: list[tuple[str, dict]]) -> list[str]:
+    """Submit everything before the loop starts, run, and return request ids in the order
+    they finished (with one sequence slot, the order the host admitted them)."""
+    order: list[str] = []
+    prompt = [5, 6, 7, 8, 9]
+    futures = [
+        host.submit(prompt, SamplingParams(max_tokens=kw.pop("max_tokens"), temperature=0.0,
+                                           ignore_eos=True),
+                    request_id=name, callback=lambda f: order.append(f.result().request_id), **kw)
+        for name, kw in submissions
+    ]  # fmt: skip
+    host.start()
+    for fut in futures:
+        fut.result(timeout=60)
+    host.shutdown()
+    return order
+
+
+def test_drr_admission_order_across_tiers_tenants_batches_and_lengths(model_dir: Path) -> None:
+    """Costs are 5 prompt tokens + max_tokens; the quantum is the largest pending cost (11).
+    Urgent first; in the normal tier tenants A and B take turns by tokens, A's two batches
+    share A's turns, each batch runs its longest request first; low last."""
+    host = EngineHost(_engine(model_dir, max_num_seqs=1), max_pending=16, group_window=16)
+    a1 = [("a1-cost7", 2), ("a1-cost11", 6), ("a1-cost9", 4)]
+    submissions = [
+        *[(name, {"max_tokens": m, "tenant": "A", "group": "a1"}) for name, m in a1],
+        ("a2-cost8", {"max_tokens": 3, "tenant": "A", "group": "a2"}),
+        ("b1-first", {"max_tokens": 2, "tenant": "B", "group": "b1"}),
+        ("b1-second", {"max_tokens": 2, "tenant": "B", "group": "b1"}),
+        ("d1-low", {"max_tokens": 2, "tenant": "D", "group": "d1", "priority": 1}),
+        ("c1-urgent", {"max_tokens": 2, "tenant": "C", "group": "c1", "priority": -1}),
+    ]
+    assert _completion_order(host, submissions) == [
+        "c1-urgent",
+        "a1-cost11",  # A's turn (11 tokens): a1's longest
+        "b1-first",  # B's turn
+        "a2-cost8",  # A again: a1 spent its part of A's turn, so a2
+        "b1-second",
+        "a1-cost9",
+        "a1-cost7",
+        "d1-low",
+    ]
+
+
+def test_a_new_batch_is_served_next_not_behind_the_queue(model_dir: Path) -> None:
+    """A bulk batch fills the host's queue; a small batch of another tenant arriving later
+    alternates with it instead of waiting for the bulk batch's queue to drain."""
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    order: list[str] = []
+
+    def done(f) -> None:
+        order.append(f.result().request_id)
+
+    with EngineHost(_engine(model_dir, max_num_seqs=1), max_pending=80, group_window=40) as host:
+        bulk = [host.submit([5, 6, 7], params, request_id=f"bulk-{i}", group="bulk",
+                            tenant="A", callback=done) for i in range(40)]  # fmt: skip
+        while not order:
+            time.sleep(0.005)
+        small = [host.submit([5, 6, 7], params, request_id=f"small-{i}", group="small",
+                             tenant="B", callback=done) for i in range(3)]  # fmt: skip
+        for fut in bulk + small:
+            fut.result(timeout=60)
+    last_small = max(order.index(f"small-{i}") for i in range(3))
+    first_small = min(order.index(f"small-{i}") for i in range(3))
+    # Alternating turns: the small batch's three requests take at most 6 admissions.
+    assert last_small - first_small <= 5, order
+    assert last_small < 15, order
+
+
+def test_feeding_window_bounds_each_batch_and_lets_a_newcomer_in(model_dir: Path) -> None:
+    host = EngineHost(_engine(model_dir, max_num_seqs=2), max_pending=6, group_window=3)
+    prompt = [5, 6, 7]
+    for _ in range(3):
+        host.submit(prompt, GREEDY, group="bulk")
+    with pytest.raises(HostQueueFull, match="3 pending requests of group 'bulk' \\(limit 3"):
+        host.submit(prompt, GREEDY, group="bulk", timeout=0.05)
+    # A batch with nothing pending always gets in; then each holds an even share of
+    # max_pending (6 // 2 = 3), within its window.
+    host.submit(prompt, GREEDY, group="small")
+    host.submit(prompt, GREEDY, group="small")
+    host.submit(prompt, GREEDY, group="small")
+    with pytest.raises(HostQueueFull, match="of group 'small'"):
+        host.submit(prompt, GREEDY, group="small", timeout=0.05)
+    # Three batches: the share is 6 // 3 = 2 (the first two now hold more than theirs).
+    host.submit(prompt, GREEDY, group="third")
+    host.submit(prompt, GREEDY, group="third")
+    with pytest.raises(HostQueueFull, match="2 pending requests of group 'third' \\(limit 2"):
+        host.submit(prompt, GREEDY, group="third", timeout=0.05)
+    with pytest.raises(HostQueueFull, match="of group 'bulk' \\(limit 2"):
+        host.submit(prompt, GREEDY, group="bulk", timeout=0.05)
+    assert host.stats().pending == 8
+    # Running: the queue drains into the engine, never more in flight than max_num_seqs.
+    in_flight: list[int] = []
+    host.start()
+    deadline = time.monotonic() + 60
+    while (stats := host.stats()).completed < 8 and time.monotonic() < deadline:
+        in_flight.append(stats.in_flight)
+    host.shutdown()
+    assert host.stats().completed == 8
+    assert max(in_flight) <= 2
+
+
+def test_a_starved_low_batch_is_promoted_after_the_aging_bound(model_dir: Path) -> None:
+    """Normal work keeps arriving; the low batch still runs, soon after its aging bound."""
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    stop = threading.Event()
+    normal_done = []
+
+    def feed(host: EngineHost) -> None:
+        while not stop.is_set():
+            host.submit([5, 6, 7], params, group="normal", tenant="A", timeout=1.0,
+                        callback=normal_done.append)  # fmt: skip
+
+    with EngineHost(_engine(model_dir, max_num_seqs=1), group_window=4, aging_s=0.3) as host:
+        producer = threading.Thread(target=feed, args=(host,))
+        producer.start()
+        try:
+            while len(normal_done) < 2:
+                time.sleep(0.005)
+            started = time.monotonic()
+            low = host.submit([5, 6, 7], params, group="low", tenant="B", priority=1)
+            low.result(timeout=60)
+            waited = time.monotonic() - started
+            ran_before = len(normal_done)
+        finally:
+            stop.set()
+            producer.join()
+    assert ran_before > 2, "normal work did not keep the engine busy"
+    assert waited < 30, waited
+
+
+def test_reserved_room_lets_urgent_work_start_while_bulk_fills_the_engine(model_dir: Path) -> None:
+    """Bulk fills every slot (the reservation is lent while no urgent work waits); an
+    urgent request preempts one bulk sequence and finishes long before the bulk does, and
+    the preempted bulk sequence still yields exactly its greedy output."""
+    bulk_params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    urgent_params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prompts = _prompts(4, seed=11)
+    expected = [o.outputs[0].token_ids for o in LLM(str(model_dir), max_num_seqs=4).generate(
+        prompts, bulk_params, use_tqdm=False)]  # fmt: skip
+    with EngineHost(_engine(model_dir, max_num_seqs=4), reserved_share=0.25) as host:
+        bulk = [host.submit(p, bulk_params, group="bulk") for p in prompts]
+        deadline = time.monotonic() + 60
+        while host.stats().engine.num_running < 4 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert host.stats().engine.num_running == 4  # all slots, the reserved one included
+        urgent = host.submit([5, 6, 7], urgent_params, group="urgent", priority=-1)
+        urgent.result(timeout=60)
+        assert not any(f.done() for f in bulk)
+        outputs = [f.result(timeout=120).outputs[0].token_ids for f in bulk]
+        stats = host.stats()
+    assert stats.engine.num_preemptions >= 1
+    assert outputs == expected
