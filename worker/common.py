@@ -115,21 +115,6 @@ def send(task: str, *args: Any, queue: str = CONTROL_QUEUE) -> None:
     retrying(lambda: app.send_task(task, args=list(args), queue=queue), f"sending {task}")
 
 
-def release_next(model: str | None) -> None:
-    """A shard of ``model`` ended: let the release policy send the next pending one, if the
-    deployment has one (``worker.release``); nothing to do otherwise."""
-    if not model:
-        return
-    try:
-        from worker.release import release_for_model
-    except ImportError:
-        return
-    try:
-        retrying(lambda: release_for_model(model), f"releasing shards of {model}")
-    except Exception:
-        logger.exception("releasing the next shards of %s failed", model)
-
-
 def utcnow() -> datetime:
     return datetime.now(UTC)
 

@@ -1,7 +1,7 @@
 """Crash recovery: the reclaim sweep and giving up on a shard.
 
 A running shard's attempt stamps ``shards.heartbeat_at`` every ``heartbeat_interval_s`` from a
-background thread (``worker.shard.Heartbeat``). A worker that is killed (SIGKILL, OOM, a lost
+background thread (``worker.shard_state.Heartbeat``). A worker that is killed (SIGKILL, OOM, a lost
 node) or hangs stops doing so. The broker would redeliver its task only after the visibility
 timeout (hours), so beat runs :func:`reclaim_stale_shards` every ``reclaim_sweep_interval_s``:
 
@@ -42,12 +42,20 @@ from worker.common import (
     PENDING,
     RUNNING,
     input_key,
-    release_next,
     retrying,
     send,
     stale_after_s,
     storage,
     utcnow,
+)
+from worker.release import release_next
+from worker.shard_state import (
+    Pending,
+    ShardLost,
+    claim,
+    commit_chunk,
+    finish_if_last,
+    set_shard_status,
 )
 
 logger = logging.getLogger(__name__)
@@ -76,7 +84,6 @@ def fail_claimed(shard_id: int, attempt: int, num_chunks: int, message: str) -> 
     ``shard_failed`` error line, in one chunk committed by ``attempt`` (which the caller
     claimed), mark the shard ``done`` and let the batch finalize. False if the attempt lost
     the shard meanwhile (someone else then owns its fate)."""
-    from worker.shard import ShardLost, _Pending, commit_chunk, finish_if_last, set_shard_status
 
     def read() -> tuple[Shard, Batch, str]:
         with session_scope() as session:
@@ -89,7 +96,7 @@ def fail_claimed(shard_id: int, attempt: int, num_chunks: int, message: str) -> 
     shard, batch, key = retrying(read, f"reading shard {shard_id}")
     sto = storage()
     discard_uncommitted(sto, batch.id, shard.index, num_chunks)
-    pending = _Pending()
+    pending = Pending()
     for line, custom_id in lines_without_result(sto, key, batch.id, shard, num_chunks):
         pending.add_error(line, _shard_failed_line(custom_id, message))
     try:
@@ -115,7 +122,6 @@ def fail_claimed(shard_id: int, attempt: int, num_chunks: int, message: str) -> 
 
 def fail_shard(shard_id: int, message: str) -> bool:
     """Fence off whatever attempt holds the shard, then :func:`fail_claimed`."""
-    from worker.shard import claim
 
     claimed = claim(shard_id, RECOVERY_WORKER, force=True)
     if claimed is None:

@@ -55,7 +55,7 @@ from core.models import Batch, Shard
 from core.queue import TASK_RUN_SHARD, model_queue
 from core.settings import get_settings
 from worker.celery_app import TASK_RELEASE_SWEEP, app
-from worker.common import PENDING, RUNNING, send, utcnow
+from worker.common import PENDING, RUNNING, retrying, send, utcnow
 
 logger = logging.getLogger(__name__)
 
@@ -262,6 +262,17 @@ def _unrelease(shard_ids: list[int]) -> None:
             .values(released_at=None)
             .execution_options(synchronize_session=False)
         )
+
+
+def release_next(model: str | None) -> None:
+    """A shard of ``model`` ended: send the next pending ones its release allows. A failure is
+    logged, never raised: the release sweep sends what this missed."""
+    if not model:
+        return
+    try:
+        retrying(lambda: release_for_model(model), f"releasing shards of {model}")
+    except Exception:
+        logger.exception("releasing the next shards of %s failed", model)
 
 
 def release_for_model(model: str | None) -> int:

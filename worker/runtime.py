@@ -34,7 +34,7 @@ _load_locks: dict[str, threading.Lock] = {}
 HOST_OPTIONS = ("max_pending", "engine_backlog", "group_window")
 
 class IsolationGate:
-    """Lets one shard at a time run requests alone on a host (see ``worker.shard.ShardRun``):
+    """Lets one shard at a time run requests alone on a host (see ``worker.shard_run.ShardRun``):
     while it is held, the other shards of the process hold back their submissions."""
 
     def __init__(self) -> None:

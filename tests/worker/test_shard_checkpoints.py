@@ -158,7 +158,7 @@ def test_last_shard_race_has_one_winner(worker_env):
 
 
 def test_stale_attempt_cannot_commit(worker_env):
-    from worker.shard import ShardLost, _Pending, claim, commit_chunk
+    from worker.shard_state import Pending, ShardLost, claim, commit_chunk
 
     batch_id = _validated([chat_line("a", "hi"), chat_line("b", "yo")])
     (shard,) = shard_rows(batch_id)
@@ -166,8 +166,8 @@ def test_stale_attempt_cannot_commit(worker_env):
     second, _ = claim(shard.id, "w2", force=True)  # the first attempt is alive: force
     assert second == first + 1
     with pytest.raises(ShardLost):
-        commit_chunk(shard, first, 0, _Pending())
-    commit_chunk(shard, second, 0, _Pending())
+        commit_chunk(shard, first, 0, Pending())
+    commit_chunk(shard, second, 0, Pending())
     assert shard_rows(batch_id)[0].num_chunks == 1
 
 

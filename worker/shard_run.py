@@ -1,0 +1,422 @@
+"""One attempt at one shard: read its lines, feed the process's engine host (or embedding host),
+collect results, checkpoint them (see :class:`ShardRun`)."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from core import generation
+from core.batchfile import (
+    EMBEDDINGS_URL,
+    BatchRequest,
+    LineError,
+    iter_lines,
+    parse_request,
+)
+from core.generation import error_for_exception, error_record
+from core.models import Batch, Shard
+from core.results import GenerationResult, embedding_body, output_line
+from core.settings import get_settings
+from worker import runtime
+from worker.common import (
+    DONE,
+    STOPPED,
+    storage,
+)
+from worker.shard_state import Heartbeat, Pending, ShardLost, batch_stopping, commit_chunk
+
+logger = logging.getLogger(__name__)
+
+
+STATUS_POLL_S = 1.0
+SUBMIT_WAIT_S = 0.25
+MAX_ABORT_RETRIES = 3  # a request aborted while its batch is still running is run again
+
+
+ENGINE_PRIORITY = {"high": -1, "normal": 0, "low": 1}
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine host of this process is dead: the attempt fails and the shard is reclaimed
+    (by a healthy worker) once its heartbeat goes stale."""
+
+
+class ShardRun:
+    """One attempt at one shard. ``after_commit(chunk)`` is a test seam called after each
+    committed checkpoint.
+
+    Engine failures are retried per request. A ``RequestError`` (the engine refused the
+    request) is submitted again, up to ``max_request_attempts`` tries in all. A failed engine
+    step fails every request in flight in that step, most of them bystanders; each of them
+    becomes a *suspect* and, once this shard has fed all its requests, is run again **alone**:
+    the shard takes the host's isolation gate (other shards of this process pause their
+    submissions), waits for the engine to drain, and runs its suspects one at a time. A
+    suspect that fails alone ``max_request_attempts`` times is reported as a ``server_error``
+    line; the shard and the worker go on.
+    """
+
+    def __init__(
+        self,
+        shard: Shard,
+        batch: Batch,
+        key: str,
+        attempt: int,
+        num_chunks: int,
+        done_lines: set[int],
+        host: Any,
+        after_commit: Callable[[int], None] | None = None,
+    ):
+        settings = get_settings()
+        self.shard = shard
+        self.batch_id = batch.id
+        # The engine admits lower values first: a "high" batch overtakes the nightly bulk.
+        self.priority = ENGINE_PRIORITY.get(batch.priority or "normal", 0)
+        # Each tenant its own prefix cache (see Settings.share_prefix_cache_across_tenants).
+        self.cache_salt = None if settings.share_prefix_cache_across_tenants else f"tenant:{batch.tenant}"
+        self.tenant = batch.tenant  # the host shares each tier fairly across tenants
+        self.endpoint = batch.endpoint
+        self.model = batch.model or ""
+        self.key = key
+        self.attempt = attempt
+        self.chunk = num_chunks
+        self.done_lines = done_lines
+        self.host = host
+        self.tok = host.tokenizer
+        # An embeddings batch runs on the model's embedding host (``runtime.host``): its
+        # requests are prepared, submitted and turned into lines by the ``_*_embedding``
+        # methods; everything else (checkpoints, cancel, retries) is the same.
+        self.embedding = self.endpoint == EMBEDDINGS_URL
+        self.context = 0 if self.embedding else runtime.context_length(self.model)
+        self.vocab_size = len(self.tok)
+        self.every = max(1, settings.checkpoint_every)
+        self.interval = settings.checkpoint_interval_s
+        self.max_request_attempts = max(1, settings.max_request_attempts)
+        self.after_commit = after_commit
+        self.done_q: queue.SimpleQueue[tuple[BatchRequest, list[int], Any, Future, bool]] = (
+            queue.SimpleQueue()
+        )
+        self.pending = Pending()
+        self.in_flight = 0
+        self.ran = 0
+        self.stopping = False
+        self.retries: dict[int, int] = {}
+        self.to_retry: list[tuple[BatchRequest, list[int], Any]] = []
+        self.refusals: dict[int, int] = {}  # RequestError count per line
+        self.failures: dict[int, int] = {}  # failed engine steps while running alone, per line
+        self.suspects: list[tuple[BatchRequest, list[int], Any]] = []
+        self.suspect_line: int | None = None
+        self.gate = runtime.isolation_gate(host)
+        self.heartbeat: Heartbeat | None = None
+        self._last_checkpoint = time.monotonic()
+        self._last_poll = time.monotonic()
+
+    # -- bookkeeping
+
+    def _checkpoint(self, force: bool = False) -> None:
+        """Commit full chunks of ``checkpoint_every`` results; a partial one when the interval
+        has passed or ``force``."""
+        while self.pending:
+            n = len(self.pending)
+            late = time.monotonic() - self._last_checkpoint >= self.interval
+            if n < self.every and not (force or late):
+                return
+            chunk = self.pending.take(self.every)
+            commit_chunk(self.shard, self.attempt, self.chunk, chunk)
+            self.chunk += 1
+            self.ran += len(chunk)
+            self._last_checkpoint = time.monotonic()
+            if self.after_commit is not None:
+                self.after_commit(self.chunk)
+        self._last_checkpoint = time.monotonic()
+
+    def _poll(self, force: bool = False) -> None:
+        if self.heartbeat is not None and self.heartbeat.lost.is_set():
+            raise ShardLost(f"shard {self.shard.id} attempt {self.attempt} was reclaimed")
+        now = time.monotonic()
+        if force or now - self._last_poll >= STATUS_POLL_S:
+            self._last_poll = now
+            if not self.stopping and batch_stopping(self.batch_id):
+                logger.info(
+                    "batch %s is stopping; shard %s aborts", self.batch_id, self.shard.index
+                )
+                self.stopping = True
+                self.host.abort_group(self.batch_id)
+
+    def _collect(self, block_s: float = 0.0) -> None:
+        """Move finished requests into the pending chunk."""
+        try:
+            item = self.done_q.get(timeout=block_s) if block_s > 0 else self.done_q.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(*item)
+            try:
+                item = self.done_q.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(
+        self, req: BatchRequest, ids: list[int], params: Any, future: Future, alone: bool
+    ) -> None:
+        from engine import RequestError
+        from engine.host import HostError
+
+        if self.embedding:
+            self._handle_embedding(req, ids, params, future)
+            return
+        self.in_flight -= 1
+        if alone:
+            self.suspect_line = None
+        exc = future.exception()
+        if exc is not None:
+            if isinstance(exc, HostError):
+                raise EngineUnavailable(str(exc)) from exc
+            if isinstance(exc, RequestError):
+                tries = self.refusals.get(req.line, 0) + 1
+                self.refusals[req.line] = tries
+                if tries < self.max_request_attempts:
+                    self.to_retry.append((req, ids, params))
+                else:
+                    self.pending.add_error(req.line, error_for_exception(req, exc))
+                return
+            if isinstance(exc, ValueError):  # a parameter the engine cannot honour
+                self.pending.add_error(req.line, error_for_exception(req, exc))
+                return
+            # A failed engine step (or another engine failure): this request may be the
+            # culprit or a bystander; only a run alone tells.
+            if alone:
+                tries = self.failures.get(req.line, 0) + 1
+                self.failures[req.line] = tries
+                if tries >= self.max_request_attempts:
+                    cause = exc.__cause__ or exc
+                    logger.warning(
+                        "shard %s line %s failed the engine %s times alone: %r",
+                        self.shard.id,
+                        req.line,
+                        tries,
+                        cause,
+                    )
+                    self.pending.add_error(
+                        req.line,
+                        error_record(
+                            req.custom_id,
+                            "server_error",
+                            f"The engine failed on this request ({tries} attempts, the last "
+                            f"ones run alone): {cause!r}",
+                            status_code=500,
+                            type="server_error",
+                        ),
+                    )
+                    return
+            self.suspects.append((req, ids, params))
+            return
+        output = future.result()
+        if generation.is_aborted(output):
+            # Aborted: part of a cancel or expiry (the finalize writes its error line), or,
+            # if the batch is still running, something else aborted it: run it again.
+            tries = self.retries.get(req.line, 0) + 1
+            self.retries[req.line] = tries
+            if tries <= MAX_ABORT_RETRIES:
+                self.to_retry.append((req, ids, params))
+            else:
+                self.pending.add_error(req.line, generation.aborted_record(req))
+            return
+        record, result = generation.finished_record(self.tok, req, output)
+        if result is None:
+            self.pending.add_error(req.line, record)
+        else:
+            self.pending.add_ok(req.line, record, result)
+
+    def _handle_embedding(self, req: BatchRequest, inputs: Any, dims: Any, future: Future) -> None:
+        from engine.embedding_host import EmbeddingAborted, EmbeddingHostClosed
+
+        self.in_flight -= 1
+        exc = future.exception()
+        if isinstance(exc, EmbeddingHostClosed):
+            raise EngineUnavailable(str(exc)) from exc
+        if exc is not None:
+            # Aborted (a cancel, or something else: run it again), or its round failed.
+            counts = self.retries if isinstance(exc, EmbeddingAborted) else self.failures
+            limit = MAX_ABORT_RETRIES + 1 if isinstance(exc, EmbeddingAborted) else self.max_request_attempts
+            tries = counts.get(req.line, 0) + 1
+            counts[req.line] = tries
+            if tries < limit:
+                self.to_retry.append((req, inputs, dims))
+            elif isinstance(exc, EmbeddingAborted):
+                self.pending.add_error(req.line, generation.aborted_record(req))
+            else:
+                self.pending.add_error(req.line, error_for_exception(req, exc))
+            return
+        outputs = future.result()
+        tokens = sum(o.num_tokens for o in outputs)
+        body = embedding_body(req, [o.embedding for o in outputs], tokens)
+        usage = GenerationResult(prompt_tokens=tokens, cached_tokens=0, choices=[])
+        self.pending.add_ok(req.line, output_line(req.custom_id, body), usage)
+
+    def _submit(self, req: BatchRequest, ids: list[int], params: Any, alone: bool = False) -> bool:
+        """Hand one request to the host; False if the shard stopped first. Ordinary
+        submissions wait while another shard isolates its suspects."""
+        from engine.host import HostError
+
+        def done(fut: Future, req: BatchRequest = req) -> None:
+            self.done_q.put((req, ids, params, fut, alone))
+
+        while not self.stopping:
+            if not alone and self.gate.held_by_other(self):
+                self._collect(block_s=0.05)
+                self._checkpoint()
+                self._poll()
+                continue
+            try:
+                if self.embedding:
+                    self.host.submit(
+                        ids, dimensions=params, group=self.batch_id, timeout=SUBMIT_WAIT_S
+                    ).add_done_callback(done)
+                    self.in_flight += 1
+                    return True
+                self.host.submit(
+                    ids,
+                    params,
+                    group=self.batch_id,
+                    callback=done,
+                    timeout=SUBMIT_WAIT_S,
+                    priority=self.priority,
+                    cache_salt=self.cache_salt,
+                    tenant=self.tenant,
+                )
+            except TimeoutError:  # HostQueueFull, or the embedding host's full queue
+                self._collect()
+                self._checkpoint()
+                self._poll()
+                continue
+            except HostError as exc:
+                raise EngineUnavailable(str(exc)) from exc
+            except ValueError as exc:  # refused at submission
+                self.pending.add_error(req.line, error_for_exception(req, exc))
+                return True
+            self.in_flight += 1
+            return True
+        return False
+
+    def _prepare(self, req: BatchRequest) -> tuple[Any, Any] | None:
+        from engine import SamplingParams
+
+        if self.embedding:
+            return self._prepare_embedding(req)
+        try:
+            ids, kwargs = generation.prepare_request(self.tok, req, self.context, self.vocab_size)
+            params = SamplingParams(**kwargs)
+        except Exception as exc:
+            self.pending.add_error(req.line, error_for_exception(req, exc))
+            return None
+        return ids, params
+
+    def _prepare_embedding(self, req: BatchRequest) -> tuple[list[list[int]], int] | None:
+        """The inputs as the model's token ids and the output size, or the request's error
+        line (an input over the model's length, a token outside its vocabulary, a size it
+        cannot cut to), naming the field."""
+        from engine.embedding import EmbeddingError
+
+        engine = self.host.engine
+        single = not isinstance(req.body.get("input"), list) or not isinstance(
+            req.body["input"][0], str | list
+        )
+        try:
+            dims = engine.check_dimensions(req.dimensions)
+            inputs = [engine.token_ids(item, i) for i, item in enumerate(req.inputs or ())]
+        except EmbeddingError as exc:
+            param, message = f"body.{exc.param}", str(exc)
+            if exc.param.startswith("input") and single:  # one input: no index to name
+                param, message = "body.input", message.replace("input[0]", "input", 1)
+            self.pending.add_error(
+                req.line, error_record(req.custom_id, exc.code, message, param=param)
+            )
+            return None
+        return inputs, dims
+
+    def _host_idle(self) -> bool:
+        try:
+            stats = self.host.stats(timeout=10)
+        except Exception:
+            return False
+        return stats.pending + stats.in_flight == 0
+
+    def _advance_suspects(self) -> None:
+        """Run the next suspect alone once the engine has drained (see the class docstring)."""
+        if self.stopping or self.suspect_line is not None:
+            return
+        if not self.suspects:
+            self.gate.release(self)
+            return
+        if not self.gate.try_acquire(self) or self.in_flight or not self._host_idle():
+            return
+        req, ids, params = self.suspects.pop(0)
+        self.suspect_line = req.line
+        if not self._submit(req, ids, params, alone=True):
+            self.suspect_line = None
+
+    # -- the loop
+
+    def run(self) -> str:
+        """Return ``done`` or ``stopped``; raise ShardLost if this attempt lost the shard."""
+        self.heartbeat = Heartbeat(self.shard.id, self.attempt).start()
+        try:
+            self._feed()
+            while not self.stopping and (self.in_flight or self.to_retry or self.suspects):
+                if self.to_retry:
+                    self._poll(force=True)  # was the abort a cancel this shard has not seen?
+                    if self.stopping:
+                        break
+                retry, self.to_retry = self.to_retry, []
+                for req, ids, params in retry:
+                    self._submit(req, ids, params)
+                self._advance_suspects()
+                self._collect(block_s=0.2 if self.in_flight else 0.05)
+                self._checkpoint()
+                self._poll()
+            if self.stopping:
+                self.host.abort_group(self.batch_id)
+                deadline = time.monotonic() + 30
+                while self.in_flight and time.monotonic() < deadline:
+                    self._collect(block_s=0.2)
+                self.to_retry.clear()  # never-finished requests are the finalize's to report
+                self.suspects.clear()
+            self._checkpoint(force=True)
+        except ShardLost:
+            if self.stopping:
+                self.host.abort_group(self.batch_id)
+            raise
+        finally:
+            self.gate.release(self)
+            self.heartbeat.stop()
+        return STOPPED if self.stopping else DONE
+
+    def _feed(self) -> None:
+        sto = storage()
+        chunks = sto.read_range(self.key, self.shard.start_offset, self.shard.end_offset)
+        for raw in iter_lines(
+            chunks,
+            max_line_bytes=get_settings().max_line_bytes,
+            first_line=self.shard.start_line,
+            base_offset=self.shard.start_offset,
+        ):
+            if raw.line in self.done_lines:
+                continue
+            try:
+                req = parse_request(raw, endpoint=self.endpoint, served_models=None)
+            except LineError as err:  # validated before; only a changed file lands here
+                logger.error("shard %s line %s no longer parses: %s", self.shard.id, raw.line, err)
+                continue
+            prepared = self._prepare(req)
+            if prepared is not None:
+                self._submit(req, *prepared)
+            self._collect()
+            self._checkpoint()
+            self._poll()
+            if self.stopping:
+                return
