@@ -20,7 +20,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         title="batchd",
         version="0.1.0",
         description="Self-hosted, OpenAI-compatible batch inference: the Files, Batches and "
-        "Models APIs. Errors use OpenAI's envelope `{\"error\": {message, type, param, code}}`.",
+        'Models APIs. Errors use OpenAI\'s envelope `{"error": {message, type, param, code}}`.',
     )
     app.state.settings = settings
     app.state.started_at = int(time.time())

@@ -138,7 +138,9 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(sa_exc.SQLAlchemyError)
     async def _database_error(request: Request, error: sa_exc.SQLAlchemyError) -> JSONResponse:
         if is_database_unavailable(error):
-            log.warning("database unavailable on %s %s: %s", request.method, request.url.path, error)
+            log.warning(
+                "database unavailable on %s %s: %s", request.method, request.url.path, error
+            )
             return envelope(503, DATABASE_UNAVAILABLE, code="database_unavailable")
         log.exception("database error on %s %s", request.method, request.url.path)
         return envelope(500, "The server had an error while processing your request.")

@@ -27,13 +27,19 @@ def decode_step_ops(path: str, backend: str, num_seqs: int, prompt_len: int = PR
     """Operator calls of one engine step in which all ``num_seqs`` sequences decode."""
     blocks_per_seq = -(-(prompt_len + 8) // 16)
     engine = Engine(
-        path, attention_backend=backend, max_num_seqs=num_seqs, num_kv_blocks=num_seqs * blocks_per_seq,
-        max_num_batched_tokens=max(2048, num_seqs * prompt_len), enable_prefix_caching=False,
+        path,
+        attention_backend=backend,
+        max_num_seqs=num_seqs,
+        num_kv_blocks=num_seqs * blocks_per_seq,
+        max_num_batched_tokens=max(2048, num_seqs * prompt_len),
+        enable_prefix_caching=False,
     )
     rng = random.Random(num_seqs)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     for i in range(num_seqs):
-        engine.add_request(str(i), [rng.randrange(3, engine.vocab_size) for _ in range(prompt_len)], params)
+        engine.add_request(
+            str(i), [rng.randrange(3, engine.vocab_size) for _ in range(prompt_len)], params
+        )
     engine.step()  # every prompt in one step
     engine.step()  # a first decode step, unmeasured (lazy initialisation)
     running = engine.scheduler.running

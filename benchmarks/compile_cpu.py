@@ -34,7 +34,9 @@ def _time(fn: Callable[[], object], repeats: int) -> float:
     return (time.perf_counter() - start) / repeats * 1000
 
 
-def _compare(name: str, eager: Callable[[], object], compiled: Callable[[], object], repeats: int) -> None:
+def _compare(
+    name: str, eager: Callable[[], object], compiled: Callable[[], object], repeats: int
+) -> None:
     t0 = time.perf_counter()
     try:
         compiled()
@@ -44,7 +46,9 @@ def _compare(name: str, eager: Callable[[], object], compiled: Callable[[], obje
     compile_s = time.perf_counter() - t0
     e = _time(eager, repeats)
     c = _time(compiled, repeats)
-    print(f"{name:7s} eager {e:8.2f} ms  compiled {c:8.2f} ms  eager/compiled {e / c:5.2f}  (compile {compile_s:.1f} s)")
+    print(
+        f"{name:7s} eager {e:8.2f} ms  compiled {c:8.2f} ms  eager/compiled {e / c:5.2f}  (compile {compile_s:.1f} s)"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -61,16 +65,31 @@ def main(argv: list[str] | None = None) -> None:
 
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
-    ids = torch.tensor([[rng.randrange(3, 2048) for _ in range(args.prompt)] for _ in range(args.seqs)])
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
+    ids = torch.tensor(
+        [[rng.randrange(3, 2048) for _ in range(args.prompt)] for _ in range(args.seqs)]
+    )
     compiled_model = torch.compile(model.model)
     with torch.inference_mode():
-        print(f"{args.model}, {args.seqs} sequences, prompts of {args.prompt} tokens, {args.threads} thread(s)")
-        _compare("bare", lambda: model.model(input_ids=ids, use_cache=False),
-                 lambda: compiled_model(input_ids=ids, use_cache=False), args.repeats)
+        print(
+            f"{args.model}, {args.seqs} sequences, prompts of {args.prompt} tokens, {args.threads} thread(s)"
+        )
+        _compare(
+            "bare",
+            lambda: model.model(input_ids=ids, use_cache=False),
+            lambda: compiled_model(input_ids=ids, use_cache=False),
+            args.repeats,
+        )
 
-        engine = Engine(path, attention_backend="sdpa", max_num_seqs=args.seqs, enable_prefix_caching=False,
-                        max_num_batched_tokens=max(2048, args.seqs * args.prompt))
+        engine = Engine(
+            path,
+            attention_backend="sdpa",
+            max_num_seqs=args.seqs,
+            enable_prefix_caching=False,
+            max_num_batched_tokens=max(2048, args.seqs * args.prompt),
+        )
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         for i, row in enumerate(ids.tolist()):
             engine.add_request(str(i), row, params)
@@ -81,8 +100,12 @@ def main(argv: list[str] | None = None) -> None:
         compiled_base = torch.compile(base, dynamic=False)
 
         def run(module: torch.nn.Module) -> object:
-            return module(input_ids=batch.input_ids.unsqueeze(0), position_ids=batch.positions.unsqueeze(0),
-                          use_cache=False, batchd_ctx=batch.ctx)
+            return module(
+                input_ids=batch.input_ids.unsqueeze(0),
+                position_ids=batch.positions.unsqueeze(0),
+                use_cache=False,
+                batchd_ctx=batch.ctx,
+            )
 
         _compare("engine", lambda: run(base), lambda: run(compiled_base), args.repeats)
 
@@ -92,8 +115,10 @@ def main(argv: list[str] | None = None) -> None:
         batch = runner.prepare(engine.scheduler.schedule())
         t0 = time.perf_counter()
         run(compiled_base)
-        print(f"engine  the next decode step, compiled: first call {time.perf_counter() - t0:.1f} s "
-              f"(eager {_time(lambda: run(base), 1):.2f} ms)")
+        print(
+            f"engine  the next decode step, compiled: first call {time.perf_counter() - t0:.1f} s "
+            f"(eager {_time(lambda: run(base), 1):.2f} ms)"
+        )
 
 
 if __name__ == "__main__":

@@ -179,8 +179,9 @@ def synthetic_workload(
     )
 
 
-def jsonl_workload(path: Path, tokenizer: Any, *, max_model_len: int, default_max_tokens: int,
-                   limit: int | None) -> Workload:
+def jsonl_workload(
+    path: Path, tokenizer: Any, *, max_model_len: int, default_max_tokens: int, limit: int | None
+) -> Workload:
     """Prompts and ``max_tokens`` from an OpenAI batch file (``body.messages`` or
     ``body.prompt``) or from plain ``{"prompt", "max_tokens"}`` lines."""
     prompts, max_tokens = [], []
@@ -211,7 +212,7 @@ def jsonl_workload(path: Path, tokenizer: Any, *, max_model_len: int, default_ma
                 raise ValueError(f"{path}:{line_no}: no 'messages' or 'prompt' in the request")
             out = body.get("max_completion_tokens") or body.get("max_tokens") or default_max_tokens
             out = max(1, min(int(out), max_model_len - 1))
-            ids = list(ids)[-(max_model_len - out):] or [0]
+            ids = list(ids)[-(max_model_len - out) :] or [0]
             prompts.append(ids)
             max_tokens.append(out)
     if not prompts:
@@ -285,8 +286,9 @@ def _engine_figures(before: dict[str, Any], after: dict[str, Any]) -> dict[str, 
     }
 
 
-def run_engine(model_dir: str, workload: Workload, engine_config: dict[str, Any],
-               label: str = "engine") -> SystemResult:
+def run_engine(
+    model_dir: str, workload: Workload, engine_config: dict[str, Any], label: str = "engine"
+) -> SystemResult:
     from benchmarks import phases
     from engine import Engine, SamplingParams
 
@@ -333,8 +335,9 @@ def run_engine(model_dir: str, workload: Workload, engine_config: dict[str, Any]
         "dtype": str(engine.runner.dtype).removeprefix("torch."),
         "phases": phases.summarise(trace.steps, engine.config.max_num_seqs),
     }
-    return SystemResult(label, wall, workload.prompt_tokens, generated, generated, cpu,
-                        token_ids, extra)
+    return SystemResult(
+        label, wall, workload.prompt_tokens, generated, generated, cpu, token_ids, extra
+    )
 
 
 def engine_device_dtype(engine_config: dict[str, Any]) -> tuple[str, str]:
@@ -367,8 +370,9 @@ def _greedy_config(model: Any, max_new_tokens: int) -> Any:
     return config
 
 
-def run_static(model_dir: str, workload: Workload, batch_size: int, pad_id: int, *,
-               dtype: str, device: str) -> SystemResult:
+def run_static(
+    model_dir: str, workload: Workload, batch_size: int, pad_id: int, *, dtype: str, device: str
+) -> SystemResult:
     import torch
 
     from benchmarks.phases import device_sync
@@ -379,8 +383,7 @@ def run_static(model_dir: str, workload: Workload, batch_size: int, pad_id: int,
     def run_batch(prompts: list[list[int]], budgets: list[int]) -> list[list[int]]:
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
-                            device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
         config = _greedy_config(model, max(budgets))
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
@@ -401,13 +404,28 @@ def run_static(model_dir: str, workload: Workload, batch_size: int, pad_id: int,
         token_ids.extend(r[:n] for r, n in zip(rows, budgets, strict=True))
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu0
     useful = sum(len(t) for t in token_ids)
-    return SystemResult("static", wall, workload.prompt_tokens, useful, generated, cpu, token_ids,
-                        {"batch_size": batch_size, "device": device, "dtype": dtype})
+    return SystemResult(
+        "static",
+        wall,
+        workload.prompt_tokens,
+        useful,
+        generated,
+        cpu,
+        token_ids,
+        {"batch_size": batch_size, "device": device, "dtype": dtype},
+    )
 
 
-def run_generate_batch(model_dir: str, workload: Workload, *, max_requests: int,
-                       max_batch_tokens: int, dtype: str, device: str,
-                       attn: str = "sdpa") -> SystemResult:
+def run_generate_batch(
+    model_dir: str,
+    workload: Workload,
+    *,
+    max_requests: int,
+    max_batch_tokens: int,
+    dtype: str,
+    device: str,
+    attn: str = "sdpa",
+) -> SystemResult:
     import logging
 
     import torch
@@ -418,8 +436,10 @@ def run_generate_batch(model_dir: str, workload: Workload, *, max_requests: int,
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
     model = _load_hf_model(model_dir, dtype, device, attn)
     page_size = 256
-    pages = [math.ceil((len(p) + n) / page_size)
-             for p, n in zip(workload.prompts, workload.max_tokens, strict=True)]
+    pages = [
+        math.ceil((len(p) + n) / page_size)
+        for p, n in zip(workload.prompts, workload.max_tokens, strict=True)
+    ]
     # Room for max_requests of the longest at once, but no more than the whole workload.
     num_blocks = min(max_requests * max(pages), sum(pages)) + 8
     cb_config = ContinuousBatchingConfig(
@@ -432,8 +452,9 @@ def run_generate_batch(model_dir: str, workload: Workload, *, max_requests: int,
     config.eos_token_id = -1  # the manager's spelling of "no EOS"
     trace = phases.StepTrace(sync=phases.device_sync(torch.device(device)))
 
-    def run(manager: Any, prompts: list[list[int]], budgets: list[int],
-            prefix: str) -> list[list[int]]:
+    def run(
+        manager: Any, prompts: list[list[int]], budgets: list[int], prefix: str
+    ) -> list[list[int]]:
         ids = [
             manager.add_request(p, request_id=f"{prefix}-{i}", max_new_tokens=n, eos_token_id=-1)
             for i, (p, n) in enumerate(zip(prompts, budgets, strict=True))
@@ -459,8 +480,12 @@ def run_generate_batch(model_dir: str, workload: Workload, *, max_requests: int,
         phases.trace_continuous_batching(manager.batch_processor, trace)
         manager.start()
         try:
-            run(manager, [[rng.randrange(3, 100) for _ in range(8)] for _ in range(2)], [4, 4],
-                "warmup")
+            run(
+                manager,
+                [[rng.randrange(3, 100) for _ in range(8)] for _ in range(2)],
+                [4, 4],
+                "warmup",
+            )
             trace.start()
             cpu0, start = time.process_time(), time.perf_counter()
             token_ids = run(manager, workload.prompts, workload.max_tokens, "req")
@@ -469,12 +494,23 @@ def run_generate_batch(model_dir: str, workload: Workload, *, max_requests: int,
         finally:
             manager.stop(block=True)
     generated = sum(len(t) for t in token_ids)
-    return SystemResult("generate_batch", wall, workload.prompt_tokens, generated, generated,
-                        cpu, token_ids, {
-                            "max_requests_per_batch": max_requests,
-                            "max_batch_tokens": max_batch_tokens, "device": device, "dtype": dtype,
-                            "attn_implementation": attn_used,
-                            "phases": phases.summarise(trace.steps, max_requests)})
+    return SystemResult(
+        "generate_batch",
+        wall,
+        workload.prompt_tokens,
+        generated,
+        generated,
+        cpu,
+        token_ids,
+        {
+            "max_requests_per_batch": max_requests,
+            "max_batch_tokens": max_batch_tokens,
+            "device": device,
+            "dtype": dtype,
+            "attn_implementation": attn_used,
+            "phases": phases.summarise(trace.steps, max_requests),
+        },
+    )
 
 
 def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
@@ -501,33 +537,68 @@ def _parse_engine_args(pairs: list[str]) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.engine", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.engine", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--model", help="model directory (default: the demo llama-25m, built on use)")
-    p.add_argument("--workload", choices=sorted(WORKLOADS), default=DEFAULT_WORKLOAD,
-                   help="named synthetic workload; --num-requests/--input-len/--output-len "
-                   "override its parts. " + "; ".join(
-                       f"{k}: {n} requests, input {i}, output {o}" for k, (n, i, o) in WORKLOADS.items()))
-    p.add_argument("--num-requests", type=int,
-                   help=f"number of requests (default: the workload's, {DEFAULT_NUM_REQUESTS})")
+    p.add_argument(
+        "--workload",
+        choices=sorted(WORKLOADS),
+        default=DEFAULT_WORKLOAD,
+        help="named synthetic workload; --num-requests/--input-len/--output-len "
+        "override its parts. "
+        + "; ".join(
+            f"{k}: {n} requests, input {i}, output {o}" for k, (n, i, o) in WORKLOADS.items()
+        ),
+    )
+    p.add_argument(
+        "--num-requests",
+        type=int,
+        help=f"number of requests (default: the workload's, {DEFAULT_NUM_REQUESTS})",
+    )
     p.add_argument("--input-len", help=f"prompt length distribution (default {DEFAULT_INPUT_LEN})")
-    p.add_argument("--output-len", help=f"output length distribution (default {DEFAULT_OUTPUT_LEN})")
+    p.add_argument(
+        "--output-len", help=f"output length distribution (default {DEFAULT_OUTPUT_LEN})"
+    )
     p.add_argument("--from-jsonl", type=Path, help="take prompts and max_tokens from a JSONL file")
-    p.add_argument("--shared-prefix-frac", type=float, default=None,
-                   help="fraction of each prompt that is a prefix common to all (default 0)")
+    p.add_argument(
+        "--shared-prefix-frac",
+        type=float,
+        default=None,
+        help="fraction of each prompt that is a prefix common to all (default 0)",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of "
-                   + ",".join(SYSTEMS))
+    p.add_argument(
+        "--systems",
+        default=",".join(SYSTEMS),
+        help="comma-separated subset of " + ",".join(SYSTEMS),
+    )
     p.add_argument("--static-batch-size", type=int, default=16)
-    p.add_argument("--hf-attn", default="sdpa",
-                   help="attn_implementation of generate_batch (default sdpa, paged through "
-                   "transformers' PagedAttentionCache; or paged|eager, a flash implementation)")
-    p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
-                   help="engine config override (repeatable), e.g. max_num_seqs=64")
-    p.add_argument("--compare-prefix-caching", action="store_true",
-                   help="run the engine with and without prefix caching instead")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op threads (default: torch's choice). On a shared machine 1 "
-                   "avoids OpenMP barrier stalls that make small decode steps erratic")
+    p.add_argument(
+        "--hf-attn",
+        default="sdpa",
+        help="attn_implementation of generate_batch (default sdpa, paged through "
+        "transformers' PagedAttentionCache; or paged|eager, a flash implementation)",
+    )
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="engine config override (repeatable), e.g. max_num_seqs=64",
+    )
+    p.add_argument(
+        "--compare-prefix-caching",
+        action="store_true",
+        help="run the engine with and without prefix caching instead",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: torch's choice). On a shared machine 1 "
+        "avoids OpenMP barrier stalls that make small decode steps erratic",
+    )
     p.add_argument("--json", type=Path, help="write every figure to this file")
     return p
 
@@ -550,16 +621,31 @@ def _print_report(results: dict[str, Any]) -> None:
         f"{w['output_tokens']} output tokens (prompt/output {ratio:.2f}); "
         f"{json.dumps(w.get('description', {}))}"
     )
-    console.print(f"[bold]device[/]: {results.get('device')}, dtype {results.get('dtype')}, "
-                  f"torch threads {results.get('torch_threads')}")
+    console.print(
+        f"[bold]device[/]: {results.get('device')}, dtype {results.get('dtype')}, "
+        f"torch threads {results.get('torch_threads')}"
+    )
     table = Table(title="throughput (useful tokens)")
-    for col in ("system", "wall s", "output tok/s", "total tok/s", "cpu s", "output tok/cpu-s",
-                "decoded tokens"):
+    for col in (
+        "system",
+        "wall s",
+        "output tok/s",
+        "total tok/s",
+        "cpu s",
+        "output tok/cpu-s",
+        "decoded tokens",
+    ):
         table.add_column(col, justify="right" if col != "system" else "left")
     for name, r in results["systems"].items():
-        table.add_row(name, _fmt(r["wall_s"], 2), _fmt(r["output_tok_s"]), _fmt(r["total_tok_s"]),
-                      _fmt(r["cpu_s"], 1), _fmt(r["output_tok_per_cpu_s"]),
-                      str(r["generated_tokens"]))
+        table.add_row(
+            name,
+            _fmt(r["wall_s"], 2),
+            _fmt(r["output_tok_s"]),
+            _fmt(r["total_tok_s"]),
+            _fmt(r["cpu_s"], 1),
+            _fmt(r["output_tok_per_cpu_s"]),
+            str(r["generated_tokens"]),
+        )
     console.print(table)
     for key, value in results.get("ratios", {}).items():
         console.print(f"{key}: [bold]{value:.2f}x[/]")
@@ -610,7 +696,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         num_requests = args.num_requests or 64
         input_len = args.input_len or PREFIX_DEFAULT_INPUT_LEN
         output_len = args.output_len or PREFIX_DEFAULT_OUTPUT_LEN
-        shared = PREFIX_DEFAULT_SHARED_FRAC if args.shared_prefix_frac is None else args.shared_prefix_frac
+        shared = (
+            PREFIX_DEFAULT_SHARED_FRAC
+            if args.shared_prefix_frac is None
+            else args.shared_prefix_frac
+        )
         preset = "prefix-caching"
     else:
         num_requests = args.num_requests or preset_requests
@@ -619,10 +709,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         shared = args.shared_prefix_frac or 0.0
         preset = args.workload
     if args.from_jsonl:
-        workload = jsonl_workload(args.from_jsonl, tokenizer, max_model_len=max_model_len,
-                                  default_max_tokens=LengthDist.parse(output_len).sample(
-                                      random.Random(args.seed)),
-                                  limit=None)
+        workload = jsonl_workload(
+            args.from_jsonl,
+            tokenizer,
+            max_model_len=max_model_len,
+            default_max_tokens=LengthDist.parse(output_len).sample(random.Random(args.seed)),
+            limit=None,
+        )
     else:
         workload = synthetic_workload(
             num_requests=num_requests,
@@ -655,17 +748,25 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     if args.compare_prefix_caching:
         for label, enabled in (("engine_no_prefix_cache", False), ("engine_prefix_cache", True)):
-            r = run_engine(model_dir, workload, {**engine_config, "enable_prefix_caching": enabled},
-                           label=label)
+            r = run_engine(
+                model_dir,
+                workload,
+                {**engine_config, "enable_prefix_caching": enabled},
+                label=label,
+            )
             results["systems"][label] = r.as_dict()
             tokens[label] = r.token_ids
-        a, b = results["systems"]["engine_prefix_cache"], results["systems"]["engine_no_prefix_cache"]
+        a, b = (
+            results["systems"]["engine_prefix_cache"],
+            results["systems"]["engine_no_prefix_cache"],
+        )
         results["ratios"]["prefix caching speedup (wall, off / on)"] = b["wall_s"] / a["wall_s"]
         results["prefix_caching_speedup"] = b["wall_s"] / a["wall_s"]
         if a["cpu_s"]:
             results["ratios"]["prefix caching speedup (cpu-s, off / on)"] = b["cpu_s"] / a["cpu_s"]
         results["agreement"]["prefix cache on vs off"] = _agreement(
-            tokens["engine_prefix_cache"], tokens["engine_no_prefix_cache"])
+            tokens["engine_prefix_cache"], tokens["engine_no_prefix_cache"]
+        )
     else:
         max_seqs = int(engine_config.get("max_num_seqs", 0)) or None
         max_batched = int(engine_config.get("max_num_batched_tokens", 0)) or None
@@ -676,13 +777,24 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 max_seqs = max_seqs or int(cfg.get("max_num_seqs") or 0) or None
                 max_batched = max_batched or int(cfg.get("max_num_batched_tokens") or 0) or None
             elif name == "static":
-                r = run_static(model_dir, workload, args.static_batch_size, tokenizer.pad_token_id
-                               if tokenizer.pad_token_id is not None else 0,
-                               dtype=dtype, device=device)
+                r = run_static(
+                    model_dir,
+                    workload,
+                    args.static_batch_size,
+                    tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+                    dtype=dtype,
+                    device=device,
+                )
             else:
-                r = run_generate_batch(model_dir, workload, max_requests=max_seqs or 64,
-                                       max_batch_tokens=max_batched or 2048, dtype=dtype,
-                                       device=device, attn=args.hf_attn)
+                r = run_generate_batch(
+                    model_dir,
+                    workload,
+                    max_requests=max_seqs or 64,
+                    max_batch_tokens=max_batched or 2048,
+                    dtype=dtype,
+                    device=device,
+                    attn=args.hf_attn,
+                )
             results["systems"][name] = r.as_dict()
             tokens[name] = r.token_ids
         if "engine" in results["systems"]:
@@ -698,7 +810,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                             eng["output_tok_per_cpu_s"] / o["output_tok_per_cpu_s"]
                         )
                     results["agreement"][f"engine vs {other}"] = _agreement(
-                        tokens["engine"], tokens[other])
+                        tokens["engine"], tokens[other]
+                    )
 
     _print_report(results)
     if args.json:

@@ -131,15 +131,35 @@ def print_profile(console: Any, name: str, profile: dict[str, Any]) -> None:
     from rich.table import Table
 
     table = Table(title=f"{name}: where the time goes (forward-only rates are the ceiling)")
-    cols = ("phase", "steps", "time s", "share", "cpu s", "mean seqs", "prefill tok/s",
-            "decode tok/s", "fwd prefill tok/s", "fwd decode tok/s", "outside fwd")
+    cols = (
+        "phase",
+        "steps",
+        "time s",
+        "share",
+        "cpu s",
+        "mean seqs",
+        "prefill tok/s",
+        "decode tok/s",
+        "fwd prefill tok/s",
+        "fwd decode tok/s",
+        "outside fwd",
+    )
     for col in cols:
         table.add_column(col, justify="left" if col == "phase" else "right")
     for phase, f in [*profile["phases"].items(), ("all", profile["all"])]:
-        table.add_row(phase, str(f["steps"]), f"{f['time_s']:.2f}", f"{f['time_share']:.0%}",
-                      f"{f['cpu_s']:.2f}", f"{f['mean_running']:.1f}", f"{f['prefill_tok_s']:,.0f}",
-                      f"{f['decode_tok_s']:,.0f}", f"{f['forward_prefill_tok_s']:,.0f}",
-                      f"{f['forward_decode_tok_s']:,.0f}", f"{f['outside_forward_frac']:.0%}")
+        table.add_row(
+            phase,
+            str(f["steps"]),
+            f"{f['time_s']:.2f}",
+            f"{f['time_share']:.0%}",
+            f"{f['cpu_s']:.2f}",
+            f"{f['mean_running']:.1f}",
+            f"{f['prefill_tok_s']:,.0f}",
+            f"{f['decode_tok_s']:,.0f}",
+            f"{f['forward_prefill_tok_s']:,.0f}",
+            f"{f['forward_decode_tok_s']:,.0f}",
+            f"{f['outside_forward_frac']:.0%}",
+        )
     console.print(table)
 
 
@@ -161,7 +181,9 @@ def trace_engine(engine: Any, trace: StepTrace) -> None:
 
     def traced_schedule() -> Any:
         scheduled = schedule()
-        decode = sum(1 for seq, n in scheduled if n == 1 and seq.num_computed_tokens == len(seq) - 1)
+        decode = sum(
+            1 for seq, n in scheduled if n == 1 and seq.num_computed_tokens == len(seq) - 1
+        )
         total = sum(n for _, n in scheduled)
         if scheduled:
             trace.begin(total - decode, decode, len(scheduled))

@@ -21,16 +21,31 @@ from typing import Any
 # The published configurations' shapes (config.json of each model), nothing else.
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen2-0.5b": {
-        "model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864,
-        "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
-        "vocab_size": 151936, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
-        "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+        "model_type": "qwen2",
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
     },
     "llama-3.2-1b": {
-        "model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192,
-        "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "head_dim": 64, "vocab_size": 128256, "max_position_embeddings": 131072,
-        "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+        "model_type": "llama",
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "rope_theta": 500000.0,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": True,
     },
 }
 # Published parameter counts, for the test that the shapes are right.
@@ -48,8 +63,15 @@ def real_config(name: str, **overrides: Any) -> Any:
     return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
-def build(name: str, root: Path | None = None, *, dtype: str = "bfloat16", device: str = "cpu",
-          seed: int = 0, **overrides: Any) -> Path:
+def build(
+    name: str,
+    root: Path | None = None,
+    *,
+    dtype: str = "bfloat16",
+    device: str = "cpu",
+    seed: int = 0,
+    **overrides: Any,
+) -> Path:
     """Return the directory of ``name`` (built on first use under ``root``, default the demo
     models' cache). ``device`` is where the random init runs (a GPU inits a 1B model in a
     second; the CPU takes a minute)."""
@@ -68,7 +90,9 @@ def build(name: str, root: Path | None = None, *, dtype: str = "bfloat16", devic
     tokenizer = AutoTokenizer.from_pretrained(build_demo("llama-tiny"))
     config = real_config(name, **overrides)
     if len(tokenizer) > config.vocab_size:
-        raise ValueError(f"vocab_size {config.vocab_size} is below the tokenizer's {len(tokenizer)}")
+        raise ValueError(
+            f"vocab_size {config.vocab_size} is below the tokenizer's {len(tokenizer)}"
+        )
     config.eos_token_id = tokenizer.eos_token_id
     config.pad_token_id = tokenizer.pad_token_id
     config.bos_token_id = None
@@ -77,8 +101,9 @@ def build(name: str, root: Path | None = None, *, dtype: str = "bfloat16", devic
         torch.manual_seed(seed)
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-        model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
-                                                   pad_token_id=tokenizer.pad_token_id)
+        model.generation_config = GenerationConfig(
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+        )
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         del model

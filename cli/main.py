@@ -104,7 +104,9 @@ def up(
         typer.echo("Authentication is off (BATCHD_AUTH=off): any key works.")
     else:
         typer.echo(f"development API key (tenant 'default'): {development_key(settings)}")
-        typer.echo(f"  export OPENAI_BASE_URL=http://{shown_host}:{port}/v1 OPENAI_API_KEY=<that key>")
+        typer.echo(
+            f"  export OPENAI_BASE_URL=http://{shown_host}:{port}/v1 OPENAI_API_KEY=<that key>"
+        )
 
     def _stop(*_args: object) -> None:
         for child in children:

@@ -1,9 +1,9 @@
 """Batch state transitions. Each is one conditional UPDATE, so two actors never both win.
 
-    validating -> in_progress -> finalizing -> completed
-    validating -> failed
-    validating | in_progress -> cancelling -> cancelled
-    validating | in_progress | finalizing -> expired   (via the expiry sweep)
+validating -> in_progress -> finalizing -> completed
+validating -> failed
+validating | in_progress -> cancelling -> cancelled
+validating | in_progress | finalizing -> expired   (via the expiry sweep)
 """
 
 from __future__ import annotations

@@ -36,7 +36,9 @@ def package_dir(spec: str) -> Path:
     try:
         module = importlib.import_module(name)
     except ImportError as exc:
-        raise ValueError(f"model spec {spec!r}: package {name!r} is not installed ({exc})") from None
+        raise ValueError(
+            f"model spec {spec!r}: package {name!r} is not installed ({exc})"
+        ) from None
     getter = getattr(module, "get_model_path", None)
     if getter is None:
         raise ValueError(f"model spec {spec!r}: package {name!r} has no get_model_path()")

@@ -106,7 +106,9 @@ class Settings(BaseSettings):
     # request finishes, so this should be at least max_released_shards_per_model: the next
     # shard then starts feeding the engine while another drains.
     worker_shard_concurrency: int = 8
-    engine_options: Annotated[dict[str, Any], NoDecode] = Field(default_factory=dict)  # passed to engine config
+    engine_options: Annotated[dict[str, Any], NoDecode] = Field(
+        default_factory=dict
+    )  # passed to engine config
     # Off: each tenant's requests reuse cached prompt blocks only of the same tenant (no tenant
     # can learn, from cached_tokens or timing, what another's prompts begin with). On: one
     # cache for all, for single-tenant deployments.

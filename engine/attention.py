@@ -36,10 +36,18 @@ BACKENDS = ("sdpa", "flex")
 
 # Keywords a model may pass that change nothing here: they are None/False/0 for inference,
 # or describe masks and caches that the paged context replaces.
-_INERT_KWARGS = frozenset({
-    "position_ids", "cache_position", "output_attentions", "use_cache", "is_causal",
-    "past_key_values", "past_key_value", "cache",
-})
+_INERT_KWARGS = frozenset(
+    {
+        "position_ids",
+        "cache_position",
+        "output_attentions",
+        "use_cache",
+        "is_causal",
+        "past_key_values",
+        "past_key_value",
+        "cache",
+    }
+)
 # Config attributes of attention features no backend implements: such a model is refused at load.
 _UNSUPPORTED_CONFIG = {
     "attention_chunk_size": "chunked local attention (attention_chunk_size)",
@@ -81,8 +89,15 @@ class Backend(Protocol):
     name: str
 
     def attend(
-        self, ctx: AttentionContext, layer: int, query: torch.Tensor, key: torch.Tensor,
-        value: torch.Tensor, scaling: float | None, window: int | None, softcap: float | None,
+        self,
+        ctx: AttentionContext,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float | None,
+        window: int | None,
+        softcap: float | None,
     ) -> torch.Tensor:
         """``query`` [1, H, T, D], ``key``/``value`` [1, KV, T, D]; return [T, H, D]."""
         ...
@@ -140,8 +155,10 @@ def check_kwargs(kwargs: dict[str, object]) -> None:
             if name == "output_attentions" and value:
                 raise ValueError("batchd_paged attention cannot return attention weights")
             if name == "is_causal" and value is False:
-                raise ValueError("the model asks for non-causal attention (is_causal=False), "
-                                 "which the batchd_paged attention backends do not implement")
+                raise ValueError(
+                    "the model asks for non-causal attention (is_causal=False), "
+                    "which the batchd_paged attention backends do not implement"
+                )
             continue
         if value is None or value is False:
             continue
@@ -156,7 +173,9 @@ def check_config(config: Any) -> None:
     """Refuse at load a model whose config asks for an attention feature no backend has."""
     for attr, feature in _UNSUPPORTED_CONFIG.items():
         if getattr(config, attr, None):
-            raise ValueError(f"the model uses {feature}, which batchd's attention backends do not implement")
+            raise ValueError(
+                f"the model uses {feature}, which batchd's attention backends do not implement"
+            )
 
 
 def softcapped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
@@ -167,7 +186,9 @@ def resolve_backend(name: str, device: torch.device) -> str:
     if name == "auto":
         return "flex" if device.type == "cuda" else "sdpa"
     if name not in BACKENDS:
-        raise ValueError(f"attention_backend must be 'auto' or one of {list(BACKENDS)}, got {name!r}")
+        raise ValueError(
+            f"attention_backend must be 'auto' or one of {list(BACKENDS)}, got {name!r}"
+        )
     return name
 
 

@@ -41,8 +41,12 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
 
 
 def build_step(
-    tables: list[list[int]], token_seqs: list[int], positions: torch.Tensor, num_blocks: int,
-    block_size: int, device: torch.device,
+    tables: list[list[int]],
+    token_seqs: list[int],
+    positions: torch.Tensor,
+    num_blocks: int,
+    block_size: int,
+    device: torch.device,
 ) -> FlexStep:
     """A fixed number of tensor ops, whatever the number of sequences: the block tables are
     padded to one ``[num_seqs, width]`` tensor (padding points at a spare column) and scattered
@@ -51,7 +55,9 @@ def build_step(
     padded = [t + [num_blocks] * (width - len(t)) for t in tables]
     table = to_device(padded, torch.long, device)
     logical = torch.arange(width, dtype=torch.int32, device=device).expand(len(tables), width)
-    block_to_logical = torch.full((len(tables), num_blocks + 1), -1, dtype=torch.int32, device=device)
+    block_to_logical = torch.full(
+        (len(tables), num_blocks + 1), -1, dtype=torch.int32, device=device
+    )
     block_to_logical.scatter_(1, table, logical)
     return FlexStep(
         q_seq=to_device(token_seqs, torch.int32, device),
@@ -76,13 +82,20 @@ def mask_mod_for(step: FlexStep, window: int | None) -> Any:
     return mask_mod
 
 
-def block_mask(step: FlexStep, window: int | None, num_slots: int, device: torch.device) -> BlockMask:
+def block_mask(
+    step: FlexStep, window: int | None, num_slots: int, device: torch.device
+) -> BlockMask:
     if window not in step.masks:
         num_tokens = step.q_seq.shape[0]
         # On CUDA the mask is built by a compiled function (no dense [tokens, slots] tensor).
         step.masks[window] = create_block_mask(
-            mask_mod_for(step, window), B=None, H=None, Q_LEN=num_tokens, KV_LEN=num_slots,
-            device=device, _compile=device.type == "cuda",
+            mask_mod_for(step, window),
+            B=None,
+            H=None,
+            Q_LEN=num_tokens,
+            KV_LEN=num_slots,
+            device=device,
+            _compile=device.type == "cuda",
         )
     return step.masks[window]
 
@@ -112,8 +125,15 @@ class FlexBackend:
     name = "flex"
 
     def attend(
-        self, ctx: AttentionContext, layer: int, query: torch.Tensor, key: torch.Tensor,
-        value: torch.Tensor, scaling: float | None, window: int | None, softcap: float | None,
+        self,
+        ctx: AttentionContext,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float | None,
+        window: int | None,
+        softcap: float | None,
     ) -> torch.Tensor:
         step = ctx.flex
         if step is None:
@@ -125,7 +145,9 @@ class FlexBackend:
         k = k_cache.view(1, num_slots, kv_heads, head_dim).transpose(1, 2)  # [1, KV, S, D] in place
         v = v_cache.view(1, num_slots, kv_heads, head_dim).transpose(1, 2)
         out = _kernel(query.device)(
-            query.to(k.dtype), k, v,
+            query.to(k.dtype),
+            k,
+            v,
             score_mod=None if softcap is None else _softcap_mod(softcap),
             block_mask=block_mask(step, window, num_slots, query.device),
             scale=scaling,

@@ -23,8 +23,13 @@ from engine.attention import AttentionContext, PrefillChunk, softcapped
 
 
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
-    mask: torch.Tensor | None, causal: bool, softcap: float | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float | None,
+    mask: torch.Tensor | None,
+    causal: bool,
+    softcap: float | None,
 ) -> torch.Tensor:
     """``q`` [1, H, q, D] against ``k``/``v`` [1, KV, n, D]; H a multiple of KV (GQA)."""
     _, num_heads, n_q, head_dim = q.shape
@@ -36,7 +41,7 @@ def _attend(
     # Fold the query heads of a group onto their KV head: no K/V repeat.
     q = q.view(1, kv_heads, num_heads // kv_heads, n_q, head_dim)
     k, v = k.unsqueeze(2), v.unsqueeze(2)
-    scale = head_dim ** -0.5 if scale is None else scale
+    scale = head_dim**-0.5 if scale is None else scale
     scores = softcapped(torch.matmul(q, k.transpose(-1, -2)) * scale, softcap)
     if causal:
         n_q, n_k = scores.shape[-2:]
@@ -47,7 +52,9 @@ def _attend(
     return torch.matmul(probs, v).view(1, num_heads, n_q, head_dim)
 
 
-def _chunk_mask(chunk: PrefillChunk, key_start: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+def _chunk_mask(
+    chunk: PrefillChunk, key_start: int, window: int | None, device: torch.device
+) -> torch.Tensor | None:
     """[q, keys] bool, True = attend, for keys at positions ``key_start .. context_len - 1``."""
     if window not in chunk.masks:
         end = chunk.first_pos + (chunk.end - chunk.start)
@@ -64,8 +71,15 @@ class SdpaBackend:
     name = "sdpa"
 
     def attend(
-        self, ctx: AttentionContext, layer: int, query: torch.Tensor, key: torch.Tensor,
-        value: torch.Tensor, scaling: float | None, window: int | None, softcap: float | None,
+        self,
+        ctx: AttentionContext,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float | None,
+        window: int | None,
+        softcap: float | None,
     ) -> torch.Tensor:
         k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
         _, num_heads, num_tokens, head_dim = query.shape
@@ -84,15 +98,20 @@ class SdpaBackend:
                 kd = k_cache.index_select(0, d.blocks).view(-1, kv_heads, head_dim)[lo:n]
                 vd = v_cache.index_select(0, d.blocks).view(-1, kv_heads, head_dim)[lo:n]
                 od[i] = _attend(
-                    qd[i], kd.transpose(0, 1).unsqueeze(0), vd.transpose(0, 1).unsqueeze(0),
-                    scaling, None, False, softcap,
+                    qd[i],
+                    kd.transpose(0, 1).unsqueeze(0),
+                    vd.transpose(0, 1).unsqueeze(0),
+                    scaling,
+                    None,
+                    False,
+                    softcap,
                 )[0]
         for chunk in ctx.prefills:
             n_q = chunk.end - chunk.start
-            qp = q[:, chunk.start:chunk.end].unsqueeze(0)  # [1, H, q, D]
+            qp = q[:, chunk.start : chunk.end].unsqueeze(0)  # [1, H, q, D]
             if chunk.blocks is None:
-                kp = key[:, :, chunk.start:chunk.end]
-                vp = value[:, :, chunk.start:chunk.end]
+                kp = key[:, :, chunk.start : chunk.end]
+                vp = value[:, :, chunk.start : chunk.end]
                 key_start = 0
             else:
                 n = chunk.context_len
@@ -107,5 +126,5 @@ class SdpaBackend:
             else:
                 mask = _chunk_mask(chunk, key_start, window, q.device)
                 op = _attend(qp, kp, vp, scaling, mask, False, softcap)
-            out[chunk.start:chunk.end] = op[0].transpose(0, 1)
+            out[chunk.start : chunk.end] = op[0].transpose(0, 1)
         return out

@@ -22,7 +22,9 @@ CacheKey = tuple[str | None, bytes]  # (cache salt, block key)
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -58,7 +60,7 @@ class BlockManager:
         salt, bs, tokens = seq.cache_salt, self.block_size, seq.token_ids
         for i, h in enumerate(seq.hashes_for(max_blocks, bs)):
             block = self.hash_to_block.get((salt, h))
-            if block is None or self.block_tokens[block] != tokens[i * bs:(i + 1) * bs]:
+            if block is None or self.block_tokens[block] != tokens[i * bs : (i + 1) * bs]:
                 break
             matched.append(block)
         return matched
@@ -135,6 +137,6 @@ class BlockManager:
             key = (salt, hashes[i])
             if self.block_hash[block] is None and key not in self.hash_to_block:
                 self.block_hash[block] = key
-                self.block_tokens[block] = seq.token_ids[i * bs:(i + 1) * bs]
+                self.block_tokens[block] = seq.token_ids[i * bs : (i + 1) * bs]
                 self.hash_to_block[key] = block
         seq.num_hashed_blocks = full

@@ -45,7 +45,9 @@ class EngineConfig:
                 f"dtype must be one of 'auto', 'float32', 'float16', 'bfloat16', got {self.dtype!r}"
             )
         if not isinstance(self.device, str) or not self.device:
-            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+            raise ValueError(
+                f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}"
+            )
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive_int("block_size", self.block_size)
@@ -53,7 +55,9 @@ class EngineConfig:
             raise ValueError(f"block_size must be at most 1024, got {self.block_size}")
         kv = self.kv_cache_memory
         if isinstance(kv, bool) or not isinstance(kv, int | float):
-            raise ValueError(f"kv_cache_memory must be bytes (int) or a fraction (float), got {kv!r}")
+            raise ValueError(
+                f"kv_cache_memory must be bytes (int) or a fraction (float), got {kv!r}"
+            )
         if isinstance(kv, float) and not 0.0 < kv <= 1.0:
             raise ValueError(f"kv_cache_memory as a fraction must be in (0, 1], got {kv}")
         if isinstance(kv, int) and kv < 1:
@@ -80,7 +84,9 @@ class EngineConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - names)
         if unknown:
-            raise ValueError(f"unknown engine config field(s) {unknown}; known fields: {sorted(names)}")
+            raise ValueError(
+                f"unknown engine config field(s) {unknown}; known fields: {sorted(names)}"
+            )
         return cls(**kwargs)
 
 

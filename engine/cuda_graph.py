@@ -77,7 +77,9 @@ class DecodeGraphs:
             size=size,
             input_ids=torch.zeros(size, dtype=torch.long, device=dev),
             positions=torch.zeros(size, dtype=torch.long, device=dev),
-            slot_mapping=torch.full((size,), r.scratch_block * r.block_size, dtype=torch.long, device=dev),
+            slot_mapping=torch.full(
+                (size,), r.scratch_block * r.block_size, dtype=torch.long, device=dev
+            ),
             q_seq=torch.arange(size, dtype=torch.int32, device=dev),
             block_to_logical=pad_table.expand(size, -1).clone(),
             pad_table=pad_table,
@@ -103,8 +105,10 @@ class DecodeGraphs:
         flex = FlexStep(s.q_seq, s.positions.to(torch.int32), s.block_to_logical, r.block_size)
         ctx = AttentionContext(r.k_cache, r.v_cache, s.slot_mapping, r.backend, flex=flex)
         out = r.base(
-            input_ids=s.input_ids.unsqueeze(0), position_ids=s.positions.unsqueeze(0),
-            use_cache=False, batchd_ctx=ctx,
+            input_ids=s.input_ids.unsqueeze(0),
+            position_ids=s.positions.unsqueeze(0),
+            use_cache=False,
+            batchd_ctx=ctx,
         )
         return r.logits(out.last_hidden_state[0])
 

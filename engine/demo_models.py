@@ -63,15 +63,28 @@ PRESETS: dict[str, Preset] = {
     "qwen2-25m": Preset("qwen2", 512, 8, 8, 4, 1376, max_position_embeddings=4096, seed=1),
     # Tiny members of model families with attention features of their own (tests):
     # Mistral: a sliding window on every layer.
-    "mistral-tiny": Preset("mistral", 64, 2, 4, 2, 176, max_position_embeddings=1024, seed=2,
-                           sliding_window=32),
+    "mistral-tiny": Preset(
+        "mistral", 64, 2, 4, 2, 176, max_position_embeddings=1024, seed=2, sliding_window=32
+    ),
     # Qwen2 with use_sliding_window: layer 0 global, layer 1 windowed (max_window_layers=1).
-    "qwen2-swa-tiny": Preset("qwen2", 64, 2, 4, 2, 176, max_position_embeddings=1024, seed=3,
-                             sliding_window=32),
+    "qwen2-swa-tiny": Preset(
+        "qwen2", 64, 2, 4, 2, 176, max_position_embeddings=1024, seed=3, sliding_window=32
+    ),
     # Gemma-2: local (windowed) and global layers alternate; attention and final logits
     # soft-capped.
-    "gemma2-tiny": Preset("gemma2", 64, 2, 4, 2, 176, max_position_embeddings=1024, seed=4,
-                          sliding_window=32, attn_logit_softcapping=2.0, final_logit_softcapping=8.0),
+    "gemma2-tiny": Preset(
+        "gemma2",
+        64,
+        2,
+        4,
+        2,
+        176,
+        max_position_embeddings=1024,
+        seed=4,
+        sliding_window=32,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=8.0,
+    ),
 }
 FAMILY_MODELS = ("mistral-tiny", "qwen2-swa-tiny", "gemma2-tiny")
 DEFAULT_DEMO_MODEL = "llama-25m"
@@ -166,13 +179,19 @@ def _family_config(preset: Preset, common: dict) -> object:
     if preset.arch == "qwen2":
         if preset.sliding_window is None:
             return Qwen2Config(**common)
-        return Qwen2Config(**common, use_sliding_window=True, sliding_window=preset.sliding_window,
-                           max_window_layers=preset.num_layers // 2)
+        return Qwen2Config(
+            **common,
+            use_sliding_window=True,
+            sliding_window=preset.sliding_window,
+            max_window_layers=preset.num_layers // 2,
+        )
     if preset.arch == "mistral":
         return MistralConfig(**common, head_dim=head_dim, sliding_window=preset.sliding_window)
     if preset.arch == "gemma2":
         return Gemma2Config(
-            **common, head_dim=head_dim, query_pre_attn_scalar=head_dim,
+            **common,
+            head_dim=head_dim,
+            query_pre_attn_scalar=head_dim,
             sliding_window=preset.sliding_window,
             attn_logit_softcapping=preset.attn_logit_softcapping,
             final_logit_softcapping=preset.final_logit_softcapping,

@@ -62,7 +62,11 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._aborted: list[RequestOutput] = []
         self._stats = EngineStats(kv_blocks_total=self.runner.num_blocks)
-        log.info("engine ready: %d KV blocks, max_model_len %d", self.runner.num_blocks, self.max_model_len)
+        log.info(
+            "engine ready: %d KV blocks, max_model_len %d",
+            self.runner.num_blocks,
+            self.max_model_len,
+        )
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -94,7 +98,9 @@ class Engine:
                 f"request {request_id!r}: the prompt is empty; it needs at least 1 token",
                 "invalid_prompt",
             )
-        bad = next((t for t in prompt if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
+        bad = next(
+            (t for t in prompt if not isinstance(t, int) or not 0 <= t < self.vocab_size), None
+        )
         if bad is not None:
             raise RequestError(
                 f"request {request_id!r}: prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})",
@@ -115,7 +121,11 @@ class Engine:
                 "kv_cache_too_small",
             )
         request = Request(
-            request_id, prompt, params, RequestMetrics(arrival_time=time.time()), cache_salt=cache_salt
+            request_id,
+            prompt,
+            params,
+            RequestMetrics(arrival_time=time.time()),
+            cache_salt=cache_salt,
         )
         seq = Sequence(request, 0, list(prompt), max_len, self._generator(params, 0))
         seq.expected_work = max_len * params.n
@@ -166,7 +176,10 @@ class Engine:
         return finished
 
     def _postprocess(
-        self, scheduled: list[tuple[Sequence, int]], sample_seqs: list[Sequence], logits: torch.Tensor
+        self,
+        scheduled: list[tuple[Sequence, int]],
+        sample_seqs: list[Sequence],
+        logits: torch.Tensor,
     ) -> list[RequestOutput]:
         bm = self.block_manager
         for seq, n in scheduled:
@@ -211,7 +224,7 @@ class Engine:
                 if delta:
                     hit = find_stop(seq.text, len(delta), params.stop)
                     if hit is not None:
-                        seq.text = seq.text[:hit[0]]
+                        seq.text = seq.text[: hit[0]]
                         reason, stop = "stop", hit[1]
             if reason is None and len(seq) >= seq.max_len:
                 reason = "length"
@@ -231,8 +244,13 @@ class Engine:
     def _fork(self, parent: Sequence, index: int) -> Sequence:
         """Completion ``index`` of an ``n > 1`` request: shares the parent's full prompt blocks."""
         request = parent.request
-        child = Sequence(request, index, list(parent.token_ids), parent.max_len,
-                         self._generator(parent.params, index))
+        child = Sequence(
+            request,
+            index,
+            list(parent.token_ids),
+            parent.max_len,
+            self._generator(parent.params, index),
+        )
         full = parent.num_computed_tokens // self.config.block_size
         shared = parent.block_table[:full]
         self.block_manager.share(shared)
@@ -253,8 +271,13 @@ class Engine:
         first in line, as a sequence of the prompt alone; admitted, it reads the prompt's
         blocks from the prefix cache and samples its first token from its own logits."""
         request = parent.request
-        child = Sequence(request, index, list(request.prompt_token_ids), parent.max_len,
-                         self._generator(parent.params, index))
+        child = Sequence(
+            request,
+            index,
+            list(request.prompt_token_ids),
+            parent.max_len,
+            self._generator(parent.params, index),
+        )
         child.expected_work = parent.max_len
         child.bucket = parent.bucket
         child.priority = parent.priority
@@ -310,7 +333,9 @@ class Engine:
         s.total_prompt_tokens = sched.total_prompt_tokens
         s.total_cached_tokens = sched.total_cached_tokens
         s.prefix_cache_hit_rate = (
-            sched.total_cached_tokens / sched.total_prompt_tokens if sched.total_prompt_tokens else 0.0
+            sched.total_cached_tokens / sched.total_prompt_tokens
+            if sched.total_prompt_tokens
+            else 0.0
         )
         return EngineStats(**{f: getattr(s, f) for f in s.__dataclass_fields__})
 

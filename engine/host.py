@@ -622,7 +622,9 @@ class EngineHost:
         if self._closing:
             raise HostError("engine host is shut down")
 
-    def _abort_where(self, match: Callable[[_Entry], bool], ids: Iterable[str] | None = None) -> int:
+    def _abort_where(
+        self, match: Callable[[_Entry], bool], ids: Iterable[str] | None = None
+    ) -> int:
         with self._lock:
             candidates = (
                 [self._live[i] for i in ids if i in self._live]
@@ -692,9 +694,10 @@ class EngineHost:
             in_flight: dict[str, _Entry] = {}
             while True:
                 with self._lock:
-                    while not (
-                        self._pending or self._to_abort or self._stats_requests or in_flight
-                    ) and not self._closing:
+                    while (
+                        not (self._pending or self._to_abort or self._stats_requests or in_flight)
+                        and not self._closing
+                    ):
                         self._work.wait()
                     to_abort, self._to_abort = self._to_abort, []
                     stats_requests, self._stats_requests = self._stats_requests, []
@@ -746,7 +749,10 @@ class EngineHost:
         for entry in admitted:
             try:
                 self._engine.add_request(
-                    entry.request_id, entry.prompt_token_ids, entry.params, entry.priority,
+                    entry.request_id,
+                    entry.prompt_token_ids,
+                    entry.params,
+                    entry.priority,
                     cache_salt=entry.cache_salt,
                 )
             except Exception as exc:  # RequestError, or a bad argument the engine rejects
@@ -851,7 +857,12 @@ def _abort_output(entry: _Entry) -> RequestOutput:
         prompt_token_ids=list(entry.prompt_token_ids),
         outputs=[
             CompletionOutput(
-                index=i, text="", token_ids=[], finish_reason="abort", stop_reason=None, logprobs=None
+                index=i,
+                text="",
+                token_ids=[],
+                finish_reason="abort",
+                stop_reason=None,
+                logprobs=None,
             )
             for i in range(n)
         ],
@@ -887,5 +898,3 @@ def _resolve_call(future: Future, fn: Callable[[], Any]) -> None:
         future.set_result(fn())
     except Exception as exc:
         future.set_exception(exc)
-
-

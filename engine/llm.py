@@ -41,7 +41,9 @@ class LLM:
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts; pass one or one each")
+            raise ValueError(
+                f"got {len(params)} sampling params for {len(prompts)} prompts; pass one or one each"
+            )
         batch = next(self._batch_ids)
         results: list[RequestOutput | None] = [None] * len(prompts)
         index: dict[str, int] = {}
@@ -52,8 +54,12 @@ class LLM:
                 self.engine.add_request(request_id, ids, p, cache_salt=cache_salt)
             except RequestError as exc:
                 results[i] = RequestOutput(
-                    request_id=request_id, prompt_token_ids=ids, outputs=[], finished=True,
-                    metrics=RequestMetrics(arrival_time=time.time()), error=str(exc),
+                    request_id=request_id,
+                    prompt_token_ids=ids,
+                    outputs=[],
+                    finished=True,
+                    metrics=RequestMetrics(arrival_time=time.time()),
+                    error=str(exc),
                 )
                 continue
             index[request_id] = i

@@ -24,8 +24,9 @@ def blocks_per_sequence(max_model_len: int, block_size: int) -> int:
     return -(-max_model_len // block_size)
 
 
-def kv_budget_bytes(kv_cache_memory: int | float, *, free_bytes: int | None,
-                    activation_peak_bytes: int = 0) -> int:
+def kv_budget_bytes(
+    kv_cache_memory: int | float, *, free_bytes: int | None, activation_peak_bytes: int = 0
+) -> int:
     """Bytes the KV cache may take.
 
     ``kv_cache_memory`` as an int is bytes, used as is. As a float it is a fraction of
@@ -40,8 +41,15 @@ def kv_budget_bytes(kv_cache_memory: int | float, *, free_bytes: int | None,
     return int(max(0, free_bytes - activation_peak_bytes) * kv_cache_memory)
 
 
-def num_kv_blocks(budget_bytes: int, *, bytes_per_block: int, block_size: int,
-                  max_model_len: int, max_num_seqs: int, describe: str = "") -> int:
+def num_kv_blocks(
+    budget_bytes: int,
+    *,
+    bytes_per_block: int,
+    block_size: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    describe: str = "",
+) -> int:
     """Blocks that fit in ``budget_bytes``, capped at every sequence at full length (more
     would never be used). A budget that cannot hold one sequence of ``max_model_len`` is an
     error naming both figures: such an engine would refuse or endlessly preempt its longest
@@ -60,8 +68,9 @@ def num_kv_blocks(budget_bytes: int, *, bytes_per_block: int, block_size: int,
 
 
 @torch.inference_mode()
-def profile_activation_peak(model: Any, *, num_tokens: int, max_model_len: int,
-                            num_sampled: int, device: torch.device) -> int:
+def profile_activation_peak(
+    model: Any, *, num_tokens: int, max_model_len: int, num_sampled: int, device: torch.device
+) -> int:
     """Peak bytes above the resident weights of one forward over ``num_tokens`` packed tokens
     (positions restart every ``max_model_len``), logits for ``num_sampled`` rows included.
 
@@ -85,7 +94,7 @@ def profile_activation_peak(model: Any, *, num_tokens: int, max_model_len: int,
         model.set_attn_implementation("eager")
     try:
         hidden = base(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
-        rows = hidden[0, -max(1, min(num_sampled, num_tokens)):]
+        rows = hidden[0, -max(1, min(num_sampled, num_tokens)) :]
         model.get_output_embeddings()(rows).float()
         del hidden, rows
     finally:

@@ -51,7 +51,9 @@ class ModelRunner:
         attention.check_config(text_config)
         self.model_config = text_config
         self.num_layers = text_config.num_hidden_layers
-        self.num_kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+        self.num_kv_heads = (
+            getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+        )
         self.head_dim = getattr(text_config, "head_dim", None) or (
             text_config.hidden_size // text_config.num_attention_heads
         )
@@ -71,13 +73,21 @@ class ModelRunner:
         # probe and the padding rows of a CUDA graph write to, never read by a real sequence.
         self.scratch_block = self.num_blocks
         shape = (self.num_blocks + 1, self.block_size, self.num_kv_heads, self.head_dim)
-        self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.k_cache = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
+        ]
+        self.v_cache = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
+        ]
         self._block_offsets = torch.arange(self.block_size, device=self.device)
         log.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB) on %s, dtype %s",
-            self.num_blocks, self.block_size, slots, self.bytes_per_block * self.num_blocks / 2**20,
-            self.device, self.dtype,
+            self.num_blocks,
+            self.block_size,
+            slots,
+            self.bytes_per_block * self.num_blocks / 2**20,
+            self.device,
+            self.dtype,
         )
         self.graphs = None
         self._probe()
@@ -104,17 +114,29 @@ class ModelRunner:
         describe = f" (kv_cache_memory {cfg.kv_cache_memory!r})"
         if isinstance(cfg.kv_cache_memory, float) and self.device.type == "cuda":
             peak = memory.profile_activation_peak(
-                self.model, num_tokens=cfg.max_num_batched_tokens, max_model_len=self.max_model_len,
-                num_sampled=cfg.max_num_seqs, device=self.device)
+                self.model,
+                num_tokens=cfg.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                num_sampled=cfg.max_num_seqs,
+                device=self.device,
+            )
             free, _ = torch.cuda.mem_get_info(self.device)
-            describe = (f" (kv_cache_memory {cfg.kv_cache_memory!r} of {free / 2**20:.0f} MiB free "
-                        f"less a {peak / 2**20:.0f} MiB activation peak)")
-        budget = memory.kv_budget_bytes(cfg.kv_cache_memory, free_bytes=free,
-                                        activation_peak_bytes=peak)
+            describe = (
+                f" (kv_cache_memory {cfg.kv_cache_memory!r} of {free / 2**20:.0f} MiB free "
+                f"less a {peak / 2**20:.0f} MiB activation peak)"
+            )
+        budget = memory.kv_budget_bytes(
+            cfg.kv_cache_memory, free_bytes=free, activation_peak_bytes=peak
+        )
         budget -= self.bytes_per_block  # the scratch block (see __init__)
         return memory.num_kv_blocks(
-            budget, bytes_per_block=self.bytes_per_block, block_size=self.block_size,
-            max_model_len=self.max_model_len, max_num_seqs=cfg.max_num_seqs, describe=describe)
+            budget,
+            bytes_per_block=self.bytes_per_block,
+            block_size=self.block_size,
+            max_model_len=self.max_model_len,
+            max_num_seqs=cfg.max_num_seqs,
+            describe=describe,
+        )
 
     # -- one step -------------------------------------------------------------------------------
 
@@ -136,7 +158,9 @@ class ModelRunner:
             return self._prepare_flex(decodes, prefills)
         return self._prepare_sdpa(decodes, prefills)
 
-    def _prepare_flex(self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]]) -> StepBatch:
+    def _prepare_flex(
+        self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]]
+    ) -> StepBatch:
         """Pack the step with a fixed number of tensor ops, whatever the number of sequences."""
         bs = self.block_size
         dev = self.device
@@ -148,7 +172,9 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
         parts = [(seq, len(seq) - 1, len(seq)) for seq in decodes]
-        parts += [(seq, seq.num_computed_tokens, seq.num_computed_tokens + n) for seq, n in prefills]
+        parts += [
+            (seq, seq.num_computed_tokens, seq.num_computed_tokens + n) for seq, n in prefills
+        ]
         for i, (seq, c0, end) in enumerate(parts):
             table = seq.block_table
             tables.append(table[: -(-end // bs)])
@@ -161,7 +187,10 @@ class ModelRunner:
                 sample_seqs.append(seq)
         positions = to_device(pos, torch.long, dev)
         ctx = AttentionContext(
-            self.k_cache, self.v_cache, to_device(slots, torch.long, dev), self.backend,
+            self.k_cache,
+            self.v_cache,
+            to_device(slots, torch.long, dev),
+            self.backend,
             flex=build_step(tables, q_seq, positions, self.num_blocks + 1, bs, dev),
         )
         return StepBatch(
@@ -173,7 +202,9 @@ class ModelRunner:
             num_tokens=len(ids),
         )
 
-    def _prepare_sdpa(self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]]) -> StepBatch:
+    def _prepare_sdpa(
+        self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]]
+    ) -> StepBatch:
         bs = self.block_size
         dev = self.device
         ids: list[int] = []
@@ -196,7 +227,7 @@ class ModelRunner:
             at = 0
             for seq in decodes:
                 nb = (len(seq) - 1) // bs + 1
-                ctx.decodes.append(Decode(all_blocks[at:at + nb], len(seq)))
+                ctx.decodes.append(Decode(all_blocks[at : at + nb], len(seq)))
                 at += nb
         slot_parts = [torch.tensor(slots, dtype=torch.long, device=dev)] if nd else []
         pos_parts = [torch.tensor(pos, dtype=torch.long, device=dev)] if nd else []

@@ -41,10 +41,14 @@ class Sampler:
                 out = seqs[i].output_token_ids
                 if not out:
                     continue
-                counts = torch.bincount(torch.tensor(out, device=logits.device), minlength=vocab)[:vocab]
+                counts = torch.bincount(torch.tensor(out, device=logits.device), minlength=vocab)[
+                    :vocab
+                ]
                 counts = counts.to(logits.dtype)
                 p = params[i]
-                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(
+                    logits.dtype
+                )
         if not all(greedy):
             temps = torch.tensor([p.temperature or 1.0 for p in params], device=logits.device)
             logits = logits / temps.unsqueeze(1)
@@ -80,7 +84,9 @@ class Sampler:
             cut = rank >= torch.tensor(top_k, device=logits.device).unsqueeze(1)
             probs = sorted_logits.softmax(dim=-1)
             before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above each token
-            cut |= before > torch.tensor(top_p, device=logits.device, dtype=probs.dtype).unsqueeze(1)
+            cut |= before > torch.tensor(top_p, device=logits.device, dtype=probs.dtype).unsqueeze(
+                1
+            )
             cut[:, 0] = False
             sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
             logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)

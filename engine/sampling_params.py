@@ -29,7 +29,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if (
+            isinstance(self.max_tokens, bool)
+            or not isinstance(self.max_tokens, int)
+            or self.max_tokens < 1
+        ):
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not 0.0 <= float(self.temperature) <= 100.0:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
@@ -37,23 +41,33 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+        ):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None:
-            if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-                raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+            if not isinstance(self.stop, list) or not all(
+                isinstance(s, str) and s for s in self.stop
+            ):
+                raise ValueError(
+                    f"stop must be a non-empty string or a list of them, got {self.stop!r}"
+                )
             if len(self.stop) > 16:
                 raise ValueError(f"stop may hold at most 16 strings, got {len(self.stop)}")
         if self.stop_token_ids is not None and not all(
             isinstance(t, int) and t >= 0 for t in self.stop_token_ids
         ):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+            raise ValueError(
+                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}"
+            )
         if not isinstance(self.n, int) or not 1 <= self.n <= 128:
             raise ValueError(f"n must be an integer in [1, 128], got {self.n!r}")
         if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= 20:
-            raise ValueError(f"top_logprobs must be an integer in [0, 20], got {self.top_logprobs!r}")
+            raise ValueError(
+                f"top_logprobs must be an integer in [0, 20], got {self.top_logprobs!r}"
+            )
         if self.top_logprobs and not self.logprobs:
             self.logprobs = True
         for name in ("presence_penalty", "frequency_penalty"):

@@ -103,7 +103,9 @@ def _valid(seq: Sequence, epoch: int) -> bool:
     return seq.epoch == epoch and seq.status is Status.WAITING
 
 
-def _deque_iter(queue: deque[tuple[Sequence, int]], preempted: bool) -> Iterator[tuple[Sequence, bool]]:
+def _deque_iter(
+    queue: deque[tuple[Sequence, int]], preempted: bool
+) -> Iterator[tuple[Sequence, bool]]:
     while queue and not _valid(*queue[0]):
         queue.popleft()
     for seq, epoch in list(queue):
@@ -113,7 +115,9 @@ def _deque_iter(queue: deque[tuple[Sequence, int]], preempted: bool) -> Iterator
             queue.popleft()
 
 
-def _heap_iter(heap: list[HeapItem], max_priority: int | None = None) -> Iterator[tuple[Sequence, bool]]:
+def _heap_iter(
+    heap: list[HeapItem], max_priority: int | None = None
+) -> Iterator[tuple[Sequence, bool]]:
     """Walk a heap in order, dropping stale entries; entries the caller passes over stay.
     With ``max_priority``, stop at the first entry of a less urgent priority."""
     kept = []
@@ -204,7 +208,9 @@ class Scheduler:
         if caching:
             for seq in self.running:
                 if seq.num_computed_tokens < len(seq) - 1:
-                    pending.update(seq.hashes_for(len(seq) // bs, bs)[seq.num_computed_tokens // bs:])
+                    pending.update(
+                        seq.hashes_for(len(seq) // bs, bs)[seq.num_computed_tokens // bs :]
+                    )
         candidates = self.waiting.candidates(self.hot_buckets)
         try:
             for seq, was_preempted in candidates:

@@ -65,15 +65,40 @@ class Sequence:
     """
 
     __slots__ = (
-        "seq_id", "request", "index", "params", "token_ids", "num_prompt_tokens",
-        "num_computed_tokens", "block_table", "block_hashes", "num_hashed_blocks", "status",
-        "max_len", "generator", "logprobs", "finish_reason", "stop_reason", "text",
-        "detok_prefix", "detok_read", "needs_fork", "expected_work", "bucket", "epoch",
+        "seq_id",
+        "request",
+        "index",
+        "params",
+        "token_ids",
+        "num_prompt_tokens",
+        "num_computed_tokens",
+        "block_table",
+        "block_hashes",
+        "num_hashed_blocks",
+        "status",
+        "max_len",
+        "generator",
+        "logprobs",
+        "finish_reason",
+        "stop_reason",
+        "text",
+        "detok_prefix",
+        "detok_read",
+        "needs_fork",
+        "expected_work",
+        "bucket",
+        "epoch",
         "priority",
     )
 
-    def __init__(self, request: Request, index: int, token_ids: list[int], max_len: int,
-                 generator: torch.Generator | None) -> None:
+    def __init__(
+        self,
+        request: Request,
+        index: int,
+        token_ids: list[int],
+        max_len: int,
+        generator: torch.Generator | None,
+    ) -> None:
         self.seq_id = next(_ids)
         self.request = request
         self.index = index
@@ -108,7 +133,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def is_finished(self) -> bool:
@@ -126,5 +151,5 @@ class Sequence:
         while len(hashes) < num_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else salt_digest(self.request.cache_salt)
-            hashes.append(block_digest(parent, tokens[i * block_size:(i + 1) * block_size]))
+            hashes.append(block_digest(parent, tokens[i * block_size : (i + 1) * block_size]))
         return hashes

@@ -47,10 +47,12 @@ def detokenize_step(tokenizer: Any, seq: Sequence) -> str:
     Text is held back while it ends in an incomplete UTF-8 sequence (U+FFFD).
     """
     tokens = seq.token_ids
-    prefix_text = tokenizer.decode(tokens[seq.detok_prefix:seq.detok_read], skip_special_tokens=True)
-    full = tokenizer.decode(tokens[seq.detok_prefix:], skip_special_tokens=True)
+    prefix_text = tokenizer.decode(
+        tokens[seq.detok_prefix : seq.detok_read], skip_special_tokens=True
+    )
+    full = tokenizer.decode(tokens[seq.detok_prefix :], skip_special_tokens=True)
     if len(full) > len(prefix_text) and not full.endswith("\ufffd"):
-        delta = full[len(prefix_text):]
+        delta = full[len(prefix_text) :]
         seq.detok_prefix = seq.detok_read
         seq.detok_read = len(tokens)
         seq.text += delta

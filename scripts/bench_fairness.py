@@ -191,9 +191,7 @@ def contended(
     else:
         big_client.batches.cancel(big_batch.id)
         wait(big_client, big_batch.id, timeout)
-    return Contended(
-        small_timing, big_s, first, big_now.request_counts.completed, big_first_s
-    )
+    return Contended(small_timing, big_s, first, big_now.request_counts.completed, big_first_s)
 
 
 def tenant_key(database_url: str, tenant: str) -> str:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs batchd with its test dependencies into .venv, makes sure Postgres and Redis are
-# running on 127.0.0.1, and runs the whole test suite.
+# running on 127.0.0.1, checks lint and formatting (ruff), and runs the whole test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_services.sh
@@ -14,4 +14,6 @@ fi
 ensure_postgres
 ensure_redis
 
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
 exec .venv/bin/python -m pytest "$@"

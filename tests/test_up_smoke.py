@@ -40,7 +40,9 @@ def test_batchd_up_embedded_mode_serves_a_batch(tmp_path: Path) -> None:
         deadline = time.monotonic() + 120
         while key is None and time.monotonic() < deadline:
             assert proc.poll() is None, Path(log.name).read_text()
-            match = re.search(r"development API key \(tenant 'default'\): (\S+)", Path(log.name).read_text())
+            match = re.search(
+                r"development API key \(tenant 'default'\): (\S+)", Path(log.name).read_text()
+            )
             key = match.group(1) if match else None
             time.sleep(0.5)
         assert key, Path(log.name).read_text()
@@ -56,7 +58,9 @@ def test_batchd_up_embedded_mode_serves_a_batch(tmp_path: Path) -> None:
                 time.sleep(0.5)
         assert [m.id for m in models.data] == ["batchd-demo"]
 
-        upload = client.files.create(file=(ROOT / "examples" / "chat.jsonl").open("rb"), purpose="batch")
+        upload = client.files.create(
+            file=(ROOT / "examples" / "chat.jsonl").open("rb"), purpose="batch"
+        )
         batch = client.batches.create(
             input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
         )

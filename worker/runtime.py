@@ -33,6 +33,7 @@ _load_locks: dict[str, threading.Lock] = {}
 # Options in ``engine_options`` that size the host rather than the engine.
 HOST_OPTIONS = ("max_pending", "engine_backlog", "group_window")
 
+
 class IsolationGate:
     """Lets one shard at a time run requests alone on a host (see ``worker.shard_run.ShardRun``):
     while it is held, the other shards of the process hold back their submissions."""

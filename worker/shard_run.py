@@ -77,7 +77,9 @@ class ShardRun:
         # The engine admits lower values first: a "high" batch overtakes the nightly bulk.
         self.priority = ENGINE_PRIORITY.get(batch.priority or "normal", 0)
         # Each tenant its own prefix cache (see Settings.share_prefix_cache_across_tenants).
-        self.cache_salt = None if settings.share_prefix_cache_across_tenants else f"tenant:{batch.tenant}"
+        self.cache_salt = (
+            None if settings.share_prefix_cache_across_tenants else f"tenant:{batch.tenant}"
+        )
         self.tenant = batch.tenant  # the host shares each tier fairly across tenants
         self.endpoint = batch.endpoint
         self.model = batch.model or ""
@@ -242,7 +244,11 @@ class ShardRun:
         if exc is not None:
             # Aborted (a cancel, or something else: run it again), or its round failed.
             counts = self.retries if isinstance(exc, EmbeddingAborted) else self.failures
-            limit = MAX_ABORT_RETRIES + 1 if isinstance(exc, EmbeddingAborted) else self.max_request_attempts
+            limit = (
+                MAX_ABORT_RETRIES + 1
+                if isinstance(exc, EmbeddingAborted)
+                else self.max_request_attempts
+            )
             tries = counts.get(req.line, 0) + 1
             counts[req.line] = tries
             if tries < limit:

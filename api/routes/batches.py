@@ -218,7 +218,14 @@ def create_batch(
             row.id,
             "validating",
             "failed",
-            errors=[{"code": "broker_unavailable", "message": BROKER_UNAVAILABLE, "param": None, "line": None}],
+            errors=[
+                {
+                    "code": "broker_unavailable",
+                    "message": BROKER_UNAVAILABLE,
+                    "param": None,
+                    "line": None,
+                }
+            ],
         )
         session.commit()
         raise APIError(
@@ -230,7 +237,10 @@ def create_batch(
 
 
 @router.get(
-    "/{batch_id}", response_model=BatchPublic, responses=error_responses(404), summary="Retrieve a batch"
+    "/{batch_id}",
+    response_model=BatchPublic,
+    responses=error_responses(404),
+    summary="Retrieve a batch",
 )
 def retrieve_batch(batch_id: str, caller: CurrentKey, session: SessionDep) -> BatchPublic:
     return BatchPublic.of(get_batch_row(session, caller.tenant, batch_id))

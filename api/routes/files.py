@@ -210,7 +210,10 @@ def list_files(
 
 
 @router.get(
-    "/{file_id}", response_model=FilePublic, responses=error_responses(404), summary="Retrieve a file"
+    "/{file_id}",
+    response_model=FilePublic,
+    responses=error_responses(404),
+    summary="Retrieve a file",
 )
 def retrieve_file(file_id: str, caller: CurrentKey, session: SessionDep) -> FilePublic:
     return FilePublic.of(get_file_row(session, caller.tenant, file_id))
@@ -248,7 +251,9 @@ def file_content(
     except ObjectNotFound as error:
         log.error("file %s has a row but no stored object at %s", row.id, row.storage_key)
         raise APIError(404, f"The content of file {file_id} is no longer available.") from error
-    media_type = "application/jsonl" if row.filename.endswith(".jsonl") else "application/octet-stream"
+    media_type = (
+        "application/jsonl" if row.filename.endswith(".jsonl") else "application/octet-stream"
+    )
     return StreamingResponse(
         chunks,
         media_type=media_type,
@@ -261,7 +266,10 @@ def file_content(
 
 
 @router.delete(
-    "/{file_id}", response_model=FileDeleted, responses=error_responses(404), summary="Delete a file"
+    "/{file_id}",
+    response_model=FileDeleted,
+    responses=error_responses(404),
+    summary="Delete a file",
 )
 def delete_file(
     file_id: str, caller: CurrentKey, session: SessionDep, storage: StorageDep
@@ -286,4 +294,3 @@ def delete_file(
     except Exception:  # the row is gone; an orphaned object is only wasted space
         log.exception("could not delete the stored object %s of file %s", key, file_id)
     return FileDeleted(id=file_id)
-

@@ -12,7 +12,12 @@ from api.schemas import Health
 router = APIRouter(tags=["health"])
 
 
-@router.get("/healthz", response_model=Health, responses=error_responses(authenticated=False), summary="Health check")
+@router.get(
+    "/healthz",
+    response_model=Health,
+    responses=error_responses(authenticated=False),
+    summary="Health check",
+)
 def healthz(session: SessionDep) -> Health:
     session.execute(text("SELECT 1"))
     return Health()

@@ -39,7 +39,11 @@ def test_create_retrieve_and_validate_task_enqueued(client, input_file, control_
     assert batch.expires_at - batch.created_at == 24 * 3600
     assert batch.metadata == {"team": "search", "run": "7"}
     assert batch.errors is None
-    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (0, 0, 0)
+    assert (
+        batch.request_counts.total,
+        batch.request_counts.completed,
+        batch.request_counts.failed,
+    ) == (0, 0, 0)
     assert batch.usage.total_tokens == 0
     assert batch.usage.input_tokens_details.cached_tokens == 0
     assert batch.usage.output_tokens_details.reasoning_tokens == 0
@@ -94,8 +98,12 @@ def test_bad_create_requests(server, client, input_file):
     assert caught.value.body["param"] == "endpoint"
 
     with server.http() as http:
-        missing = http.post("/v1/batches", json={"endpoint": "/v1/completions", "completion_window": "24h"})
-        not_json = http.post("/v1/batches", content=b"{nope", headers={"content-type": "application/json"})
+        missing = http.post(
+            "/v1/batches", json={"endpoint": "/v1/completions", "completion_window": "24h"}
+        )
+        not_json = http.post(
+            "/v1/batches", content=b"{nope", headers={"content-type": "application/json"}
+        )
     assert missing.status_code == 400
     assert missing.json()["error"] == {
         "message": "Missing required parameter: 'input_file_id'.",
@@ -146,7 +154,11 @@ def test_cancel(client, input_file, pg_url, control_messages):
     _force_status(pg_url, running.id, "in_progress")
     assert client.batches.cancel(running.id).status == "cancelling"
 
-    for path in (("in_progress", "finalizing"), ("in_progress", "finalizing", "completed"), ("failed",)):
+    for path in (
+        ("in_progress", "finalizing"),
+        ("in_progress", "finalizing", "completed"),
+        ("failed",),
+    ):
         other = _create(client, input_file)
         _force_status(pg_url, other.id, *path)
         with pytest.raises(openai.ConflictError) as caught:

@@ -36,7 +36,9 @@ def _batch_row(pg_url: str, batch_id: str):
         return session.get(Batch, batch_id)
 
 
-def test_idempotency_key_returns_the_first_batch(server, client, input_file, make_key, control_messages):
+def test_idempotency_key_returns_the_first_batch(
+    server, client, input_file, make_key, control_messages
+):
     first = _create(client, input_file, extra_headers={"Idempotency-Key": "job-42"})
     again = _create(client, input_file, extra_headers={"Idempotency-Key": "job-42"})
     assert again.id == first.id
@@ -99,7 +101,9 @@ def test_priority(client, input_file):
     high = _create(client, input_file, extra_body={"priority": "high"})
     assert high.model_extra["priority"] == "high"
     assert client.batches.retrieve(high.id).model_extra["priority"] == "high"
-    assert _create(client, input_file, extra_body={"priority": "low"}).model_extra["priority"] == "low"
+    assert (
+        _create(client, input_file, extra_body={"priority": "low"}).model_extra["priority"] == "low"
+    )
     with pytest.raises(openai.BadRequestError) as caught:
         _create(client, input_file, extra_body={"priority": "urgent"})
     assert caught.value.body["param"] == "priority"
@@ -130,9 +134,14 @@ def test_webhooks_use_the_keys_url_and_secret(server, make_key, pg_url):
     assert by_default.model_extra["webhook_url"] == "https://hooks.example.com/default"
     assert by_default.model_extra["webhook_secret"] is None  # the client has the key's secret
     row = _batch_row(pg_url, by_default.id)
-    assert (row.webhook_url, row.webhook_secret) == ("https://hooks.example.com/default", key_secret)
+    assert (row.webhook_url, row.webhook_secret) == (
+        "https://hooks.example.com/default",
+        key_secret,
+    )
 
-    own = _create(client, input_file, extra_body={"webhook_url": "http://hooks.example.net:8080/done?x=1"})
+    own = _create(
+        client, input_file, extra_body={"webhook_url": "http://hooks.example.net:8080/done?x=1"}
+    )
     assert own.model_extra["webhook_url"] == "http://hooks.example.net:8080/done?x=1"
     assert _batch_row(pg_url, own.id).webhook_secret == key_secret
 
@@ -185,7 +194,7 @@ HOSTILE_NAMES = [
     b"a/b/../../c.jsonl",
     b"name\x00with\x01nul.jsonl",
     b"tab\there\x7f.jsonl",
-    b"quote\\\"; filename=other.jsonl",
+    b'quote\\"; filename=other.jsonl',
     b"semi;colon=x.jsonl",
     b"pct%0d%0aSet-Cookie: x=1.jsonl",
     "caf\u00e9 \u202eexe.jsonl \u2028".encode(),

@@ -74,10 +74,20 @@ def test_expires_after_is_honoured(client):
     assert caught.value.body["param"] == "expires_after.seconds"
 
 
-def _multipart(parts: list[tuple[bytes, bytes]], boundary: bytes = b"XyZbOuNdArY") -> tuple[bytes, str]:
+def _multipart(
+    parts: list[tuple[bytes, bytes]], boundary: bytes = b"XyZbOuNdArY"
+) -> tuple[bytes, str]:
     body = b""
     for disposition, data in parts:
-        body += b"--" + boundary + b"\r\nContent-Disposition: " + disposition + b"\r\n\r\n" + data + b"\r\n"
+        body += (
+            b"--"
+            + boundary
+            + b"\r\nContent-Disposition: "
+            + disposition
+            + b"\r\n\r\n"
+            + data
+            + b"\r\n"
+        )
     body += b"--" + boundary + b"--\r\n"
     return body, f"multipart/form-data; boundary={boundary.decode()}"
 
@@ -86,7 +96,10 @@ def test_filename_is_sanitised_and_download_header_is_safe(server):
     body, ctype = _multipart(
         [
             (b'form-data; name="purpose"', b"batch"),
-            (b'form-data; name="file"; filename="../../etc/\\win\\ev\x07il\x1b\xc3\xa9.jsonl"', LINES),
+            (
+                b'form-data; name="file"; filename="../../etc/\\win\\ev\x07il\x1b\xc3\xa9.jsonl"',
+                LINES,
+            ),
         ]
     )
     with server.http() as http:
@@ -161,7 +174,10 @@ def test_upload_over_the_limit_is_413_and_leaves_nothing(start_server):
     assert caught.value.body["param"] == "file"
 
     body, ctype = _multipart(
-        [(b'form-data; name="purpose"', b"batch"), (b'form-data; name="file"; filename="c.jsonl"', b"y" * 5000)]
+        [
+            (b'form-data; name="purpose"', b"batch"),
+            (b'form-data; name="file"; filename="c.jsonl"', b"y" * 5000),
+        ]
     )
     with server.http() as http:
         # No Content-Length (chunked): only the streamed count can catch it.
@@ -180,9 +196,7 @@ def test_upload_over_the_limit_is_413_and_leaves_nothing(start_server):
         assert response.status_code == 413, response.text
         assert str(LIMIT) in response.json()["error"]["message"]
 
-    assert _stored_files(server.storage_url) == [
-        str(Path(server.storage_url, "files", exactly.id))
-    ]
+    assert _stored_files(server.storage_url) == [str(Path(server.storage_url, "files", exactly.id))]
     assert [f.id for f in client.files.list()][:1] == [exactly.id]
 
 

@@ -27,7 +27,9 @@ def test_static_keys_are_accepted_for_the_default_tenant(start_server):
     with server.http(api_key=None) as http:
         error = _assert_envelope(http.get("/v1/models"), 401)
         assert "API key" in error["message"]
-        _assert_envelope(http.get("/v1/files", headers={"authorization": "Basic c2stZmlyc3Q="}), 401)
+        _assert_envelope(
+            http.get("/v1/files", headers={"authorization": "Basic c2stZmlyc3Q="}), 401
+        )
         assert http.get("/healthz").status_code == 200  # healthchecks need no key
     with pytest.raises(openai.AuthenticationError) as caught:
         server.client(api_key="sk-wrong").files.list()
@@ -58,8 +60,31 @@ def test_bad_input_gets_the_envelope_never_422(server):
             (http.get("/v1/files", params={"order": "sideways"}), 400, "order"),
             (http.get("/v1/batches", params={"limit": "0"}), 400, "limit"),
             (http.post("/v1/batches", json=[1, 2]), 400, None),
-            (http.post("/v1/batches", json={"input_file_id": 7, "endpoint": "/v1/completions", "completion_window": "24h"}), 400, "input_file_id"),
-            (http.post("/v1/batches", json={"input_file_id": "file-x", "endpoint": "/v1/completions", "completion_window": "24h", "metadata": []}), 400, "metadata"),
+            (
+                http.post(
+                    "/v1/batches",
+                    json={
+                        "input_file_id": 7,
+                        "endpoint": "/v1/completions",
+                        "completion_window": "24h",
+                    },
+                ),
+                400,
+                "input_file_id",
+            ),
+            (
+                http.post(
+                    "/v1/batches",
+                    json={
+                        "input_file_id": "file-x",
+                        "endpoint": "/v1/completions",
+                        "completion_window": "24h",
+                        "metadata": [],
+                    },
+                ),
+                400,
+                "metadata",
+            ),
             (http.get("/v1/files/file-nope"), 404, None),
             (http.get("/v1/batches/batch_nope"), 404, None),
             (http.get("/v1/nothing-here"), 404, None),

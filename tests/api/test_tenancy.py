@@ -60,13 +60,17 @@ def test_another_tenants_objects_answer_404_on_every_route(server, make_key):
             ("GET", "/v1/batches/{id}", MISSING_BATCH),
             ("POST", "/v1/batches/{id}/cancel", MISSING_BATCH),
         ]:
-            _same_as_missing(http, method, path, (file.id if "files" in path else batch.id), missing)
+            _same_as_missing(
+                http, method, path, (file.id if "files" in path else batch.id), missing
+            )
         # Someone else's file as a batch's input.
         _same_as_missing(
             http, "POST", "/v1/batches", file.id, MISSING_FILE,
             json={**create, "input_file_id": file.id},
         )  # fmt: skip
-        status, body = _error(http, "POST", "/v1/batches", json={**create, "input_file_id": file.id})
+        status, body = _error(
+            http, "POST", "/v1/batches", json={**create, "input_file_id": file.id}
+        )
         assert (status, body["error"]["param"]) == (404, "input_file_id")
         # Someone else's object as a pagination cursor.
         for path, real in (("/v1/files", file.id), ("/v1/batches", batch.id)):
@@ -145,9 +149,11 @@ def test_expired_files_answer_404(server, client, pg_url):
     [(None, 30 * 24 * 3600), (3600, 3600), (2_592_000, 2_592_000)],
 )
 def test_expires_after_bounds(client, expires_after, expected_s):
-    extra = {} if expires_after is None else {
-        "expires_after": {"anchor": "created_at", "seconds": expires_after}
-    }
+    extra = (
+        {}
+        if expires_after is None
+        else {"expires_after": {"anchor": "created_at", "seconds": expires_after}}
+    )
     created = client.files.create(file=("r.jsonl", LINES), purpose="batch", **extra)
     assert created.expires_at - created.created_at == expected_s
 
@@ -155,10 +161,22 @@ def test_expires_after_bounds(client, expires_after, expected_s):
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"expires_after[anchor]": "created_at", "expires_after[seconds]": "3599"}, "expires_after.seconds"),
-        ({"expires_after[anchor]": "created_at", "expires_after[seconds]": "2592001"}, "expires_after.seconds"),
-        ({"expires_after[anchor]": "created_at", "expires_after[seconds]": "soon"}, "expires_after.seconds"),
-        ({"expires_after[anchor]": "last_active_at", "expires_after[seconds]": "3600"}, "expires_after.anchor"),
+        (
+            {"expires_after[anchor]": "created_at", "expires_after[seconds]": "3599"},
+            "expires_after.seconds",
+        ),
+        (
+            {"expires_after[anchor]": "created_at", "expires_after[seconds]": "2592001"},
+            "expires_after.seconds",
+        ),
+        (
+            {"expires_after[anchor]": "created_at", "expires_after[seconds]": "soon"},
+            "expires_after.seconds",
+        ),
+        (
+            {"expires_after[anchor]": "last_active_at", "expires_after[seconds]": "3600"},
+            "expires_after.anchor",
+        ),
         ({"expires_after[seconds]": "3600"}, "expires_after.anchor"),
     ],
 )

@@ -207,4 +207,3 @@ def test_running_batch_keeps_its_expired_input_until_it_ends(stack):
     assert not _object(stack, out).exists()
     with pytest.raises(openai.NotFoundError):
         stack.client.files.content(out_id)
-

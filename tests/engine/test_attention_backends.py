@@ -22,7 +22,9 @@ def path() -> str:
 
 def test_flex_operator_calls_per_decode_step_are_flat(path: str) -> None:
     flex = [decode_step_ops(path, "flex", n, prompt_len=12) for n in (16, 64)]
-    assert abs(flex[1] - flex[0]) <= 0.05 * flex[0], f"flex: {flex} operator calls at 16 and 64 sequences"
+    assert abs(flex[1] - flex[0]) <= 0.05 * flex[0], (
+        f"flex: {flex} operator calls at 16 and 64 sequences"
+    )
     # The counter sees the per-sequence loop of the CPU backend: it can tell flat from growing.
     sdpa = [decode_step_ops(path, "sdpa", n, prompt_len=12) for n in (16, 64)]
     assert sdpa[1] > 1.5 * sdpa[0], f"sdpa: {sdpa}"
@@ -34,7 +36,16 @@ def test_graph_buckets() -> None:
     assert graph_buckets(40) == [1, 2, 4, 8, 16, 24, 32, 40]
     assert graph_buckets(20) == [1, 2, 4, 8, 16, 20]
     buckets = graph_buckets(32)
-    assert [bucket_for(n, buckets) for n in (1, 2, 3, 5, 8, 9, 31, 32)] == [1, 2, 4, 8, 8, 16, 32, 32]
+    assert [bucket_for(n, buckets) for n in (1, 2, 3, 5, 8, 9, 31, 32)] == [
+        1,
+        2,
+        4,
+        8,
+        8,
+        16,
+        32,
+        32,
+    ]
     assert bucket_for(33, buckets) is None
 
 
@@ -46,7 +57,9 @@ def test_padded_static_decode_matches_the_eager_step(path: str, num_seqs: int, b
     rng = random.Random(num_seqs)
     for i in range(num_seqs):
         prompt = [rng.randrange(3, 2048) for _ in range(rng.randint(5, 60))]
-        engine.add_request(str(i), prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        engine.add_request(
+            str(i), prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        )
     engine.step()
     runner = engine.runner
     scheduled = engine.scheduler.schedule()

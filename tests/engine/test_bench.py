@@ -16,14 +16,28 @@ def model_dir() -> Path:
     return build("llama-tiny")
 
 
-def test_bench_runs_every_system_on_the_same_work(model_dir: Path, tmp_path: Path,
-                                                  engine_test_device: str) -> None:
+def test_bench_runs_every_system_on_the_same_work(
+    model_dir: Path, tmp_path: Path, engine_test_device: str
+) -> None:
     out = tmp_path / "bench.json"
-    results = bench.main([
-        "--model", str(model_dir), "--num-requests", "6", "--input-len", "uniform:4:24",
-        "--output-len", "uniform:2:10", "--static-batch-size", "4",
-        "--engine-arg", "max_num_seqs=4", "--json", str(out),
-    ])
+    results = bench.main(
+        [
+            "--model",
+            str(model_dir),
+            "--num-requests",
+            "6",
+            "--input-len",
+            "uniform:4:24",
+            "--output-len",
+            "uniform:2:10",
+            "--static-batch-size",
+            "4",
+            "--engine-arg",
+            "max_num_seqs=4",
+            "--json",
+            str(out),
+        ]
+    )
     data = json.loads(out.read_text())
     assert data["systems"].keys() == {"engine", "static", "generate_batch"}
     work = data["workload"]
@@ -40,15 +54,19 @@ def test_bench_runs_every_system_on_the_same_work(model_dir: Path, tmp_path: Pat
     assert stats["num_steps"] > 0 and 0 < stats["mean_running_seqs"] <= 4
     assert stats["mean_tokens_per_step"] >= 1 and 0.0 <= stats["outside_forward_frac"] < 1.0
     assert {"engine / static (output tok/s)", "engine / generate_batch (output tok/s)"} <= set(
-        data["ratios"])
+        data["ratios"]
+    )
     assert all(v > 0 for v in data["ratios"].values())
     # Every system on the engine's device and dtype.
     device = data["device"]
     assert device.startswith(engine_test_device) and data["dtype"] == "float32"
     assert {r["device"] for r in data["systems"].values()} == {device}
     assert {r["dtype"] for r in data["systems"].values()} == {"float32"}
-    assert data["systems"]["generate_batch"]["attn_implementation"] in ("sdpa", "flash_attention_2",
-                                                                        "flash_attention_3")
+    assert data["systems"]["generate_batch"]["attn_implementation"] in (
+        "sdpa",
+        "flash_attention_2",
+        "flash_attention_3",
+    )
     # Where the time goes, for both continuous-batching systems: the phases cover the run,
     # every prompt and output token is counted once, the forward is part of each step.
     for name in ("engine", "generate_batch"):
@@ -76,9 +94,14 @@ def test_bench_workload_presets() -> None:
     for name, (n, inp, out) in bench.WORKLOADS.items():
         assert n >= (32 if name == "long-context" else 64), name
         w = bench.synthetic_workload(
-            num_requests=n, input_len=bench.LengthDist.parse(inp),
-            output_len=bench.LengthDist.parse(out), shared_prefix_frac=0.0, vocab=range(10, 500),
-            max_model_len=4096, seed=0)
+            num_requests=n,
+            input_len=bench.LengthDist.parse(inp),
+            output_len=bench.LengthDist.parse(out),
+            shared_prefix_frac=0.0,
+            vocab=range(10, 500),
+            max_model_len=4096,
+            seed=0,
+        )
         assert len(set(w.max_tokens)) > n // 4 and len({len(p) for p in w.prompts}) > n // 4
         totals[name] = w.prompt_tokens / w.output_tokens
     assert totals["generation-heavy"] < 1.5 and totals["prompt-heavy"] > 3
@@ -88,10 +111,19 @@ def test_bench_workload_presets() -> None:
 
 
 def test_bench_compares_prefix_caching(model_dir: Path) -> None:
-    results = bench.main([
-        "--model", str(model_dir), "--num-requests", "4", "--input-len", "fixed:64",
-        "--output-len", "fixed:2", "--compare-prefix-caching",
-    ])
+    results = bench.main(
+        [
+            "--model",
+            str(model_dir),
+            "--num-requests",
+            "4",
+            "--input-len",
+            "fixed:64",
+            "--output-len",
+            "fixed:2",
+            "--compare-prefix-caching",
+        ]
+    )
     on = results["systems"]["engine_prefix_cache"]["engine_stats"]
     off = results["systems"]["engine_no_prefix_cache"]["engine_stats"]
     assert off["prefix_cache_hit_rate"] == 0.0
@@ -114,12 +146,25 @@ def test_length_distributions_and_jsonl_workload(tmp_path: Path, model_dir: Path
         bench.LengthDist.parse("gauss:3")
 
     path = tmp_path / "batch.jsonl"
-    path.write_text("\n".join(json.dumps(row) for row in [
-        {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
-         "body": {"model": "m", "messages": [{"role": "user", "content": "hello"}],
-                  "max_tokens": 5}},
-        {"prompt": "the quick brown fox", "max_tokens": 3},
-    ]) + "\n")
+    path.write_text(
+        "\n".join(
+            json.dumps(row)
+            for row in [
+                {
+                    "custom_id": "a",
+                    "method": "POST",
+                    "url": "/v1/chat/completions",
+                    "body": {
+                        "model": "m",
+                        "messages": [{"role": "user", "content": "hello"}],
+                        "max_tokens": 5,
+                    },
+                },
+                {"prompt": "the quick brown fox", "max_tokens": 3},
+            ]
+        )
+        + "\n"
+    )
     tok = AutoTokenizer.from_pretrained(model_dir)
     work = bench.jsonl_workload(path, tok, max_model_len=1024, default_max_tokens=16, limit=None)
     assert work.max_tokens == [5, 3]

@@ -38,29 +38,45 @@ def _drain(engine: Engine) -> dict:
 
 
 def test_seeded_sampling_is_independent_of_the_batch(llm: LLM) -> None:
-    params = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, top_k=200, seed=1234, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=24, temperature=0.9, top_p=0.95, top_k=200, seed=1234, ignore_eos=True
+    )
     target = _prompt(1, 37)
     alone = llm.generate([target], params, use_tqdm=False)[0].outputs[0].token_ids
     others = [_prompt(10 + i, 5 + 23 * i) for i in range(9)]
-    other_params = [SamplingParams(max_tokens=5 + 3 * i, temperature=1.0, seed=i if i % 2 else None,
-                                   ignore_eos=True) for i in range(9)]
-    crowded = llm.generate(others[:4] + [target] + others[4:],
-                           other_params[:4] + [params] + other_params[4:], use_tqdm=False)
+    other_params = [
+        SamplingParams(
+            max_tokens=5 + 3 * i, temperature=1.0, seed=i if i % 2 else None, ignore_eos=True
+        )
+        for i in range(9)
+    ]
+    crowded = llm.generate(
+        others[:4] + [target] + others[4:],
+        other_params[:4] + [params] + other_params[4:],
+        use_tqdm=False,
+    )
     assert crowded[4].outputs[0].token_ids == alone
     reordered = llm.generate([target] + others[::-1], [params] + other_params[::-1], use_tqdm=False)
     assert reordered[0].outputs[0].token_ids == alone
-    other_seed = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, top_k=200, seed=99, ignore_eos=True)
+    other_seed = SamplingParams(
+        max_tokens=24, temperature=0.9, top_p=0.95, top_k=200, seed=99, ignore_eos=True
+    )
     assert llm.generate([target], other_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
 
 
 def test_stop_string_is_trimmed(llm: LLM) -> None:
     prompt = _prompt(2, 20)
-    base = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True), use_tqdm=False)
+    base = llm.generate(
+        [prompt], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True), use_tqdm=False
+    )
     text = base[0].outputs[0].text
-    stop = text[len(text) // 2: len(text) // 2 + 3]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert stop.strip(), text
-    out = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[stop, "\x00never"]),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        [prompt],
+        SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[stop, "\x00never"]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert out.finish_reason == "stop"
     assert out.stop_reason == stop
     assert out.text == text[: text.find(stop)]
@@ -69,11 +85,19 @@ def test_stop_string_is_trimmed(llm: LLM) -> None:
 
 def test_stop_token_ids(llm: LLM) -> None:
     prompt = _prompt(3, 12)
-    tokens = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
-                          use_tqdm=False)[0].outputs[0].token_ids
+    tokens = (
+        llm.generate(
+            [prompt], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True), use_tqdm=False
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
     stop = tokens[6]
-    out = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop_token_ids=[stop]),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        [prompt],
+        SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop_token_ids=[stop]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert out.token_ids == tokens[: tokens.index(stop) + 1]
     assert (out.finish_reason, out.stop_reason) == ("stop", stop)
 
@@ -81,7 +105,9 @@ def test_stop_token_ids(llm: LLM) -> None:
 def test_n_completions_share_prompt_blocks_and_match_single_seeds(path: str) -> None:
     engine = Engine(path)
     prompt = _prompt(4, 40)  # 2 full blocks + 8 tokens
-    engine.add_request("n", prompt, SamplingParams(n=3, max_tokens=12, temperature=1.0, seed=50, ignore_eos=True))
+    engine.add_request(
+        "n", prompt, SamplingParams(n=3, max_tokens=12, temperature=1.0, seed=50, ignore_eos=True)
+    )
     assert engine.step() == []
     request = engine.requests["n"]
     assert len(request.seqs) == 3
@@ -93,7 +119,11 @@ def test_n_completions_share_prompt_blocks_and_match_single_seeds(path: str) -> 
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert engine.stats().kv_blocks_used == 0
     for i in range(len(out.outputs)):
-        engine.add_request(f"s{i}", prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=50 + i, ignore_eos=True))
+        engine.add_request(
+            f"s{i}",
+            prompt,
+            SamplingParams(max_tokens=12, temperature=1.0, seed=50 + i, ignore_eos=True),
+        )
     singles = _drain(engine)
     for i, completion in enumerate(out.outputs):
         assert completion.token_ids == singles[f"s{i}"].outputs[0].token_ids
@@ -105,12 +135,19 @@ def test_logprobs_match_the_model(llm: LLM, path: str, temperature: float) -> No
     from transformers import AutoModelForCausalLM
 
     prompt = _prompt(5, 25)
-    params = SamplingParams(max_tokens=8, temperature=temperature, seed=3, logprobs=True, top_logprobs=5, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=8,
+        temperature=temperature,
+        seed=3,
+        logprobs=True,
+        top_logprobs=5,
+        ignore_eos=True,
+    )
     out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.inference_mode():
         logits = model(torch.tensor([prompt + out.token_ids])).logits[0].float()
-    logits = logits[len(prompt) - 1: -1] / (temperature or 1.0)
+    logits = logits[len(prompt) - 1 : -1] / (temperature or 1.0)
     ref = torch.log_softmax(logits, dim=-1)
     assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
     for i, (token, lp) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
@@ -122,8 +159,12 @@ def test_logprobs_match_the_model(llm: LLM, path: str, temperature: float) -> No
 
 
 def test_penalties_follow_openai_semantics() -> None:
-    request = Request("p", [1, 2], SamplingParams(temperature=0, presence_penalty=1.0, frequency_penalty=0.5),
-                      RequestMetrics(arrival_time=0.0))
+    request = Request(
+        "p",
+        [1, 2],
+        SamplingParams(temperature=0, presence_penalty=1.0, frequency_penalty=0.5),
+        RequestMetrics(arrival_time=0.0),
+    )
     seq = Sequence(request, 0, [1, 2, 5, 5, 7], 20, None)
     logits = torch.zeros(1, 10)
     logits[0, 5] = 2.1  # 2.1 - 1.0 - 2 * 0.5 = 0.1
@@ -138,7 +179,9 @@ def test_penalties_follow_openai_semantics() -> None:
 def test_abort_frees_blocks_and_reports(path: str) -> None:
     engine = Engine(path)
     for i in range(3):
-        engine.add_request(f"a{i}", _prompt(20 + i, 50), SamplingParams(max_tokens=50, ignore_eos=True))
+        engine.add_request(
+            f"a{i}", _prompt(20 + i, 50), SamplingParams(max_tokens=50, ignore_eos=True)
+        )
     engine.step()
     engine.step()
     used = engine.stats().kv_blocks_used
@@ -194,17 +237,27 @@ def test_chat_applies_the_template(llm: LLM) -> None:
     outs = llm.chat(conv, SamplingParams(max_tokens=5, temperature=0), use_tqdm=False)
     assert len(outs) == 1 and outs[0].error is None
     tail = llm.tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
-    assert outs[0].prompt_token_ids[-len(tail):] == tail
-    both = llm.chat([conv, conv + [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "again"}]],
-                    SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
+    assert outs[0].prompt_token_ids[-len(tail) :] == tail
+    both = llm.chat(
+        [
+            conv,
+            conv + [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "again"}],
+        ],
+        SamplingParams(max_tokens=3, temperature=0),
+        use_tqdm=False,
+    )
     assert both[0].outputs[0].token_ids == outs[0].outputs[0].token_ids[:3]
 
 
 def test_generate_accepts_a_single_prompt_and_metrics(llm: LLM) -> None:
-    out = llm.generate("the quick brown fox", SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
+    out = llm.generate(
+        "the quick brown fox", SamplingParams(max_tokens=3, temperature=0), use_tqdm=False
+    )
     assert len(out) == 1
     m = out[0].metrics
-    assert m.first_token_time is not None and m.finished_time >= m.first_token_time >= m.arrival_time
+    assert (
+        m.first_token_time is not None and m.finished_time >= m.first_token_time >= m.arrival_time
+    )
 
 
 @pytest.mark.parametrize(
@@ -275,9 +328,14 @@ def _run_n(path: str, max_num_seqs: int, caching: bool) -> tuple[dict, int]:
     """Two ``n = 8`` requests (one greedy, one seeded); the outputs and the most sequences
     ever running after a step."""
     engine = Engine(path, max_num_seqs=max_num_seqs, enable_prefix_caching=caching)
-    engine.add_request("greedy", _prompt(40, 37), SamplingParams(n=8, max_tokens=9, temperature=0, ignore_eos=True))
-    engine.add_request("seeded", _prompt(41, 50), SamplingParams(n=8, max_tokens=9, temperature=1.0, seed=7,
-                                                                  ignore_eos=True))
+    engine.add_request(
+        "greedy", _prompt(40, 37), SamplingParams(n=8, max_tokens=9, temperature=0, ignore_eos=True)
+    )
+    engine.add_request(
+        "seeded",
+        _prompt(41, 50),
+        SamplingParams(n=8, max_tokens=9, temperature=1.0, seed=7, ignore_eos=True),
+    )
     done: dict = {}
     peak = 0
     while engine.has_unfinished_requests():
@@ -320,7 +378,9 @@ def test_preemption_counts_each_prompt_once(path: str) -> None:
     prompts = [_prompt(50 + i, 60) for i in range(6)]
     engine = Engine(path, num_kv_blocks=14, max_num_seqs=6)
     for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+        engine.add_request(
+            str(i), prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+        )
     done = _drain(engine)
     stats = engine.stats()
     assert stats.num_preemptions > 0

@@ -53,10 +53,13 @@ def _hf_reference(path: str, cases: list[Case]) -> list[list[int]]:
         for case in cases:
             ids = torch.tensor([case.prompt])
             gen = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=case.max_tokens,
-                do_sample=False, generation_config=config,
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=case.max_tokens,
+                do_sample=False,
+                generation_config=config,
             )
-            tokens = gen[0, len(case.prompt):].tolist()
+            tokens = gen[0, len(case.prompt) :].tolist()
             assert len(tokens) == case.max_tokens
             out.append(tokens)
     return out
@@ -85,7 +88,9 @@ def _expected(reference: list[int], case: Case, eos: set[int]) -> list[int]:
 
 def _run(engine: Engine, cases: list[Case]) -> dict[str, object]:
     for i, case in enumerate(cases):
-        params = SamplingParams(max_tokens=case.max_tokens, temperature=0.0, ignore_eos=case.ignore_eos)
+        params = SamplingParams(
+            max_tokens=case.max_tokens, temperature=0.0, ignore_eos=case.ignore_eos
+        )
         engine.add_request(str(i), case.prompt, params)
     done = {}
     steps = 0
@@ -105,9 +110,12 @@ def _check(engine: Engine, cases: list[Case], reference: list[list[int]]) -> dic
         want = _expected(reference[i], case, set(engine.eos_token_ids))
         got = out.outputs[0].token_ids
         assert got == want, f"request {i} (prompt {len(case.prompt)} tokens) diverged"
-        assert out.outputs[0].finish_reason == ("length" if len(want) == case.max_tokens and
-                                                 (case.ignore_eos or want[-1] not in engine.eos_token_ids)
-                                                 else "stop")
+        assert out.outputs[0].finish_reason == (
+            "length"
+            if len(want) == case.max_tokens
+            and (case.ignore_eos or want[-1] not in engine.eos_token_ids)
+            else "stop"
+        )
     stats = engine.stats()
     assert stats.kv_blocks_used == 0, "every block is free once every request finished"
     assert stats.num_running == stats.num_waiting == 0

@@ -40,8 +40,10 @@ def _loop_cpu_ticks(host: EngineHost) -> int:
 
 def test_many_producers_get_the_same_results_as_llm_generate(model_dir: Path) -> None:
     prompts = _prompts(24)
-    expected = [o.outputs[0].token_ids for o in LLM(str(model_dir), max_num_seqs=8).generate(
-        prompts, GREEDY, use_tqdm=False)]
+    expected = [
+        o.outputs[0].token_ids
+        for o in LLM(str(model_dir), max_num_seqs=8).generate(prompts, GREEDY, use_tqdm=False)
+    ]
 
     results: dict[int, list[int]] = {}
     errors: list[BaseException] = []
@@ -211,7 +213,13 @@ def test_priority_orders_the_host_queue_and_the_engine(model_dir: Path) -> None:
     prompts = _prompts(5, seed=7)
     order: list[str] = []
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    names_priorities = [("low-a", 1), ("normal-a", 0), ("low-b", 1), ("urgent", -1), ("normal-b", 0)]
+    names_priorities = [
+        ("low-a", 1),
+        ("normal-a", 0),
+        ("low-b", 1),
+        ("urgent", -1),
+        ("normal-b", 0),
+    ]
     futures = [
         host.submit(p, params, request_id=name, priority=priority,
                     callback=lambda f: order.append(f.result().request_id))

@@ -26,7 +26,8 @@ def test_fraction_on_a_device_is_of_free_memory_less_the_activation_peak() -> No
     # 10 GiB free after the weights, a 2 GiB activation peak: 90% of the 8 GiB left.
     free, peak = 10 * 1024 * MiB, 2 * 1024 * MiB
     assert memory.kv_budget_bytes(0.9, free_bytes=free, activation_peak_bytes=peak) == int(
-        0.9 * 8 * 1024 * MiB)
+        0.9 * 8 * 1024 * MiB
+    )
     # A peak above what is free leaves nothing (never a negative budget).
     assert memory.kv_budget_bytes(0.9, free_bytes=MiB, activation_peak_bytes=2 * MiB) == 0
 
@@ -41,8 +42,14 @@ def test_blocks_are_what_fits_capped_at_every_sequence_at_full_length() -> None:
 
 def test_a_budget_below_one_full_length_sequence_is_a_clear_error() -> None:
     with pytest.raises(ValueError) as err:
-        memory.num_kv_blocks(6 * MiB, bytes_per_block=MiB, block_size=16, max_model_len=100,
-                             max_num_seqs=4, describe=" (kv_cache_memory 0.5)")
+        memory.num_kv_blocks(
+            6 * MiB,
+            bytes_per_block=MiB,
+            block_size=16,
+            max_model_len=100,
+            max_num_seqs=4,
+            describe=" (kv_cache_memory 0.5)",
+        )
     text = str(err.value)
     assert "max_model_len 100 needs 7 blocks" in text and "6 blocks" in text
     assert "kv_cache_memory 0.5" in text and "raise kv_cache_memory" in text
@@ -61,8 +68,9 @@ def test_profiling_forward_runs_and_restores_the_paged_attention() -> None:
     llm = LLM(path, num_kv_blocks=64, max_num_batched_tokens=96, max_model_len=64)
     runner = llm.engine.runner
     before = runner.model.config._attn_implementation
-    peak = memory.profile_activation_peak(runner.model, num_tokens=96, max_model_len=64,
-                                          num_sampled=8, device=runner.device)
+    peak = memory.profile_activation_peak(
+        runner.model, num_tokens=96, max_model_len=64, num_sampled=8, device=runner.device
+    )
     if runner.device.type == "cpu":
         assert peak == 0  # the CPU keeps no allocator statistics
     else:  # at least the logits of the sampled rows
@@ -73,9 +81,15 @@ def test_profiling_forward_runs_and_restores_the_paged_attention() -> None:
     from transformers import AutoModelForCausalLM
 
     prompt = list(range(5, 40))
-    out = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        [prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), use_tqdm=False
+    )[0]
     hf = AutoModelForCausalLM.from_pretrained(path).eval()
-    ref = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
-                      eos_token_id=None, min_new_tokens=6)[0, len(prompt):].tolist()
+    ref = hf.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=6,
+        do_sample=False,
+        eos_token_id=None,
+        min_new_tokens=6,
+    )[0, len(prompt) :].tolist()
     assert list(out.outputs[0].token_ids) == ref

@@ -34,8 +34,13 @@ def _prompts(seed: int) -> list[list[int]]:
     return [torch.randint(3, 2048, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
 
 
-def _generate(path: str | Path, prompts: list[list[int]], dtype: torch.dtype = torch.float32,
-              scores: bool = False, **overrides: object) -> list:
+def _generate(
+    path: str | Path,
+    prompts: list[list[int]],
+    dtype: torch.dtype = torch.float32,
+    scores: bool = False,
+    **overrides: object,
+) -> list:
     """Greedy continuations by transformers (eager attention), one request at a time, never
     stopping at eos. ``overrides`` change the config (to switch a feature off)."""
     from transformers import AutoModelForCausalLM
@@ -50,17 +55,24 @@ def _generate(path: str | Path, prompts: list[list[int]], dtype: torch.dtype = t
         for prompt, max_tokens in zip(prompts, MAX_TOKENS, strict=True):
             ids = torch.tensor([prompt])
             gen = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
-                generation_config=config, return_dict_in_generate=True, output_scores=scores,
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                generation_config=config,
+                return_dict_in_generate=True,
+                output_scores=scores,
             )
-            tokens = gen.sequences[0, len(prompt):].tolist()
+            tokens = gen.sequences[0, len(prompt) :].tolist()
             out.append((tokens, [s[0].float() for s in gen.scores]) if scores else tokens)
     return out
 
 
 def _engine_tokens(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
     for i, (prompt, max_tokens) in enumerate(zip(prompts, MAX_TOKENS, strict=True)):
-        engine.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        engine.add_request(
+            str(i), prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        )
     done: dict[str, list[int]] = {}
     steps = 0
     while engine.has_unfinished_requests():
@@ -76,7 +88,12 @@ def _engine_tokens(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
 def family(request: pytest.FixtureRequest) -> dict:
     path = build(request.param)
     prompts = _prompts(7)
-    return {"name": request.param, "path": path, "prompts": prompts, "reference": _generate(path, prompts)}
+    return {
+        "name": request.param,
+        "path": path,
+        "prompts": prompts,
+        "reference": _generate(path, prompts),
+    }
 
 
 @pytest.mark.parametrize("regime", sorted(REGIMES))
@@ -86,7 +103,9 @@ def test_greedy_equals_generate(family: dict, backend: str, regime: str) -> None
     assert engine.runner.backend_name == backend
     got = _engine_tokens(engine, family["prompts"])
     for i, (g, want) in enumerate(zip(got, family["reference"], strict=True)):
-        assert g == want, f"{family['name']} {backend} {regime}: request {i} ({PROMPT_LENGTHS[i]} tokens) diverged"
+        assert g == want, (
+            f"{family['name']} {backend} {regime}: request {i} ({PROMPT_LENGTHS[i]} tokens) diverged"
+        )
     stats = engine.stats()
     if regime == "preemption":
         assert stats.num_preemptions > 0
@@ -103,7 +122,9 @@ def test_the_features_change_the_text(family: dict) -> None:
         off.append({"attn_logit_softcapping": None})
     for overrides in off:
         changed = _generate(family["path"], prompts, **overrides)
-        assert changed != reference, f"{family['name']}: {overrides} changes nothing on the test prompts"
+        assert changed != reference, (
+            f"{family['name']}: {overrides} changes nothing on the test prompts"
+        )
 
 
 # -- bf16 -------------------------------------------------------------------------------------
@@ -119,8 +140,13 @@ def test_bf16_agrees_except_at_near_ties(backend: str) -> None:
     path = build("gemma2-tiny")
     prompts = _prompts(11)
     reference = _generate(path, prompts, dtype=torch.bfloat16, scores=True)
-    engine = Engine(str(path), attention_backend=backend, dtype="bfloat16", num_kv_blocks=64,
-                    max_num_batched_tokens=48)
+    engine = Engine(
+        str(path),
+        attention_backend=backend,
+        dtype="bfloat16",
+        num_kv_blocks=64,
+        max_num_batched_tokens=48,
+    )
     got = _engine_tokens(engine, prompts)
     exact = 0
     for i, (g, (want, scores)) in enumerate(zip(got, reference, strict=True)):
@@ -130,8 +156,12 @@ def test_bf16_agrees_except_at_near_ties(backend: str) -> None:
         t = next(k for k, (a, b) in enumerate(zip(g, want, strict=True)) if a != b)
         top2 = scores[t].topk(2)
         gap = float(top2.values[0] - top2.values[1])
-        assert g[t] in top2.indices.tolist(), f"request {i}: token {t} is not generate()'s first or second choice"
-        assert gap < NEAR_TIE_GAP, f"request {i}: diverged at token {t} where the top-2 gap is {gap:.4f}"
+        assert g[t] in top2.indices.tolist(), (
+            f"request {i}: token {t} is not generate()'s first or second choice"
+        )
+        assert gap < NEAR_TIE_GAP, (
+            f"request {i}: diverged at token {t} where the top-2 gap is {gap:.4f}"
+        )
     assert exact >= len(prompts) // 2, f"only {exact} of {len(prompts)} bf16 requests agree in full"
 
 
