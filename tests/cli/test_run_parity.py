@@ -175,7 +175,7 @@ def test_one_glue_for_both_paths() -> None:
     import cli.run.runner
     import worker.shard
 
-    for module in (worker.shard, cli.run.runner):
+    for module in (worker.shard_run, cli.run.runner):
         source = inspect.getsource(module)
         assert "prepare_request(" in source and "finished_record(" in source
         assert "aborted_record(" in source and "is_aborted(" in source
