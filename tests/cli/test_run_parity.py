@@ -173,7 +173,7 @@ def test_one_glue_for_both_paths() -> None:
     import inspect
 
     import cli.run.runner
-    import worker.shard
+    import worker.shard_run
 
     for module in (worker.shard_run, cli.run.runner):
         source = inspect.getsource(module)
