@@ -5,31 +5,20 @@ sweep re-sends the validate or finalize of a batch stuck in ``validating``/``fin
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 from typing import Any
 
 import pytest
-from worker_helpers import batch_row, chat_line, make_batch, read_file_lines, shard_rows
+from worker_helpers import (
+    batch_row,
+    chat_line,
+    make_batch,
+    read_file_lines,
+    shard_rows,
+    validated_batch,
+)
 
 pytestmark = pytest.mark.services
-
-
-def _validated(lines: list[dict[str, Any]], shard_max_requests: int | None = None) -> str:
-    from core.settings import get_settings
-    from worker.tasks import validate
-
-    if shard_max_requests is not None:
-        os.environ["BATCHD_SHARD_MAX_REQUESTS"] = str(shard_max_requests)
-        get_settings.cache_clear()
-    try:
-        batch_id = make_batch(lines)
-        assert validate(batch_id) == "in_progress"
-    finally:
-        if shard_max_requests is not None:
-            del os.environ["BATCHD_SHARD_MAX_REQUESTS"]
-            get_settings.cache_clear()
-    return batch_id
 
 
 def _update_batch(batch_id: str, **values: Any) -> None:
@@ -59,7 +48,7 @@ def test_finalizing_batch_completes_even_past_its_window(worker_env, host):
     from worker.shard import run_shard
 
     ids = [f"r{i}" for i in range(5)]
-    batch_id = _validated([chat_line(c, f"say {c}", max_tokens=3) for c in ids])
+    batch_id = validated_batch([chat_line(c, f"say {c}", max_tokens=3) for c in ids])
     (shard,) = shard_rows(batch_id)
     assert run_shard(shard.id, host=host).status == "done"
     assert batch_row(batch_id).status == "finalizing"
@@ -78,7 +67,7 @@ def test_expiring_batch_whose_every_request_has_a_result_completes(worker_env, h
     from worker.shard import run_shard
 
     ids = [f"r{i}" for i in range(6)]
-    batch_id = _validated([chat_line(c, f"say {c}", max_tokens=3) for c in ids], 3)
+    batch_id = validated_batch([chat_line(c, f"say {c}", max_tokens=3) for c in ids], 3)
     shards = shard_rows(batch_id)
     assert len(shards) == 2
     for shard in shards:
@@ -105,7 +94,7 @@ def test_expiring_batch_with_unrun_requests_still_expires(worker_env, host):
     from worker.shard import run_shard
 
     ids = [f"r{i}" for i in range(6)]
-    batch_id = _validated([chat_line(c, f"say {c}", max_tokens=3) for c in ids], 3)
+    batch_id = validated_batch([chat_line(c, f"say {c}", max_tokens=3) for c in ids], 3)
     first, _second = shard_rows(batch_id)
     _update_batch(batch_id, expires_at=_past())
     assert run_shard(first.id, host=host).status == "skipped"  # past its window: never runs

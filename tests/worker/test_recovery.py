@@ -6,7 +6,6 @@ database outage in the middle of a shard (through a TCP proxy)."""
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -14,30 +13,20 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from worker_helpers import MODEL, batch_row, chat_line, make_batch, read_file_lines, shard_rows
+from worker_helpers import (
+    MODEL,
+    batch_row,
+    chat_line,
+    read_file_lines,
+    shard_rows,
+    validated_batch,
+)
 
 pytestmark = pytest.mark.services
 
 
 class Interrupted(Exception):
     pass
-
-
-def _validated(lines, shard_max_requests: int | None = None) -> str:
-    from core.settings import get_settings
-    from worker.tasks import validate
-
-    if shard_max_requests is not None:
-        os.environ["BATCHD_SHARD_MAX_REQUESTS"] = str(shard_max_requests)
-        get_settings.cache_clear()
-    try:
-        batch_id = make_batch(lines)
-        assert validate(batch_id) == "in_progress"
-    finally:
-        if shard_max_requests is not None:
-            del os.environ["BATCHD_SHARD_MAX_REQUESTS"]
-            get_settings.cache_clear()
-    return batch_id
 
 
 def _age_heartbeat(shard_id: int, seconds: float = 3600) -> None:
@@ -98,7 +87,7 @@ def fault_host() -> Iterator[Any]:
 def test_claim_leaves_a_live_attempt_alone(worker_env):
     from worker.shard import claim
 
-    batch_id = _validated([chat_line("a", "hi")])
+    batch_id = validated_batch([chat_line("a", "hi")])
     (shard,) = shard_rows(batch_id)
     first, _ = claim(shard.id, "w1")
     assert claim(shard.id, "w2") is None  # a duplicate delivery while w1 is alive
@@ -118,7 +107,7 @@ def test_reclaim_requeues_a_silent_shard_which_resumes_from_its_checkpoint(
     from worker.shard import claim, run_shard
 
     ids = [f"r{i}" for i in range(10)]
-    batch_id = _validated([chat_line(c, f"tell me about {c}", max_tokens=5) for c in ids])
+    batch_id = validated_batch([chat_line(c, f"tell me about {c}", max_tokens=5) for c in ids])
     (shard,) = shard_rows(batch_id)
 
     def die(chunk: int) -> None:
@@ -156,7 +145,7 @@ def test_shard_given_up_after_max_attempts_reports_shard_failed(worker_env, host
     from worker.shard import run_shard
 
     ids = [f"q{i}" for i in range(10)]
-    batch_id = _validated(
+    batch_id = validated_batch(
         [chat_line(c, f"question {c}", max_tokens=4) for c in ids], shard_max_requests=5
     )
     first, second = shard_rows(batch_id)
@@ -191,7 +180,7 @@ def test_redelivered_task_past_max_attempts_fails_the_rest(worker_env, host):
     from worker.shard import run_shard
 
     ids = ["x0", "x1", "x2"]
-    batch_id = _validated([chat_line(c, "hello", max_tokens=3) for c in ids])
+    batch_id = validated_batch([chat_line(c, "hello", max_tokens=3) for c in ids])
     (shard,) = shard_rows(batch_id)
     _set_shard(shard.id, attempts=get_settings().max_shard_attempts)
     assert run_shard(shard.id, host=host).status == "failed"
@@ -208,7 +197,7 @@ def test_heartbeat_thread_beats_and_stops_a_reclaimed_attempt(worker_env, host, 
     monkeypatch.setenv("BATCHD_CHECKPOINT_EVERY", "1000")
     get_settings.cache_clear()
     lines = [chat_line(f"h{i}", f"story {i}", max_tokens=800, ignore_eos=True) for i in range(12)]
-    batch_id = _validated(lines)
+    batch_id = validated_batch(lines)
     (shard,) = shard_rows(batch_id)
     outcome: list[Any] = []
     t = threading.Thread(target=lambda: outcome.append(run_shard(shard.id, host=host)))
@@ -238,7 +227,7 @@ def test_step_failure_retries_each_request_alone(worker_env, host, fault_host):
     texts["poison"] = "a POISONPILL story"
     order = ["s0", "s1", "s2", "poison", "s3", "s4", "s5", "s6"]
     lines = [chat_line(c, texts[c], max_tokens=10) for c in order]
-    batch_id = _validated(lines)
+    batch_id = validated_batch(lines)
     (shard,) = shard_rows(batch_id)
     before = fault_host.stats()
     outcome = run_shard(shard.id, host=fault_host)
@@ -253,7 +242,9 @@ def test_step_failure_retries_each_request_alone(worker_env, host, fault_host):
     assert stats.step_errors - before.step_errors == 3
 
     # The bystanders that were retried give exactly what an undisturbed run gives.
-    clean_id = _validated([chat_line(c, texts[c], max_tokens=10) for c in order if c != "poison"])
+    clean_id = validated_batch(
+        [chat_line(c, texts[c], max_tokens=10) for c in order if c != "poison"]
+    )
     (clean,) = shard_rows(clean_id)
     assert run_shard(clean.id, host=host).status == "done"
     assert finalize(clean_id) == "completed"
@@ -269,7 +260,7 @@ def test_request_error_is_retried_then_reported(worker_env, fault_host):
     lines = [
         chat_line(c, "REFUSEME please" if c == "refused" else "hi", max_tokens=4) for c in order
     ]
-    batch_id = _validated(lines)
+    batch_id = validated_batch(lines)
     (shard,) = shard_rows(batch_id)
     before = fault_host.stats()
     assert run_shard(shard.id, host=fault_host).status == "done"
@@ -302,7 +293,7 @@ def test_database_outage_mid_shard_is_ridden_out(worker_env, host, pg_url, monke
         db._sessionmaker.cache_clear()
 
     ids = [f"d{i}" for i in range(16)]
-    batch_id = _validated([chat_line(c, f"outage {c}", max_tokens=12) for c in ids])
+    batch_id = validated_batch([chat_line(c, f"outage {c}", max_tokens=12) for c in ids])
     (shard,) = shard_rows(batch_id)
     proxy = TcpProxy(PG_HOST, PG_PORT).start()
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from datetime import timedelta
 from typing import Any
 
@@ -122,3 +123,22 @@ def shard_rows(batch_id: str) -> list[Any]:
         )
         session.expunge_all()
         return rows
+
+
+def validated_batch(lines: list[dict[str, Any]], shard_max_requests: int | None = None) -> str:
+    """A batch made of ``lines``, validated (``in_progress``, shards planned), optionally with
+    at most ``shard_max_requests`` requests per shard."""
+    from core.settings import get_settings
+    from worker.tasks import validate
+
+    if shard_max_requests is not None:
+        os.environ["BATCHD_SHARD_MAX_REQUESTS"] = str(shard_max_requests)
+        get_settings.cache_clear()
+    try:
+        batch_id = make_batch(lines)
+        assert validate(batch_id) == "in_progress"
+    finally:
+        if shard_max_requests is not None:
+            del os.environ["BATCHD_SHARD_MAX_REQUESTS"]
+            get_settings.cache_clear()
+    return batch_id
