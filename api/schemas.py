@@ -20,7 +20,9 @@ MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
 
-BatchEndpoint = Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
+BatchEndpoint = Literal[
+    "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"
+]
 BatchPriority = Literal["high", "normal", "low"]
 MAX_IDEMPOTENCY_KEY_CHARS = 256
 #: Printable ASCII: what survives any HTTP header and any database. Checked in the route.

@@ -64,9 +64,10 @@ Error codes (``LineError.code``; stable, snake_case)
 Parameters: ``null`` for an optional body parameter means "use the default". Unknown body
 fields are ignored, except those that would change the result in a way this service does not
 support, which are rejected (``stream``, ``tools``, ``functions``, ``logit_bias``,
-``response_format`` other than text, non-text content parts, ``n``>1 ``best_of``, ``echo``,
-``suffix``, multiple prompts). Extensions accepted beyond OpenAI's API: ``top_k`` (int ≥ -1;
--1 and 0 disable it) and ``ignore_eos`` (bool).
+a ``response_format`` schema using a keyword that cannot be enforced, non-text content parts,
+``n``>1 ``best_of``, ``echo``, ``suffix``, multiple prompts). Extensions accepted beyond
+OpenAI's API: ``top_k`` (int ≥ -1; -1 and 0 disable it), ``ignore_eos`` (bool), and
+``response_format`` on completions. Each endpoint's body is checked in ``core.bodies``.
 
 Chat message ``content`` given as a list of text parts is flattened to one string, the parts
 joined with ``"\\n"``. ``max_completion_tokens`` wins over ``max_tokens`` when both are given.
@@ -78,11 +79,27 @@ default (OpenAI's completions default is 16; see ``COMPLETIONS_DEFAULT_MAX_TOKEN
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, Literal
+from typing import Any, BinaryIO
+
+from core.batch_request import (
+    CHAT_URL,
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    COMPLETIONS_URL,
+    DEFAULT_MAX_LINE_BYTES,
+    EMBEDDINGS_URL,
+    GENERATION_URLS,
+    MAX_CUSTOM_ID_CHARS,
+    RESPONSES_URL,
+    SUPPORTED_URLS,
+    BatchRequest,
+    LineError,
+    show,
+    type_name,
+)
+from core.bodies import KINDS, check_body
 
 __all__ = [
     "CHAT_URL",
@@ -92,6 +109,7 @@ __all__ = [
     "GENERATION_URLS",
     "DEFAULT_MAX_LINE_BYTES",
     "MAX_CUSTOM_ID_CHARS",
+    "RESPONSES_URL",
     "SUPPORTED_URLS",
     "BatchRequest",
     "LineError",
@@ -103,19 +121,6 @@ __all__ = [
     "validate_file",
 ]
 
-CHAT_URL = "/v1/chat/completions"
-COMPLETIONS_URL = "/v1/completions"
-EMBEDDINGS_URL = "/v1/embeddings"
-SUPPORTED_URLS: tuple[str, ...] = (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL)
-GENERATION_URLS: tuple[str, ...] = (CHAT_URL, COMPLETIONS_URL)
-# OpenAI's limit on the inputs of one embeddings request.
-MAX_EMBEDDING_INPUTS = 2048
-ENCODING_FORMATS = ("float", "base64")
-MAX_CUSTOM_ID_CHARS = 512
-DEFAULT_MAX_LINE_BYTES = 8 * 1024 * 1024
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-MAX_STOP_SEQUENCES = 4
 _CHUNK_SIZE = 1 << 16
 _BOM = b"\xef\xbb\xbf"
 _BLANK = b" \t\r\n\x0b\x0c"
@@ -237,439 +242,6 @@ def iter_lines(
 
 
 # --------------------------------------------------------------------------------------------
-# Errors and the normalised request
-
-
-class LineError(Exception):
-    """A problem with one input line (or the whole file when ``line`` is None)."""
-
-    def __init__(self, line: int | None, code: str, message: str, param: str | None = None):
-        super().__init__(message)
-        self.line = line
-        self.code = code
-        self.message = message
-        self.param = param
-
-    def to_dict(self) -> dict[str, Any]:
-        """The shape of one entry of OpenAI's batch ``errors.data``."""
-        return {"code": self.code, "message": self.message, "param": self.param, "line": self.line}
-
-    def __repr__(self) -> str:
-        return f"LineError(line={self.line!r}, code={self.code!r}, param={self.param!r}, message={self.message!r})"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, LineError) and self.to_dict() == other.to_dict()
-
-    __hash__ = Exception.__hash__
-
-
-@dataclass(slots=True)
-class BatchRequest:
-    """One validated request, with sampling parameters normalised to plain values."""
-
-    line: int
-    offset: int
-    length: int
-    custom_id: str
-    url: str
-    model: str
-    body: dict[str, Any]
-    kind: Literal["chat", "completion", "embedding"]
-    messages: list[dict[str, str]] | None = None  # chat: role/content(/name), content flattened
-    prompt: str | list[int] | None = None  # completion: text or token ids
-    max_tokens: int | None = None  # None: the caller applies its default
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: disabled
-    n: int = 1
-    stop: list[str] = field(default_factory=list)
-    seed: int | None = None
-    logprobs: bool = False
-    top_logprobs: int = 0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    ignore_eos: bool = False
-    # embeddings: the inputs (texts or token-id arrays), their output format and size
-    inputs: list[str | list[int]] | None = None
-    encoding_format: str = "float"
-    dimensions: int | None = None
-
-
-# --------------------------------------------------------------------------------------------
-# Field checks
-
-
-def _type_name(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    if isinstance(value, dict):
-        return "object"
-    return type(value).__name__
-
-
-def _show(value: Any) -> str:
-    text = json.dumps(value, ensure_ascii=False) if not isinstance(value, float) else repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-class _Checker:
-    def __init__(self, line: int, body: dict[str, Any]):
-        self.line = line
-        self.body = body
-
-    def fail(self, code: str, param: str, message: str) -> LineError:
-        return LineError(self.line, code, message, param)
-
-    def type_error(self, param: str, expected: str, value: Any) -> LineError:
-        return self.fail(
-            "invalid_type", param, f"{param} must be {expected}, got {_type_name(value)}"
-        )
-
-    def get(self, name: str) -> Any:
-        return self.body.get(name)
-
-    def number(
-        self, name: str, lo: float, hi: float, default: float, *, lo_open: bool = False
-    ) -> float:
-        value = self.get(name)
-        param = f"body.{name}"
-        if value is None:
-            return default
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise self.type_error(param, "a number", value)
-        value = float(value)
-        if math.isnan(value) or value > hi or value < lo or (lo_open and value == lo):
-            rng = (
-                f"greater than {lo:g} and at most {hi:g}"
-                if lo_open
-                else f"between {lo:g} and {hi:g}"
-            )
-            raise self.fail("invalid_value", param, f"{param} must be {rng}, got {value:g}")
-        return value
-
-    def integer(self, name: str, lo: int | None, hi: int | None, default: Any) -> Any:
-        value = self.get(name)
-        param = f"body.{name}"
-        if value is None:
-            return default
-        if isinstance(value, float) and value.is_integer() and not isinstance(value, bool):
-            value = int(value)  # 16.0 is an integer in JSON's eyes
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise self.type_error(param, "an integer", value)
-        if lo is not None and hi is not None and not lo <= value <= hi:
-            raise self.fail(
-                "invalid_value", param, f"{param} must be between {lo} and {hi}, got {value}"
-            )
-        if lo is not None and value < lo:
-            raise self.fail("invalid_value", param, f"{param} must be at least {lo}, got {value}")
-        if hi is not None and value > hi:
-            raise self.fail("invalid_value", param, f"{param} must be at most {hi}, got {value}")
-        return value
-
-    def boolean(self, name: str, default: bool) -> bool:
-        value = self.get(name)
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            raise self.type_error(f"body.{name}", "a boolean", value)
-        return value
-
-    def stop(self) -> list[str]:
-        value = self.get("stop")
-        param = "body.stop"
-        if value is None:
-            return []
-        if isinstance(value, str):
-            value = [value]
-        elif not isinstance(value, list):
-            raise self.type_error(param, "a string or an array of strings", value)
-        if len(value) > MAX_STOP_SEQUENCES:
-            raise self.fail(
-                "invalid_value",
-                param,
-                f"{param} may hold at most {MAX_STOP_SEQUENCES} sequences, got {len(value)}",
-            )
-        for i, item in enumerate(value):
-            if not isinstance(item, str):
-                raise self.type_error(f"{param}[{i}]", "a string", item)
-            if not item:
-                raise self.fail("invalid_value", f"{param}[{i}]", f"{param}[{i}] must not be empty")
-        return list(value)
-
-    def reject_if_set(self, name: str, why: str = "is not supported by this service") -> None:
-        value = self.get(name)
-        if value is not None and value != [] and value != {}:
-            raise self.fail("unsupported_parameter", f"body.{name}", f"body.{name} {why}")
-
-    def common(self, req: BatchRequest) -> None:
-        """Sampling fields shared by both endpoints (everything but logprobs and max_tokens)."""
-        if self.get("stream") is not None and self.boolean("stream", False):
-            raise self.fail(
-                "unsupported_value",
-                "body.stream",
-                "body.stream must be false: batch requests cannot be streamed",
-            )
-        self.reject_if_set("logit_bias")
-        req.temperature = self.number("temperature", 0.0, 2.0, 1.0)
-        req.top_p = self.number("top_p", 0.0, 1.0, 1.0, lo_open=True)
-        top_k = self.integer("top_k", -1, None, 0)
-        req.top_k = 0 if top_k == -1 else top_k
-        req.n = self.integer("n", 1, 128, 1)
-        req.stop = self.stop()
-        req.seed = self.integer("seed", -(2**63), 2**64 - 1, None)
-        req.presence_penalty = self.number("presence_penalty", -2.0, 2.0, 0.0)
-        req.frequency_penalty = self.number("frequency_penalty", -2.0, 2.0, 0.0)
-        req.ignore_eos = self.boolean("ignore_eos", False)
-
-
-def _check_chat(c: _Checker, req: BatchRequest) -> None:
-    body = c.body
-    if "messages" not in body or body["messages"] is None:
-        raise c.fail(
-            "missing_required_param",
-            "body.messages",
-            "body.messages is required for chat completions",
-        )
-    messages = body["messages"]
-    if not isinstance(messages, list):
-        raise c.type_error("body.messages", "an array", messages)
-    if not messages:
-        raise c.fail("invalid_value", "body.messages", "body.messages must not be empty")
-    out: list[dict[str, str]] = []
-    for i, msg in enumerate(messages):
-        p = f"body.messages[{i}]"
-        if not isinstance(msg, dict):
-            raise c.type_error(p, "an object", msg)
-        role = msg.get("role")
-        if role is None:
-            raise c.fail("missing_required_param", f"{p}.role", f"{p}.role is required")
-        if not isinstance(role, str):
-            raise c.type_error(f"{p}.role", "a string", role)
-        if role not in CHAT_ROLES:
-            raise c.fail(
-                "invalid_value",
-                f"{p}.role",
-                f"{p}.role must be one of {', '.join(CHAT_ROLES)}, got {_show(role)}",
-            )
-        if msg.get("tool_calls") or msg.get("function_call"):
-            key = "tool_calls" if msg.get("tool_calls") else "function_call"
-            raise c.fail(
-                "unsupported_parameter", f"{p}.{key}", f"{p}.{key} is not supported by this service"
-            )
-        content = msg.get("content")
-        if content is None:
-            raise c.fail("missing_required_param", f"{p}.content", f"{p}.content is required")
-        if isinstance(content, list):
-            texts: list[str] = []
-            for j, part in enumerate(content):
-                pp = f"{p}.content[{j}]"
-                if not isinstance(part, dict):
-                    raise c.type_error(pp, "an object", part)
-                ptype = part.get("type")
-                if ptype != "text":
-                    if not isinstance(ptype, str):
-                        raise c.type_error(f"{pp}.type", "a string", ptype)
-                    raise c.fail(
-                        "unsupported_value",
-                        f"{pp}.type",
-                        f'{pp}.type must be "text" (this service serves text only), got {_show(ptype)}',
-                    )
-                text = part.get("text")
-                if not isinstance(text, str):
-                    raise c.type_error(f"{pp}.text", "a string", text)
-                texts.append(text)
-            content = "\n".join(texts)
-        elif not isinstance(content, str):
-            raise c.type_error(f"{p}.content", "a string or an array of content parts", content)
-        flat = {"role": role, "content": content}
-        name = msg.get("name")
-        if name is not None:
-            if not isinstance(name, str):
-                raise c.type_error(f"{p}.name", "a string", name)
-            flat["name"] = name
-        out.append(flat)
-    req.messages = out
-
-    c.common(req)
-    for name in ("tools", "functions"):
-        c.reject_if_set(name)
-    tool_choice = c.get("tool_choice")
-    if tool_choice is not None and tool_choice != "none":
-        raise c.fail(
-            "unsupported_parameter",
-            "body.tool_choice",
-            "body.tool_choice is not supported by this service",
-        )
-    rf = c.get("response_format")
-    if rf is not None:
-        if not isinstance(rf, dict):
-            raise c.type_error("body.response_format", "an object", rf)
-        if rf.get("type") != "text":
-            raise c.fail(
-                "unsupported_value",
-                "body.response_format.type",
-                f'body.response_format.type must be "text" (structured output is not supported), got {_show(rf.get("type"))}',
-            )
-    modalities = c.get("modalities")
-    if modalities is not None and modalities != ["text"]:
-        raise c.fail(
-            "unsupported_value",
-            "body.modalities",
-            f'body.modalities must be ["text"], got {_show(modalities)}',
-        )
-    c.reject_if_set("audio")
-
-    mct = c.integer("max_completion_tokens", 1, None, None)
-    mt = c.integer("max_tokens", 1, None, None)
-    req.max_tokens = mct if mct is not None else mt
-    req.logprobs = c.boolean("logprobs", False)
-    top = c.integer("top_logprobs", 0, 20, 0)
-    if top and not req.logprobs:
-        raise c.fail(
-            "invalid_value",
-            "body.top_logprobs",
-            f"body.top_logprobs requires body.logprobs to be true, got top_logprobs={top}",
-        )
-    req.top_logprobs = top
-
-
-def _check_completion(c: _Checker, req: BatchRequest) -> None:
-    body = c.body
-    if "prompt" not in body or body["prompt"] is None:
-        raise c.fail(
-            "missing_required_param", "body.prompt", "body.prompt is required for completions"
-        )
-    prompt = body["prompt"]
-    param = "body.prompt"
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-        if len(prompt) != 1:
-            raise c.fail(
-                "unsupported_value",
-                param,
-                f"{param} must hold one prompt per request, got {len(prompt)}; put each prompt on its own line",
-            )
-        prompt = prompt[0]
-        param = "body.prompt[0]"
-    if isinstance(prompt, str):
-        if not prompt:
-            raise c.fail("invalid_value", param, f"{param} must not be empty")
-    elif isinstance(prompt, list):
-        if not prompt:
-            raise c.fail("invalid_value", param, f"{param} must not be empty")
-        for i, tok in enumerate(prompt):
-            if isinstance(tok, bool) or not isinstance(tok, int):
-                raise c.type_error(f"{param}[{i}]", "an integer token id", tok)
-            if tok < 0:
-                raise c.fail(
-                    "invalid_value", f"{param}[{i}]", f"{param}[{i}] must be at least 0, got {tok}"
-                )
-        prompt = list(prompt)
-    else:
-        raise c.type_error(param, "a string or an array of token ids", prompt)
-    req.prompt = prompt
-
-    c.common(req)
-    c.reject_if_set("suffix")
-    if c.boolean("echo", False):
-        raise c.fail(
-            "unsupported_value", "body.echo", "body.echo must be false: echo is not supported"
-        )
-    best_of = c.integer("best_of", 1, None, None)
-    if best_of is not None and best_of != req.n:
-        raise c.fail(
-            "unsupported_value",
-            "body.best_of",
-            f"body.best_of must equal body.n ({req.n}), got {best_of}",
-        )
-    req.max_tokens = c.integer("max_tokens", 1, None, None)
-    lp = c.integer("logprobs", 0, 5, None)
-    req.logprobs = lp is not None
-    req.top_logprobs = lp or 0
-
-
-def _check_embedding(c: _Checker, req: BatchRequest) -> None:
-    body = c.body
-    if body.get("input") is None:
-        raise c.fail(
-            "missing_required_param", "body.input", "body.input is required for embeddings"
-        )
-    value = body["input"]
-    param = "body.input"
-    if isinstance(value, str) or (
-        isinstance(value, list) and value and not isinstance(value[0], str | list)
-    ):
-        value = [value]  # one text, or one token array
-        index = False
-    elif isinstance(value, list):
-        index = True
-    else:
-        raise c.type_error(param, "a string, an array of strings or of token-id arrays", value)
-    if not value:
-        raise c.fail("invalid_value", param, f"{param} must not be an empty array")
-    if len(value) > MAX_EMBEDDING_INPUTS:
-        raise c.fail(
-            "invalid_value",
-            param,
-            f"{param} may hold at most {MAX_EMBEDDING_INPUTS} inputs, got {len(value)}",
-        )
-    inputs: list[str | list[int]] = []
-    for i, item in enumerate(value):
-        where = f"{param}[{i}]" if index else param
-        if isinstance(item, str):
-            if not item:
-                raise c.fail("invalid_value", where, f"{where} must not be an empty string")
-        elif isinstance(item, list):
-            if not item:
-                raise c.fail("invalid_value", where, f"{where} must not be an empty array")
-            for j, tok in enumerate(item):
-                if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
-                    raise c.fail(
-                        "invalid_value" if isinstance(tok, int) else "invalid_type",
-                        f"{where}[{j}]",
-                        f"{where}[{j}] must be a token id (an integer of at least 0), got {_show(tok)}",
-                    )
-            item = list(item)
-        else:
-            raise c.type_error(where, "a string or an array of token ids", item)
-        inputs.append(item)
-    req.inputs = inputs
-    fmt = body.get("encoding_format")
-    if fmt is not None and fmt not in ENCODING_FORMATS:
-        raise c.fail(
-            "invalid_value",
-            "body.encoding_format",
-            f"body.encoding_format must be one of {', '.join(ENCODING_FORMATS)}, got {_show(fmt)}",
-        )
-    req.encoding_format = fmt or "float"
-    req.dimensions = c.integer("dimensions", 1, None, None)
-    user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise c.type_error("body.user", "a string", user)
-
-
-_KINDS: dict[str, Literal["chat", "completion", "embedding"]] = {
-    CHAT_URL: "chat",
-    COMPLETIONS_URL: "completion",
-    EMBEDDINGS_URL: "embedding",
-}
-_CHECKS: dict[str, Callable[[_Checker, BatchRequest], None]] = {
-    "chat": _check_chat,
-    "completion": _check_completion,
-    "embedding": _check_embedding,
-}
-
-
-# --------------------------------------------------------------------------------------------
 # One line
 
 
@@ -727,7 +299,7 @@ def _load_object(raw: RawLine, max_line_bytes: int | None) -> dict[str, Any]:
         ) from None
     if not isinstance(obj, dict):
         raise LineError(
-            line, "invalid_json_line", f"Line {line} must be a JSON object, got {_type_name(obj)}"
+            line, "invalid_json_line", f"Line {line} must be a JSON object, got {type_name(obj)}"
         )
     # Every later step (tokenizer, error messages, the API's JSON) needs valid Unicode.
     if _SURROGATE_ESCAPE.search(text) and _lone_surrogate(obj) is not None:
@@ -761,8 +333,8 @@ def file_endpoint(
             raise LineError(
                 raw.line,
                 "mixed_endpoints",
-                f"Line {raw.line} has url {_show(url)} but line {first[1]} has "
-                f"{_show(first[0])}: a batch targets one endpoint (split the file by url)",
+                f"Line {raw.line} has url {show(url)} but line {first[1]} has "
+                f"{show(first[0])}: a batch targets one endpoint (split the file by url)",
                 "url",
             )
     return first
@@ -791,7 +363,7 @@ def parse_request(
         raise LineError(
             line,
             "invalid_custom_id",
-            f"custom_id must be a string, got {_type_name(custom_id)}",
+            f"custom_id must be a string, got {type_name(custom_id)}",
             "custom_id",
         )
     if not custom_id:
@@ -806,12 +378,12 @@ def parse_request(
 
     method = obj.get("method")
     if method != "POST":
-        got = "nothing" if method is None else _show(method)
+        got = "nothing" if method is None else show(method)
         raise LineError(line, "invalid_method", f'method must be "POST", got {got}', "method")
 
     url = obj.get("url")
     if not isinstance(url, str) or url not in SUPPORTED_URLS:
-        got = "nothing" if url is None else _show(url)
+        got = "nothing" if url is None else show(url)
         raise LineError(
             line, "invalid_url", f"url must be one of {', '.join(SUPPORTED_URLS)}, got {got}", "url"
         )
@@ -828,7 +400,7 @@ def parse_request(
         raise LineError(line, "missing_required_param", "body is required", "body")
     if not isinstance(body, dict):
         raise LineError(
-            line, "invalid_type", f"body must be an object, got {_type_name(body)}", "body"
+            line, "invalid_type", f"body must be an object, got {type_name(body)}", "body"
         )
 
     model = body.get("model")
@@ -838,7 +410,7 @@ def parse_request(
         raise LineError(
             line,
             "invalid_type",
-            f"body.model must be a string, got {_type_name(model)}",
+            f"body.model must be a string, got {type_name(model)}",
             "body.model",
         )
     if served_models is not None and model not in served_models:
@@ -846,7 +418,7 @@ def parse_request(
         raise LineError(
             line,
             "model_not_found",
-            f"The model {_show(model)} is not served here for {endpoint} (served for it: {served})",
+            f"The model {show(model)} is not served here for {endpoint} (served for it: {served})",
             "body.model",
         )
     if not model:
@@ -860,9 +432,9 @@ def parse_request(
         url=url,
         model=model,
         body=body,
-        kind=_KINDS[url],
+        kind=KINDS[url],
     )
-    _CHECKS[req.kind](_Checker(line, body), req)
+    check_body(req)
     return req
 
 
@@ -954,7 +526,7 @@ def validate_file(
                 raise LineError(
                     raw.line,
                     "duplicate_custom_id",
-                    f"custom_id {_show(req.custom_id)} on line {raw.line} was already used on "
+                    f"custom_id {show(req.custom_id)} on line {raw.line} was already used on "
                     f"line {first}; custom_id must be unique within a batch",
                     "custom_id",
                 )
@@ -967,7 +539,7 @@ def validate_file(
                     raw.line,
                     "mismatched_model",
                     f"All requests in a batch must use the same model: line {raw.line} uses "
-                    f"{_show(req.model)}, line {model_line} uses {_show(report.model)}",
+                    f"{show(req.model)}, line {model_line} uses {show(report.model)}",
                     "body.model",
                 )
         except LineError as err:

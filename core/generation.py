@@ -44,7 +44,7 @@ def token_ids(encoded: Any) -> list[int]:
 
 
 def prompt_token_ids(tok: Any, req: BatchRequest) -> list[int]:
-    """Chat: the model's chat template with the assistant turn opened; completions: the
+    """Chat and responses: the model's chat template with the assistant turn opened; completions: the
     prompt string tokenized, or the token list as given; embeddings: every input's ids one
     after another (their count is what quotas and shard sizes weigh; the embedding engine
     frames each input itself)."""
@@ -56,7 +56,7 @@ def prompt_token_ids(tok: Any, req: BatchRequest) -> list[int]:
                 token_ids(tok(item, add_special_tokens=True)) if isinstance(item, str) else item
             )
         ]
-    if req.kind == "chat":
+    if req.kind in ("chat", "response"):
         return token_ids(
             tok.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=True)
         )
@@ -89,7 +89,7 @@ def check_prompt(
     """Raise :class:`PromptError` for a request the model can never run: a token id outside
     the vocabulary, an empty prompt, a prompt that fills the context, or ``max_tokens`` of at
     least the context (``invalid_value``, naming the limit)."""
-    param = "body.messages" if req.kind == "chat" else "body.prompt"
+    param = {"chat": "body.messages", "response": "body.input"}.get(req.kind, "body.prompt")
     if vocab_size is not None and isinstance(req.prompt, list):
         bad = next((t for t in req.prompt if t >= vocab_size), None)
         if bad is not None:
@@ -113,6 +113,8 @@ def check_prompt(
         # completion then ends with finish_reason "length").
         chat_mct = req.kind == "chat" and req.body.get("max_completion_tokens") is not None
         name = "max_completion_tokens" if chat_mct else "max_tokens"
+        if req.kind == "response":
+            name = "max_output_tokens"
         raise PromptError(
             "invalid_value",
             f"{name} is too large: {_short(req.max_tokens)}. This model's maximum context "
@@ -142,6 +144,7 @@ def sampling_kwargs(req: BatchRequest, prompt_len: int, context: int) -> dict[st
         "top_logprobs": req.top_logprobs,
         "presence_penalty": req.presence_penalty,
         "frequency_penalty": req.frequency_penalty,
+        "json_schema": req.json_schema,
     }
 
 

@@ -20,7 +20,8 @@ Shapes follow OpenAI's documented objects:
 * per-request error line: the same, ``body`` being ``{"error": {message, type, param, code}}``
 * batch error line: ``{id, custom_id, response: null, error: {code, message}}``
 * chat body: a ``chat.completion`` object; completion body: a ``text_completion`` object,
-  both with ``usage`` including ``prompt_tokens_details.cached_tokens``.
+  both with ``usage`` including ``prompt_tokens_details.cached_tokens``; responses body: a
+  ``response`` object with ``usage.input_tokens_details.cached_tokens``.
 
 Logprobs are written only when the request asked for them; a non-finite logprob (``-inf``) is
 written as ``-9999.0`` so every line stays valid JSON. Completions' ``text_offset`` counts
@@ -58,6 +59,7 @@ __all__ = [
     "output_line",
     "request_error_line",
     "response_body",
+    "responses_body",
     "usage_dict",
 ]
 
@@ -272,10 +274,74 @@ def _envelope(
     }
 
 
+def responses_body(
+    req: BatchRequest,
+    result: GenerationResult,
+    *,
+    response_id: str | None = None,
+    created: int | None = None,
+    model: str | None = None,
+    system_fingerprint: str | None = None,
+) -> dict[str, Any]:
+    """A ``response`` object of the Responses API: one assistant message with one
+    ``output_text`` part. A completion cut by ``max_output_tokens`` is ``incomplete`` with
+    ``incomplete_details.reason`` ``max_output_tokens``, as OpenAI reports it. The request's
+    ``instructions``, ``metadata``, sampling values and ``text.format`` are echoed."""
+    del system_fingerprint  # the Response object has none
+    body = req.body
+    choice = min(result.choices, key=lambda c: c.index)
+    cut = choice.finish_reason == "length"
+    status = "incomplete" if cut else "completed"
+    text = body.get("text") if isinstance(body.get("text"), dict) else {}
+    message = {
+        "type": "message",
+        "id": f"msg_{secrets.token_hex(24)}",
+        "status": status,
+        "role": "assistant",
+        "content": [
+            {"type": "output_text", "text": choice.text, "annotations": [], "logprobs": []}
+        ],
+    }
+    return {
+        "id": response_id or f"resp_{secrets.token_hex(24)}",
+        "object": "response",
+        "created_at": int(time.time()) if created is None else created,
+        "status": status,
+        "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+        "instructions": body.get("instructions"),
+        "max_output_tokens": body.get("max_output_tokens"),
+        "model": model or req.model,
+        "output": [message],
+        "parallel_tool_calls": True,
+        "previous_response_id": None,
+        "reasoning": {"effort": None, "summary": None},
+        "store": False,
+        "temperature": req.temperature,
+        "text": {**text, "format": text.get("format") or {"type": "text"}},
+        "tool_choice": "auto",
+        "tools": [],
+        "top_p": req.top_p,
+        "truncation": "disabled",
+        "usage": {
+            "input_tokens": result.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": result.cached_tokens},
+            "output_tokens": result.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": result.prompt_tokens + result.completion_tokens,
+        },
+        "user": body.get("user"),
+        "metadata": body.get("metadata") or {},
+    }
+
+
 def response_body(req: BatchRequest, result: GenerationResult, **kwargs: Any) -> dict[str, Any]:
-    """:func:`chat_completion_body` or :func:`completion_body`, by the request's kind."""
+    """The body of ``req``'s endpoint: :func:`chat_completion_body`, :func:`completion_body`
+    or :func:`responses_body`."""
     if req.kind == "chat":
         return chat_completion_body(req, result, **kwargs)
+    if req.kind == "response":
+        return responses_body(req, result, **kwargs)
     return completion_body(req, result, **kwargs)
 
 

@@ -40,6 +40,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Request, Sequence, Status
+from engine.structured import GrammarBackend
 from engine.tokenizer import detokenize_step, find_stop, load_tokenizer, start_detokenizer
 
 log = logging.getLogger("engine")
@@ -62,6 +63,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._aborted: list[RequestOutput] = []
         self._stats = EngineStats(kv_blocks_total=self.runner.num_blocks)
+        self._grammar: GrammarBackend | None = None  # built by the first structured request
         log.info(
             "engine ready: %d KV blocks, max_model_len %d",
             self.runner.num_blocks,
@@ -128,6 +130,11 @@ class Engine:
             cache_salt=cache_salt,
         )
         seq = Sequence(request, 0, list(prompt), max_len, self._generator(params, 0))
+        if params.json_schema is not None:
+            try:
+                seq.matcher = self.grammar.matcher(params.json_schema)
+            except ValueError as exc:
+                raise RequestError(f"request {request_id!r}: {exc}", "invalid_json_schema") from exc
         seq.expected_work = max_len * params.n
         seq.priority = int(priority)
         start_detokenizer(seq)
@@ -163,9 +170,12 @@ class Engine:
         if scheduled:
             batch = self.runner.prepare(scheduled)
             num_tokens = batch.num_tokens
+            masks = self._grammar.start(batch.sample_seqs) if self._grammar else None
             t0 = time.perf_counter()
             logits = self.runner.forward(batch)
             self._stats.total_forward_time_s += time.perf_counter() - t0
+            if masks is not None:
+                logits = self._grammar.apply(logits, masks)  # type: ignore[union-attr]
             finished.extend(self._postprocess(scheduled, batch.sample_seqs, logits))
         s = self._stats
         s.num_steps += 1
@@ -215,7 +225,9 @@ class Engine:
                 request.metrics.first_token_time = now
             params = seq.params
             reason = stop = None
-            if not params.ignore_eos and token in eos:
+            # a structured output's value is complete: its grammar allows nothing more
+            closed = seq.matcher is not None and self._grammar.advance(seq, token)  # type: ignore[union-attr]
+            if (not params.ignore_eos and token in eos) or closed:
                 reason = "stop"
             elif params.stop_token_ids and token in params.stop_token_ids:
                 reason, stop = "stop", token
@@ -260,6 +272,7 @@ class Engine:
         child.num_hashed_blocks = min(parent.num_hashed_blocks, full)
         child.bucket = parent.bucket
         child.priority = parent.priority
+        child.matcher = parent.matcher.deep_copy() if parent.matcher is not None else None
         start_detokenizer(child)
         request.seqs.append(child)
         request.num_unfinished += 1
@@ -281,6 +294,7 @@ class Engine:
         child.expected_work = parent.max_len
         child.bucket = parent.bucket
         child.priority = parent.priority
+        child.matcher = parent.matcher.deep_copy() if parent.matcher is not None else None
         start_detokenizer(child)
         request.seqs.append(child)
         request.num_unfinished += 1
@@ -319,6 +333,14 @@ class Engine:
             metrics=request.metrics,
         )
 
+    @property
+    def grammar(self) -> GrammarBackend:
+        """The grammar backend, built on first use (it wraps the tokenizer for llguidance)."""
+        if self._grammar is None:
+            eos = min(self.eos_token_ids) if self.eos_token_ids else None
+            self._grammar = GrammarBackend(self.tokenizer, self.vocab_size, eos)
+        return self._grammar
+
     # -- introspection --------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
@@ -330,6 +352,11 @@ class Engine:
         s.kv_blocks_free = bm.num_free_blocks
         s.num_preemptions = sched.num_preemptions
         s.num_chunked_prefills = sched.num_chunked_prefills
+        if self._grammar is not None:
+            g = self._grammar
+            s.num_grammar_masks = g.num_masks
+            s.total_grammar_mask_time_s = g.mask_time_s
+            s.total_grammar_wait_time_s = g.wait_time_s
         s.total_prompt_tokens = sched.total_prompt_tokens
         s.total_cached_tokens = sched.total_cached_tokens
         s.prefix_cache_hit_rate = (

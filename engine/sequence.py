@@ -7,6 +7,7 @@ import hashlib
 import itertools
 from array import array
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -89,6 +90,7 @@ class Sequence:
         "bucket",
         "epoch",
         "priority",
+        "matcher",
     )
 
     def __init__(
@@ -123,6 +125,7 @@ class Sequence:
         self.bucket: object = None
         self.epoch = 0  # bumped whenever the sequence enters or leaves the waiting queue
         self.priority = 0  # admission order: lower first
+        self.matcher: Any = None  # the grammar matcher of a structured-output request
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -423,10 +423,27 @@ LINE_CASES: list[tuple[str, Any, str, str | None]] = [
     ("tool_choice", chat_line(tool_choice="auto"), "unsupported_parameter", "body.tool_choice"),
     ("logit_bias", chat_line(logit_bias={"5": 10}), "unsupported_parameter", "body.logit_bias"),
     (
-        "json mode",
-        chat_line(response_format={"type": "json_object"}),
-        "unsupported_value",
+        "response_format type",
+        chat_line(response_format={"type": "xml"}),
+        "invalid_value",
         "body.response_format.type",
+    ),
+    (
+        "json_schema unsupported keyword",
+        chat_line(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "s", "schema": {"type": "array", "uniqueItems": True}},
+            }
+        ),
+        "unsupported_value",
+        "body.response_format.json_schema.schema",
+    ),
+    (
+        "json_schema without name",
+        chat_line(response_format={"type": "json_schema", "json_schema": {"schema": {}}}),
+        "missing_required_param",
+        "body.response_format.json_schema.name",
     ),
     (
         "response_format str",

@@ -1,0 +1,39 @@
+"""Each endpoint's request body, checked and normalised into a :class:`BatchRequest`: one
+module per endpoint (``generation``: chat and completions; ``embeddings``; ``responses``),
+their shared field checks (``checker``) and structured-output formats (``structured``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from core.batch_request import (
+    CHAT_URL,
+    COMPLETIONS_URL,
+    EMBEDDINGS_URL,
+    RESPONSES_URL,
+    BatchRequest,
+    RequestKind,
+)
+from core.bodies.checker import Checker
+from core.bodies.embeddings import check_embedding
+from core.bodies.generation import check_chat, check_completion
+from core.bodies.responses import check_response
+
+KINDS: dict[str, RequestKind] = {
+    CHAT_URL: "chat",
+    COMPLETIONS_URL: "completion",
+    EMBEDDINGS_URL: "embedding",
+    RESPONSES_URL: "response",
+}
+_CHECKS: dict[RequestKind, Callable[[Checker, BatchRequest], None]] = {
+    "chat": check_chat,
+    "completion": check_completion,
+    "embedding": check_embedding,
+    "response": check_response,
+}
+
+
+def check_body(req: BatchRequest) -> None:
+    """Check ``req.body`` for ``req.kind`` and fill in the normalised fields; raises
+    :class:`core.batch_request.LineError` naming the line and field of the first problem."""
+    _CHECKS[req.kind](Checker(req.line, req.body), req)

@@ -1,0 +1,165 @@
+"""The bodies of ``/v1/chat/completions`` and ``/v1/completions``."""
+
+from __future__ import annotations
+
+from core.batch_request import CHAT_ROLES, BatchRequest, show
+from core.bodies.checker import Checker
+from core.bodies.structured import json_schema
+
+
+def check_chat(c: Checker, req: BatchRequest) -> None:
+    body = c.body
+    if "messages" not in body or body["messages"] is None:
+        raise c.fail(
+            "missing_required_param",
+            "body.messages",
+            "body.messages is required for chat completions",
+        )
+    messages = body["messages"]
+    if not isinstance(messages, list):
+        raise c.type_error("body.messages", "an array", messages)
+    if not messages:
+        raise c.fail("invalid_value", "body.messages", "body.messages must not be empty")
+    out: list[dict[str, str]] = []
+    for i, msg in enumerate(messages):
+        p = f"body.messages[{i}]"
+        if not isinstance(msg, dict):
+            raise c.type_error(p, "an object", msg)
+        role = msg.get("role")
+        if role is None:
+            raise c.fail("missing_required_param", f"{p}.role", f"{p}.role is required")
+        if not isinstance(role, str):
+            raise c.type_error(f"{p}.role", "a string", role)
+        if role not in CHAT_ROLES:
+            raise c.fail(
+                "invalid_value",
+                f"{p}.role",
+                f"{p}.role must be one of {', '.join(CHAT_ROLES)}, got {show(role)}",
+            )
+        if msg.get("tool_calls") or msg.get("function_call"):
+            key = "tool_calls" if msg.get("tool_calls") else "function_call"
+            raise c.fail(
+                "unsupported_parameter", f"{p}.{key}", f"{p}.{key} is not supported by this service"
+            )
+        content = msg.get("content")
+        if content is None:
+            raise c.fail("missing_required_param", f"{p}.content", f"{p}.content is required")
+        if isinstance(content, list):
+            texts: list[str] = []
+            for j, part in enumerate(content):
+                pp = f"{p}.content[{j}]"
+                if not isinstance(part, dict):
+                    raise c.type_error(pp, "an object", part)
+                ptype = part.get("type")
+                if ptype != "text":
+                    if not isinstance(ptype, str):
+                        raise c.type_error(f"{pp}.type", "a string", ptype)
+                    raise c.fail(
+                        "unsupported_value",
+                        f"{pp}.type",
+                        f'{pp}.type must be "text" (this service serves text only), got {show(ptype)}',
+                    )
+                text = part.get("text")
+                if not isinstance(text, str):
+                    raise c.type_error(f"{pp}.text", "a string", text)
+                texts.append(text)
+            content = "\n".join(texts)
+        elif not isinstance(content, str):
+            raise c.type_error(f"{p}.content", "a string or an array of content parts", content)
+        flat = {"role": role, "content": content}
+        name = msg.get("name")
+        if name is not None:
+            if not isinstance(name, str):
+                raise c.type_error(f"{p}.name", "a string", name)
+            flat["name"] = name
+        out.append(flat)
+    req.messages = out
+
+    c.common(req)
+    for name in ("tools", "functions"):
+        c.reject_if_set(name)
+    tool_choice = c.get("tool_choice")
+    if tool_choice is not None and tool_choice != "none":
+        raise c.fail(
+            "unsupported_parameter",
+            "body.tool_choice",
+            "body.tool_choice is not supported by this service",
+        )
+    req.json_schema = json_schema(c, c.get("response_format"), "body.response_format", flat=False)
+    modalities = c.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise c.fail(
+            "unsupported_value",
+            "body.modalities",
+            f'body.modalities must be ["text"], got {show(modalities)}',
+        )
+    c.reject_if_set("audio")
+
+    mct = c.integer("max_completion_tokens", 1, None, None)
+    mt = c.integer("max_tokens", 1, None, None)
+    req.max_tokens = mct if mct is not None else mt
+    req.logprobs = c.boolean("logprobs", False)
+    top = c.integer("top_logprobs", 0, 20, 0)
+    if top and not req.logprobs:
+        raise c.fail(
+            "invalid_value",
+            "body.top_logprobs",
+            f"body.top_logprobs requires body.logprobs to be true, got top_logprobs={top}",
+        )
+    req.top_logprobs = top
+
+
+def check_completion(c: Checker, req: BatchRequest) -> None:
+    body = c.body
+    if "prompt" not in body or body["prompt"] is None:
+        raise c.fail(
+            "missing_required_param", "body.prompt", "body.prompt is required for completions"
+        )
+    prompt = body["prompt"]
+    param = "body.prompt"
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        if len(prompt) != 1:
+            raise c.fail(
+                "unsupported_value",
+                param,
+                f"{param} must hold one prompt per request, got {len(prompt)}; put each prompt on its own line",
+            )
+        prompt = prompt[0]
+        param = "body.prompt[0]"
+    if isinstance(prompt, str):
+        if not prompt:
+            raise c.fail("invalid_value", param, f"{param} must not be empty")
+    elif isinstance(prompt, list):
+        if not prompt:
+            raise c.fail("invalid_value", param, f"{param} must not be empty")
+        for i, tok in enumerate(prompt):
+            if isinstance(tok, bool) or not isinstance(tok, int):
+                raise c.type_error(f"{param}[{i}]", "an integer token id", tok)
+            if tok < 0:
+                raise c.fail(
+                    "invalid_value", f"{param}[{i}]", f"{param}[{i}] must be at least 0, got {tok}"
+                )
+        prompt = list(prompt)
+    else:
+        raise c.type_error(param, "a string or an array of token ids", prompt)
+    req.prompt = prompt
+
+    c.common(req)
+    c.reject_if_set("suffix")
+    if c.boolean("echo", False):
+        raise c.fail(
+            "unsupported_value", "body.echo", "body.echo must be false: echo is not supported"
+        )
+    best_of = c.integer("best_of", 1, None, None)
+    if best_of is not None and best_of != req.n:
+        raise c.fail(
+            "unsupported_value",
+            "body.best_of",
+            f"body.best_of must equal body.n ({req.n}), got {best_of}",
+        )
+    req.max_tokens = c.integer("max_tokens", 1, None, None)
+    # an extension: OpenAI's completions take no response_format; vLLM's do, as here
+    req.json_schema = json_schema(c, c.get("response_format"), "body.response_format", flat=False)
+    lp = c.integer("logprobs", 0, 5, None)
+    req.logprobs = lp is not None
+    req.top_logprobs = lp or 0

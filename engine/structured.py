@@ -1,0 +1,141 @@
+"""Structured output: decoding constrained by a JSON Schema, valid by construction.
+
+A request whose ``SamplingParams.json_schema`` is set gets a grammar matcher (llguidance,
+which compiles JSON Schema to an Earley parser over the model's tokens). Before each step the
+matchers of the sequences about to sample compute their token masks, on llguidance's own
+threads while the model's forward pass runs, so the mask does not serialise the step; the
+sampler then sees ``-inf`` for every token the grammar forbids, and the sampled token advances
+the matcher. Constrained and unconstrained sequences share the step: only the constrained rows
+are masked.
+
+When the JSON value closes, the grammar allows only the end-of-sequence token, so the
+completion ends with finish_reason "stop"; a completion that reaches ``max_tokens`` first ends
+with "length" (its text is then an unfinished JSON prefix, as OpenAI's is).
+
+JSON is generated compact (no whitespace between tokens of the value): a model is not free to
+pad the output with blanks until ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from time import perf_counter
+from typing import Any
+
+import torch
+
+log = logging.getLogger("engine")
+
+# JSON compiler options: compact output (see the module docstring).
+JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+def grammar_for(schema: dict[str, Any]) -> str:
+    """The llguidance grammar of a JSON Schema (``{"type": "object"}``: any JSON object)."""
+    from llguidance import LLMatcher
+
+    return LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
+
+
+def schema_error(schema: dict[str, Any]) -> str | None:
+    """Why this schema cannot constrain decoding (an unsupported keyword, an invalid type), or
+    None. Needs no tokenizer, so a request can be refused before any model is loaded."""
+    from llguidance import LLMatcher
+
+    try:
+        grammar = grammar_for(schema)
+    except (ValueError, TypeError) as exc:
+        return str(exc)
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    return messages[0] if is_error else None
+
+
+@dataclass(slots=True)
+class PendingMasks:
+    """Masks being computed for the rows ``rows`` of the step's sampling batch."""
+
+    rows: list[int]
+    bitmask: torch.Tensor
+    future: Future[float]
+
+
+class GrammarBackend:
+    """The engine's grammar side: one tokenizer view for llguidance, one executor."""
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_id: int | None) -> None:
+        import llguidance
+        import llguidance.hf
+
+        self.vocab_size = vocab_size
+        self.tokenizer = llguidance.hf.from_tokenizer(
+            hf_tokenizer, n_vocab=vocab_size, eos_token=eos_token_id
+        )
+        self.executor = llguidance.LLExecutor()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self._bits = torch.arange(32, dtype=torch.int32)
+        self.mask_time_s = 0.0  # computing masks (overlapped with the forward pass)
+        self.wait_time_s = 0.0  # the step waiting for masks after its forward pass
+        self.num_masks = 0
+
+    def matcher(self, schema: dict[str, Any]) -> Any:
+        """A fresh matcher for ``schema``; ValueError naming the problem if it cannot be one."""
+        from llguidance import LLMatcher
+
+        m = LLMatcher(self.tokenizer, grammar_for(schema), log_level=0)
+        if m.is_error():
+            raise ValueError(f"json_schema cannot constrain decoding: {m.get_error()}")
+        return m
+
+    def start(self, seqs: list[Any]) -> PendingMasks | None:
+        """Begin computing the masks of the constrained sequences among ``seqs`` (the step's
+        sampling rows); None when there are none."""
+        rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        if not rows:
+            return None
+        from llguidance.torch import allocate_token_bitmask
+
+        bitmask = allocate_token_bitmask(len(rows), self.vocab_size)
+        pairs = [(seqs[i].matcher, k) for k, i in enumerate(rows)]
+
+        def compute() -> float:
+            t0 = perf_counter()
+            self.executor.unsafe_compute_mask_ptr(
+                pairs, bitmask.data_ptr(), bitmask.shape[1] * 4, len(rows)
+            )
+            return perf_counter() - t0
+
+        self.num_masks += len(rows)
+        return PendingMasks(rows, bitmask, self._pool.submit(compute))
+
+    def apply(self, logits: torch.Tensor, pending: PendingMasks | None) -> torch.Tensor:
+        """``logits`` with the forbidden tokens of the constrained rows set to ``-inf``."""
+        if pending is None:
+            return logits
+        t0 = perf_counter()
+        self.mask_time_s += pending.future.result()
+        self.wait_time_s += perf_counter() - t0
+        bits = pending.bitmask.unsqueeze(-1) >> self._bits & 1  # (rows, words, 32)
+        allowed = bits.reshape(len(pending.rows), -1)[:, : logits.shape[1]].bool()
+        if allowed.shape[1] < logits.shape[1]:  # a vocabulary wider than the tokenizer's
+            pad = torch.zeros(len(pending.rows), logits.shape[1] - allowed.shape[1], dtype=bool)
+            allowed = torch.cat([allowed, pad], dim=1)
+        rows = torch.tensor(pending.rows, device=logits.device)
+        logits = logits.clone()
+        logits[rows] = logits[rows].masked_fill(~allowed.to(logits.device), float("-inf"))
+        return logits
+
+    def advance(self, seq: Any, token: int) -> bool:
+        """Feed the sampled token to the sequence's matcher; True when the value is complete
+        (the grammar stopped). A token the matcher refuses cannot be sampled under its mask,
+        so a refusal is logged and ends the sequence."""
+        m = seq.matcher
+        if not m.consume_token(token):
+            log.error("grammar refused sampled token %d: %s", token, m.get_error())
+            return True
+        return m.is_stopped()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
