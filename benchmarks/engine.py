@@ -283,12 +283,45 @@ def _engine_figures(before: dict[str, Any], after: dict[str, Any]) -> dict[str, 
         if step_time
         else 0.0,
         "kv_blocks_total": after.get("kv_blocks_total"),
+        "grammar_masks": int(delta("num_grammar_masks")),
+        "grammar_mask_ms_per_step": 1000 * delta("total_grammar_mask_time_s") / steps
+        if steps
+        else 0.0,
+        "grammar_wait_ms_per_step": 1000 * delta("total_grammar_wait_time_s") / steps
+        if steps
+        else 0.0,
     }
 
 
+# The schema a structured share of the requests must follow: a classification record with an
+# enum, a bounded number, a nested object and a bounded array (a typical batch extraction).
+BENCH_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "label": {"enum": ["positive", "negative", "neutral"]},
+        "score": {"type": "integer", "minimum": 0, "maximum": 100},
+        "entity": {
+            "type": "object",
+            "properties": {"name": {"type": "string", "maxLength": 24}},
+            "required": ["name"],
+            "additionalProperties": False,
+        },
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4},
+    },
+    "required": ["label", "score", "entity", "tags"],
+    "additionalProperties": False,
+}
+
+
 def run_engine(
-    model_dir: str, workload: Workload, engine_config: dict[str, Any], label: str = "engine"
+    model_dir: str,
+    workload: Workload,
+    engine_config: dict[str, Any],
+    label: str = "engine",
+    structured_share: float = 0.0,
 ) -> SystemResult:
+    """The engine on ``workload``; ``structured_share`` of the requests (spread evenly) are
+    constrained by :data:`BENCH_SCHEMA` and end when their JSON closes."""
     from benchmarks import phases
     from engine import Engine, SamplingParams
 
@@ -296,8 +329,10 @@ def run_engine(
     trace = phases.StepTrace(sync=phases.device_sync(engine.runner.device))
     phases.trace_engine(engine, trace)
 
-    def params(n: int) -> SamplingParams:
-        return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    def params(n: int, i: int = 0) -> SamplingParams:
+        constrained = int((i + 1) * structured_share) > int(i * structured_share)
+        schema = BENCH_SCHEMA if constrained else None
+        return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, json_schema=schema)
 
     def drain(expected: int) -> dict[str, list[int]]:
         done: dict[str, list[int]] = {}
@@ -320,7 +355,7 @@ def run_engine(
     trace.start()
     cpu0, start = time.process_time(), time.perf_counter()
     for i, (prompt, n) in enumerate(zip(workload.prompts, workload.max_tokens, strict=True)):
-        engine.add_request(f"req-{i}", prompt, params(n))
+        engine.add_request(f"req-{i}", prompt, params(n, i))
     done = drain(len(workload.prompts))
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu0
     trace.close()
@@ -599,6 +634,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch intra-op threads (default: torch's choice). On a shared machine 1 "
         "avoids OpenMP barrier stalls that make small decode steps erratic",
     )
+    p.add_argument(
+        "--structured-share",
+        type=float,
+        default=None,
+        metavar="F",
+        help="also run the engine with this share of requests (0..1) under a JSON schema "
+        "(structured output) and compare throughput with the unconstrained run",
+    )
     p.add_argument("--json", type=Path, help="write every figure to this file")
     return p
 
@@ -660,11 +703,42 @@ def _print_report(results: dict[str, Any]) -> None:
             f"{stats['num_preemptions']}, prefix-cache hit rate {stats['prefix_cache_hit_rate']:.1%}, "
             f"step time outside forward {stats['outside_forward_frac']:.1%}"
         )
+        if stats.get("grammar_masks"):
+            console.print(
+                f"{name} grammar: {stats['grammar_masks']} token masks, "
+                f"{stats['grammar_mask_ms_per_step']:.2f} ms/step computing them beside the "
+                f"forward pass, {stats['grammar_wait_ms_per_step']:.2f} ms/step waited for"
+            )
     for name, r in results["systems"].items():
         if r.get("phases"):
             print_profile(console, name, r["phases"])
     for key, value in results.get("agreement", {}).items():
         console.print(f"greedy agreement {key}: {value:.0%} of requests identical")
+
+
+def _compare_structured(
+    results: dict[str, Any],
+    model_dir: str,
+    workload: Workload,
+    engine_config: dict[str, Any],
+    share: float,
+) -> None:
+    """The engine with ``share`` of the requests constrained, against the run without."""
+    if not 0.0 < share <= 1.0:
+        raise SystemExit(f"--structured-share must be in (0, 1], got {share}")
+    base = results["systems"].get("engine")
+    if base is None:
+        base = run_engine(model_dir, workload, engine_config).as_dict()
+        results["systems"]["engine"] = base
+    label = f"engine_structured_{share:.0%}"
+    r = run_engine(model_dir, workload, engine_config, label=label, structured_share=share)
+    s = results["systems"][label] = r.as_dict()
+    results["ratios"][f"{label} / engine (output tok/s)"] = (
+        s["output_tok_s"] / base["output_tok_s"] if base["output_tok_s"] else math.inf
+    )
+    results["ratios"][f"{label} / engine (mean step time)"] = (
+        s["engine_stats"]["mean_step_ms"] / base["engine_stats"]["mean_step_ms"]
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -813,6 +887,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                         tokens["engine"], tokens[other]
                     )
 
+    if args.structured_share is not None:
+        _compare_structured(results, model_dir, workload, engine_config, args.structured_share)
     _print_report(results)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

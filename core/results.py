@@ -325,7 +325,10 @@ def responses_body(
         "truncation": "disabled",
         "usage": {
             "input_tokens": result.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": result.cached_tokens},
+            "input_tokens_details": {
+                "cached_tokens": result.cached_tokens,
+                "cache_write_tokens": 0,
+            },
             "output_tokens": result.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": result.prompt_tokens + result.completion_tokens,

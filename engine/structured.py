@@ -111,7 +111,8 @@ class GrammarBackend:
         return PendingMasks(rows, bitmask, self._pool.submit(compute))
 
     def apply(self, logits: torch.Tensor, pending: PendingMasks | None) -> torch.Tensor:
-        """``logits`` with the forbidden tokens of the constrained rows set to ``-inf``."""
+        """``logits`` (changed in place) with the forbidden tokens of the constrained rows set
+        to ``-inf``."""
         if pending is None:
             return logits
         t0 = perf_counter()
@@ -123,7 +124,7 @@ class GrammarBackend:
             pad = torch.zeros(len(pending.rows), logits.shape[1] - allowed.shape[1], dtype=bool)
             allowed = torch.cat([allowed, pad], dim=1)
         rows = torch.tensor(pending.rows, device=logits.device)
-        logits = logits.clone()
+        # in place: the step's logits are read by nobody but the sampler
         logits[rows] = logits[rows].masked_fill(~allowed.to(logits.device), float("-inf"))
         return logits
 

@@ -91,7 +91,7 @@ def test_200_mixed_schema_requests_all_valid_and_unconstrained_unchanged(llm: LL
         sampled = i % 3 == 0
         params.append(
             SamplingParams(
-                max_tokens=160,
+                max_tokens=100,
                 temperature=0.8 if sampled else 0.0,
                 seed=i if sampled else None,
                 json_schema=schema,
@@ -107,7 +107,7 @@ def test_200_mixed_schema_requests_all_valid_and_unconstrained_unchanged(llm: LL
         if c.finish_reason == "stop":
             _check(c.text, schema)
             completed += 1
-    assert completed >= 120, f"only {completed} of 160 constrained requests completed"
+    assert completed >= 110, f"only {completed} of 160 constrained requests completed"
 
     free = [i for i, s in enumerate(schemas) if s is None]
     alone = llm.generate([prompts[i] for i in free], [params[i] for i in free], use_tqdm=False)
