@@ -110,6 +110,7 @@ class GrammarBackend:
         self.num_masks += len(rows)
         return PendingMasks(rows, bitmask, self._pool.submit(compute))
 
+    @torch.inference_mode()
     def apply(self, logits: torch.Tensor, pending: PendingMasks | None) -> torch.Tensor:
         """``logits`` (changed in place) with the forbidden tokens of the constrained rows set
         to ``-inf``."""

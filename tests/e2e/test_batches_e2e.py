@@ -138,6 +138,125 @@ def test_completions_batch_matches_the_engine(stack, llm):
     )
 
 
+VERDICT = {
+    "type": "object",
+    "properties": {
+        "label": {"enum": ["spam", "ham"]},
+        "score": {"type": "integer", "minimum": 0, "maximum": 10},
+        "words": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 2},
+    },
+    "required": ["label", "score"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_chat_outputs_validate_and_free_text_is_unchanged(stack, llm):
+    import jsonschema
+
+    from engine import SamplingParams
+
+    fmt = {
+        "type": "json_schema",
+        "json_schema": {"name": "verdict", "schema": VERDICT, "strict": True},
+    }
+    lines = [_chat(f"json-{i}", f"classify message {i}", 60, response_format=fmt) for i in range(6)]
+    lines += [_chat("object", "any object", 60, response_format={"type": "json_object"})]
+    lines += [_chat(f"free-{i}", f"free text {i}", 8) for i in range(3)]
+    batch = _wait(stack, _submit(stack, lines).id, 120)
+    assert batch.status == "completed", batch
+    out = {r["custom_id"]: r["response"]["body"] for r in _download(stack, batch.output_file_id)}
+    assert len(out) == 10
+    for i in range(6):
+        choice = out[f"json-{i}"]["choices"][0]
+        if choice["finish_reason"] == "stop":
+            jsonschema.validate(json.loads(choice["message"]["content"]), VERDICT)
+        else:  # cut by max_tokens before the JSON closed, as OpenAI reports it
+            assert choice["finish_reason"] == "length"
+    assert sum(out[f"json-{i}"]["choices"][0]["finish_reason"] == "stop" for i in range(6)) >= 4
+    obj = out["object"]["choices"][0]
+    assert obj["finish_reason"] == "length" or isinstance(
+        json.loads(obj["message"]["content"]), dict
+    )
+    expected = llm.chat(
+        [[{"role": "user", "content": f"free text {i}"}] for i in range(3)],
+        SamplingParams(max_tokens=8, temperature=0),
+        use_tqdm=False,
+    )
+    for i, want in enumerate(expected):
+        assert out[f"free-{i}"]["choices"][0]["message"]["content"] == want.outputs[0].text
+
+
+def _response(custom_id: str, **body: Any) -> dict[str, Any]:
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/responses",
+        "body": {"model": MODEL, "temperature": 0, **body},
+    }
+
+
+def test_responses_batch_parses_with_the_sdk(stack, llm):
+    import jsonschema
+    from openai.types.responses import Response
+
+    from engine import SamplingParams
+
+    fmt = {"type": "json_schema", "name": "verdict", "schema": VERDICT, "strict": True}
+    lines = [
+        _response("plain", input="Tell me a story", instructions="Be brief", max_output_tokens=9),
+        _response(
+            "items",
+            input=[{"role": "user", "content": [{"type": "input_text", "text": "Hi there"}]}],
+            max_output_tokens=400,
+            metadata={"run": "nightly"},
+        ),
+        _response(
+            "json", input="Classify: win money now", text={"format": fmt}, max_output_tokens=60
+        ),
+        _response("tools", input="x", tools=[{"type": "function", "name": "f", "parameters": {}}]),
+        _response(
+            "image",
+            input=[{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}],
+        ),
+    ]
+    batch = _wait(stack, _submit(stack, lines, endpoint="/v1/responses").id, 60)
+    assert batch.status == "failed", batch  # tools and images are refused at validation
+    errors = {(e.line, e.param) for e in batch.errors.data}
+    assert errors == {(4, "body.tools"), (5, "body.input[0].content[0].type")}
+
+    batch = _wait(stack, _submit(stack, lines[:3], endpoint="/v1/responses").id, 120)
+    assert batch.status == "completed", batch
+    out = {r["custom_id"]: r["response"]["body"] for r in _download(stack, batch.output_file_id)}
+    resp = {k: Response.model_validate(v) for k, v in out.items()}
+    want = llm.chat(
+        [
+            [
+                {"role": "system", "content": "Be brief"},
+                {"role": "user", "content": "Tell me a story"},
+            ],
+            [{"role": "user", "content": "Hi there"}],
+        ],
+        [
+            SamplingParams(max_tokens=9, temperature=0),
+            SamplingParams(max_tokens=400, temperature=0),
+        ],
+        use_tqdm=False,
+    )
+    plain, items = resp["plain"], resp["items"]
+    assert plain.object == "response" and plain.output_text == want[0].outputs[0].text
+    assert plain.instructions == "Be brief"
+    assert plain.usage.input_tokens == len(want[0].prompt_token_ids)
+    assert plain.usage.output_tokens == len(want[0].outputs[0].token_ids)
+    if want[0].outputs[0].finish_reason == "length":
+        assert plain.status == "incomplete"
+        assert plain.incomplete_details.reason == "max_output_tokens"
+    assert items.output_text == want[1].outputs[0].text and items.metadata == {"run": "nightly"}
+    verdict = resp["json"]
+    if verdict.status == "completed":
+        jsonschema.validate(json.loads(verdict.output_text), VERDICT)
+    assert out["json"]["text"]["format"] == fmt
+
+
 def test_validation_failure_names_the_lines(stack):
     lines = [
         json.dumps(_chat("ok-1", "hi", 4)),
