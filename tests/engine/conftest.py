@@ -28,3 +28,19 @@ def engine_test_device(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
 
     monkeypatch.setattr(EngineConfig, "from_kwargs", classmethod(from_kwargs))
     yield TEST_DEVICE
+
+
+@pytest.fixture(scope="module")
+def path() -> str:
+    """The tiny demo Llama (built on first use), shared by a module's tests."""
+    from engine.demo_models import build
+
+    return str(build("llama-tiny"))
+
+
+@pytest.fixture(scope="module")
+def llm(path: str) -> Any:
+    """An ``LLM`` over :func:`path`, shared by a module's tests."""
+    from engine import LLM
+
+    return LLM(path)

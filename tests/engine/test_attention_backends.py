@@ -12,12 +12,6 @@ import torch
 from benchmarks.attention_ops import decode_step_ops
 from engine import Engine, SamplingParams
 from engine.cuda_graph import DecodeGraphs, bucket_for, graph_buckets
-from engine.demo_models import build
-
-
-@pytest.fixture(scope="module")
-def path() -> str:
-    return str(build("llama-tiny"))
 
 
 def test_flex_operator_calls_per_decode_step_are_flat(path: str) -> None:

@@ -14,16 +14,6 @@ from engine.sampler import Sampler
 from engine.sequence import Request, Sequence
 
 
-@pytest.fixture(scope="module")
-def path() -> str:
-    return str(build("llama-tiny"))
-
-
-@pytest.fixture(scope="module")
-def llm(path: str) -> LLM:
-    return LLM(path)
-
-
 def _prompt(seed: int, n: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, 2048) for _ in range(n)]

@@ -11,7 +11,6 @@ import jsonschema
 import pytest
 
 from engine import LLM, Engine, RequestError, SamplingParams
-from engine.demo_models import build
 
 SCHEMAS = [
     {
@@ -57,16 +56,6 @@ SCHEMAS = [
     },
     {"type": "object"},  # json_object mode
 ]
-
-
-@pytest.fixture(scope="module")
-def path() -> str:
-    return str(build("llama-tiny"))
-
-
-@pytest.fixture(scope="module")
-def llm(path: str) -> LLM:
-    return LLM(path)
 
 
 def _prompt(rng: random.Random) -> list[int]:
