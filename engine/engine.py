@@ -157,6 +157,39 @@ class Engine:
         self._aborted.append(self._output(request))
         return True
 
+    def suspend_request(self, request_id: str) -> Request | None:
+        """Take an unfinished single-completion request out of the engine without losing what
+        it has generated: its KV blocks are freed now (full ones stay in the prefix cache) and
+        it is no longer scheduled. :meth:`resume_request` puts it back; it then recomputes its
+        tokens, mostly from the cache, and goes on where it stopped, with the same output a
+        run without the pause gives. None (nothing done) for an unknown, finished or
+        ``n > 1`` request. A caller uses this to give a request's room to other work."""
+        request = self.requests.get(request_id)
+        if request is None or len(request.seqs) != 1 or request.params.n != 1:
+            return None
+        seq = request.seqs[0]
+        if seq.status is Status.FINISHED:
+            return None
+        self.scheduler.suspend(seq)
+        del self.requests[request_id]
+        self._stats.num_suspended += 1
+        return request
+
+    def resume_request(self, request: Request) -> None:
+        """Put back a request that :meth:`suspend_request` took out."""
+        if request.request_id in self.requests:
+            raise RequestError(
+                f"request_id {request.request_id!r} is already in the engine",
+                "duplicate_request_id",
+            )
+        (seq,) = request.seqs
+        if seq.status is not Status.SUSPENDED:
+            raise RequestError(
+                f"request {request.request_id!r} is not suspended", "invalid_request"
+            )
+        self.requests[request.request_id] = request
+        self.scheduler.resume(seq)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self._aborted)
 

@@ -77,6 +77,7 @@ class EngineStats:
     total_cached_tokens: int = 0
     total_output_tokens: int = 0
     num_chunked_prefills: int = 0  # prefill chunks that stopped short of the prompt's end
+    num_suspended: int = 0  # requests its caller took out to give their room to others
     num_grammar_masks: int = 0  # token masks computed for structured-output sequences
     total_grammar_mask_time_s: float = 0.0  # computing them (overlapped with the forward pass)
     total_grammar_wait_time_s: float = 0.0  # steps waiting for them after the forward pass

@@ -311,6 +311,24 @@ class Scheduler:
         self.waiting.push_front(seq)
         self.num_preemptions += 1
 
+    def suspend(self, seq: Sequence) -> None:
+        """Take ``seq`` out of the running set or the waiting queue, freeing its blocks (full
+        ones stay in the prefix cache); :meth:`resume` brings it back."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+            self._hot(seq, -1)
+        elif seq.status is Status.WAITING:
+            self.waiting.taken(seq)
+        self.bm.free_seq(seq)
+        seq.num_computed_tokens = 0
+        seq.status = Status.SUSPENDED
+
+    def resume(self, seq: Sequence) -> None:
+        """A suspended sequence waits again, first in line, like a preempted one: it recomputes
+        its tokens (mostly prefix-cache hits) and goes on generating."""
+        seq.status = Status.WAITING
+        self.waiting.push_front(seq)
+
     def finish(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence from the queues and free its blocks."""
         if seq.status is Status.RUNNING:

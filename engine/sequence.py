@@ -19,6 +19,7 @@ class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+    SUSPENDED = "suspended"  # taken out of the engine by its caller, to be resumed
 
 
 @dataclass(slots=True, eq=False)

@@ -34,12 +34,13 @@ def test_sampling_kwargs_carry_every_field() -> None:
     req = _req(
         {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
          "temperature": 0.5, "top_p": 0.9, "n": 2, "stop": ["x"], "seed": 3, "logprobs": True,
-         "top_logprobs": 2, "presence_penalty": 0.1, "frequency_penalty": -0.2}
+         "top_logprobs": 2, "presence_penalty": 0.1, "frequency_penalty": -0.2,
+         "response_format": {"type": "json_object"}}
     )  # fmt: skip
     assert sampling_kwargs(req, 4, 100) == {
         "max_tokens": 5, "temperature": 0.5, "top_p": 0.9, "top_k": 0, "seed": 3, "stop": ["x"],
         "ignore_eos": False, "n": 2, "logprobs": True, "top_logprobs": 2,
-        "presence_penalty": 0.1, "frequency_penalty": -0.2,
+        "presence_penalty": 0.1, "frequency_penalty": -0.2, "json_schema": {"type": "object"},
     }  # fmt: skip
 
 

@@ -396,3 +396,44 @@ def test_cache_salt_scopes_the_prefix_cache(llm: LLM) -> None:
     assert run(None) == (64, tokens)
     with pytest.raises(RequestError, match="cache_salt"):
         llm.engine.add_request("salt", prompt, params, cache_salt="")
+
+
+def test_a_suspended_request_resumes_with_the_same_output(path: str) -> None:
+    prompts = [_prompt(40 + i, 20 + 7 * i) for i in range(4)]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    alone = LLM(path).generate(prompts, params, use_tqdm=False)
+    engine = Engine(path, block_size=8)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    for _ in range(6):
+        engine.step()
+    used = engine.block_manager.num_used_blocks
+    suspended = engine.suspend_request("r1")
+    assert suspended is not None
+    assert engine.block_manager.num_used_blocks < used  # its room is free at once
+    assert engine.suspend_request("r1") is None  # no longer in the engine
+    done = {}
+    for _ in range(10):
+        for out in engine.step():
+            done[out.request_id] = out
+    engine.resume_request(suspended)
+    with pytest.raises(RequestError):
+        engine.resume_request(suspended)
+    done.update(_drain(engine))
+    assert engine.stats().num_suspended == 1
+    for i, want in enumerate(alone):
+        assert done[f"r{i}"].outputs[0].token_ids == want.outputs[0].token_ids
+
+
+def test_only_single_unfinished_requests_can_be_suspended(path: str) -> None:
+    engine = Engine(path)
+    engine.add_request("multi", [5, 6, 7], SamplingParams(max_tokens=4, n=2))
+    assert engine.suspend_request("multi") is None
+    assert engine.suspend_request("unknown") is None
+    engine.add_request("waiting", [5, 6, 7], SamplingParams(max_tokens=4))
+    suspended = engine.suspend_request("waiting")  # not yet admitted: leaves the queue
+    assert suspended is not None
+    _drain(engine)
+    engine.resume_request(suspended)
+    out = _drain(engine)["waiting"]
+    assert len(out.outputs[0].token_ids) == 4
