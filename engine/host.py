@@ -93,6 +93,7 @@ class HostStats:
     failed: int  # RequestError, a step failure, or any other error set on the future
     step_errors: int
     steps: int  # engine steps run by this host
+    suspended: int  # in-flight requests suspended to give another tenant its share
     mean_occupancy: float  # running sequences / max_num_seqs, averaged over this host's steps
     max_pending: int
     max_in_flight: int
@@ -122,6 +123,7 @@ class _Entry:
     cost: int = 0  # tokens: prompt + expected output (max_tokens for each of n completions)
     state: str = _PENDING
     abort_requested: bool = False
+    suspended: Any = None  # the engine's handle while suspended for another tenant's share
 
     @property
     def flow(self) -> tuple[str | None, str | None, int]:
@@ -208,7 +210,9 @@ class FairQueue:
     def num_groups(self) -> int:
         return len(self._per_group)
 
-    def push(self, entry: _Entry) -> None:
+    def push(self, entry: _Entry, front: bool = False) -> None:
+        """Queue ``entry`` in its batch; ``front``: ahead of the batch's other requests (a
+        request suspended in flight goes back first)."""
         bq = self._batches.get(entry.flow)
         if bq is None:
             tier = self._promoted.get(entry.flow, entry.priority)
@@ -216,19 +220,38 @@ class FairQueue:
             self._activate(bq)
         bq.max_cost = max(bq.max_cost, entry.cost)
         longest_first = -entry.cost if entry.group is not None else 0
+        if front:
+            longest_first = -(1 << 62)
         heapq.heappush(bq.heap, (longest_first, next(self._order), entry))
         self._count(entry, +1)
 
-    def pop(self, max_priority: int | None = None) -> _Entry | None:
+    def pop(
+        self, max_priority: int | None = None, skip: frozenset[str | None] = frozenset()
+    ) -> _Entry | None:
         """The next entry to admit, or None; with ``max_priority``, only from tiers at or
-        below it (the in-flight room reserved for urgent work)."""
+        below it (the in-flight room reserved for urgent work). Tenants in ``skip`` are passed
+        over in the most urgent tier (they hold their share while others wait for theirs)."""
         if self.aging_s is not None:
             self._age()
         for priority in sorted(self._tiers):
             if max_priority is not None and priority > max_priority:
                 break
-            return self._pop_tier(self._tiers[priority])
+            return self._pop_tier(self._tiers[priority], skip)
         return None
+
+    def top_tier(self) -> int | None:
+        """The most urgent tier with pending work."""
+        return min(self._tiers, default=None)
+
+    def tenants_in(self, tier: int) -> dict[str | None, int]:
+        """Pending requests per tenant in ``tier``."""
+        t = self._tiers.get(tier)
+        if t is None:
+            return {}
+        return {
+            name: sum(len(bq.heap) for bq in tenant.batches.values())
+            for name, tenant in t.tenants.items()
+        }
 
     def remove(self, entries: Iterable[_Entry]) -> None:
         by_flow: dict[tuple[str | None, str | None, int], set[int]] = {}
@@ -305,8 +328,13 @@ class FairQueue:
     def _quantum(self) -> int:
         return max(bq.max_cost for bq in self._batches.values())
 
-    def _pop_tier(self, tier: _Tier) -> _Entry:
+    def _pop_tier(self, tier: _Tier, skip: frozenset[str | None] = frozenset()) -> _Entry | None:
+        if skip and all(name in skip for name in tier.rotation):
+            return None
         while True:
+            if tier.rotation[0] in skip:
+                tier.rotation.rotate(-1)
+                continue
             tenant = tier.tenants[tier.rotation[0]]
             if not tenant.in_turn:
                 tenant.in_turn, tenant.deficit = True, tenant.deficit + self._quantum()
@@ -341,6 +369,7 @@ class _Counters:
     failed: int = 0
     step_errors: int = 0
     steps: int = 0
+    suspended: int = 0  # in-flight requests suspended to give another tenant its share
     base_steps: int | None = None  # engine counters when the host started, for its own means
     base_running_seq_steps: int = 0
 
@@ -366,6 +395,7 @@ class EngineHost:
         group_window: int | None = None,
         reserved_share: float = 0.0,
         aging_s: float | None = None,
+        fair_share: bool = True,
         name: str = "engine-host",
     ) -> None:
         config = engine.config
@@ -388,6 +418,7 @@ class EngineHost:
             raise ValueError(f"aging_s must be positive (or None for no aging), got {aging_s}")
         self._engine = engine
         self._max_num_seqs = max_num_seqs
+        self.fair_share = fair_share
         self.max_pending = max_pending
         self.group_window = group_window
         self.max_in_flight = max_num_seqs + engine_backlog
@@ -681,6 +712,7 @@ class EngineHost:
             failed=c.failed,
             step_errors=c.step_errors,
             steps=c.steps,
+            suspended=c.suspended,
             mean_occupancy=occupancy,
             max_pending=self.max_pending,
             max_in_flight=self.max_in_flight,
@@ -703,13 +735,17 @@ class EngineHost:
                     stats_requests, self._stats_requests = self._stats_requests, []
                     admitted: list[_Entry] = []
                     if self._drain:
+                        skip = self._share_out(in_flight) if self._pending else frozenset()
                         room = self.max_in_flight - len(in_flight)
                         while room + self.reserved_seqs > 0 and self._pending:
                             # Past the cap, only urgent work enters (the reserved room).
-                            entry = self._pending.pop(None if room > 0 else -1)
+                            entry = self._pending.pop(None if room > 0 else -1, skip)
                             if entry is None:
                                 break
-                            if not entry.future.set_running_or_notify_cancel():
+                            if (
+                                entry.suspended is None
+                                and not entry.future.set_running_or_notify_cancel()
+                            ):
                                 self._forget(entry)  # the caller cancelled it while pending
                                 continue
                             entry.state = _IN_FLIGHT
@@ -744,9 +780,65 @@ class EngineHost:
                 _fail(request.future, HostError("engine host loop died"), exc)
             raise
 
+    def _share_out(self, in_flight: dict[str, _Entry]) -> frozenset[str | None]:
+        """Fair shares of the engine's sequences among tenants; the caller holds the lock.
+
+        In the most urgent tier with pending work (``normal`` or ``low``; the urgent tiers
+        have their reservation), each tenant with work there is due an equal share of
+        ``max_num_seqs``. A tenant below its share that has requests waiting gets room at
+        once: when the engine is full, the newest in-flight requests of less urgent tiers,
+        then of tenants above their share, are suspended in the engine (their KV freed, what
+        they generated kept) and wait first in their batch; they resume when their tenant is
+        below its share again. Returns the tenants that hold their share, which admission
+        passes over while another waits for its own. One tenant alone keeps every slot."""
+        if not self.fair_share:
+            return frozenset()
+        tier = self._pending.top_tier()
+        if tier is None or tier < 0:
+            return frozenset()
+        pending = self._pending.tenants_in(tier)
+        running = collections.Counter(e.tenant for e in in_flight.values() if e.priority == tier)
+        active = set(pending) | set(running)
+        lesser = [e for e in in_flight.values() if e.priority > tier]
+        if len(active) < 2 and not lesser:
+            return frozenset()
+        share = max(1, self._max_num_seqs // len(active))
+        want = sum(min(n, share - running[t]) for t, n in pending.items() if running[t] < share)
+        if not want:
+            return frozenset()
+        need = want - max(0, self.max_in_flight - len(in_flight))
+        if need > 0:
+            over = {t: n - share for t, n in running.items() if n > share}
+            victims = lesser[::-1] + [
+                e for e in reversed(in_flight.values()) if e.priority == tier and e.tenant in over
+            ]
+            for entry in victims:
+                if need == 0:
+                    break
+                if entry.priority == tier:
+                    if over[entry.tenant] == 0:
+                        continue
+                    over[entry.tenant] -= 1
+                if entry.abort_requested:
+                    continue
+                handle = self._engine.suspend_request(entry.request_id)
+                if handle is None:  # finished in the last step, or n > 1
+                    continue
+                del in_flight[entry.request_id]
+                entry.suspended, entry.state = handle, _PENDING
+                self._pending.push(entry, front=True)
+                self._counters.suspended += 1
+                need -= 1
+        return frozenset(t for t in active if running[t] >= share)
+
     def _admit(self, admitted: list[_Entry], in_flight: dict[str, _Entry]) -> None:
         failures: list[tuple[_Entry, BaseException]] = []
         for entry in admitted:
+            if entry.suspended is not None:
+                handle, entry.suspended = entry.suspended, None
+                self._engine.resume_request(handle)
+                in_flight[entry.request_id] = entry
+                continue
             try:
                 self._engine.add_request(
                     entry.request_id,

@@ -385,3 +385,46 @@ def test_reserved_room_lets_urgent_work_start_while_bulk_fills_the_engine(model_
         stats = host.stats()
     assert stats.engine.num_preemptions >= 1
     assert outputs == expected
+
+
+def test_a_new_tenant_gets_its_share_of_a_full_engine_at_once(model_dir: Path) -> None:
+    """Tenant A's long requests hold every slot; tenant B's small batch arriving later does
+    not wait for A's requests to finish: A's newest requests are suspended down to an equal
+    share, B's run at once and finish long before A's, and every output (A's suspended ones
+    included) is exactly its greedy output."""
+    long = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+    short = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    a_prompts, b_prompts = _prompts(8, seed=21), _prompts(3, seed=22)
+    llm = LLM(str(model_dir), max_num_seqs=8)
+    want_a = [o.outputs[0].token_ids for o in llm.generate(a_prompts, long, use_tqdm=False)]
+    want_b = [o.outputs[0].token_ids for o in llm.generate(b_prompts, short, use_tqdm=False)]
+    with EngineHost(_engine(model_dir, max_num_seqs=4)) as host:
+        a = [host.submit(p, long, group="bulk", tenant="A") for p in a_prompts]
+        deadline = time.monotonic() + 60
+        while host.stats().engine.num_running < 4 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        steps_before = host.stats().steps
+        b = [host.submit(p, short, group="small", tenant="B") for p in b_prompts]
+        got_b = [f.result(timeout=60).outputs[0].token_ids for f in b]
+        steps_for_b = host.stats().steps - steps_before
+        assert not any(f.done() for f in a)
+        got_a = [f.result(timeout=120).outputs[0].token_ids for f in a]
+        stats = host.stats()
+    # B's share is 2 of the 4 slots: its three 6-token requests run in two waves (about 14
+    # steps), not after A's 120-token requests free their slots (over 100 steps).
+    assert steps_for_b <= 24, steps_for_b
+    assert stats.suspended >= 2 and stats.engine.num_suspended == stats.suspended
+    assert got_a == want_a and got_b == want_b
+
+
+def test_one_tenant_alone_keeps_every_slot(model_dir: Path) -> None:
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    with EngineHost(_engine(model_dir, max_num_seqs=4)) as host:
+        first = [host.submit(p, params, group="one", tenant="A") for p in _prompts(4, seed=3)]
+        deadline = time.monotonic() + 60
+        while host.stats().engine.num_running < 4 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        more = [host.submit(p, params, group="two", tenant="A") for p in _prompts(4, seed=4)]
+        for f in first + more:
+            f.result(timeout=60)
+        assert host.stats().suspended == 0
