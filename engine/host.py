@@ -15,6 +15,14 @@ loop refills the engine's free slots between two steps and hands it no backlog b
 (``engine_backlog=0``): anything parked in the engine's own queue would be ordered by
 priority and length across batches, and a newly arriving batch would queue behind it.
 
+Shares of a full engine: in the most urgent pending tier below ``high``, each tenant with work
+is due an equal share of ``max_num_seqs``. A tenant that arrives while another holds every
+slot gets its share at once: the newest in-flight requests of tenants above their share (and
+of less urgent tiers) are suspended in the engine (``Engine.suspend_request``: their KV is
+freed, their output so far kept) and wait first in their batch, to resume where they stopped
+when their tenant is below its share again (``fair_share=False`` turns this off). One tenant
+alone keeps every slot.
+
 Memory stays bounded: a batch may hold at most ``group_window`` pending requests (default
 ``max_num_seqs``, enough to refill every slot of the engine at once, so a batch alone keeps it
 full) and at most its even share of ``max_pending``; ``submit`` blocks, optionally with a
