@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from api.errors import invalid_request
 from core.auth import MAX_WEBHOOK_URL_CHARS, webhook_url_problem
+from core.lifecycle import BatchStatus
 from core.models import Batch, File
 
 MAX_METADATA_PAIRS = 16
@@ -25,16 +26,6 @@ BatchPriority = Literal["high", "normal", "low"]
 MAX_IDEMPOTENCY_KEY_CHARS = 256
 #: Printable ASCII: what survives any HTTP header and any database. Checked in the route.
 IDEMPOTENCY_KEY_PATTERN = "^[ -~]+$"
-BatchStatus = Literal[
-    "validating",
-    "failed",
-    "in_progress",
-    "finalizing",
-    "completed",
-    "expired",
-    "cancelling",
-    "cancelled",
-]
 
 _WINDOW = re.compile(r"^([1-9][0-9]{0,9})([smh])$")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600}

@@ -32,6 +32,7 @@ from rich.table import Table
 from cli.client import BatchdClient, ClientError, ServerUnreachable
 from cli.exit_codes import TERMINAL_STATUSES, ExitCode, exit_code_for_batch, exit_codes_help
 from core.batchfile import CHAT_URL, LineError, file_endpoint
+from core.lifecycle import BatchStatus
 
 # How long polling tolerates a server that stopped answering after it answered once (an API
 # restart should not fail a pipeline that waits for hours); the first call never retries.
@@ -209,7 +210,7 @@ def _finish_wait(batch: dict[str, Any], timed_out: bool, *, as_json: bool) -> Ex
     if as_json:
         _print_json(batch)
     message = f"batch {batch['id']} {batch.get('status')}: {completed} completed, {failed} failed of {total}"
-    if batch.get("status") == "failed":
+    if batch.get("status") == BatchStatus.FAILED:
         errors = (batch.get("errors") or {}).get("data") or []
         for e in errors[:10]:
             line = f"line {e.get('line')}: " if e.get("line") is not None else ""
@@ -337,7 +338,7 @@ def _endpoint_for(file: Path, endpoint: str | None) -> str:
 def _has_results(batch: dict[str, Any]) -> bool:
     """A batch that failed validation ran nothing: it has no output or error file to write
     (its errors are in the batch object), so nothing is written and the user is told so."""
-    if batch.get("status") == "failed":
+    if batch.get("status") == BatchStatus.FAILED:
         _stderr().print(
             f"batch {batch['id']} failed validation: there is no output (nothing written)"
         )

@@ -83,7 +83,7 @@ class Batch(Base):
     model: Mapped[str | None] = mapped_column(String(256), nullable=True)
     input_file_id: Mapped[str] = mapped_column(String(64))
     completion_window: Mapped[str] = mapped_column(String(16))
-    status: Mapped[str] = mapped_column(String(16), default="validating")
+    status: Mapped[str] = mapped_column(String(16))  # core.lifecycle.BatchStatus
     output_file_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
     error_file_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
     # OpenAI's errors.data: [{code, message, param, line}]
@@ -137,7 +137,7 @@ class Shard(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"), index=True)
     index: Mapped[int] = mapped_column(Integer)
-    status: Mapped[str] = mapped_column(String(16), default="pending")
+    status: Mapped[str] = mapped_column(String(16))  # core.lifecycle.ShardStatus
     start_line: Mapped[int] = mapped_column(Integer)  # 1-based, inclusive
     end_line: Mapped[int] = mapped_column(Integer)  # exclusive
     start_offset: Mapped[int] = mapped_column(BigInteger)  # byte offset of start_line
@@ -166,7 +166,7 @@ class WebhookDelivery(Base):
     batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"), index=True)
     event_type: Mapped[str] = mapped_column(String(32))  # batch.completed, batch.failed, …
     url: Mapped[str] = mapped_column(Text)
-    status: Mapped[str] = mapped_column(String(16), default="pending")  # pending|delivered|failed
+    status: Mapped[str] = mapped_column(String(16))  # core.lifecycle.DeliveryStatus
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     last_status_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
     last_error: Mapped[str | None] = mapped_column(Text, nullable=True)

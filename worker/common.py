@@ -14,15 +14,12 @@ from typing import Any, TypeVar
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from core.lifecycle import ShardStatus
 from core.models import Batch, Shard
 from core.queue import CONTROL_QUEUE
 from core.settings import get_settings
 from core.storage import Storage
 from core.storage_factory import open_storage
-
-# Shard statuses. ``stopped``: it quit because its batch was cancelled or expired;
-# ``closed``: a cancel/expiry finalize sealed it (no more chunks may be committed).
-PENDING, RUNNING, DONE, STOPPED, CLOSED = "pending", "running", "done", "stopped", "closed"
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +144,9 @@ def live_shards(session: Session, batch_id: str) -> int:
             select(func.count())
             .select_from(Shard)
             .where(
-                Shard.batch_id == batch_id, Shard.status == RUNNING, Shard.heartbeat_at >= cutoff
+                Shard.batch_id == batch_id,
+                Shard.status == ShardStatus.RUNNING,
+                Shard.heartbeat_at >= cutoff,
             )
         )
         or 0
@@ -159,7 +158,7 @@ def unfinished_shards(session: Session, batch_id: str) -> int:
         session.scalar(
             select(func.count())
             .select_from(Shard)
-            .where(Shard.batch_id == batch_id, Shard.status != DONE)
+            .where(Shard.batch_id == batch_id, Shard.status != ShardStatus.DONE)
         )
         or 0
     )

@@ -39,7 +39,7 @@ from sqlalchemy import select, update
 
 from core import ids
 from core.db import new_session, session_scope
-from core.lifecycle import TERMINAL, transition
+from core.lifecycle import TERMINAL, BatchStatus, ShardStatus, transition
 from core.models import Batch, File, Shard
 from core.results import batch_error_line, dumps_line
 from core.settings import get_settings
@@ -51,16 +51,7 @@ from worker.checkpoints import (
     lines_without_result,
     read_chunk,
 )
-from worker.common import (
-    CLOSED,
-    DONE,
-    input_key,
-    live_shards,
-    past_expiry,
-    storage,
-    unfinished_shards,
-    utcnow,
-)
+from worker.common import input_key, live_shards, past_expiry, storage, unfinished_shards, utcnow
 from worker.release import release_for_model
 from worker.webhooks import notify
 
@@ -82,12 +73,12 @@ def target_status(batch: Batch) -> str | None:
     cuts short only work still to run: a ``finalizing`` batch has none, so it completes."""
     if batch.status in TERMINAL:
         return None
-    if batch.status == "cancelling":
-        return "cancelled"
-    if batch.status == "finalizing":
-        return "completed"
+    if batch.status == BatchStatus.CANCELLING:
+        return BatchStatus.CANCELLED
+    if batch.status == BatchStatus.FINALIZING:
+        return BatchStatus.COMPLETED
     if past_expiry(batch.expires_at):
-        return "expired"
+        return BatchStatus.EXPIRED
     return None
 
 
@@ -154,12 +145,16 @@ def finalize(batch_id: str) -> str | None:
             return None
         source = batch.status
         if (
-            target == "completed"
+            target == BatchStatus.COMPLETED
             and past_expiry(batch.expires_at)
             and unfinished_shards(session, batch_id)
         ):
-            target = "expired"  # finalizing with a shard unfinished: never left hanging
-        if target != "completed" and source != "finalizing" and live_shards(session, batch_id):
+            target = BatchStatus.EXPIRED  # finalizing with a shard unfinished: never left hanging
+        if (
+            target != BatchStatus.COMPLETED
+            and source != BatchStatus.FINALIZING
+            and live_shards(session, batch_id)
+        ):
             return None  # the running shards stop within seconds; the last one calls back
         key = input_key(session, batch)
         tenant = batch.tenant
@@ -170,26 +165,36 @@ def finalize(batch_id: str) -> str | None:
             seconds=batch.output_expires_after_s or settings.file_expiry_s
         )
 
-    if target != "completed":
+    if target != BatchStatus.COMPLETED:
         with session_scope() as session:  # seal: no late checkpoint may land after the merge
             session.execute(
                 update(Shard)
-                .where(Shard.batch_id == batch_id, Shard.status.not_in((DONE, CLOSED)))
-                .values(status=CLOSED)
+                .where(
+                    Shard.batch_id == batch_id,
+                    Shard.status.not_in((ShardStatus.DONE, ShardStatus.CLOSED)),
+                )
+                .values(status=ShardStatus.CLOSED)
                 .execution_options(synchronize_session=False)
             )
     with session_scope() as session:
         shards = [
             _ShardView(
-                s.index, s.start_line, s.start_offset, s.end_offset, s.num_chunks, s.status == DONE
+                s.index,
+                s.start_line,
+                s.start_offset,
+                s.end_offset,
+                s.num_chunks,
+                s.status == ShardStatus.DONE,
             )
             for s in session.scalars(select(Shard).where(Shard.batch_id == batch_id))
         ]
-    if target == "completed" and not all(s.done for s in shards):
+    if target == BatchStatus.COMPLETED and not all(s.done for s in shards):
         logger.error("batch %s is finalizing with unfinished shards", batch_id)
         return None
 
-    code = {"cancelled": "batch_cancelled", "expired": "batch_expired"}.get(target)
+    code = {BatchStatus.CANCELLED: "batch_cancelled", BatchStatus.EXPIRED: "batch_expired"}.get(
+        target
+    )
     completed = failed = never_ran = 0
     with ExitStack() as stack:
         out = _LazyFile(sto, stack, f"{batch_id}_output.jsonl")
@@ -204,9 +209,14 @@ def finalize(batch_id: str) -> str | None:
                     failed += 1
                 else:  # a batch_<code> line: the request never ran
                     never_ran += 1
-    sealed = target != "completed"
-    if target == "expired" and source != "validating" and shards and not never_ran:
-        target = "completed"  # every request has a result: the window cut nothing short
+    sealed = target != BatchStatus.COMPLETED
+    if (
+        target == BatchStatus.EXPIRED
+        and source != BatchStatus.VALIDATING
+        and shards
+        and not never_ran
+    ):
+        target = BatchStatus.COMPLETED  # every request has a result: the window cut nothing short
 
     written = [f for f in (out, err) if f.file_id is not None]
     session = new_session()
@@ -226,8 +236,13 @@ def finalize(batch_id: str) -> str | None:
             )
         session.flush()
         won = True
-        if target == "completed" and source == "in_progress":  # completes through finalizing
-            won, source = transition(session, batch_id, source, "finalizing"), "finalizing"
+        if (
+            target == BatchStatus.COMPLETED and source == BatchStatus.IN_PROGRESS
+        ):  # completes through finalizing
+            won, source = (
+                transition(session, batch_id, source, BatchStatus.FINALIZING),
+                BatchStatus.FINALIZING,
+            )
         won = won and transition(
             session,
             batch_id,

@@ -22,7 +22,8 @@ from sqlalchemy import delete, exists, select
 from core.db import session_scope
 from core.lifecycle import TERMINAL
 from core.models import Batch, File
-from worker.celery_app import TASK_SWEEP_FILES, app
+from core.queue import TASK_SWEEP_FILES
+from worker.celery_app import app
 from worker.common import storage, utcnow
 
 logger = logging.getLogger(__name__)

@@ -19,15 +19,12 @@ from core.batchfile import (
     parse_request,
 )
 from core.generation import error_for_exception, error_record
+from core.lifecycle import ShardStatus
 from core.models import Batch, Shard
 from core.results import GenerationResult, embedding_body, output_line
 from core.settings import get_settings
 from worker import runtime
-from worker.common import (
-    DONE,
-    STOPPED,
-    storage,
-)
+from worker.common import storage
 from worker.shard_state import Heartbeat, Pending, ShardLost, batch_stopping, commit_chunk
 
 logger = logging.getLogger(__name__)
@@ -400,7 +397,7 @@ class ShardRun:
         finally:
             self.gate.release(self)
             self.heartbeat.stop()
-        return STOPPED if self.stopping else DONE
+        return ShardStatus.STOPPED if self.stopping else ShardStatus.DONE
 
     def _feed(self) -> None:
         sto = storage()

@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 from core import generation, served_models
 from core.batchfile import BatchRequest, validate_file
 from core.db import new_session, session_scope
-from core.lifecycle import transition
+from core.lifecycle import ENQUEUED, UNFINISHED, BatchStatus, ShardStatus, transition
 from core.models import Batch, Shard
 from core.queue import TASK_CANCEL, TASK_FINALIZE, TASK_SWEEP_EXPIRED, TASK_VALIDATE
 from core.settings import get_settings
@@ -65,11 +65,6 @@ class _TokenCounter:
         return generation.estimate_tokens(req, prompt_len, context)
 
 
-# Statuses whose batches hold their prompt tokens against the tenant's enqueued-token limit
-# (a batch still validating has not been counted yet, except the one being validated).
-ENQUEUED_STATUSES = ("in_progress", "finalizing", "cancelling")
-
-
 def _lock_tenant_model(session: Session, tenant: str, model: str) -> None:
     """Serialize quota checks of one tenant and model until this transaction ends, so two
     batches validated at once cannot both fit into the room for one (Postgres only; SQLite
@@ -86,7 +81,7 @@ def _lock_tenant_model(session: Session, tenant: str, model: str) -> None:
 def enqueued_tokens(session: Session, tenant: str, model: str, exclude: str | None = None) -> int:
     """Prompt tokens of ``tenant``'s unfinished batches on ``model``."""
     query = select(func.coalesce(func.sum(Batch.est_prompt_tokens), 0)).where(
-        Batch.tenant == tenant, Batch.model == model, Batch.status.in_(ENQUEUED_STATUSES)
+        Batch.tenant == tenant, Batch.model == model, Batch.status.in_(ENQUEUED)
     )
     if exclude is not None:
         query = query.where(Batch.id != exclude)
@@ -113,9 +108,9 @@ def validate(batch_id: str) -> str | None:
             logger.warning("validate: batch %s is gone", batch_id)
             return None
         status, endpoint, tenant = batch.status, batch.endpoint, batch.tenant
-        if status == "cancelling":
+        if status == BatchStatus.CANCELLING:
             return finalize(batch_id)
-        if status != "validating":
+        if status != BatchStatus.VALIDATING:
             return None  # someone else got here first
         key = input_key(session, batch)
 
@@ -154,15 +149,15 @@ def validate(batch_id: str) -> str | None:
             won = transition(
                 session,
                 batch_id,
-                "validating",
-                "failed",
+                BatchStatus.VALIDATING,
+                BatchStatus.FAILED,
                 errors=errors,
                 request_total=report.num_requests + report.num_invalid,
             )
             session.commit()
             if won:
-                notify(batch_id, "failed")
-                return "failed"
+                notify(batch_id, BatchStatus.FAILED)
+                return BatchStatus.FAILED
         else:
             model = report.model or ""
             tokens = count.prompt_tokens
@@ -173,8 +168,8 @@ def validate(batch_id: str) -> str | None:
                 won = transition(
                     session,
                     batch_id,
-                    "validating",
-                    "failed",
+                    BatchStatus.VALIDATING,
+                    BatchStatus.FAILED,
                     model=report.model,
                     est_prompt_tokens=tokens,
                     errors=[quota_error(tenant, model, limit, used, tokens)],
@@ -189,8 +184,8 @@ def validate(batch_id: str) -> str | None:
                         tokens,
                         limit,
                     )
-                    notify(batch_id, "failed")
-                    return "failed"
+                    notify(batch_id, BatchStatus.FAILED)
+                    return BatchStatus.FAILED
                 session.rollback()
                 return finalize(batch_id)
 
@@ -199,7 +194,7 @@ def validate(batch_id: str) -> str | None:
                 Shard(
                     batch_id=batch_id,
                     index=spec.index,
-                    status="pending",
+                    status=ShardStatus.PENDING,
                     start_line=spec.start_line,
                     end_line=spec.end_line,
                     start_offset=spec.start_offset,
@@ -212,8 +207,8 @@ def validate(batch_id: str) -> str | None:
             won = transition(
                 session,
                 batch_id,
-                "validating",
-                "in_progress",
+                BatchStatus.VALIDATING,
+                BatchStatus.IN_PROGRESS,
                 model=report.model,
                 request_total=report.num_requests,
                 est_prompt_tokens=tokens,
@@ -230,7 +225,7 @@ def validate(batch_id: str) -> str | None:
                 logger.info(
                     "batch %s: %s requests in %s shards", batch_id, report.num_requests, len(shards)
                 )
-                return "in_progress"
+                return BatchStatus.IN_PROGRESS
             session.rollback()
     finally:
         session.close()
@@ -243,7 +238,7 @@ def cancel(batch_id: str) -> str | None:
     about a second, abort their requests and the last one to stop enqueues the finalize."""
     with session_scope() as session:
         batch = session.get(Batch, batch_id)
-        if batch is None or batch.status != "cancelling":
+        if batch is None or batch.status != BatchStatus.CANCELLING:
             return None
         running = live_shards(session, batch_id)
     if running:
@@ -258,12 +253,12 @@ def sweep_expired() -> int:
     with session_scope() as session:
         rows = session.execute(
             select(Batch.id, Batch.status, Batch.cancelling_at)
-            .where(Batch.status.in_(("validating", "in_progress", "finalizing", "cancelling")))
-            .where((Batch.expires_at <= now) | (Batch.status == "cancelling"))
+            .where(Batch.status.in_(UNFINISHED))
+            .where((Batch.expires_at <= now) | (Batch.status == BatchStatus.CANCELLING))
         ).all()
     sent = 0
     for batch_id, status, cancelling_at in rows:
-        if status == "cancelling" and cancelling_at is not None:
+        if status == BatchStatus.CANCELLING and cancelling_at is not None:
             if cancelling_at.tzinfo is None:
                 cancelling_at = cancelling_at.replace(tzinfo=UTC)
             if (now - cancelling_at).total_seconds() < stale_after_s():
@@ -277,8 +272,8 @@ STEP_NAMES = {"validate": "Validating", "finalize": "Finalizing", "cancel": "Can
 # The statuses a control step that gave up moves to ``failed`` (a cancelling batch cannot fail:
 # the expiry sweep re-drives its finalize).
 GIVE_UP_FROM = {
-    "validate": ("validating",),
-    "finalize": ("validating", "in_progress", "finalizing"),
+    "validate": (BatchStatus.VALIDATING,),
+    "finalize": (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS, BatchStatus.FINALIZING),
     "cancel": (),
 }
 
@@ -313,11 +308,15 @@ def give_up(batch_id: str, step: str, attempts: int, exc: BaseException) -> bool
         return False
     with session_scope() as session:
         won = transition(
-            session, batch_id, sources, "failed", errors=[task_failed_error(step, attempts, exc)]
+            session,
+            batch_id,
+            sources,
+            BatchStatus.FAILED,
+            errors=[task_failed_error(step, attempts, exc)],
         )
     if won:
         logger.error("batch %s failed: %s the batch failed %s times", batch_id, step, attempts)
-        notify(batch_id, "failed")
+        notify(batch_id, BatchStatus.FAILED)
     return won
 
 
