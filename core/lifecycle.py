@@ -89,6 +89,7 @@ STAMP = {status: f"{status}_at" for status in BatchStatus if status != BatchStat
 
 
 def now() -> datetime:
+    """The current time, timezone-aware in UTC: the one clock of the service."""
     return datetime.now(UTC)
 
 

@@ -6,7 +6,7 @@ Every status change goes through :mod:`core.lifecycle` as one conditional UPDATE
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import (
@@ -19,6 +19,7 @@ from sqlalchemy import (
     MetaData,
     String,
     Text,
+    TypeDecorator,
     UniqueConstraint,
     func,
 )
@@ -32,7 +33,31 @@ NAMING_CONVENTION = {
     "pk": "pk_%(table_name)s",
 }
 
-Timestamp = DateTime(timezone=True)
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A timezone-aware UTC datetime on every database. Postgres stores ``timestamptz``;
+    SQLite has no time zones and hands back naive datetimes (written in UTC), which come back
+    here marked as UTC, so callers never compare naive with aware values."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is not None and value.tzinfo is not None:
+            value = value.astimezone(UTC)
+        return value
+
+    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            value = value.replace(tzinfo=UTC)
+        return value
+
+    def coerce_compared_value(self, op: Any, value: Any) -> Any:
+        # Only datetimes are bound as this type; a timedelta in ``column - delta`` is an interval.
+        return self if isinstance(value, datetime) else self.impl.coerce_compared_value(op, value)
+
+
+Timestamp = UTCDateTime()
 
 
 class Base(DeclarativeBase):

@@ -7,14 +7,14 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from functools import lru_cache
 from typing import Any, TypeVar
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from core.lifecycle import ShardStatus
+from core.lifecycle import ShardStatus, now
 from core.models import Batch, Shard
 from core.queue import CONTROL_QUEUE
 from core.settings import get_settings
@@ -112,16 +112,8 @@ def send(task: str, *args: Any, queue: str = CONTROL_QUEUE) -> None:
     retrying(lambda: app.send_task(task, args=list(args), queue=queue), f"sending {task}")
 
 
-def utcnow() -> datetime:
-    return datetime.now(UTC)
-
-
-def past_expiry(expires_at: datetime | None, now: datetime | None = None) -> bool:
-    if expires_at is None:
-        return False
-    if expires_at.tzinfo is None:  # SQLite hands back naive datetimes
-        expires_at = expires_at.replace(tzinfo=UTC)
-    return (now or utcnow()) >= expires_at
+def past_expiry(expires_at: datetime | None) -> bool:
+    return expires_at is not None and now() >= expires_at
 
 
 def heartbeat_interval_s() -> float:
@@ -138,7 +130,7 @@ def stale_after_s() -> float:
 
 def live_shards(session: Session, batch_id: str) -> int:
     """Shards of ``batch_id`` that a live worker is running now."""
-    cutoff = utcnow() - timedelta(seconds=stale_after_s())
+    cutoff = now() - timedelta(seconds=stale_after_s())
     return (
         session.scalar(
             select(func.count())

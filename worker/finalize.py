@@ -39,7 +39,7 @@ from sqlalchemy import select, update
 
 from core import ids
 from core.db import new_session, session_scope
-from core.lifecycle import TERMINAL, BatchStatus, ShardStatus, transition
+from core.lifecycle import TERMINAL, BatchStatus, ShardStatus, now, transition
 from core.models import Batch, File, Shard
 from core.results import batch_error_line, dumps_line
 from core.settings import get_settings
@@ -51,7 +51,7 @@ from worker.checkpoints import (
     lines_without_result,
     read_chunk,
 )
-from worker.common import input_key, live_shards, past_expiry, storage, unfinished_shards, utcnow
+from worker.common import input_key, live_shards, past_expiry, storage, unfinished_shards
 from worker.release import release_for_model
 from worker.webhooks import notify
 
@@ -160,7 +160,7 @@ def finalize(batch_id: str) -> str | None:
         tenant = batch.tenant
         model = batch.model
         # Output and error files expire output_expires_after seconds after their creation.
-        files_created_at = utcnow().replace(microsecond=0)
+        files_created_at = now().replace(microsecond=0)
         expires_at = files_created_at + timedelta(
             seconds=batch.output_expires_after_s or settings.file_expiry_s
         )

@@ -25,20 +25,20 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import select, update
 
 from core.db import session_scope
-from core.lifecycle import BatchStatus, ShardStatus
+from core.lifecycle import BatchStatus, ShardStatus, now
 from core.models import Batch, Shard
 from core.queue import TASK_FINALIZE, TASK_RECLAIM, TASK_RUN_SHARD, TASK_VALIDATE, model_queue
 from core.results import request_error_line
 from core.settings import get_settings
 from worker.celery_app import app
 from worker.checkpoints import discard_uncommitted, lines_without_result
-from worker.common import input_key, retrying, send, stale_after_s, storage, utcnow
+from worker.common import input_key, retrying, send, stale_after_s, storage
 from worker.release import release_next
 from worker.shard_state import (
     Pending,
@@ -176,8 +176,6 @@ def _stuck_batches(now: datetime, bound_s: float, every_s: float) -> list[tuple[
     due = []
     for row in rows:
         since = row.created_at if row.status == BatchStatus.VALIDATING else row.finalizing_at
-        if since.tzinfo is None:  # SQLite hands back naive datetimes
-            since = since.replace(tzinfo=UTC)
         if redrive_due((now - since).total_seconds(), bound_s, every_s):
             due.append((row.id, row.status))
     return due
@@ -186,9 +184,9 @@ def _stuck_batches(now: datetime, bound_s: float, every_s: float) -> list[tuple[
 def reclaim_stale_shards() -> SweepReport:
     """One sweep; see the module docstring."""
     settings = get_settings()
-    now = utcnow()
+    current = now()
     stale = stale_after_s()
-    cutoff = now - timedelta(seconds=stale)
+    cutoff = current - timedelta(seconds=stale)
     report = SweepReport([], [], [])
     for shard_id, attempts, model in retrying(
         lambda: _stale_shards(cutoff), "finding stale shards"
@@ -220,7 +218,7 @@ def reclaim_stale_shards() -> SweepReport:
     bound = float(settings.stuck_batch_after_s)
     every = float(settings.reclaim_sweep_interval_s)
     for batch_id, status in retrying(
-        lambda: _stuck_batches(now, bound, every), "finding stuck batches"
+        lambda: _stuck_batches(current, bound, every), "finding stuck batches"
     ):
         task = TASK_VALIDATE if status == BatchStatus.VALIDATING else TASK_FINALIZE
         logger.warning(

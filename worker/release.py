@@ -43,7 +43,7 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from celery.signals import task_postrun
@@ -51,12 +51,12 @@ from sqlalchemy import and_, func, select, text, update
 from sqlalchemy.orm import Session
 
 from core.db import session_scope
-from core.lifecycle import BatchStatus, ShardStatus
+from core.lifecycle import BatchStatus, ShardStatus, now
 from core.models import Batch, Shard
 from core.queue import TASK_RELEASE_SWEEP, TASK_RUN_SHARD, model_queue
 from core.settings import get_settings
 from worker.celery_app import app
-from worker.common import retrying, send, utcnow
+from worker.common import retrying, send
 
 logger = logging.getLogger(__name__)
 
@@ -144,8 +144,6 @@ def _load(session: Session, model: str) -> _Load:
 
 
 def _ts(value: datetime) -> float:
-    if value.tzinfo is None:  # SQLite hands back naive UTC
-        value = value.replace(tzinfo=UTC)
     return value.timestamp()
 
 
@@ -162,7 +160,7 @@ def _candidates(session: Session, model: str, per_batch_limit: int) -> list[_Can
         .where(
             Batch.model == model,
             Batch.status == BatchStatus.IN_PROGRESS,
-            Batch.expires_at > utcnow(),
+            Batch.expires_at > now(),
             Shard.status == ShardStatus.PENDING,
             Shard.released_at.is_(None),
         )
@@ -237,7 +235,7 @@ def _release(model: str, limit: int) -> list[int]:
             return []
         # One UPDATE per pick, each stamped a microsecond apart, so ``released_at`` records the
         # release order (the next choice's "served longest ago" reads it).
-        base = utcnow()
+        base = now()
         released = []
         for k, pick in enumerate(picks):
             won = session.execute(
@@ -318,7 +316,7 @@ def release_for_batch(batch_id: str) -> int:
 
 def _resend_lost(model: str) -> int:
     """Re-send shards released long ago that no worker has claimed (see module docstring)."""
-    cutoff = utcnow() - timedelta(seconds=resend_after_s())
+    cutoff = now() - timedelta(seconds=resend_after_s())
     with session_scope() as session:
         stale = session.scalars(
             update(Shard)
@@ -334,7 +332,7 @@ def _resend_lost(model: str) -> int:
                     )
                 ),
             )
-            .values(released_at=utcnow())
+            .values(released_at=now())
             .returning(Shard.id)
             .execution_options(synchronize_session=False)
         ).all()

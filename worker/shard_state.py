@@ -14,7 +14,7 @@ from typing import Any
 from sqlalchemy import select, update
 
 from core.db import session_scope
-from core.lifecycle import BatchStatus, ShardStatus, transition
+from core.lifecycle import BatchStatus, ShardStatus, now, transition
 from core.models import Batch, Shard
 from core.queue import TASK_FINALIZE
 from core.results import GenerationResult
@@ -32,7 +32,6 @@ from worker.common import (
     stale_after_s,
     storage,
     unfinished_shards,
-    utcnow,
 )
 
 logger = logging.getLogger(__name__)
@@ -117,7 +116,7 @@ def claim(shard_id: int, worker: str, *, force: bool = False) -> tuple[int, int]
             if force:
                 claimable = Shard.status.in_((ShardStatus.PENDING, ShardStatus.RUNNING))
             else:
-                cutoff = utcnow() - timedelta(seconds=stale_after_s())
+                cutoff = now() - timedelta(seconds=stale_after_s())
                 claimable = claimable | (
                     (Shard.status == ShardStatus.RUNNING)
                     & (
@@ -133,7 +132,7 @@ def claim(shard_id: int, worker: str, *, force: bool = False) -> tuple[int, int]
                     status=ShardStatus.RUNNING,
                     attempts=Shard.attempts + 1,
                     worker=worker,
-                    heartbeat_at=utcnow(),
+                    heartbeat_at=now(),
                 )
                 .returning(Shard.attempts, Shard.num_chunks)
                 .execution_options(synchronize_session=False)
@@ -184,7 +183,7 @@ def _commit_chunk_once(shard: Shard, attempt: int, chunk: int, pending: Pending)
             .values(
                 num_chunks=chunk + 1,
                 done_requests=Shard.done_requests + len(pending),
-                heartbeat_at=utcnow(),
+                heartbeat_at=now(),
             )
             .execution_options(synchronize_session=False)
         )
@@ -215,7 +214,7 @@ def set_shard_status(shard_id: int, attempt: int, status: str) -> bool:
                     Shard.attempts == attempt,
                     Shard.status.in_((ShardStatus.RUNNING, status)),
                 )
-                .values(status=status, heartbeat_at=utcnow())
+                .values(status=status, heartbeat_at=now())
                 .execution_options(synchronize_session=False)
             )
             return result.rowcount == 1
@@ -277,7 +276,7 @@ def _heartbeat(shard_id: int, attempt: int) -> bool:
             .where(
                 Shard.id == shard_id, Shard.attempts == attempt, Shard.status == ShardStatus.RUNNING
             )
-            .values(heartbeat_at=utcnow())
+            .values(heartbeat_at=now())
             .execution_options(synchronize_session=False)
         )
         return result.rowcount == 1

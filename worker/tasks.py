@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
-from datetime import UTC
 from typing import Any
 
 from sqlalchemy import func, select, text
@@ -23,7 +22,7 @@ from sqlalchemy.orm import Session
 from core import generation, served_models
 from core.batchfile import BatchRequest, validate_file
 from core.db import new_session, session_scope
-from core.lifecycle import ENQUEUED, UNFINISHED, BatchStatus, ShardStatus, transition
+from core.lifecycle import ENQUEUED, UNFINISHED, BatchStatus, ShardStatus, now, transition
 from core.models import Batch, Shard
 from core.queue import TASK_CANCEL, TASK_FINALIZE, TASK_SWEEP_EXPIRED, TASK_VALIDATE
 from core.settings import get_settings
@@ -37,7 +36,6 @@ from worker.common import (
     stale_after_s,
     storage,
     transient_error,
-    utcnow,
 )
 from worker.finalize import finalize
 from worker.release import release_for_model
@@ -249,20 +247,20 @@ def cancel(batch_id: str) -> str | None:
 
 def sweep_expired() -> int:
     """End batches past their completion window; also re-drive cancels whose shards died."""
-    now = utcnow()
+    current = now()
     with session_scope() as session:
         rows = session.execute(
             select(Batch.id, Batch.status, Batch.cancelling_at)
             .where(Batch.status.in_(UNFINISHED))
-            .where((Batch.expires_at <= now) | (Batch.status == BatchStatus.CANCELLING))
+            .where((Batch.expires_at <= current) | (Batch.status == BatchStatus.CANCELLING))
         ).all()
     sent = 0
     for batch_id, status, cancelling_at in rows:
-        if status == BatchStatus.CANCELLING and cancelling_at is not None:
-            if cancelling_at.tzinfo is None:
-                cancelling_at = cancelling_at.replace(tzinfo=UTC)
-            if (now - cancelling_at).total_seconds() < stale_after_s():
-                continue
+        recent = cancelling_at is not None and (current - cancelling_at).total_seconds() < (
+            stale_after_s()
+        )
+        if status == BatchStatus.CANCELLING and recent:
+            continue
         send(TASK_FINALIZE, batch_id)
         sent += 1
     return sent

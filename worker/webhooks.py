@@ -46,14 +46,14 @@ import logging
 import os
 import secrets
 import time
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import httpx
 from sqlalchemy import select, update
 
 from core.db import session_scope
-from core.lifecycle import TERMINAL, DeliveryStatus
+from core.lifecycle import TERMINAL, DeliveryStatus, now
 from core.models import Batch, WebhookDelivery
 from core.netcheck import (
     AllowList,
@@ -66,7 +66,7 @@ from core.netcheck import (
 from core.queue import CONTROL_QUEUE, TASK_DELIVER_WEBHOOK, TASK_SWEEP_WEBHOOKS
 from core.settings import get_settings
 from worker.celery_app import app
-from worker.common import send, utcnow
+from worker.common import send
 
 logger = logging.getLogger(__name__)
 
@@ -111,8 +111,6 @@ def verify(secret: str, headers: dict[str, str], body: bytes) -> bool:
 
 
 def _unix(value: datetime) -> int:
-    if value.tzinfo is None:
-        value = value.replace(tzinfo=UTC)
     return int(value.timestamp())
 
 
@@ -156,7 +154,7 @@ def notify(batch_id: str, status: str) -> str | None:
                     url=row.webhook_url,
                     status=DeliveryStatus.PENDING,
                     attempts=0,
-                    created_at=utcnow().replace(microsecond=0),
+                    created_at=now().replace(microsecond=0),
                 )
             )
         send(TASK_DELIVER_WEBHOOK, delivery_id, queue=CONTROL_QUEUE)
@@ -264,7 +262,7 @@ def attempt(delivery_id: str, *, resolver: Resolver = system_resolver) -> float 
     final = ok or refused or number >= settings.webhook_max_attempts
     values: dict[str, Any] = {"last_status_code": code, "last_error": error}
     if ok:
-        values.update(status=DeliveryStatus.DELIVERED, delivered_at=utcnow())
+        values.update(status=DeliveryStatus.DELIVERED, delivered_at=now())
     elif final:
         values["status"] = DeliveryStatus.FAILED
     with session_scope() as session:
@@ -290,7 +288,7 @@ def attempt(delivery_id: str, *, resolver: Resolver = system_resolver) -> float 
 def sweep_unsent(older_than_s: float = 60.0) -> int:
     """Enqueue deliveries recorded but never attempted for a while (the process that recorded
     one died, or the broker refused the task); return how many were enqueued."""
-    cutoff = utcnow() - timedelta(seconds=older_than_s)
+    cutoff = now() - timedelta(seconds=older_than_s)
     with session_scope() as session:
         ids = list(
             session.scalars(
