@@ -483,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         write_jsonl(warm_path, lines[: max(1, args.warmup)])
 
         stack = bs.Stack(work, env, bs.free_port())
-        stack.start(("api", "control", "model", "beat"), settings.worker_shard_concurrency)
+        stack.start_roles(("api", "control", "model", "beat"), settings.worker_shard_concurrency)
         stack.wait_ready()
         client = stack.client(timeout=600)
         sampler = Sampler(broker.url, db.url, args.stats_interval)
