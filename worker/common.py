@@ -11,6 +11,7 @@ from datetime import datetime, timedelta
 from functools import lru_cache
 from typing import Any, TypeVar
 
+from jinja2 import TemplateError
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
@@ -46,6 +47,12 @@ def input_key(session: Session, batch: Batch) -> str:
     if file is None:
         raise LookupError(f"input file {batch.input_file_id} of {batch.id} is gone")
     return file.storage_key
+
+
+# What a request's own content may raise while it is templated and tokenized (a chat template
+# that refuses its messages, a prompt the tokenizer or the sampling parameters reject): the
+# request fails on its own, with an error line. Anything else is a bug and is raised.
+REQUEST_ERRORS: tuple[type[Exception], ...] = (ValueError, TemplateError)
 
 
 def transient_error(exc: BaseException) -> bool:

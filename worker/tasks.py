@@ -31,6 +31,7 @@ from core.sharding import ShardPlanner
 from worker import runtime
 from worker.celery_app import app
 from worker.common import (
+    REQUEST_ERRORS,
     input_key,
     live_shards,
     send,
@@ -58,7 +59,9 @@ class _TokenCounter:
         context = runtime.context_length(req.model)
         try:
             prompt_len = len(generation.prompt_token_ids(tok, req))
-        except Exception:
+        except REQUEST_ERRORS as exc:
+            # It fails with an error line when its shard runs; here it holds no tokens.
+            logger.warning("line %s cannot be tokenized (%s); counted as 0 tokens", req.line, exc)
             prompt_len = 0
         self.prompt_tokens += prompt_len
         return generation.estimate_tokens(req, prompt_len, context)
