@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from api.errors import invalid_request
-from core.auth import MAX_WEBHOOK_URL_CHARS, webhook_url_problem
+from core.auth import MAX_WEBHOOK_URL_CHARS, is_text, webhook_url_problem
 from core.lifecycle import BatchStatus
 from core.models import Batch, File
 
@@ -37,15 +37,6 @@ def window_seconds(window: str) -> int | None:
     if not match:
         return None
     return int(match.group(1)) * _UNIT_SECONDS[match.group(2)]
-
-
-def _is_text(value: str) -> bool:
-    """False for strings with lone surrogates, which JSON may carry but no database stores."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def unix(value: datetime | None) -> int | None:
@@ -204,7 +195,7 @@ class BatchCreate(BaseModel):
                 f"at most {MAX_METADATA_PAIRS} key-value pairs are allowed, got {len(value)}"
             )
         for key, item in value.items():
-            if not _is_text(key) or not _is_text(item):
+            if not is_text(key) or not is_text(item):
                 raise ValueError("keys and values must be valid Unicode text")
             if len(key) > MAX_METADATA_KEY_CHARS:
                 raise ValueError(

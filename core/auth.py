@@ -129,7 +129,7 @@ def list_keys(session: Session, tenant: str | None = None) -> list[ApiKey]:
 MAX_WEBHOOK_URL_CHARS = 2048
 
 
-def _is_text(value: str) -> bool:
+def is_text(value: str) -> bool:
     """False for strings with lone surrogates, which no database text column accepts."""
     try:
         value.encode("utf-8")
@@ -147,7 +147,7 @@ def webhook_url_problem(url: str) -> str | None:
         return f"is {len(url)} characters; the maximum is {MAX_WEBHOOK_URL_CHARS}"
     if any(ch.isspace() or ord(ch) < 0x20 or ord(ch) == 0x7F for ch in url):
         return "must not contain whitespace or control characters"
-    if not _is_text(url):
+    if not is_text(url):
         return "is not valid Unicode text"
     try:
         parts = urlsplit(url)
