@@ -48,18 +48,12 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass, field, is_dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from engine import (
-    CompletionOutput,
-    Engine,
-    EngineStats,
-    RequestMetrics,
-    RequestOutput,
-    SamplingParams,
-)
+from engine import Engine, RequestOutput, SamplingParams
 from engine.fair_queue import FairQueue
+from engine.outputs import HostStats, aborted_output
 
 logger = logging.getLogger(__name__)
 
@@ -76,34 +70,6 @@ class HostQueueFull(TimeoutError):
 
 class EngineStepError(RuntimeError):
     """``Engine.step()`` raised while this request was in flight; ``__cause__`` says why."""
-
-
-@dataclass(slots=True)
-class HostStats:
-    """Engine stats plus the host's own counters, snapshotted between two steps."""
-
-    engine: EngineStats | None
-    pending: int  # in the host's queue, not yet handed to the engine
-    in_flight: int  # handed to the engine, not finished
-    submitted: int
-    completed: int  # finished normally (stop or length)
-    aborted: int
-    failed: int  # RequestError, a step failure, or any other error set on the future
-    step_errors: int
-    steps: int  # engine steps run by this host
-    mean_occupancy: float  # running sequences / max_num_seqs, averaged over this host's steps
-    max_pending: int
-    max_in_flight: int
-
-    def as_dict(self) -> dict[str, Any]:
-        """One flat dict: the engine's fields, then the host's (for JSON and logs)."""
-        out: dict[str, Any] = {}
-        if self.engine is not None:
-            out.update(asdict(self.engine) if is_dataclass(self.engine) else vars(self.engine))
-        for name in self.__slots__:
-            if name != "engine":
-                out[name] = getattr(self, name)
-        return out
 
 
 @dataclass(slots=True, eq=False)
@@ -644,31 +610,8 @@ def _expected_tokens(prompt: list[int], params: SamplingParams) -> int:
 
 
 def _abort_output(entry: _Entry) -> RequestOutput:
-    now = time.time()
     n = max(1, int(getattr(entry.params, "n", 1) or 1))
-    return RequestOutput(
-        request_id=entry.request_id,
-        prompt_token_ids=list(entry.prompt_token_ids),
-        outputs=[
-            CompletionOutput(
-                index=i,
-                text="",
-                token_ids=[],
-                finish_reason="abort",
-                stop_reason=None,
-                logprobs=None,
-            )
-            for i in range(n)
-        ],
-        finished=True,
-        metrics=RequestMetrics(
-            arrival_time=entry.arrival_time,
-            first_token_time=None,
-            finished_time=now,
-            num_cached_tokens=0,
-        ),
-        error=None,
-    )
+    return aborted_output(entry.request_id, entry.prompt_token_ids, n, entry.arrival_time)
 
 
 def _resolve(future: Future, output: RequestOutput) -> None:
