@@ -13,7 +13,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from api.errors import invalid_request
-from core.auth import MAX_WEBHOOK_URL_CHARS, webhook_url_problem
+from core.auth import MAX_WEBHOOK_URL_CHARS, is_text, webhook_url_problem
+from core.lifecycle import BatchStatus
 from core.models import Batch, File
 
 MAX_METADATA_PAIRS = 16
@@ -27,16 +28,6 @@ BatchPriority = Literal["high", "normal", "low"]
 MAX_IDEMPOTENCY_KEY_CHARS = 256
 #: Printable ASCII: what survives any HTTP header and any database. Checked in the route.
 IDEMPOTENCY_KEY_PATTERN = "^[ -~]+$"
-BatchStatus = Literal[
-    "validating",
-    "failed",
-    "in_progress",
-    "finalizing",
-    "completed",
-    "expired",
-    "cancelling",
-    "cancelled",
-]
 
 _WINDOW = re.compile(r"^([1-9][0-9]{0,9})([smh])$")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600}
@@ -48,15 +39,6 @@ def window_seconds(window: str) -> int | None:
     if not match:
         return None
     return int(match.group(1)) * _UNIT_SECONDS[match.group(2)]
-
-
-def _is_text(value: str) -> bool:
-    """False for strings with lone surrogates, which JSON may carry but no database stores."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def unix(value: datetime | None) -> int | None:
@@ -215,7 +197,7 @@ class BatchCreate(BaseModel):
                 f"at most {MAX_METADATA_PAIRS} key-value pairs are allowed, got {len(value)}"
             )
         for key, item in value.items():
-            if not _is_text(key) or not _is_text(item):
+            if not is_text(key) or not is_text(item):
                 raise ValueError("keys and values must be valid Unicode text")
             if len(key) > MAX_METADATA_KEY_CHARS:
                 raise ValueError(

@@ -19,19 +19,13 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
 from rich.table import Table
 
 from cli.client import BatchdClient, ClientError, ServerUnreachable
 from cli.exit_codes import TERMINAL_STATUSES, ExitCode, exit_code_for_batch, exit_codes_help
+from cli.progress import requests_progress
 from core.batchfile import CHAT_URL, LineError, file_endpoint
+from core.lifecycle import BatchStatus
 
 # How long polling tolerates a server that stopped answering after it answered once (an API
 # restart should not fail a pipeline that waits for hours); the first call never retries.
@@ -56,6 +50,7 @@ ApiKeyOpt = Annotated[
         show_envvar=False,
     ),
 ]
+BatchIdArg = Annotated[str, typer.Argument(help="Batch id (batch_…).")]
 JsonOpt = Annotated[
     bool, typer.Option("--json", help="Print JSON on standard output (for scripts).")
 ]
@@ -153,18 +148,12 @@ def wait_for_batch(
     deadline = None if timeout is None else start + timeout
     batch = client.get_batch(batch_id)  # the first call fails fast
     last_answer = time.monotonic()
-    progress = Progress(
-        TextColumn("[bold]{task.fields[status]:<11}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("failed {task.fields[failed]}"),
-        TextColumn("{task.fields[rate]:.1f} req/s"),
-        TimeElapsedColumn(),
-        TextColumn("ETA"),
-        TimeRemainingColumn(),
+    progress = requests_progress(
+        "[bold]{task.fields[status]:<11}",
+        "failed {task.fields[failed]}",
+        "{task.fields[rate]:.1f} req/s",
         console=_stderr(),
-        transient=False,
-        disable=not show_progress,
+        enabled=show_progress,
     )
     done0 = sum(_counts(batch)[:2])
     with progress:
@@ -209,7 +198,7 @@ def _finish_wait(batch: dict[str, Any], timed_out: bool, *, as_json: bool) -> Ex
     if as_json:
         _print_json(batch)
     message = f"batch {batch['id']} {batch.get('status')}: {completed} completed, {failed} failed of {total}"
-    if batch.get("status") == "failed":
+    if batch.get("status") == BatchStatus.FAILED:
         errors = (batch.get("errors") or {}).get("data") or []
         for e in errors[:10]:
             line = f"line {e.get('line')}: " if e.get("line") is not None else ""
@@ -337,7 +326,7 @@ def _endpoint_for(file: Path, endpoint: str | None) -> str:
 def _has_results(batch: dict[str, Any]) -> bool:
     """A batch that failed validation ran nothing: it has no output or error file to write
     (its errors are in the batch object), so nothing is written and the user is told so."""
-    if batch.get("status") == "failed":
+    if batch.get("status") == BatchStatus.FAILED:
         _stderr().print(
             f"batch {batch['id']} failed validation: there is no output (nothing written)"
         )
@@ -346,7 +335,7 @@ def _has_results(batch: dict[str, Any]) -> bool:
 
 
 def status(
-    batch_id: Annotated[str, typer.Argument(help="Batch id (batch_…).")],
+    batch_id: BatchIdArg,
     as_json: JsonOpt = False,
     base_url: BaseUrlOpt = None,
     api_key: ApiKeyOpt = None,
@@ -441,7 +430,7 @@ def _batch_table(batches: list[dict[str, Any]], width: int) -> Table:
 
 
 def wait(
-    batch_id: Annotated[str, typer.Argument(help="Batch id (batch_…).")],
+    batch_id: BatchIdArg,
     poll_interval: PollOpt = 2.0,
     timeout: TimeoutOpt = None,
     as_json: JsonOpt = False,
@@ -461,7 +450,7 @@ def wait(
 
 
 def download(
-    batch_id: Annotated[str, typer.Argument(help="Batch id (batch_…).")],
+    batch_id: BatchIdArg,
     output: Annotated[Path, typer.Option("-o", "--output", help="Write the output file here.")],
     errors: Annotated[
         Path | None, typer.Option("--errors", help="Write the error file here.")
@@ -492,7 +481,7 @@ def download(
 
 
 def cancel(
-    batch_id: Annotated[str, typer.Argument(help="Batch id (batch_…).")],
+    batch_id: BatchIdArg,
     as_json: JsonOpt = False,
     base_url: BaseUrlOpt = None,
     api_key: ApiKeyOpt = None,

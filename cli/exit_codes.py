@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from enum import IntEnum
 
+from core.lifecycle import TERMINAL, BatchStatus
+
 
 class ExitCode(IntEnum):
     """What a ``batchd`` command's exit status means.
@@ -25,20 +27,20 @@ class ExitCode(IntEnum):
     INTERRUPTED = 130  # Ctrl-C / SIGINT (``batchd run`` resumes where it stopped)
 
 
-#: The terminal statuses of a batch and the exit code each one maps to.
-TERMINAL_STATUSES = ("completed", "failed", "expired", "cancelled")
+#: The terminal statuses of a batch (each one maps to an exit code).
+TERMINAL_STATUSES = TERMINAL
 
 
 def exit_code_for_batch(batch: dict) -> ExitCode:
     """The exit code for a batch object in a terminal status."""
     status = batch.get("status")
-    if status == "completed":
+    if status == BatchStatus.COMPLETED:
         counts = batch.get("request_counts") or {}
         return ExitCode.COMPLETED_WITH_FAILURES if counts.get("failed") else ExitCode.OK
     return {
-        "failed": ExitCode.FAILED,
-        "expired": ExitCode.EXPIRED,
-        "cancelled": ExitCode.CANCELLED,
+        BatchStatus.FAILED: ExitCode.FAILED,
+        BatchStatus.EXPIRED: ExitCode.EXPIRED,
+        BatchStatus.CANCELLED: ExitCode.CANCELLED,
     }.get(status, ExitCode.ERROR)
 
 

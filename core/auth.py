@@ -14,12 +14,13 @@ from __future__ import annotations
 import base64
 import hashlib
 import secrets
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 
 from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
+from core.lifecycle import now
 from core.models import ApiKey
 
 KEY_PREFIX = "sk-bd-"
@@ -51,10 +52,6 @@ def key_id() -> str:
     return f"key_{secrets.token_hex(8)}"
 
 
-def _now() -> datetime:
-    return datetime.now(UTC)
-
-
 def create_key(
     session: Session, tenant: str, name: str = "", *, webhook_url: str | None = None
 ) -> tuple[ApiKey, str]:
@@ -72,7 +69,7 @@ def create_key(
         name=name,
         key_hash=digest,
         prefix=plaintext[:SHOWN_PREFIX_CHARS],
-        created_at=_now(),
+        created_at=now(),
         webhook_url=webhook_url,
         webhook_secret=generate_webhook_secret(),
     )
@@ -88,7 +85,7 @@ def revoke_key(session: Session, key_id: str) -> ApiKey | None:
     if row is None:
         return None
     if row.revoked_at is None:
-        row.revoked_at = _now()
+        row.revoked_at = now()
         session.flush()
     return row
 
@@ -105,10 +102,8 @@ def lookup(session: Session, plaintext: str) -> ApiKey | None:
     row = session.scalars(select(ApiKey).where(ApiKey.key_hash == hash_key(plaintext))).first()
     if row is None or row.revoked_at is not None:
         return None
-    current = _now()
+    current = now()
     last = row.last_used_at
-    if last is not None and last.tzinfo is None:  # SQLite hands back naive UTC
-        last = last.replace(tzinfo=UTC)
     if last is None or current - last >= TOUCH_INTERVAL:
         session.execute(
             update(ApiKey)
@@ -134,7 +129,7 @@ def list_keys(session: Session, tenant: str | None = None) -> list[ApiKey]:
 MAX_WEBHOOK_URL_CHARS = 2048
 
 
-def _is_text(value: str) -> bool:
+def is_text(value: str) -> bool:
     """False for strings with lone surrogates, which no database text column accepts."""
     try:
         value.encode("utf-8")
@@ -152,7 +147,7 @@ def webhook_url_problem(url: str) -> str | None:
         return f"is {len(url)} characters; the maximum is {MAX_WEBHOOK_URL_CHARS}"
     if any(ch.isspace() or ord(ch) < 0x20 or ord(ch) == 0x7F for ch in url):
         return "must not contain whitespace or control characters"
-    if not _is_text(url):
+    if not is_text(url):
         return "is not valid Unicode text"
     try:
         parts = urlsplit(url)

@@ -1,15 +1,18 @@
-"""Batch state transitions. Each is one conditional UPDATE, so two actors never both win.
+"""The state machines of batches, shards and webhook deliveries, and the batch transitions.
 
 validating -> in_progress -> finalizing -> completed
 validating -> failed
 validating | in_progress -> cancelling -> cancelled
 validating | in_progress | finalizing -> expired   (via the expiry sweep)
+
+Each batch transition is one conditional UPDATE, so two actors never both win.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from datetime import UTC, datetime
+from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import update
@@ -17,26 +20,76 @@ from sqlalchemy.orm import Session
 
 from core.models import Batch
 
-TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
+
+class BatchStatus(StrEnum):
+    VALIDATING = "validating"
+    FAILED = "failed"
+    IN_PROGRESS = "in_progress"
+    FINALIZING = "finalizing"
+    COMPLETED = "completed"
+    EXPIRED = "expired"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
+
+
+class ShardStatus(StrEnum):
+    """``stopped``: it quit because its batch was cancelled or expired; ``closed``: a
+    cancel/expiry finalize sealed it (no more chunks may be committed)."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    DONE = "done"
+    STOPPED = "stopped"
+    CLOSED = "closed"
+
+
+class DeliveryStatus(StrEnum):
+    """A webhook delivery: pending until it is delivered or its attempts run out."""
+
+    PENDING = "pending"
+    DELIVERED = "delivered"
+    FAILED = "failed"
+
+
+TERMINAL = frozenset(
+    {BatchStatus.COMPLETED, BatchStatus.FAILED, BatchStatus.EXPIRED, BatchStatus.CANCELLED}
+)
+# Every status but the terminal ones: the batch may still change.
+UNFINISHED = tuple(s for s in BatchStatus if s not in TERMINAL)
+# The statuses a client may cancel from.
+CANCELLABLE = (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS)
+# Statuses whose batches hold their prompt tokens against the tenant's enqueued-token limit
+# (a batch still validating has not been counted yet, except the one being validated).
+ENQUEUED = (BatchStatus.IN_PROGRESS, BatchStatus.FINALIZING, BatchStatus.CANCELLING)
+
 ALLOWED: dict[str, frozenset[str]] = {
-    "validating": frozenset({"in_progress", "failed", "cancelling", "expired"}),
-    "in_progress": frozenset({"finalizing", "cancelling", "expired", "failed"}),
-    "finalizing": frozenset({"completed", "failed", "expired"}),
-    "cancelling": frozenset({"cancelled"}),
+    BatchStatus.VALIDATING: frozenset(
+        {
+            BatchStatus.IN_PROGRESS,
+            BatchStatus.FAILED,
+            BatchStatus.CANCELLING,
+            BatchStatus.EXPIRED,
+        }
+    ),
+    BatchStatus.IN_PROGRESS: frozenset(
+        {
+            BatchStatus.FINALIZING,
+            BatchStatus.CANCELLING,
+            BatchStatus.EXPIRED,
+            BatchStatus.FAILED,
+        }
+    ),
+    BatchStatus.FINALIZING: frozenset(
+        {BatchStatus.COMPLETED, BatchStatus.FAILED, BatchStatus.EXPIRED}
+    ),
+    BatchStatus.CANCELLING: frozenset({BatchStatus.CANCELLED}),
 }
 # The timestamp column stamped when a batch enters each status.
-STAMP = {
-    "in_progress": "in_progress_at",
-    "finalizing": "finalizing_at",
-    "completed": "completed_at",
-    "failed": "failed_at",
-    "expired": "expired_at",
-    "cancelling": "cancelling_at",
-    "cancelled": "cancelled_at",
-}
+STAMP = {status: f"{status}_at" for status in BatchStatus if status != BatchStatus.VALIDATING}
 
 
 def now() -> datetime:
+    """The current time, timezone-aware in UTC: the one clock of the service."""
     return datetime.now(UTC)
 
 

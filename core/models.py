@@ -6,7 +6,7 @@ Every status change goes through :mod:`core.lifecycle` as one conditional UPDATE
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import (
@@ -19,6 +19,7 @@ from sqlalchemy import (
     MetaData,
     String,
     Text,
+    TypeDecorator,
     UniqueConstraint,
     func,
 )
@@ -32,7 +33,31 @@ NAMING_CONVENTION = {
     "pk": "pk_%(table_name)s",
 }
 
-Timestamp = DateTime(timezone=True)
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A timezone-aware UTC datetime on every database. Postgres stores ``timestamptz``;
+    SQLite has no time zones and hands back naive datetimes (written in UTC), which come back
+    here marked as UTC, so callers never compare naive with aware values."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is not None and value.tzinfo is not None:
+            value = value.astimezone(UTC)
+        return value
+
+    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            value = value.replace(tzinfo=UTC)
+        return value
+
+    def coerce_compared_value(self, op: Any, value: Any) -> Any:
+        # Only datetimes are bound as this type; a timedelta in ``column - delta`` is an interval.
+        return self if isinstance(value, datetime) else self.impl.coerce_compared_value(op, value)
+
+
+Timestamp = UTCDateTime()
 
 
 class Base(DeclarativeBase):
@@ -83,7 +108,7 @@ class Batch(Base):
     model: Mapped[str | None] = mapped_column(String(256), nullable=True)
     input_file_id: Mapped[str] = mapped_column(String(64))
     completion_window: Mapped[str] = mapped_column(String(16))
-    status: Mapped[str] = mapped_column(String(16), default="validating")
+    status: Mapped[str] = mapped_column(String(16))  # core.lifecycle.BatchStatus
     output_file_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
     error_file_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
     # OpenAI's errors.data: [{code, message, param, line}]
@@ -137,7 +162,7 @@ class Shard(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"), index=True)
     index: Mapped[int] = mapped_column(Integer)
-    status: Mapped[str] = mapped_column(String(16), default="pending")
+    status: Mapped[str] = mapped_column(String(16))  # core.lifecycle.ShardStatus
     start_line: Mapped[int] = mapped_column(Integer)  # 1-based, inclusive
     end_line: Mapped[int] = mapped_column(Integer)  # exclusive
     start_offset: Mapped[int] = mapped_column(BigInteger)  # byte offset of start_line
@@ -166,7 +191,7 @@ class WebhookDelivery(Base):
     batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"), index=True)
     event_type: Mapped[str] = mapped_column(String(32))  # batch.completed, batch.failed, …
     url: Mapped[str] = mapped_column(Text)
-    status: Mapped[str] = mapped_column(String(16), default="pending")  # pending|delivered|failed
+    status: Mapped[str] = mapped_column(String(16))  # core.lifecycle.DeliveryStatus
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     last_status_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
     last_error: Mapped[str | None] = mapped_column(Text, nullable=True)

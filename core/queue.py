@@ -12,6 +12,11 @@ TASK_RUN_SHARD = "batchd.run_shard"
 TASK_FINALIZE = "batchd.finalize_batch"
 TASK_CANCEL = "batchd.cancel_batch"
 TASK_SWEEP_EXPIRED = "batchd.sweep_expired"
+TASK_RECLAIM = "batchd.reclaim_stale_shards"
+TASK_RELEASE_SWEEP = "batchd.release_shards"
+TASK_DELIVER_WEBHOOK = "batchd.deliver_webhook"
+TASK_SWEEP_FILES = "batchd.sweep_files"
+TASK_SWEEP_WEBHOOKS = "batchd.sweep_webhooks"
 
 CONTROL_QUEUE = "batchd.control"
 

@@ -64,6 +64,14 @@ def normalize_prefix(prefix: str) -> str:
     return validate_key(prefix)
 
 
+def check_range(start: int, end: int, chunk_size: int) -> None:
+    """Refuse a byte range ``[start, end)`` or a chunk size that ``read_range`` cannot serve."""
+    if start < 0 or end < start:
+        raise ValueError(f"invalid range [{start}, {end})")
+    if chunk_size <= 0:
+        raise ValueError("chunk_size must be positive")
+
+
 class Storage(abc.ABC):
     @abc.abstractmethod
     def writer(self, key: str) -> AbstractContextManager[BinaryIO]:

@@ -23,6 +23,7 @@ from core.storage import (
     ObjectNotFound,
     Storage,
     StorageError,
+    check_range,
     normalize_prefix,
     validate_key,
 )
@@ -132,10 +133,7 @@ class LocalStorage(Storage):
     def read_range(
         self, key: str, start: int, end: int, *, chunk_size: int = 1 << 20
     ) -> Iterator[bytes]:
-        if start < 0 or end < start:
-            raise ValueError(f"invalid range [{start}, {end})")
-        if chunk_size <= 0:
-            raise ValueError("chunk_size must be positive")
+        check_range(start, end, chunk_size)
         stream = self._open(key)  # raise ObjectNotFound now, not at the first next()
         return self._iter_range(stream, start, end, chunk_size)
 

@@ -37,7 +37,14 @@ from botocore.exceptions import (
     ResponseStreamingError,
 )
 
-from core.storage import ObjectNotFound, Storage, StorageError, normalize_prefix, validate_key
+from core.storage import (
+    ObjectNotFound,
+    Storage,
+    StorageError,
+    check_range,
+    normalize_prefix,
+    validate_key,
+)
 
 MiB = 1 << 20
 MIN_PART_SIZE = 5 * MiB
@@ -371,10 +378,7 @@ class S3Storage(Storage):
     def read_range(
         self, key: str, start: int, end: int, *, chunk_size: int = 1 << 20
     ) -> Iterator[bytes]:
-        if start < 0 or end < start:
-            raise ValueError(f"invalid range [{start}, {end})")
-        if chunk_size <= 0:
-            raise ValueError("chunk_size must be positive")
+        check_range(start, end, chunk_size)
         if start == end:
             if not self.exists(key):
                 raise ObjectNotFound(key)

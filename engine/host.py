@@ -50,8 +50,6 @@ engine so their KV blocks return, logs the traceback, and the host keeps serving
 from __future__ import annotations
 
 import collections
-import heapq
-import itertools
 import logging
 import math
 import threading
@@ -59,17 +57,12 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass, field, is_dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from engine import (
-    CompletionOutput,
-    Engine,
-    EngineStats,
-    RequestMetrics,
-    RequestOutput,
-    SamplingParams,
-)
+from engine import Engine, RequestOutput, SamplingParams
+from engine.fair_queue import FairQueue
+from engine.outputs import HostStats, aborted_output
 
 logger = logging.getLogger(__name__)
 
@@ -86,35 +79,6 @@ class HostQueueFull(TimeoutError):
 
 class EngineStepError(RuntimeError):
     """``Engine.step()`` raised while this request was in flight; ``__cause__`` says why."""
-
-
-@dataclass(slots=True)
-class HostStats:
-    """Engine stats plus the host's own counters, snapshotted between two steps."""
-
-    engine: EngineStats | None
-    pending: int  # in the host's queue, not yet handed to the engine
-    in_flight: int  # handed to the engine, not finished
-    submitted: int
-    completed: int  # finished normally (stop or length)
-    aborted: int
-    failed: int  # RequestError, a step failure, or any other error set on the future
-    step_errors: int
-    steps: int  # engine steps run by this host
-    suspended: int  # in-flight requests suspended to give another tenant its share
-    mean_occupancy: float  # running sequences / max_num_seqs, averaged over this host's steps
-    max_pending: int
-    max_in_flight: int
-
-    def as_dict(self) -> dict[str, Any]:
-        """One flat dict: the engine's fields, then the host's (for JSON and logs)."""
-        out: dict[str, Any] = {}
-        if self.engine is not None:
-            out.update(asdict(self.engine) if is_dataclass(self.engine) else vars(self.engine))
-        for name in self.__slots__:
-            if name != "engine":
-                out[name] = getattr(self, name)
-        return out
 
 
 @dataclass(slots=True, eq=False)
@@ -137,236 +101,6 @@ class _Entry:
     def flow(self) -> tuple[str | None, str | None, int]:
         """The fair queue this entry waits in: its tenant's batch at its priority."""
         return self.tenant, self.group, self.priority
-
-
-class _BatchQueue:
-    """One batch's pending entries (a DRR flow inside its tenant), longest work first; arrival
-    order for requests without a batch."""
-
-    __slots__ = ("key", "tier", "heap", "deficit", "in_turn", "waiting_since", "max_cost")
-
-    def __init__(self, key: tuple[str | None, str | None, int], tier: int, now: float) -> None:
-        self.key = key
-        self.tier = tier
-        self.heap: list[tuple[int, int, _Entry]] = []
-        self.deficit = 0
-        self.in_turn = False
-        self.waiting_since = now  # last admission, or when it started waiting
-        self.max_cost = 0  # the largest request it has held since it started waiting
-
-
-class _TenantQueue:
-    """A tenant's batches within one tier (a DRR flow inside the tier)."""
-
-    __slots__ = ("batches", "rotation", "deficit", "in_turn")
-
-    def __init__(self) -> None:
-        self.batches: dict[tuple[str | None, str | None, int], _BatchQueue] = {}
-        self.rotation: collections.deque[tuple[str | None, str | None, int]] = collections.deque()
-        self.deficit = 0
-        self.in_turn = False
-
-
-class _Tier:
-    __slots__ = ("tenants", "rotation")
-
-    def __init__(self) -> None:
-        self.tenants: dict[str | None, _TenantQueue] = {}
-        self.rotation: collections.deque[str | None] = collections.deque()
-
-
-class FairQueue:
-    """Pending requests, released by deficit round-robin on tokens. Not thread-safe: the host
-    calls it under its lock.
-
-    :meth:`pop` serves the most urgent tier (lowest ``priority``) that has work, strictly. In
-    a tier, tenants take turns; each turn adds a quantum of tokens to the tenant's deficit,
-    and the tenant is served while the cost of its next request fits in it. A tenant's turn is
-    spent the same way across its batches, and a batch's own order is longest work first, as
-    the engine's batch admission does (with few requests in the engine at a time, that order
-    has to be applied here). The quantum is the largest request cost pending, the smallest
-    that lets every turn serve at least one request (DRR's O(1) condition), so turns stay
-    short: a batch that arrives joins the rotation at the back and is served after at most one
-    turn of every other flow, never behind everything already queued. A flow that empties
-    leaves the rotation and loses its deficit (no credit is saved up while idle).
-
-    Aging: a batch of a tier above 0 (``low``) that has waited ``aging_s`` seconds without an
-    admission moves one tier up, at most to 0 (``normal``), and stays there while it has work
-    in the host, sharing that tier fairly. Urgent tiers (below 0) are never reached by aging:
-    the room reserved for them is not to be taken by promoted bulk.
-    """
-
-    def __init__(
-        self, aging_s: float | None = None, clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        self.aging_s = aging_s
-        self._clock = clock
-        self._tiers: dict[int, _Tier] = {}
-        self._batches: dict[tuple[str | None, str | None, int], _BatchQueue] = {}
-        self._promoted: dict[tuple[str | None, str | None, int], int] = {}
-        self._per_group: collections.Counter[str] = collections.Counter()
-        self._order = itertools.count()
-        self._len = 0
-
-    def __len__(self) -> int:
-        return self._len
-
-    def group_len(self, group: str) -> int:
-        return self._per_group.get(group, 0)
-
-    @property
-    def num_groups(self) -> int:
-        return len(self._per_group)
-
-    def push(self, entry: _Entry, front: bool = False) -> None:
-        """Queue ``entry`` in its batch; ``front``: ahead of the batch's other requests (a
-        request suspended in flight goes back first)."""
-        bq = self._batches.get(entry.flow)
-        if bq is None:
-            tier = self._promoted.get(entry.flow, entry.priority)
-            bq = self._batches[entry.flow] = _BatchQueue(entry.flow, tier, self._clock())
-            self._activate(bq)
-        bq.max_cost = max(bq.max_cost, entry.cost)
-        longest_first = -entry.cost if entry.group is not None else 0
-        if front:
-            longest_first = -(1 << 62)
-        heapq.heappush(bq.heap, (longest_first, next(self._order), entry))
-        self._count(entry, +1)
-
-    def pop(
-        self, max_priority: int | None = None, skip: frozenset[str | None] = frozenset()
-    ) -> _Entry | None:
-        """The next entry to admit, or None; with ``max_priority``, only from tiers at or
-        below it (the in-flight room reserved for urgent work). Tenants in ``skip`` are passed
-        over in the most urgent tier (they hold their share while others wait for theirs)."""
-        if self.aging_s is not None:
-            self._age()
-        for priority in sorted(self._tiers):
-            if max_priority is not None and priority > max_priority:
-                break
-            return self._pop_tier(self._tiers[priority], skip)
-        return None
-
-    def top_tier(self) -> int | None:
-        """The most urgent tier with pending work."""
-        return min(self._tiers, default=None)
-
-    def tenants_in(self, tier: int) -> dict[str | None, int]:
-        """Pending requests per tenant in ``tier``."""
-        t = self._tiers.get(tier)
-        if t is None:
-            return {}
-        return {
-            name: sum(len(bq.heap) for bq in tenant.batches.values())
-            for name, tenant in t.tenants.items()
-        }
-
-    def remove(self, entries: Iterable[_Entry]) -> None:
-        by_flow: dict[tuple[str | None, str | None, int], set[int]] = {}
-        for e in entries:
-            by_flow.setdefault(e.flow, set()).add(id(e))
-        for flow, gone in by_flow.items():
-            bq = self._batches.get(flow)
-            if bq is None:
-                continue
-            kept = [item for item in bq.heap if id(item[2]) not in gone]
-            for item in bq.heap:
-                if id(item[2]) in gone:
-                    self._count(item[2], -1)
-            bq.heap = kept
-            heapq.heapify(kept)
-            if not kept:
-                self._deactivate(bq)
-
-    def forget_group(self, group: str) -> None:
-        """``group`` has nothing pending or in flight any more: drop its promotions."""
-        for flow in [f for f in self._promoted if f[1] == group]:
-            del self._promoted[flow]
-
-    def clear(self) -> list[_Entry]:
-        entries = [item[2] for bq in self._batches.values() for item in bq.heap]
-        self.__init__(self.aging_s, self._clock)  # type: ignore[misc]
-        return entries
-
-    # -- internals
-
-    def _count(self, entry: _Entry, delta: int) -> None:
-        self._len += delta
-        if entry.group is not None:
-            self._per_group[entry.group] += delta
-            if self._per_group[entry.group] <= 0:
-                del self._per_group[entry.group]
-
-    def _activate(self, bq: _BatchQueue) -> None:
-        tier = self._tiers.setdefault(bq.tier, _Tier())
-        tenant_name = bq.key[0]
-        tenant = tier.tenants.get(tenant_name)
-        if tenant is None:
-            tenant = tier.tenants[tenant_name] = _TenantQueue()
-            tier.rotation.append(tenant_name)
-        tenant.batches[bq.key] = bq
-        tenant.rotation.append(bq.key)
-
-    def _deactivate(self, bq: _BatchQueue, keep: bool = False) -> None:
-        tier = self._tiers[bq.tier]
-        tenant_name = bq.key[0]
-        tenant = tier.tenants[tenant_name]
-        del tenant.batches[bq.key]
-        tenant.rotation.remove(bq.key)
-        if not tenant.batches:
-            del tier.tenants[tenant_name]
-            tier.rotation.remove(tenant_name)
-        if not tier.tenants:
-            del self._tiers[bq.tier]
-        if not keep:
-            del self._batches[bq.key]
-
-    def _age(self) -> None:
-        deadline = self._clock() - self.aging_s  # type: ignore[operator]
-        for bq in list(self._batches.values()):
-            if bq.tier > 0 and bq.waiting_since < deadline:
-                self._deactivate(bq, keep=True)
-                bq.tier -= 1
-                bq.deficit, bq.in_turn = 0, False
-                bq.waiting_since = self._clock()
-                if bq.key[1] is not None:
-                    self._promoted[bq.key] = bq.tier
-                self._activate(bq)
-
-    def _quantum(self) -> int:
-        return max(bq.max_cost for bq in self._batches.values())
-
-    def _pop_tier(self, tier: _Tier, skip: frozenset[str | None] = frozenset()) -> _Entry | None:
-        if skip and all(name in skip for name in tier.rotation):
-            return None
-        while True:
-            if tier.rotation[0] in skip:
-                tier.rotation.rotate(-1)
-                continue
-            tenant = tier.tenants[tier.rotation[0]]
-            if not tenant.in_turn:
-                tenant.in_turn, tenant.deficit = True, tenant.deficit + self._quantum()
-            bq = tenant.batches[tenant.rotation[0]]
-            cost = bq.heap[0][2].cost
-            if tenant.deficit < cost:  # the tenant's turn is spent
-                tenant.in_turn = False
-                tier.rotation.rotate(-1)
-                continue
-            if not bq.in_turn:
-                bq.in_turn, bq.deficit = True, bq.deficit + self._quantum()
-            if bq.deficit < cost:  # this batch's part of the turn is spent
-                bq.in_turn = False
-                tenant.rotation.rotate(-1)
-                continue
-            entry = heapq.heappop(bq.heap)[2]
-            self._count(entry, -1)
-            tenant.deficit -= cost
-            bq.deficit -= cost
-            bq.waiting_since = self._clock()
-            entry.priority = min(entry.priority, bq.tier)  # what the engine is told
-            if not bq.heap:
-                self._deactivate(bq)
-            return entry
 
 
 @dataclass(slots=True)
@@ -950,31 +684,8 @@ def _expected_tokens(prompt: list[int], params: SamplingParams) -> int:
 
 
 def _abort_output(entry: _Entry) -> RequestOutput:
-    now = time.time()
     n = max(1, int(getattr(entry.params, "n", 1) or 1))
-    return RequestOutput(
-        request_id=entry.request_id,
-        prompt_token_ids=list(entry.prompt_token_ids),
-        outputs=[
-            CompletionOutput(
-                index=i,
-                text="",
-                token_ids=[],
-                finish_reason="abort",
-                stop_reason=None,
-                logprobs=None,
-            )
-            for i in range(n)
-        ],
-        finished=True,
-        metrics=RequestMetrics(
-            arrival_time=entry.arrival_time,
-            first_token_time=None,
-            finished_time=now,
-            num_cached_tokens=0,
-        ),
-        error=None,
-    )
+    return aborted_output(entry.request_id, entry.prompt_token_ids, n, entry.arrival_time)
 
 
 def _resolve(future: Future, output: RequestOutput) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 import torch
 
@@ -79,7 +80,6 @@ class ModelRunner:
         self.v_cache = [
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
         ]
-        self._block_offsets = torch.arange(self.block_size, device=self.device)
         log.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB) on %s, dtype %s",
             self.num_blocks,
@@ -163,103 +163,51 @@ class ModelRunner:
     ) -> StepBatch:
         """Pack the step with a fixed number of tensor ops, whatever the number of sequences."""
         bs = self.block_size
-        dev = self.device
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        q_seq: list[int] = []
-        tables: list[list[int]] = []
-        sample_rows: list[int] = []
-        sample_seqs: list[Sequence] = []
-        parts = [(seq, len(seq) - 1, len(seq)) for seq in decodes]
-        parts += [
-            (seq, seq.num_computed_tokens, seq.num_computed_tokens + n) for seq, n in prefills
-        ]
-        for i, (seq, c0, end) in enumerate(parts):
-            table = seq.block_table
-            tables.append(table[: -(-end // bs)])
-            ids.extend(seq.token_ids[c0:end])
-            pos.extend(range(c0, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(c0, end))
-            q_seq.extend([i] * (end - c0))
-            if end == len(seq):
-                sample_rows.append(len(ids) - 1)
-                sample_seqs.append(seq)
-        positions = to_device(pos, torch.long, dev)
+        packed = _Packed.of(decodes, prefills, bs)
+        tables = [seq.block_table[: -(-end // bs)] for seq, _, end in packed.parts]
+        q_seq = [i for i, (_, c0, end) in enumerate(packed.parts) for _ in range(end - c0)]
+        positions = to_device(packed.positions, torch.long, self.device)
         ctx = AttentionContext(
             self.k_cache,
             self.v_cache,
-            to_device(slots, torch.long, dev),
+            to_device(packed.slots, torch.long, self.device),
             self.backend,
-            flex=build_step(tables, q_seq, positions, self.num_blocks + 1, bs, dev),
+            flex=build_step(tables, q_seq, positions, self.num_blocks + 1, bs, self.device),
         )
-        return StepBatch(
-            input_ids=to_device(ids, torch.long, dev),
-            positions=positions,
-            ctx=ctx,
-            sample_rows=to_device(sample_rows, torch.long, dev),
-            sample_seqs=sample_seqs,
-            num_tokens=len(ids),
-        )
+        return packed.step(ctx, positions, self.device)
 
     def _prepare_sdpa(
         self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]]
     ) -> StepBatch:
+        """Pack the step; each decode and prefill chunk is attended on its own."""
         bs = self.block_size
         dev = self.device
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        flat_blocks: list[int] = []
-        for seq in decodes:
-            p = len(seq) - 1
-            ids.append(seq.token_ids[p])
-            pos.append(p)
-            table = seq.block_table
-            slots.append(table[p // bs] * bs + p % bs)
-            flat_blocks.extend(table[: p // bs + 1])
+        packed = _Packed.of(decodes, prefills, bs)
+        ctx = AttentionContext(
+            self.k_cache, self.v_cache, to_device(packed.slots, torch.long, dev), self.backend
+        )
         nd = len(decodes)
-        sample_rows = list(range(nd))
-        sample_seqs = list(decodes)
-        ctx = AttentionContext(self.k_cache, self.v_cache, None, self.backend)  # type: ignore[arg-type]
         if nd:
+            flat_blocks = [
+                b for seq in decodes for b in seq.block_table[: (len(seq) - 1) // bs + 1]
+            ]
             all_blocks = torch.tensor(flat_blocks, dtype=torch.long, device=dev)
             at = 0
             for seq in decodes:
                 nb = (len(seq) - 1) // bs + 1
                 ctx.decodes.append(Decode(all_blocks[at : at + nb], len(seq)))
                 at += nb
-        slot_parts = [torch.tensor(slots, dtype=torch.long, device=dev)] if nd else []
-        pos_parts = [torch.tensor(pos, dtype=torch.long, device=dev)] if nd else []
         offset = nd
-        for seq, n in prefills:
-            c0 = seq.num_computed_tokens
-            end = c0 + n
-            ids.extend(seq.token_ids[c0:end])
-            table = torch.tensor(seq.block_table, dtype=torch.long, device=dev)
-            all_slots = (table.unsqueeze(1) * bs + self._block_offsets).view(-1)
-            slot_parts.append(all_slots[c0:end])
-            pos_parts.append(torch.arange(c0, end, device=dev))
-            chunk = PrefillChunk(offset, offset + n, first_pos=c0)
+        for seq, c0, end in packed.parts[nd:]:
+            chunk = PrefillChunk(offset, offset + end - c0, first_pos=c0)
             if c0 > 0:
                 chunk.context_len = end
-                chunk.blocks = table[: -(-end // bs)]
+                chunk.blocks = torch.tensor(
+                    seq.block_table[: -(-end // bs)], dtype=torch.long, device=dev
+                )
             ctx.prefills.append(chunk)
-            offset += n
-            if end == len(seq):
-                sample_rows.append(offset - 1)
-                sample_seqs.append(seq)
-        ctx.slot_mapping = slot_parts[0] if len(slot_parts) == 1 else torch.cat(slot_parts)
-        positions = pos_parts[0] if len(pos_parts) == 1 else torch.cat(pos_parts)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        return StepBatch(
-            input_ids=input_ids,
-            positions=positions,
-            ctx=ctx,
-            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),
-            sample_seqs=sample_seqs,
-            num_tokens=offset,
-        )
+            offset += end - c0
+        return packed.step(ctx, to_device(packed.positions, torch.long, dev), dev)
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor:
@@ -285,6 +233,52 @@ class ModelRunner:
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+
+@dataclass(slots=True)
+class _Packed:
+    """A step's tokens packed without padding: decodes first, then prefill chunks, each part
+    ``(seq, first position, end)``; the rows to sample are the last token of each sequence
+    whose part reaches its end."""
+
+    parts: list[tuple[Sequence, int, int]]
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    sample_seqs: list[Sequence] = field(default_factory=list)
+
+    @classmethod
+    def of(
+        cls, decodes: list[Sequence], prefills: list[tuple[Sequence, int]], block_size: int
+    ) -> _Packed:
+        parts = [(seq, len(seq) - 1, len(seq)) for seq in decodes]
+        parts += [
+            (seq, seq.num_computed_tokens, seq.num_computed_tokens + n) for seq, n in prefills
+        ]
+        packed = cls(parts)
+        bs = block_size
+        for seq, c0, end in parts:
+            table = seq.block_table
+            packed.ids.extend(seq.token_ids[c0:end])
+            packed.positions.extend(range(c0, end))
+            packed.slots.extend(table[p // bs] * bs + p % bs for p in range(c0, end))
+            if end == len(seq):
+                packed.sample_rows.append(len(packed.ids) - 1)
+                packed.sample_seqs.append(seq)
+        return packed
+
+    def step(
+        self, ctx: AttentionContext, positions: torch.Tensor, device: torch.device
+    ) -> StepBatch:
+        return StepBatch(
+            input_ids=to_device(self.ids, torch.long, device),
+            positions=positions,
+            ctx=ctx,
+            sample_rows=to_device(self.sample_rows, torch.long, device),
+            sample_seqs=self.sample_seqs,
+            num_tokens=len(self.ids),
+        )
 
 
 class _ProbeSeq:

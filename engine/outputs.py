@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+import time
+from dataclasses import asdict, dataclass, field, is_dataclass
+from typing import Any, Literal
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -81,3 +82,50 @@ class EngineStats:
     num_grammar_masks: int = 0  # token masks computed for structured-output sequences
     total_grammar_mask_time_s: float = 0.0  # computing them (overlapped with the forward pass)
     total_grammar_wait_time_s: float = 0.0  # steps waiting for them after the forward pass
+
+
+@dataclass(slots=True)
+class HostStats:
+    """Engine stats plus the host's own counters, snapshotted between two steps."""
+
+    engine: EngineStats | None
+    pending: int  # in the host's queue, not yet handed to the engine
+    in_flight: int  # handed to the engine, not finished
+    submitted: int
+    completed: int  # finished normally (stop or length)
+    aborted: int
+    failed: int  # RequestError, a step failure, or any other error set on the future
+    step_errors: int
+    steps: int  # engine steps run by this host
+    suspended: int  # in-flight requests suspended to give another tenant its share
+    mean_occupancy: float  # running sequences / max_num_seqs, averaged over this host's steps
+    max_pending: int
+    max_in_flight: int
+
+    def as_dict(self) -> dict[str, Any]:
+        """One flat dict: the engine's fields, then the host's (for JSON and logs)."""
+        out: dict[str, Any] = {}
+        if self.engine is not None:
+            out.update(asdict(self.engine) if is_dataclass(self.engine) else vars(self.engine))
+        for name in self.__slots__:
+            if name != "engine":
+                out[name] = getattr(self, name)
+        return out
+
+
+def aborted_output(
+    request_id: str, prompt_token_ids: list[int], n: int, arrival_time: float
+) -> RequestOutput:
+    """The output of a request aborted before the engine reported anything for it: ``n``
+    empty completions that finished with ``abort``."""
+    return RequestOutput(
+        request_id=request_id,
+        prompt_token_ids=list(prompt_token_ids),
+        outputs=[
+            CompletionOutput(index=i, text="", token_ids=[], finish_reason="abort")
+            for i in range(n)
+        ],
+        finished=True,
+        metrics=RequestMetrics(arrival_time=arrival_time, finished_time=time.time()),
+        error=None,
+    )

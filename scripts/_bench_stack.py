@@ -3,49 +3,41 @@ service's processes (API under uvicorn, control worker, model worker, beat) as s
 logging to a directory, the model worker's engine stats over Celery remote control, and the
 resident memory of a process from ``/proc``.
 
-The same approach as ``tests/e2e/conftest.py``: real servers, real connections, one process
+The processes, their command lines and environment come from ``tests/helpers/service.py``,
+the module the e2e tests start the service with: real servers, real connections, one process
 group per service process so stopping it stops everything it started.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
-import shutil
-import signal
-import socket
-import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-MODEL = "batchd-demo"
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from tests.helpers.service import (  # noqa: E402 - needs the repository on the path
+    MODEL,
+    Procs,
+    RedisServer,
+    api_command,
+    celery_command,
+    free_port,
+    stack_env,
+    wait_for,
+)
+
+__all__ = ["MODEL", "free_port", "wait_for"]
+
 API_KEY = "sk-bench-key"
 PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 REDIS_URL = "redis://127.0.0.1:6379/0"
 TERMINAL = {"completed", "failed", "expired", "cancelled"}
-
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _port_open(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1):
-            return True
-    except OSError:
-        return False
 
 
 class Database:
@@ -77,108 +69,40 @@ class Database:
         self._admin.dispose()
 
 
-class Broker:
-    """A private ``redis-server`` on a free port; without the binary, a database index of the
-    local Redis (``fallback_url``'s server) that this run empties first."""
-
-    def __init__(self, root: Path, fallback_url: str = REDIS_URL):
-        self._proc: subprocess.Popen | None = None
-        binary = shutil.which("redis-server")
-        if binary is None:
-            import redis
-
-            base, _, _index = fallback_url.rpartition("/")
-            self.url = f"{base}/{1 + secrets.randbelow(15)}"
-            redis.Redis.from_url(self.url).flushdb()
-            return
-        port = free_port()
-        self._proc = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(root)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
-        self.url = f"redis://127.0.0.1:{port}/0"
-        deadline = time.monotonic() + 15
-        while not _port_open(port):
-            if time.monotonic() > deadline or self._proc.poll() is not None:
-                raise RuntimeError("the private redis-server did not start")
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
-            self._proc.wait(10)
+def Broker(root: Path, fallback_url: str = REDIS_URL) -> RedisServer:
+    """A private ``redis-server`` on a free port; without the binary, a random database index
+    of the local Redis (``fallback_url``'s server) that this run empties first."""
+    base, _, _index = fallback_url.rpartition("/")
+    return RedisServer(root, fallback_url=f"{base}/{1 + secrets.randbelow(15)}")
 
 
 def service_env(root: Path, database_url: str, broker_url: str, **overrides: str) -> dict[str, str]:
     """The environment of a private service on ``root`` (``overrides`` win)."""
-    (root / "home").mkdir(parents=True, exist_ok=True)
-    return {
-        **os.environ,
-        "PYTHONUNBUFFERED": "1",
-        "BATCHD_HOME": str(root / "home"),
-        "BATCHD_DATABASE_URL": database_url,
-        "BATCHD_BROKER_URL": broker_url,
-        "BATCHD_STORAGE_URL": str(root / "storage"),
-        "BATCHD_MODELS": json.dumps({MODEL: "demo:llama-tiny"}),
-        "BATCHD_API_KEYS": API_KEY,
-        "BATCHD_RATE_LIMIT_PER_MINUTE": "0",  # the benchmark polls faster than a client would
-        **overrides,
-    }
+    return stack_env(database_url, broker_url, root, api_key=API_KEY, **overrides)
 
 
-CELERY = [sys.executable, "-m", "celery", "-A", "worker.celery_app"]
-QUIET = ["--loglevel", "INFO", "--without-gossip", "--without-mingle", "--without-heartbeat"]
+class Stack(Procs):
+    """The service's processes on ``port``, each logging to ``root/<name>.log``."""
 
-
-def commands(port: int, root: Path, shard_concurrency: int) -> dict[str, list[str]]:
-    """Command lines of the service processes (as ``python -m worker`` builds them)."""
-    return {
-        "api": [sys.executable, "-m", "uvicorn", "api.app:app", "--host", "127.0.0.1",
-                "--port", str(port), "--log-level", "warning"],
-        "control": [*CELERY, "worker", "-Q", "batchd.control", "--pool", "threads", "-c", "2",
-                    "-n", "control@bench", *QUIET],
-        "model": [*CELERY, "worker", "-Q", f"batchd.model.{MODEL}", "--pool", "threads",
-                  "-c", str(shard_concurrency), "-n", "model@bench", *QUIET],
-        "beat": [*CELERY, "beat", "-s", str(root / "home" / "beat-schedule"),
-                 "--loglevel", "INFO"],
-    }  # fmt: skip
-
-
-@dataclass
-class Stack:
-    """Service processes started from ``commands``, each logging to ``root/<name>.log``."""
-
-    root: Path
-    env: dict[str, str]
-    port: int
-    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    def __init__(self, root: Path, env: dict[str, str], port: int):
+        super().__init__(root)
+        self.env = env
+        self.port = port
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
 
-    def start(self, roles: Iterable[str], shard_concurrency: int = 4) -> Stack:
-        cmds = commands(self.port, self.root, shard_concurrency)
+    def start_roles(self, roles: Iterable[str], shard_concurrency: int = 4) -> Stack:
+        """Start ``roles`` (api, control, model, beat) as ``python -m worker`` runs them."""
         for name in roles:
-            with open(self.root / f"{name}.log", "ab") as log:
-                self.procs[name] = subprocess.Popen(
-                    cmds[name], cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )  # fmt: skip
+            if name == "api":
+                cmd = api_command(self.port)
+            else:
+                concurrency = shard_concurrency if name == "model" else 2
+                cmd = celery_command(name, name, self.root, concurrency, host="bench")
+            self.start(name, cmd, self.env)
         return self
-
-    def log(self, name: str) -> str:
-        path = self.root / f"{name}.log"
-        return path.read_text(errors="replace") if path.exists() else ""
-
-    def logs(self, chars: int = 3000) -> str:
-        return "".join(f"\n--- {n}.log\n{self.log(n)[-chars:]}" for n in self.procs)
-
-    def check_alive(self) -> None:
-        for name, proc in self.procs.items():
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited ({proc.returncode}):{self.logs()}")
 
     def api_up(self) -> bool:
         import httpx
@@ -207,27 +131,7 @@ class Stack:
         return OpenAI(base_url=self.base_url, api_key=API_KEY, max_retries=2, **kw)
 
     def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 15
-        for proc in self.procs.values():
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-
-
-def wait_for(
-    predicate: Callable[[], bool], timeout: float, what: str, logs: Callable[[], str] | None = None
-) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"timed out waiting for {what}{logs() if logs else ''}")
+        self.stop_all()
 
 
 class EngineStatsProbe:

@@ -32,11 +32,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import os
 import secrets
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -208,76 +204,26 @@ def tenant_key(database_url: str, tenant: str) -> str:
 # The stand-alone benchmark
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_stack(root: Path, database_url: str, redis_url: str, args: argparse.Namespace):
-    port = _free_port()
-    env = {
-        **os.environ,
-        "PYTHONUNBUFFERED": "1",
-        "BATCHD_HOME": str(root / "home"),
-        "BATCHD_DATABASE_URL": database_url,
-        "BATCHD_BROKER_URL": redis_url,
-        "BATCHD_STORAGE_URL": str(root / "storage"),
-        "BATCHD_MODELS": json.dumps({MODEL: "demo:llama-tiny"}),
-        "BATCHD_RATE_LIMIT_PER_MINUTE": "0",
-        "BATCHD_SHARD_MAX_REQUESTS": str(args.shard_requests),
-        "BATCHD_CHECKPOINT_EVERY": "8",
-        "BATCHD_CHECKPOINT_INTERVAL_S": "0.5",
-        "BATCHD_WORKER_SHARD_CONCURRENCY": str(args.concurrency),
-        "BATCHD_MAX_RELEASED_SHARDS_PER_MODEL": str(args.released),
-        "BATCHD_RELEASE_SWEEP_INTERVAL_S": "1",
-        "BATCHD_ENGINE_OPTIONS": json.dumps({"max_num_seqs": args.max_num_seqs}),
-    }
-    (root / "home").mkdir(parents=True)
-    celery = [sys.executable, "-m", "celery", "-A", "worker.celery_app"]
-    quiet = ["--loglevel", "INFO", "--without-gossip", "--without-mingle", "--without-heartbeat"]
-    commands = {
-        "api": [sys.executable, "-m", "uvicorn", "api.app:app", "--host", "127.0.0.1",
-                "--port", str(port), "--log-level", "warning"],
-        "control": [*celery, "worker", "-Q", "batchd.control", "--pool", "threads", "-c", "2",
-                    "-n", "control@bench", *quiet],
-        "model": [*celery, "worker", "-Q", f"batchd.model.{MODEL}", "--pool", "threads",
-                  "-c", str(args.concurrency), "-n", "model@bench", *quiet],
-        "beat": [*celery, "beat", "-s", str(root / "home" / "beat"), "--loglevel", "INFO"],
-    }  # fmt: skip
-    procs = {}
-    for name, cmd in commands.items():
-        log = open(root / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the process
-        procs[name] = subprocess.Popen(
-            cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    deadline = time.monotonic() + 180
-    import httpx
+    import _bench_stack as bs
 
-    while time.monotonic() < deadline:
-        for name, proc in procs.items():
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited: {(root / f'{name}.log').read_text()[-2000:]}")
-        try:
-            up = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            up = False
-        if up and f"model {MODEL} ready" in (root / "model.log").read_text(errors="replace"):
-            return f"http://127.0.0.1:{port}/v1", procs
-        time.sleep(0.3)
-    raise TimeoutError("the service did not start")
-
-
-def _stop(procs: dict[str, subprocess.Popen]) -> None:
-    for proc in procs.values():
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-    for proc in procs.values():
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    env = bs.service_env(
+        root,
+        database_url,
+        redis_url,
+        BATCHD_SHARD_MAX_REQUESTS=str(args.shard_requests),
+        BATCHD_CHECKPOINT_EVERY="8",
+        BATCHD_CHECKPOINT_INTERVAL_S="0.5",
+        BATCHD_WORKER_SHARD_CONCURRENCY=str(args.concurrency),
+        BATCHD_MAX_RELEASED_SHARDS_PER_MODEL=str(args.released),
+        BATCHD_RELEASE_SWEEP_INTERVAL_S="1",
+        BATCHD_ENGINE_OPTIONS=json.dumps({"max_num_seqs": args.max_num_seqs}),
+    )
+    del env["BATCHD_API_KEYS"]  # the tenants' keys are in the database
+    stack = bs.Stack(root, env, bs.free_port())
+    stack.start_roles(("api", "control", "model", "beat"), args.concurrency)
+    stack.wait_ready(180)
+    return stack.base_url, stack
 
 
 def main() -> None:
@@ -316,11 +262,11 @@ def main() -> None:
     broker = redis.Redis.from_url(args.redis_url)
     for key in broker.keys("batchd.*"):
         broker.delete(key)
-    procs: dict[str, subprocess.Popen] = {}
+    stack = None
     probe = EngineStatsProbe(args.redis_url)
     try:
         with tempfile.TemporaryDirectory(prefix="batchd-bench-") as tmp:
-            base_url, procs = _start_stack(Path(tmp), database_url, args.redis_url, args)
+            base_url, stack = _start_stack(Path(tmp), database_url, args.redis_url, args)
             a = OpenAI(base_url=base_url, api_key=tenant_key(database_url, "tenant-a"))
             b = OpenAI(base_url=base_url, api_key=tenant_key(database_url, "tenant-b"))
             timeout = 3600.0
@@ -342,10 +288,11 @@ def main() -> None:
             }
             fair = contended(a, b, **common)
             prio = contended(a, a, small_extra={"priority": "high"}, **common)
-            _stop(procs)
+            stack.stop()
     finally:
         probe.close()
-        _stop(procs)
+        if stack is not None:
+            stack.stop()
         with admin.connect() as conn:
             conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()

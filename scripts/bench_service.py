@@ -418,7 +418,7 @@ def occupancy(samples: list[Sample]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=500)
     p.add_argument("--seed", type=int, default=0)
@@ -443,8 +443,46 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--redis-url", default=bs.REDIS_URL, help="without redis-server only")
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
 
+
+@dataclass
+class Measured:
+    """One run of the benchmark: the engine alone and the service on the same workload."""
+
+    spec: str  # the model
+    engine_options: dict[str, Any]
+    settings: Any  # core.settings.Settings of the service
+    eng: EngineRun
+    svc: ServiceRun
+    occ: dict[str, Any]  # occupancy()
+    stats_unanswered: int
+
+    @property
+    def same_counts(self) -> int:
+        """Requests with the same number of output tokens both ways (greedy)."""
+        return sum(
+            1
+            for cid, toks in self.eng.tokens_by_id.items()
+            if self.svc.tokens_by_id.get(cid) == len(toks)
+        )
+
+    @property
+    def eng_tps(self) -> float:
+        return self.eng.output_tokens / self.eng.seconds
+
+    @property
+    def e2e_tps(self) -> float:
+        return self.svc.output_tokens / self.svc.e2e_seconds
+
+    @property
+    def batch_tps(self) -> float:
+        return self.svc.output_tokens / self.svc.batch_seconds
+
+
+def measure(args: argparse.Namespace) -> Measured:
+    """Start the service on a fresh database and broker, run the workload through it and
+    through the engine alone; everything started is stopped and removed."""
     spec = str(Path(args.model).resolve()) if args.model else f"demo:{args.model_preset}"
     engine_options = json.loads(args.engine_options)
     overrides = {
@@ -483,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
         write_jsonl(warm_path, lines[: max(1, args.warmup)])
 
         stack = bs.Stack(work, env, bs.free_port())
-        stack.start(("api", "control", "model", "beat"), settings.worker_shard_concurrency)
+        stack.start_roles(("api", "control", "model", "beat"), settings.worker_shard_concurrency)
         stack.wait_ready()
         client = stack.client(timeout=600)
         sampler = Sampler(broker.url, db.url, args.stats_interval)
@@ -506,6 +544,7 @@ def main(argv: list[str] | None = None) -> int:
             eng2 = run_engine(path, model_dir, args.warmup)
             eng = _mean_runs(eng, eng2)
         occ = occupancy(sampler.samples)
+        return Measured(spec, engine_options, settings, eng, svc, occ, sampler.failures)
     finally:
         if stack is not None:
             stack.stop()
@@ -518,16 +557,14 @@ def main(argv: list[str] | None = None) -> int:
 
             shutil.rmtree(work, ignore_errors=True)
 
-    same_counts = sum(
-        1 for cid, toks in eng.tokens_by_id.items() if svc.tokens_by_id.get(cid) == len(toks)
-    )
-    eng_tps = eng.output_tokens / eng.seconds
-    eng_rps = eng.requests / eng.seconds
-    e2e_tps = svc.output_tokens / svc.e2e_seconds
-    e2e_rps = svc.requests / svc.e2e_seconds
-    batch_tps = svc.output_tokens / svc.batch_seconds
-    ratio = e2e_tps / eng_tps
-    ratio_batch = batch_tps / eng_tps
+
+def report(args: argparse.Namespace, m: Measured) -> None:
+    """Print the engine alone and the service side by side, and the targets."""
+    spec, engine_options, settings = m.spec, m.engine_options, m.settings
+    eng, svc, occ, same_counts = m.eng, m.svc, m.occ, m.same_counts
+    eng_tps, e2e_tps, batch_tps = m.eng_tps, m.e2e_tps, m.batch_tps
+    eng_rps, e2e_rps = eng.requests / eng.seconds, svc.requests / svc.e2e_seconds
+    ratio, ratio_batch = e2e_tps / eng_tps, batch_tps / eng_tps
     occ_b = occ.get("occupancy_backlogged", 0.0)
     print()
     print(
@@ -572,27 +609,32 @@ def main(argv: list[str] | None = None) -> int:
             f"{occ['steps_whole_run']} steps of {occ['mean_step_s_whole_run']:.3f}s mean; "
             f"peak engine waiting {occ['peak_engine_waiting']}, peak host pending "
             f"{occ['peak_host_pending']} (max_pending {occ['max_pending']}, max_in_flight "
-            f"{occ['max_in_flight']}); {occ['samples']} samples, {sampler.failures} unanswered"
+            f"{occ['max_in_flight']}); {occ['samples']} samples, {m.stats_unanswered} unanswered"
         )
     print(
         f"requests with the same number of output tokens both ways (greedy): {same_counts}/"
         f"{len(eng.tokens_by_id)}"
     )
-    result = {
-        "model": spec,
+
+
+def result(args: argparse.Namespace, m: Measured) -> dict[str, Any]:
+    """The run as a JSON-ready dict."""
+    eng, svc = m.eng, m.svc
+    return {
+        "model": m.spec,
         "requests": args.requests,
         "seed": args.seed,
-        "engine_options": engine_options,
+        "engine_options": m.engine_options,
         "shard_max_requests": args.shard_requests,
-        "shard_concurrency": settings.worker_shard_concurrency,
+        "shard_concurrency": m.settings.worker_shard_concurrency,
         "shards": svc.shards,
         "engine": {
             "seconds": eng.seconds,
             "requests": eng.requests,
             "errors": eng.errors,
             "output_tokens": eng.output_tokens,
-            "output_tok_s": eng_tps,
-            "requests_s": eng_rps,
+            "output_tok_s": m.eng_tps,
+            "requests_s": eng.requests / eng.seconds,
             "occupancy": eng.occupancy,
             "steps": eng.steps,
             "mean_step_s": eng.step_seconds,
@@ -607,19 +649,25 @@ def main(argv: list[str] | None = None) -> int:
             "requests": svc.requests,
             "errors": svc.errors,
             "output_tokens": svc.output_tokens,
-            "output_tok_s": e2e_tps,
-            "requests_s": e2e_rps,
-            "batch_output_tok_s": batch_tps,
+            "output_tok_s": m.e2e_tps,
+            "requests_s": svc.requests / svc.e2e_seconds,
+            "batch_output_tok_s": m.batch_tps,
         },
-        "throughput_ratio": ratio,
-        "throughput_ratio_created_to_completed": ratio_batch,
-        "occupancy": occ,
-        "stats_unanswered": sampler.failures,
-        "same_output_token_counts": same_counts,
+        "throughput_ratio": m.e2e_tps / m.eng_tps,
+        "throughput_ratio_created_to_completed": m.batch_tps / m.eng_tps,
+        "occupancy": m.occ,
+        "stats_unanswered": m.stats_unanswered,
+        "same_output_token_counts": m.same_counts,
         "targets": {"throughput_ratio": THROUGHPUT_TARGET, "occupancy": OCCUPANCY_TARGET},
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    measured = measure(args)
+    report(args, measured)
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+        args.json.write_text(json.dumps(result(args, measured), indent=2))
     return 0
 
 

@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             BATCHD_MODELS=json.dumps({bs.MODEL: f"demo:{args.model_preset}"}),
             BATCHD_MAX_REQUESTS_PER_BATCH=str(max(50_000, args.requests)),
         )
-        stack = bs.Stack(work, env, bs.free_port()).start(("api", "control"))
+        stack = bs.Stack(work, env, bs.free_port()).start_roles(("api", "control"))
         stack.wait_ready()
         pids = {name: stack.procs[name].pid for name in ("api", "control")}
         started = {name: bs.memory_kb(pid) for name, pid in pids.items()}

@@ -39,8 +39,13 @@ from celery.signals import worker_init
 from core.queue import (
     CONTROL_QUEUE,
     TASK_CANCEL,
+    TASK_DELIVER_WEBHOOK,
     TASK_FINALIZE,
+    TASK_RECLAIM,
+    TASK_RELEASE_SWEEP,
     TASK_SWEEP_EXPIRED,
+    TASK_SWEEP_FILES,
+    TASK_SWEEP_WEBHOOKS,
     TASK_VALIDATE,
 )
 from core.settings import get_settings
@@ -48,12 +53,6 @@ from core.settings import get_settings
 # Task modules every process registers. ``worker.recovery`` (heartbeats and the reclaim sweep)
 # is included when it is present.
 INCLUDE = ["worker.tasks", "worker.shard", "worker.release", "worker.webhooks", "worker.retention"]
-TASK_RECLAIM = "batchd.reclaim_stale_shards"
-# Task names of the modules above that core.queue does not list.
-TASK_RELEASE_SWEEP = "batchd.release_shards"
-TASK_DELIVER_WEBHOOK = "batchd.deliver_webhook"
-TASK_SWEEP_FILES = "batchd.sweep_files"
-TASK_SWEEP_WEBHOOKS = "batchd.sweep_webhooks"
 WEBHOOK_SWEEP_INTERVAL_S = 60.0
 
 

@@ -7,22 +7,20 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from functools import lru_cache
 from typing import Any, TypeVar
 
+from jinja2 import TemplateError
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from core.lifecycle import ShardStatus, now
 from core.models import Batch, Shard
 from core.queue import CONTROL_QUEUE
 from core.settings import get_settings
 from core.storage import Storage
 from core.storage_factory import open_storage
-
-# Shard statuses. ``stopped``: it quit because its batch was cancelled or expired;
-# ``closed``: a cancel/expiry finalize sealed it (no more chunks may be committed).
-PENDING, RUNNING, DONE, STOPPED, CLOSED = "pending", "running", "done", "stopped", "closed"
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +47,12 @@ def input_key(session: Session, batch: Batch) -> str:
     if file is None:
         raise LookupError(f"input file {batch.input_file_id} of {batch.id} is gone")
     return file.storage_key
+
+
+# What a request's own content may raise while it is templated and tokenized (a chat template
+# that refuses its messages, a prompt the tokenizer or the sampling parameters reject): the
+# request fails on its own, with an error line. Anything else is a bug and is raised.
+REQUEST_ERRORS: tuple[type[Exception], ...] = (ValueError, TemplateError)
 
 
 def transient_error(exc: BaseException) -> bool:
@@ -115,16 +119,8 @@ def send(task: str, *args: Any, queue: str = CONTROL_QUEUE) -> None:
     retrying(lambda: app.send_task(task, args=list(args), queue=queue), f"sending {task}")
 
 
-def utcnow() -> datetime:
-    return datetime.now(UTC)
-
-
-def past_expiry(expires_at: datetime | None, now: datetime | None = None) -> bool:
-    if expires_at is None:
-        return False
-    if expires_at.tzinfo is None:  # SQLite hands back naive datetimes
-        expires_at = expires_at.replace(tzinfo=UTC)
-    return (now or utcnow()) >= expires_at
+def past_expiry(expires_at: datetime | None) -> bool:
+    return expires_at is not None and now() >= expires_at
 
 
 def heartbeat_interval_s() -> float:
@@ -141,13 +137,15 @@ def stale_after_s() -> float:
 
 def live_shards(session: Session, batch_id: str) -> int:
     """Shards of ``batch_id`` that a live worker is running now."""
-    cutoff = utcnow() - timedelta(seconds=stale_after_s())
+    cutoff = now() - timedelta(seconds=stale_after_s())
     return (
         session.scalar(
             select(func.count())
             .select_from(Shard)
             .where(
-                Shard.batch_id == batch_id, Shard.status == RUNNING, Shard.heartbeat_at >= cutoff
+                Shard.batch_id == batch_id,
+                Shard.status == ShardStatus.RUNNING,
+                Shard.heartbeat_at >= cutoff,
             )
         )
         or 0
@@ -159,7 +157,7 @@ def unfinished_shards(session: Session, batch_id: str) -> int:
         session.scalar(
             select(func.count())
             .select_from(Shard)
-            .where(Shard.batch_id == batch_id, Shard.status != DONE)
+            .where(Shard.batch_id == batch_id, Shard.status != ShardStatus.DONE)
         )
         or 0
     )

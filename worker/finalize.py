@@ -32,14 +32,14 @@ import logging
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, BinaryIO
 
 from sqlalchemy import select, update
 
 from core import ids
 from core.db import new_session, session_scope
-from core.lifecycle import TERMINAL, transition
+from core.lifecycle import TERMINAL, BatchStatus, ShardStatus, now, transition
 from core.models import Batch, File, Shard
 from core.results import batch_error_line, dumps_line
 from core.settings import get_settings
@@ -51,16 +51,7 @@ from worker.checkpoints import (
     lines_without_result,
     read_chunk,
 )
-from worker.common import (
-    CLOSED,
-    DONE,
-    input_key,
-    live_shards,
-    past_expiry,
-    storage,
-    unfinished_shards,
-    utcnow,
-)
+from worker.common import input_key, live_shards, past_expiry, storage, unfinished_shards
 from worker.release import release_for_model
 from worker.webhooks import notify
 
@@ -82,12 +73,12 @@ def target_status(batch: Batch) -> str | None:
     cuts short only work still to run: a ``finalizing`` batch has none, so it completes."""
     if batch.status in TERMINAL:
         return None
-    if batch.status == "cancelling":
-        return "cancelled"
-    if batch.status == "finalizing":
-        return "completed"
+    if batch.status == BatchStatus.CANCELLING:
+        return BatchStatus.CANCELLED
+    if batch.status == BatchStatus.FINALIZING:
+        return BatchStatus.COMPLETED
     if past_expiry(batch.expires_at):
-        return "expired"
+        return BatchStatus.EXPIRED
     return None
 
 
@@ -141,10 +132,22 @@ class _LazyFile:
         self.lines += 1
 
 
-def finalize(batch_id: str) -> str | None:
-    """Finalize ``batch_id`` if it is ready; return the status it ended in, else None."""
-    settings = get_settings()
-    sto = storage()
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What a finalize read of the batch before it merges: where it goes and what it needs."""
+
+    source: str
+    target: str
+    key: str
+    tenant: str
+    model: str | None
+    files_created_at: datetime
+    files_expire_at: datetime
+
+
+def _plan(batch_id: str) -> _Plan | None:
+    """The finalize ``batch_id`` is due, or None if it is not time yet (gone, already over,
+    or shards still running that will call back when they stop)."""
     with session_scope() as session:
         batch = session.get(Batch, batch_id)
         if batch is None:
@@ -154,89 +157,130 @@ def finalize(batch_id: str) -> str | None:
             return None
         source = batch.status
         if (
-            target == "completed"
+            target == BatchStatus.COMPLETED
             and past_expiry(batch.expires_at)
             and unfinished_shards(session, batch_id)
         ):
-            target = "expired"  # finalizing with a shard unfinished: never left hanging
-        if target != "completed" and source != "finalizing" and live_shards(session, batch_id):
+            target = BatchStatus.EXPIRED  # finalizing with a shard unfinished: never left hanging
+        if (
+            target != BatchStatus.COMPLETED
+            and source != BatchStatus.FINALIZING
+            and live_shards(session, batch_id)
+        ):
             return None  # the running shards stop within seconds; the last one calls back
-        key = input_key(session, batch)
-        tenant = batch.tenant
-        model = batch.model
         # Output and error files expire output_expires_after seconds after their creation.
-        files_created_at = utcnow().replace(microsecond=0)
-        expires_at = files_created_at + timedelta(
-            seconds=batch.output_expires_after_s or settings.file_expiry_s
+        created = now().replace(microsecond=0)
+        lifetime_s = batch.output_expires_after_s or get_settings().file_expiry_s
+        return _Plan(
+            source=source,
+            target=target,
+            key=input_key(session, batch),
+            tenant=batch.tenant,
+            model=batch.model,
+            files_created_at=created,
+            files_expire_at=created + timedelta(seconds=lifetime_s),
         )
 
-    if target != "completed":
-        with session_scope() as session:  # seal: no late checkpoint may land after the merge
-            session.execute(
-                update(Shard)
-                .where(Shard.batch_id == batch_id, Shard.status.not_in((DONE, CLOSED)))
-                .values(status=CLOSED)
-                .execution_options(synchronize_session=False)
-            )
+
+def _seal(batch_id: str) -> None:
+    """Close the batch's unfinished shards: no late checkpoint may land after the merge."""
     with session_scope() as session:
-        shards = [
+        session.execute(
+            update(Shard)
+            .where(
+                Shard.batch_id == batch_id,
+                Shard.status.not_in((ShardStatus.DONE, ShardStatus.CLOSED)),
+            )
+            .values(status=ShardStatus.CLOSED)
+            .execution_options(synchronize_session=False)
+        )
+
+
+def _shard_views(batch_id: str) -> list[_ShardView]:
+    with session_scope() as session:
+        return [
             _ShardView(
-                s.index, s.start_line, s.start_offset, s.end_offset, s.num_chunks, s.status == DONE
+                s.index,
+                s.start_line,
+                s.start_offset,
+                s.end_offset,
+                s.num_chunks,
+                s.status == ShardStatus.DONE,
             )
             for s in session.scalars(select(Shard).where(Shard.batch_id == batch_id))
         ]
-    if target == "completed" and not all(s.done for s in shards):
-        logger.error("batch %s is finalizing with unfinished shards", batch_id)
-        return None
 
-    code = {"cancelled": "batch_cancelled", "expired": "batch_expired"}.get(target)
-    completed = failed = never_ran = 0
+
+@dataclass(slots=True)
+class _Merged:
+    out: _LazyFile
+    err: _LazyFile
+    completed: int = 0
+    failed: int = 0
+    never_ran: int = 0  # batch_<code> lines: requests cut short by a cancel or expiry
+
+    @property
+    def written(self) -> list[_LazyFile]:
+        return [f for f in (self.out, self.err) if f.file_id is not None]
+
+
+def _merge(sto: Storage, batch_id: str, shards: list[_ShardView], key: str, target: str) -> _Merged:
+    """Write the output and error files of the batch, in input-line order."""
+    code = {BatchStatus.CANCELLED: "batch_cancelled", BatchStatus.EXPIRED: "batch_expired"}.get(
+        target
+    )
     with ExitStack() as stack:
-        out = _LazyFile(sto, stack, f"{batch_id}_output.jsonl")
-        err = _LazyFile(sto, stack, f"{batch_id}_error.jsonl")
+        merged = _Merged(
+            _LazyFile(sto, stack, f"{batch_id}_output.jsonl"),
+            _LazyFile(sto, stack, f"{batch_id}_error.jsonl"),
+        )
         for rec in merged_records(sto, batch_id, shards, key=key, unfinished_code=code):
             if rec.ok:
-                out.write(rec.record)
-                completed += 1
+                merged.out.write(rec.record)
+                merged.completed += 1
             else:
-                err.write(rec.record)
+                merged.err.write(rec.record)
                 if rec.record.get("response") is not None:
-                    failed += 1
-                else:  # a batch_<code> line: the request never ran
-                    never_ran += 1
-    sealed = target != "completed"
-    if target == "expired" and source != "validating" and shards and not never_ran:
-        target = "completed"  # every request has a result: the window cut nothing short
+                    merged.failed += 1
+                else:
+                    merged.never_ran += 1
+    return merged
 
-    written = [f for f in (out, err) if f.file_id is not None]
+
+def _commit(batch_id: str, plan: _Plan, target: str, merged: _Merged) -> bool:
+    """Insert the files' rows and move the batch to ``target`` in one transaction; True if
+    this finalize won. A loser's (or a failed commit's) files are deleted."""
+    written = merged.written
     session = new_session()
     try:
         for f in written:
             session.add(
                 File(
                     id=f.file_id,
-                    tenant=tenant,
+                    tenant=plan.tenant,
                     purpose="batch_output",
                     filename=f.filename,
                     bytes=f.bytes,
                     storage_key=f.key,
-                    created_at=files_created_at,
-                    expires_at=expires_at,
+                    created_at=plan.files_created_at,
+                    expires_at=plan.files_expire_at,
                 )
             )
         session.flush()
-        won = True
-        if target == "completed" and source == "in_progress":  # completes through finalizing
-            won, source = transition(session, batch_id, source, "finalizing"), "finalizing"
+        source, won = plan.source, True
+        if target == BatchStatus.COMPLETED and source == BatchStatus.IN_PROGRESS:
+            # An expiring batch with every result in completes through finalizing.
+            won = transition(session, batch_id, source, BatchStatus.FINALIZING)
+            source = BatchStatus.FINALIZING
         won = won and transition(
             session,
             batch_id,
             source,
             target,
-            output_file_id=out.file_id,
-            error_file_id=err.file_id,
-            request_completed=completed,
-            request_failed=failed,
+            output_file_id=merged.out.file_id,
+            error_file_id=merged.err.file_id,
+            request_completed=merged.completed,
+            request_failed=merged.failed,
         )
         if won:
             session.commit()
@@ -245,23 +289,52 @@ def finalize(batch_id: str) -> str | None:
     except BaseException:
         session.rollback()
         won = False
-        for f in written:
-            sto.delete(f.key)
         raise
     finally:
+        if not won:
+            for f in written:
+                storage().delete(f.key)
         session.close()
-    if not won:
-        for f in written:
-            sto.delete(f.key)
+    return won
+
+
+def finalize(batch_id: str) -> str | None:
+    """Finalize ``batch_id`` if it is ready; return the status it ended in, else None."""
+    plan = _plan(batch_id)
+    if plan is None:
+        return None
+    sealed = plan.target != BatchStatus.COMPLETED
+    if sealed:
+        _seal(batch_id)
+    shards = _shard_views(batch_id)
+    if plan.target == BatchStatus.COMPLETED and not all(s.done for s in shards):
+        logger.error("batch %s is finalizing with unfinished shards", batch_id)
+        return None
+
+    sto = storage()
+    merged = _merge(sto, batch_id, shards, plan.key, plan.target)
+    target = plan.target
+    if (
+        target == BatchStatus.EXPIRED
+        and plan.source != BatchStatus.VALIDATING
+        and shards
+        and not merged.never_ran
+    ):
+        target = BatchStatus.COMPLETED  # every request has a result: the window cut nothing short
+    if not _commit(batch_id, plan, target, merged):
         logger.info("batch %s: another actor finalized it first", batch_id)
         return None
     sto.delete_prefix(batch_prefix(batch_id))
-    logger.info("batch %s %s: %s ok, %s error lines", batch_id, target, completed, err.lines)
+    logger.info(
+        "batch %s %s: %s ok, %s error lines", batch_id, target, merged.completed, merged.err.lines
+    )
     notify(batch_id, target)
     if sealed:
         # Sealing freed the slots of its released shards that had not started.
         try:
-            release_for_model(model)
+            release_for_model(plan.model)
         except Exception:
-            logger.exception("batch %s: could not release the next shards of %s", batch_id, model)
+            logger.exception(
+                "batch %s: could not release the next shards of %s", batch_id, plan.model
+            )
     return target

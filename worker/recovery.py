@@ -25,29 +25,20 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import select, update
 
 from core.db import session_scope
+from core.lifecycle import BatchStatus, ShardStatus, now
 from core.models import Batch, Shard
-from core.queue import TASK_FINALIZE, TASK_RUN_SHARD, TASK_VALIDATE, model_queue
+from core.queue import TASK_FINALIZE, TASK_RECLAIM, TASK_RUN_SHARD, TASK_VALIDATE, model_queue
 from core.results import request_error_line
 from core.settings import get_settings
 from worker.celery_app import app
 from worker.checkpoints import discard_uncommitted, lines_without_result
-from worker.common import (
-    DONE,
-    PENDING,
-    RUNNING,
-    input_key,
-    retrying,
-    send,
-    stale_after_s,
-    storage,
-    utcnow,
-)
+from worker.common import input_key, retrying, send, stale_after_s, storage
 from worker.release import release_next
 from worker.shard_state import (
     Pending,
@@ -60,7 +51,6 @@ from worker.shard_state import (
 
 logger = logging.getLogger(__name__)
 
-TASK_RECLAIM = "batchd.reclaim_stale_shards"
 SHARD_FAILED = "shard_failed"
 RECOVERY_WORKER = "batchd-recovery"
 
@@ -105,7 +95,7 @@ def fail_claimed(shard_id: int, attempt: int, num_chunks: int, message: str) -> 
     except ShardLost as lost:
         logger.warning("giving up shard %s: %s", shard_id, lost)
         return False
-    if not set_shard_status(shard_id, attempt, DONE):
+    if not set_shard_status(shard_id, attempt, ShardStatus.DONE):
         return False
     logger.error(
         "shard %s of batch %s given up after %s attempts: %s requests reported as %s",
@@ -136,8 +126,8 @@ def _stale_shards(cutoff: Any) -> list[tuple[int, int, str | None]]:
             select(Shard.id, Shard.attempts, Batch.model)
             .join(Batch, Batch.id == Shard.batch_id)
             .where(
-                Shard.status == RUNNING,
-                Batch.status == "in_progress",
+                Shard.status == ShardStatus.RUNNING,
+                Batch.status == BatchStatus.IN_PROGRESS,
                 Shard.heartbeat_at.is_(None) | (Shard.heartbeat_at < cutoff),
             )
             .order_by(Shard.id)
@@ -152,11 +142,11 @@ def _requeue(shard_id: int, attempts: int, cutoff: Any) -> bool:
             update(Shard)
             .where(
                 Shard.id == shard_id,
-                Shard.status == RUNNING,
+                Shard.status == ShardStatus.RUNNING,
                 Shard.attempts == attempts,
                 Shard.heartbeat_at.is_(None) | (Shard.heartbeat_at < cutoff),
             )
-            .values(status=PENDING, worker=None)
+            .values(status=ShardStatus.PENDING, worker=None)
             .execution_options(synchronize_session=False)
         )
         return result.rowcount == 1
@@ -176,18 +166,16 @@ def _stuck_batches(now: datetime, bound_s: float, every_s: float) -> list[tuple[
         rows = session.execute(
             select(Batch.id, Batch.status, Batch.created_at, Batch.finalizing_at).where(
                 (
-                    (Batch.status == "validating")
+                    (Batch.status == BatchStatus.VALIDATING)
                     & (Batch.created_at < cutoff)
                     & (Batch.expires_at > now)
                 )
-                | ((Batch.status == "finalizing") & (Batch.finalizing_at < cutoff))
+                | ((Batch.status == BatchStatus.FINALIZING) & (Batch.finalizing_at < cutoff))
             )
         ).all()
     due = []
     for row in rows:
-        since = row.created_at if row.status == "validating" else row.finalizing_at
-        if since.tzinfo is None:  # SQLite hands back naive datetimes
-            since = since.replace(tzinfo=UTC)
+        since = row.created_at if row.status == BatchStatus.VALIDATING else row.finalizing_at
         if redrive_due((now - since).total_seconds(), bound_s, every_s):
             due.append((row.id, row.status))
     return due
@@ -196,9 +184,9 @@ def _stuck_batches(now: datetime, bound_s: float, every_s: float) -> list[tuple[
 def reclaim_stale_shards() -> SweepReport:
     """One sweep; see the module docstring."""
     settings = get_settings()
-    now = utcnow()
+    current = now()
     stale = stale_after_s()
-    cutoff = now - timedelta(seconds=stale)
+    cutoff = current - timedelta(seconds=stale)
     report = SweepReport([], [], [])
     for shard_id, attempts, model in retrying(
         lambda: _stale_shards(cutoff), "finding stale shards"
@@ -230,14 +218,16 @@ def reclaim_stale_shards() -> SweepReport:
     bound = float(settings.stuck_batch_after_s)
     every = float(settings.reclaim_sweep_interval_s)
     for batch_id, status in retrying(
-        lambda: _stuck_batches(now, bound, every), "finding stuck batches"
+        lambda: _stuck_batches(current, bound, every), "finding stuck batches"
     ):
-        task = TASK_VALIDATE if status == "validating" else TASK_FINALIZE
+        task = TASK_VALIDATE if status == BatchStatus.VALIDATING else TASK_FINALIZE
         logger.warning(
             "batch %s has been %s for over %.0fs: %s sent again", batch_id, status, bound, task
         )
         send(task, batch_id)
-        (report.revalidated if status == "validating" else report.refinalized).append(batch_id)
+        (report.revalidated if status == BatchStatus.VALIDATING else report.refinalized).append(
+            batch_id
+        )
     return report
 
 

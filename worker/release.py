@@ -43,7 +43,7 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from celery.signals import task_postrun
@@ -51,11 +51,12 @@ from sqlalchemy import and_, func, select, text, update
 from sqlalchemy.orm import Session
 
 from core.db import session_scope
+from core.lifecycle import BatchStatus, ShardStatus, now
 from core.models import Batch, Shard
-from core.queue import TASK_RUN_SHARD, model_queue
+from core.queue import TASK_RELEASE_SWEEP, TASK_RUN_SHARD, model_queue
 from core.settings import get_settings
-from worker.celery_app import TASK_RELEASE_SWEEP, app
-from worker.common import PENDING, RUNNING, retrying, send, utcnow
+from worker.celery_app import app
+from worker.common import retrying, send
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ def _load(session: Session, model: str) -> _Load:
         .where(
             Batch.model == model,
             Shard.released_at.is_not(None),
-            Shard.status.in_((PENDING, RUNNING)),
+            Shard.status.in_((ShardStatus.PENDING, ShardStatus.RUNNING)),
         )
         .group_by(Batch.tenant, Shard.batch_id)
     ).all()
@@ -130,7 +131,7 @@ def _load(session: Session, model: str) -> _Load:
         .join(Batch, Batch.id == Shard.batch_id)
         .where(
             Batch.model == model,
-            Batch.status.in_(("in_progress", "cancelling")),
+            Batch.status.in_((BatchStatus.IN_PROGRESS, BatchStatus.CANCELLING)),
             Shard.released_at.is_not(None),
         )
         .group_by(Batch.tenant, Shard.batch_id)
@@ -143,8 +144,6 @@ def _load(session: Session, model: str) -> _Load:
 
 
 def _ts(value: datetime) -> float:
-    if value.tzinfo is None:  # SQLite hands back naive UTC
-        value = value.replace(tzinfo=UTC)
     return value.timestamp()
 
 
@@ -160,9 +159,9 @@ def _candidates(session: Session, model: str, per_batch_limit: int) -> list[_Can
         .join(Batch, Batch.id == Shard.batch_id)
         .where(
             Batch.model == model,
-            Batch.status == "in_progress",
-            Batch.expires_at > utcnow(),
-            Shard.status == PENDING,
+            Batch.status == BatchStatus.IN_PROGRESS,
+            Batch.expires_at > now(),
+            Shard.status == ShardStatus.PENDING,
             Shard.released_at.is_(None),
         )
         .subquery()
@@ -236,14 +235,14 @@ def _release(model: str, limit: int) -> list[int]:
             return []
         # One UPDATE per pick, each stamped a microsecond apart, so ``released_at`` records the
         # release order (the next choice's "served longest ago" reads it).
-        base = utcnow()
+        base = now()
         released = []
         for k, pick in enumerate(picks):
             won = session.execute(
                 update(Shard)
                 .where(
                     Shard.id == pick.shard_id,
-                    Shard.status == PENDING,
+                    Shard.status == ShardStatus.PENDING,
                     Shard.released_at.is_(None),
                 )
                 .values(released_at=base + timedelta(microseconds=k))
@@ -258,7 +257,7 @@ def _unrelease(shard_ids: list[int]) -> None:
     with session_scope() as session:
         session.execute(
             update(Shard)
-            .where(Shard.id.in_(shard_ids), Shard.status == PENDING)
+            .where(Shard.id.in_(shard_ids), Shard.status == ShardStatus.PENDING)
             .values(released_at=None)
             .execution_options(synchronize_session=False)
         )
@@ -317,23 +316,23 @@ def release_for_batch(batch_id: str) -> int:
 
 def _resend_lost(model: str) -> int:
     """Re-send shards released long ago that no worker has claimed (see module docstring)."""
-    cutoff = utcnow() - timedelta(seconds=resend_after_s())
+    cutoff = now() - timedelta(seconds=resend_after_s())
     with session_scope() as session:
         stale = session.scalars(
             update(Shard)
             .where(
-                Shard.status == PENDING,
+                Shard.status == ShardStatus.PENDING,
                 Shard.attempts == 0,  # never claimed; a reclaimed shard is recovery's to re-send
                 Shard.released_at.is_not(None),
                 Shard.released_at < cutoff,
                 Shard.updated_at < cutoff,
                 Shard.batch_id.in_(
                     select(Batch.id).where(
-                        and_(Batch.model == model, Batch.status == "in_progress")
+                        and_(Batch.model == model, Batch.status == BatchStatus.IN_PROGRESS)
                     )
                 ),
             )
-            .values(released_at=utcnow())
+            .values(released_at=now())
             .returning(Shard.id)
             .execution_options(synchronize_session=False)
         ).all()
@@ -350,7 +349,7 @@ def sweep() -> int:
             session.scalars(
                 select(Batch.model)
                 .distinct()
-                .where(Batch.status == "in_progress", Batch.model.is_not(None))
+                .where(Batch.status == BatchStatus.IN_PROGRESS, Batch.model.is_not(None))
             )
         )
     sent = 0

@@ -20,10 +20,11 @@ from typing import Any
 from sqlalchemy import delete, exists, select
 
 from core.db import session_scope
-from core.lifecycle import TERMINAL
+from core.lifecycle import TERMINAL, now
 from core.models import Batch, File
-from worker.celery_app import TASK_SWEEP_FILES, app
-from worker.common import storage, utcnow
+from core.queue import TASK_SWEEP_FILES
+from worker.celery_app import app
+from worker.common import storage
 
 logger = logging.getLogger(__name__)
 
@@ -40,12 +41,12 @@ def sweep_files(limit: int | None = None) -> int:
     deleted = 0
     sto = storage()
     while limit is None or deleted < limit:
-        now = utcnow()
+        current = now()
         take = BATCH_SIZE if limit is None else min(BATCH_SIZE, limit - deleted)
         with session_scope() as session:
             query = (
                 select(File.id, File.storage_key)
-                .where(File.expires_at.is_not(None), File.expires_at <= now, ~_in_use())
+                .where(File.expires_at.is_not(None), File.expires_at <= current, ~_in_use())
                 .order_by(File.expires_at)
                 .limit(take)
             )
@@ -60,7 +61,7 @@ def sweep_files(limit: int | None = None) -> int:
                     delete(File)
                     .where(
                         File.id.in_([r.id for r in rows]),
-                        File.expires_at <= now,
+                        File.expires_at <= current,
                         ~_in_use(),
                     )
                     .returning(File.id)

@@ -52,6 +52,7 @@ from typing import Any
 from celery.signals import worker_ready
 
 from core.db import session_scope
+from core.lifecycle import BatchStatus, ShardStatus
 from core.models import Batch, Shard
 from core.queue import TASK_RUN_SHARD, model_queue
 from core.settings import get_settings
@@ -61,15 +62,7 @@ from worker.checkpoints import (
     committed_lines,
     discard_uncommitted,
 )
-from worker.common import (
-    CLOSED,
-    DONE,
-    STOPPED,
-    input_key,
-    past_expiry,
-    retrying,
-    storage,
-)
+from worker.common import input_key, past_expiry, retrying, storage
 from worker.recovery import fail_claimed
 from worker.release import release_next
 from worker.shard_run import ShardRun
@@ -123,11 +116,11 @@ def run_shard(
         return ShardOutcome("skipped")
     shard, batch, key = loaded
     if (
-        shard.status in (DONE, CLOSED, STOPPED)
-        or batch.status != "in_progress"
+        shard.status in (ShardStatus.DONE, ShardStatus.CLOSED, ShardStatus.STOPPED)
+        or batch.status != BatchStatus.IN_PROGRESS
         or past_expiry(batch.expires_at)
     ):
-        if shard.status == DONE and batch.status == "in_progress":
+        if shard.status == ShardStatus.DONE and batch.status == BatchStatus.IN_PROGRESS:
             finish_if_last(batch.id)  # a redelivered task of a finished shard
         else:
             finalize_if_idle(batch.id)
@@ -149,7 +142,7 @@ def run_shard(
             f"(max_shard_attempts={max_attempts}); its unfinished requests are reported as "
             "errors",
         )
-        return ShardOutcome("failed")
+        return ShardOutcome(BatchStatus.FAILED)
     sto = storage()
     discarded = discard_uncommitted(sto, batch.id, shard.index, num_chunks)
     done_lines = committed_lines(sto, batch.id, shard.index, num_chunks)
@@ -178,7 +171,7 @@ def run_shard(
         raise
     if not set_shard_status(shard_id, attempt, status):
         return ShardOutcome("lost", run.ran, run.chunk)
-    if status == DONE:
+    if status == ShardStatus.DONE:
         finish_if_last(batch.id)
     else:
         finalize_if_idle(batch.id)

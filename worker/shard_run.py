@@ -19,15 +19,12 @@ from core.batchfile import (
     parse_request,
 )
 from core.generation import error_for_exception, error_record
+from core.lifecycle import ShardStatus
 from core.models import Batch, Shard
 from core.results import GenerationResult, embedding_body, output_line
 from core.settings import get_settings
 from worker import runtime
-from worker.common import (
-    DONE,
-    STOPPED,
-    storage,
-)
+from worker.common import REQUEST_ERRORS, storage
 from worker.shard_state import Heartbeat, Pending, ShardLost, batch_stopping, commit_chunk
 
 logger = logging.getLogger(__name__)
@@ -36,6 +33,8 @@ logger = logging.getLogger(__name__)
 STATUS_POLL_S = 1.0
 SUBMIT_WAIT_S = 0.25
 MAX_ABORT_RETRIES = 3  # a request aborted while its batch is still running is run again
+STATS_TIMEOUT_S = 10.0
+STATS_PATIENCE = 3  # stats asks that time out in a row before the host is taken for dead
 
 
 ENGINE_PRIORITY = {"high": -1, "normal": 0, "low": 1}
@@ -111,6 +110,7 @@ class ShardRun:
         self.refusals: dict[int, int] = {}  # RequestError count per line
         self.failures: dict[int, int] = {}  # failed engine steps while running alone, per line
         self.suspects: list[tuple[BatchRequest, list[int], Any]] = []
+        self.stats_timeouts = 0
         self.suspect_line: int | None = None
         self.gate = runtime.isolation_gate(host)
         self.heartbeat: Heartbeat | None = None
@@ -317,9 +317,14 @@ class ShardRun:
         try:
             ids, kwargs = generation.prepare_request(self.tok, req, self.context, self.vocab_size)
             params = SamplingParams(**kwargs)
-        except Exception as exc:
+        except REQUEST_ERRORS as exc:
             self.pending.add_error(req.line, error_for_exception(req, exc))
             return None
+        except Exception:
+            logger.exception(
+                "shard %s line %s: preparing the request failed", self.shard.id, req.line
+            )
+            raise
         return ids, params
 
     def _prepare_embedding(self, req: BatchRequest) -> tuple[list[list[int]], int] | None:
@@ -346,10 +351,26 @@ class ShardRun:
         return inputs, dims
 
     def _host_idle(self) -> bool:
+        """Whether the engine has drained. A host that does not answer for
+        ``STATS_PATIENCE`` asks in a row is taken for dead (the attempt fails, the shard is
+        reclaimed); until then a slow answer only means not yet."""
+        from engine.host import HostError
+
         try:
-            stats = self.host.stats(timeout=10)
-        except Exception:
+            stats = self.host.stats(timeout=STATS_TIMEOUT_S)
+        except TimeoutError:
+            self.stats_timeouts += 1
+            logger.warning(
+                "shard %s: the engine host did not answer for stats (%s in a row)",
+                self.shard.id,
+                self.stats_timeouts,
+            )
+            if self.stats_timeouts >= STATS_PATIENCE:
+                raise EngineUnavailable("the engine host stopped answering") from None
             return False
+        except HostError as exc:
+            raise EngineUnavailable(str(exc)) from exc
+        self.stats_timeouts = 0
         return stats.pending + stats.in_flight == 0
 
     def _advance_suspects(self) -> None:
@@ -400,7 +421,7 @@ class ShardRun:
         finally:
             self.gate.release(self)
             self.heartbeat.stop()
-        return STOPPED if self.stopping else DONE
+        return ShardStatus.STOPPED if self.stopping else ShardStatus.DONE
 
     def _feed(self) -> None:
         sto = storage()

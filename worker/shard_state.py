@@ -14,7 +14,7 @@ from typing import Any
 from sqlalchemy import select, update
 
 from core.db import session_scope
-from core.lifecycle import transition
+from core.lifecycle import BatchStatus, ShardStatus, now, transition
 from core.models import Batch, Shard
 from core.queue import TASK_FINALIZE
 from core.results import GenerationResult
@@ -24,8 +24,6 @@ from worker.checkpoints import (
     write_chunk,
 )
 from worker.common import (
-    PENDING,
-    RUNNING,
     heartbeat_interval_s,
     live_shards,
     past_expiry,
@@ -34,7 +32,6 @@ from worker.common import (
     stale_after_s,
     storage,
     unfinished_shards,
-    utcnow,
 )
 
 logger = logging.getLogger(__name__)
@@ -113,15 +110,15 @@ def claim(shard_id: int, worker: str, *, force: bool = False) -> tuple[int, int]
             status = session.scalar(
                 select(Batch.status).where(Batch.id == shard.batch_id).with_for_update(read=True)
             )
-            if status != "in_progress":
+            if status != BatchStatus.IN_PROGRESS:
                 return None
-            claimable = Shard.status == PENDING
+            claimable = Shard.status == ShardStatus.PENDING
             if force:
-                claimable = Shard.status.in_((PENDING, RUNNING))
+                claimable = Shard.status.in_((ShardStatus.PENDING, ShardStatus.RUNNING))
             else:
-                cutoff = utcnow() - timedelta(seconds=stale_after_s())
+                cutoff = now() - timedelta(seconds=stale_after_s())
                 claimable = claimable | (
-                    (Shard.status == RUNNING)
+                    (Shard.status == ShardStatus.RUNNING)
                     & (
                         Shard.heartbeat_at.is_(None)
                         | (Shard.heartbeat_at < cutoff)
@@ -132,10 +129,10 @@ def claim(shard_id: int, worker: str, *, force: bool = False) -> tuple[int, int]
                 update(Shard)
                 .where(Shard.id == shard_id, claimable)
                 .values(
-                    status=RUNNING,
+                    status=ShardStatus.RUNNING,
                     attempts=Shard.attempts + 1,
                     worker=worker,
-                    heartbeat_at=utcnow(),
+                    heartbeat_at=now(),
                 )
                 .returning(Shard.attempts, Shard.num_chunks)
                 .execution_options(synchronize_session=False)
@@ -168,14 +165,14 @@ def _commit_chunk_once(shard: Shard, attempt: int, chunk: int, pending: Pending)
         if (
             row is not None
             and row.attempts == attempt
-            and row.status == RUNNING
+            and row.status == ShardStatus.RUNNING
             and row.num_chunks == chunk + 1
         ):
             return  # an earlier try committed it; only its acknowledgement was lost
         if (
             row is None
             or row.attempts != attempt
-            or row.status != RUNNING
+            or row.status != ShardStatus.RUNNING
             or row.num_chunks != chunk
         ):
             raise ShardLost(f"shard {shard.id} is no longer this attempt's ({row})")
@@ -186,7 +183,7 @@ def _commit_chunk_once(shard: Shard, attempt: int, chunk: int, pending: Pending)
             .values(
                 num_chunks=chunk + 1,
                 done_requests=Shard.done_requests + len(pending),
-                heartbeat_at=utcnow(),
+                heartbeat_at=now(),
             )
             .execution_options(synchronize_session=False)
         )
@@ -215,9 +212,9 @@ def set_shard_status(shard_id: int, attempt: int, status: str) -> bool:
                 .where(
                     Shard.id == shard_id,
                     Shard.attempts == attempt,
-                    Shard.status.in_((RUNNING, status)),
+                    Shard.status.in_((ShardStatus.RUNNING, status)),
                 )
-                .values(status=status, heartbeat_at=utcnow())
+                .values(status=status, heartbeat_at=now())
                 .execution_options(synchronize_session=False)
             )
             return result.rowcount == 1
@@ -240,10 +237,10 @@ def finish_if_last(batch_id: str) -> bool:
         with session_scope() as session:
             if unfinished_shards(session, batch_id):
                 return False, False
-            if transition(session, batch_id, "in_progress", "finalizing"):
+            if transition(session, batch_id, BatchStatus.IN_PROGRESS, BatchStatus.FINALIZING):
                 return True, True
             status = session.scalar(select(Batch.status).where(Batch.id == batch_id))
-        return False, retry and status == "finalizing"
+        return False, retry and status == BatchStatus.FINALIZING
 
     won, resend = retrying(attempt, f"finishing batch {batch_id}")
     if won or resend:
@@ -259,8 +256,9 @@ def finalize_if_idle(batch_id: str) -> bool:
             batch = session.get(Batch, batch_id)
             if batch is None:
                 return False
-            stopping = batch.status == "cancelling" or (
-                batch.status in ("in_progress", "finalizing") and past_expiry(batch.expires_at)
+            stopping = batch.status == BatchStatus.CANCELLING or (
+                batch.status in (BatchStatus.IN_PROGRESS, BatchStatus.FINALIZING)
+                and past_expiry(batch.expires_at)
             )
             return stopping and not live_shards(session, batch_id)
 
@@ -275,8 +273,10 @@ def _heartbeat(shard_id: int, attempt: int) -> bool:
     with session_scope() as session:
         result = session.execute(
             update(Shard)
-            .where(Shard.id == shard_id, Shard.attempts == attempt, Shard.status == RUNNING)
-            .values(heartbeat_at=utcnow())
+            .where(
+                Shard.id == shard_id, Shard.attempts == attempt, Shard.status == ShardStatus.RUNNING
+            )
+            .values(heartbeat_at=now())
             .execution_options(synchronize_session=False)
         )
         return result.rowcount == 1
@@ -289,7 +289,11 @@ def abandon(shard_id: int, attempt: int) -> None:
         with session_scope() as session:
             session.execute(
                 update(Shard)
-                .where(Shard.id == shard_id, Shard.attempts == attempt, Shard.status == RUNNING)
+                .where(
+                    Shard.id == shard_id,
+                    Shard.attempts == attempt,
+                    Shard.status == ShardStatus.RUNNING,
+                )
                 .values(heartbeat_at=None)
                 .execution_options(synchronize_session=False)
             )
@@ -346,6 +350,6 @@ def batch_stopping(batch_id: str) -> bool:
             row = session.execute(
                 select(Batch.status, Batch.expires_at).where(Batch.id == batch_id)
             ).first()
-        return row is None or row.status != "in_progress" or past_expiry(row.expires_at)
+        return row is None or row.status != BatchStatus.IN_PROGRESS or past_expiry(row.expires_at)
 
     return retrying(attempt, f"reading batch {batch_id}")

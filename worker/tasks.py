@@ -14,16 +14,16 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
-from datetime import UTC
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
 from core import generation, served_models
-from core.batchfile import BatchRequest, validate_file
+from core.batchfile import BatchRequest, ValidationReport, validate_file
 from core.db import new_session, session_scope
-from core.lifecycle import transition
+from core.lifecycle import ENQUEUED, UNFINISHED, BatchStatus, ShardStatus, now, transition
 from core.models import Batch, Shard
 from core.queue import TASK_CANCEL, TASK_FINALIZE, TASK_SWEEP_EXPIRED, TASK_VALIDATE
 from core.settings import get_settings
@@ -31,13 +31,13 @@ from core.sharding import ShardPlanner
 from worker import runtime
 from worker.celery_app import app
 from worker.common import (
+    REQUEST_ERRORS,
     input_key,
     live_shards,
     send,
     stale_after_s,
     storage,
     transient_error,
-    utcnow,
 )
 from worker.finalize import finalize
 from worker.release import release_for_model
@@ -59,15 +59,12 @@ class _TokenCounter:
         context = runtime.context_length(req.model)
         try:
             prompt_len = len(generation.prompt_token_ids(tok, req))
-        except Exception:
+        except REQUEST_ERRORS as exc:
+            # It fails with an error line when its shard runs; here it holds no tokens.
+            logger.warning("line %s cannot be tokenized (%s); counted as 0 tokens", req.line, exc)
             prompt_len = 0
         self.prompt_tokens += prompt_len
         return generation.estimate_tokens(req, prompt_len, context)
-
-
-# Statuses whose batches hold their prompt tokens against the tenant's enqueued-token limit
-# (a batch still validating has not been counted yet, except the one being validated).
-ENQUEUED_STATUSES = ("in_progress", "finalizing", "cancelling")
 
 
 def _lock_tenant_model(session: Session, tenant: str, model: str) -> None:
@@ -86,7 +83,7 @@ def _lock_tenant_model(session: Session, tenant: str, model: str) -> None:
 def enqueued_tokens(session: Session, tenant: str, model: str, exclude: str | None = None) -> int:
     """Prompt tokens of ``tenant``'s unfinished batches on ``model``."""
     query = select(func.coalesce(func.sum(Batch.est_prompt_tokens), 0)).where(
-        Batch.tenant == tenant, Batch.model == model, Batch.status.in_(ENQUEUED_STATUSES)
+        Batch.tenant == tenant, Batch.model == model, Batch.status.in_(ENQUEUED)
     )
     if exclude is not None:
         query = query.where(Batch.id != exclude)
@@ -104,21 +101,18 @@ def quota_error(tenant: str, model: str, limit: int, used: int, tokens: int) -> 
     }
 
 
-def validate(batch_id: str) -> str | None:
-    """Validate the batch's input file and plan its shards; return the new status."""
-    settings = get_settings()
-    with session_scope() as session:
-        batch = session.get(Batch, batch_id)
-        if batch is None:
-            logger.warning("validate: batch %s is gone", batch_id)
-            return None
-        status, endpoint, tenant = batch.status, batch.endpoint, batch.tenant
-        if status == "cancelling":
-            return finalize(batch_id)
-        if status != "validating":
-            return None  # someone else got here first
-        key = input_key(session, batch)
+@dataclass(slots=True)
+class _Scan:
+    """A validated input file: the report, the shards planned and the prompt tokens counted."""
 
+    report: ValidationReport
+    planner: ShardPlanner
+    prompt_tokens: int
+
+
+def _scan(key: str, endpoint: str) -> _Scan:
+    """Stream the input file once: validate every line, count its tokens, plan the shards."""
+    settings = get_settings()
     served = [m for m, spec in settings.models.items() if served_models.serves(spec, endpoint)]
     planner = ShardPlanner(settings.shard_max_tokens, settings.shard_max_requests)
     count = _TokenCounter(served)
@@ -136,104 +130,136 @@ def validate(batch_id: str) -> str | None:
             max_errors=settings.max_errors_reported,
             on_request=on_request,
         )
+    return _Scan(report, planner, count.prompt_tokens)
 
+
+def _too_many_errors(report: ValidationReport) -> dict[str, Any]:
+    return {
+        "code": "too_many_errors",
+        "message": f"{report.num_more_errors} more errors were not reported "
+        f"(the first {len(report.errors)} are listed)",
+        "param": None,
+        "line": None,
+    }
+
+
+def _fail_invalid(session: Session, batch_id: str, report: ValidationReport) -> bool:
+    """The input file has errors: the batch fails with them; True if this call failed it."""
+    errors = report.error_dicts()
+    if report.num_more_errors:
+        errors.append(_too_many_errors(report))
+    won = transition(
+        session,
+        batch_id,
+        BatchStatus.VALIDATING,
+        BatchStatus.FAILED,
+        errors=errors,
+        request_total=report.num_requests + report.num_invalid,
+    )
+    session.commit()
+    return won
+
+
+def _fail_over_quota(session: Session, batch_id: str, tenant: str, scan: _Scan) -> bool | None:
+    """Fail the batch if it does not fit in its tenant's enqueued-token limit: True if this
+    call failed it, False if another actor moved it first, None if it fits (the tenant and
+    model stay locked until the transaction ends)."""
+    model = scan.report.model or ""
+    tokens = scan.prompt_tokens
+    limit = get_settings().max_enqueued_tokens_per_tenant
+    _lock_tenant_model(session, tenant, model)
+    used = enqueued_tokens(session, tenant, model, exclude=batch_id)
+    if used + tokens <= limit:
+        return None
+    won = transition(
+        session,
+        batch_id,
+        BatchStatus.VALIDATING,
+        BatchStatus.FAILED,
+        model=scan.report.model,
+        est_prompt_tokens=tokens,
+        errors=[quota_error(tenant, model, limit, used, tokens)],
+        request_total=scan.report.num_requests,
+    )
+    session.commit()
+    if won:
+        logger.info(
+            "batch %s: over the enqueued-token limit (%s + %s > %s)", batch_id, used, tokens, limit
+        )
+    return won
+
+
+def _start(session: Session, batch_id: str, scan: _Scan) -> bool:
+    """Move the batch to ``in_progress`` with its shards as pending rows; True if this call
+    won (the caller commits nothing: this commits or rolls back)."""
+    shards = [
+        Shard(
+            batch_id=batch_id,
+            index=spec.index,
+            status=ShardStatus.PENDING,
+            start_line=spec.start_line,
+            end_line=spec.end_line,
+            start_offset=spec.start_offset,
+            end_offset=spec.end_offset,
+            num_requests=spec.num_requests,
+            est_tokens=spec.est_tokens,
+        )
+        for spec in scan.planner.finish()
+    ]
+    won = transition(
+        session,
+        batch_id,
+        BatchStatus.VALIDATING,
+        BatchStatus.IN_PROGRESS,
+        model=scan.report.model,
+        request_total=scan.report.num_requests,
+        est_prompt_tokens=scan.prompt_tokens,
+    )
+    if not won:
+        session.rollback()
+        return False
+    session.add_all(shards)
+    session.commit()
+    logger.info(
+        "batch %s: %s requests in %s shards", batch_id, scan.report.num_requests, len(shards)
+    )
+    return True
+
+
+def validate(batch_id: str) -> str | None:
+    """Validate the batch's input file and plan its shards; return the new status."""
+    with session_scope() as session:
+        batch = session.get(Batch, batch_id)
+        if batch is None:
+            logger.warning("validate: batch %s is gone", batch_id)
+            return None
+        status, endpoint, tenant = batch.status, batch.endpoint, batch.tenant
+        if status == BatchStatus.CANCELLING:
+            return finalize(batch_id)
+        if status != BatchStatus.VALIDATING:
+            return None  # someone else got here first
+        key = input_key(session, batch)
+
+    scan = _scan(key, endpoint)
     session = new_session()
     try:
-        if not report.ok:
-            errors = report.error_dicts()
-            if report.num_more_errors:
-                errors.append(
-                    {
-                        "code": "too_many_errors",
-                        "message": f"{report.num_more_errors} more errors were not reported "
-                        f"(the first {len(report.errors)} are listed)",
-                        "param": None,
-                        "line": None,
-                    }
-                )
-            won = transition(
-                session,
-                batch_id,
-                "validating",
-                "failed",
-                errors=errors,
-                request_total=report.num_requests + report.num_invalid,
-            )
-            session.commit()
-            if won:
-                notify(batch_id, "failed")
-                return "failed"
+        if not scan.report.ok:
+            won = _fail_invalid(session, batch_id, scan.report)
         else:
-            model = report.model or ""
-            tokens = count.prompt_tokens
-            limit = settings.max_enqueued_tokens_per_tenant
-            _lock_tenant_model(session, tenant, model)
-            used = enqueued_tokens(session, tenant, model, exclude=batch_id)
-            if used + tokens > limit:
-                won = transition(
-                    session,
-                    batch_id,
-                    "validating",
-                    "failed",
-                    model=report.model,
-                    est_prompt_tokens=tokens,
-                    errors=[quota_error(tenant, model, limit, used, tokens)],
-                    request_total=report.num_requests,
-                )
-                session.commit()
-                if won:
-                    logger.info(
-                        "batch %s: over the enqueued-token limit (%s + %s > %s)",
-                        batch_id,
-                        used,
-                        tokens,
-                        limit,
-                    )
-                    notify(batch_id, "failed")
-                    return "failed"
-                session.rollback()
-                return finalize(batch_id)
-
-            specs = planner.finish()
-            shards = [
-                Shard(
-                    batch_id=batch_id,
-                    index=spec.index,
-                    status="pending",
-                    start_line=spec.start_line,
-                    end_line=spec.end_line,
-                    start_offset=spec.start_offset,
-                    end_offset=spec.end_offset,
-                    num_requests=spec.num_requests,
-                    est_tokens=spec.est_tokens,
-                )
-                for spec in specs
-            ]
-            won = transition(
-                session,
-                batch_id,
-                "validating",
-                "in_progress",
-                model=report.model,
-                request_total=report.num_requests,
-                est_prompt_tokens=tokens,
-            )
-            if won:
-                session.add_all(shards)
-                session.commit()
+            won = _fail_over_quota(session, batch_id, tenant, scan)
+            if won is None and _start(session, batch_id, scan):
                 # The shards wait as pending rows; the release policy sends them (and the
                 # release sweep does, should this fail).
                 try:
-                    release_for_model(model)
+                    release_for_model(scan.report.model or "")
                 except Exception:
                     logger.exception("batch %s: could not release its shards now", batch_id)
-                logger.info(
-                    "batch %s: %s requests in %s shards", batch_id, report.num_requests, len(shards)
-                )
-                return "in_progress"
-            session.rollback()
+                return BatchStatus.IN_PROGRESS
     finally:
         session.close()
+    if won:
+        notify(batch_id, BatchStatus.FAILED)
+        return BatchStatus.FAILED
     # Lost the race: the batch was cancelled (or expired) while it was being validated.
     return finalize(batch_id)
 
@@ -243,7 +269,7 @@ def cancel(batch_id: str) -> str | None:
     about a second, abort their requests and the last one to stop enqueues the finalize."""
     with session_scope() as session:
         batch = session.get(Batch, batch_id)
-        if batch is None or batch.status != "cancelling":
+        if batch is None or batch.status != BatchStatus.CANCELLING:
             return None
         running = live_shards(session, batch_id)
     if running:
@@ -254,20 +280,20 @@ def cancel(batch_id: str) -> str | None:
 
 def sweep_expired() -> int:
     """End batches past their completion window; also re-drive cancels whose shards died."""
-    now = utcnow()
+    current = now()
     with session_scope() as session:
         rows = session.execute(
             select(Batch.id, Batch.status, Batch.cancelling_at)
-            .where(Batch.status.in_(("validating", "in_progress", "finalizing", "cancelling")))
-            .where((Batch.expires_at <= now) | (Batch.status == "cancelling"))
+            .where(Batch.status.in_(UNFINISHED))
+            .where((Batch.expires_at <= current) | (Batch.status == BatchStatus.CANCELLING))
         ).all()
     sent = 0
     for batch_id, status, cancelling_at in rows:
-        if status == "cancelling" and cancelling_at is not None:
-            if cancelling_at.tzinfo is None:
-                cancelling_at = cancelling_at.replace(tzinfo=UTC)
-            if (now - cancelling_at).total_seconds() < stale_after_s():
-                continue
+        recent = cancelling_at is not None and (current - cancelling_at).total_seconds() < (
+            stale_after_s()
+        )
+        if status == BatchStatus.CANCELLING and recent:
+            continue
         send(TASK_FINALIZE, batch_id)
         sent += 1
     return sent
@@ -277,8 +303,8 @@ STEP_NAMES = {"validate": "Validating", "finalize": "Finalizing", "cancel": "Can
 # The statuses a control step that gave up moves to ``failed`` (a cancelling batch cannot fail:
 # the expiry sweep re-drives its finalize).
 GIVE_UP_FROM = {
-    "validate": ("validating",),
-    "finalize": ("validating", "in_progress", "finalizing"),
+    "validate": (BatchStatus.VALIDATING,),
+    "finalize": (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS, BatchStatus.FINALIZING),
     "cancel": (),
 }
 
@@ -313,11 +339,15 @@ def give_up(batch_id: str, step: str, attempts: int, exc: BaseException) -> bool
         return False
     with session_scope() as session:
         won = transition(
-            session, batch_id, sources, "failed", errors=[task_failed_error(step, attempts, exc)]
+            session,
+            batch_id,
+            sources,
+            BatchStatus.FAILED,
+            errors=[task_failed_error(step, attempts, exc)],
         )
     if won:
         logger.error("batch %s failed: %s the batch failed %s times", batch_id, step, attempts)
-        notify(batch_id, "failed")
+        notify(batch_id, BatchStatus.FAILED)
     return won
 
 

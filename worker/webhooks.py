@@ -46,13 +46,14 @@ import logging
 import os
 import secrets
 import time
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import httpx
 from sqlalchemy import select, update
 
 from core.db import session_scope
+from core.lifecycle import TERMINAL, DeliveryStatus, now
 from core.models import Batch, WebhookDelivery
 from core.netcheck import (
     AllowList,
@@ -62,19 +63,14 @@ from core.netcheck import (
     resolve_checked,
     system_resolver,
 )
-from core.queue import CONTROL_QUEUE
+from core.queue import CONTROL_QUEUE, TASK_DELIVER_WEBHOOK, TASK_SWEEP_WEBHOOKS
 from core.settings import get_settings
-from worker.celery_app import TASK_DELIVER_WEBHOOK, TASK_SWEEP_WEBHOOKS, app
-from worker.common import send, utcnow
+from worker.celery_app import app
+from worker.common import send
 
 logger = logging.getLogger(__name__)
 
-EVENT_TYPES = {
-    "completed": "batch.completed",
-    "failed": "batch.failed",
-    "expired": "batch.expired",
-    "cancelled": "batch.cancelled",
-}
+EVENT_TYPES = {status: f"batch.{status}" for status in TERMINAL}
 SECRET_PREFIX = "whsec_"
 USER_AGENT = "batchd-webhooks/1"
 #: How much of a receiver's answer is read (into ``last_error`` on a failed attempt).
@@ -115,8 +111,6 @@ def verify(secret: str, headers: dict[str, str], body: bytes) -> bool:
 
 
 def _unix(value: datetime) -> int:
-    if value.tzinfo is None:
-        value = value.replace(tzinfo=UTC)
     return int(value.timestamp())
 
 
@@ -158,9 +152,9 @@ def notify(batch_id: str, status: str) -> str | None:
                     batch_id=batch_id,
                     event_type=event_type,
                     url=row.webhook_url,
-                    status="pending",
+                    status=DeliveryStatus.PENDING,
                     attempts=0,
-                    created_at=utcnow().replace(microsecond=0),
+                    created_at=now().replace(microsecond=0),
                 )
             )
         send(TASK_DELIVER_WEBHOOK, delivery_id, queue=CONTROL_QUEUE)
@@ -215,7 +209,7 @@ def attempt(delivery_id: str, *, resolver: Resolver = system_resolver) -> float 
     settings = get_settings()
     with session_scope() as session:
         delivery = session.get(WebhookDelivery, delivery_id)
-        if delivery is None or delivery.status != "pending":
+        if delivery is None or delivery.status != DeliveryStatus.PENDING:
             return None
         secret = session.scalar(select(Batch.webhook_secret).where(Batch.id == delivery.batch_id))
         seen = delivery.attempts
@@ -227,7 +221,7 @@ def attempt(delivery_id: str, *, resolver: Resolver = system_resolver) -> float 
             update(WebhookDelivery)
             .where(
                 WebhookDelivery.id == delivery_id,
-                WebhookDelivery.status == "pending",
+                WebhookDelivery.status == DeliveryStatus.PENDING,
                 WebhookDelivery.attempts == seen,
             )
             .values(attempts=seen + 1)
@@ -268,9 +262,9 @@ def attempt(delivery_id: str, *, resolver: Resolver = system_resolver) -> float 
     final = ok or refused or number >= settings.webhook_max_attempts
     values: dict[str, Any] = {"last_status_code": code, "last_error": error}
     if ok:
-        values.update(status="delivered", delivered_at=utcnow())
+        values.update(status=DeliveryStatus.DELIVERED, delivered_at=now())
     elif final:
-        values["status"] = "failed"
+        values["status"] = DeliveryStatus.FAILED
     with session_scope() as session:
         session.execute(
             update(WebhookDelivery)
@@ -294,13 +288,13 @@ def attempt(delivery_id: str, *, resolver: Resolver = system_resolver) -> float 
 def sweep_unsent(older_than_s: float = 60.0) -> int:
     """Enqueue deliveries recorded but never attempted for a while (the process that recorded
     one died, or the broker refused the task); return how many were enqueued."""
-    cutoff = utcnow() - timedelta(seconds=older_than_s)
+    cutoff = now() - timedelta(seconds=older_than_s)
     with session_scope() as session:
         ids = list(
             session.scalars(
                 select(WebhookDelivery.id)
                 .where(
-                    WebhookDelivery.status == "pending",
+                    WebhookDelivery.status == DeliveryStatus.PENDING,
                     WebhookDelivery.attempts == 0,
                     WebhookDelivery.created_at < cutoff,
                 )

@@ -26,7 +26,7 @@ from api.schemas import (
 )
 from core.auth import generate_webhook_secret
 from core.ids import batch_id
-from core.lifecycle import TERMINAL, now, transition
+from core.lifecycle import CANCELLABLE, TERMINAL, UNFINISHED, BatchStatus, now, transition
 from core.models import Batch
 from core.netcheck import url_problem
 from core.queue import TASK_CANCEL, TASK_VALIDATE, enqueue
@@ -35,8 +35,6 @@ log = logging.getLogger("batchd.api")
 
 router = APIRouter(prefix="/batches", tags=["batches"])
 
-CANCELLABLE = ("validating", "in_progress")
-UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
 BROKER_UNAVAILABLE = "The task broker is unavailable; please retry shortly."
 
 
@@ -182,7 +180,7 @@ def create_batch(
         endpoint=body.endpoint,
         input_file_id=input_file.id,
         completion_window=body.completion_window,
-        status="validating",
+        status=BatchStatus.VALIDATING,
         metadata_=body.metadata,
         priority=body.priority,
         idempotency_key=key,
@@ -216,8 +214,8 @@ def create_batch(
         transition(
             session,
             row.id,
-            "validating",
-            "failed",
+            BatchStatus.VALIDATING,
+            BatchStatus.FAILED,
             errors=[
                 {
                     "code": "broker_unavailable",
@@ -284,7 +282,7 @@ def list_batches(
 def cancel_batch(batch_id: str, caller: CurrentKey, session: SessionDep) -> BatchPublic:
     row = get_batch_row(session, caller.tenant, batch_id)
     for _ in range(3):  # the status may move under us; re-read and decide again
-        if row.status == "cancelling":
+        if row.status == BatchStatus.CANCELLING:
             return BatchPublic.of(row)
         if row.status not in CANCELLABLE:
             raise APIError(
@@ -294,7 +292,7 @@ def cancel_batch(batch_id: str, caller: CurrentKey, session: SessionDep) -> Batc
                 code="batch_not_cancellable",
                 headers={"x-should-retry": "false"},
             )
-        won = transition(session, batch_id, CANCELLABLE, "cancelling")
+        won = transition(session, batch_id, CANCELLABLE, BatchStatus.CANCELLING)
         session.commit()
         session.refresh(row)
         if won:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from datetime import UTC, timedelta
+from datetime import timedelta
 from typing import Annotated, Literal
 from urllib.parse import quote
 
@@ -64,8 +64,6 @@ def is_expired(row: File) -> bool:
     expires_at = row.expires_at
     if expires_at is None:
         return False
-    if expires_at.tzinfo is None:  # SQLite hands back naive UTC
-        expires_at = expires_at.replace(tzinfo=UTC)
     return expires_at <= now()
 
 

@@ -198,25 +198,14 @@ class _Bar:
 
     def __init__(self, total: int, done: int, enabled: bool) -> None:
         from rich.console import Console
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
 
-        self._progress = Progress(
-            TextColumn("requests"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[tok_s]:>8.1f} tok/s"),
-            TimeElapsedColumn(),
-            TextColumn("ETA"),
-            TimeRemainingColumn(),
+        from cli.progress import requests_progress
+
+        self._progress = requests_progress(
+            "requests",
+            "{task.fields[tok_s]:>8.1f} tok/s",
             console=Console(stderr=True),
-            disable=not enabled,
+            enabled=enabled,
         )
         self._task = self._progress.add_task("run", total=total, completed=done, tok_s=0.0)
         self._tokens = 0

@@ -14,23 +14,9 @@ from typer.testing import CliRunner
 from cli.exit_codes import ExitCode
 from cli.main import app
 from tests.e2e.conftest import API_KEY, MODEL, stack  # noqa: F401  (the e2e service fixture)
+from tests.helpers.lines import chat_line
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
-
-
-def chat(custom_id: str, text: str, max_tokens: int, **body) -> dict:
-    return {
-        "custom_id": custom_id,
-        "method": "POST",
-        "url": "/v1/chat/completions",
-        "body": {
-            "model": MODEL,
-            "messages": [{"role": "user", "content": text}],
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            **body,
-        },
-    }
 
 
 def write_jsonl(path: Path, rows: list) -> Path:
@@ -47,7 +33,7 @@ def batchd(stack, *args: str):  # noqa: F811
 
 
 def test_submit_wait_download(stack, tmp_path: Path) -> None:  # noqa: F811
-    rows = [chat(f"r{i}", f"hello {i}", 4) for i in range(6)]
+    rows = [chat_line(f"r{i}", f"hello {i}", 4) for i in range(6)]
     out, err = tmp_path / "out.jsonl", tmp_path / "err.jsonl"
     result = batchd(
         stack, "submit", str(write_jsonl(tmp_path / "in.jsonl", rows)), "--wait",
@@ -60,7 +46,7 @@ def test_submit_wait_download(stack, tmp_path: Path) -> None:  # noqa: F811
     assert [x["custom_id"] for x in lines] == [f"r{i}" for i in range(6)]
     assert err.read_text() == ""
 
-    rows[2] = chat("r2", "hi " * 3000, 4)  # longer than the model's context
+    rows[2] = chat_line("r2", "hi " * 3000, 4)  # longer than the model's context
     result = batchd(
         stack, "submit", str(write_jsonl(tmp_path / "in2.jsonl", rows)), "--wait", "--json",
         "-o", str(out), "--errors", str(err), "--poll-interval", "0.2", "--timeout", "240",
@@ -77,7 +63,7 @@ def test_submit_wait_download(stack, tmp_path: Path) -> None:  # noqa: F811
 
 
 def test_validation_failure_exit_code(stack, tmp_path: Path) -> None:  # noqa: F811
-    rows = [chat("a", "hi", 2), "{not json", chat("a", "again", 2)]
+    rows = [chat_line("a", "hi", 2), "{not json", chat_line("a", "again", 2)]
     result = batchd(
         stack, "submit", str(write_jsonl(tmp_path / "in.jsonl", rows)), "--wait",
         "--poll-interval", "0.2", "--timeout", "120",
@@ -87,7 +73,7 @@ def test_validation_failure_exit_code(stack, tmp_path: Path) -> None:  # noqa: F
 
 
 def test_cancel_then_wait_exits_cancelled(stack, tmp_path: Path) -> None:  # noqa: F811
-    rows = [chat(f"long-{i}", f"river {i}", 400, ignore_eos=True) for i in range(32)]
+    rows = [chat_line(f"long-{i}", f"river {i}", 400, ignore_eos=True) for i in range(32)]
     result = batchd(stack, "submit", str(write_jsonl(tmp_path / "in.jsonl", rows)))
     assert result.exit_code == ExitCode.OK, result.output
     batch_id = result.stdout.strip()
@@ -114,7 +100,7 @@ def test_expired_batch_exits_expired(stack, tmp_path: Path) -> None:  # noqa: F8
     """A real expiry: an 8-second window (time to validate even on a busy machine) over a
     workload far longer than that; the beat sweep expires it and `submit --wait` exits with the
     expired code, the finished results and `batch_expired` lines downloaded."""
-    rows = [chat(f"slow-{i}", f"ocean {i}", 900, ignore_eos=True) for i in range(64)]
+    rows = [chat_line(f"slow-{i}", f"ocean {i}", 900, ignore_eos=True) for i in range(64)]
     out, err = tmp_path / "out.jsonl", tmp_path / "err.jsonl"
     result = batchd(
         stack, "submit", str(write_jsonl(tmp_path / "in.jsonl", rows)), "--window", "8s",

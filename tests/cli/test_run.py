@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 
 from cli.exit_codes import ExitCode
 from cli.main import app
+from tests.helpers import lines
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,17 +48,7 @@ def completion_line(i: int, *, max_tokens: int = 6, **body) -> dict:
 
 
 def chat_line(i: int, *, max_tokens: int = 5) -> dict:
-    return {
-        "custom_id": f"chat-{i}",
-        "method": "POST",
-        "url": "/v1/chat/completions",
-        "body": {
-            "model": "tiny",
-            "messages": [{"role": "user", "content": f"hello world {i}"}],
-            "max_tokens": max_tokens,
-            "temperature": 0,
-        },
-    }
+    return lines.chat_line(f"chat-{i}", f"hello world {i}", max_tokens, model="tiny")
 
 
 def write_jsonl(path: Path, rows: list) -> Path:

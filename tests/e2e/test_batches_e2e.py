@@ -10,42 +10,15 @@ from typing import Any
 
 import pytest
 
+from tests.helpers.lines import MODEL, chat_line, completion_line, jsonl, request_line
+
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 
-MODEL = "batchd-demo"
 TERMINAL = {"completed", "failed", "expired", "cancelled"}
 
 
-def _jsonl(lines: list[dict[str, Any]] | list[str]) -> bytes:
-    return b"".join((x if isinstance(x, str) else json.dumps(x)).encode() + b"\n" for x in lines)
-
-
-def _chat(custom_id: str, text: str, max_tokens: int, **body: Any) -> dict[str, Any]:
-    return {
-        "custom_id": custom_id,
-        "method": "POST",
-        "url": "/v1/chat/completions",
-        "body": {
-            "model": MODEL,
-            "messages": [{"role": "user", "content": text}],
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            **body,
-        },
-    }
-
-
-def _completion(custom_id: str, prompt: str, max_tokens: int) -> dict[str, Any]:
-    return {
-        "custom_id": custom_id,
-        "method": "POST",
-        "url": "/v1/completions",
-        "body": {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
-    }
-
-
 def _submit(stack, lines, endpoint: str = "/v1/chat/completions", window: str = "24h"):
-    f = stack.client.files.create(file=("input.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
+    f = stack.client.files.create(file=("input.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
     return stack.client.batches.create(
         input_file_id=f.id, endpoint=endpoint, completion_window=window
     )
@@ -85,8 +58,8 @@ def test_chat_batch_matches_the_engine_and_reports_per_request_errors(stack, llm
     from engine import SamplingParams
 
     texts = [f"hello world number {i}, please write a summary" for i in range(10)]
-    lines = [_chat(f"chat-{i}", t, 6 + i) for i, t in enumerate(texts)]
-    lines.insert(4, _chat("too-long", "the cat " * 700, 8))  # longer than the context (1024)
+    lines = [chat_line(f"chat-{i}", t, 6 + i) for i, t in enumerate(texts)]
+    lines.insert(4, chat_line("too-long", "the cat " * 700, 8))  # longer than the context (1024)
     batch = _submit(stack, lines)
     assert batch.status == "validating"
     batch = _wait(stack, batch.id, 90)
@@ -121,7 +94,7 @@ def test_completions_batch_matches_the_engine(stack, llm):
     prompts = [f"The quick brown fox {i} jumps over" for i in range(8)]
     batch = _submit(
         stack,
-        [_completion(f"c-{i}", p, 10) for i, p in enumerate(prompts)],
+        [completion_line(f"c-{i}", p, 10) for i, p in enumerate(prompts)],
         endpoint="/v1/completions",
     )
     batch = _wait(stack, batch.id, 90)
@@ -159,9 +132,11 @@ def test_structured_chat_outputs_validate_and_free_text_is_unchanged(stack, llm)
         "type": "json_schema",
         "json_schema": {"name": "verdict", "schema": VERDICT, "strict": True},
     }
-    lines = [_chat(f"json-{i}", f"classify message {i}", 60, response_format=fmt) for i in range(6)]
-    lines += [_chat("object", "any object", 60, response_format={"type": "json_object"})]
-    lines += [_chat(f"free-{i}", f"free text {i}", 8) for i in range(3)]
+    lines = [
+        chat_line(f"json-{i}", f"classify message {i}", 60, response_format=fmt) for i in range(6)
+    ]
+    lines += [chat_line("object", "any object", 60, response_format={"type": "json_object"})]
+    lines += [chat_line(f"free-{i}", f"free text {i}", 8) for i in range(3)]
     batch = _wait(stack, _submit(stack, lines).id, 120)
     assert batch.status == "completed", batch
     out = {r["custom_id"]: r["response"]["body"] for r in _download(stack, batch.output_file_id)}
@@ -187,12 +162,7 @@ def test_structured_chat_outputs_validate_and_free_text_is_unchanged(stack, llm)
 
 
 def _response(custom_id: str, **body: Any) -> dict[str, Any]:
-    return {
-        "custom_id": custom_id,
-        "method": "POST",
-        "url": "/v1/responses",
-        "body": {"model": MODEL, "temperature": 0, **body},
-    }
+    return request_line(custom_id, "/v1/responses", {"model": MODEL, "temperature": 0, **body})
 
 
 def test_responses_batch_parses_with_the_sdk(stack, llm):
@@ -259,10 +229,12 @@ def test_responses_batch_parses_with_the_sdk(stack, llm):
 
 def test_validation_failure_names_the_lines(stack):
     lines = [
-        json.dumps(_chat("ok-1", "hi", 4)),
+        json.dumps(chat_line("ok-1", "hi", 4)),
         "{not json",
-        json.dumps({**_chat("other-model", "hi", 4), "body": {"model": "nope", "messages": []}}),
-        json.dumps(_chat("ok-1", "duplicate id", 4)),
+        json.dumps(
+            {**chat_line("other-model", "hi", 4), "body": {"model": "nope", "messages": []}}
+        ),
+        json.dumps(chat_line("ok-1", "duplicate id", 4)),
     ]
     batch = _submit(stack, lines)
     batch = _wait(stack, batch.id, 60)
@@ -281,7 +253,7 @@ def _long_workload(n: int, tokens: int) -> list[dict[str, Any]]:
     whichever shard the engine takes first; the long rest keeps the batch running until it is
     cancelled or expires."""
     return [
-        _chat(
+        chat_line(
             f"long-{i}", f"write about the river {i}", 12 if i % 16 < 3 else tokens, ignore_eos=True
         )
         for i in range(n)

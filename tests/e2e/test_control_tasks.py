@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -19,10 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import MODEL, Procs, _wait_for, base_env, celery_command, private_redis
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "worker"))
-from worker_helpers import batch_row, chat_line, make_batch, read_file_lines
+from tests.helpers.service import MODEL, Procs, celery_command, private_redis, stack_env, wait_for
+from tests.helpers.worker import batch_row, chat_line, make_batch, read_file_lines
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 
@@ -57,7 +55,7 @@ class Service:
             found[:] = [batch_row(batch_id)]
             return until(found[0])
 
-        _wait_for(done, timeout, f"batch {batch_id}", self.procs.root)
+        wait_for(done, timeout, f"batch {batch_id}", self.procs.root)
         return found[0]
 
     def signal(self, name: str, sig: int) -> None:
@@ -76,7 +74,7 @@ def service(
     faults = root / "faults"
     faults.mkdir()
     with private_redis(redis_url, root) as broker, pytest.MonkeyPatch.context() as mp:
-        env = base_env(
+        env = stack_env(
             pg_url,
             broker,
             root,

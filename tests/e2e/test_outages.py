@@ -6,27 +6,24 @@ from __future__ import annotations
 
 import io
 import json
-import sys
 import time
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import (
+
+from tests.helpers.lines import chat_line
+from tests.helpers.service import (
     API_KEY,
     MODEL,
     Procs,
-    _free_port,
-    _wait_for,
     api_command,
-    base_env,
     celery_command,
+    free_port,
+    stack_env,
+    wait_for,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "worker"))
-from tcp_proxy import TcpProxy
-from worker_helpers import chat_line
+from tests.helpers.tcp_proxy import TcpProxy
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 
@@ -42,7 +39,7 @@ def test_database_and_broker_outages_mid_job(pg_url, private_broker, tmp_path, p
     pg = TcpProxy(PG_HOST, PG_PORT).start()
     rd = TcpProxy("127.0.0.1", redis_port).start()
     try:
-        env = base_env(
+        env = stack_env(
             pg.url_for(pg_url, PG_PORT),
             rd.url_for(private_broker, redis_port),
             tmp_path,
@@ -57,7 +54,7 @@ def test_database_and_broker_outages_mid_job(pg_url, private_broker, tmp_path, p
             BATCHD_RELEASE_SWEEP_INTERVAL_S="1",
             BATCHD_EXPIRY_SWEEP_INTERVAL_S="5",
         )
-        port = _free_port()
+        port = free_port()
         base = f"http://127.0.0.1:{port}"
         client = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {API_KEY}"})
         procs.start("api", api_command(port), env)
@@ -89,7 +86,7 @@ def test_database_and_broker_outages_mid_job(pg_url, private_broker, tmp_path, p
         def batch() -> dict[str, Any]:
             return client.get(f"/v1/batches/{batch_id}").json()
 
-        _wait_for(lambda: batch()["request_counts"]["completed"] >= 2, 90, "progress", tmp_path)
+        wait_for(lambda: batch()["request_counts"]["completed"] >= 2, 90, "progress", tmp_path)
 
         # Postgres goes away: the API says so (503), the workers wait and retry.
         pg.cut()
@@ -109,7 +106,7 @@ def test_database_and_broker_outages_mid_job(pg_url, private_broker, tmp_path, p
         rd.outage(OUTAGE_S).join()
         assert rd.refused > 0
 
-        _wait_for(
+        wait_for(
             lambda: batch()["status"] in ("completed", "failed", "expired", "cancelled"),
             150,
             "the batch to finish",

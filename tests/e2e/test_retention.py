@@ -4,7 +4,6 @@ never the input of a batch that is still running, and batch output files get an 
 from __future__ import annotations
 
 import io
-import json
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -14,9 +13,10 @@ from typing import Any
 import openai
 import pytest
 
+from tests.helpers.lines import chat_line, jsonl
+
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 
-MODEL = "batchd-demo"
 TERMINAL = {"completed", "failed", "expired", "cancelled"}
 
 
@@ -58,23 +58,12 @@ def _expire_now(stack, file_id: str) -> None:
 
 
 def _upload(stack, lines: list[dict[str, Any]]) -> str:
-    data = b"".join(json.dumps(x).encode() + b"\n" for x in lines)
+    data = jsonl(lines)
     return stack.client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch").id
 
 
 def _chat(custom_id: str, max_tokens: int) -> dict[str, Any]:
-    return {
-        "custom_id": custom_id,
-        "method": "POST",
-        "url": "/v1/chat/completions",
-        "body": {
-            "model": MODEL,
-            "messages": [{"role": "user", "content": f"write about the sea {custom_id}"}],
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-        },
-    }
+    return chat_line(custom_id, f"write about the sea {custom_id}", max_tokens, ignore_eos=True)
 
 
 def _until(predicate, timeout: float, what: str):

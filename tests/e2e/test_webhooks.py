@@ -20,9 +20,10 @@ from typing import Any
 
 import pytest
 
+from tests.helpers.lines import chat_line, jsonl
+
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 
-MODEL = "batchd-demo"
 TERMINAL = {"completed", "failed", "expired", "cancelled"}
 
 
@@ -111,22 +112,8 @@ def verify_signature(secret: str, request: dict[str, Any]) -> bool:
     return any(v == "v1" and hmac.compare_digest(sig, expected) for v, sig in versions)
 
 
-def _chat(custom_id: str, text: str, max_tokens: int = 6) -> dict[str, Any]:
-    return {
-        "custom_id": custom_id,
-        "method": "POST",
-        "url": "/v1/chat/completions",
-        "body": {
-            "model": MODEL,
-            "messages": [{"role": "user", "content": text}],
-            "max_tokens": max_tokens,
-            "temperature": 0,
-        },
-    }
-
-
 def _submit(stack, lines: list[Any], webhook_url: str):
-    data = b"".join((x if isinstance(x, str) else json.dumps(x)).encode() + b"\n" for x in lines)
+    data = jsonl(lines)
     f = stack.client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
     return stack.client.batches.create(
         input_file_id=f.id,
@@ -187,7 +174,9 @@ def _check_event(request: dict[str, Any], secret: str, batch_id: str, event_type
 
 
 def test_completed_batch_sends_a_signed_event(stack, receiver):
-    created = _submit(stack, [_chat(f"r{i}", f"hello {i}") for i in range(3)], receiver.url("/ok"))
+    created = _submit(
+        stack, [chat_line(f"r{i}", f"hello {i}", 6) for i in range(3)], receiver.url("/ok")
+    )
     secret = created.model_extra["webhook_secret"]
     assert secret.startswith("whsec_")
     batch = _wait_terminal(stack, created.id)
@@ -201,7 +190,7 @@ def test_completed_batch_sends_a_signed_event(stack, receiver):
 
 
 def test_failed_validation_sends_batch_failed(stack, receiver):
-    created = _submit(stack, ["{not json", _chat("a", "hi")], receiver.url("/failed"))
+    created = _submit(stack, ["{not json", chat_line("a", "hi", 6)], receiver.url("/failed"))
     secret = created.model_extra["webhook_secret"]
     batch = _wait_terminal(stack, created.id, 60)
     assert batch.status == "failed"
@@ -212,7 +201,7 @@ def test_failed_validation_sends_batch_failed(stack, receiver):
 
 def test_receiver_errors_are_retried_with_the_same_event(stack, receiver):
     receiver.script["/flaky"] = [500, 500, 200]
-    created = _submit(stack, [_chat("x", "hello")], receiver.url("/flaky"))
+    created = _submit(stack, [chat_line("x", "hello", 6)], receiver.url("/flaky"))
     secret = created.model_extra["webhook_secret"]
     assert _wait_terminal(stack, created.id).status == "completed"
     requests = receiver.wait("/flaky", 3, 30)
@@ -227,7 +216,7 @@ def test_receiver_errors_are_retried_with_the_same_event(stack, receiver):
 
 def test_delivery_fails_for_good_after_the_last_attempt(stack, receiver):
     receiver.script["/down"] = [503] * 10
-    created = _submit(stack, [_chat("x", "hello")], receiver.url("/down"))
+    created = _submit(stack, [chat_line("x", "hello", 6)], receiver.url("/down"))
     assert _wait_terminal(stack, created.id).status == "completed"
     row = _wait_delivery(stack, created.id, "failed")
     assert (row["attempts"], row["last_status_code"]) == (4, 503)
@@ -238,7 +227,7 @@ def test_delivery_fails_for_good_after_the_last_attempt(stack, receiver):
 
 def test_redirects_are_not_followed(stack, receiver):
     receiver.script["/moved"] = [307] * 10
-    created = _submit(stack, [_chat("x", "hello")], receiver.url("/moved"))
+    created = _submit(stack, [chat_line("x", "hello", 6)], receiver.url("/moved"))
     assert _wait_terminal(stack, created.id).status == "completed"
     row = _wait_delivery(stack, created.id, "failed")
     assert (row["attempts"], row["last_status_code"]) == (4, 307)
@@ -253,7 +242,7 @@ def test_loopback_outside_the_allow_list_is_refused_at_create(stack, receiver):
     for host in ("127.0.0.2", "[::1]", "2130706434", "0x7f.2"):  # not 127.0.0.1, the allowed
         url = f"http://{host}:{receiver.server.server_address[1]}/refused"
         with pytest.raises(openai.BadRequestError) as caught:
-            _submit(stack, [_chat("x", "hello")], url)
+            _submit(stack, [chat_line("x", "hello", 6)], url)
         assert caught.value.body["param"] == "webhook_url", host
         assert "loopback" in caught.value.body["message"], host
     assert len(receiver.requests) == before

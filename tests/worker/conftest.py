@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from worker_helpers import MODEL
+
+from tests.helpers.worker import MODEL
 
 
 @pytest.fixture

@@ -9,7 +9,8 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from worker_helpers import (
+
+from tests.helpers.worker import (
     batch_row,
     chat_line,
     make_batch,

@@ -5,7 +5,8 @@ deployments). Real Postgres, local storage and an in-process engine host."""
 from __future__ import annotations
 
 import pytest
-from worker_helpers import batch_row, completion_line, make_batch, read_file_lines, shard_rows
+
+from tests.helpers.worker import batch_row, completion_line, make_batch, read_file_lines, shard_rows
 
 pytestmark = pytest.mark.services
 

@@ -10,7 +10,8 @@ import threading
 from collections.abc import Iterator
 
 import pytest
-from worker_helpers import batch_row, chat_line, make_batch, shard_rows
+
+from tests.helpers.worker import batch_row, chat_line, make_batch, shard_rows
 
 pytestmark = pytest.mark.services
 
@@ -60,9 +61,8 @@ def _end_batches() -> Iterator[None]:
 def _prompt_tokens(lines) -> int:
     from types import SimpleNamespace
 
-    from worker_helpers import MODEL
-
     from core import generation
+    from tests.helpers.worker import MODEL
     from worker import runtime
 
     tok = runtime.tokenizer(MODEL)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import threading
 
 import pytest
-from worker_helpers import (
+
+from tests.helpers.worker import (
     batch_row,
     chat_line,
     completion_line,

@@ -1,4 +1,5 @@
-"""Helpers for the worker tests: request lines, batches and rows."""
+"""Batches and rows for the tests that drive the worker in-process or read its database
+(request lines come from :mod:`tests.helpers.lines`)."""
 
 from __future__ import annotations
 
@@ -7,39 +8,18 @@ import os
 from datetime import timedelta
 from typing import Any
 
-MODEL = "batchd-demo"
+from tests.helpers.lines import MODEL, chat_line, completion_line, jsonl
 
-
-def chat_line(custom_id: str, text: str, max_tokens: int = 8, **body: Any) -> dict[str, Any]:
-    return {
-        "custom_id": custom_id,
-        "method": "POST",
-        "url": "/v1/chat/completions",
-        "body": {
-            "model": MODEL,
-            "messages": [{"role": "user", "content": text}],
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            **body,
-        },
-    }
-
-
-def completion_line(
-    custom_id: str, prompt: Any, max_tokens: int = 8, **body: Any
-) -> dict[str, Any]:
-    return {
-        "custom_id": custom_id,
-        "method": "POST",
-        "url": "/v1/completions",
-        "body": {
-            "model": MODEL,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            **body,
-        },
-    }
+__all__ = [
+    "MODEL",
+    "batch_row",
+    "chat_line",
+    "completion_line",
+    "make_batch",
+    "read_file_lines",
+    "shard_rows",
+    "validated_batch",
+]
 
 
 def make_batch(
@@ -55,11 +35,7 @@ def make_batch(
     from core.models import Batch, File
     from worker.common import storage
 
-    data = (
-        lines
-        if isinstance(lines, bytes)
-        else b"".join(json.dumps(x).encode() + b"\n" for x in lines)
-    )
+    data = lines if isinstance(lines, bytes) else jsonl(lines)
     file_id = ids.file_id()
     with storage().writer(f"files/{file_id}") as out:
         out.write(data)

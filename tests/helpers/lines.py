@@ -1,0 +1,47 @@
+"""Request lines of a batch input file."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+MODEL = "batchd-demo"
+CHAT_URL = "/v1/chat/completions"
+COMPLETIONS_URL = "/v1/completions"
+
+
+def request_line(custom_id: str, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
+
+
+def chat_line(
+    custom_id: str, text: str, max_tokens: int = 8, *, model: str = MODEL, **body: Any
+) -> dict[str, Any]:
+    """A greedy chat request of one user message."""
+    return request_line(
+        custom_id,
+        CHAT_URL,
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": text}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            **body,
+        },
+    )
+
+
+def completion_line(
+    custom_id: str, prompt: Any, max_tokens: int = 8, *, model: str = MODEL, **body: Any
+) -> dict[str, Any]:
+    """A greedy completions request."""
+    return request_line(
+        custom_id,
+        COMPLETIONS_URL,
+        {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **body},
+    )
+
+
+def jsonl(lines: list[Any]) -> bytes:
+    """A JSONL file: dicts as JSON, strings as they are (a broken line on purpose)."""
+    return b"".join((x if isinstance(x, str) else json.dumps(x)).encode() + b"\n" for x in lines)
