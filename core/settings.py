@@ -123,6 +123,17 @@ class Settings(BaseSettings):
     visibility_timeout_s: int = 6 * 3600
     expiry_sweep_interval_s: float = 60.0
 
+    # Observability. Prometheus metrics on the API (``/metrics``) and, when
+    # worker_metrics_port is set, an exporter in each worker process on that port (0: none).
+    # Workers that fork (Celery's prefork pool) need PROMETHEUS_MULTIPROC_DIR set to an empty
+    # directory: each child then writes its metrics there and the exporter adds them up.
+    metrics_enabled: bool = True
+    worker_metrics_port: int = Field(default=0, ge=0, le=65535)
+    worker_metrics_host: str = "0.0.0.0"
+    # "text" (the default) or "json": one JSON object per log line, with batch, shard and
+    # request ids (core/logs.py).
+    log_format: str = Field(default="text", pattern="^(text|json)$")
+
     @field_validator("models", "engine_options", mode="before")
     @classmethod
     def _json_mapping(cls, value: Any) -> Any:

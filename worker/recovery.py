@@ -30,6 +30,7 @@ from typing import Any
 
 from sqlalchemy import select, update
 
+from core import metrics
 from core.db import session_scope
 from core.models import Batch, Shard
 from core.queue import TASK_FINALIZE, TASK_RUN_SHARD, TASK_VALIDATE, model_queue
@@ -217,6 +218,7 @@ def reclaim_stale_shards() -> SweepReport:
             f"requeueing shard {shard_id}",
         )
         if requeued:
+            metrics.SHARDS_RECLAIMED.labels(model=model or "").inc()
             logger.warning(
                 "shard %s (attempt %s) went silent for over %.0fs: re-queued",
                 shard_id,

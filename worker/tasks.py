@@ -20,10 +20,11 @@ from typing import Any
 from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
-from core import generation, served_models
+from core import generation, metrics, served_models
 from core.batchfile import BatchRequest, validate_file
 from core.db import new_session, session_scope
 from core.lifecycle import transition
+from core.logs import log_context
 from core.models import Batch, Shard
 from core.queue import TASK_CANCEL, TASK_FINALIZE, TASK_SWEEP_EXPIRED, TASK_VALIDATE
 from core.settings import get_settings
@@ -182,6 +183,7 @@ def validate(batch_id: str) -> str | None:
                 )
                 session.commit()
                 if won:
+                    metrics.REJECTIONS.labels(reason="token_limit_exceeded").inc()
                     logger.info(
                         "batch %s: over the enqueued-token limit (%s + %s > %s)",
                         batch_id,
@@ -330,7 +332,8 @@ def run_control_step(task: Any, step: str, batch_id: str) -> None:
     the reclaim sweep; one past its window or cancelling: the expiry sweep)."""
     steps = {"validate": validate, "finalize": finalize, "cancel": cancel}
     try:
-        steps[step](batch_id)
+        with log_context(batch_id=batch_id):
+            steps[step](batch_id)
         return
     except Exception as exc:
         settings = get_settings()
