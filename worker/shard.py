@@ -190,6 +190,7 @@ def _run_shard(
         raise
     if not set_shard_status(shard_id, attempt, status):
         return ShardOutcome("lost", run.ran, run.chunk)
+    logger.info("shard %s attempt %s %s: %s requests run", shard_id, attempt, status, run.ran)
     if status == DONE:
         finish_if_last(batch.id)
     else:
