@@ -47,6 +47,8 @@ class Settings(BaseSettings):
     )
     # Static bearer keys accepted by the API for tenant "default" (besides the api_keys table).
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # Static keys of tenant "default" that also let the dashboard (/ui) show every tenant.
+    admin_api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
     auth: str = "on"  # "off" disables authentication (local development only)
 
     # Limits (OpenAI's defaults where it has them).
@@ -133,6 +135,8 @@ class Settings(BaseSettings):
     # "text" (the default) or "json": one JSON object per log line, with batch, shard and
     # request ids (core/logs.py).
     log_format: str = Field(default="text", pattern="^(text|json)$")
+    # The dashboard (/ui) samples progress and engine figures this often while it is watched.
+    ui_sample_interval_s: float = Field(default=2.0, gt=0.0)
 
     @field_validator("models", "engine_options", mode="before")
     @classmethod
@@ -146,7 +150,7 @@ class Settings(BaseSettings):
             return dict(p.split("=", 1) for p in pairs)
         return value
 
-    @field_validator("api_keys", "webhook_allowed_hosts", mode="before")
+    @field_validator("api_keys", "admin_api_keys", "webhook_allowed_hosts", mode="before")
     @classmethod
     def _csv_list(cls, value: Any) -> Any:
         if isinstance(value, str):
