@@ -145,6 +145,10 @@ class ServiceCollector(Collector):
         up = GaugeMetricFamily("batchd_database_up", "1 if the last scrape read the database")
         try:
             with session_scope(self.database_url) as session:
+                if session.get_bind().dialect.name == "postgresql":
+                    # One snapshot for every gauge: a batch moving on between two of the
+                    # statements below would otherwise be counted twice or not at all.
+                    session.connection(execution_options={"isolation_level": "REPEATABLE READ"})
                 by_status = session.execute(
                     select(Batch.status, func.count()).group_by(Batch.status)
                 ).all()

@@ -332,8 +332,7 @@ def run_control_step(task: Any, step: str, batch_id: str) -> None:
     the reclaim sweep; one past its window or cancelling: the expiry sweep)."""
     steps = {"validate": validate, "finalize": finalize, "cancel": cancel}
     try:
-        with log_context(batch_id=batch_id):
-            steps[step](batch_id)
+        steps[step](batch_id)
         return
     except Exception as exc:
         settings = get_settings()
@@ -366,17 +365,20 @@ def run_control_step(task: Any, step: str, batch_id: str) -> None:
 
 @app.task(name=TASK_VALIDATE, bind=True, max_retries=None)
 def validate_batch(self: Any, batch_id: str) -> None:
-    run_control_step(self, "validate", batch_id)
+    with log_context(batch_id=batch_id):
+        run_control_step(self, "validate", batch_id)
 
 
 @app.task(name=TASK_FINALIZE, bind=True, max_retries=None)
 def finalize_batch(self: Any, batch_id: str) -> None:
-    run_control_step(self, "finalize", batch_id)
+    with log_context(batch_id=batch_id):
+        run_control_step(self, "finalize", batch_id)
 
 
 @app.task(name=TASK_CANCEL, bind=True, max_retries=None)
 def cancel_batch(self: Any, batch_id: str) -> None:
-    run_control_step(self, "cancel", batch_id)
+    with log_context(batch_id=batch_id):
+        run_control_step(self, "cancel", batch_id)
 
 
 @app.task(name=TASK_SWEEP_EXPIRED)
