@@ -7,11 +7,13 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from api import errors
+from api import errors, metrics, ui
 from api.routes import batches, files, health, models
+from core.logs import configure_process
 from core.settings import Settings, get_settings
 
 API_PREFIX = "/v1"
+UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -25,9 +27,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.started_at = int(time.time())
     errors.install(app)
+    metrics.install(app, settings)
+    configure_process(settings.log_format, UVICORN_LOGGERS)
     app.include_router(health.router)
     for router in (files.router, batches.router, models.router):
         app.include_router(router, prefix=API_PREFIX)
+    ui.install(app)
     _document_validation_as_400(app)
     return app
 

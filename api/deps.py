@@ -83,6 +83,9 @@ class Caller:
     key_id: str = "anonymous"
     webhook_url: str | None = None
     webhook_secret: str | None = None
+    #: An admin key (``BATCHD_ADMIN_API_KEYS``, or authentication off): the dashboard shows it
+    #: every tenant's batches.
+    admin: bool = False
 
 
 def _unauthorized(message: str) -> APIError:
@@ -100,7 +103,7 @@ def _masked(key: str) -> str:
 
 def _identify(request: Request, settings: Settings, session: Session) -> Caller:
     if not auth_enabled(settings):
-        return Caller(key=None)
+        return Caller(key=None, admin=True)
     header = request.headers.get("authorization", "")
     scheme, _, presented = header.partition(" ")
     presented = presented.strip()
@@ -109,12 +112,26 @@ def _identify(request: Request, settings: Settings, session: Session) -> Caller:
             "You didn't provide an API key. You need to provide your API key in an "
             "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
         )
+    return identify_key(settings, session, presented)
+
+
+def _matches_any(presented: str, keys: list[str]) -> bool:
     candidate = presented.encode("utf-8", "surrogateescape")
     matched = False
-    for key in settings.api_keys:  # compare with every key: the time does not reveal which
+    for key in keys:  # compare with every key: the time does not reveal which
         matched |= hmac.compare_digest(candidate, key.encode("utf-8", "surrogateescape"))
-    if matched:
-        return Caller(key=presented, key_id="static-" + hash_key(presented)[:16])
+    return matched
+
+
+def identify_key(settings: Settings, session: Session, presented: str) -> Caller:
+    """The caller a presented key stands for (static, admin or stored), or a 401."""
+    if not auth_enabled(settings):
+        return Caller(key=None, admin=True)
+    static_id = "static-" + hash_key(presented)[:16]
+    if _matches_any(presented, settings.admin_api_keys):
+        return Caller(key=presented, key_id=static_id, admin=True)
+    if _matches_any(presented, settings.api_keys):
+        return Caller(key=presented, key_id=static_id)
     row = lookup(session, presented)
     if row is None:
         raise _unauthorized(f"Incorrect API key provided: {_masked(presented)}.")

@@ -5,6 +5,7 @@
     python -m benchmarks.engine --workload long-context          # 32 requests of 1,000-2,000 prompt tokens
     python -m benchmarks.engine --systems engine,static --json out.json
     python -m benchmarks.engine --compare-prefix-caching         # engine with and without the cache
+    python -m benchmarks.engine --compare-metrics                # engine with and without its metrics
 
 Systems, all in one process on the same requests, on the engine's device and dtype (``auto``:
 CUDA and bf16 when there is a GPU, else CPU and fp32), each set up and warmed up before its
@@ -628,6 +629,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the engine with and without prefix caching instead",
     )
     p.add_argument(
+        "--compare-metrics",
+        action="store_true",
+        help="run the engine with its metrics (engine/stats.py) off, then on, instead",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -840,6 +846,24 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             results["ratios"]["prefix caching speedup (cpu-s, off / on)"] = b["cpu_s"] / a["cpu_s"]
         results["agreement"]["prefix cache on vs off"] = _agreement(
             tokens["engine_prefix_cache"], tokens["engine_no_prefix_cache"]
+        )
+    elif args.compare_metrics:
+        for label, enabled in (("engine_metrics_off", False), ("engine_metrics_on", True)):
+            r = run_engine(
+                model_dir, workload, {**engine_config, "enable_metrics": enabled}, label=label
+            )
+            results["systems"][label] = r.as_dict()
+            tokens[label] = r.token_ids
+        on, off = results["systems"]["engine_metrics_on"], results["systems"]["engine_metrics_off"]
+        ratio = on["output_tok_s"] / off["output_tok_s"] if off["output_tok_s"] else math.inf
+        results["ratios"]["metrics on / off (output tok/s)"] = ratio
+        results["metrics_throughput_ratio"] = ratio
+        if on["cpu_s"]:
+            results["ratios"]["metrics on / off (output tok per cpu-s)"] = (
+                on["output_tok_per_cpu_s"] / off["output_tok_per_cpu_s"]
+            )
+        results["agreement"]["metrics on vs off"] = _agreement(
+            tokens["engine_metrics_on"], tokens["engine_metrics_off"]
         )
     else:
         max_seqs = int(engine_config.get("max_num_seqs", 0)) or None

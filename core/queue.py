@@ -48,3 +48,11 @@ def enqueue(
 
         broker_url = get_settings().broker_url
     _producer(broker_url).send_task(task, args=list(args), queue=queue, countdown=countdown)
+
+
+def engine_stats(broker_url: str, timeout: float = 1.0) -> list[dict[str, Any]]:
+    """Every model worker's engine figures (the workers' ``engine_stats`` remote control
+    command, see worker/runtime.py): one ``{worker name: {"models": {...}, "time": ...}}``
+    reply per worker that answered within ``timeout`` seconds."""
+    control = _producer(broker_url).control
+    return list(control.broadcast("engine_stats", reply=True, timeout=timeout) or [])

@@ -47,6 +47,8 @@ class Settings(BaseSettings):
     )
     # Static bearer keys accepted by the API for tenant "default" (besides the api_keys table).
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # Static keys of tenant "default" that also let the dashboard (/ui) show every tenant.
+    admin_api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
     auth: str = "on"  # "off" disables authentication (local development only)
 
     # Limits (OpenAI's defaults where it has them).
@@ -123,6 +125,19 @@ class Settings(BaseSettings):
     visibility_timeout_s: int = 6 * 3600
     expiry_sweep_interval_s: float = 60.0
 
+    # Observability. Prometheus metrics on the API (``/metrics``) and, when
+    # worker_metrics_port is set, an exporter in each worker process on that port (0: none).
+    # Workers that fork (Celery's prefork pool) need PROMETHEUS_MULTIPROC_DIR set to an empty
+    # directory: each child then writes its metrics there and the exporter adds them up.
+    metrics_enabled: bool = True
+    worker_metrics_port: int = Field(default=0, ge=0, le=65535)
+    worker_metrics_host: str = "0.0.0.0"
+    # "text" (the default) or "json": one JSON object per log line, with batch, shard and
+    # request ids (core/logs.py).
+    log_format: str = Field(default="text", pattern="^(text|json)$")
+    # The dashboard (/ui) samples progress and engine figures this often while it is watched.
+    ui_sample_interval_s: float = Field(default=2.0, gt=0.0)
+
     @field_validator("models", "engine_options", mode="before")
     @classmethod
     def _json_mapping(cls, value: Any) -> Any:
@@ -135,7 +150,7 @@ class Settings(BaseSettings):
             return dict(p.split("=", 1) for p in pairs)
         return value
 
-    @field_validator("api_keys", "webhook_allowed_hosts", mode="before")
+    @field_validator("api_keys", "admin_api_keys", "webhook_allowed_hosts", mode="before")
     @classmethod
     def _csv_list(cls, value: Any) -> Any:
         if isinstance(value, str):

@@ -38,6 +38,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     cuda_graphs: bool = True
     cuda_graph_max_batch: int = 256
+    enable_metrics: bool = True  # per-step and per-request histograms (engine/stats.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
@@ -75,6 +76,8 @@ class EngineConfig:
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be true or false, got {self.cuda_graphs!r}")
         _positive_int("cuda_graph_max_batch", self.cuda_graph_max_batch)
+        if not isinstance(self.enable_metrics, bool):
+            raise ValueError(f"enable_metrics must be true or false, got {self.enable_metrics!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 

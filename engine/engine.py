@@ -40,6 +40,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Request, Sequence, Status
+from engine.stats import EngineMetrics
 from engine.structured import GrammarBackend
 from engine.tokenizer import detokenize_step, find_stop, load_tokenizer, start_detokenizer
 
@@ -64,6 +65,7 @@ class Engine:
         self._aborted: list[RequestOutput] = []
         self._stats = EngineStats(kv_blocks_total=self.runner.num_blocks)
         self._grammar: GrammarBackend | None = None  # built by the first structured request
+        self.metrics = EngineMetrics() if self.config.enable_metrics else None
         log.info(
             "engine ready: %d KV blocks, max_model_len %d",
             self.runner.num_blocks,
@@ -215,7 +217,10 @@ class Engine:
         s.last_step_tokens = num_tokens
         s.total_scheduled_tokens += num_tokens
         s.total_running_seq_steps += len(scheduled)
-        s.total_step_time_s += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        s.total_step_time_s += elapsed
+        if self.metrics is not None:
+            self.metrics.on_step(elapsed, num_tokens)
         return finished
 
     def _postprocess(
@@ -284,6 +289,8 @@ class Engine:
                     self.requests.pop(request.request_id, None)
                     done.append(self._output(request))
         self._stats.total_output_tokens += len(seqs)
+        if self.metrics is not None:
+            self.metrics.on_sample(now, seqs, done)
         return done
 
     def _fork(self, parent: Sequence, index: int) -> Sequence:

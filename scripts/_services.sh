@@ -28,3 +28,22 @@ ensure_redis() {
   echo "error: Redis is needed on 127.0.0.1:6379" >&2
   exit 1
 }
+
+# The dashboard's browser test drives Debian's chromium through chromium-driver (browser builds
+# cannot be downloaded by Selenium or Playwright here). Installed with apt when missing; the
+# test skips only when that is impossible (no apt, no root).
+ensure_chromium() {
+  command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1 && return 0
+  local sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="$(command -v sudo || true)"
+  if command -v apt-get >/dev/null 2>&1 && { [ "$(id -u)" -eq 0 ] || [ -n "$sudo" ]; }; then
+    echo "installing chromium and chromium-driver (the dashboard's browser test)" >&2
+    $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+      chromium chromium-driver >/dev/null \
+      || { $sudo apt-get update -qq >/dev/null && $sudo env DEBIAN_FRONTEND=noninteractive \
+             apt-get install -y --no-install-recommends chromium chromium-driver >/dev/null; } \
+      || echo "warning: could not install chromium; the browser test will be skipped" >&2
+  else
+    echo "warning: chromium is missing and apt-get is unavailable; the browser test will be skipped" >&2
+  fi
+}

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs batchd with its test dependencies into .venv, makes sure Postgres and Redis are
-# running on 127.0.0.1, checks lint and formatting (ruff), and runs the whole test suite.
+# running on 127.0.0.1 and Debian's chromium and chromium-driver are installed (the dashboard's
+# browser test), checks lint and formatting (ruff), and runs the whole test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_services.sh
@@ -13,6 +14,7 @@ fi
 
 ensure_postgres
 ensure_redis
+ensure_chromium
 
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .

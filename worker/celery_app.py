@@ -34,7 +34,12 @@ from importlib.util import find_spec
 from typing import Any
 
 from celery import Celery
-from celery.signals import worker_init
+from celery.signals import (
+    after_setup_logger,
+    after_setup_task_logger,
+    worker_init,
+    worker_process_shutdown,
+)
 
 from core.queue import (
     CONTROL_QUEUE,
@@ -184,6 +189,28 @@ def import_task_dependencies() -> None:
 @worker_init.connect
 def _import_before_tasks(**_: Any) -> None:
     import_task_dependencies()
+    from worker.metrics import start_exporter
+
+    try:
+        start_exporter()
+    except OSError:
+        logging.getLogger(__name__).exception("the metrics exporter could not start")
+
+
+@after_setup_logger.connect
+@after_setup_task_logger.connect
+def _log_format(logger: logging.Logger, **_: Any) -> None:
+    from core.logs import install
+
+    install(logger.handlers, get_settings().log_format)
+
+
+@worker_process_shutdown.connect
+def _forget_pool_process(pid: int | None = None, **_: Any) -> None:
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(pid or os.getpid())
 
 
 app = create_app()

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from typing import Any, BinaryIO
 
 from sqlalchemy import select, update
 
-from core import ids
+from core import ids, metrics
 from core.db import new_session, session_scope
 from core.lifecycle import TERMINAL, BatchStatus, ShardStatus, now, transition
 from core.models import Batch, File, Shard
@@ -300,6 +301,14 @@ def _commit(batch_id: str, plan: _Plan, target: str, merged: _Merged) -> bool:
 
 def finalize(batch_id: str) -> str | None:
     """Finalize ``batch_id`` if it is ready; return the status it ended in, else None."""
+    start = time.monotonic()
+    status = _finalize(batch_id)
+    if status is not None:
+        metrics.FINALIZE_DURATION.labels(outcome=status).observe(time.monotonic() - start)
+    return status
+
+
+def _finalize(batch_id: str) -> str | None:
     plan = _plan(batch_id)
     if plan is None:
         return None

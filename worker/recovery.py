@@ -30,6 +30,7 @@ from typing import Any
 
 from sqlalchemy import select, update
 
+from core import metrics
 from core.db import session_scope
 from core.lifecycle import BatchStatus, ShardStatus, now
 from core.models import Batch, Shard
@@ -205,6 +206,7 @@ def reclaim_stale_shards() -> SweepReport:
             f"requeueing shard {shard_id}",
         )
         if requeued:
+            metrics.SHARDS_RECLAIMED.labels(model=model or "").inc()
             logger.warning(
                 "shard %s (attempt %s) went silent for over %.0fs: re-queued",
                 shard_id,

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from core import served_models
+from core import metrics, served_models
 from core.settings import get_settings
 
 if TYPE_CHECKING:
@@ -139,6 +139,7 @@ def host(model: str) -> EngineHost:
         logger.info("loading model %s from %s", model, path)
         if served_models.kind_of(model_spec(model)) == "embedding":
             return _start_embedding_host(model, path, options)
+        options.setdefault("enable_metrics", settings.metrics_enabled)
         engine = Engine(str(path), **options)
         host_options.setdefault("reserved_share", settings.high_priority_reserved_share)
         host_options.setdefault("aging_s", settings.low_priority_aging_s)
@@ -148,6 +149,7 @@ def host(model: str) -> EngineHost:
             _hosts[model] = started
             if configured:
                 _context[model] = int(configured)
+        metrics.ENGINE_LOADS.labels(model=model).inc()
         logger.info("model %s ready", model)
         return started
 

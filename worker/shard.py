@@ -51,8 +51,10 @@ from typing import Any
 
 from celery.signals import worker_ready
 
+from core import metrics
 from core.db import session_scope
 from core.lifecycle import BatchStatus, ShardStatus
+from core.logs import bind_log_context, log_context
 from core.models import Batch, Shard
 from core.queue import TASK_RUN_SHARD, model_queue
 from core.settings import get_settings
@@ -110,11 +112,19 @@ def run_shard(
     process-wide engine host for the batch's model."""
     worker = worker or f"{socket.gethostname()}:{threading.get_ident()}"
     worker = f"{worker}:{uuid.uuid4().hex[:8]}"  # one token per attempt (see claim)
+    with log_context(shard_id=shard_id, batch_id=None):
+        return _run_shard(shard_id, worker, host, after_commit)
+
+
+def _run_shard(
+    shard_id: int, worker: str, host: Any, after_commit: Callable[[int], None] | None
+) -> ShardOutcome:
     loaded = _load(shard_id)
     if loaded is None:
         logger.warning("shard %s is gone", shard_id)
         return ShardOutcome("skipped")
     shard, batch, key = loaded
+    bind_log_context(batch_id=batch.id)
     if (
         shard.status in (ShardStatus.DONE, ShardStatus.CLOSED, ShardStatus.STOPPED)
         or batch.status != BatchStatus.IN_PROGRESS
@@ -132,6 +142,8 @@ def run_shard(
         finalize_if_idle(batch.id)
         return ShardOutcome("skipped")
     attempt, num_chunks = claimed
+    if attempt == 1 and shard.released_at is not None:
+        metrics.observe_queue_wait(batch.model or "", shard.released_at)
     max_attempts = get_settings().max_shard_attempts
     if attempt > max_attempts:
         fail_claimed(
@@ -171,6 +183,7 @@ def run_shard(
         raise
     if not set_shard_status(shard_id, attempt, status):
         return ShardOutcome("lost", run.ran, run.chunk)
+    logger.info("shard %s attempt %s %s: %s requests run", shard_id, attempt, status, run.ran)
     if status == ShardStatus.DONE:
         finish_if_last(batch.id)
     else:

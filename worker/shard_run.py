@@ -10,7 +10,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from core import generation
+from core import generation, metrics
 from core.batchfile import (
     EMBEDDINGS_URL,
     BatchRequest,
@@ -20,6 +20,7 @@ from core.batchfile import (
 )
 from core.generation import error_for_exception, error_record
 from core.lifecycle import ShardStatus
+from core.logs import log_context
 from core.models import Batch, Shard
 from core.results import GenerationResult, embedding_body, output_line
 from core.settings import get_settings
@@ -129,6 +130,7 @@ class ShardRun:
                 return
             chunk = self.pending.take(self.every)
             commit_chunk(self.shard, self.attempt, self.chunk, chunk)
+            metrics.record_chunk(self.model, self.tenant, chunk)
             self.chunk += 1
             self.ran += len(chunk)
             self._last_checkpoint = time.monotonic()
@@ -165,12 +167,18 @@ class ShardRun:
     def _handle(
         self, req: BatchRequest, ids: list[int], params: Any, future: Future, alone: bool
     ) -> None:
-        from engine import RequestError
-        from engine.host import HostError
-
         if self.embedding:
             self._handle_embedding(req, ids, params, future)
             return
+        with log_context(request_id=req.custom_id):
+            self._handle_generation(req, ids, params, future, alone)
+
+    def _handle_generation(
+        self, req: BatchRequest, ids: list[int], params: Any, future: Future, alone: bool
+    ) -> None:
+        from engine import RequestError
+        from engine.host import HostError
+
         self.in_flight -= 1
         if alone:
             self.suspect_line = None

@@ -20,10 +20,11 @@ from typing import Any
 from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
-from core import generation, served_models
+from core import generation, metrics, served_models
 from core.batchfile import BatchRequest, ValidationReport, validate_file
 from core.db import new_session, session_scope
 from core.lifecycle import ENQUEUED, UNFINISHED, BatchStatus, ShardStatus, now, transition
+from core.logs import log_context
 from core.models import Batch, Shard
 from core.queue import TASK_CANCEL, TASK_FINALIZE, TASK_SWEEP_EXPIRED, TASK_VALIDATE
 from core.settings import get_settings
@@ -183,6 +184,7 @@ def _fail_over_quota(session: Session, batch_id: str, tenant: str, scan: _Scan) 
     )
     session.commit()
     if won:
+        metrics.REJECTIONS.labels(reason="token_limit_exceeded").inc()
         logger.info(
             "batch %s: over the enqueued-token limit (%s + %s > %s)", batch_id, used, tokens, limit
         )
@@ -393,17 +395,20 @@ def run_control_step(task: Any, step: str, batch_id: str) -> None:
 
 @app.task(name=TASK_VALIDATE, bind=True, max_retries=None)
 def validate_batch(self: Any, batch_id: str) -> None:
-    run_control_step(self, "validate", batch_id)
+    with log_context(batch_id=batch_id):
+        run_control_step(self, "validate", batch_id)
 
 
 @app.task(name=TASK_FINALIZE, bind=True, max_retries=None)
 def finalize_batch(self: Any, batch_id: str) -> None:
-    run_control_step(self, "finalize", batch_id)
+    with log_context(batch_id=batch_id):
+        run_control_step(self, "finalize", batch_id)
 
 
 @app.task(name=TASK_CANCEL, bind=True, max_retries=None)
 def cancel_batch(self: Any, batch_id: str) -> None:
-    run_control_step(self, "cancel", batch_id)
+    with log_context(batch_id=batch_id):
+        run_control_step(self, "cancel", batch_id)
 
 
 @app.task(name=TASK_SWEEP_EXPIRED)

@@ -52,6 +52,7 @@ from typing import Any
 import httpx
 from sqlalchemy import select, update
 
+from core import metrics
 from core.db import session_scope
 from core.lifecycle import TERMINAL, DeliveryStatus, now
 from core.models import Batch, WebhookDelivery
@@ -260,6 +261,8 @@ def attempt(delivery_id: str, *, resolver: Resolver = system_resolver) -> float 
         error = f"{type(exc).__name__}: {exc}"[:500]
     ok = error is None
     final = ok or refused or number >= settings.webhook_max_attempts
+    outcome = "delivered" if ok else "refused" if refused else "failed" if final else "retrying"
+    metrics.WEBHOOK_DELIVERIES.labels(outcome=outcome).inc()
     values: dict[str, Any] = {"last_status_code": code, "last_error": error}
     if ok:
         values.update(status=DeliveryStatus.DELIVERED, delivered_at=now())

@@ -18,6 +18,7 @@ from api.errors import APIError, invalid_request, not_found
 from api.routes.common import could_be_id, error_responses
 from api.schemas import MAX_EXPIRY_S, MIN_EXPIRY_S, FileDeleted, FileList, FilePublic
 from api.uploads import Upload, receive_upload
+from core import metrics
 from core.db import session_scope
 from core.ids import file_id
 from core.lifecycle import TERMINAL, now
@@ -154,6 +155,8 @@ async def create_file(
             except Exception:
                 log.exception("could not delete %s after its file row failed to commit", key)
             raise
+        metrics.UPLOADS.inc()
+        metrics.UPLOAD_BYTES.inc(upload.bytes)
         return row
 
     return FilePublic.of(await run_in_threadpool(record))

@@ -1,0 +1,210 @@
+"""The service's Prometheus metrics: what the API and the workers count, and the gauges read
+from Postgres at scrape time.
+
+Every metric is named ``batchd_*`` and its labels take values from small, fixed sets (a status,
+a reason, an outcome) or from configuration and accounts (a served model, a tenant); never a
+batch, shard, file or request id, which would create a series per job
+(``tests/core/test_metrics_lint.py`` checks this).
+
+Counters are incremented where the event happens, in the process it happens in: the API
+counts uploads and rejections; the model workers count requests and tokens as each checkpoint
+commits (exactly once per request: a chunk is counted when its commit succeeds), queue waits
+as shards are claimed; the control worker counts finalizes, webhook deliveries, reclaimed
+shards and token-limit rejections. :class:`ServiceCollector` reads the gauges (batches by
+status, shards by status, pending work per model) from the database at each scrape, so they
+are right whichever process changed the rows; the API exposes it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+logger = logging.getLogger(__name__)
+
+# -- API
+
+UPLOAD_BYTES = Counter("batchd_upload_bytes", "Bytes of files uploaded and stored")
+UPLOADS = Counter("batchd_uploads", "Files uploaded and stored")
+# Reasons: unauthorized (401), not_found (404), payload_too_large (413), rate_limited (429),
+# token_limit_exceeded (a batch over the tenant's enqueued-token limit, at validation).
+REJECTION_REASONS = {401: "unauthorized", 404: "not_found", 413: "payload_too_large",
+                     429: "rate_limited"}  # fmt: skip
+REJECTIONS = Counter("batchd_rejections", "Requests and batches refused, by reason", ["reason"])
+
+# -- model workers
+
+REQUESTS_COMPLETED = Counter(
+    "batchd_requests_completed",
+    "Batch requests that produced an output line (checkpointed)",
+    ["model", "tenant"],
+)
+REQUESTS_FAILED = Counter(
+    "batchd_requests_failed",
+    "Batch requests that produced an error line while their shard ran (checkpointed)",
+    ["model", "tenant"],
+)
+PROMPT_TOKENS = Counter(
+    "batchd_prompt_tokens", "Prompt tokens of completed requests", ["model", "tenant"]
+)
+CACHED_TOKENS = Counter(
+    "batchd_cached_tokens",
+    "Prompt tokens of completed requests read from the prefix cache",
+    ["model", "tenant"],
+)
+COMPLETION_TOKENS = Counter(
+    "batchd_completion_tokens", "Generated tokens of completed requests", ["model", "tenant"]
+)
+SHARD_QUEUE_WAIT = Histogram(
+    "batchd_shard_queue_wait_seconds",
+    "From a shard's release to the broker to its first claim by a worker",
+    ["model"],
+    buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 4 * 3600, 24 * 3600),
+)
+ENGINE_LOADS = Counter(
+    "batchd_engine_starts",
+    "Engines loaded and started by this process (a process restart starts them again)",
+    ["model"],
+)
+
+# -- control worker
+
+FINALIZE_DURATION = Histogram(
+    "batchd_finalize_duration_seconds",
+    "Time to merge a batch's shard outputs into its output and error files",
+    ["outcome"],
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900),
+)
+WEBHOOK_DELIVERIES = Counter(
+    "batchd_webhook_deliveries", "Webhook delivery attempts, by outcome", ["outcome"]
+)
+SHARDS_RECLAIMED = Counter(
+    "batchd_shards_reclaimed", "Running shards whose worker went silent, re-queued", ["model"]
+)
+
+
+def record_chunk(model: str, tenant: str, pending: Any) -> None:
+    """Count one committed checkpoint chunk (a ``worker.shard_state.Pending``)."""
+    labels = {"model": model or "", "tenant": tenant or ""}
+    if pending.ok:
+        REQUESTS_COMPLETED.labels(**labels).inc(pending.ok)
+    if pending.failed:
+        REQUESTS_FAILED.labels(**labels).inc(pending.failed)
+    if pending.input_tokens:
+        PROMPT_TOKENS.labels(**labels).inc(pending.input_tokens)
+    if pending.cached_tokens:
+        CACHED_TOKENS.labels(**labels).inc(pending.cached_tokens)
+    if pending.output_tokens:
+        COMPLETION_TOKENS.labels(**labels).inc(pending.output_tokens)
+
+
+# -- gauges read from the database
+
+
+class ServiceCollector(Collector):
+    """Batches by status, shards by model and status, and each model's pending work: shards
+    not released yet, released (in the broker or about to be), and running, with their
+    estimated tokens (a running shard counts the share of its estimate still to do). The
+    broker queue is bounded on purpose (``max_released_shards_per_model``), so an autoscaler
+    (KEDA's Prometheus scaler, say) should scale on ``batchd_pending_tokens``, not on the
+    queue length."""
+
+    STATES = ("unreleased", "released", "running")
+
+    def __init__(self, database_url: str | None = None, models: list[str] | None = None) -> None:
+        self.database_url = database_url
+        self.models = list(models or ())  # reported as 0 when they have no work (not absent)
+
+    def collect(self) -> Iterator[Any]:
+        from sqlalchemy import case, func, select
+
+        from core.db import session_scope
+        from core.models import Batch, Shard
+
+        batches = GaugeMetricFamily("batchd_batches", "Batches by status", labels=["status"])
+        shards = GaugeMetricFamily(
+            "batchd_shards", "Shards of unfinished batches by model and status",
+            labels=["model", "status"],
+        )  # fmt: skip
+        pending = GaugeMetricFamily(
+            "batchd_pending_shards",
+            "Shards waiting or running per model: unreleased (in Postgres), released (sent to "
+            "the model's queue), running",
+            labels=["model", "state"],
+        )
+        tokens = GaugeMetricFamily(
+            "batchd_pending_tokens",
+            "Estimated prompt + output tokens of the pending shards (see batchd_pending_shards)",
+            labels=["model", "state"],
+        )
+        up = GaugeMetricFamily("batchd_database_up", "1 if the last scrape read the database")
+        try:
+            with session_scope(self.database_url) as session:
+                if session.get_bind().dialect.name == "postgresql":
+                    # One snapshot for every gauge: a batch moving on between two of the
+                    # statements below would otherwise be counted twice or not at all.
+                    session.connection(execution_options={"isolation_level": "REPEATABLE READ"})
+                by_status = session.execute(
+                    select(Batch.status, func.count()).group_by(Batch.status)
+                ).all()
+                state = case(
+                    (Shard.status == "running", "running"),
+                    (Shard.released_at.is_(None), "unreleased"),
+                    else_="released",
+                )
+                remaining = case(
+                    (
+                        Shard.num_requests > 0,
+                        Shard.est_tokens
+                        * (Shard.num_requests - Shard.done_requests)
+                        / Shard.num_requests,
+                    ),
+                    else_=0,
+                )
+                unfinished = Batch.status.in_(("validating", "in_progress", "finalizing",
+                                               "cancelling"))  # fmt: skip
+                by_shard = session.execute(
+                    select(Batch.model, Shard.status, func.count())
+                    .join(Batch, Batch.id == Shard.batch_id)
+                    .where(unfinished)
+                    .group_by(Batch.model, Shard.status)
+                ).all()
+                work = session.execute(
+                    select(Batch.model, state, func.count(), func.sum(remaining))
+                    .join(Batch, Batch.id == Shard.batch_id)
+                    .where(Batch.status == "in_progress", Shard.status.in_(("pending", "running")))
+                    .group_by(Batch.model, state)
+                ).all()
+        except Exception as exc:  # a database outage: say so in batchd_database_up
+            logger.warning("reading the service gauges failed: %r", exc)
+            up.add_metric([], 0)
+            yield up
+            return
+        up.add_metric([], 1)
+        for status, n in by_status:
+            batches.add_metric([status], n)
+        for model, status, n in by_shard:
+            shards.add_metric([model or "", status], n)
+        found = {(model or "", st): (n, float(est or 0)) for model, st, n, est in work}
+        for model in self.models:
+            for st in self.STATES:
+                found.setdefault((model, st), (0, 0.0))
+        for (model, st), (n, est) in sorted(found.items()):
+            pending.add_metric([model, st], n)
+            tokens.add_metric([model, st], est)
+        yield from (up, batches, shards, pending, tokens)
+
+
+def observe_queue_wait(model: str, released_at: Any) -> None:
+    """A shard's first claim: the time since its release (``released_at``, aware or UTC)."""
+    from datetime import UTC, datetime
+
+    if released_at.tzinfo is None:
+        released_at = released_at.replace(tzinfo=UTC)
+    wait = (datetime.now(UTC) - released_at).total_seconds()
+    SHARD_QUEUE_WAIT.labels(model=model or "").observe(max(0.0, wait))

@@ -1,0 +1,90 @@
+"""A worker that forks its pool (Celery's prefork) exports its children's counters: with
+``PROMETHEUS_MULTIPROC_DIR`` set, the exporter of the parent process sums what every child
+counted. Here a child validates a batch over the tenant's enqueued-token limit, and the
+parent's exporter reports the refusal."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from tests.helpers.lines import chat_line
+from tests.helpers.scrape import scrape, value
+from tests.helpers.service import (
+    API_KEY,
+    CELERY,
+    Procs,
+    api_command,
+    free_port,
+    stack_env,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.services, pytest.mark.slow]
+
+
+def test_prefork_children_are_counted(pg_url, private_broker, tmp_path, procs: Procs):
+    import httpx
+
+    multiproc = tmp_path / "prometheus"
+    multiproc.mkdir()
+    port, metrics_port = free_port(), free_port()
+    env = stack_env(
+        pg_url,
+        private_broker,
+        tmp_path,
+        BATCHD_MAX_ENQUEUED_TOKENS_PER_TENANT="1",
+        BATCHD_WORKER_METRICS_PORT=str(metrics_port),
+        BATCHD_WORKER_METRICS_HOST="127.0.0.1",
+        PROMETHEUS_MULTIPROC_DIR=str(multiproc),
+    )
+    procs.start("api", api_command(port), env)
+    control = [*CELERY, "worker", "-Q", "batchd.control", "--pool", "prefork", "-c", "2",
+               "-n", "control@e2e", "--loglevel", "INFO", "--without-gossip",
+               "--without-mingle", "--without-heartbeat"]  # fmt: skip
+    procs.start("control", control, env)
+    procs.wait_log("control", "ready.", 60)
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    wait_for(lambda: _up(url), 30, "the exporter", procs.logs)
+    before = value(scrape(url), "batchd_rejections_total", reason="token_limit_exceeded")
+
+    client = httpx.Client(
+        base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {API_KEY}"}
+    )
+    data = json.dumps(chat_line("only", "too many tokens for this tenant")).encode() + b"\n"
+    f = client.post(
+        "/v1/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", io.BytesIO(data))}
+    )
+    assert f.status_code == 200, f.text
+    created = client.post(
+        "/v1/batches",
+        json={
+            "input_file_id": f.json()["id"],
+            "endpoint": "/v1/chat/completions",
+            "completion_window": "24h",
+        },
+    )
+    assert created.status_code == 200, created.text
+    batch_id = created.json()["id"]
+    wait_for(
+        lambda: client.get(f"/v1/batches/{batch_id}").json()["status"] == "failed",
+        60,
+        "the batch to fail validation",
+        tmp_path,
+    )
+    batch = client.get(f"/v1/batches/{batch_id}").json()
+    assert batch["errors"]["data"][0]["code"] == "token_limit_exceeded"
+    after = value(scrape(url), "batchd_rejections_total", reason="token_limit_exceeded")
+    assert after - before == 1
+    assert any(multiproc.iterdir()), "the children wrote no metric files"
+
+
+def _up(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
