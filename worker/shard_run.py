@@ -22,7 +22,7 @@ from core.generation import error_for_exception, error_record
 from core.models import Batch, Shard
 from core.results import GenerationResult, embedding_body, output_line
 from core.settings import get_settings
-from worker import runtime
+from worker import runtime, timings
 from worker.common import (
     DONE,
     STOPPED,
@@ -112,6 +112,7 @@ class ShardRun:
         self.failures: dict[int, int] = {}  # failed engine steps while running alone, per line
         self.suspects: list[tuple[BatchRequest, list[int], Any]] = []
         self.suspect_line: int | None = None
+        self.submitted_at: dict[int, float] = {}  # line -> handed to the host (worker.timings)
         self.gate = runtime.isolation_gate(host)
         self.heartbeat: Heartbeat | None = None
         self._last_checkpoint = time.monotonic()
@@ -229,6 +230,9 @@ class ShardRun:
                 self.pending.add_error(req.line, generation.aborted_record(req))
             return
         record, result = generation.finished_record(self.tok, req, output)
+        submitted = self.submitted_at.pop(req.line, None)
+        if result is not None:
+            timings.record(self.batch_id, self.shard.index, req.custom_id, submitted, output)
         if result is None:
             self.pending.add_error(req.line, record)
         else:
@@ -278,6 +282,7 @@ class ShardRun:
                 self._checkpoint()
                 self._poll()
                 continue
+            self.submitted_at[req.line] = time.time()
             try:
                 if self.embedding:
                     self.host.submit(
