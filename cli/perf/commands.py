@@ -99,8 +99,8 @@ def tune(
     input_len: Annotated[
         str,
         typer.Option(help="…with prompt lengths (fixed:N, uniform:LO:HI, lognormal:MEAN:SIGMA)"),
-    ] = "lognormal:200:0.8",
-    output_len: Annotated[str, typer.Option(help="…and output lengths.")] = "lognormal:100:0.8",
+    ] = "lognormal:128:0.8",
+    output_len: Annotated[str, typer.Option(help="…and output lengths.")] = "lognormal:64:0.8",
     kv_memory: Annotated[
         str | None,
         typer.Option(

@@ -4,12 +4,13 @@ budget, with the engine alone (no service).
 Each point of the sweep is one engine built with those options (``max_num_seqs``,
 ``max_num_batched_tokens``, ``block_size``) and the memory budget, kept backlogged: the
 workload's requests are fed round and round so the waiting queue never empties, as in a long
-batch job. After a warm-up (until ``max_num_seqs`` requests have finished, so the
+batch job. After a warm-up (until half of ``max_num_seqs`` requests have finished, so the
 running batch holds requests of every age, as in steady state, or ``warmup_s``), a
 window of at least ``measure_s`` seconds and ``min_steps`` steps is measured from the engine's
 own counters: output tokens, tokens run through the model, steps, the running batch size per
 step, preemptions and the peak of KV blocks in use. The window also lasts until half of
-``max_num_seqs`` requests have finished (at most ``max_measure_s``), so it holds admissions
+``max_num_seqs`` (and at least 8) requests have finished in it (at most ``max_measure_s``), so
+it holds admissions
 (prefill) and decodes in their steady-state proportion.
 
 Time is the process CPU time when the engine runs on the CPU with one intra-op thread (a
@@ -17,9 +18,11 @@ machine shared with other work then gives the same figure run after run; wall ti
 with whoever else runs) and wall time otherwise (``clock``).
 
 The search (``adaptive``): ``max_num_seqs`` doubles from 1 at the base token budget until the
-running batch stops growing (KV memory bounds it), throughput has fallen twice in a row, or
-``max_seqs`` is reached; the two geometric midpoints around the best are measured; then the
-token budget is swept at the best ``max_num_seqs``; then each other block size. A grid
+running batch stops growing (KV memory bounds it), throughput has fallen twice in a row or
+gained less than ``COMPUTE_GAIN`` on two doublings in a row, or ``max_seqs`` is reached; the
+two geometric midpoints around the best are measured; then the token budget at the best
+``max_num_seqs`` is halved and doubled (``TOKEN_BUDGETS``), going on in a direction while it
+gains; then each other block size at the best point. A grid
 (``max_num_seqs`` and ``max_num_batched_tokens`` lists) measures every combination instead.
 The chosen point is the best measured by ``objective`` (output tokens per second, or "total":
 every token run through the model per second),
@@ -132,7 +135,7 @@ class Bench:
         warmup_s: float = 60.0,
         measure_s: float = 3.0,
         min_steps: int = 8,
-        max_measure_s: float = 90.0,
+        max_measure_s: float = 60.0,
         clock: str = "auto",
         log: Callable[[str], None] = lambda _m: None,
     ):
@@ -202,7 +205,7 @@ class Bench:
         # Warm-up: until as many requests have finished as can run at once, so the running
         # batch holds requests of every age, as in steady state.
         started = time.perf_counter()
-        while finished < point.max_num_seqs or engine.stats().num_steps < 3:
+        while finished < max(1, point.max_num_seqs // 2) or engine.stats().num_steps < 3:
             step()
             if time.perf_counter() - started > self.warmup_s:
                 break
@@ -217,7 +220,7 @@ class Bench:
             if elapsed > self.max_measure_s or (
                 elapsed >= self.measure_s
                 and engine.stats().num_steps - before.num_steps >= self.min_steps
-                and finished - done0 >= max(1, point.max_num_seqs // 2)
+                and finished - done0 >= max(8, point.max_num_seqs // 2)
             ):
                 break
         point.seconds = self._now() - t0
@@ -287,7 +290,7 @@ def adaptive(
     block = block_sizes[0]
     # 1. max_num_seqs, doubling.
     curve: list[Point] = []
-    falls = 0
+    falls = flat = 0
     for seqs in _pow2_up_to(max_seqs):
         p = bench.measure(seqs, base_tokens, block)
         if p.error:
@@ -295,14 +298,14 @@ def adaptive(
         if curve:
             top = best(curve, objective)
             falls = falls + 1 if top and p.value(objective) < top.value(objective) else 0
+            gain = p.value(objective) / max(curve[-1].value(objective), 1e-9) - 1
+            flat = flat + 1 if gain < COMPUTE_GAIN else 0
             stalled = p.mean_running < 1.1 * curve[-1].mean_running
-            if p.kv_bound and stalled:
-                curve.append(p)
+            curve.append(p)
+            if (p.kv_bound and stalled) or falls >= 2 or flat >= 2:
                 break
-            if falls >= 2:
-                curve.append(p)
-                break
-        curve.append(p)
+        else:
+            curve.append(p)
     top = best(curve, objective, max_step_ms) or best(curve, objective)
     if top is None:
         return
@@ -311,9 +314,18 @@ def adaptive(
         if 1 <= seqs <= max_seqs:
             bench.measure(seqs, base_tokens, block)
     top = best(bench.points.values(), objective, max_step_ms) or top
-    # 3. The token budget at that max_num_seqs.
-    for tokens in token_budgets:
-        bench.measure(top.max_num_seqs, tokens, block)
+    # 3. The token budget at that max_num_seqs: halve and double, then go on in the
+    # direction that gained while it gains.
+    budgets = sorted(set(token_budgets) | {base_tokens})
+    at = budgets.index(base_tokens)
+    seqs = top.max_num_seqs
+    for direction in (-1, 1):
+        i, last = at + direction, top
+        while 0 <= i < len(budgets):
+            p = bench.measure(seqs, budgets[i], block)
+            if p.error or p.value(objective) <= last.value(objective):
+                break
+            last, i = p, i + direction
     top = best(bench.points.values(), objective, max_step_ms) or top
     # 4. Other block sizes at the best point.
     for other in block_sizes[1:]:
