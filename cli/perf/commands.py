@@ -51,6 +51,12 @@ def _ints(text: str | None, name: str) -> list[int] | None:
     return values
 
 
+def _budget(value: int | float | None) -> str:
+    if value is None:
+        return "default"
+    return f"{value:g} of free memory" if isinstance(value, float) else f"{value / 2**20:g} MiB"
+
+
 def _json_object(text: str | None, name: str) -> dict:
     if not text:
         return {}
@@ -122,7 +128,11 @@ def tune(
         str | None, typer.Option(help="…and these max_num_batched_tokens (comma-separated).")
     ] = None,
     block_sizes: Annotated[
-        str | None, typer.Option(help="Block sizes to try (comma-separated; default the base).")
+        str | None,
+        typer.Option(
+            help="Block sizes to try (comma-separated; default: the base one, and "
+            "16 and 32 on a GPU)."
+        ),
     ] = None,
     max_seqs: Annotated[int, typer.Option(min=1, help="The search's largest max_num_seqs.")] = 256,
     objective: Annotated[
@@ -179,10 +189,19 @@ def tune(
             raise typer.BadParameter(
                 f"not a size: {kv_memory!r}", param_hint="--kv-memory"
             ) from None
-    if threads is not None:
-        import torch
+    import torch
 
+    if threads is not None:
         torch.set_num_threads(threads)
+    device = str(base.get("device", "auto"))
+    if blocks is None and (
+        device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    ):
+        # On a GPU the attention reads K/V in place through the block table, so the block
+        # size sets its memory access granularity; on the CPU each sequence's K/V is gathered
+        # whole and the block size barely matters.
+        first = int(base.get("block_size", 16))
+        blocks = [first, *(b for b in (16, 32) if b != first)]
     label, model_dir = resolve_model(model)
 
     from transformers import AutoConfig
@@ -219,7 +238,7 @@ def tune(
         raise typer.Exit(int(ExitCode.ERROR))
     title = (
         f"{label}: {len(shapes)} requests (prompt {shapes.mean_prompt:.0f}, output "
-        f"{shapes.mean_output:.0f} tokens mean), KV budget {base.get('kv_cache_memory', 'default')}"
+        f"{shapes.mean_output:.0f} tokens mean), KV budget {_budget(base.get('kv_cache_memory'))}"
         f", {result.settings['device']}, {result.clock} time"
     )
     paths = tuning.write(result, report_dir or output.parent, output, title)

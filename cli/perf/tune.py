@@ -4,12 +4,13 @@ budget, with the engine alone (no service).
 Each point of the sweep is one engine built with those options (``max_num_seqs``,
 ``max_num_batched_tokens``, ``block_size``) and the memory budget, kept backlogged: the
 workload's requests are fed round and round so the waiting queue never empties, as in a long
-batch job. After a warm-up (until half of ``max_num_seqs`` requests have finished, so the
+batch job, in an order that spreads long and short requests evenly (``spread_order``). After
+a warm-up (until half of ``max_num_seqs`` requests have finished, so the
 running batch holds requests of every age, as in steady state, or ``warmup_s``), a
 window of at least ``measure_s`` seconds and ``min_steps`` steps is measured from the engine's
 own counters: output tokens, tokens run through the model, steps, the running batch size per
 step, preemptions and the peak of KV blocks in use. The window also lasts until half of
-``max_num_seqs`` (and at least 8) requests have finished in it (at most ``max_measure_s``), so
+``max_num_seqs`` (and at least 16) requests have finished in it (at most ``max_measure_s``), so
 it holds admissions
 (prefill) and decodes in their steady-state proportion.
 
@@ -30,8 +31,8 @@ among the points whose mean step time is within ``max_step_ms`` when one is give
 one token of every running sequence: its time is the inter-token latency).
 
 Saturation marks (``saturation``): KV memory saturates at the first ``max_num_seqs`` whose
-running batch stays below 90% of it while the KV pool is over 90% full or sequences are
-preempted; compute saturates at the first running batch size past which doubling the batch
+sequences are preempted, or whose running batch stays below 95% of it while the KV pool is
+over 90% full; compute saturates at the first running batch size past which doubling the batch
 adds less than ``COMPUTE_GAIN`` throughput.
 """
 
@@ -151,6 +152,9 @@ class Bench:
         self.device = ""
         self.points: dict[tuple[int, int, int], Point] = {}
         self._next = 0
+        self.order = spread_order(
+            [len(p) + n for p, n in zip(shapes.prompts, shapes.max_tokens, strict=True)]
+        )
 
     def _now(self) -> float:
         return time.process_time() if self.clock_name == "cpu" else time.perf_counter()
@@ -190,7 +194,7 @@ class Bench:
 
         def feed() -> None:
             while len(engine.scheduler.waiting) < point.max_num_seqs:
-                i = self._next % len(shapes)
+                i = self.order[self._next % len(shapes)]
                 self._next += 1
                 prompt = shapes.prompts[i][: limit - 1]
                 out = max(1, min(shapes.max_tokens[i], limit - len(prompt)))
@@ -220,7 +224,7 @@ class Bench:
             if elapsed > self.max_measure_s or (
                 elapsed >= self.measure_s
                 and engine.stats().num_steps - before.num_steps >= self.min_steps
-                and finished - done0 >= max(8, point.max_num_seqs // 2)
+                and finished - done0 >= max(16, point.max_num_seqs // 2)
             ):
                 break
         point.seconds = self._now() - t0
@@ -235,12 +239,25 @@ class Bench:
         point.mean_running = (after.total_running_seq_steps - before.total_running_seq_steps) / (
             steps or 1
         )
-        point.mean_step_ms = 1000 * (after.total_step_time_s - before.total_step_time_s) / steps
+        point.mean_step_ms = 1000 * point.seconds / steps  # by the same clock as throughput
         point.preemptions = after.num_preemptions - before.num_preemptions
         point.kv_peak_used = peak / bm.num_blocks if bm.num_blocks else 0.0
-        point.kv_bound = point.mean_running < 0.9 * point.max_num_seqs and (
-            point.kv_peak_used >= 0.9 or point.preemptions > 0
+        point.kv_bound = point.preemptions > 0 or (
+            point.kv_peak_used >= 0.9 and point.mean_running < 0.95 * point.max_num_seqs
         )
+
+
+def spread_order(sizes: list[int]) -> list[int]:
+    """The indices of ``sizes`` in an order where any run of consecutive ones is spread over
+    the whole distribution (the k-th pick is at quantile frac(k * golden ratio)), so a short
+    window admits a mix of requests close to the workload's own."""
+    by_size = sorted(range(len(sizes)), key=lambda i: sizes[i])
+    phi = (math.sqrt(5) - 1) / 2
+    ranks = sorted(range(len(sizes)), key=lambda k: (k * phi) % 1.0)
+    order = [0] * len(sizes)
+    for rank, k in enumerate(ranks):
+        order[k] = by_size[rank]
+    return order
 
 
 def _describe(p: Point) -> str:
