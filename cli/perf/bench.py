@@ -319,7 +319,8 @@ class Sampler(threading.Thread):
                     self.unanswered += 1
                 for name, answer in workers.items():  # a model worker found on this machine
                     pid = answer.get("pid")
-                    if isinstance(pid, int) and name not in self.pids and memory_kb(pid):
+                    known = name in self.pids or pid in self.pids.values()
+                    if isinstance(pid, int) and not known and memory_kb(pid):
                         self.pids[name] = pid
             self.samples.append(Sample(time.time(), workers, self.read_memory()))
             self._stop_event.wait(max(0.0, self.interval - (time.monotonic() - began)))

@@ -362,6 +362,10 @@ def bench(
     settings = get_settings()
     served = dict(settings.models)
     name = model or next(iter(served))
+    if url is None and name not in served:
+        raise typer.BadParameter(
+            f"{name!r} is not served (BATCHD_MODELS: {', '.join(served)})", param_hint="--model"
+        )
     try:
         shapes = benching.Shapes(
             name, workload=workload, input_len=input_len, output_len=output_len

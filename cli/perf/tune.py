@@ -206,8 +206,8 @@ class Bench:
             feed()
             finished += len(engine.step())
 
-        # Warm-up: until as many requests have finished as can run at once, so the running
-        # batch holds requests of every age, as in steady state.
+        # Warm-up: until half as many requests have finished as can run at once, so the
+        # running batch holds requests of every age, as in steady state.
         started = time.perf_counter()
         while finished < max(1, point.max_num_seqs // 2) or engine.stats().num_steps < 3:
             step()
