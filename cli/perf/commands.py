@@ -444,6 +444,18 @@ def bench(
     say(f"wrote {report_path}, {', '.join(str(p) for p in pngs)}")
 
 
+def _unwrap(text: str) -> str:
+    """Paragraphs on one line each (the help formatter wraps them); indented lines (the
+    examples) as they are."""
+    out: list[str] = []
+    for line in text.strip().splitlines():
+        if line and not line.startswith(" ") and out and out[-1] and not out[-1].startswith(" "):
+            out[-1] += " " + line
+        else:
+            out.append(line)
+    return "\n".join(out)
+
+
 def register(app: typer.Typer) -> None:
-    app.command(name="tune", help=TUNE_HELP)(tune)
-    app.command(name="bench", help=BENCH_HELP)(bench)
+    app.command(name="tune", help=_unwrap(TUNE_HELP))(tune)
+    app.command(name="bench", help=_unwrap(BENCH_HELP))(bench)
