@@ -151,6 +151,9 @@ def tune(
     clock: Annotated[
         str, typer.Option(help="auto (CPU time on a 1-thread CPU engine, else wall), cpu, wall.")
     ] = "auto",
+    confirm: Annotated[
+        int, typer.Option(min=0, help="Measure this many best points again before choosing.")
+    ] = 3,
     threads: Annotated[
         int | None, typer.Option(min=1, help="torch intra-op threads (1 on a shared CPU).")
     ] = None,
@@ -231,7 +234,7 @@ def tune(
     result = tuning.run(
         model_dir, shapes, base, seqs=seqs, tokens=tokens, block_sizes=blocks,
         max_seqs=max_seqs, objective=objective, max_step_ms=max_step_ms, warmup_s=warmup,
-        measure_s=measure, min_steps=min_steps, clock=clock, log=say,
+        measure_s=measure, min_steps=min_steps, clock=clock, confirm=confirm, log=say,
     )  # fmt: skip
     if result.chosen is None:
         say("error: no point ran; see the errors above")
@@ -317,6 +320,14 @@ def bench(
     shard_requests: Annotated[
         int | None, typer.Option(min=1, help="Embedded: BATCHD_SHARD_MAX_REQUESTS.")
     ] = None,
+    threads: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Embedded: torch threads per service process (OMP_NUM_THREADS; "
+            "1 on a shared CPU).",
+        ),
+    ] = None,  # fmt: skip
     workload: Annotated[
         Path | None,
         typer.Option(
@@ -398,6 +409,8 @@ def bench(
             overrides = {"BATCHD_RATE_LIMIT_PER_MINUTE": "0"}
             if shard_requests:
                 overrides["BATCHD_SHARD_MAX_REQUESTS"] = str(shard_requests)
+            if threads:
+                overrides["OMP_NUM_THREADS"] = str(threads)
             db = database_url or f"sqlite:///{(work / 'bench.db').resolve()}"
             say(f"starting an embedded service in {work} (model {name}: {served.get(name)}) …")
             service = EmbeddedService(

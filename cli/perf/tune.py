@@ -25,7 +25,9 @@ two geometric midpoints around the best are measured; then the token budget at t
 ``max_num_seqs`` is halved and doubled (``TOKEN_BUDGETS``), going on in a direction while it
 gains; then each other block size at the best point. A grid
 (``max_num_seqs`` and ``max_num_batched_tokens`` lists) measures every combination instead.
-The chosen point is the best measured by ``objective`` (output tokens per second, or "total":
+The ``confirm`` best points are then measured once more each and their windows pooled (the
+best of many noisy measurements is flattered by its own noise). The chosen point is the best
+measured by ``objective`` (output tokens per second, or "total":
 every token run through the model per second),
 among the points whose mean step time is within ``max_step_ms`` when one is given (a step is
 one token of every running sequence: its time is the inter-token latency).
@@ -71,6 +73,7 @@ class Point:
     kv_blocks: int = 0
     kv_peak_used: float = 0.0  # the highest fraction of KV blocks in use in a step
     kv_bound: bool = False
+    runs: int = 0  # measurements pooled into these figures (``Bench.confirm`` adds more)
     error: str | None = None
 
     @property
@@ -173,6 +176,30 @@ class Bench:
         self.log(_describe(point))
         return point
 
+    def confirm(self, point: Point) -> Point:
+        """Measure ``point`` once more and pool the windows (tokens and time summed): the
+        best of many noisy single measurements is flattered by its own noise."""
+        again = Point(*point.key)
+        try:
+            self._run(again)
+        except Exception as exc:
+            point.error = f"{type(exc).__name__}: {exc}"
+            return point
+        gc.collect()
+        n = point.steps + again.steps
+        for name in ("seconds", "wall_s", "output_tokens", "model_tokens", "prompt_tokens",
+                     "finished", "preemptions", "runs"):  # fmt: skip
+            setattr(point, name, getattr(point, name) + getattr(again, name))
+        point.mean_running = (
+            point.mean_running * point.steps + again.mean_running * again.steps
+        ) / max(n, 1)
+        point.steps = n
+        point.mean_step_ms = 1000 * point.seconds / max(n, 1)
+        point.kv_peak_used = max(point.kv_peak_used, again.kv_peak_used)
+        point.kv_bound = point.kv_bound or again.kv_bound
+        self.log(_describe(point) + f" (pooled over {point.runs} runs)")
+        return point
+
     def _run(self, point: Point) -> None:
         from engine import Engine, SamplingParams
 
@@ -227,6 +254,7 @@ class Bench:
                 and finished - done0 >= max(16, point.max_num_seqs // 2)
             ):
                 break
+        point.runs = 1
         point.seconds = self._now() - t0
         point.wall_s = time.perf_counter() - w0
         after = engine.stats()
@@ -459,6 +487,7 @@ def run(
     measure_s: float = 3.0,
     min_steps: int = 8,
     clock: str = "auto",
+    confirm: int = 3,
     log: Callable[[str], None] = lambda _m: None,
 ) -> TuneResult:
     start = time.perf_counter()
@@ -482,6 +511,14 @@ def run(
             token_budgets=budgets, objective=objective, max_step_ms=max_step_ms,
         )  # fmt: skip
     points = list(bench.points.values())
+    eligible = [p for p in points if p.error is None and p.steps]
+    if max_step_ms is not None:
+        eligible = [p for p in eligible if p.mean_step_ms <= max_step_ms] or eligible
+    top = sorted(eligible, key=lambda p: p.value(objective), reverse=True)[:confirm]
+    if len(top) > 1:
+        log(f"measuring the {len(top)} best points again:")
+        for p in top:
+            bench.confirm(p)
     chosen = best(points, objective, max_step_ms)
     options = dict(base)
     if chosen is not None:
@@ -516,6 +553,7 @@ def run(
             "measure_s": measure_s,
             "min_steps": min_steps,
             "max_step_ms": max_step_ms,
+            "confirm": confirm,
         },
     )
 
