@@ -28,7 +28,7 @@ gains; then each other block size at the best point. A grid
 The ``confirm`` best points are then measured once more each and their windows pooled (the
 best of many noisy measurements is flattered by its own noise). The chosen point is the best
 measured by ``objective`` (output tokens per second, or "total":
-every token run through the model per second),
+every token run through the model per second) that is not KV-bound (unless all are),
 among the points whose mean step time is within ``max_step_ms`` when one is given (a step is
 one token of every running sequence: its time is the inter-token latency).
 
@@ -312,6 +312,9 @@ def _pow2_up_to(cap: int) -> list[int]:
 
 
 def best(points: Iterable[Point], objective: str, max_step_ms: float | None = None) -> Point | None:
+    """The highest throughput among the points that ran (within ``max_step_ms``), leaving out
+    KV-bound ones while any other ran: a point that preempts recomputes work, and its
+    throughput swings with the mix of requests it happens to evict."""
     ok = [
         p
         for p in points
@@ -319,6 +322,7 @@ def best(points: Iterable[Point], objective: str, max_step_ms: float | None = No
         and p.steps > 0
         and (max_step_ms is None or p.mean_step_ms <= max_step_ms)
     ]
+    ok = [p for p in ok if not p.kv_bound] or ok
     return max(ok, key=lambda p: p.value(objective), default=None)
 
 
@@ -514,6 +518,7 @@ def run(
     eligible = [p for p in points if p.error is None and p.steps]
     if max_step_ms is not None:
         eligible = [p for p in eligible if p.mean_step_ms <= max_step_ms] or eligible
+    eligible = [p for p in eligible if not p.kv_bound] or eligible
     top = sorted(eligible, key=lambda p: p.value(objective), reverse=True)[:confirm]
     if len(top) > 1:
         log(f"measuring the {len(top)} best points again:")
