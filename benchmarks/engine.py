@@ -53,6 +53,8 @@ from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Any
 
+from cli.perf.workload import LengthDist
+
 SYSTEMS = ("engine", "static", "generate_batch")
 # Named workloads: (number of requests, prompt lengths, output lengths). The default is a
 # batch-inference job that generates more than it reads (output lengths with a long tail);
@@ -74,52 +76,6 @@ PREFIX_DEFAULT_SHARED_FRAC = 0.8
 
 
 # --------------------------------------------------------------------------- workload
-
-
-@dataclass(frozen=True)
-class LengthDist:
-    """``fixed:N``, ``uniform:LO:HI`` or ``lognormal:MEAN:SIGMA`` (MEAN is the mean length;
-    samples are clipped to [1, 4 * MEAN] and then to the model's limits)."""
-
-    kind: str
-    a: float
-    b: float = 0.0
-
-    @classmethod
-    def parse(cls, text: str) -> LengthDist:
-        parts = text.split(":")
-        try:
-            if parts[0] == "fixed" and len(parts) == 2:
-                dist = cls("fixed", int(parts[1]))
-            elif parts[0] == "uniform" and len(parts) == 3:
-                dist = cls("uniform", int(parts[1]), int(parts[2]))
-            elif parts[0] == "lognormal" and len(parts) == 3:
-                dist = cls("lognormal", float(parts[1]), float(parts[2]))
-            else:
-                raise ValueError
-        except ValueError:
-            raise ValueError(
-                f"bad length distribution {text!r}: use fixed:N, uniform:LO:HI or "
-                "lognormal:MEAN:SIGMA"
-            ) from None
-        if dist.a < 1 or (dist.kind == "uniform" and dist.b < dist.a) or dist.b < 0:
-            raise ValueError(f"bad length distribution {text!r}: lengths must be >= 1, LO <= HI")
-        return dist
-
-    def sample(self, rng: random.Random) -> int:
-        if self.kind == "fixed":
-            return int(self.a)
-        if self.kind == "uniform":
-            return rng.randint(int(self.a), int(self.b))
-        mu = math.log(self.a) - self.b**2 / 2  # so that the mean is self.a
-        return int(min(max(1, round(rng.lognormvariate(mu, self.b))), 4 * self.a))
-
-    def __str__(self) -> str:
-        if self.kind == "fixed":
-            return f"fixed:{int(self.a)}"
-        if self.kind == "uniform":
-            return f"uniform:{int(self.a)}:{int(self.b)}"
-        return f"lognormal:{self.a:g}:{self.b:g}"
 
 
 @dataclass

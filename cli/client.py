@@ -167,6 +167,7 @@ class BatchdClient:
         completion_window: str,
         metadata: dict[str, str] | None = None,
         idempotency_key: str | None = None,
+        priority: str | None = None,
     ) -> dict[str, Any]:
         payload: dict[str, Any] = {
             "input_file_id": input_file_id,
@@ -175,6 +176,8 @@ class BatchdClient:
         }
         if metadata:
             payload["metadata"] = metadata
+        if priority:
+            payload["priority"] = priority  # batchd's extension: high | normal | low
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
         return self._request("POST", "batches", json=payload, headers=headers)
 

@@ -24,7 +24,7 @@ from core.logs import log_context
 from core.models import Batch, Shard
 from core.results import GenerationResult, embedding_body, output_line
 from core.settings import get_settings
-from worker import runtime
+from worker import runtime, timings
 from worker.common import REQUEST_ERRORS, storage
 from worker.shard_state import Heartbeat, Pending, ShardLost, batch_stopping, commit_chunk
 
@@ -113,6 +113,7 @@ class ShardRun:
         self.suspects: list[tuple[BatchRequest, list[int], Any]] = []
         self.stats_timeouts = 0
         self.suspect_line: int | None = None
+        self.submitted_at: dict[int, float] = {}  # line -> handed to the host (worker.timings)
         self.gate = runtime.isolation_gate(host)
         self.heartbeat: Heartbeat | None = None
         self._last_checkpoint = time.monotonic()
@@ -237,6 +238,9 @@ class ShardRun:
                 self.pending.add_error(req.line, generation.aborted_record(req))
             return
         record, result = generation.finished_record(self.tok, req, output)
+        submitted = self.submitted_at.pop(req.line, None)
+        if result is not None:
+            timings.record(self.batch_id, self.shard.index, req.custom_id, submitted, output)
         if result is None:
             self.pending.add_error(req.line, record)
         else:
@@ -286,6 +290,7 @@ class ShardRun:
                 self._checkpoint()
                 self._poll()
                 continue
+            self.submitted_at[req.line] = time.time()
             try:
                 if self.embedding:
                     self.host.submit(

@@ -1,0 +1,213 @@
+"""An embedded service for ``batchd bench``: the API (uvicorn), a control worker with beat and
+one model worker as subprocesses on the given database and Redis broker, a storage directory
+of its own, one API key per tenant; and the probes that read a running service's engine
+stats, per-request timings and process memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str, logs: Callable[[], str]):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"timed out waiting for {what}{logs()}")
+
+
+@dataclass
+class EmbeddedService:
+    root: Path
+    database_url: str
+    broker_url: str
+    models: dict[str, str]
+    engine_options: dict[str, Any]
+    env_overrides: dict[str, str] = field(default_factory=dict)
+    shard_concurrency: int = 8
+    port: int = 0
+    worker_name: str = ""
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    keys: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def env(self) -> dict[str, str]:
+        home = self.root / "home"
+        home.mkdir(parents=True, exist_ok=True)
+        return {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "BATCHD_HOME": str(home),
+            "BATCHD_DATABASE_URL": self.database_url,
+            "BATCHD_BROKER_URL": self.broker_url,
+            "BATCHD_STORAGE_URL": str(self.root / "storage"),
+            "BATCHD_MODELS": json.dumps(self.models),
+            "BATCHD_ENGINE_OPTIONS": json.dumps(self.engine_options),
+            "BATCHD_WORKER_SHARD_CONCURRENCY": str(self.shard_concurrency),
+            **self.env_overrides,
+        }
+
+    def start(self, tenants: list[str], timeout: float = 300.0) -> EmbeddedService:
+        import migrations
+        from cli.main import _resolve_models
+        from core.queue import CONTROL_QUEUE, model_queue
+
+        migrations.upgrade(self.database_url)
+        _resolve_models(self.models)  # build demo models once, before two processes race
+        self._create_keys(tenants)
+        self.port = self.port or free_port()
+        tag = secrets.token_hex(3)
+        self.worker_name = f"bench-model-{tag}@{socket.gethostname()}"
+        celery = [sys.executable, "-m", "celery", "-A", "worker.celery_app"]
+        quiet = ["--loglevel", "INFO", "--without-gossip", "--without-mingle"]
+        home = self.root / "home"
+        commands = {
+            "api": [sys.executable, "-m", "uvicorn", "api.app:app", "--host", "127.0.0.1",
+                    "--port", str(self.port), "--log-level", "warning"],
+            "control": [*celery, "worker", "-Q", CONTROL_QUEUE, "--pool", "threads", "-c", "2",
+                        "-n", f"bench-control-{tag}@%h", "-B", "-s",
+                        str(home / "beat-schedule"), *quiet],
+            "model": [*celery, "worker", "-Q", ",".join(model_queue(m) for m in self.models),
+                      "--pool", "threads", "-c", str(self.shard_concurrency),
+                      "-n", self.worker_name, *quiet],
+        }  # fmt: skip
+        env = self.env()
+        for name, cmd in commands.items():
+            with open(self.root / f"{name}.log", "ab") as log:
+                self.procs[name] = subprocess.Popen(
+                    cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                    cwd=self.root,
+                )  # fmt: skip
+        wait_for(self._ready, timeout, "the embedded service to start", self.logs)
+        return self
+
+    def _create_keys(self, tenants: list[str]) -> None:
+        from core import auth
+        from core.db import session_scope
+
+        with session_scope(self.database_url) as session:
+            for tenant in tenants:
+                _row, plaintext = auth.create_key(session, tenant, "batchd bench")
+                self.keys[tenant] = plaintext
+
+    def log(self, name: str) -> str:
+        path = self.root / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def logs(self, chars: int = 3000) -> str:
+        return "".join(f"\n--- {n}.log\n{self.log(n)[-chars:]}" for n in self.procs)
+
+    def check_alive(self) -> None:
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited ({proc.returncode}):{self.logs()}")
+
+    def _ready(self) -> bool:
+        import httpx
+
+        self.check_alive()
+        try:
+            healthy = httpx.get(f"http://127.0.0.1:{self.port}/healthz", timeout=2).status_code
+        except httpx.HTTPError:
+            return False
+        models = self.log("model")
+        return (
+            healthy == 200
+            and "ready." in self.log("control")
+            and all(f"model {m} ready" in models for m in self.models)
+        )
+
+    def pids(self) -> dict[str, int]:
+        return {name: proc.pid for name, proc in self.procs.items()}
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+class WorkerProbe:
+    """Celery remote control of a running service's workers: ``engine_stats`` and
+    ``request_timings`` (worker.runtime, worker.timings)."""
+
+    def __init__(self, broker_url: str, destination: list[str] | None = None):
+        from celery import Celery
+
+        self.app = Celery("batchd-bench", broker=broker_url)
+        self.destination = destination
+
+    def _ask(self, command: str, timeout: float, **arguments: Any) -> dict[str, Any]:
+        replies = self.app.control.broadcast(
+            command, arguments=arguments, destination=self.destination, reply=True,
+            timeout=timeout,
+        )  # fmt: skip
+        out: dict[str, Any] = {}
+        for reply in replies or ():
+            out.update({k: v for k, v in reply.items() if isinstance(v, dict)})
+        return out
+
+    def engine_stats(self, timeout: float = 1.0) -> dict[str, Any]:
+        """{worker: {"pid", "time", "models": {model: stats}}} of the workers that answered."""
+        return {w: a for w, a in self._ask("engine_stats", timeout).items() if "models" in a}
+
+    def request_timings(self, batch_ids: list[str], timeout: float = 5.0) -> list[dict]:
+        records: list[dict] = []
+        for answer in self._ask("request_timings", timeout, batch_ids=batch_ids).values():
+            records.extend(answer.get("records") or ())
+        return records
+
+    def close(self) -> None:
+        self.app.close()
+
+
+def memory_kb(pid: int) -> tuple[int, int] | None:
+    """(VmRSS, VmHWM) of ``pid`` in KiB, or None (gone, or not on this machine)."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    values = {}
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            values[key] = int(rest.split()[0])
+    if len(values) != 2:
+        return None
+    return values["VmRSS"], values["VmHWM"]
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (uvicorn's reloader-free worker, a celery pool's forks)."""
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(p) for p in text.split()]

@@ -1,0 +1,152 @@
+"""Request shapes for ``batchd tune`` and ``batchd bench``: from a real JSONL batch file, or
+from named length distributions.
+
+A length distribution is ``fixed:N``, ``uniform:LO:HI`` or ``lognormal:MEAN:SIGMA`` (MEAN
+is the mean; samples are clipped to [1, 4 * MEAN]).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class LengthDist:
+    kind: str
+    a: float
+    b: float = 0.0
+
+    @classmethod
+    def parse(cls, text: str) -> LengthDist:
+        parts = text.split(":")
+        try:
+            if parts[0] == "fixed" and len(parts) == 2:
+                dist = cls("fixed", int(parts[1]))
+            elif parts[0] == "uniform" and len(parts) == 3:
+                dist = cls("uniform", int(parts[1]), int(parts[2]))
+            elif parts[0] == "lognormal" and len(parts) == 3:
+                dist = cls("lognormal", float(parts[1]), float(parts[2]))
+            else:
+                raise ValueError
+        except ValueError:
+            raise ValueError(
+                f"bad length distribution {text!r}: use fixed:N, uniform:LO:HI or "
+                "lognormal:MEAN:SIGMA"
+            ) from None
+        if dist.a < 1 or (dist.kind == "uniform" and dist.b < dist.a) or dist.b < 0:
+            raise ValueError(f"bad length distribution {text!r}: lengths must be >= 1, LO <= HI")
+        return dist
+
+    def sample(self, rng: random.Random) -> int:
+        if self.kind == "fixed":
+            return int(self.a)
+        if self.kind == "uniform":
+            return rng.randint(int(self.a), int(self.b))
+        mu = math.log(self.a) - self.b**2 / 2  # so that the mean is self.a
+        return int(min(max(1, round(rng.lognormvariate(mu, self.b))), 4 * self.a))
+
+    def __str__(self) -> str:
+        if self.kind == "fixed":
+            return f"fixed:{int(self.a)}"
+        if self.kind == "uniform":
+            return f"uniform:{int(self.a)}:{int(self.b)}"
+        return f"lognormal:{self.a:g}:{self.b:g}"
+
+
+@dataclass
+class Shapes:
+    """Prompts (token ids) and output lengths: what the engine alone runs."""
+
+    prompts: list[list[int]]
+    max_tokens: list[int]
+    source: str
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def mean_prompt(self) -> float:
+        return sum(map(len, self.prompts)) / max(1, len(self.prompts))
+
+    @property
+    def mean_output(self) -> float:
+        return sum(self.max_tokens) / max(1, len(self.max_tokens))
+
+
+def usable_token_ids(tokenizer: Any, vocab_size: int) -> list[int]:
+    special = set(tokenizer.all_special_ids or [])
+    return [i for i in range(vocab_size) if i not in special]
+
+
+def synthetic_shapes(
+    n: int,
+    input_len: LengthDist,
+    output_len: LengthDist,
+    *,
+    vocab: Sequence[int],
+    max_model_len: int,
+    seed: int = 0,
+) -> Shapes:
+    rng = random.Random(seed)
+    prompts, outs = [], []
+    for _ in range(n):
+        out = max(1, min(output_len.sample(rng), max_model_len - 1))
+        inp = max(1, min(input_len.sample(rng), max_model_len - out))
+        prompts.append([rng.choice(vocab) for _ in range(inp)])
+        outs.append(out)
+    return Shapes(prompts, outs, f"synthetic input {input_len}, output {output_len}")
+
+
+def iter_request_bodies(path: Path) -> list[dict[str, Any]]:
+    """The request lines of a JSONL file: OpenAI batch lines (``{"body": …}``) or bare
+    bodies (``{"messages" | "prompt", "max_tokens"}``), as parsed dicts."""
+    rows = []
+    with open(path, encoding="utf-8") as fh:
+        for line_no, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{line_no}: not JSON ({exc.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{line_no}: not a JSON object")
+            rows.append(row)
+    if not rows:
+        raise ValueError(f"{path}: no requests")
+    return rows
+
+
+def file_shapes(
+    path: Path, tokenizer: Any, *, max_model_len: int, default_max_tokens: int = 256
+) -> Shapes:
+    """Prompt token ids and ``max_tokens`` of every request in a JSONL batch file (chat
+    prompts through the model's chat template, as the service tokenizes them)."""
+    prompts, outs = [], []
+    for line_no, row in enumerate(iter_request_bodies(path), 1):
+        body = row.get("body", row)
+        if "messages" in body:
+            ids = tokenizer.apply_chat_template(
+                body["messages"], add_generation_prompt=True, tokenize=True
+            )
+            if isinstance(ids, dict) or hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+        elif "prompt" in body:
+            prompt = body["prompt"]
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+                ids = list(prompt)
+            else:
+                ids = tokenizer.encode(prompt if isinstance(prompt, str) else prompt[0])
+        else:
+            raise ValueError(f"{path}: request {line_no} has no 'messages' or 'prompt'")
+        out = body.get("max_completion_tokens") or body.get("max_tokens") or default_max_tokens
+        out = max(1, min(int(out), max_model_len - 1))
+        prompts.append(list(ids)[-(max_model_len - out) :] or [0])
+        outs.append(out)
+    return Shapes(prompts, outs, str(path))

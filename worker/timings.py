@@ -1,0 +1,83 @@
+"""Per-request timings of the generations this process ran, for ``batchd bench``.
+
+The shard runner records each finished request: when the shard handed it to the engine host
+(``submitted``), when the engine admitted it (``admitted``), produced its first token
+(``first_token``) and finished it (``finished``), all ``time.time()`` seconds, with its
+prompt, cached and output token counts. Records live in a bounded buffer (the most recent
+``MAX_RECORDS``; a few hundred bytes each) and are read over Celery remote control:
+
+    app.control.broadcast("request_timings", arguments={"batch_ids": [...]}, reply=True)
+
+answers ``{"pid": …, "records": [...]}`` with the records of those batches (all records
+without ``batch_ids``). Nothing is written anywhere else: the buffer costs one tuple per
+finished request.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import time
+from typing import Any
+
+MAX_RECORDS = 200_000
+FIELDS = (
+    "batch_id",
+    "shard",
+    "custom_id",
+    "submitted",
+    "admitted",
+    "first_token",
+    "finished",
+    "prompt_tokens",
+    "cached_tokens",
+    "output_tokens",
+)
+
+_lock = threading.Lock()
+_records: collections.deque[tuple[Any, ...]] = collections.deque(maxlen=MAX_RECORDS)
+
+
+def record(batch_id: str, shard: int, custom_id: str, submitted: float | None, output: Any) -> None:
+    """Keep the timings of one finished request (an engine ``RequestOutput``)."""
+    metrics = getattr(output, "metrics", None)
+    if metrics is None:
+        return
+    outputs = getattr(output, "outputs", None) or ()
+    row = (
+        batch_id,
+        int(shard),
+        str(custom_id),
+        submitted,
+        getattr(metrics, "arrival_time", None),
+        getattr(metrics, "first_token_time", None),
+        getattr(metrics, "finished_time", None) or time.time(),
+        len(getattr(output, "prompt_token_ids", None) or ()),
+        int(getattr(metrics, "num_cached_tokens", 0) or 0),
+        sum(len(c.token_ids) for c in outputs),
+    )
+    with _lock:
+        _records.append(row)
+
+
+def records(batch_ids: list[str] | None = None) -> list[dict[str, Any]]:
+    """The kept records of ``batch_ids`` (every record when None), oldest first."""
+    wanted = set(batch_ids) if batch_ids is not None else None
+    with _lock:
+        rows = list(_records)
+    return [dict(zip(FIELDS, r, strict=True)) for r in rows if wanted is None or r[0] in wanted]
+
+
+def _register_command() -> None:
+    try:
+        from celery.worker.control import inspect_command
+    except ImportError:  # no Celery worker machinery here: nothing to register
+        return
+
+    @inspect_command(name="request_timings", args=[("batch_ids", list)])
+    def request_timings(state: Any, batch_ids: list[str] | None = None, **_: Any) -> dict:
+        return {"pid": os.getpid(), "records": records(batch_ids)}
+
+
+_register_command()
