@@ -55,7 +55,7 @@ class Service:
             found[:] = [batch_row(batch_id)]
             return until(found[0])
 
-        wait_for(done, timeout, f"batch {batch_id}", self.procs.root)
+        wait_for(done, timeout, f"batch {batch_id}", self.procs.logs)
         return found[0]
 
     def signal(self, name: str, sig: int) -> None:

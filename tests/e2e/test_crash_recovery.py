@@ -117,7 +117,7 @@ def test_sigkilled_model_worker_loses_nothing_and_repeats_nothing(
             lambda before=before: batch_row(batch_id).request_completed > before,
             90,
             f"progress by {name}",
-            tmp_path,
+            procs.logs,
         )
         delay = rng.uniform(0.0, 2.5)
         time.sleep(delay)
@@ -131,7 +131,7 @@ def test_sigkilled_model_worker_loses_nothing_and_repeats_nothing(
         lambda: batch_row(batch_id).status in ("completed", "failed", "expired", "cancelled"),
         400,
         "the batch to finish",
-        tmp_path,
+        procs.logs,
     )
     batch = batch_row(batch_id)
     assert batch.status == "completed", procs.logs()
@@ -197,7 +197,7 @@ def test_api_killed_mid_upload_leaves_nothing_listed_or_usable(
             return False
 
     procs.start("api", api_command(port), env)
-    wait_for(api_up, 60, "the API", tmp_path)
+    wait_for(api_up, 60, "the API", procs.logs)
     before = httpx.get(f"{base}/v1/files", headers=headers).json()["data"]
 
     line = json.dumps(chat_line("x", "y" * 900, 4, ignore_eos=True)).encode() + b"\n"
@@ -231,7 +231,7 @@ def test_api_killed_mid_upload_leaves_nothing_listed_or_usable(
     sock.close()
 
     procs.start("api", api_command(port), env)
-    wait_for(api_up, 60, "the restarted API", tmp_path)
+    wait_for(api_up, 60, "the restarted API", procs.logs)
     files = httpx.get(f"{base}/v1/files", headers=headers).json()["data"]
     assert files == before, "a half-written upload is listed"
     # Whatever the dead server left behind is a temporary file: never an object.

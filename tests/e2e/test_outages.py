@@ -86,7 +86,7 @@ def test_database_and_broker_outages_mid_job(pg_url, private_broker, tmp_path, p
         def batch() -> dict[str, Any]:
             return client.get(f"/v1/batches/{batch_id}").json()
 
-        wait_for(lambda: batch()["request_counts"]["completed"] >= 2, 90, "progress", tmp_path)
+        wait_for(lambda: batch()["request_counts"]["completed"] >= 2, 90, "progress", procs.logs)
 
         # Postgres goes away: the API says so (503), the workers wait and retry.
         pg.cut()
@@ -110,7 +110,7 @@ def test_database_and_broker_outages_mid_job(pg_url, private_broker, tmp_path, p
             lambda: batch()["status"] in ("completed", "failed", "expired", "cancelled"),
             150,
             "the batch to finish",
-            tmp_path,
+            procs.logs,
         )
         final = batch()
         assert final["status"] == "completed", (final, procs.logs())
