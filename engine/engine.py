@@ -295,14 +295,7 @@ class Engine:
 
     def _fork(self, parent: Sequence, index: int) -> Sequence:
         """Completion ``index`` of an ``n > 1`` request: shares the parent's full prompt blocks."""
-        request = parent.request
-        child = Sequence(
-            request,
-            index,
-            list(parent.token_ids),
-            parent.max_len,
-            self._generator(parent.params, index),
-        )
+        child = self._child(parent, index, list(parent.token_ids))
         full = parent.num_computed_tokens // self.config.block_size
         shared = parent.block_table[:full]
         self.block_manager.share(shared)
@@ -310,12 +303,6 @@ class Engine:
         child.num_computed_tokens = full * self.config.block_size
         child.block_hashes = parent.block_hashes[:full]
         child.num_hashed_blocks = min(parent.num_hashed_blocks, full)
-        child.bucket = parent.bucket
-        child.priority = parent.priority
-        child.matcher = parent.matcher.deep_copy() if parent.matcher is not None else None
-        start_detokenizer(child)
-        request.seqs.append(child)
-        request.num_unfinished += 1
         self.scheduler.add_running(child)
         return child
 
@@ -323,15 +310,17 @@ class Engine:
         """Completion ``index`` of an ``n > 1`` request when the running set is full: it waits,
         first in line, as a sequence of the prompt alone; admitted, it reads the prompt's
         blocks from the prefix cache and samples its first token from its own logits."""
+        child = self._child(parent, index, list(parent.request.prompt_token_ids))
+        child.expected_work = parent.max_len
+        return child
+
+    def _child(self, parent: Sequence, index: int, token_ids: list[int]) -> Sequence:
+        """Completion ``index`` of ``parent``'s request, counted in it, with the parent's
+        admission keys and a copy of its grammar state (no token sampled yet)."""
         request = parent.request
         child = Sequence(
-            request,
-            index,
-            list(request.prompt_token_ids),
-            parent.max_len,
-            self._generator(parent.params, index),
+            request, index, token_ids, parent.max_len, self._generator(parent.params, index)
         )
-        child.expected_work = parent.max_len
         child.bucket = parent.bucket
         child.priority = parent.priority
         child.matcher = parent.matcher.deep_copy() if parent.matcher is not None else None

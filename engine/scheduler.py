@@ -314,14 +314,8 @@ class Scheduler:
     def suspend(self, seq: Sequence) -> None:
         """Take ``seq`` out of the running set or the waiting queue, freeing its blocks (full
         ones stay in the prefix cache); :meth:`resume` brings it back."""
-        if seq.status is Status.RUNNING:
-            self.running.remove(seq)
-            self._hot(seq, -1)
-        elif seq.status is Status.WAITING:
-            self.waiting.taken(seq)
-        self.bm.free_seq(seq)
+        self._release(seq, Status.SUSPENDED)
         seq.num_computed_tokens = 0
-        seq.status = Status.SUSPENDED
 
     def resume(self, seq: Sequence) -> None:
         """A suspended sequence waits again, first in line, like a preempted one: it recomputes
@@ -331,13 +325,17 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence from the queues and free its blocks."""
+        self._release(seq, Status.FINISHED)
+
+    def _release(self, seq: Sequence, status: Status) -> None:
+        """Out of the running set or the waiting queue, its blocks freed, now ``status``."""
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
             self._hot(seq, -1)
         elif seq.status is Status.WAITING:
             self.waiting.taken(seq)
         self.bm.free_seq(seq)
-        seq.status = Status.FINISHED
+        seq.status = status
 
     def _hot(self, seq: Sequence, delta: int) -> None:
         key = seq.bucket
