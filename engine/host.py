@@ -15,13 +15,13 @@ loop refills the engine's free slots between two steps and hands it no backlog b
 (``engine_backlog=0``): anything parked in the engine's own queue would be ordered by
 priority and length across batches, and a newly arriving batch would queue behind it.
 
-Shares of a full engine: in the most urgent pending tier below ``high``, each tenant with work
-is due an equal share of ``max_num_seqs``. A tenant that arrives while another holds every
-slot gets its share at once: the newest in-flight requests of tenants above their share (and
-of less urgent tiers) are suspended in the engine (``Engine.suspend_request``: their KV is
-freed, their output so far kept) and wait first in their batch, to resume where they stopped
-when their tenant is below its share again (``fair_share=False`` turns this off). One tenant
-alone keeps every slot.
+Shares of a full engine: in the most urgent pending tier, each tenant with work is due an
+equal share of ``max_num_seqs``, and less urgent tiers nothing while it waits. A tenant (or a
+tier) that arrives while others hold every slot gets its share at once: the newest in-flight
+requests of less urgent tiers, then of tenants above their share, are suspended in the engine
+(``Engine.suspend_request``: their KV is freed, their output so far kept) and wait first in
+their batch, to resume where they stopped when their tenant is below its share again
+(``fair_share=False`` turns this off). One tenant alone keeps every slot.
 
 Memory stays bounded: a batch may hold at most ``group_window`` pending requests (default
 ``max_num_seqs``, enough to refill every slot of the engine at once, so a batch alone keeps it
@@ -525,18 +525,19 @@ class EngineHost:
     def _share_out(self, in_flight: dict[str, _Entry]) -> frozenset[str | None]:
         """Fair shares of the engine's sequences among tenants; the caller holds the lock.
 
-        In the most urgent tier with pending work (``normal`` or ``low``; the urgent tiers
-        have their reservation), each tenant with work there is due an equal share of
-        ``max_num_seqs``. A tenant below its share that has requests waiting gets room at
-        once: when the engine is full, the newest in-flight requests of less urgent tiers,
-        then of tenants above their share, are suspended in the engine (their KV freed, what
-        they generated kept) and wait first in their batch; they resume when their tenant is
-        below its share again. Returns the tenants that hold their share, which admission
-        passes over while another waits for its own. One tenant alone keeps every slot."""
+        In the most urgent tier with pending work, each tenant with work there is due an equal
+        share of ``max_num_seqs``; less urgent tiers are due nothing while it waits (tiers are
+        strict). A tenant below its share that has requests waiting gets room at once: when
+        the engine is full, the newest in-flight requests of less urgent tiers, then of tenants above their share,
+        are suspended in the engine (their KV freed, what they generated kept) and wait first
+        in their batch; they resume when their tenant is below its share again. Returns the
+        tenants that hold their share, which admission passes over while another waits for
+        its own. One tenant alone keeps every slot; work that fits in free room suspends
+        nothing."""
         if not self.fair_share:
             return frozenset()
         tier = self._pending.top_tier()
-        if tier is None or tier < 0:
+        if tier is None:
             return frozenset()
         pending = self._pending.tenants_in(tier)
         running = collections.Counter(e.tenant for e in in_flight.values() if e.priority == tier)
@@ -548,6 +549,8 @@ class EngineHost:
         want = sum(min(n, share - running[t]) for t, n in pending.items() if running[t] < share)
         if not want:
             return frozenset()
+        # The engine's reserved slots are among its max_num_seqs (lent to bulk while no urgent
+        # work waits), so room is what the in-flight cap leaves, for every tier.
         need = want - max(0, self.max_in_flight - len(in_flight))
         if need > 0:
             over = {t: n - share for t, n in running.items() if n > share}

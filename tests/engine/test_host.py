@@ -372,7 +372,10 @@ def test_reserved_room_lets_urgent_work_start_while_bulk_fills_the_engine(model_
     prompts = _prompts(4, seed=11)
     expected = [o.outputs[0].token_ids for o in LLM(str(model_dir), max_num_seqs=4).generate(
         prompts, bulk_params, use_tqdm=False)]  # fmt: skip
-    with EngineHost(_engine(model_dir, max_num_seqs=4), reserved_share=0.25) as host:
+    # fair_share off: the engine's own reservation makes the room (with it on, the host
+    # suspends a bulk request instead; see the test below)
+    host = EngineHost(_engine(model_dir, max_num_seqs=4), reserved_share=0.25, fair_share=False)
+    with host:
         bulk = [host.submit(p, bulk_params, group="bulk") for p in prompts]
         deadline = time.monotonic() + 60
         while host.stats().engine.num_running < 4 and time.monotonic() < deadline:
@@ -428,3 +431,32 @@ def test_one_tenant_alone_keeps_every_slot(model_dir: Path) -> None:
         for f in first + more:
             f.result(timeout=60)
         assert host.stats().suspended == 0
+
+
+def test_urgent_work_beyond_the_reservation_suspends_bulk(model_dir: Path) -> None:
+    """Three urgent requests, one reserved slot: the first takes the reservation, the other
+    two suspend the newest bulk requests instead of waiting for them; all finish in about
+    the steps their own tokens need, and the bulk's outputs are untouched."""
+    long = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+    short = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    bulk_prompts, urgent_prompts = _prompts(4, seed=31), _prompts(3, seed=32)
+    llm = LLM(str(model_dir), max_num_seqs=8)
+    want = [o.outputs[0].token_ids for o in llm.generate(bulk_prompts, long, use_tqdm=False)]
+    with EngineHost(_engine(model_dir, max_num_seqs=4), reserved_share=0.25) as host:
+        bulk = [host.submit(p, long, group="bulk", tenant="A") for p in bulk_prompts]
+        deadline = time.monotonic() + 60
+        while host.stats().engine.num_running < 4 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        steps_before = host.stats().steps
+        urgent = [
+            host.submit(p, short, group="now", tenant="A", priority=-1) for p in urgent_prompts
+        ]
+        for f in urgent:
+            f.result(timeout=60)
+        steps_for_urgent = host.stats().steps - steps_before
+        assert not any(f.done() for f in bulk)
+        got = [f.result(timeout=120).outputs[0].token_ids for f in bulk]
+        stats = host.stats()
+    assert steps_for_urgent <= 12, steps_for_urgent  # 20 without suspending (three waves)
+    assert stats.suspended >= 1
+    assert got == want
