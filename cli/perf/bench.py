@@ -42,7 +42,12 @@ from pathlib import Path
 from typing import Any
 
 from cli.perf.service import WorkerProbe, children, memory_kb
-from cli.perf.workload import LengthDist, iter_request_bodies
+from cli.perf.workload import (
+    DEFAULT_INPUT_LEN,
+    DEFAULT_OUTPUT_LEN,
+    LengthDist,
+    iter_request_bodies,
+)
 
 TERMINAL = {"completed", "failed", "expired", "cancelled"}
 COMPLETIONS = "/v1/completions"
@@ -125,8 +130,8 @@ class Shapes:
         model: str,
         *,
         workload: Path | None = None,
-        input_len: str = "lognormal:128:0.8",
-        output_len: str = "lognormal:64:0.8",
+        input_len: str = DEFAULT_INPUT_LEN,
+        output_len: str = DEFAULT_OUTPUT_LEN,
         vocab: tuple[int, int] = (100, 1000),
     ):
         self.model = model

@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 from cli.exit_codes import ExitCode
+from cli.perf.workload import DEFAULT_INPUT_LEN, DEFAULT_OUTPUT_LEN
 
 
 def say(message: str) -> None:
@@ -57,6 +58,20 @@ def _budget(value: int | float | None) -> str:
     return f"{value:g} of free memory" if isinstance(value, float) else f"{value / 2**20:g} MiB"
 
 
+def _usage_error(exc: ValueError) -> typer.Exit:
+    say(f"error: {exc}")
+    return typer.Exit(int(ExitCode.USAGE))
+
+
+def _engine_options(text: str | None) -> dict:
+    """``--engine-options``; without it, ``BATCHD_ENGINE_OPTIONS``."""
+    from core.settings import get_settings
+
+    if text is not None:
+        return _json_object(text, "--engine-options")
+    return dict(get_settings().engine_options)
+
+
 def _json_object(text: str | None, name: str) -> dict:
     if not text:
         return {}
@@ -67,6 +82,37 @@ def _json_object(text: str | None, name: str) -> dict:
     if not isinstance(value, dict):
         raise typer.BadParameter("expected a JSON object", param_hint=name)
     return value
+
+
+# The options both commands take, with one meaning: where the request shapes come from.
+WorkloadOpt = Annotated[
+    Path | None,
+    typer.Option(
+        exists=True,
+        dir_okay=False,
+        help="A JSONL batch file whose requests give the request shapes (prompt and output "
+        "lengths).",
+    ),
+]
+InputLenOpt = Annotated[
+    str,
+    typer.Option(
+        help="Without --workload: prompt lengths in tokens (fixed:N, uniform:LO:HI, "
+        "lognormal:MEAN:SIGMA)…"
+    ),
+]
+OutputLenOpt = Annotated[str, typer.Option(help="…and output lengths.")]
+SeedOpt = Annotated[int, typer.Option(help="Seed of the workload.")]
+EngineOptionsOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Engine options as JSON (device, dtype, max_model_len …); default "
+        "BATCHD_ENGINE_OPTIONS."
+    ),
+]
+ThreadsOpt = Annotated[
+    int | None, typer.Option(min=1, help="torch threads per engine process (1 on a shared CPU).")
+]
 
 
 TUNE_HELP = """Find the engine's operating point for a model, a workload and a KV memory budget.
@@ -91,22 +137,12 @@ def tune(
             "(default: the first of BATCHD_MODELS)."
         ),
     ] = None,  # fmt: skip
-    workload: Annotated[
-        Path | None,
-        typer.Option(
-            exists=True,
-            dir_okay=False,
-            help="A JSONL batch file whose requests give the prompt and output lengths.",
-        ),
-    ] = None,  # fmt: skip
+    workload: WorkloadOpt = None,
     requests: Annotated[
-        int, typer.Option(min=1, help="Without --workload: this many synthetic requests…")
+        int, typer.Option(min=1, help="Without --workload: this many synthetic requests.")
     ] = 256,
-    input_len: Annotated[
-        str,
-        typer.Option(help="…with prompt lengths (fixed:N, uniform:LO:HI, lognormal:MEAN:SIGMA)"),
-    ] = "lognormal:128:0.8",
-    output_len: Annotated[str, typer.Option(help="…and output lengths.")] = "lognormal:64:0.8",
+    input_len: InputLenOpt = DEFAULT_INPUT_LEN,
+    output_len: OutputLenOpt = DEFAULT_OUTPUT_LEN,
     kv_memory: Annotated[
         str | None,
         typer.Option(
@@ -114,13 +150,7 @@ def tune(
             "(0.85); default: the engine options' kv_cache_memory."
         ),
     ] = None,  # fmt: skip
-    engine_options: Annotated[
-        str | None,
-        typer.Option(
-            help="Other engine options as JSON (device, dtype, max_model_len …); "
-            "default BATCHD_ENGINE_OPTIONS."
-        ),
-    ] = None,  # fmt: skip
+    engine_options: EngineOptionsOpt = None,
     max_num_seqs: Annotated[
         str | None, typer.Option(help="A grid instead of the search: these max_num_seqs…")
     ] = None,
@@ -154,10 +184,8 @@ def tune(
     confirm: Annotated[
         int, typer.Option(min=0, help="Measure this many best points again before choosing.")
     ] = 3,
-    threads: Annotated[
-        int | None, typer.Option(min=1, help="torch intra-op threads (1 on a shared CPU).")
-    ] = None,
-    seed: Annotated[int, typer.Option(help="Seed of the synthetic workload.")] = 0,
+    threads: ThreadsOpt = None,
+    seed: SeedOpt = 0,
     output: Annotated[
         Path, typer.Option("-o", "--output", help="Where the chosen engine options go.")
     ] = Path("engine-options.json"),
@@ -169,7 +197,6 @@ def tune(
     from cli.perf import tune as tuning
     from cli.perf.workload import LengthDist, file_shapes, synthetic_shapes, usable_token_ids
     from cli.run.command import _memory_size
-    from core.settings import get_settings
 
     if objective not in ("output", "total"):
         raise typer.BadParameter("output or total", param_hint="--objective")
@@ -178,11 +205,7 @@ def tune(
     seqs = _ints(max_num_seqs, "--max-num-seqs")
     tokens = _ints(max_num_batched_tokens, "--max-num-batched-tokens")
     blocks = _ints(block_sizes, "--block-sizes")
-    base = (
-        _json_object(engine_options, "--engine-options")
-        if engine_options is not None
-        else dict(get_settings().engine_options)
-    )
+    base = _engine_options(engine_options)
     for host_only in ("max_pending", "engine_backlog", "group_window"):
         base.pop(host_only, None)
     if kv_memory is not None:
@@ -224,8 +247,7 @@ def tune(
                 vocab=vocab, max_model_len=limit, seed=seed,
             )  # fmt: skip
     except ValueError as exc:
-        say(f"error: {exc}")
-        raise typer.Exit(int(ExitCode.USAGE)) from None
+        raise _usage_error(exc) from None
     say(
         f"tuning {label} ({model_dir}) on {shapes.source}: {len(shapes)} requests, mean prompt "
         f"{shapes.mean_prompt:.0f} tokens, mean output {shapes.mean_output:.0f} tokens; base "
@@ -313,36 +335,14 @@ def bench(
             help="The served model the requests name (default: the first of BATCHD_MODELS)."
         ),
     ] = None,  # fmt: skip
-    engine_options: Annotated[
-        str | None,
-        typer.Option(help="Embedded: engine options JSON (default BATCHD_ENGINE_OPTIONS)."),
-    ] = None,
+    engine_options: EngineOptionsOpt = None,
     shard_requests: Annotated[
         int | None, typer.Option(min=1, help="Embedded: BATCHD_SHARD_MAX_REQUESTS.")
     ] = None,
-    threads: Annotated[
-        int | None,
-        typer.Option(
-            min=1,
-            help="Embedded: torch threads per service process (OMP_NUM_THREADS; "
-            "1 on a shared CPU).",
-        ),
-    ] = None,  # fmt: skip
-    workload: Annotated[
-        Path | None,
-        typer.Option(
-            exists=True,
-            dir_okay=False,
-            help="A JSONL batch file: each job's requests are drawn from its lines.",
-        ),
-    ] = None,  # fmt: skip
-    input_len: Annotated[
-        str,
-        typer.Option(
-            help="Without --workload: prompt tokens (fixed:N, uniform:LO:HI, lognormal:MEAN:SIGMA)…"
-        ),
-    ] = "lognormal:128:0.8",  # fmt: skip
-    output_len: Annotated[str, typer.Option(help="…and output tokens.")] = "lognormal:64:0.8",
+    threads: ThreadsOpt = None,
+    workload: WorkloadOpt = None,
+    input_len: InputLenOpt = DEFAULT_INPUT_LEN,
+    output_len: OutputLenOpt = DEFAULT_OUTPUT_LEN,
     jobs: Annotated[int, typer.Option(min=1, help="Jobs (batches) arriving…")] = 8,
     rate: Annotated[
         float, typer.Option(min=0.0, help="…as a Poisson process, jobs/s (0: all at once).")
@@ -358,7 +358,7 @@ def bench(
     priorities: Annotated[
         str, typer.Option(help="Priorities with weights, normal:3,high:1.")
     ] = "normal",
-    seed: Annotated[int, typer.Option(help="Seed of the workload.")] = 0,
+    seed: SeedOpt = 0,
     interval: Annotated[
         float, typer.Option(help="Seconds between engine and memory samples.")
     ] = 0.5,
@@ -389,8 +389,7 @@ def bench(
                 priorities=priorities, seed=seed,
             )  # fmt: skip
     except ValueError as exc:
-        say(f"error: {exc}")
-        raise typer.Exit(int(ExitCode.USAGE)) from None
+        raise _usage_error(exc) from None
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-", dir=out))
     service = None
@@ -401,11 +400,7 @@ def bench(
                 say("error: the embedded service needs --broker-url redis://HOST:PORT/DB, a Redis "
                     "database of its own (engine stats and timings travel over it)")  # fmt: skip
                 raise typer.Exit(int(ExitCode.USAGE))
-            options = (
-                _json_object(engine_options, "--engine-options")
-                if engine_options is not None
-                else dict(settings.engine_options)
-            )
+            options = _engine_options(engine_options)
             overrides = {"BATCHD_RATE_LIMIT_PER_MINUTE": "0"}
             if shard_requests:
                 overrides["BATCHD_SHARD_MAX_REQUESTS"] = str(shard_requests)

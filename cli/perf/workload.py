@@ -15,6 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+# The synthetic workload's lengths unless told otherwise (a long tail, as real traffic has).
+DEFAULT_INPUT_LEN = "lognormal:128:0.8"
+DEFAULT_OUTPUT_LEN = "lognormal:64:0.8"
+
 
 @dataclass(frozen=True)
 class LengthDist:
