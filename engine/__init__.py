@@ -5,6 +5,7 @@ A leaf package: it imports torch and transformers only.
 
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.host import EngineHost
 from engine.llm import LLM
 from engine.outputs import (
     CompletionOutput,
@@ -21,6 +22,7 @@ __all__ = [
     "CompletionOutput",
     "Engine",
     "EngineConfig",
+    "EngineHost",
     "EngineStats",
     "RequestError",
     "RequestMetrics",
@@ -28,10 +30,3 @@ __all__ = [
     "SamplingParams",
     "TokenLogprob",
 ]
-
-try:
-    from engine.host import EngineHost  # noqa: F401
-
-    __all__.append("EngineHost")
-except ImportError:
-    pass

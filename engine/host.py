@@ -15,13 +15,10 @@ loop refills the engine's free slots between two steps and hands it no backlog b
 (``engine_backlog=0``): anything parked in the engine's own queue would be ordered by
 priority and length across batches, and a newly arriving batch would queue behind it.
 
-Shares of a full engine: in the most urgent pending tier, each tenant with work is due an
-equal share of ``max_num_seqs``, and less urgent tiers nothing while it waits. A tenant (or a
-tier) that arrives while others hold every slot gets its share at once: the newest in-flight
-requests of less urgent tiers, then of tenants above their share, are suspended in the engine
-(``Engine.suspend_request``: their KV is freed, their output so far kept) and wait first in
-their batch, to resume where they stopped when their tenant is below its share again
-(``fair_share=False`` turns this off). One tenant alone keeps every slot.
+Shares of a full engine (``engine.fair_share``): a tenant or tier that arrives while others
+hold every slot gets its share at once; the newest requests of less urgent tiers, then of
+tenants above their share, are suspended (``Engine.suspend_request``: KV freed, output kept)
+and resume first in their batch (``fair_share=False`` turns this off).
 
 Memory stays bounded: a batch may hold at most ``group_window`` pending requests (default
 ``max_num_seqs``, enough to refill every slot of the engine at once, so a batch alone keeps it
@@ -49,7 +46,6 @@ engine so their KV blocks return, logs the traceback, and the host keeps serving
 
 from __future__ import annotations
 
-import collections
 import logging
 import math
 import threading
@@ -60,13 +56,23 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine import Engine, RequestOutput, SamplingParams
+from engine.engine import Engine
 from engine.fair_queue import FairQueue
-from engine.outputs import HostStats, aborted_output
+from engine.fair_share import plan_shares
+from engine.host_entry import (
+    IN_FLIGHT,
+    PENDING,
+    Entry,
+    abort_output,
+    expected_tokens,
+    fail,
+    resolve,
+    resolve_call,
+)
+from engine.outputs import HostStats, RequestOutput
+from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-_PENDING, _IN_FLIGHT = "pending", "in_flight"
 
 
 class HostError(RuntimeError):
@@ -79,28 +85,6 @@ class HostQueueFull(TimeoutError):
 
 class EngineStepError(RuntimeError):
     """``Engine.step()`` raised while this request was in flight; ``__cause__`` says why."""
-
-
-@dataclass(slots=True, eq=False)
-class _Entry:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    group: str | None
-    future: Future
-    arrival_time: float
-    priority: int = 0
-    cache_salt: str | None = None
-    tenant: str | None = None
-    cost: int = 0  # tokens: prompt + expected output (max_tokens for each of n completions)
-    state: str = _PENDING
-    abort_requested: bool = False
-    suspended: Any = None  # the engine's handle while suspended for another tenant's share
-
-    @property
-    def flow(self) -> tuple[str | None, str | None, int]:
-        """The fair queue this entry waits in: its tenant's batch at its priority."""
-        return self.tenant, self.group, self.priority
 
 
 @dataclass(slots=True)
@@ -125,7 +109,7 @@ class EngineHost:
     """Own one :class:`Engine` on a background thread; accept work from any thread.
 
     ``EngineHost(engine)`` wraps an engine built by the caller (it must not be used by anyone
-    else afterwards); ``EngineHost.from_model(model_dir, **config)`` builds one.
+    else afterwards).
     """
 
     def __init__(
@@ -174,9 +158,9 @@ class EngineHost:
         self._work = threading.Condition(self._lock)  # the loop waits here when idle
         self._space = threading.Condition(self._lock)  # producers wait here while full
         self._pending = FairQueue(aging_s)
-        self._live: dict[str, _Entry] = {}  # pending and in flight, by request id
+        self._live: dict[str, Entry] = {}  # pending and in flight, by request id
         self._groups: dict[str, set[str]] = {}
-        self._to_abort: list[_Entry] = []  # in-flight entries the loop must abort in the engine
+        self._to_abort: list[Entry] = []  # in-flight entries the loop must abort in the engine
         self._stats_requests: list[_StatsRequest] = []
         self._num_in_flight = 0
         self._closing = False
@@ -185,27 +169,6 @@ class EngineHost:
         self._counters = _Counters()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._started = False
-
-    @classmethod
-    def from_model(
-        cls,
-        model_dir: str,
-        *,
-        max_pending: int | None = None,
-        engine_backlog: int | None = None,
-        group_window: int | None = None,
-        reserved_share: float = 0.0,
-        aging_s: float | None = None,
-        **config: Any,
-    ) -> EngineHost:
-        return cls(
-            Engine(model_dir, **config),
-            max_pending=max_pending,
-            engine_backlog=engine_backlog,
-            group_window=group_window,
-            reserved_share=reserved_share,
-            aging_s=aging_s,
-        )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -287,7 +250,7 @@ class EngineHost:
         """
         params = params if params is not None else SamplingParams()
         prompt = list(prompt_token_ids)
-        entry = _Entry(
+        entry = Entry(
             request_id=request_id if request_id is not None else uuid.uuid4().hex,
             prompt_token_ids=prompt,
             params=params,
@@ -297,7 +260,7 @@ class EngineHost:
             priority=int(priority),
             cache_salt=cache_salt,
             tenant=tenant,
-            cost=_expected_tokens(prompt, params),
+            cost=expected_tokens(prompt, params),
         )
         if callback is not None:
             entry.future.add_done_callback(callback)
@@ -343,21 +306,6 @@ class EngineHost:
         share = self.max_pending // pending.num_groups
         return held, max(1, min(self.group_window, share))
 
-    def submit_many(
-        self,
-        prompts: Iterable[Sequence[int]],
-        params: SamplingParams | None = None,
-        *,
-        group: str | None = None,
-        timeout: float | None = None,
-        priority: int = 0,
-        tenant: str | None = None,
-    ) -> list[Future]:
-        return [
-            self.submit(p, params, group=group, timeout=timeout, priority=priority, tenant=tenant)
-            for p in prompts
-        ]
-
     def abort(self, request_id: str) -> bool:
         """Abort one pending or in-flight request; False if it is unknown or already done."""
         return self._abort_where(lambda e: e.request_id == request_id, ids=[request_id]) > 0
@@ -395,9 +343,7 @@ class EngineHost:
         if self._closing:
             raise HostError("engine host is shut down")
 
-    def _abort_where(
-        self, match: Callable[[_Entry], bool], ids: Iterable[str] | None = None
-    ) -> int:
+    def _abort_where(self, match: Callable[[Entry], bool], ids: Iterable[str] | None = None) -> int:
         with self._lock:
             candidates = (
                 [self._live[i] for i in ids if i in self._live]
@@ -405,8 +351,8 @@ class EngineHost:
                 else list(self._live.values())
             )
             entries = [e for e in candidates if match(e) and not e.abort_requested]
-            pending = [e for e in entries if e.state == _PENDING]
-            in_flight = [e for e in entries if e.state == _IN_FLIGHT]
+            pending = [e for e in entries if e.state == PENDING]
+            in_flight = [e for e in entries if e.state == IN_FLIGHT]
             if pending:
                 self._pending.remove(pending)
                 for e in pending:
@@ -419,10 +365,10 @@ class EngineHost:
                 self._to_abort.extend(in_flight)
                 self._work.notify()
         for e in pending:
-            _resolve(e.future, _abort_output(e))
+            resolve(e.future, abort_output(e))
         return len(entries)
 
-    def _forget(self, entry: _Entry) -> None:
+    def _forget(self, entry: Entry) -> None:
         """Drop an entry from the indexes; the caller holds the lock."""
         self._live.pop(entry.request_id, None)
         if entry.group is not None:
@@ -465,7 +411,7 @@ class EngineHost:
             base = self._engine.stats()
             self._counters.base_steps = base.num_steps
             self._counters.base_running_seq_steps = base.total_running_seq_steps
-            in_flight: dict[str, _Entry] = {}
+            in_flight: dict[str, Entry] = {}
             while True:
                 with self._lock:
                     while (
@@ -475,7 +421,7 @@ class EngineHost:
                         self._work.wait()
                     to_abort, self._to_abort = self._to_abort, []
                     stats_requests, self._stats_requests = self._stats_requests, []
-                    admitted: list[_Entry] = []
+                    admitted: list[Entry] = []
                     if self._drain:
                         skip = self._share_out(in_flight) if self._pending else frozenset()
                         room = self.max_in_flight - len(in_flight)
@@ -490,14 +436,14 @@ class EngineHost:
                             ):
                                 self._forget(entry)  # the caller cancelled it while pending
                                 continue
-                            entry.state = _IN_FLIGHT
+                            entry.state = IN_FLIGHT
                             admitted.append(entry)
                             room -= 1
                         if admitted:
                             self._space.notify_all()
                     done = self._closing and not self._pending and not in_flight and not admitted
                 for request in stats_requests:
-                    _resolve_call(request.future, self._snapshot)
+                    resolve_call(request.future, self._snapshot)
                 if done and not to_abort:
                     break
                 self._apply_aborts(to_abort, in_flight)
@@ -517,67 +463,40 @@ class EngineHost:
                 requests, self._stats_requests = self._stats_requests, []
                 self._space.notify_all()
             for e in entries:
-                _fail(e.future, HostError("engine host loop died"), exc)
+                fail(e.future, HostError("engine host loop died"), exc)
             for request in requests:
-                _fail(request.future, HostError("engine host loop died"), exc)
+                fail(request.future, HostError("engine host loop died"), exc)
             raise
 
-    def _share_out(self, in_flight: dict[str, _Entry]) -> frozenset[str | None]:
-        """Fair shares of the engine's sequences among tenants; the caller holds the lock.
-
-        In the most urgent tier with pending work, each tenant with work there is due an equal
-        share of ``max_num_seqs``; less urgent tiers are due nothing while it waits (tiers are
-        strict). A tenant below its share that has requests waiting gets room at once: when
-        the engine is full, the newest in-flight requests of less urgent tiers, then of tenants above their share,
-        are suspended in the engine (their KV freed, what they generated kept) and wait first
-        in their batch; they resume when their tenant is below its share again. Returns the
-        tenants that hold their share, which admission passes over while another waits for
-        its own. One tenant alone keeps every slot; work that fits in free room suspends
-        nothing."""
+    def _share_out(self, in_flight: dict[str, Entry]) -> frozenset[str | None]:
+        """Carry out the fair-share plan (``engine.fair_share``); the caller holds the lock.
+        Returns the tenants that hold their share."""
         if not self.fair_share:
             return frozenset()
-        tier = self._pending.top_tier()
-        if tier is None:
-            return frozenset()
-        pending = self._pending.tenants_in(tier)
-        running = collections.Counter(e.tenant for e in in_flight.values() if e.priority == tier)
-        active = set(pending) | set(running)
-        lesser = [e for e in in_flight.values() if e.priority > tier]
-        if len(active) < 2 and not lesser:
-            return frozenset()
-        share = max(1, self._max_num_seqs // len(active))
-        want = sum(min(n, share - running[t]) for t, n in pending.items() if running[t] < share)
-        if not want:
-            return frozenset()
-        # The engine's reserved slots are among its max_num_seqs (lent to bulk while no urgent
-        # work waits), so room is what the in-flight cap leaves, for every tier.
-        need = want - max(0, self.max_in_flight - len(in_flight))
-        if need > 0:
-            over = {t: n - share for t, n in running.items() if n > share}
-            victims = lesser[::-1] + [
-                e for e in reversed(in_flight.values()) if e.priority == tier and e.tenant in over
-            ]
-            for entry in victims:
-                if need == 0:
-                    break
-                if entry.priority == tier:
-                    if over[entry.tenant] == 0:
-                        continue
-                    over[entry.tenant] -= 1
-                if entry.abort_requested:
-                    continue
-                handle = self._engine.suspend_request(entry.request_id)
-                if handle is None:  # finished in the last step, or n > 1
-                    continue
-                del in_flight[entry.request_id]
-                entry.suspended, entry.state = handle, _PENDING
-                self._pending.push(entry, front=True)
-                self._counters.suspended += 1
-                need -= 1
-        return frozenset(t for t in active if running[t] >= share)
+        plan = plan_shares(
+            self._pending,
+            list(in_flight.values()),
+            max_num_seqs=self._max_num_seqs,
+            free_room=self.max_in_flight - len(in_flight),
+        )
+        need = plan.need
+        for entry in plan.candidates:
+            if need == 0:
+                break
+            if entry.abort_requested:
+                continue
+            handle = self._engine.suspend_request(entry.request_id)
+            if handle is None:  # finished in the last step, or n > 1
+                continue
+            del in_flight[entry.request_id]
+            entry.suspended, entry.state = handle, PENDING
+            self._pending.push(entry, front=True)
+            self._counters.suspended += 1
+            need -= 1
+        return plan.full
 
-    def _admit(self, admitted: list[_Entry], in_flight: dict[str, _Entry]) -> None:
-        failures: list[tuple[_Entry, BaseException]] = []
+    def _admit(self, admitted: list[Entry], in_flight: dict[str, Entry]) -> None:
+        failures: list[tuple[Entry, BaseException]] = []
         for entry in admitted:
             if entry.suspended is not None:
                 handle, entry.suspended = entry.suspended, None
@@ -602,13 +521,13 @@ class EngineHost:
                     self._forget(entry)
                 self._counters.failed += len(failures)
             for entry, exc in failures:
-                _fail(entry.future, exc)
+                fail(entry.future, exc)
 
-    def _apply_aborts(self, to_abort: list[_Entry], in_flight: dict[str, _Entry]) -> None:
+    def _apply_aborts(self, to_abort: list[Entry], in_flight: dict[str, Entry]) -> None:
         """Abort in the engine now (its KV blocks are freed at once). The engine reports each
         aborted request, with the tokens generated so far, from its next ``step()``; the
         future resolves then. One the engine no longer knows resolves here."""
-        lost: list[_Entry] = []
+        lost: list[Entry] = []
         for entry in to_abort:
             if in_flight.get(entry.request_id) is not entry:
                 continue  # finished in the step that was running when the abort came
@@ -620,9 +539,9 @@ class EngineHost:
             if not known:
                 del in_flight[entry.request_id]
                 lost.append(entry)
-        self._finish([(e, _abort_output(e)) for e in lost], aborted=len(lost))
+        self._finish([(e, abort_output(e)) for e in lost], aborted=len(lost))
 
-    def _step(self, in_flight: dict[str, _Entry]) -> None:
+    def _step(self, in_flight: dict[str, Entry]) -> None:
         try:
             outputs = self._engine.step()
         except Exception as exc:
@@ -638,16 +557,16 @@ class EngineHost:
             # Requests already being aborted resolve as aborts; the rest carry the error.
             aborted = [e for e in entries if e.abort_requested]
             failed = [e for e in entries if not e.abort_requested]
-            self._finish([(e, _abort_output(e)) for e in aborted], aborted=len(aborted))
+            self._finish([(e, abort_output(e)) for e in aborted], aborted=len(aborted))
             with self._lock:
                 for entry in failed:
                     self._forget(entry)
                 self._counters.failed += len(failed)
             for entry in failed:
-                _fail(entry.future, EngineStepError(f"engine step failed: {exc!r}"), exc)
+                fail(entry.future, EngineStepError(f"engine step failed: {exc!r}"), exc)
             return
         self._counters.steps += 1
-        finished: list[tuple[_Entry, RequestOutput]] = []
+        finished: list[tuple[Entry, RequestOutput]] = []
         aborted = 0
         for output in outputs:
             entry = in_flight.pop(output.request_id, None)
@@ -666,9 +585,9 @@ class EngineHost:
                     self._forget(entry)
                 self._counters.failed += len(lost)
             for entry in lost:
-                _fail(entry.future, EngineStepError("the engine dropped this request"))
+                fail(entry.future, EngineStepError("the engine dropped this request"))
 
-    def _finish(self, finished: list[tuple[_Entry, RequestOutput]], *, aborted: int) -> None:
+    def _finish(self, finished: list[tuple[Entry, RequestOutput]], *, aborted: int) -> None:
         if not finished:
             return
         with self._lock:
@@ -677,38 +596,4 @@ class EngineHost:
             self._counters.aborted += aborted
             self._counters.completed += len(finished) - aborted
         for entry, output in finished:
-            _resolve(entry.future, output)
-
-
-def _expected_tokens(prompt: list[int], params: SamplingParams) -> int:
-    """A request's cost for fair sharing: its prompt plus the output it may generate."""
-    n = max(1, int(getattr(params, "n", 1) or 1))
-    return len(prompt) + n * int(getattr(params, "max_tokens", 0) or 0)
-
-
-def _abort_output(entry: _Entry) -> RequestOutput:
-    n = max(1, int(getattr(entry.params, "n", 1) or 1))
-    return aborted_output(entry.request_id, entry.prompt_token_ids, n, entry.arrival_time)
-
-
-def _resolve(future: Future, output: RequestOutput) -> None:
-    if future.done():
-        return
-    if future.running() or future.set_running_or_notify_cancel():
-        future.set_result(output)
-
-
-def _fail(future: Future, error: BaseException, cause: BaseException | None = None) -> None:
-    if cause is not None and error is not cause:
-        error.__cause__ = cause
-    if future.done():
-        return
-    if future.running() or future.set_running_or_notify_cancel():
-        future.set_exception(error)
-
-
-def _resolve_call(future: Future, fn: Callable[[], Any]) -> None:
-    try:
-        future.set_result(fn())
-    except Exception as exc:
-        future.set_exception(exc)
+            resolve(entry.future, output)

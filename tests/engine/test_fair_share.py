@@ -1,0 +1,68 @@
+"""The fair-share policy on its own: who is due room in a full engine, and whose requests make it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.fair_queue import FairQueue
+from engine.fair_share import plan_shares
+
+
+@dataclass(eq=False)
+class _Req:
+    tenant: str | None
+    group: str | None
+    priority: int = 0
+    cost: int = 10
+
+    @property
+    def flow(self) -> tuple[str | None, str | None, int]:
+        return self.tenant, self.group, self.priority
+
+
+def _queue(*entries: _Req) -> FairQueue:
+    queue: FairQueue = FairQueue()
+    for entry in entries:
+        queue.push(entry)
+    return queue
+
+
+def test_a_tenant_alone_suspends_nothing() -> None:
+    running = [_Req("a", "bulk") for _ in range(8)]
+    plan = plan_shares(_queue(_Req("a", "bulk")), running, max_num_seqs=8, free_room=0)
+    assert plan.candidates == [] and plan.need == 0 and plan.full == frozenset()
+
+
+def test_a_new_tenant_takes_its_share_from_the_newest_requests_of_the_one_above_it() -> None:
+    running = [_Req("a", "bulk") for _ in range(8)]
+    waiting = [_Req("b", "small") for _ in range(6)]
+    plan = plan_shares(_queue(*waiting), running, max_num_seqs=8, free_room=0)
+    # Two tenants, share 4 each: b wants 4, a holds 4 over its share; newest first.
+    assert plan.need == 4
+    assert plan.candidates == running[::-1][:4]
+    assert plan.full == frozenset({"a"})
+
+
+def test_free_room_is_used_before_anyone_is_suspended() -> None:
+    running = [_Req("a", "bulk") for _ in range(6)]
+    waiting = [_Req("b", "small") for _ in range(3)]
+    plan = plan_shares(_queue(*waiting), running, max_num_seqs=8, free_room=2)
+    assert plan.need == 1  # b is due 3 (below its share of 4); 2 fit in the free room
+    assert plan.full == frozenset({"a"})
+
+
+def test_less_urgent_tiers_give_way_first_and_are_due_nothing() -> None:
+    low = [_Req("a", "bulk", priority=1) for _ in range(4)]
+    normal = [_Req("a", "other") for _ in range(4)]
+    running = low[:2] + normal + low[2:]
+    urgent = [_Req("b", "urgent", priority=-1) for _ in range(3)]
+    plan = plan_shares(_queue(*urgent), running, max_num_seqs=8, free_room=0)
+    # Only b has work in the top tier: its share is all 8 seats; it wants 3.
+    assert plan.need == 3
+    lesser = [e for e in running if e.priority > -1]
+    assert plan.candidates == lesser[::-1]
+
+
+def test_nothing_waiting_plans_nothing() -> None:
+    plan = plan_shares(_queue(), [_Req("a", "x")], max_num_seqs=4, free_room=0)
+    assert plan.need == 0 and plan.candidates == []
