@@ -367,6 +367,7 @@ def bench(
     import tempfile
 
     from cli.perf import bench as benching
+    from cli.perf import bench_output
     from cli.perf.service import EmbeddedService, WorkerProbe
     from core.settings import get_settings
 
@@ -447,8 +448,8 @@ def bench(
     report_path = out / "bench.json"
     report_path.write_text(json.dumps(data, indent=2) + "\n")
     title = f"batchd bench: {len(job_list)} jobs, {n_requests} requests, {shapes.source}"
-    pngs = benching.plots(data, out, title)
-    typer.echo(benching.table(data))
+    pngs = bench_output.plots(data, out, title)
+    typer.echo(bench_output.table(data))
     say(f"wrote {report_path}, {', '.join(str(p) for p in pngs)}")
 
 
