@@ -53,7 +53,7 @@ from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from cli.perf.workload import LengthDist
+from cli.perf.workload import LengthDist, request_shape, usable_token_ids
 
 SYSTEMS = ("engine", "static", "generate_batch")
 # Named workloads: (number of requests, prompt lengths, output lengths). The default is a
@@ -91,11 +91,6 @@ class Workload:
     @property
     def output_tokens(self) -> int:
         return sum(self.max_tokens)
-
-
-def _usable_token_ids(tokenizer: Any, vocab_size: int) -> list[int]:
-    special = set(tokenizer.all_special_ids or [])
-    return [i for i in range(vocab_size) if i not in special]
 
 
 def synthetic_workload(
@@ -152,26 +147,11 @@ def jsonl_workload(
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{line_no}: not JSON ({exc.msg})") from None
-            body = row.get("body", row)
-            if "messages" in body:
-                ids = tokenizer.apply_chat_template(
-                    body["messages"], add_generation_prompt=True, tokenize=True
-                )
-                if isinstance(ids, dict) or hasattr(ids, "keys"):
-                    ids = ids["input_ids"]
-            elif "prompt" in body:
-                prompt = body["prompt"]
-                if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-                    ids = list(prompt)
-                else:
-                    ids = tokenizer.encode(prompt if isinstance(prompt, str) else prompt[0])
-            else:
+            shape = request_shape(row, tokenizer, max_model_len, default_max_tokens)
+            if shape is None:
                 raise ValueError(f"{path}:{line_no}: no 'messages' or 'prompt' in the request")
-            out = body.get("max_completion_tokens") or body.get("max_tokens") or default_max_tokens
-            out = max(1, min(int(out), max_model_len - 1))
-            ids = list(ids)[-(max_model_len - out) :] or [0]
-            prompts.append(ids)
-            max_tokens.append(out)
+            prompts.append(shape[0])
+            max_tokens.append(shape[1])
     if not prompts:
         raise ValueError(f"{path}: no requests")
     return Workload(prompts, max_tokens, {"source": str(path), "num_requests": len(prompts)})
@@ -758,7 +738,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             input_len=LengthDist.parse(input_len),
             output_len=LengthDist.parse(output_len),
             shared_prefix_frac=shared,
-            vocab=_usable_token_ids(tokenizer, len(tokenizer)),
+            vocab=usable_token_ids(tokenizer, len(tokenizer)),
             max_model_len=max_model_len,
             seed=args.seed,
         )

@@ -127,30 +127,42 @@ def iter_request_bodies(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def request_shape(
+    row: dict[str, Any], tokenizer: Any, max_model_len: int, default_max_tokens: int
+) -> tuple[list[int], int] | None:
+    """A request's prompt token ids (chat prompts through the model's chat template, as the
+    service tokenizes them) and output length, the prompt cut from the left so both fit
+    ``max_model_len``; None when it has neither ``messages`` nor ``prompt``. ``row`` is an
+    OpenAI batch line (``{"body": …}``) or a bare body."""
+    body = row.get("body", row)
+    if "messages" in body:
+        ids = tokenizer.apply_chat_template(
+            body["messages"], add_generation_prompt=True, tokenize=True
+        )
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+    elif "prompt" in body:
+        prompt = body["prompt"]
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            ids = list(prompt)
+        else:
+            ids = tokenizer.encode(prompt if isinstance(prompt, str) else prompt[0])
+    else:
+        return None
+    out = body.get("max_completion_tokens") or body.get("max_tokens") or default_max_tokens
+    out = max(1, min(int(out), max_model_len - 1))
+    return list(ids)[-(max_model_len - out) :] or [0], out
+
+
 def file_shapes(
     path: Path, tokenizer: Any, *, max_model_len: int, default_max_tokens: int = 256
 ) -> Shapes:
-    """Prompt token ids and ``max_tokens`` of every request in a JSONL batch file (chat
-    prompts through the model's chat template, as the service tokenizes them)."""
+    """Prompt token ids and ``max_tokens`` of every request in a JSONL batch file."""
     prompts, outs = [], []
     for line_no, row in enumerate(iter_request_bodies(path), 1):
-        body = row.get("body", row)
-        if "messages" in body:
-            ids = tokenizer.apply_chat_template(
-                body["messages"], add_generation_prompt=True, tokenize=True
-            )
-            if isinstance(ids, dict) or hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-        elif "prompt" in body:
-            prompt = body["prompt"]
-            if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-                ids = list(prompt)
-            else:
-                ids = tokenizer.encode(prompt if isinstance(prompt, str) else prompt[0])
-        else:
+        shape = request_shape(row, tokenizer, max_model_len, default_max_tokens)
+        if shape is None:
             raise ValueError(f"{path}: request {line_no} has no 'messages' or 'prompt'")
-        out = body.get("max_completion_tokens") or body.get("max_tokens") or default_max_tokens
-        out = max(1, min(int(out), max_model_len - 1))
-        prompts.append(list(ids)[-(max_model_len - out) :] or [0])
-        outs.append(out)
+        prompts.append(shape[0])
+        outs.append(shape[1])
     return Shapes(prompts, outs, str(path))
