@@ -37,6 +37,7 @@ from celery import Celery
 from celery.signals import (
     after_setup_logger,
     after_setup_task_logger,
+    celeryd_after_setup,
     worker_init,
     worker_process_shutdown,
 )
@@ -189,12 +190,16 @@ def import_task_dependencies() -> None:
 @worker_init.connect
 def _import_before_tasks(**_: Any) -> None:
     import_task_dependencies()
+
+
+@celeryd_after_setup.connect
+def _start_metrics_exporter(**_: Any) -> None:
+    # Not at worker_init: Celery sets up logging after it, and the exporter's "listening on"
+    # line (or the error naming a port it cannot bind) would go nowhere. This signal comes
+    # once logging is set up and before the pool starts (prefork children fork after it).
     from worker.metrics import start_exporter
 
-    try:
-        start_exporter()
-    except OSError:
-        logging.getLogger(__name__).exception("the metrics exporter could not start")
+    start_exporter()
 
 
 @after_setup_logger.connect

@@ -2,7 +2,8 @@
 (core/metrics.py) and the figures of every engine it has loaded.
 
 The exporter is a small HTTP server on ``BATCHD_WORKER_METRICS_PORT`` (off when 0), started
-when the worker starts (``worker_init``, in the main process, before any pool process forks).
+when the worker starts (``celeryd_after_setup``: in the main process, once logging is set up,
+so its "listening on" line shows, and before any pool process forks).
 A process that forks its pool (Celery's prefork pool) must run with
 ``PROMETHEUS_MULTIPROC_DIR`` pointing at an empty directory: prometheus-client then keeps each
 child's metrics in files there and the exporter serves their sum (prometheus-client's
@@ -167,8 +168,10 @@ def exporter_registry() -> CollectorRegistry:
 
 
 def start_exporter(port: int | None = None, host: str | None = None) -> int | None:
-    """Serve ``/metrics`` on ``port`` (default: the setting); return the port, None when off.
-    Idempotent within a process."""
+    """Serve ``/metrics`` on ``port`` (default: the setting); return the port, None when off
+    or when the port cannot be bound (logged as an error naming it: the worker runs on without
+    its exporter). Idempotent within a process. Logs one INFO line with the address, so call
+    it after the process's logging is set up (the worker does, in ``celeryd_after_setup``)."""
     global _exporter
     settings = get_settings()
     port = settings.worker_metrics_port if port is None else port
@@ -177,7 +180,17 @@ def start_exporter(port: int | None = None, host: str | None = None) -> int | No
     if _exporter is not None:
         return _exporter[1]
     addr = host or settings.worker_metrics_host
-    server, _thread = start_http_server(port, addr=addr, registry=exporter_registry())
+    try:
+        server, _thread = start_http_server(port, addr=addr, registry=exporter_registry())
+    except OSError as exc:
+        logger.error(
+            "metrics exporter could not listen on %s:%s (BATCHD_WORKER_METRICS_PORT): %s;"
+            " this worker runs without one",
+            addr,
+            port,
+            exc,
+        )
+        return None
     _exporter = (server, port)
-    logger.info("metrics exporter listening on %s:%s", addr, port)
+    logger.info("metrics exporter listening on http://%s:%s/metrics", addr, port)
     return port
