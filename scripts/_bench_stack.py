@@ -4,8 +4,10 @@ logging to a directory, the model worker's engine stats over Celery remote contr
 resident memory of a process from ``/proc``.
 
 The processes, their command lines and environment come from ``tests/helpers/service.py``,
-the module the e2e tests start the service with: real servers, real connections, one process
-group per service process so stopping it stops everything it started.
+the module the e2e tests start the service with, and the process handling, the engine-stats
+probe and the memory readings from ``cli/perf/service.py`` (``batchd bench``'s): real
+servers, real connections, one process group per service process so stopping it stops
+everything it started.
 """
 
 from __future__ import annotations
@@ -21,7 +23,12 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tests.helpers.service import (  # noqa: E402 - needs the repository on the path
+from cli.perf.service import (  # noqa: E402 - needs the repository on the path
+    WorkerProbe,
+    api_up,
+    memory_kb,
+)
+from tests.helpers.service import (  # noqa: E402
     MODEL,
     Procs,
     RedisServer,
@@ -32,7 +39,7 @@ from tests.helpers.service import (  # noqa: E402 - needs the repository on the 
     wait_for,
 )
 
-__all__ = ["MODEL", "free_port", "wait_for"]
+__all__ = ["MODEL", "free_port", "memory_kb", "wait_for"]
 
 API_KEY = "sk-bench-key"
 PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -104,20 +111,12 @@ class Stack(Procs):
             self.start(name, cmd, self.env)
         return self
 
-    def api_up(self) -> bool:
-        import httpx
-
-        try:
-            return httpx.get(f"http://127.0.0.1:{self.port}/healthz", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
     def wait_ready(self, timeout: float = 300.0) -> None:
         """The API answers, the control worker is ready, the model worker has its model."""
 
         def ready() -> bool:
             self.check_alive()
-            if "api" in self.procs and not self.api_up():
+            if "api" in self.procs and not api_up(self.port):
                 return False
             if "control" in self.procs and "ready." not in self.log("control"):
                 return False
@@ -134,40 +133,12 @@ class Stack(Procs):
         self.stop_all()
 
 
-class EngineStatsProbe:
+class EngineStatsProbe(WorkerProbe):
     """Asks one worker for ``engine_stats`` (the remote-control command in worker.runtime)."""
 
     def __init__(self, broker_url: str, worker: str = "model@bench"):
-        from celery import Celery
-
-        self.app = Celery("batchd-bench", broker=broker_url)
+        super().__init__(broker_url, [worker])
         self.worker = worker
 
     def __call__(self, timeout: float = 1.0) -> dict[str, Any] | None:
-        replies = self.app.control.broadcast(
-            "engine_stats", destination=[self.worker], reply=True, timeout=timeout
-        )
-        for reply in replies or ():
-            answer = reply.get(self.worker)
-            if isinstance(answer, dict) and "models" in answer:
-                return answer
-        return None
-
-    def close(self) -> None:
-        self.app.close()
-
-
-def memory_kb(pid: int) -> tuple[int, int] | None:
-    """(VmRSS, VmHWM) of ``pid`` in KiB, or None once it is gone."""
-    try:
-        text = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return None
-    values = {}
-    for line in text.splitlines():
-        key, _, rest = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            values[key] = int(rest.split()[0])
-    if len(values) != 2:
-        return None
-    return values["VmRSS"], values["VmHWM"]
+        return self.engine_stats(timeout).get(self.worker)

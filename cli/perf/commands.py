@@ -412,7 +412,7 @@ def bench(
             service = EmbeddedService(
                 work, db, broker_url, {name: served[name]}, options, overrides,
                 shard_concurrency=settings.worker_shard_concurrency,
-            ).start(sorted({j.tenant for j in job_list}))  # fmt: skip
+            ).launch(sorted({j.tenant for j in job_list}))  # fmt: skip
             base_url, keys = service.base_url, dict(service.keys)
             probe = WorkerProbe(broker_url, [service.worker_name])
             pids = service.pids()

@@ -14,7 +14,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,28 +24,111 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float, what: str, logs: Callable[[], str]):
+def wait_for(
+    predicate: Callable[[], bool],
+    timeout: float,
+    what: str,
+    logs: Callable[[], str] | None = None,
+) -> None:
+    """Poll ``predicate`` until it holds; past ``timeout``, raise with ``logs()`` appended."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return
         time.sleep(0.2)
-    raise TimeoutError(f"timed out waiting for {what}{logs()}")
+    raise TimeoutError(f"timed out waiting for {what}{logs() if logs else ''}")
 
 
-@dataclass
-class EmbeddedService:
-    root: Path
-    database_url: str
-    broker_url: str
-    models: dict[str, str]
-    engine_options: dict[str, Any]
-    env_overrides: dict[str, str] = field(default_factory=dict)
-    shard_concurrency: int = 8
-    port: int = 0
-    worker_name: str = ""
-    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
-    keys: dict[str, str] = field(default_factory=dict)
+def api_command(port: int) -> list[str]:
+    return [sys.executable, "-m", "uvicorn", "api.app:app", "--host", "127.0.0.1",
+            "--port", str(port), "--log-level", "warning"]  # fmt: skip
+
+
+def api_up(port: int) -> bool:
+    """The API on ``port`` answers its health check."""
+    import httpx
+
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+class Procs:
+    """Named subprocesses run in ``cwd``, each in its own process group (stopping one stops
+    all it started) and logging to ``root/<name>.log`` (appended across restarts)."""
+
+    def __init__(self, root: Path, cwd: Path | None = None):
+        self.root = root
+        self.cwd = cwd
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
+        with open(self.root / f"{name}.log", "ab") as log:
+            proc = subprocess.Popen(
+                cmd, cwd=self.cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        self.procs[name] = proc
+        return proc
+
+    def log(self, name: str) -> str:
+        path = self.root / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def logs(self, chars: int = 3000) -> str:
+        return "".join(
+            f"\n--- {p.name}\n" + p.read_text(errors="replace")[-chars:]
+            for p in sorted(self.root.glob("*.log"))
+        )
+
+    def check_alive(self) -> None:
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited ({proc.returncode}):{self.logs()}")
+
+    def pids(self) -> dict[str, int]:
+        return {name: proc.pid for name, proc in self.procs.items()}
+
+    def stop_all(self, grace_s: float = 15.0) -> None:
+        """SIGTERM every process group, SIGKILL what is left after ``grace_s``."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+class EmbeddedService(Procs):
+    """The service ``batchd bench`` starts for itself, its files and logs under ``root``."""
+
+    def __init__(
+        self,
+        root: Path,
+        database_url: str,
+        broker_url: str,
+        models: dict[str, str],
+        engine_options: dict[str, Any],
+        env_overrides: dict[str, str] | None = None,
+        *,
+        shard_concurrency: int = 8,
+        port: int = 0,
+    ):
+        super().__init__(root, cwd=root)
+        self.database_url = database_url
+        self.broker_url = broker_url
+        self.models = models
+        self.engine_options = engine_options
+        self.env_overrides = dict(env_overrides or {})
+        self.shard_concurrency = shard_concurrency
+        self.port = port
+        self.worker_name = ""
+        self.keys: dict[str, str] = {}
 
     @property
     def base_url(self) -> str:
@@ -68,7 +150,9 @@ class EmbeddedService:
             **self.env_overrides,
         }
 
-    def start(self, tenants: list[str], timeout: float = 300.0) -> EmbeddedService:
+    def launch(self, tenants: list[str], timeout: float = 300.0) -> EmbeddedService:
+        """Migrate the database, create one key per tenant, start the processes and wait
+        until the API answers and both workers are ready."""
         import migrations
         from cli.main import _resolve_models
         from core.queue import CONTROL_QUEUE, model_queue
@@ -83,8 +167,7 @@ class EmbeddedService:
         quiet = ["--loglevel", "INFO", "--without-gossip", "--without-mingle"]
         home = self.root / "home"
         commands = {
-            "api": [sys.executable, "-m", "uvicorn", "api.app:app", "--host", "127.0.0.1",
-                    "--port", str(self.port), "--log-level", "warning"],
+            "api": api_command(self.port),
             "control": [*celery, "worker", "-Q", CONTROL_QUEUE, "--pool", "threads", "-c", "2",
                         "-n", f"bench-control-{tag}@%h", "-B", "-s",
                         str(home / "beat-schedule"), *quiet],
@@ -94,11 +177,7 @@ class EmbeddedService:
         }  # fmt: skip
         env = self.env()
         for name, cmd in commands.items():
-            with open(self.root / f"{name}.log", "ab") as log:
-                self.procs[name] = subprocess.Popen(
-                    cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                    cwd=self.root,
-                )  # fmt: skip
+            self.start(name, cmd, env)
         wait_for(self._ready, timeout, "the embedded service to start", self.logs)
         return self
 
@@ -111,47 +190,17 @@ class EmbeddedService:
                 _row, plaintext = auth.create_key(session, tenant, "batchd bench")
                 self.keys[tenant] = plaintext
 
-    def log(self, name: str) -> str:
-        path = self.root / f"{name}.log"
-        return path.read_text(errors="replace") if path.exists() else ""
-
-    def logs(self, chars: int = 3000) -> str:
-        return "".join(f"\n--- {n}.log\n{self.log(n)[-chars:]}" for n in self.procs)
-
-    def check_alive(self) -> None:
-        for name, proc in self.procs.items():
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited ({proc.returncode}):{self.logs()}")
-
     def _ready(self) -> bool:
-        import httpx
-
         self.check_alive()
-        try:
-            healthy = httpx.get(f"http://127.0.0.1:{self.port}/healthz", timeout=2).status_code
-        except httpx.HTTPError:
+        if not api_up(self.port):
             return False
         models = self.log("model")
-        return (
-            healthy == 200
-            and "ready." in self.log("control")
-            and all(f"model {m} ready" in models for m in self.models)
+        return "ready." in self.log("control") and all(
+            f"model {m} ready" in models for m in self.models
         )
 
-    def pids(self) -> dict[str, int]:
-        return {name: proc.pid for name, proc in self.procs.items()}
-
     def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 20
-        for proc in self.procs.values():
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        self.stop_all(grace_s=20.0)
 
 
 class WorkerProbe:

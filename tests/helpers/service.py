@@ -3,7 +3,9 @@ and beat (their command lines and environment), each in its own process group an
 ``root/<name>.log``; a private ``redis-server``; waiting for readiness. The e2e tests and the
 service benchmarks (scripts/_bench_stack.py) start the service through this module.
 
-Nothing here imports the service's packages: it only runs them.
+The process handling is ``batchd bench``'s (:mod:`cli.perf.service`, which imports only the
+standard library until it starts a service of its own); nothing else here imports the
+service's packages: it only runs them.
 """
 
 from __future__ import annotations
@@ -15,23 +17,20 @@ import signal
 import socket
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from cli.perf import service
+from cli.perf.service import api_command, free_port, wait_for
 from tests.helpers.lines import MODEL
+
+__all__ = ["Procs", "api_command", "free_port", "wait_for"]
 
 REPO = Path(__file__).resolve().parents[2]
 API_KEY = "sk-e2e-test-key"
 CELERY = [sys.executable, "-m", "celery", "-A", "worker.celery_app"]
 QUIET = ["--loglevel", "INFO", "--without-gossip", "--without-mingle", "--without-heartbeat"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def port_open(port: int) -> bool:
@@ -40,26 +39,6 @@ def port_open(port: int) -> bool:
             return True
     except OSError:
         return False
-
-
-def wait_for(
-    predicate: Callable[[], bool],
-    timeout: float,
-    what: str,
-    logs: Callable[[], str] | None = None,
-) -> None:
-    """Poll ``predicate`` until it holds; past ``timeout``, raise with ``logs()`` appended."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"timed out waiting for {what}{logs() if logs else ''}")
-
-
-def api_command(port: int) -> list[str]:
-    return [sys.executable, "-m", "uvicorn", "api.app:app", "--host", "127.0.0.1",
-            "--port", str(port), "--log-level", "warning"]  # fmt: skip
 
 
 def celery_command(
@@ -94,37 +73,11 @@ def stack_env(
     }
 
 
-class Procs:
-    """Named subprocesses, each in its own process group (stopping one stops all it started)
-    and logging to ``root/<name>.log`` (appended across restarts)."""
+class Procs(service.Procs):
+    """The service's processes run from the repository, as the tests start and kill them."""
 
     def __init__(self, root: Path):
-        self.root = root
-        self.procs: dict[str, subprocess.Popen] = {}
-
-    def start(self, name: str, cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
-        with open(self.root / f"{name}.log", "ab") as log:
-            proc = subprocess.Popen(
-                cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )  # fmt: skip
-        self.procs[name] = proc
-        return proc
-
-    def log(self, name: str) -> str:
-        path = self.root / f"{name}.log"
-        return path.read_text(errors="replace") if path.exists() else ""
-
-    def logs(self, chars: int = 3000) -> str:
-        return "".join(
-            f"\n--- {p.name}\n" + p.read_text(errors="replace")[-chars:]
-            for p in sorted(self.root.glob("*.log"))
-        )
-
-    def check_alive(self) -> None:
-        for name, proc in self.procs.items():
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited ({proc.returncode}):{self.logs()}")
+        super().__init__(root, cwd=REPO)
 
     def wait_log(self, name: str, text: str, timeout: float, count: int = 1) -> None:
         def seen() -> bool:
@@ -140,19 +93,6 @@ class Procs:
         if proc.poll() is None:
             os.killpg(proc.pid, sig)
         proc.wait(30)
-
-    def stop_all(self, grace_s: float = 15.0) -> None:
-        """SIGTERM every process group, SIGKILL what is left after ``grace_s``."""
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for proc in self.procs.values():
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
 
 
 class RedisServer:
