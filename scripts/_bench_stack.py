@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import sys
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -131,6 +133,69 @@ class Stack(Procs):
 
     def stop(self) -> None:
         self.stop_all()
+
+
+def upload_and_create(client: Any, path: Path, endpoint: str) -> tuple[Any, float]:
+    """Upload ``path`` with the ``openai`` client and create a batch on it: (the batch, when
+    the upload ended, ``time.monotonic()``)."""
+    with path.open("rb") as fh:
+        uploaded = client.files.create(file=(path.name, fh), purpose="batch")
+    upload_done = time.monotonic()
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint=endpoint, completion_window="24h"
+    )
+    return batch, upload_done
+
+
+class Run:
+    """One benchmark run's service in ``work``: a fresh database and a private broker on
+    entering, the stack once :meth:`stack` starts it; leaving the ``with`` stops and removes
+    all of it (``work`` too, unless ``keep``)."""
+
+    def __init__(
+        self, work: Path, pg_admin_url: str = PG_ADMIN_URL, redis_url: str = REDIS_URL, *,
+        keep: bool = False,
+    ):  # fmt: skip
+        self.work = work
+        self.keep = keep
+        self._pg_admin_url = pg_admin_url
+        self._redis_url = redis_url
+        self.db: Database | None = None
+        self.broker: RedisServer | None = None
+        self._stack: Stack | None = None
+
+    def __enter__(self) -> Run:
+        try:
+            self.db = Database(self._pg_admin_url)
+            self.broker = Broker(self.work, self._redis_url)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def env(self, **overrides: str) -> dict[str, str]:
+        """The service's environment on this run's database and broker."""
+        if self.db is None or self.broker is None:
+            raise RuntimeError("the run's database and broker start on entering it")
+        return service_env(self.work, self.db.url, self.broker.url, **overrides)
+
+    def stack(self, env: dict[str, str]) -> Stack:
+        """The service's processes on a free port, stopped when the run ends."""
+        self._stack = Stack(self.work, env, free_port())
+        return self._stack
+
+    def close(self) -> None:
+        if self._stack is not None:
+            self._stack.stop()
+        if self.broker is not None:
+            self.broker.stop()
+        if self.db is not None:
+            self.db.drop()
+        if not self.keep:
+            shutil.rmtree(self.work, ignore_errors=True)
 
 
 class EngineStatsProbe(WorkerProbe):

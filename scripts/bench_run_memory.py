@@ -24,6 +24,8 @@ import threading
 import time
 from pathlib import Path
 
+from cli.perf.service import Ticker, memory_kb
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TARGET_MB = 200.0
 WORDS = [
@@ -56,16 +58,6 @@ def write_batch(path: Path, n: int, max_tokens: int) -> None:
             fh.write(json.dumps(line, separators=(",", ":")) + "\n")
 
 
-def _vm_hwm_kb(pid: int) -> int | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    except (FileNotFoundError, ProcessLookupError, ValueError):
-        return None
-    return None
-
-
 def run_one(batch: Path, model: str, extra: list[str]) -> dict:
     out = batch.with_name(batch.stem + ".out.jsonl")
     cmd = [
@@ -75,17 +67,13 @@ def run_one(batch: Path, model: str, extra: list[str]) -> dict:
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     sampled = {"vm_hwm_kb": 0}
-    stop = threading.Event()
 
     def sample() -> None:
-        while not stop.is_set():
-            value = _vm_hwm_kb(proc.pid)
-            if value:
-                sampled["vm_hwm_kb"] = max(sampled["vm_hwm_kb"], value)
-            stop.wait(0.2)
+        mem = memory_kb(proc.pid)
+        if mem:
+            sampled["vm_hwm_kb"] = max(sampled["vm_hwm_kb"], mem[1])
 
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
+    sampler = Ticker(sample, 0.2).start()
     stdout_chunks: list[bytes] = []
     stderr_chunks: list[bytes] = []
     readers = [
@@ -96,10 +84,9 @@ def run_one(batch: Path, model: str, extra: list[str]) -> dict:
         reader.start()
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
-    stop.set()
+    sampler.stop()
     for reader in readers:
         reader.join()
-    sampler.join()
     wall = time.monotonic() - start
     if proc.returncode != 0:
         sys.stderr.write(b"".join(stderr_chunks).decode(errors="replace")[-3000:])

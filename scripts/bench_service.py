@@ -44,7 +44,6 @@ import os
 import random
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,43 +54,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import _bench_stack as bs
 
+from cli.perf.service import Ticker
+
 ENDPOINT = "/v1/chat/completions"
 THROUGHPUT_TARGET = 0.85
 OCCUPANCY_TARGET = 0.90
-WORDS = [
-    "the",
-    "quick",
-    "brown",
-    "fox",
-    "jumps",
-    "over",
-    "a",
-    "lazy",
-    "dog",
-    "while",
-    "batch",
-    "requests",
-    "stream",
-    "through",
-    "one",
-    "model",
-    "token",
-    "by",
-    "token",
-    "and",
-    "every",
-    "shard",
-    "keeps",
-    "the",
-    "engine",
-    "busy",
-    "until",
-    "nothing",
-    "is",
-    "left",
-    "to",
-    "run",
-]
+WORDS = (
+    "the quick brown fox jumps over a lazy dog while batch requests stream through one model "
+    "token by token and every shard keeps the engine busy until nothing is left to run"
+).split()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,16 +227,14 @@ class Sampler:
         self.batch_id: str | None = None
         self.samples: list[Sample] = []
         self.failures = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="bench-sampler", daemon=True)
+        self._ticker = Ticker(self._sample, interval, name="bench-sampler")
 
     def start(self) -> Sampler:
-        self._thread.start()
+        self._ticker.start()
         return self
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(30)
+        self._ticker.stop(30)
         self.probe.close()
 
     def once(self) -> tuple[float, dict[str, Any]] | None:
@@ -289,19 +258,16 @@ class Sampler:
             ).all()
         return {status: count for status, count in rows}
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            began = time.monotonic()
-            try:
-                shards = self._shards()
-                answer = self.once()
-            except Exception:
-                answer = None
-            if answer is None or "error" in answer[1]:
-                self.failures += 1
-            elif not self.samples or answer[0] > self.samples[-1].t:
-                self.samples.append(Sample(answer[0], answer[1], shards))
-            self._stop.wait(max(0.0, self.interval - (time.monotonic() - began)))
+    def _sample(self) -> None:
+        try:
+            shards = self._shards()
+            answer = self.once()
+        except Exception:
+            answer = None
+        if answer is None or "error" in answer[1]:
+            self.failures += 1
+        elif not self.samples or answer[0] > self.samples[-1].t:
+            self.samples.append(Sample(answer[0], answer[1], shards))
 
 
 @dataclass
@@ -320,12 +286,7 @@ class ServiceRun:
 
 def run_service(client: Any, path: Path, sampler: Sampler, poll: float) -> ServiceRun:
     start = time.monotonic()
-    with path.open("rb") as fh:
-        uploaded = client.files.create(file=(path.name, fh), purpose="batch")
-    upload_done = time.monotonic()
-    batch = client.batches.create(
-        input_file_id=uploaded.id, endpoint=ENDPOINT, completion_window="24h"
-    )
+    batch, upload_done = bs.upload_and_create(client, path, ENDPOINT)
     created = time.monotonic()
     sampler.batch_id = batch.id
     while batch.status not in bs.TERMINAL:
@@ -493,11 +454,8 @@ def measure(args: argparse.Namespace) -> Measured:
     if args.concurrency:
         overrides["BATCHD_WORKER_SHARD_CONCURRENCY"] = str(args.concurrency)
     work = Path(tempfile.mkdtemp(prefix="batchd-bench-service-"))
-    db = broker = stack = None
-    try:
-        db = bs.Database(args.pg_admin_url)
-        broker = bs.Broker(work, args.redis_url)
-        env = bs.service_env(work, db.url, broker.url, **overrides)
+    with bs.Run(work, args.pg_admin_url, args.redis_url, keep=args.keep) as run:
+        env = run.env(**overrides)
         for key, value in env.items():
             if key.startswith("BATCHD_"):
                 os.environ[key] = value
@@ -520,11 +478,11 @@ def measure(args: argparse.Namespace) -> Measured:
         warm_path = work / "warmup.jsonl"
         write_jsonl(warm_path, lines[: max(1, args.warmup)])
 
-        stack = bs.Stack(work, env, bs.free_port())
+        stack = run.stack(env)
         stack.start_roles(("api", "control", "model", "beat"), settings.worker_shard_concurrency)
         stack.wait_ready()
         client = stack.client(timeout=600)
-        sampler = Sampler(broker.url, db.url, args.stats_interval)
+        sampler = Sampler(run.broker.url, run.db.url, args.stats_interval)
         if sampler.once() is None:
             raise RuntimeError("the model worker does not answer engine_stats" + stack.logs())
         # Warm the service (first-request costs in every process), then the engine alone.
@@ -545,17 +503,6 @@ def measure(args: argparse.Namespace) -> Measured:
             eng = _mean_runs(eng, eng2)
         occ = occupancy(sampler.samples)
         return Measured(spec, engine_options, settings, eng, svc, occ, sampler.failures)
-    finally:
-        if stack is not None:
-            stack.stop()
-        if broker is not None:
-            broker.stop()
-        if db is not None:
-            db.drop()
-        if not args.keep:
-            import shutil
-
-            shutil.rmtree(work, ignore_errors=True)
 
 
 def report(args: argparse.Namespace, m: Measured) -> None:

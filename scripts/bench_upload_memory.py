@@ -25,10 +25,8 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import shutil
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -37,6 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import _bench_stack as bs
+
+from cli.perf.service import Ticker
 
 TARGET_MB = 150.0
 ENDPOINT = "/v1/chat/completions"
@@ -71,39 +71,31 @@ def write_batch(path: Path, n: int, line_bytes: int, seed: int = 0) -> int:
 
 
 class MemorySampler:
+    """The highest resident memory (VmRSS, KiB) each process is seen at."""
+
     def __init__(self, pids: dict[str, int], interval: float):
         self.pids = pids
-        self.interval = interval
         self.peak_rss: dict[str, int] = dict.fromkeys(pids, 0)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._ticker = Ticker(self._sample, interval)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            for name, pid in self.pids.items():
-                mem = bs.memory_kb(pid)
-                if mem is not None:
-                    self.peak_rss[name] = max(self.peak_rss[name], mem[0])
-            self._stop.wait(self.interval)
+    def _sample(self) -> None:
+        for name, pid in self.pids.items():
+            mem = bs.memory_kb(pid)
+            if mem is not None:
+                self.peak_rss[name] = max(self.peak_rss[name], mem[0])
 
     def start(self) -> MemorySampler:
-        self._thread.start()
+        self._ticker.start()
         return self
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(10)
+        self._ticker.stop(10)
 
 
 def submit_and_validate(client: Any, path: Path, timeout: float) -> tuple[Any, float, float]:
     """Upload, create, wait until the batch leaves ``validating``: (batch, upload s, validate s)."""
     start = time.monotonic()
-    with path.open("rb") as fh:
-        uploaded = client.files.create(file=(path.name, fh), purpose="batch")
-    uploaded_at = time.monotonic()
-    batch = client.batches.create(
-        input_file_id=uploaded.id, endpoint=ENDPOINT, completion_window="24h"
-    )
+    batch, uploaded_at = bs.upload_and_create(client, path, ENDPOINT)
     deadline = time.monotonic() + timeout
     while batch.status == "validating":
         if time.monotonic() > deadline:
@@ -133,18 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     big, small = work / "big.jsonl", work / "small.jsonl"
     size = write_batch(big, args.requests, args.line_bytes)
     write_batch(small, 20, args.line_bytes, seed=1)
-    db = broker = stack = None
-    try:
-        db = bs.Database(args.pg_admin_url)
-        broker = bs.Broker(work, args.redis_url)
-        env = bs.service_env(
-            work,
-            db.url,
-            broker.url,
+    with bs.Run(work, args.pg_admin_url, args.redis_url, keep=args.keep) as run:
+        env = run.env(
             BATCHD_MODELS=json.dumps({bs.MODEL: f"demo:{args.model_preset}"}),
             BATCHD_MAX_REQUESTS_PER_BATCH=str(max(50_000, args.requests)),
         )
-        stack = bs.Stack(work, env, bs.free_port()).start_roles(("api", "control"))
+        stack = run.stack(env).start_roles(("api", "control"))
         stack.wait_ready()
         pids = {name: stack.procs[name].pid for name in ("api", "control")}
         started = {name: bs.memory_kb(pid) for name, pid in pids.items()}
@@ -160,15 +146,6 @@ def main(argv: list[str] | None = None) -> int:
         sampler.stop()
         end = {name: bs.memory_kb(pid) for name, pid in pids.items()}
         stack.check_alive()
-    finally:
-        if stack is not None:
-            stack.stop()
-        if broker is not None:
-            broker.stop()
-        if db is not None:
-            db.drop()
-        if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
 
     ok = batch.status == "in_progress"
     print(

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cli.perf.service import WorkerProbe, children, memory_kb
+from cli.perf.service import Ticker, WorkerProbe, children, memory_kb
 from cli.perf.workload import (
     DEFAULT_INPUT_LEN,
     DEFAULT_OUTPUT_LEN,
@@ -286,16 +286,15 @@ class Sample:
     rss_kb: dict[str, int]
 
 
-class Sampler(threading.Thread):
+class Sampler:
     def __init__(self, probe: WorkerProbe | None, pids: dict[str, int], interval: float):
-        super().__init__(name="batchd-bench-sampler", daemon=True)
         self.probe = probe
         self.pids = dict(pids)
         self.interval = interval
         self.samples: list[Sample] = []
         self.peak_kb: dict[str, int] = {}
         self.unanswered = 0
-        self._stop_event = threading.Event()
+        self._ticker = Ticker(self.sample, interval, name="batchd-bench-sampler")
 
     def read_memory(self) -> dict[str, int]:
         rss: dict[str, int] = {}
@@ -311,28 +310,27 @@ class Sampler(threading.Thread):
                 rss[name] = total
         return rss
 
-    def run(self) -> None:
-        while not self._stop_event.is_set():
-            began = time.monotonic()
-            workers: dict[str, Any] = {}
-            if self.probe is not None:
-                try:
-                    workers = self.probe.engine_stats()
-                except Exception:
-                    workers = {}
-                if not workers:
-                    self.unanswered += 1
-                for name, answer in workers.items():  # a model worker found on this machine
-                    pid = answer.get("pid")
-                    known = name in self.pids or pid in self.pids.values()
-                    if isinstance(pid, int) and not known and memory_kb(pid):
-                        self.pids[name] = pid
-            self.samples.append(Sample(time.time(), workers, self.read_memory()))
-            self._stop_event.wait(max(0.0, self.interval - (time.monotonic() - began)))
+    def sample(self) -> None:
+        workers: dict[str, Any] = {}
+        if self.probe is not None:
+            try:
+                workers = self.probe.engine_stats()
+            except Exception:
+                workers = {}
+            if not workers:
+                self.unanswered += 1
+            for name, answer in workers.items():  # a model worker found on this machine
+                pid = answer.get("pid")
+                known = name in self.pids or pid in self.pids.values()
+                if isinstance(pid, int) and not known and memory_kb(pid):
+                    self.pids[name] = pid
+        self.samples.append(Sample(time.time(), workers, self.read_memory()))
+
+    def start(self) -> None:
+        self._ticker.start()
 
     def stop(self) -> None:
-        self._stop_event.set()
-        self.join(30)
+        self._ticker.stop(30)
 
 
 # --------------------------------------------------------------------------- the report

@@ -1,7 +1,8 @@
 """An embedded service for ``batchd bench``: the API (uvicorn), a control worker with beat and
 one model worker as subprocesses on the given database and Redis broker, a storage directory
 of its own, one API key per tenant; and the probes that read a running service's engine
-stats, per-request timings and process memory."""
+stats, per-request timings and process memory, and the helpers the e2e tests and the service
+benchmarks share with it (named process groups, waiting, sampling threads)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -235,6 +237,31 @@ class WorkerProbe:
 
     def close(self) -> None:
         self.app.close()
+
+
+class Ticker:
+    """Calls ``tick`` in a daemon thread every ``interval`` seconds (start to start) until
+    :meth:`stop`: the samplers of engine stats and process memory."""
+
+    def __init__(self, tick: Callable[[], None], interval: float, name: str = "batchd-sampler"):
+        self._tick = tick
+        self.interval = interval
+        self._stop_event = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop_event.is_set():
+            began = time.monotonic()
+            self._tick()
+            self._stop_event.wait(max(0.0, self.interval - (time.monotonic() - began)))
+
+    def start(self) -> Ticker:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop_event.set()
+        self._thread.join(timeout)
 
 
 def memory_kb(pid: int) -> tuple[int, int] | None:
