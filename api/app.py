@@ -7,7 +7,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from api import errors, metrics, ui
+from api import errors, log_context, metrics, ui
 from api.routes import batches, files, health, models
 from core.logs import configure_process
 from core.settings import Settings, get_settings
@@ -33,6 +33,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for router in (files.router, batches.router, models.router):
         app.include_router(router, prefix=API_PREFIX)
     ui.install(app)
+    log_context.install(app)
     _document_validation_as_400(app)
     return app
 

@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 from api.deps import Caller, CurrentKey, SessionDep, SettingsDep
 from api.errors import APIError, invalid_request, not_found
 from api.limits import max_unfinished_batches
+from api.log_context import bind_batch
 from api.routes.common import could_be_id, error_responses
 from api.routes.files import get_file_row
 from api.schemas import (
@@ -83,6 +84,7 @@ def _existing(session: Session, tenant: str, key: str) -> Batch | None:
 def _replay(row: Batch, body: BatchCreate, caller: Caller) -> BatchPublic:
     """The answer to a create that repeats an idempotency key: the first create's batch, as it
     is now; a different request under the same key is a client bug and gets 409."""
+    bind_batch(row.id)
     if (row.input_file_id, row.endpoint) != (body.input_file_id, body.endpoint):
         raise APIError(
             409,
@@ -196,6 +198,7 @@ def create_batch(
         cached_tokens=0,
         output_tokens=0,
     )
+    bind_batch(row.id)
     session.add(row)
     try:
         session.commit()
@@ -231,6 +234,7 @@ def create_batch(
             f"{BROKER_UNAVAILABLE} Batch {row.id} was not started and has been marked failed.",
             code="broker_unavailable",
         ) from error
+    log.info("batch %s created from %s for %s", row.id, input_file.id, row.endpoint)
     return BatchPublic.of(row, show_secret=_generated_secret(row, caller))
 
 
@@ -296,6 +300,7 @@ def cancel_batch(batch_id: str, caller: CurrentKey, session: SessionDep) -> Batc
         session.commit()
         session.refresh(row)
         if won:
+            log.info("batch %s cancelling", batch_id)
             try:
                 enqueue(TASK_CANCEL, batch_id)
             except Exception as error:

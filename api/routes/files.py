@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 
 from api.deps import CurrentKey, SessionDep, SettingsDep, StorageDep
 from api.errors import APIError, invalid_request, not_found
+from api.log_context import bind_batch
 from api.routes.common import could_be_id, error_responses
 from api.schemas import MAX_EXPIRY_S, MIN_EXPIRY_S, FileDeleted, FileList, FilePublic
 from api.uploads import Upload, receive_upload
@@ -246,6 +247,8 @@ def file_content(
     file_id: str, caller: CurrentKey, session: SessionDep, storage: StorageDep
 ) -> StreamingResponse:
     row = get_file_row(session, caller.tenant, file_id)
+    if row.purpose == "batch_output":
+        _bind_producing_batch(session, row)
     try:
         size = storage.size(row.storage_key)
         chunks = storage.read_range(row.storage_key, 0, size)
@@ -264,6 +267,20 @@ def file_content(
             "X-Content-Type-Options": "nosniff",
         },
     )
+
+
+def _bind_producing_batch(session: Session, row: File) -> None:
+    """The download's log lines carry the batch whose output or error file this is."""
+    produced_by = session.scalar(
+        select(Batch.id)
+        .where(
+            Batch.tenant == row.tenant,
+            or_(Batch.output_file_id == row.id, Batch.error_file_id == row.id),
+        )
+        .limit(1)
+    )
+    if produced_by is not None:
+        bind_batch(produced_by)
 
 
 @router.delete(
