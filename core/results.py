@@ -33,13 +33,16 @@ from __future__ import annotations
 import base64
 import json
 import math
-import secrets
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
-from core.ids import batch_request_id
+from core.ids import batch_request_id, message_id, response_id
+from core.ids import chat_completion_id as new_chat_completion_id
+from core.ids import completion_id as new_completion_id
+from core.ids import request_id as new_request_id
 
 if TYPE_CHECKING:
     from core.batchfile import BatchRequest
@@ -107,22 +110,6 @@ class GenerationResult:
 
 
 # --------------------------------------------------------------------------------------------
-# Ids
-
-
-def new_chat_completion_id() -> str:
-    return f"chatcmpl-{secrets.token_hex(12)}"
-
-
-def new_completion_id() -> str:
-    return f"cmpl-{secrets.token_hex(12)}"
-
-
-def new_request_id() -> str:
-    return f"req_{secrets.token_hex(16)}"
-
-
-# --------------------------------------------------------------------------------------------
 # Bodies
 
 
@@ -172,35 +159,42 @@ def _chat_logprobs(req: BatchRequest, choice: ChoiceResult) -> dict[str, Any] | 
     return {"content": content, "refusal": None}
 
 
+class BodyOptions(TypedDict, total=False):
+    """What a caller may set on a generation body; by default ``created`` is now (Unix
+    seconds), ``model`` the request's model, ``system_fingerprint`` null."""
+
+    created: int | None
+    model: str | None
+    system_fingerprint: str | None
+
+
+class CompletionOptions(BodyOptions, total=False):
+    completion_id: str | None  # default: a fresh id of the body's kind
+
+
+class ResponseOptions(BodyOptions, total=False):
+    response_id: str | None  # default: a fresh ``resp_…``
+
+
+def _chat_choice(req: BatchRequest, c: ChoiceResult) -> dict[str, Any]:
+    return {
+        "index": c.index,
+        "message": {
+            "role": "assistant",
+            "content": c.text,
+            "refusal": None,
+            "annotations": [],
+        },
+        "logprobs": _chat_logprobs(req, c),
+        "finish_reason": c.finish_reason,
+    }
+
+
 def chat_completion_body(
-    req: BatchRequest,
-    result: GenerationResult,
-    *,
-    completion_id: str | None = None,
-    created: int | None = None,
-    model: str | None = None,
-    system_fingerprint: str | None = None,
+    req: BatchRequest, result: GenerationResult, **options: Unpack[CompletionOptions]
 ) -> dict[str, Any]:
-    """A ``chat.completion`` object. ``completion_id`` defaults to a fresh ``chatcmpl-…``,
-    ``created`` to now (Unix seconds), ``model`` to the request's model."""
-    choices = [
-        {
-            "index": c.index,
-            "message": {
-                "role": "assistant",
-                "content": c.text,
-                "refusal": None,
-                "annotations": [],
-            },
-            "logprobs": _chat_logprobs(req, c),
-            "finish_reason": c.finish_reason,
-        }
-        for c in sorted(result.choices, key=lambda c: c.index)
-    ]
-    return _envelope(
-        completion_id or new_chat_completion_id(), "chat.completion", req, result, choices,
-        created=created, model=model, system_fingerprint=system_fingerprint,
-    )  # fmt: skip
+    """A ``chat.completion`` object, with a ``chatcmpl-…`` id unless ``completion_id``."""
+    return _envelope("chat.completion", new_chat_completion_id, _chat_choice, req, result, options)
 
 
 def _completion_logprobs(req: BatchRequest, choice: ChoiceResult) -> dict[str, Any] | None:
@@ -225,77 +219,61 @@ def _completion_logprobs(req: BatchRequest, choice: ChoiceResult) -> dict[str, A
     }
 
 
+def _completion_choice(req: BatchRequest, c: ChoiceResult) -> dict[str, Any]:
+    return {
+        "text": c.text,
+        "index": c.index,
+        "logprobs": _completion_logprobs(req, c),
+        "finish_reason": c.finish_reason,
+    }
+
+
 def completion_body(
-    req: BatchRequest,
-    result: GenerationResult,
-    *,
-    completion_id: str | None = None,
-    created: int | None = None,
-    model: str | None = None,
-    system_fingerprint: str | None = None,
+    req: BatchRequest, result: GenerationResult, **options: Unpack[CompletionOptions]
 ) -> dict[str, Any]:
-    """A ``text_completion`` object (the legacy completions API); defaults as for
-    :func:`chat_completion_body`, with a ``cmpl-…`` id."""
-    choices = [
-        {
-            "text": c.text,
-            "index": c.index,
-            "logprobs": _completion_logprobs(req, c),
-            "finish_reason": c.finish_reason,
-        }
-        for c in sorted(result.choices, key=lambda c: c.index)
-    ]
-    return _envelope(
-        completion_id or new_completion_id(), "text_completion", req, result, choices,
-        created=created, model=model, system_fingerprint=system_fingerprint,
-    )  # fmt: skip
+    """A ``text_completion`` object (the legacy completions API), with a ``cmpl-…`` id unless
+    ``completion_id``."""
+    return _envelope("text_completion", new_completion_id, _completion_choice, req, result, options)
 
 
 def _envelope(
-    body_id: str,
     obj: str,
+    new_id: Callable[[], str],
+    choice: Callable[[BatchRequest, ChoiceResult], dict[str, Any]],
     req: BatchRequest,
     result: GenerationResult,
-    choices: list[dict[str, Any]],
-    *,
-    created: int | None,
-    model: str | None,
-    system_fingerprint: str | None,
+    options: CompletionOptions,
 ) -> dict[str, Any]:
     """The fields a ChatCompletion and a Completion share around their choices."""
+    created = options.get("created")
     return {
-        "id": body_id,
+        "id": options.get("completion_id") or new_id(),
         "object": obj,
         "created": int(time.time()) if created is None else created,
-        "model": model or req.model,
-        "choices": choices,
+        "model": options.get("model") or req.model,
+        "choices": [choice(req, c) for c in sorted(result.choices, key=lambda c: c.index)],
         "usage": usage_dict(result),
-        "system_fingerprint": system_fingerprint,
+        "system_fingerprint": options.get("system_fingerprint"),
     }
 
 
 def responses_body(
-    req: BatchRequest,
-    result: GenerationResult,
-    *,
-    response_id: str | None = None,
-    created: int | None = None,
-    model: str | None = None,
-    system_fingerprint: str | None = None,
+    req: BatchRequest, result: GenerationResult, **options: Unpack[ResponseOptions]
 ) -> dict[str, Any]:
     """A ``response`` object of the Responses API: one assistant message with one
     ``output_text`` part. A completion cut by ``max_output_tokens`` is ``incomplete`` with
     ``incomplete_details.reason`` ``max_output_tokens``, as OpenAI reports it. The request's
-    ``instructions``, ``metadata``, sampling values and ``text.format`` are echoed."""
-    del system_fingerprint  # the Response object has none
+    ``instructions``, ``metadata``, sampling values and ``text.format`` are echoed; the
+    Response object has no ``system_fingerprint``."""
     body = req.body
     choice = min(result.choices, key=lambda c: c.index)
     cut = choice.finish_reason == "length"
+    created = options.get("created")
     status = "incomplete" if cut else "completed"
     text = body.get("text") if isinstance(body.get("text"), dict) else {}
     message = {
         "type": "message",
-        "id": f"msg_{secrets.token_hex(24)}",
+        "id": message_id(),
         "status": status,
         "role": "assistant",
         "content": [
@@ -303,7 +281,7 @@ def responses_body(
         ],
     }
     return {
-        "id": response_id or f"resp_{secrets.token_hex(24)}",
+        "id": options.get("response_id") or response_id(),
         "object": "response",
         "created_at": int(time.time()) if created is None else created,
         "status": status,
@@ -311,7 +289,7 @@ def responses_body(
         "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
         "instructions": body.get("instructions"),
         "max_output_tokens": body.get("max_output_tokens"),
-        "model": model or req.model,
+        "model": options.get("model") or req.model,
         "output": [message],
         "parallel_tool_calls": True,
         "previous_response_id": None,
@@ -380,11 +358,18 @@ def output_line(
     custom_id: str, body: dict[str, Any], *, request_id: str | None = None
 ) -> dict[str, Any]:
     """A successful request's line in the output file."""
+    return _response_line(custom_id, 200, body, request_id)
+
+
+def _response_line(
+    custom_id: str | None, status_code: int, body: dict[str, Any], request_id: str | None
+) -> dict[str, Any]:
+    """A line carrying the HTTP response the endpoint returned (or would have)."""
     return {
         "id": batch_request_id(),
         "custom_id": custom_id,
         "response": {
-            "status_code": 200,
+            "status_code": status_code,
             "request_id": request_id or new_request_id(),
             "body": body,
         },
@@ -404,16 +389,8 @@ def request_error_line(
 ) -> dict[str, Any]:
     """A request that ran (or was attempted) and failed: its line in the error file, shaped as
     the HTTP error response the endpoint would have returned."""
-    return {
-        "id": batch_request_id(),
-        "custom_id": custom_id,
-        "response": {
-            "status_code": status_code,
-            "request_id": request_id or new_request_id(),
-            "body": {"error": {"message": message, "type": type, "param": param, "code": code}},
-        },
-        "error": None,
-    }
+    error = {"message": message, "type": type, "param": param, "code": code}
+    return _response_line(custom_id, status_code, {"error": error}, request_id)
 
 
 def batch_error_line(
