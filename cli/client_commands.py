@@ -121,6 +121,16 @@ def _counts(batch: dict[str, Any]) -> tuple[int, int, int]:
     )
 
 
+def _errors(batch: dict[str, Any]) -> list[dict[str, Any]]:
+    """The batch's validation errors (``errors.data``)."""
+    return (batch.get("errors") or {}).get("data") or []
+
+
+def _error_text(error: dict[str, Any]) -> str:
+    line = f"line {error.get('line')}: " if error.get("line") is not None else ""
+    return f"{line}{error.get('message')} ({error.get('code')})"
+
+
 def _when(ts: Any) -> str:
     if not ts:
         return "-"
@@ -136,14 +146,16 @@ def wait_for_batch(
     *,
     poll_interval: float,
     timeout: float | None,
-    show_progress: bool,
+    show_progress: bool | None = None,
     sleep: Callable[[float], None] = time.sleep,
 ) -> tuple[dict[str, Any], bool]:
     """Poll until the batch reaches a terminal status or ``timeout`` passes.
 
     Returns ``(batch, timed_out)``. A live bar (completed + failed of total, requests/s, ETA)
-    is drawn on standard error when ``show_progress``.
+    is drawn on standard error when ``show_progress`` (by default, when that is a terminal).
     """
+    if show_progress is None:
+        show_progress = sys.stderr.isatty()
     start = time.monotonic()
     deadline = None if timeout is None else start + timeout
     batch = client.get_batch(batch_id)  # the first call fails fast
@@ -199,10 +211,9 @@ def _finish_wait(batch: dict[str, Any], timed_out: bool, *, as_json: bool) -> Ex
         _print_json(batch)
     message = f"batch {batch['id']} {batch.get('status')}: {completed} completed, {failed} failed of {total}"
     if batch.get("status") == BatchStatus.FAILED:
-        errors = (batch.get("errors") or {}).get("data") or []
+        errors = _errors(batch)
         for e in errors[:10]:
-            line = f"line {e.get('line')}: " if e.get("line") is not None else ""
-            message += f"\n  {line}{e.get('message')} ({e.get('code')})"
+            message += f"\n  {_error_text(e)}"
         if len(errors) > 10:
             message += f"\n  … and {len(errors) - 10} more"
     err.print(_escape(message), markup=False)
@@ -287,11 +298,7 @@ def submit(
             typer.echo(batch["id"])
         _stderr().print(f"submitted {batch['id']} (input {uploaded['id']}); waiting …")
         batch, timed_out = wait_for_batch(
-            client,
-            batch["id"],
-            poll_interval=poll_interval,
-            timeout=timeout,
-            show_progress=sys.stderr.isatty(),
+            client, batch["id"], poll_interval=poll_interval, timeout=timeout
         )
         code = _finish_wait(batch, timed_out, as_json=as_json)
         wanted = output is not None or errors is not None
@@ -367,10 +374,8 @@ def status(
     for key, value in rows:
         table.add_row(key, _escape(str(value)))
     _stdout().print(table)
-    errors = (batch.get("errors") or {}).get("data") or []
-    for e in errors[:10]:
-        line = f"line {e.get('line')}: " if e.get("line") is not None else ""
-        _stdout().print(_escape(f"  {line}{e.get('message')} ({e.get('code')})"))
+    for e in _errors(batch)[:10]:
+        _stdout().print(_escape(f"  {_error_text(e)}"))
 
 
 def list_(
@@ -440,11 +445,7 @@ def wait(
     """Wait until the batch finishes; the exit code tells how it ended."""
     with _client(base_url, api_key) as client:
         batch, timed_out = wait_for_batch(
-            client,
-            batch_id,
-            poll_interval=poll_interval,
-            timeout=timeout,
-            show_progress=sys.stderr.isatty(),
+            client, batch_id, poll_interval=poll_interval, timeout=timeout
         )
     raise _exit(_finish_wait(batch, timed_out, as_json=as_json))
 
