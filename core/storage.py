@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Iterator
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, contextmanager
 from typing import BinaryIO
 
 
@@ -77,9 +77,19 @@ class Storage(abc.ABC):
     def writer(self, key: str) -> AbstractContextManager[BinaryIO]:
         """A binary stream; the object appears at ``key`` only when the block exits cleanly."""
 
+    @contextmanager
+    def reader(self, key: str) -> Iterator[BinaryIO]:
+        """A binary stream over the object (seekable for local files; S3 streams forward),
+        closed when the block exits."""
+        stream = self._open(key)
+        try:
+            yield stream
+        finally:
+            stream.close()
+
     @abc.abstractmethod
-    def reader(self, key: str) -> AbstractContextManager[BinaryIO]:
-        """A binary stream over the object (seekable for local files; S3 streams forward)."""
+    def _open(self, key: str) -> BinaryIO:
+        """The object's bytes from its start; ``ObjectNotFound`` if it does not exist."""
 
     @abc.abstractmethod
     def read_range(

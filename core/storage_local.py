@@ -122,14 +122,6 @@ class LocalStorage(Storage):
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
             raise ObjectNotFound(key) from exc
 
-    @contextmanager
-    def reader(self, key: str) -> Iterator[BinaryIO]:
-        stream = self._open(key)
-        try:
-            yield stream
-        finally:
-            stream.close()
-
     def read_range(
         self, key: str, start: int, end: int, *, chunk_size: int = 1 << 20
     ) -> Iterator[bytes]:

@@ -367,13 +367,8 @@ class S3Storage(Storage):
         except ClientError as exc:
             raise self._error(exc, key, "download") from exc
 
-    @contextmanager
-    def reader(self, key: str) -> Iterator[BinaryIO]:
-        stream = io.BufferedReader(_BodyRaw(self, key), buffer_size=MiB)
-        try:
-            yield stream  # type: ignore[misc]
-        finally:
-            stream.close()
+    def _open(self, key: str) -> BinaryIO:
+        return io.BufferedReader(_BodyRaw(self, key), buffer_size=MiB)  # type: ignore[return-value]
 
     def read_range(
         self, key: str, start: int, end: int, *, chunk_size: int = 1 << 20
