@@ -272,6 +272,25 @@ def _lone_surrogate(obj: Any) -> str | None:
     return None
 
 
+def _required(
+    line: int,
+    value: Any,
+    param: str,
+    expected: type[str] | type[dict],
+    *,
+    missing: str = "missing_required_param",
+    invalid: str = "invalid_type",
+) -> Any:
+    """``value`` (the line's ``param``) when it is present and of the ``expected`` type;
+    otherwise the :class:`LineError` with the ``missing`` or the ``invalid`` code."""
+    if value is None:
+        raise LineError(line, missing, f"{param} is required", param)
+    if not isinstance(value, expected):
+        a = "a string" if expected is str else "an object"
+        raise LineError(line, invalid, f"{param} must be {a}, got {type_name(value)}", param)
+    return value
+
+
 def _load_object(raw: RawLine, max_line_bytes: int | None) -> dict[str, Any]:
     line = raw.line
     if raw.too_long:
@@ -356,16 +375,10 @@ def parse_request(
     line = raw.line
     obj = _load_object(raw, max_line_bytes)
 
-    custom_id = obj.get("custom_id")
-    if custom_id is None:
-        raise LineError(line, "missing_custom_id", "custom_id is required", "custom_id")
-    if not isinstance(custom_id, str):
-        raise LineError(
-            line,
-            "invalid_custom_id",
-            f"custom_id must be a string, got {type_name(custom_id)}",
-            "custom_id",
-        )
+    custom_id = _required(
+        line, obj.get("custom_id"), "custom_id", str,
+        missing="missing_custom_id", invalid="invalid_custom_id",
+    )  # fmt: skip
     if not custom_id:
         raise LineError(line, "invalid_custom_id", "custom_id must not be empty", "custom_id")
     if len(custom_id) > MAX_CUSTOM_ID_CHARS:
@@ -395,24 +408,8 @@ def parse_request(
             "url",
         )
 
-    body = obj.get("body")
-    if body is None:
-        raise LineError(line, "missing_required_param", "body is required", "body")
-    if not isinstance(body, dict):
-        raise LineError(
-            line, "invalid_type", f"body must be an object, got {type_name(body)}", "body"
-        )
-
-    model = body.get("model")
-    if model is None:
-        raise LineError(line, "missing_required_param", "body.model is required", "body.model")
-    if not isinstance(model, str):
-        raise LineError(
-            line,
-            "invalid_type",
-            f"body.model must be a string, got {type_name(model)}",
-            "body.model",
-        )
+    body = _required(line, obj.get("body"), "body", dict)
+    model = _required(line, body.get("model"), "body.model", str)
     if served_models is not None and model not in served_models:
         served = ", ".join(sorted(served_models)) or "none"
         raise LineError(
