@@ -192,3 +192,9 @@ class BatchdClient:
 
     def cancel_batch(self, batch_id: str) -> dict[str, Any]:
         return self._request("POST", f"batches/{batch_id}/cancel")
+
+    # ------------------------------------------------------------------ models
+
+    def list_models(self) -> list[dict[str, Any]]:
+        """The served models: ``{"id", "kind", "endpoints", …}`` each."""
+        return list(self._request("GET", "models").get("data") or [])

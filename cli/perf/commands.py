@@ -332,7 +332,8 @@ def bench(
     model: Annotated[
         str | None,
         typer.Option(
-            help="The served model the requests name (default: the first of BATCHD_MODELS)."
+            help="The served model the requests name (default: the first of BATCHD_MODELS; "
+            "with --url, the service's first generation model)."
         ),
     ] = None,  # fmt: skip
     engine_options: EngineOptionsOpt = None,
@@ -373,6 +374,9 @@ def bench(
 
     settings = get_settings()
     served = dict(settings.models)
+    if url is not None and model is None:
+        key = api_key or next((k.partition("=")[2] for k in tenant_key or ()), None)
+        model = _served_model(url, key)
     name = model or next(iter(served))
     if url is None and name not in served:
         raise typer.BadParameter(
@@ -451,6 +455,26 @@ def bench(
     pngs = bench_output.plots(data, out, title)
     typer.echo(bench_output.table(data))
     say(f"wrote {report_path}, {', '.join(str(p) for p in pngs)}")
+
+
+def _served_model(url: str, api_key: str | None) -> str:
+    """The running service's first generation model (its ``/v1/models``), which the requests
+    name when ``--model`` does not: this machine's ``BATCHD_MODELS`` says nothing of it."""
+    from cli.client import BatchdClient, ClientError
+
+    try:
+        with BatchdClient(url, api_key) as client:
+            models = client.list_models()
+    except ClientError as exc:
+        say(f"error: cannot list the models of {url} (give --model): {exc.message}")
+        raise typer.Exit(int(ExitCode.USAGE)) from None
+    for m in models:
+        if "/v1/completions" in (m.get("endpoints") or ()):
+            return str(m["id"])
+    if not models:
+        say(f"error: {url} serves no model")
+        raise typer.Exit(int(ExitCode.USAGE))
+    return str(models[0]["id"])
 
 
 def _unwrap(text: str) -> str:
