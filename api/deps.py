@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import hmac
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 from fastapi import Depends, Request
 from sqlalchemy.exc import DBAPIError
@@ -25,6 +25,8 @@ from core.db import new_session
 from core.settings import Settings
 from core.storage import Storage
 from core.storage_factory import open_storage
+
+T = TypeVar("T")
 
 DEFAULT_TENANT = "default"
 
@@ -51,22 +53,30 @@ def get_session(settings: SettingsDep) -> Iterator[Session]:
 
 SessionDep = Annotated[Session, Depends(get_session)]
 
+
+def _per_app(request: Request, name: str, lock: threading.Lock, create: Callable[[], T]) -> T:
+    """``app.state.<name>``, made by ``create`` on first use: once per app, however many
+    requests arrive together."""
+    state = request.app.state
+    value = getattr(state, name, None)
+    if value is None:
+        with lock:
+            value = getattr(state, name, None)
+            if value is None:
+                value = create()
+                setattr(state, name, value)
+    return value
+
+
 _storage_lock = threading.Lock()
 
 
 def get_storage(request: Request, settings: SettingsDep) -> Storage:
     """One storage backend per app, opened on first use."""
-    state = request.app.state
-    storage = getattr(state, "storage", None)
-    if storage is None:
-        with _storage_lock:
-            storage = getattr(state, "storage", None)
-            if storage is None:
-                storage = open_storage(
-                    settings.storage_url, s3_endpoint_url=settings.s3_endpoint_url
-                )
-                state.storage = storage
-    return storage
+    return _per_app(
+        request, "storage", _storage_lock,
+        lambda: open_storage(settings.storage_url, s3_endpoint_url=settings.s3_endpoint_url),
+    )  # fmt: skip
 
 
 StorageDep = Annotated[Storage, Depends(get_storage)]
@@ -148,15 +158,9 @@ _buckets_lock = threading.Lock()
 
 
 def _buckets(request: Request, settings: Settings) -> Buckets:
-    state = request.app.state
-    buckets = getattr(state, "rate_buckets", None)
-    if buckets is None:
-        with _buckets_lock:
-            buckets = getattr(state, "rate_buckets", None)
-            if buckets is None:
-                buckets = open_buckets(settings.broker_url)
-                state.rate_buckets = buckets
-    return buckets
+    return _per_app(
+        request, "rate_buckets", _buckets_lock, lambda: open_buckets(settings.broker_url)
+    )
 
 
 def authenticate(request: Request, settings: SettingsDep, session: SessionDep) -> Caller:
