@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from typing import Any
 
-from core.batch_request import MAX_STOP_SEQUENCES, BatchRequest, LineError, type_name
+from core.batch_request import MAX_STOP_SEQUENCES, BatchRequest, LineError, show, type_name
 
 
 class Checker:
@@ -23,6 +24,22 @@ class Checker:
         return self.fail(
             "invalid_type", param, f"{param} must be {expected}, got {type_name(value)}"
         )
+
+    def required(self, param: str, value: Any) -> Any:
+        """``value``, unless it is absent: then the ``missing_required_param`` error."""
+        if value is None:
+            raise self.fail("missing_required_param", param, f"{param} is required")
+        return value
+
+    def choice(self, param: str, value: Any, choices: Collection[str]) -> Any:
+        """``value``, unless it is not one of ``choices``: then the error that lists them."""
+        if value not in choices:
+            raise self.fail(
+                "invalid_value",
+                param,
+                f"{param} must be one of {', '.join(choices)}, got {show(value)}",
+            )
+        return value
 
     def get(self, name: str) -> Any:
         return self.body.get(name)

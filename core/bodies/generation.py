@@ -25,25 +25,16 @@ def check_chat(c: Checker, req: BatchRequest) -> None:
         p = f"body.messages[{i}]"
         if not isinstance(msg, dict):
             raise c.type_error(p, "an object", msg)
-        role = msg.get("role")
-        if role is None:
-            raise c.fail("missing_required_param", f"{p}.role", f"{p}.role is required")
+        role = c.required(f"{p}.role", msg.get("role"))
         if not isinstance(role, str):
             raise c.type_error(f"{p}.role", "a string", role)
-        if role not in CHAT_ROLES:
-            raise c.fail(
-                "invalid_value",
-                f"{p}.role",
-                f"{p}.role must be one of {', '.join(CHAT_ROLES)}, got {show(role)}",
-            )
+        c.choice(f"{p}.role", role, CHAT_ROLES)
         if msg.get("tool_calls") or msg.get("function_call"):
             key = "tool_calls" if msg.get("tool_calls") else "function_call"
             raise c.fail(
                 "unsupported_parameter", f"{p}.{key}", f"{p}.{key} is not supported by this service"
             )
-        content = msg.get("content")
-        if content is None:
-            raise c.fail("missing_required_param", f"{p}.content", f"{p}.content is required")
+        content = c.required(f"{p}.content", msg.get("content"))
         if isinstance(content, list):
             texts: list[str] = []
             for j, part in enumerate(content):

@@ -76,18 +76,8 @@ def _item(c: Checker, item: Any, p: str) -> dict[str, str]:
             f'{p}.type must be "message": this service generates text only (no tools, function '
             f"calls or reasoning items), got {show(kind)}",
         )
-    role = item.get("role")
-    if role is None:
-        raise c.fail("missing_required_param", f"{p}.role", f"{p}.role is required")
-    if role not in ROLES:
-        raise c.fail(
-            "invalid_value",
-            f"{p}.role",
-            f"{p}.role must be one of {', '.join(ROLES)}, got {show(role)}",
-        )
-    content = item.get("content")
-    if content is None:
-        raise c.fail("missing_required_param", f"{p}.content", f"{p}.content is required")
+    role = c.choice(f"{p}.role", c.required(f"{p}.role", item.get("role")), ROLES)
+    content = c.required(f"{p}.content", item.get("content"))
     if isinstance(content, str):
         return {"role": role, "content": content}
     if not isinstance(content, list):

@@ -50,15 +50,7 @@ def json_schema(c: Checker, fmt: Any, param: str, *, flat: bool) -> dict[str, An
         return None
     if not isinstance(fmt, dict):
         raise c.type_error(param, "an object", fmt)
-    kind = fmt.get("type")
-    if kind is None:
-        raise c.fail("missing_required_param", f"{param}.type", f"{param}.type is required")
-    if kind not in FORMAT_TYPES:
-        raise c.fail(
-            "invalid_value",
-            f"{param}.type",
-            f"{param}.type must be one of {', '.join(FORMAT_TYPES)}, got {show(kind)}",
-        )
+    kind = c.choice(f"{param}.type", c.required(f"{param}.type", fmt.get("type")), FORMAT_TYPES)
     if kind == "text":
         return None
     if kind == "json_object":
@@ -68,9 +60,7 @@ def json_schema(c: Checker, fmt: Any, param: str, *, flat: bool) -> dict[str, An
         raise c.fail("missing_required_param", where, f"{where} is required for json_schema")
     if not isinstance(spec, dict):
         raise c.type_error(where, "an object", spec)
-    name = spec.get("name")
-    if name is None:
-        raise c.fail("missing_required_param", f"{where}.name", f"{where}.name is required")
+    name = c.required(f"{where}.name", spec.get("name"))
     if not isinstance(name, str) or not _NAME.match(name):
         raise c.fail(
             "invalid_value",
