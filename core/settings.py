@@ -8,6 +8,7 @@ Postgres, Redis and S3.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any
@@ -25,6 +26,17 @@ def _home() -> Path:
     import os
 
     return Path(os.environ.get("BATCHD_HOME", Path.home() / ".batchd")).expanduser()
+
+
+def _json_or_items(value: Any, opener: str, items: Callable[[list[str]], Any]) -> Any:
+    """An environment variable's text: JSON when it starts with ``opener``, else its
+    comma-separated non-blank items through ``items``; any other value as it is."""
+    if not isinstance(value, str):
+        return value
+    value = value.strip()
+    if value.startswith(opener):
+        return json.loads(value)
+    return items([part for part in value.split(",") if part.strip()])
 
 
 class Settings(BaseSettings):
@@ -141,24 +153,13 @@ class Settings(BaseSettings):
     @field_validator("models", "engine_options", mode="before")
     @classmethod
     def _json_mapping(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            value = value.strip()
-            if value.startswith("{"):
-                return json.loads(value)
-            # "name=path,name2=path2"
-            pairs = [p for p in value.split(",") if p.strip()]
-            return dict(p.split("=", 1) for p in pairs)
-        return value
+        # or "name=path,name2=path2"
+        return _json_or_items(value, "{", lambda items: dict(p.split("=", 1) for p in items))
 
     @field_validator("api_keys", "admin_api_keys", "webhook_allowed_hosts", mode="before")
     @classmethod
     def _csv_list(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            value = value.strip()
-            if value.startswith("["):
-                return json.loads(value)
-            return [v.strip() for v in value.split(",") if v.strip()]
-        return value
+        return _json_or_items(value, "[", lambda items: [v.strip() for v in items])
 
     @field_validator("webhook_allowed_hosts")
     @classmethod
