@@ -37,9 +37,9 @@ from celery import Celery
 from celery.signals import (
     after_setup_logger,
     after_setup_task_logger,
-    celeryd_after_setup,
     worker_init,
     worker_process_shutdown,
+    worker_ready,
 )
 
 from core.queue import (
@@ -192,11 +192,12 @@ def _import_before_tasks(**_: Any) -> None:
     import_task_dependencies()
 
 
-@celeryd_after_setup.connect
+@worker_ready.connect
 def _start_metrics_exporter(**_: Any) -> None:
     # Not at worker_init: Celery sets up logging after it, and the exporter's "listening on"
-    # line (or the error naming a port it cannot bind) would go nowhere. This signal comes
-    # once logging is set up and before the pool starts (prefork children fork after it).
+    # line (or the error naming a port it cannot bind) would go nowhere. At worker_ready (in
+    # the main process) logging is set up and the start banner printed, so the line sits just
+    # above "ready."; a prefork pool's first children, forked by then, do not inherit the socket.
     from worker.metrics import start_exporter
 
     start_exporter()

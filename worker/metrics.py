@@ -2,8 +2,9 @@
 (core/metrics.py) and the figures of every engine it has loaded.
 
 The exporter is a small HTTP server on ``BATCHD_WORKER_METRICS_PORT`` (off when 0), started
-when the worker starts (``celeryd_after_setup``: in the main process, once logging is set up,
-so its "listening on" line shows, and before any pool process forks).
+in the worker's main process when the worker is ready (``worker_ready``: logging is set up by
+then, so its "listening on" line shows; the children a prefork pool starts with are forked
+by then, and do not hold its socket).
 A process that forks its pool (Celery's prefork pool) must run with
 ``PROMETHEUS_MULTIPROC_DIR`` pointing at an empty directory: prometheus-client then keeps each
 child's metrics in files there and the exporter serves their sum (prometheus-client's
@@ -171,7 +172,7 @@ def start_exporter(port: int | None = None, host: str | None = None) -> int | No
     """Serve ``/metrics`` on ``port`` (default: the setting); return the port, None when off
     or when the port cannot be bound (logged as an error naming it: the worker runs on without
     its exporter). Idempotent within a process. Logs one INFO line with the address, so call
-    it after the process's logging is set up (the worker does, in ``celeryd_after_setup``)."""
+    it after the process's logging is set up (the worker does, at ``worker_ready``)."""
     global _exporter
     settings = get_settings()
     port = settings.worker_metrics_port if port is None else port
