@@ -7,7 +7,7 @@ from datetime import timedelta
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Query
-from sqlalchemy import and_, func, or_, select, text
+from sqlalchemy import func, select, text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -15,7 +15,7 @@ from api.deps import Caller, CurrentKey, SessionDep, SettingsDep
 from api.errors import APIError, invalid_request, not_found
 from api.limits import max_unfinished_batches
 from api.log_context import bind_batch
-from api.routes.common import could_be_id, error_responses
+from api.routes.common import could_be_id, error_responses, keyset_page, list_page
 from api.routes.files import get_file_row
 from api.schemas import (
     IDEMPOTENCY_KEY_PATTERN,
@@ -255,26 +255,14 @@ def list_batches(
     after: Annotated[str | None, Query(max_length=64)] = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> BatchList:
-    query = select(Batch).where(Batch.tenant == caller.tenant)
+    cursor = None
     if after is not None:
         cursor = session.get(Batch, after) if could_be_id(after) else None
         if cursor is None or cursor.tenant != caller.tenant:
             raise invalid_request(f"No such Batch object for 'after': {after}", param="after")
-        query = query.where(
-            or_(
-                Batch.created_at < cursor.created_at,
-                and_(Batch.created_at == cursor.created_at, Batch.id < cursor.id),
-            )
-        )
-    query = query.order_by(Batch.created_at.desc(), Batch.id.desc()).limit(limit + 1)
-    rows = list(session.scalars(query))
-    data = [BatchPublic.of(row) for row in rows[:limit]]
-    return BatchList(
-        data=data,
-        first_id=data[0].id if data else None,
-        last_id=data[-1].id if data else None,
-        has_more=len(rows) > limit,
-    )
+    query = select(Batch).where(Batch.tenant == caller.tenant)
+    rows, has_more = keyset_page(session, query, Batch, cursor, descending=True, limit=limit)
+    return list_page(BatchList, [BatchPublic.of(row) for row in rows], has_more)
 
 
 @router.post(

@@ -10,13 +10,13 @@ from urllib.parse import quote
 from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
-from sqlalchemy import and_, false, or_, select
+from sqlalchemy import false, or_, select
 from sqlalchemy.orm import Session
 
 from api.deps import CurrentKey, SessionDep, SettingsDep, StorageDep
 from api.errors import APIError, invalid_request, not_found
 from api.log_context import bind_batch
-from api.routes.common import could_be_id, error_responses
+from api.routes.common import could_be_id, error_responses, keyset_page, list_page
 from api.schemas import MAX_EXPIRY_S, MIN_EXPIRY_S, FileDeleted, FileList, FilePublic
 from api.uploads import Upload, receive_upload
 from core import metrics
@@ -178,37 +178,15 @@ def list_files(
     if purpose is not None:
         # No purpose holds a NUL (which the database would refuse): nothing matches it.
         query = query.where(File.purpose == purpose if "\x00" not in purpose else false())
+    cursor = None
     if after is not None:
         cursor = session.get(File, after) if could_be_id(after) else None
         if cursor is None or cursor.tenant != caller.tenant or is_expired(cursor):
             raise invalid_request(f"No such File object for 'after': {after}", param="after")
-        if order == "desc":
-            query = query.where(
-                or_(
-                    File.created_at < cursor.created_at,
-                    and_(File.created_at == cursor.created_at, File.id < cursor.id),
-                )
-            )
-        else:
-            query = query.where(
-                or_(
-                    File.created_at > cursor.created_at,
-                    and_(File.created_at == cursor.created_at, File.id > cursor.id),
-                )
-            )
-    if order == "desc":
-        query = query.order_by(File.created_at.desc(), File.id.desc())
-    else:
-        query = query.order_by(File.created_at.asc(), File.id.asc())
-    rows = list(session.scalars(query.limit(limit + 1)))
-    has_more = len(rows) > limit
-    data = [FilePublic.of(row) for row in rows[:limit]]
-    return FileList(
-        data=data,
-        first_id=data[0].id if data else None,
-        last_id=data[-1].id if data else None,
-        has_more=has_more,
+    rows, has_more = keyset_page(
+        session, query, File, cursor, descending=order == "desc", limit=limit
     )
+    return list_page(FileList, [FilePublic.of(row) for row in rows], has_more)
 
 
 @router.get(
