@@ -8,6 +8,14 @@ from typing import Any
 
 DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB on CPU unless told otherwise
 
+# The running-set cap when ``max_num_seqs`` is not given, by device type. On an accelerator a
+# decode step is bound by reading the weights, so 128 sequences cost little more than one; on
+# a CPU the step is compute-bound and its cost grows with its sequences: the demo model's
+# throughput flattens by 16-32 running sequences (``batchd tune``'s curve in the README), and
+# more only lengthens every step, and the wait of any small job that shares the engine.
+DEFAULT_MAX_NUM_SEQS = {"cpu": 32}
+DEFAULT_MAX_NUM_SEQS_ACCELERATOR = 128
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -22,11 +30,13 @@ class EngineConfig:
     FlexAttention call per layer per step over the paged cache, for CUDA) or "auto" (sdpa on
     CPU, flex on CUDA). ``cuda_graphs``: capture decode-only steps as CUDA graphs at bucketed
     batch sizes up to ``cuda_graph_max_batch`` (flex backend on CUDA only; ignored elsewhere).
+    ``max_num_seqs`` left as None is chosen by the device (:meth:`for_device`): 32 on a CPU,
+    128 on an accelerator.
     """
 
     dtype: str = "auto"
     device: str = "auto"
-    max_num_seqs: int = 128
+    max_num_seqs: int | None = None
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     kv_cache_memory: int | float = 0.85
@@ -49,7 +59,8 @@ class EngineConfig:
             raise ValueError(
                 f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}"
             )
-        _positive_int("max_num_seqs", self.max_num_seqs)
+        if self.max_num_seqs is not None:
+            _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive_int("block_size", self.block_size)
         if self.block_size > 1024:
@@ -80,6 +91,13 @@ class EngineConfig:
             raise ValueError(f"enable_metrics must be true or false, got {self.enable_metrics!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+
+    def for_device(self, device_type: str) -> EngineConfig:
+        """This config with the choices left to the device made (``max_num_seqs``)."""
+        if self.max_num_seqs is not None:
+            return self
+        seqs = DEFAULT_MAX_NUM_SEQS.get(device_type, DEFAULT_MAX_NUM_SEQS_ACCELERATOR)
+        return dataclasses.replace(self, max_num_seqs=seqs)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

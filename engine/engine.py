@@ -28,7 +28,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, resolve_device
 from engine.outputs import (
     CompletionOutput,
     EngineStats,
@@ -49,7 +49,8 @@ log = logging.getLogger("engine")
 
 class Engine:
     def __init__(self, model: str, **config: Any) -> None:
-        self.config = EngineConfig.from_kwargs(**config)
+        given = EngineConfig.from_kwargs(**config)
+        self.config = given.for_device(resolve_device(given.device).type)
         self.runner = ModelRunner(str(model), self.config)
         self.model_config = self.runner.model_config
         self.tokenizer = load_tokenizer(str(model))

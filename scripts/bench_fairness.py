@@ -217,7 +217,9 @@ def _start_stack(root: Path, database_url: str, redis_url: str, args: argparse.N
         BATCHD_WORKER_SHARD_CONCURRENCY=str(args.concurrency),
         BATCHD_MAX_RELEASED_SHARDS_PER_MODEL=str(args.released),
         BATCHD_RELEASE_SWEEP_INTERVAL_S="1",
-        BATCHD_ENGINE_OPTIONS=json.dumps({"max_num_seqs": args.max_num_seqs}),
+        BATCHD_ENGINE_OPTIONS=json.dumps(
+            {} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}
+        ),
     )
     del env["BATCHD_API_KEYS"]  # the tenants' keys are in the database
     stack = bs.Stack(root, env, bs.free_port())
@@ -236,7 +238,9 @@ def main() -> None:
     parser.add_argument("--shard-requests", type=int, default=2000, help="requests per shard")
     parser.add_argument("--concurrency", type=int, default=2, help="shard threads per worker")
     parser.add_argument("--released", type=int, default=2, help="max released shards/model")
-    parser.add_argument("--max-num-seqs", type=int, default=128, help="engine batch size")
+    parser.add_argument(
+        "--max-num-seqs", type=int, help="engine batch size (default: the engine's, by device)"
+    )
     parser.add_argument(
         "--pg-admin-url", default="postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
     )
@@ -271,6 +275,7 @@ def main() -> None:
             b = OpenAI(base_url=base_url, api_key=tenant_key(database_url, "tenant-b"))
             timeout = 3600.0
             alone(b, 4, 2, timeout)  # warm-up (first-request costs)
+            max_num_seqs = (engine_counters(probe) or {}).get("max_num_seqs", args.max_num_seqs)
             runs = sorted(
                 (alone(b, args.small, args.small_max_tokens, timeout, probe) for _ in range(3)),
                 key=lambda t: t.s,
@@ -299,7 +304,7 @@ def main() -> None:
 
     shards = -(-args.big // args.shard_requests)
     print(
-        f"service: tiny demo model, max_num_seqs={args.max_num_seqs}, {args.concurrency} shard "
+        f"service: tiny demo model, max_num_seqs={max_num_seqs}, {args.concurrency} shard "
         f"threads, max_released_shards_per_model={args.released}, {args.shard_requests} "
         f"requests/shard"
     )
@@ -336,6 +341,7 @@ def main() -> None:
     print(
         json.dumps(
             {
+                "max_num_seqs": max_num_seqs,
                 "small_alone_s": round(small_alone.s, 3),
                 "small_alone_steps": small_alone.steps,
                 "small_behind_big_s": round(fair.small.s, 3),
