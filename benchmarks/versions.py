@@ -1,0 +1,175 @@
+"""The engine at another revision against the engine in this tree, on the same requests.
+
+    python -m benchmarks.versions --base REV                      # generation-heavy, 3 rounds
+    python -m benchmarks.versions --base REV --workload prompt-heavy --rounds 5
+
+A ratio against another system (``benchmarks.engine``) moves when the other system or the
+way it is timed changes; this one holds everything but the engine still. The revision's
+``engine/`` package is exported with ``git archive`` into a temporary directory; each round
+runs both engines, one after the other in alternating order, each in a fresh process pinned
+to one intra-op thread, through the public ``Engine`` API (``add_request`` / ``step``), on
+the same demo model and the same requests, greedy and ignoring EOS. Reported: output tokens
+per second of wall time and per CPU-second of the stepping thread (the steadier figure on a
+shared machine), the median of the rounds, their ratio (this tree over the revision), and
+whether both produced the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Run in a child whose sys.path starts at one tree: reads the requests from stdin, prints one
+# JSON line with its timings and a digest of the tokens it generated.
+_CHILD = r"""
+import hashlib, json, sys, time
+import torch
+torch.set_num_threads(1)
+from engine import Engine, SamplingParams
+job = json.load(sys.stdin)
+engine = Engine(job["model"], **job["config"])
+def params(n):
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+for i in range(2):
+    engine.add_request(f"warmup-{i}", [5 + i] * 8, params(4))
+while engine.has_unfinished_requests():
+    engine.step()
+for i, (prompt, n) in enumerate(zip(job["prompts"], job["max_tokens"])):
+    engine.add_request(f"req-{i}", prompt, params(n))
+done = {}
+cpu0, t0 = time.thread_time(), time.perf_counter()
+while engine.has_unfinished_requests():
+    for out in engine.step():
+        done[out.request_id] = list(out.outputs[0].token_ids)
+wall, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
+tokens = [done[f"req-{i}"] for i in range(len(job["prompts"]))]
+digest = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()
+print(json.dumps({"wall_s": wall, "cpu_s": cpu, "output_tokens": sum(map(len, tokens)),
+                  "digest": digest}))
+"""
+
+
+def export_engine(rev: str, dest: Path) -> Path:
+    """``engine/`` of ``rev`` under ``dest``; returns the directory to put on sys.path."""
+    archive = dest / "engine.tar"
+    subprocess.run(
+        ["git", "-C", str(ROOT), "archive", "--format=tar", "-o", str(archive), rev, "engine"],
+        check=True,
+    )
+    with tarfile.open(archive) as tar:
+        tar.extractall(dest, filter="data")
+    return dest
+
+
+def run_once(tree: Path, job: dict[str, Any]) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tree,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"the engine in {tree} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def compare(
+    base: Path, head: Path, job: dict[str, Any], rounds: int, log: Any = print
+) -> dict[str, Any]:
+    runs: dict[str, list[dict[str, Any]]] = {"base": [], "head": []}
+    for r in range(rounds):
+        order = ("base", "head") if r % 2 == 0 else ("head", "base")
+        for name in order:
+            result = run_once(base if name == "base" else head, job)
+            runs[name].append(result)
+            log(
+                f"round {r + 1} {name}: {result['output_tokens'] / result['wall_s']:.1f} tok/s, "
+                f"{result['output_tokens'] / result['cpu_s']:.1f} tok/cpu-s"
+            )
+
+    def median(name: str, clock: str) -> float:
+        return statistics.median(x["output_tokens"] / x[clock] for x in runs[name])
+
+    report = {
+        name: {"tok_s": median(name, "wall_s"), "tok_per_cpu_s": median(name, "cpu_s")}
+        for name in runs
+    }
+    report["ratio_wall"] = report["head"]["tok_s"] / report["base"]["tok_s"]
+    report["ratio_cpu"] = report["head"]["tok_per_cpu_s"] / report["base"]["tok_per_cpu_s"]
+    digests = {x["digest"] for rs in runs.values() for x in rs}
+    report["same_tokens"] = len(digests) == 1
+    report["runs"] = runs
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    from benchmarks.engine import DEFAULT_WORKLOAD, WORKLOADS, synthetic_workload
+    from cli.perf.workload import LengthDist, usable_token_ids
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", required=True, help="git revision of the engine to compare with")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default=DEFAULT_WORKLOAD)
+    parser.add_argument("--model", default="llama-25m", help="demo model name (engine.demo_models)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--engine-arg", action="append", default=[], metavar="KEY=JSON", help="engine option"
+    )
+    parser.add_argument("--json", type=Path, help="write the report here")
+    args = parser.parse_args(argv)
+
+    from transformers import AutoTokenizer
+
+    from engine.demo_models import build
+
+    model_dir = str(build(args.model))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    num_requests, input_len, output_len = WORKLOADS[args.workload]
+    workload = synthetic_workload(
+        num_requests=num_requests,
+        input_len=LengthDist.parse(input_len),
+        output_len=LengthDist.parse(output_len),
+        shared_prefix_frac=0.0,
+        vocab=usable_token_ids(tokenizer, len(tokenizer)),
+        max_model_len=4096,
+        seed=args.seed,
+    )
+    config = {k: json.loads(v) for k, v in (a.split("=", 1) for a in args.engine_arg)}
+    job = {
+        "model": model_dir,
+        "config": config,
+        "prompts": workload.prompts,
+        "max_tokens": workload.max_tokens,
+    }
+    with tempfile.TemporaryDirectory(prefix="batchd-engine-") as tmp:
+        base = export_engine(args.base, Path(tmp))
+        report = compare(base, ROOT, job, args.rounds)
+    report["base_rev"] = args.base
+    report["workload"] = args.workload
+    print(
+        f"{args.workload}: this tree / {args.base}: {report['ratio_wall']:.3f}x output tok/s, "
+        f"{report['ratio_cpu']:.3f}x output tok per cpu-s (median of {args.rounds} rounds); "
+        f"same tokens: {report['same_tokens']}"
+    )
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
