@@ -18,6 +18,7 @@ from typing import Annotated
 import typer
 
 from cli.exit_codes import exit_codes_help
+from cli.models import resolve_models
 
 app = typer.Typer(
     name="batchd",
@@ -26,16 +27,6 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
 )
-
-
-def _resolve_models(models: dict[str, str]) -> dict[str, str]:
-    """Build demo models named ``demo:<preset>`` ahead of the first request."""
-    from engine.demo_models import build
-
-    resolved = {}
-    for name, spec in models.items():
-        resolved[name] = str(build(spec.split(":", 1)[1])) if spec.startswith("demo:") else spec
-    return resolved
 
 
 def development_key(settings) -> str | None:
@@ -83,7 +74,7 @@ def up(
     typer.echo(f"batchd home: {settings.home}")
     typer.echo("applying database migrations …")
     migrations.upgrade(settings.database_url)
-    for name, path in _resolve_models(settings.models).items():
+    for name, path in resolve_models(settings.models).items():
         typer.echo(f"model {name!r}: {path}")
 
     env = dict(os.environ, BATCHD_HOME=str(settings.home))

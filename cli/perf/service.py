@@ -156,11 +156,11 @@ class EmbeddedService(Procs):
         """Migrate the database, create one key per tenant, start the processes and wait
         until the API answers and both workers are ready."""
         import migrations
-        from cli.main import _resolve_models
+        from cli.models import resolve_models
         from core.queue import CONTROL_QUEUE, model_queue
 
         migrations.upgrade(self.database_url)
-        _resolve_models(self.models)  # build demo models once, before two processes race
+        resolve_models(self.models)  # build demo models once, before two processes race
         self._create_keys(tenants)
         self.port = self.port or free_port()
         tag = secrets.token_hex(3)
