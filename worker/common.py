@@ -63,15 +63,10 @@ def transient_error(exc: BaseException) -> bool:
         return True
     if isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated:
         return True
-    try:
-        from kombu.exceptions import OperationalError as KombuOperationalError
-    except ImportError:  # pragma: no cover - kombu ships with celery
-        KombuOperationalError = ()  # type: ignore[assignment]
-    try:
-        from redis.exceptions import ConnectionError as RedisConnectionError
-        from redis.exceptions import TimeoutError as RedisTimeoutError
-    except ImportError:  # pragma: no cover
-        RedisConnectionError = RedisTimeoutError = ()  # type: ignore[assignment]
+    from kombu.exceptions import OperationalError as KombuOperationalError
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
     return isinstance(
         exc, KombuOperationalError | RedisConnectionError | RedisTimeoutError | ConnectionError
     )

@@ -284,10 +284,7 @@ _stats_cache = _StatsCache()
 
 
 def _register_engine_stats_command() -> None:
-    try:
-        from celery.worker.control import inspect_command
-    except ImportError:  # no Celery worker machinery here: nothing to register
-        return
+    from celery.worker.control import inspect_command
 
     @inspect_command(name="engine_stats")
     def engine_stats(state: Any, **_: Any) -> dict[str, Any]:

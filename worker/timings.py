@@ -70,10 +70,7 @@ def records(batch_ids: list[str] | None = None) -> list[dict[str, Any]]:
 
 
 def _register_command() -> None:
-    try:
-        from celery.worker.control import inspect_command
-    except ImportError:  # no Celery worker machinery here: nothing to register
-        return
+    from celery.worker.control import inspect_command
 
     @inspect_command(name="request_timings", args=[("batch_ids", list)])
     def request_timings(state: Any, batch_ids: list[str] | None = None, **_: Any) -> dict:
