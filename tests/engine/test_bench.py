@@ -190,3 +190,43 @@ def test_phase_summary_classes_steps_and_finds_the_tail() -> None:
     assert ph["decode"]["decode_tokens"] == 38 and ph["tail"]["mean_running"] == 4.5
     assert prof["all"]["time_s"] == 5.5 and abs(ph["tail"]["time_share"] - 1 / 5.5) < 1e-9
     assert prof["all"]["outside_forward_frac"] == 1 - 3.05 / 5.5
+
+
+def test_bench_compares_metrics_and_times_their_hooks(model_dir: Path) -> None:
+    results = bench.main(
+        [
+            "--model",
+            str(model_dir),
+            "--num-requests",
+            "4",
+            "--input-len",
+            "fixed:8",
+            "--output-len",
+            "fixed:6",
+            "--compare-metrics",
+            "--repeats",
+            "2",
+        ]
+    )
+    on = results["systems"]["engine_metrics_on"]
+    off = results["systems"]["engine_metrics_off"]
+    assert on["metrics_cpu_s"] > 0  # the hooks ran and were timed
+    assert off["metrics_cpu_s"] is None  # no metrics, no hooks
+    assert 0 < results["metrics_cpu_share"] < 1
+    assert results["metrics_throughput_ratio"] > 0
+    assert results["agreement"]["metrics on vs off"] == 1.0
+
+
+def test_versions_compares_two_trees_on_the_same_requests(model_dir: Path) -> None:
+    from benchmarks import versions
+
+    job = {
+        "model": str(model_dir),
+        "config": {"max_num_seqs": 4},
+        "prompts": [[5, 6, 7], [8, 9, 10, 11]],
+        "max_tokens": [3, 5],
+    }
+    report = versions.compare(versions.ROOT, versions.ROOT, job, rounds=1, log=lambda _: None)
+    assert report["same_tokens"]
+    assert [r["output_tokens"] for r in report["runs"]["head"]] == [8]
+    assert report["ratio_cpu"] > 0 and report["ratio_wall"] > 0
