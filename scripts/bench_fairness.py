@@ -5,15 +5,21 @@ Postgres database and Redis, then measures, side by side in one run:
 
 1. a small job (tenant B, ``--small`` requests of ``--small-max-tokens``) alone (the median
    of three runs);
-2. the big job (tenant A, ``--big`` requests of ``--max-tokens``) alone: its throughput and
-   the engine's mean occupancy (running sequences / max_num_seqs) while it ran;
-3. the small job submitted ``--delay`` seconds after the big job: its completion time and
-   the ratio to (1), the big job's throughput and the ratio to (2);
-4. the same with the small job ``high`` priority and of tenant A (same-tenant bulk).
+2. the big job (tenant A, ``--big`` requests of ``--max-tokens``) alone, before the first
+   round and after each: its time and the engine's mean occupancy (running sequences /
+   max_num_seqs) while it ran;
+3. ``--rounds`` rounds of: the small job submitted ``--delay`` seconds after the big job (its
+   completion time against (1); the big job's throughput against the mean of the two alone
+   runs around the round, per second and per CPU second of the model worker); then the same
+   with the small job ``high`` priority and of tenant A (same-tenant bulk). The medians over
+   the rounds are the figures: one run of each swings by 10-20% on a shared machine.
+
+Each service process runs ``--threads`` torch threads (default 1: on a shared machine more
+intra-op threads spin at barriers and make every figure swing).
 
 The default is the fair-admission scenario: a 1,200-request job in one shard, then another
-tenant's 16-request job 10 s later. Targets: (3) small job <= 2x alone, big job throughput
-within 5% of alone; (4) <= 1.5x alone; occupancy as alone. Engine steps (from the model
+tenant's 16-request job a quarter of the way through it (``--delay``). Targets: small job <= 2x alone, big job throughput within 5%
+of alone; the high-priority job <= 1.5x alone; occupancy as alone. Engine steps (from the model
 worker's ``engine_stats``) are printed next to seconds: on a CPU a step with more sequences
 takes longer, so seconds mix scheduling delay with step cost; steps do not.
 
@@ -97,6 +103,16 @@ def wait(client: Any, batch_id: str, timeout: float, until=None) -> tuple[Any, f
 
 # Engine counters of the model worker, or None (``_bench_stack.EngineStatsProbe`` wrapped).
 Probe = Callable[[], dict[str, Any] | None]
+# CPU seconds the model worker has used so far (steadier than wall time on a shared machine).
+CpuClock = Callable[[], float]
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads), from /proc."""
+    import os
+
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
@@ -104,6 +120,7 @@ class Timing:
     s: float  # create -> completed
     steps: int | None = None  # engine steps meanwhile (with a probe)
     occupancy: float | None = None  # mean running sequences / max_num_seqs meanwhile
+    cpu_s: float | None = None  # model worker CPU seconds meanwhile (with a CPU clock)
 
 
 def engine_counters(probe: Probe | None) -> dict[str, Any] | None:
@@ -127,14 +144,24 @@ def _timing(seconds: float, before: dict | None, after: dict | None) -> Timing:
 
 
 def alone(
-    client: Any, n: int, max_tokens: int, timeout: float, probe: Probe | None = None, **extra: Any
+    client: Any,
+    n: int,
+    max_tokens: int,
+    timeout: float,
+    probe: Probe | None = None,
+    cpu: CpuClock | None = None,
+    **extra: Any,
 ) -> Timing:
     """Create to completed for a job on an idle service."""
     before = engine_counters(probe)
+    cpu0 = cpu() if cpu else None
     batch, started = submit(client, chat_lines("alone", n, max_tokens), **extra)
     done, ended = wait(client, batch.id, timeout)
     assert done.status == "completed", done
-    return _timing(ended - started, before, engine_counters(probe))
+    timing = _timing(ended - started, before, engine_counters(probe))
+    if cpu and cpu0 is not None:
+        timing.cpu_s = cpu() - cpu0
+    return timing
 
 
 @dataclass
@@ -144,6 +171,7 @@ class Contended:
     small_done_first: bool
     big_done_at_small_end: int  # big job's requests done when the small one completed
     big_first_s: float | None = None  # create -> first completed requests of the big job
+    big_cpu_s: float | None = None  # model worker CPU seconds from big create to big completed
 
 
 def contended(
@@ -159,9 +187,11 @@ def contended(
     small_extra: dict[str, Any] | None = None,
     finish_big: bool = True,
     probe: Probe | None = None,
+    cpu: CpuClock | None = None,
 ) -> Contended:
     """The big job first; the small one ``delay_s`` seconds after the big one was created
     (default: once the big one has completed requests); measure both."""
+    cpu0 = cpu() if cpu else None
     big_batch, big_started = submit(big_client, chat_lines("big", big, max_tokens))
     big_first_s = None
     if delay_s is None:
@@ -179,15 +209,19 @@ def contended(
     assert small_done.status == "completed", small_done
     big_now = big_client.batches.retrieve(big_batch.id)
     first = big_now.status not in TERMINAL
-    big_s = None
+    big_s = big_cpu_s = None
     if finish_big:
         big_done, big_ended = wait(big_client, big_batch.id, timeout)
         assert big_done.status == "completed", big_done
         big_s = big_ended - big_started
+        if cpu and cpu0 is not None:
+            big_cpu_s = cpu() - cpu0
     else:
         big_client.batches.cancel(big_batch.id)
         wait(big_client, big_batch.id, timeout)
-    return Contended(small_timing, big_s, first, big_now.request_counts.completed, big_first_s)
+    return Contended(
+        small_timing, big_s, first, big_now.request_counts.completed, big_first_s, big_cpu_s
+    )
 
 
 def tenant_key(database_url: str, tenant: str) -> str:
@@ -217,6 +251,7 @@ def _start_stack(root: Path, database_url: str, redis_url: str, args: argparse.N
         BATCHD_WORKER_SHARD_CONCURRENCY=str(args.concurrency),
         BATCHD_MAX_RELEASED_SHARDS_PER_MODEL=str(args.released),
         BATCHD_RELEASE_SWEEP_INTERVAL_S="1",
+        OMP_NUM_THREADS=str(args.threads),
         BATCHD_ENGINE_OPTIONS=json.dumps(
             {} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}
         ),
@@ -234,7 +269,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64, help="output tokens, big job")
     parser.add_argument("--small", type=int, default=16, help="requests in the small job")
     parser.add_argument("--small-max-tokens", type=int, default=48, help="output tokens, small")
-    parser.add_argument("--delay", type=float, default=10.0, help="small job's delay, seconds")
+    parser.add_argument(
+        "--delay",
+        type=float,
+        help="small job's delay after the big one, seconds (default: a quarter of the big "
+        "job's time alone, so the small one always arrives while the big one fills the engine)",
+    )
     parser.add_argument("--shard-requests", type=int, default=2000, help="requests per shard")
     parser.add_argument("--concurrency", type=int, default=2, help="shard threads per worker")
     parser.add_argument("--released", type=int, default=2, help="max released shards/model")
@@ -245,6 +285,10 @@ def main() -> None:
         "--pg-admin-url", default="postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
     )
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/14")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the contended runs")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads per service process (default 1)"
+    )
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
 
@@ -273,26 +317,7 @@ def main() -> None:
             base_url, stack = _start_stack(Path(tmp), database_url, args.redis_url, args)
             a = OpenAI(base_url=base_url, api_key=tenant_key(database_url, "tenant-a"))
             b = OpenAI(base_url=base_url, api_key=tenant_key(database_url, "tenant-b"))
-            timeout = 3600.0
-            alone(b, 4, 2, timeout)  # warm-up (first-request costs)
-            max_num_seqs = (engine_counters(probe) or {}).get("max_num_seqs", args.max_num_seqs)
-            runs = sorted(
-                (alone(b, args.small, args.small_max_tokens, timeout, probe) for _ in range(3)),
-                key=lambda t: t.s,
-            )
-            small_alone = runs[1]  # the median of three
-            big_alone = alone(a, args.big, args.max_tokens, timeout, probe)
-            common = {
-                "big": args.big,
-                "small": args.small,
-                "max_tokens": args.max_tokens,
-                "small_max_tokens": args.small_max_tokens,
-                "delay_s": args.delay,
-                "timeout": timeout,
-                "probe": probe,
-            }
-            fair = contended(a, b, **common)
-            prio = contended(a, a, small_extra={"priority": "high"}, **common)
+            result = _measure(args, a, b, probe, stack.pids()["model"])
             stack.stop()
     finally:
         probe.close()
@@ -301,63 +326,144 @@ def main() -> None:
         with admin.connect() as conn:
             conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()
+    _report(args, result)
 
+
+@dataclass
+class Round:
+    fair: Contended  # tenant B's small job behind tenant A's big one
+    prio: Contended  # a high-priority job behind the same tenant's bulk
+    before: Timing  # the big job alone just before and just after this round
+    after: Timing
+
+    def small_ratio(self, c: Contended, small_alone: Timing) -> float:
+        return c.small.s / small_alone.s
+
+    def big_ratio(self, c: Contended) -> float:
+        """The big job's throughput beside the small one over alone (the mean of the two
+        alone runs around this round): > 1 is faster."""
+        return (self.before.s + self.after.s) / 2 / (c.big_s or float("nan"))
+
+    def big_cpu_ratio(self, c: Contended) -> float:
+        alone_cpu = ((self.before.cpu_s or 0) + (self.after.cpu_s or 0)) / 2
+        return alone_cpu / c.big_cpu_s if c.big_cpu_s else float("nan")
+
+
+def _measure(args: argparse.Namespace, a: Any, b: Any, probe: Any, model_pid: int) -> dict:
+    """The small job alone (median of three), then ``--rounds`` rounds of both contended
+    scenarios, the big job alone before the first round and after each."""
+    timeout = 3600.0
+
+    def cpu() -> float:
+        return process_cpu_s(model_pid)
+
+    alone(b, 4, 2, timeout)  # warm-up (first-request costs)
+    max_num_seqs = (engine_counters(probe) or {}).get("max_num_seqs", args.max_num_seqs)
+    smalls = sorted(
+        (alone(b, args.small, args.small_max_tokens, timeout, probe) for _ in range(3)),
+        key=lambda t: t.s,
+    )
+    common = {
+        "big": args.big,
+        "small": args.small,
+        "max_tokens": args.max_tokens,
+        "small_max_tokens": args.small_max_tokens,
+        "delay_s": args.delay,
+        "timeout": timeout,
+        "probe": probe,
+        "cpu": cpu,
+    }
+    bigs = [alone(a, args.big, args.max_tokens, timeout, probe, cpu)]
+    delay = args.delay if args.delay is not None else bigs[0].s / 4
+    common["delay_s"] = delay
+    rounds = []
+    for _ in range(args.rounds):
+        fair = contended(a, b, **common)
+        prio = contended(a, a, small_extra={"priority": "high"}, **common)
+        bigs.append(alone(a, args.big, args.max_tokens, timeout, probe, cpu))
+        rounds.append(Round(fair, prio, bigs[-2], bigs[-1]))
+    return {
+        "max_num_seqs": max_num_seqs,
+        "small_alone": smalls[1],
+        "bigs": bigs,
+        "rounds": rounds,
+        "delay_s": delay,
+    }
+
+
+def _report(args: argparse.Namespace, result: dict) -> None:
+    import statistics
+
+    small_alone: Timing = result["small_alone"]
+    bigs: list[Timing] = result["bigs"]
+    rounds: list[Round] = result["rounds"]
     shards = -(-args.big // args.shard_requests)
     print(
-        f"service: tiny demo model, max_num_seqs={max_num_seqs}, {args.concurrency} shard "
-        f"threads, max_released_shards_per_model={args.released}, {args.shard_requests} "
-        f"requests/shard"
+        f"service: tiny demo model, max_num_seqs={result['max_num_seqs']}, {args.concurrency} "
+        f"shard threads, max_released_shards_per_model={args.released}, {args.shard_requests} "
+        f"requests/shard, {args.threads} torch thread(s) per process"
     )
     print(
         f"big job: {args.big} requests x {args.max_tokens} output tokens ({shards} shard(s)); "
-        f"small job: {args.small} x {args.small_max_tokens}, created {args.delay:g}s after it"
+        f"small job: {args.small} x {args.small_max_tokens}, created {result['delay_s']:.1f}s "
+        f"after it; "
+        f"{len(rounds)} round(s)"
     )
-
-    def steps(t: Timing) -> str:
-        return "-" if t.steps is None else str(t.steps)
-
-    def ratio(t: Timing) -> str:
-        if t.steps is None or not small_alone.steps:
-            return "-"
-        return f"{t.steps / small_alone.steps:.2f}"
-
-    print(f"{'scenario':<44} {'small s':>8} {'x alone':>8} {'steps':>6} {'x alone':>8}")
-    print(f"{'small job alone (tenant B)':<44} {small_alone.s:>8.2f} {1.0:>8.2f} "
-          f"{steps(small_alone):>6} {1.0:>8.2f}")  # fmt: skip
-    for label, r in (("small job behind tenant A's big job", fair),
-                     ("high-priority job behind same tenant's bulk", prio)):  # fmt: skip
-        print(
-            f"{label:<44} {r.small.s:>8.2f} {r.small.s / small_alone.s:>8.2f} "
-            f"{steps(r.small):>6} {ratio(r.small):>8}   (done first: {r.small_done_first}, big "
-            f"had {r.big_done_at_small_end}/{args.big} done then)"
-        )
-    alone_rps = args.big / big_alone.s
-    print(f"{'big job':<44} {'s':>8} {'req/s':>8} {'x alone':>8}")
-    print(f"{'alone':<44} {big_alone.s:>8.2f} {alone_rps:>8.2f} {1.0:>8.3f}"
-          f"   (mean occupancy {big_alone.occupancy or 0:.3f})")  # fmt: skip
-    for label, r in (("with tenant B's small job", fair), ("with the high-priority job", prio)):
-        rps = args.big / (r.big_s or float("nan"))
-        print(f"{label:<44} {r.big_s or 0:>8.2f} {rps:>8.2f} {rps / alone_rps:>8.3f}")
     print(
-        json.dumps(
-            {
-                "max_num_seqs": max_num_seqs,
-                "small_alone_s": round(small_alone.s, 3),
-                "small_alone_steps": small_alone.steps,
-                "small_behind_big_s": round(fair.small.s, 3),
-                "small_behind_big_steps": fair.small.steps,
-                "fair_ratio": round(fair.small.s / small_alone.s, 3),
-                "high_behind_bulk_s": round(prio.small.s, 3),
-                "high_behind_bulk_steps": prio.small.steps,
-                "priority_ratio": round(prio.small.s / small_alone.s, 3),
-                "big_alone_s": round(big_alone.s, 3),
-                "big_alone_occupancy": big_alone.occupancy,
-                "big_with_small_s": round(fair.big_s or 0, 3),
-                "big_with_high_s": round(prio.big_s or 0, 3),
-                "big_throughput_ratio": round(big_alone.s / (fair.big_s or float("nan")), 3),
-            }
-        )
+        f"small job alone (tenant B, median of 3): {small_alone.s:.2f} s, "
+        f"{small_alone.steps or '-'} steps; big job alone: "
+        + ", ".join(f"{t.s:.2f} s" for t in bigs)
+        + f" (mean occupancy {statistics.mean(t.occupancy or 0 for t in bigs):.3f})"
     )
+    head = f"{'round':<6} {'scenario':<30} {'small s':>8} {'x alone':>8} {'steps':>6} "
+    print(head + f"{'x alone':>8} {'big x alone':>12} {'per cpu-s':>10} {'done first':>11}")
+    for i, r in enumerate(rounds, 1):
+        for label, c in (
+            ("B's small job behind A's bulk", r.fair),
+            ("high behind own bulk", r.prio),
+        ):
+            steps = "-" if c.small.steps is None else str(c.small.steps)
+            step_ratio = (
+                f"{c.small.steps / small_alone.steps:.2f}"
+                if c.small.steps and small_alone.steps
+                else "-"
+            )
+            print(
+                f"{i:<6} {label:<30} {c.small.s:>8.2f} {r.small_ratio(c, small_alone):>8.2f} "
+                f"{steps:>6} {step_ratio:>8} {r.big_ratio(c):>12.3f} {r.big_cpu_ratio(c):>10.3f} "
+                f"{str(c.small_done_first):>11}"
+            )
+
+    def med(values: list[float]) -> float:
+        return statistics.median(values)
+
+    summary = {
+        "max_num_seqs": result["max_num_seqs"],
+        "rounds": len(rounds),
+        "delay_s": round(result["delay_s"], 2),
+        "small_alone_s": round(small_alone.s, 3),
+        "small_alone_steps": small_alone.steps,
+        "big_alone_s": [round(t.s, 3) for t in bigs],
+        "big_alone_occupancy": statistics.mean(t.occupancy or 0 for t in bigs),
+        "fair_ratio": med([r.small_ratio(r.fair, small_alone) for r in rounds]),
+        "priority_ratio": med([r.small_ratio(r.prio, small_alone) for r in rounds]),
+        "big_throughput_ratio_small": med([r.big_ratio(r.fair) for r in rounds]),
+        "big_throughput_ratio_high": med([r.big_ratio(r.prio) for r in rounds]),
+        "big_cpu_throughput_ratio_small": med([r.big_cpu_ratio(r.fair) for r in rounds]),
+        "big_cpu_throughput_ratio_high": med([r.big_cpu_ratio(r.prio) for r in rounds]),
+        "small_done_first": all(
+            r.fair.small_done_first and r.prio.small_done_first for r in rounds
+        ),
+    }
+    print(
+        f"medians: small behind bulk {summary['fair_ratio']:.2f}x alone (target <= 2), high "
+        f"behind own bulk {summary['priority_ratio']:.2f}x (<= 1.5); big job throughput "
+        f"{summary['big_throughput_ratio_small']:.3f} / {summary['big_throughput_ratio_high']:.3f}"
+        f" of alone (within 5%), per model-worker cpu-s "
+        f"{summary['big_cpu_throughput_ratio_small']:.3f} / "
+        f"{summary['big_cpu_throughput_ratio_high']:.3f}"
+    )
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":
