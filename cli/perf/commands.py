@@ -184,6 +184,9 @@ def tune(
     confirm: Annotated[
         int, typer.Option(min=0, help="Measure this many best points again before choosing.")
     ] = 3,
+    confirm_runs: Annotated[
+        int, typer.Option(min=1, help="…this many more times each, in turn, windows pooled.")
+    ] = 3,
     threads: ThreadsOpt = None,
     seed: SeedOpt = 0,
     output: Annotated[
@@ -256,7 +259,8 @@ def tune(
     result = tuning.run(
         model_dir, shapes, base, seqs=seqs, tokens=tokens, block_sizes=blocks,
         max_seqs=max_seqs, objective=objective, max_step_ms=max_step_ms, warmup_s=warmup,
-        measure_s=measure, min_steps=min_steps, clock=clock, confirm=confirm, log=say,
+        measure_s=measure, min_steps=min_steps, clock=clock, confirm=confirm,
+        confirm_runs=confirm_runs, log=say,
     )  # fmt: skip
     if result.chosen is None:
         say("error: no point ran; see the errors above")
@@ -455,6 +459,14 @@ def bench(
     pngs = bench_output.plots(data, out, title)
     typer.echo(bench_output.table(data))
     say(f"wrote {report_path}, {', '.join(str(p) for p in pngs)}")
+    jobs = data["counts"]["jobs"]
+    if not jobs["completed"]:
+        # Nothing was measured: a pipeline that runs the benchmark must not read it as a pass.
+        say(
+            f"error: none of the {jobs['submitted']} jobs completed ({jobs['rejected']} "
+            f"rejected; see {report_path})"
+        )
+        raise typer.Exit(int(ExitCode.ERROR))
 
 
 def _served_model(url: str, api_key: str | None) -> str:

@@ -25,8 +25,9 @@ two geometric midpoints around the best are measured; then the token budget at t
 ``max_num_seqs`` is halved and doubled (``TOKEN_BUDGETS``), going on in a direction while it
 gains; then each other block size at the best point. A grid
 (``max_num_seqs`` and ``max_num_batched_tokens`` lists) measures every combination instead.
-The ``confirm`` best points are then measured once more each and their windows pooled (the
-best of many noisy measurements is flattered by its own noise). The chosen point is the best
+The ``confirm`` best points are then measured ``confirm_runs`` more times each, in turn
+(A, B, C, A, B, C, …, so a drift of the machine's load touches them alike), and their windows
+pooled (the best of many noisy measurements is flattered by its own noise). The chosen point is the best
 measured by ``objective`` (output tokens per second, or "total":
 every token run through the model per second) that is not KV-bound (unless all are),
 among the points whose mean step time is within ``max_step_ms`` when one is given (a step is
@@ -492,6 +493,7 @@ def run(
     min_steps: int = 8,
     clock: str = "auto",
     confirm: int = 3,
+    confirm_runs: int = 3,
     log: Callable[[str], None] = lambda _m: None,
 ) -> TuneResult:
     start = time.perf_counter()
@@ -521,9 +523,11 @@ def run(
     eligible = [p for p in eligible if not p.kv_bound] or eligible
     top = sorted(eligible, key=lambda p: p.value(objective), reverse=True)[:confirm]
     if len(top) > 1:
-        log(f"measuring the {len(top)} best points again:")
-        for p in top:
-            bench.confirm(p)
+        times = "again" if confirm_runs == 1 else f"{confirm_runs} more times, in turn"
+        log(f"measuring the {len(top)} best points {times}:")
+        for _ in range(confirm_runs):
+            for p in top:
+                bench.confirm(p)
     chosen = best(points, objective, max_step_ms)
     options = dict(base)
     if chosen is not None:

@@ -111,3 +111,21 @@ def test_bench_a_running_service(
     # A request ends after its first token, and its job after the request.
     assert dist["ttft_s"]["max"] <= dist["request_e2e_s"]["max"] <= dist["job_e2e_s"]["max"]
     assert "TTFT" in result.output
+
+    # A run that measured nothing (every job refused: a model the service does not serve) is
+    # an error, not a report a pipeline could read as a pass.
+    refused = CliRunner().invoke(
+        app,
+        [
+            "bench", "--url", base_url, "--api-key", API_KEY, "--model", "not-served-here",
+            "--jobs", "1", "--rate", "0", "--requests-per-job", "fixed:1",
+            "--input-len", "fixed:4", "--output-len", "fixed:1", "--poll", "0.2",
+            "--out", str(tmp_path / "refused"),
+        ],
+    )  # fmt: skip
+    assert refused.exit_code == 1, refused.output
+    assert "none of the 1 jobs completed" in refused.output
+    assert (
+        json.loads((tmp_path / "refused" / "bench.json").read_text())["counts"]["jobs"]["rejected"]
+        == 1
+    )
