@@ -14,6 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from engine.config import EngineConfig
+from engine.model_runner import resolve_device
+
 REPO = Path(__file__).resolve().parents[1]
 PG_HOST = os.environ.get("BATCHD_TEST_PG_HOST", "127.0.0.1")
 PG_PORT = os.environ.get("BATCHD_TEST_PG_PORT", "5432")
@@ -62,7 +65,9 @@ def test_bench_service_runs_the_same_batch_both_ways(tmp_path: Path) -> None:
     assert data["throughput_ratio"] > 0
     assert service["e2e_seconds"] >= service["batch_seconds"] > 0
     occ = data["occupancy"]
-    assert occ["samples"] >= 2 and occ["max_num_seqs"] == 128
+    # The engine's default for the device the benchmark ran on.
+    default_seqs = EngineConfig().for_device(resolve_device("auto").type).max_num_seqs
+    assert occ["samples"] >= 2 and occ["max_num_seqs"] == default_seqs
     assert 0.0 <= occ["occupancy_whole_run"] <= 1.0
     assert "throughput ratio" in proc.stdout and "occupancy while backlogged" in proc.stdout
 
