@@ -67,7 +67,7 @@ def plots(data: dict[str, Any], out_dir: Path, title: str) -> list[Path]:
     axes[0].set_xlabel("seconds")
     axes[0].set_ylabel("fraction of requests")
     axes[0].set_title("per-request latency (CDF)")
-    axes[0].legend(fontsize=8)
+    _legend(axes[0])
     axes[0].grid(True, alpha=0.3)
     d = data["distributions"]
     names = ["job_e2e_s", "batch_queue_s", "shard_queue_s"]
@@ -89,7 +89,7 @@ def plots(data: dict[str, Any], out_dir: Path, title: str) -> list[Path]:
         pts = data["series"][name]
         axes[0].plot([t for t, _ in pts], [v for _, v in pts], ".-", label=UNITS[name][0])
     axes[0].set_ylabel("tokens/s")
-    axes[0].legend(fontsize=8)
+    _legend(axes[0])
     pts = data["series"]["engine_occupancy"]
     axes[1].plot([t for t, _ in pts], [v for _, v in pts], ".-")
     axes[1].set_ylabel("engine occupancy")
@@ -98,7 +98,7 @@ def plots(data: dict[str, Any], out_dir: Path, title: str) -> list[Path]:
         axes[2].plot([t for t, _ in pts], [v for _, v in pts], label=name)
     axes[2].set_ylabel("RSS (MB)")
     axes[2].set_xlabel("seconds since the first job")
-    axes[2].legend(fontsize=8)
+    _legend(axes[2])
     for job in data["jobs"]:
         axes[0].axvline(job["at"], color="grey", alpha=0.2)
     for ax in axes:
@@ -109,3 +109,9 @@ def plots(data: dict[str, Any], out_dir: Path, title: str) -> list[Path]:
     fig.savefig(paths[-1], dpi=100)
     plt.close(fig)
     return paths
+
+
+def _legend(ax: Any) -> None:
+    """A legend where something was drawn (a run with no samples draws nothing to label)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
