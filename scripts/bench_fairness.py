@@ -107,14 +107,6 @@ Probe = Callable[[], dict[str, Any] | None]
 CpuClock = Callable[[], float]
 
 
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (all its threads), from /proc."""
-    import os
-
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 @dataclass
 class Timing:
     s: float  # create -> completed
@@ -342,9 +334,6 @@ class Round:
     before: Timing  # the big job alone just before and just after this round
     after: Timing
 
-    def small_ratio(self, c: Contended, small_alone: Timing) -> float:
-        return c.small.s / small_alone.s
-
     def big_ratio(self, c: Contended) -> float:
         """The big job's throughput beside the small one over alone (the mean of the two
         alone runs around this round): > 1 is faster."""
@@ -360,6 +349,8 @@ def _measure(args: argparse.Namespace, a: Any, b: Any, probe: Any, model_pid: in
     scenarios, the big job alone before the first round and after each."""
     timeout = 3600.0
 
+    from cli.perf.service import process_cpu_s
+
     def cpu() -> float:
         return process_cpu_s(model_pid)
 
@@ -374,18 +365,16 @@ def _measure(args: argparse.Namespace, a: Any, b: Any, probe: Any, model_pid: in
         "small": args.small,
         "max_tokens": args.max_tokens,
         "small_max_tokens": args.small_max_tokens,
-        "delay_s": args.delay,
         "timeout": timeout,
         "probe": probe,
         "cpu": cpu,
     }
     bigs = [alone(a, args.big, args.max_tokens, timeout, probe, cpu)]
     delay = args.delay if args.delay is not None else bigs[0].s / 4
-    common["delay_s"] = delay
     rounds = []
     for _ in range(args.rounds):
-        fair = contended(a, b, **common)
-        prio = contended(a, a, small_extra={"priority": "high"}, **common)
+        fair = contended(a, b, delay_s=delay, **common)
+        prio = contended(a, a, delay_s=delay, small_extra={"priority": "high"}, **common)
         bigs.append(alone(a, args.big, args.max_tokens, timeout, probe, cpu))
         rounds.append(Round(fair, prio, bigs[-2], bigs[-1]))
     return {
@@ -435,7 +424,7 @@ def _report(args: argparse.Namespace, result: dict) -> None:
                 else "-"
             )
             print(
-                f"{i:<6} {label:<30} {c.small.s:>8.2f} {r.small_ratio(c, small_alone):>8.2f} "
+                f"{i:<6} {label:<30} {c.small.s:>8.2f} {c.small.s / small_alone.s:>8.2f} "
                 f"{steps:>6} {step_ratio:>8} {r.big_ratio(c):>12.3f} {r.big_cpu_ratio(c):>10.3f} "
                 f"{str(c.small_done_first):>11}"
             )
@@ -451,8 +440,8 @@ def _report(args: argparse.Namespace, result: dict) -> None:
         "small_alone_steps": small_alone.steps,
         "big_alone_s": [round(t.s, 3) for t in bigs],
         "big_alone_occupancy": statistics.mean(t.occupancy or 0 for t in bigs),
-        "fair_ratio": med([r.small_ratio(r.fair, small_alone) for r in rounds]),
-        "priority_ratio": med([r.small_ratio(r.prio, small_alone) for r in rounds]),
+        "fair_ratio": med([r.fair.small.s / small_alone.s for r in rounds]),
+        "priority_ratio": med([r.prio.small.s / small_alone.s for r in rounds]),
         "big_throughput_ratio_small": med([r.big_ratio(r.fair) for r in rounds]),
         "big_throughput_ratio_high": med([r.big_ratio(r.prio) for r in rounds]),
         "big_cpu_throughput_ratio_small": med([r.big_cpu_ratio(r.fair) for r in rounds]),

@@ -280,6 +280,12 @@ def memory_kb(pid: int) -> tuple[int, int] | None:
     return values["VmRSS"], values["VmHWM"]
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds ``pid`` has used (all its threads), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def children(pid: int) -> list[int]:
     """Direct children of ``pid`` (uvicorn's reloader-free worker, a celery pool's forks)."""
     try:
