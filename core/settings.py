@@ -130,9 +130,12 @@ class Settings(BaseSettings):
 
     # Fair admission inside the engine host (see engine.host): the share of the engine's
     # max_num_seqs and token budget kept for "high" priority batches (lent to other work while
-    # no high work waits), and how long a "low" batch may wait for an admission before it
-    # shares the "normal" tier.
+    # no high work waits); how much slower a step of "high" work may get for the other work
+    # beside it (on a CPU, where a step's cost grows with its sequences, the rest is held to a
+    # few slots while high work runs; on a GPU nothing is held back; "inf" turns it off); and
+    # how long a "low" batch may wait for an admission before it shares the "normal" tier.
     high_priority_reserved_share: float = Field(default=0.125, ge=0.0, lt=1.0)
+    high_priority_max_slowdown: float = Field(default=1.25, ge=1.0)
     low_priority_aging_s: float = Field(default=60.0, gt=0.0)
     visibility_timeout_s: int = 6 * 3600
     expiry_sweep_interval_s: float = 60.0

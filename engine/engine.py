@@ -41,6 +41,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Request, Sequence, Status
 from engine.stats import EngineMetrics
+from engine.step_cost import StepCostCurve
 from engine.structured import GrammarBackend
 from engine.tokenizer import detokenize_step, find_stop, load_tokenizer, start_detokenizer
 
@@ -67,6 +68,7 @@ class Engine:
         self._stats = EngineStats(kv_blocks_total=self.runner.num_blocks)
         self._grammar: GrammarBackend | None = None  # built by the first structured request
         self.metrics = EngineMetrics() if self.config.enable_metrics else None
+        self.step_cost = StepCostCurve(self.config.max_num_seqs)  # the host's urgent guard reads it
         log.info(
             "engine ready: %d KV blocks, max_model_len %d",
             self.runner.num_blocks,
@@ -220,6 +222,8 @@ class Engine:
         s.total_running_seq_steps += len(scheduled)
         elapsed = time.perf_counter() - start
         s.total_step_time_s += elapsed
+        if scheduled:
+            self.step_cost.observe(len(scheduled), num_tokens, elapsed)
         if self.metrics is not None:
             self.metrics.on_step(elapsed, num_tokens)
         return finished

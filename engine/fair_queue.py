@@ -141,6 +141,16 @@ class FairQueue(Generic[E]):
         """The most urgent tier with pending work."""
         return min(self._tiers, default=None)
 
+    def count_upto(self, max_priority: int) -> int:
+        """Pending entries in the tiers at or below ``max_priority``."""
+        return sum(
+            len(bq.heap)
+            for priority, tier in self._tiers.items()
+            if priority <= max_priority
+            for tenant in tier.tenants.values()
+            for bq in tenant.batches.values()
+        )
+
     def tenants_in(self, tier: int) -> dict[str | None, int]:
         """Pending entries per tenant in ``tier``."""
         t = self._tiers.get(tier)

@@ -8,15 +8,22 @@ suspended in the engine (their KV freed, what they generated kept) and wait firs
 batch; they resume when their tenant is below its share again. One tenant alone keeps every
 slot, and work that fits in the free room suspends nothing.
 
+While urgent work (``priority < 0``) runs, :func:`guard_urgent` also holds less urgent
+requests to the few that keep its steps within a slowdown of their cost without them
+(``engine.step_cost``): on an accelerator that is every free slot, on a CPU a handful. The
+bound is set by the urgent episode's peak (its requests in flight and pending), so it does
+not tighten, and suspend more bulk, as the urgent requests finish one by one.
+
 The policy is pure: :func:`plan_shares` reads the pending queue and the in-flight requests
 and says which requests to suspend (in order, until ``need`` of them are) and which tenants
-hold their share; the host carries it out.
+hold their share; :func:`guard_urgent` says which to suspend and how many more may enter; the
+host carries both out.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
@@ -75,3 +82,31 @@ def plan_shares(
             over[entry.tenant] -= 1
             candidates.append(entry)
     return SharePlan(candidates, need, full)
+
+
+@dataclass(frozen=True, slots=True)
+class GuardPlan(Generic[R]):
+    """``suspend``: in-flight requests of less urgent tiers to suspend, newest first;
+    ``room``: how many more of them may be admitted now (None: no bound); ``peak``: the urgent
+    episode's peak so far (0 when no urgent work is in flight or pending)."""
+
+    suspend: list[R] = field(default_factory=list)
+    room: int | None = None
+    peak: int = 0
+
+
+def guard_urgent(
+    in_flight: Sequence[R], pending_urgent: int, peak: int, room_for: Callable[[int], int]
+) -> GuardPlan[R]:
+    """While urgent work is in flight or pending, less urgent requests may hold
+    ``room_for(peak)`` slots, ``peak`` the most urgent requests in flight and pending at once
+    since the episode began (``peak`` passed in is the previous plan's). ``in_flight`` oldest
+    first."""
+    urgent = sum(1 for e in in_flight if e.priority < 0)
+    if not urgent and not pending_urgent:
+        return GuardPlan()
+    peak = max(peak, urgent + pending_urgent)
+    lesser = [e for e in in_flight if e.priority >= 0]
+    allowed = room_for(peak)
+    excess = len(lesser) - allowed
+    return GuardPlan(lesser[::-1][: max(0, excess)], max(0, allowed - len(lesser)), peak)

@@ -32,6 +32,13 @@ work (``priority < 0``, the ``high`` tier): the host lets urgent requests past i
 cap by that many, and the engine's scheduler makes room for them (see
 ``Scheduler.reserve_for_urgent``).
 
+``urgent_slowdown`` bounds what bulk costs urgent work on hardware where a step's cost grows
+with its sequences: while urgent requests are in flight or pending, less urgent ones may hold
+only as many slots as keep a step within that factor of its cost without them, by the
+engine's measured step-cost curve (``engine.step_cost``; the newest beyond it are suspended
+and resume when the urgent work is done). On an accelerator the curve is flat and nothing is
+held back; on a CPU it is a handful of slots. None (the default) turns the guard off.
+
 Aborted requests (``abort``, ``abort_group``, ``shutdown(abort_pending=True)``) never leave a
 future cancelled: every future resolves with a :class:`RequestOutput` whose completions carry
 ``finish_reason == "abort"``. A request aborted before it reached the engine has empty
@@ -58,7 +65,7 @@ from typing import Any
 
 from engine.engine import Engine
 from engine.fair_queue import FairQueue
-from engine.fair_share import plan_shares
+from engine.fair_share import guard_urgent, plan_shares
 from engine.host_entry import (
     IN_FLIGHT,
     PENDING,
@@ -95,7 +102,7 @@ class _Counters:
     failed: int = 0
     step_errors: int = 0
     steps: int = 0
-    suspended: int = 0  # in-flight requests suspended to give another tenant its share
+    suspended: int = 0  # in-flight requests suspended for another tenant's share or urgent work
     base_steps: int | None = None  # engine counters when the host started, for its own means
     base_running_seq_steps: int = 0
 
@@ -120,6 +127,7 @@ class EngineHost:
         engine_backlog: int | None = None,
         group_window: int | None = None,
         reserved_share: float = 0.0,
+        urgent_slowdown: float | None = None,
         aging_s: float | None = None,
         fair_share: bool = True,
         name: str = "engine-host",
@@ -140,11 +148,17 @@ class EngineHost:
             raise ValueError(f"group_window must be at least 1, got {group_window}")
         if not 0.0 <= reserved_share < 1.0:
             raise ValueError(f"reserved_share must be in [0, 1), got {reserved_share}")
+        if urgent_slowdown is not None and not urgent_slowdown >= 1.0:
+            raise ValueError(
+                f"urgent_slowdown must be at least 1 (or None for no guard), got {urgent_slowdown}"
+            )
         if aging_s is not None and aging_s <= 0:
             raise ValueError(f"aging_s must be positive (or None for no aging), got {aging_s}")
         self._engine = engine
         self._max_num_seqs = max_num_seqs
         self.fair_share = fair_share
+        self.urgent_slowdown = urgent_slowdown
+        self._urgent_peak = 0  # the current urgent episode's peak (engine.fair_share.guard_urgent)
         self.max_pending = max_pending
         self.group_window = group_window
         self.max_in_flight = max_num_seqs + engine_backlog
@@ -424,10 +438,13 @@ class EngineHost:
                     admitted: list[Entry] = []
                     if self._drain:
                         skip = self._share_out(in_flight) if self._pending else frozenset()
+                        lesser_room = self._guard_urgent(in_flight)
                         room = self.max_in_flight - len(in_flight)
                         while room + self.reserved_seqs > 0 and self._pending:
-                            # Past the cap, only urgent work enters (the reserved room).
-                            entry = self._pending.pop(None if room > 0 else -1, skip)
+                            # Past the cap, only urgent work enters (the reserved room), and
+                            # only urgent work while the guard's room for the rest is used.
+                            urgent_only = room <= 0 or lesser_room == 0
+                            entry = self._pending.pop(-1 if urgent_only else None, skip)
                             if entry is None:
                                 break
                             if (
@@ -439,6 +456,8 @@ class EngineHost:
                             entry.state = IN_FLIGHT
                             admitted.append(entry)
                             room -= 1
+                            if lesser_room is not None and entry.priority >= 0:
+                                lesser_room -= 1
                         if admitted:
                             self._space.notify_all()
                     done = self._closing and not self._pending and not in_flight and not admitted
@@ -483,17 +502,42 @@ class EngineHost:
         for entry in plan.candidates:
             if need == 0:
                 break
-            if entry.abort_requested:
-                continue
-            handle = self._engine.suspend_request(entry.request_id)
-            if handle is None:  # finished in the last step, or n > 1
-                continue
-            del in_flight[entry.request_id]
-            entry.suspended, entry.state = handle, PENDING
-            self._pending.push(entry, front=True)
-            self._counters.suspended += 1
-            need -= 1
+            if self._suspend(entry, in_flight):
+                need -= 1
         return plan.full
+
+    def _guard_urgent(self, in_flight: dict[str, Entry]) -> int | None:
+        """Carry out the urgent guard (``engine.fair_share.guard_urgent``); the caller holds
+        the lock. Returns how many less urgent requests may still be admitted (None: any)."""
+        curve = getattr(self._engine, "step_cost", None)
+        if self.urgent_slowdown is None or curve is None:
+            return None
+        slowdown, seqs = self.urgent_slowdown, self._max_num_seqs
+
+        def room_for(peak: int) -> int:
+            return curve.room(peak, slowdown, max(0, seqs - peak))
+
+        plan = guard_urgent(
+            list(in_flight.values()), self._pending.count_upto(-1), self._urgent_peak, room_for
+        )
+        self._urgent_peak = plan.peak
+        for entry in plan.suspend:
+            self._suspend(entry, in_flight)
+        return plan.room
+
+    def _suspend(self, entry: Entry, in_flight: dict[str, Entry]) -> bool:
+        """Suspend one in-flight request in the engine; it waits first in its batch. False if
+        it cannot be (being aborted, finished in the last step, or n > 1)."""
+        if entry.abort_requested:
+            return False
+        handle = self._engine.suspend_request(entry.request_id)
+        if handle is None:
+            return False
+        del in_flight[entry.request_id]
+        entry.suspended, entry.state = handle, PENDING
+        self._pending.push(entry, front=True)
+        self._counters.suspended += 1
+        return True
 
     def _admit(self, admitted: list[Entry], in_flight: dict[str, Entry]) -> None:
         failures: list[tuple[Entry, BaseException]] = []

@@ -97,7 +97,7 @@ class HostStats:
     failed: int  # RequestError, a step failure, or any other error set on the future
     step_errors: int
     steps: int  # engine steps run by this host
-    suspended: int  # in-flight requests suspended to give another tenant its share
+    suspended: int  # in-flight requests suspended for another tenant's share or urgent work
     mean_occupancy: float  # running sequences / max_num_seqs, averaged over this host's steps
     max_pending: int
     max_in_flight: int

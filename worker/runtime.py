@@ -142,6 +142,7 @@ def host(model: str) -> EngineHost:
         options.setdefault("enable_metrics", settings.metrics_enabled)
         engine = Engine(str(path), **options)
         host_options.setdefault("reserved_share", settings.high_priority_reserved_share)
+        host_options.setdefault("urgent_slowdown", settings.high_priority_max_slowdown)
         host_options.setdefault("aging_s", settings.low_priority_aging_s)
         started = EngineHost(engine, name=f"engine-host-{model}", **host_options).start()
         configured = getattr(getattr(engine, "config", None), "max_model_len", None)

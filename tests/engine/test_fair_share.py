@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.fair_queue import FairQueue
-from engine.fair_share import plan_shares
+from engine.fair_share import guard_urgent, plan_shares
 
 
 @dataclass(eq=False)
@@ -66,3 +66,32 @@ def test_less_urgent_tiers_give_way_first_and_are_due_nothing() -> None:
 def test_nothing_waiting_plans_nothing() -> None:
     plan = plan_shares(_queue(), [_Req("a", "x")], max_num_seqs=4, free_room=0)
     assert plan.need == 0 and plan.candidates == []
+
+
+def test_the_urgent_guard_is_idle_without_urgent_work() -> None:
+    running = [_Req("a", "bulk") for _ in range(8)]
+    plan = guard_urgent(running, 0, 5, lambda peak: 0)
+    assert plan.suspend == [] and plan.room is None and plan.peak == 0
+
+
+def test_the_urgent_guard_suspends_the_newest_bulk_beyond_its_room() -> None:
+    bulk = [_Req("a", "bulk") for _ in range(6)]
+    urgent = [_Req("a", "now", priority=-1) for _ in range(2)]
+    seen: list[int] = []
+
+    def room_for(peak: int) -> int:
+        seen.append(peak)
+        return 3
+
+    plan = guard_urgent(bulk + urgent, 2, 0, room_for)
+    assert seen == [4]  # 2 in flight + 2 pending
+    assert plan.suspend == bulk[::-1][:3] and plan.room == 0 and plan.peak == 4
+
+
+def test_the_urgent_guard_keeps_the_episodes_peak_as_urgent_work_finishes() -> None:
+    bulk = [_Req("a", "bulk") for _ in range(2)]
+    urgent = [_Req("a", "now", priority=-1)]
+    plan = guard_urgent(bulk + urgent, 0, 4, lambda peak: 6 - peak)
+    assert plan.peak == 4 and plan.suspend == [] and plan.room == 0
+    plan = guard_urgent(bulk[:1] + urgent, 0, 4, lambda peak: 6 - peak)
+    assert plan.room == 1

@@ -12,6 +12,7 @@ import pytest
 from engine import LLM, Engine, RequestError, SamplingParams
 from engine.demo_models import build
 from engine.host import EngineHost, EngineStepError, HostError, HostQueueFull
+from engine.step_cost import StepCostCurve
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
@@ -460,3 +461,75 @@ def test_urgent_work_beyond_the_reservation_suspends_bulk(model_dir: Path) -> No
     assert steps_for_urgent <= 12, steps_for_urgent  # 20 without suspending (three waves)
     assert stats.suspended >= 1
     assert got == want
+
+
+class _PlantedCurve(StepCostCurve):
+    """A step-cost curve set by the test; the engine's own measurements leave it as it is."""
+
+    def __init__(self, max_num_seqs: int, cost) -> None:
+        super().__init__(max_num_seqs)
+        for n in range(1, max_num_seqs + 1):
+            super().observe(n, n, cost(n))
+
+    def observe(self, num_seqs: int, num_tokens: int, seconds: float) -> None:
+        pass
+
+
+def _bulk_beside_urgent(model_dir: Path, cost) -> tuple[list[int], list[int], bool]:
+    """Four long bulk requests fill a 4-slot engine, then two urgent ones arrive, under the
+    urgent guard with the curve ``cost``: the bulk sequences running after each step that
+    ran urgent ones, the bulk running after the others, and whether every output is its
+    greedy output."""
+    long = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    short = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    bulk_prompts, urgent_prompts = _prompts(4, seed=41), _prompts(2, seed=42)
+    llm = LLM(str(model_dir), max_num_seqs=8)
+    want_bulk = [o.outputs[0].token_ids for o in llm.generate(bulk_prompts, long, use_tqdm=False)]
+    want_urgent = [
+        o.outputs[0].token_ids for o in llm.generate(urgent_prompts, short, use_tqdm=False)
+    ]
+    engine = _engine(model_dir, max_num_seqs=4)
+    engine.step_cost = _PlantedCurve(4, cost)
+    beside, other = [], []
+    step = engine.step
+
+    def recording_step():
+        outputs = step()
+        priorities = [seq.priority for seq in engine.scheduler.running]
+        bulk = sum(p >= 0 for p in priorities)
+        (beside if len(priorities) > bulk else other).append(bulk)
+        return outputs
+
+    engine.step = recording_step
+    with EngineHost(engine, reserved_share=0.25, urgent_slowdown=1.5) as host:
+        bulk = [host.submit(p, long, group="bulk", tenant="A") for p in bulk_prompts]
+        deadline = time.monotonic() + 60
+        while host.stats().engine.num_running < 4 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        urgent = [
+            host.submit(p, short, group="now", tenant="A", priority=-1) for p in urgent_prompts
+        ]
+        got_urgent = [f.result(timeout=60).outputs[0].token_ids for f in urgent]
+        got_bulk = [f.result(timeout=120).outputs[0].token_ids for f in bulk]
+    return beside, other, got_bulk == want_bulk and got_urgent == want_urgent
+
+
+def test_bulk_beside_urgent_work_is_held_to_the_room_a_steep_step_cost_leaves(
+    model_dir: Path,
+) -> None:
+    """A step costing 10 ms + 10 ms per sequence (a CPU's shape): two urgent sequences cost
+    30 ms; within 1.5x of that (45 ms) one bulk sequence fits beside them, so the other bulk
+    sequences are suspended while urgent work runs, come back after it, and every output is
+    exactly greedy."""
+    beside, other, exact = _bulk_beside_urgent(model_dir, lambda n: 0.010 + 0.010 * n)
+    assert beside and max(beside) <= 1, beside
+    assert max(other) == 4
+    assert exact
+
+
+def test_a_flat_step_cost_holds_no_bulk_back_beside_urgent_work(model_dir: Path) -> None:
+    """An accelerator's shape: a step costs the same whatever its sequences, so bulk keeps
+    every slot the urgent work leaves (2 of 4)."""
+    beside, _other, exact = _bulk_beside_urgent(model_dir, lambda n: 0.010)
+    assert beside and max(beside) == 2, beside
+    assert exact
