@@ -3,23 +3,25 @@
 Starts the API, a control worker, a model worker (the tiny demo model) and beat on a fresh
 Postgres database and Redis, then measures, side by side in one run:
 
-1. a small job (tenant B, ``--small`` requests of ``--small-max-tokens``) alone (the median
-   of three runs);
-2. the big job (tenant A, ``--big`` requests of ``--max-tokens``) alone, before the first
+1. the big job (tenant A, ``--big`` requests of ``--max-tokens``) alone, before the first
    round and after each: its time and the engine's mean occupancy (running sequences /
    max_num_seqs) while it ran;
-3. ``--rounds`` rounds of: the small job submitted ``--delay`` seconds after the big job (its
-   completion time against (1); the big job's throughput against the mean of the two alone
-   runs around the round, per second and per CPU second of the model worker); then the same
-   with the small job ``high`` priority and of tenant A (same-tenant bulk). The medians over
-   the rounds are the figures: one run of each swings by 10-20% on a shared machine.
+2. ``--rounds`` rounds of: a small job (tenant B, ``--small`` requests of
+   ``--small-max-tokens``) alone, the median of three runs; the same small job submitted
+   ``--delay`` seconds after the big job (its completion time against the round's time alone;
+   the big job's throughput against the mean of the two alone runs around the round, per
+   second and per CPU second of the model worker); then the same with the small job ``high``
+   priority and of tenant A (same-tenant bulk). The medians over the rounds are the figures:
+   one run of each swings by 10-20% on a shared machine, and the machine's speed drifts
+   between rounds. A small job's status is polled every 20 ms (it takes about half a second).
 
 Each service process runs ``--threads`` torch threads (default 1: on a shared machine more
 intra-op threads spin at barriers and make every figure swing).
 
 The default is the fair-admission scenario: a 1,200-request job in one shard, then another
-tenant's 16-request job a quarter of the way through it (``--delay``). Targets: small job <= 2x alone, big job throughput within 5%
-of alone; the high-priority job <= 1.5x alone; occupancy as alone. Engine steps (from the model
+tenant's 16-request job a quarter of the way through it (``--delay``). Targets: small job
+<= 2x alone, big job throughput within 5% of alone; the high-priority job <= 1.5x alone;
+occupancy as alone. Engine steps (from the model
 worker's ``engine_stats``) are printed next to seconds: on a CPU a step with more sequences
 takes longer, so seconds mix scheduling delay with step cost; steps do not.
 
@@ -88,8 +90,16 @@ def submit(client: Any, lines: list[dict[str, Any]], **extra: Any) -> tuple[Any,
     return batch, started
 
 
-def wait(client: Any, batch_id: str, timeout: float, until=None) -> tuple[Any, float]:
-    """Poll until ``until(batch)`` (default: terminal); the batch and the monotonic time."""
+# How often a small job's status is polled: its time alone is about half a second, so polling
+# every 0.1 s would add up to 20% to either side of its ratio.
+SMALL_POLL_S = 0.02
+
+
+def wait(
+    client: Any, batch_id: str, timeout: float, until=None, poll_s: float = 0.1
+) -> tuple[Any, float]:
+    """Poll every ``poll_s`` until ``until(batch)`` (default: terminal); the batch and the
+    monotonic time."""
     until = until or (lambda b: b.status in TERMINAL)
     deadline = time.monotonic() + timeout
     while True:
@@ -98,7 +108,7 @@ def wait(client: Any, batch_id: str, timeout: float, until=None) -> tuple[Any, f
             return batch, time.monotonic()
         if time.monotonic() > deadline:
             raise TimeoutError(f"batch {batch_id} is {batch.status} after {timeout}s")
-        time.sleep(0.1)
+        time.sleep(poll_s)
 
 
 # Engine counters of the model worker, or None (``_bench_stack.EngineStatsProbe`` wrapped).
@@ -142,13 +152,14 @@ def alone(
     timeout: float,
     probe: Probe | None = None,
     cpu: CpuClock | None = None,
+    poll_s: float = 0.1,
     **extra: Any,
 ) -> Timing:
-    """Create to completed for a job on an idle service."""
+    """Create to completed for a job on an idle service, its status polled every ``poll_s``."""
     before = engine_counters(probe)
     cpu0 = cpu() if cpu else None
     batch, started = submit(client, chat_lines("alone", n, max_tokens), **extra)
-    done, ended = wait(client, batch.id, timeout)
+    done, ended = wait(client, batch.id, timeout, poll_s=poll_s)
     assert done.status == "completed", done
     timing = _timing(ended - started, before, engine_counters(probe))
     if cpu and cpu0 is not None:
@@ -196,7 +207,7 @@ def contended(
     before = engine_counters(probe)
     small_lines = chat_lines("small", small, small_max_tokens or max_tokens)
     small_batch, small_started = submit(small_client, small_lines, **(small_extra or {}))
-    small_done, small_ended = wait(small_client, small_batch.id, timeout)
+    small_done, small_ended = wait(small_client, small_batch.id, timeout, poll_s=SMALL_POLL_S)
     small_timing = _timing(small_ended - small_started, before, engine_counters(probe))
     assert small_done.status == "completed", small_done
     big_now = big_client.batches.retrieve(big_batch.id)
@@ -333,6 +344,7 @@ class Round:
     prio: Contended  # a high-priority job behind the same tenant's bulk
     before: Timing  # the big job alone just before and just after this round
     after: Timing
+    small_alone: Timing  # the small job alone in this round (the median of three)
 
     def big_ratio(self, c: Contended) -> float:
         """The big job's throughput beside the small one over alone (the mean of the two
@@ -345,8 +357,9 @@ class Round:
 
 
 def _measure(args: argparse.Namespace, a: Any, b: Any, probe: Any, model_pid: int) -> dict:
-    """The small job alone (median of three), then ``--rounds`` rounds of both contended
-    scenarios, the big job alone before the first round and after each."""
+    """``--rounds`` rounds of the small job alone (the median of three) and both contended
+    scenarios, the big job alone before the first round and after each. Each ratio is against
+    the alone runs of its own round: the machine's speed drifts between rounds."""
     timeout = 3600.0
 
     from cli.perf.service import process_cpu_s
@@ -356,10 +369,14 @@ def _measure(args: argparse.Namespace, a: Any, b: Any, probe: Any, model_pid: in
 
     alone(b, 4, 2, timeout)  # warm-up (first-request costs)
     max_num_seqs = (engine_counters(probe) or {}).get("max_num_seqs", args.max_num_seqs)
-    smalls = sorted(
-        (alone(b, args.small, args.small_max_tokens, timeout, probe) for _ in range(3)),
-        key=lambda t: t.s,
-    )
+
+    def small_alone() -> Timing:
+        runs = [
+            alone(b, args.small, args.small_max_tokens, timeout, probe, poll_s=SMALL_POLL_S)
+            for _ in range(3)
+        ]
+        return sorted(runs, key=lambda t: t.s)[1]
+
     common = {
         "big": args.big,
         "small": args.small,
@@ -373,13 +390,13 @@ def _measure(args: argparse.Namespace, a: Any, b: Any, probe: Any, model_pid: in
     delay = args.delay if args.delay is not None else bigs[0].s / 4
     rounds = []
     for _ in range(args.rounds):
+        small = small_alone()
         fair = contended(a, b, delay_s=delay, **common)
         prio = contended(a, a, delay_s=delay, small_extra={"priority": "high"}, **common)
         bigs.append(alone(a, args.big, args.max_tokens, timeout, probe, cpu))
-        rounds.append(Round(fair, prio, bigs[-2], bigs[-1]))
+        rounds.append(Round(fair, prio, bigs[-2], bigs[-1], small))
     return {
         "max_num_seqs": max_num_seqs,
-        "small_alone": smalls[1],
         "bigs": bigs,
         "rounds": rounds,
         "delay_s": delay,
@@ -389,7 +406,6 @@ def _measure(args: argparse.Namespace, a: Any, b: Any, probe: Any, model_pid: in
 def _report(args: argparse.Namespace, result: dict) -> None:
     import statistics
 
-    small_alone: Timing = result["small_alone"]
     bigs: list[Timing] = result["bigs"]
     rounds: list[Round] = result["rounds"]
     shards = -(-args.big // args.shard_requests)
@@ -405,14 +421,16 @@ def _report(args: argparse.Namespace, result: dict) -> None:
         f"{len(rounds)} round(s)"
     )
     print(
-        f"small job alone (tenant B, median of 3): {small_alone.s:.2f} s, "
-        f"{small_alone.steps or '-'} steps; big job alone: "
+        "big job alone: "
         + ", ".join(f"{t.s:.2f} s" for t in bigs)
-        + f" (mean occupancy {statistics.mean(t.occupancy or 0 for t in bigs):.3f})"
+        + f" (mean occupancy {statistics.mean(t.occupancy or 0 for t in bigs):.3f}); small "
+        "job alone (tenant B, the median of 3 in each round): "
+        + ", ".join(f"{r.small_alone.s:.2f} s ({r.small_alone.steps or '-'} steps)" for r in rounds)
     )
     head = f"{'round':<6} {'scenario':<30} {'small s':>8} {'x alone':>8} {'steps':>6} "
     print(head + f"{'x alone':>8} {'big x alone':>12} {'per cpu-s':>10} {'done first':>11}")
     for i, r in enumerate(rounds, 1):
+        small_alone = r.small_alone
         for label, c in (
             ("B's small job behind A's bulk", r.fair),
             ("high behind own bulk", r.prio),
@@ -436,12 +454,12 @@ def _report(args: argparse.Namespace, result: dict) -> None:
         "max_num_seqs": result["max_num_seqs"],
         "rounds": len(rounds),
         "delay_s": round(result["delay_s"], 2),
-        "small_alone_s": round(small_alone.s, 3),
-        "small_alone_steps": small_alone.steps,
+        "small_alone_s": [round(r.small_alone.s, 3) for r in rounds],
+        "small_alone_steps": [r.small_alone.steps for r in rounds],
         "big_alone_s": [round(t.s, 3) for t in bigs],
         "big_alone_occupancy": statistics.mean(t.occupancy or 0 for t in bigs),
-        "fair_ratio": med([r.fair.small.s / small_alone.s for r in rounds]),
-        "priority_ratio": med([r.prio.small.s / small_alone.s for r in rounds]),
+        "fair_ratio": med([r.fair.small.s / r.small_alone.s for r in rounds]),
+        "priority_ratio": med([r.prio.small.s / r.small_alone.s for r in rounds]),
         "big_throughput_ratio_small": med([r.big_ratio(r.fair) for r in rounds]),
         "big_throughput_ratio_high": med([r.big_ratio(r.prio) for r in rounds]),
         "big_cpu_throughput_ratio_small": med([r.big_cpu_ratio(r.fair) for r in rounds]),
