@@ -11,8 +11,9 @@ slot, and work that fits in the free room suspends nothing.
 While urgent work (``priority < 0``) runs, :func:`guard_urgent` also holds less urgent
 requests to the few that keep its steps within a slowdown of their cost without them
 (``engine.step_cost``): on an accelerator that is every free slot, on a CPU a handful. The
-bound is set by the urgent episode's peak (its requests in flight and pending), so it does
-not tighten, and suspend more bulk, as the urgent requests finish one by one.
+bound is set by the urgent episode's peak (its requests in flight and pending) and only grows
+within an episode, so it never suspends more bulk as the urgent requests finish one by one or
+as the measured step cost wavers.
 
 The policy is pure: :func:`plan_shares` reads the pending queue and the in-flight requests
 and says which requests to suspend (in order, until ``need`` of them are) and which tenants
@@ -87,26 +88,34 @@ def plan_shares(
 @dataclass(frozen=True, slots=True)
 class GuardPlan(Generic[R]):
     """``suspend``: in-flight requests of less urgent tiers to suspend, newest first;
-    ``room``: how many more of them may be admitted now (None: no bound); ``peak``: the urgent
-    episode's peak so far (0 when no urgent work is in flight or pending)."""
+    ``room``: how many more of them may be admitted now (None: no bound); ``peak`` and
+    ``allowed``: the urgent episode's peak so far and the slots less urgent work may hold
+    (0 and None when no urgent work is in flight or pending)."""
 
     suspend: list[R] = field(default_factory=list)
     room: int | None = None
     peak: int = 0
+    allowed: int | None = None
 
 
 def guard_urgent(
-    in_flight: Sequence[R], pending_urgent: int, peak: int, room_for: Callable[[int], int]
+    in_flight: Sequence[R],
+    pending_urgent: int,
+    room_for: Callable[[int], int],
+    last: GuardPlan | None = None,
 ) -> GuardPlan[R]:
     """While urgent work is in flight or pending, less urgent requests may hold
     ``room_for(peak)`` slots, ``peak`` the most urgent requests in flight and pending at once
-    since the episode began (``peak`` passed in is the previous plan's). ``in_flight`` oldest
-    first."""
+    since the episode began; within an episode those slots only grow (``last`` is the
+    previous plan), so a step-cost estimate that wavers never suspends what it let in.
+    ``in_flight`` oldest first."""
     urgent = sum(1 for e in in_flight if e.priority < 0)
     if not urgent and not pending_urgent:
         return GuardPlan()
-    peak = max(peak, urgent + pending_urgent)
-    lesser = [e for e in in_flight if e.priority >= 0]
+    peak = max(last.peak if last else 0, urgent + pending_urgent)
     allowed = room_for(peak)
+    if last is not None and last.allowed is not None:
+        allowed = max(allowed, last.allowed)
+    lesser = [e for e in in_flight if e.priority >= 0]
     excess = len(lesser) - allowed
-    return GuardPlan(lesser[::-1][: max(0, excess)], max(0, allowed - len(lesser)), peak)
+    return GuardPlan(lesser[::-1][: max(0, excess)], max(0, allowed - len(lesser)), peak, allowed)

@@ -65,7 +65,7 @@ from typing import Any
 
 from engine.engine import Engine
 from engine.fair_queue import FairQueue
-from engine.fair_share import guard_urgent, plan_shares
+from engine.fair_share import GuardPlan, guard_urgent, plan_shares
 from engine.host_entry import (
     IN_FLIGHT,
     PENDING,
@@ -158,7 +158,7 @@ class EngineHost:
         self._max_num_seqs = max_num_seqs
         self.fair_share = fair_share
         self.urgent_slowdown = urgent_slowdown
-        self._urgent_peak = 0  # the current urgent episode's peak (engine.fair_share.guard_urgent)
+        self._guard: GuardPlan | None = None  # the urgent episode's last plan (guard_urgent)
         self.max_pending = max_pending
         self.group_window = group_window
         self.max_in_flight = max_num_seqs + engine_backlog
@@ -518,9 +518,9 @@ class EngineHost:
             return curve.room(peak, slowdown, max(0, seqs - peak))
 
         plan = guard_urgent(
-            list(in_flight.values()), self._pending.count_upto(-1), self._urgent_peak, room_for
+            list(in_flight.values()), self._pending.count_upto(-1), room_for, self._guard
         )
-        self._urgent_peak = plan.peak
+        self._guard = plan
         for entry in plan.suspend:
             self._suspend(entry, in_flight)
         return plan.room

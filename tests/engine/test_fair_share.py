@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.fair_queue import FairQueue
-from engine.fair_share import guard_urgent, plan_shares
+from engine.fair_share import GuardPlan, guard_urgent, plan_shares
 
 
 @dataclass(eq=False)
@@ -70,8 +70,8 @@ def test_nothing_waiting_plans_nothing() -> None:
 
 def test_the_urgent_guard_is_idle_without_urgent_work() -> None:
     running = [_Req("a", "bulk") for _ in range(8)]
-    plan = guard_urgent(running, 0, 5, lambda peak: 0)
-    assert plan.suspend == [] and plan.room is None and plan.peak == 0
+    plan = guard_urgent(running, 0, lambda peak: 0, GuardPlan(peak=5, allowed=0))
+    assert plan.suspend == [] and plan.room is None and plan.peak == 0 and plan.allowed is None
 
 
 def test_the_urgent_guard_suspends_the_newest_bulk_beyond_its_room() -> None:
@@ -83,7 +83,7 @@ def test_the_urgent_guard_suspends_the_newest_bulk_beyond_its_room() -> None:
         seen.append(peak)
         return 3
 
-    plan = guard_urgent(bulk + urgent, 2, 0, room_for)
+    plan = guard_urgent(bulk + urgent, 2, room_for)
     assert seen == [4]  # 2 in flight + 2 pending
     assert plan.suspend == bulk[::-1][:3] and plan.room == 0 and plan.peak == 4
 
@@ -91,7 +91,21 @@ def test_the_urgent_guard_suspends_the_newest_bulk_beyond_its_room() -> None:
 def test_the_urgent_guard_keeps_the_episodes_peak_as_urgent_work_finishes() -> None:
     bulk = [_Req("a", "bulk") for _ in range(2)]
     urgent = [_Req("a", "now", priority=-1)]
-    plan = guard_urgent(bulk + urgent, 0, 4, lambda peak: 6 - peak)
+    plan = guard_urgent(bulk + urgent, 0, lambda peak: 6 - peak, GuardPlan(peak=4, allowed=2))
     assert plan.peak == 4 and plan.suspend == [] and plan.room == 0
-    plan = guard_urgent(bulk[:1] + urgent, 0, 4, lambda peak: 6 - peak)
+    plan = guard_urgent(bulk[:1] + urgent, 0, lambda peak: 6 - peak, plan)
     assert plan.room == 1
+
+
+def test_the_urgent_guards_room_only_grows_within_an_episode() -> None:
+    """A wavering estimate (3 slots, then 1) suspends nothing it let in; a larger one (5)
+    lets more in."""
+    bulk = [_Req("a", "bulk") for _ in range(3)]
+    urgent = [_Req("a", "now", priority=-1) for _ in range(2)]
+    plan = guard_urgent(bulk + urgent, 0, lambda peak: 3)
+    assert plan.suspend == [] and plan.allowed == 3
+    plan = guard_urgent(bulk + urgent, 0, lambda peak: 1, plan)
+    assert plan.suspend == [] and plan.allowed == 3 and plan.room == 0
+    plan = guard_urgent(bulk + urgent, 0, lambda peak: 5, plan)
+    assert plan.allowed == 5 and plan.room == 2
+    assert guard_urgent(bulk, 0, lambda peak: 0, plan) == GuardPlan()  # the episode is over
