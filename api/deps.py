@@ -94,8 +94,10 @@ class Caller:
     webhook_url: str | None = None
     webhook_secret: str | None = None
     #: An admin key (``BATCHD_ADMIN_API_KEYS``, or authentication off): the dashboard shows it
-    #: every tenant's batches.
+    #: every tenant's batches, and it may create batches of any priority.
     admin: bool = False
+    #: The highest batch priority the caller may ask for (the key's ``max_priority``).
+    max_priority: str = "normal"
 
 
 def _unauthorized(message: str) -> APIError:
@@ -113,7 +115,7 @@ def _masked(key: str) -> str:
 
 def _identify(request: Request, settings: Settings, session: Session) -> Caller:
     if not auth_enabled(settings):
-        return Caller(key=None, admin=True)
+        return Caller(key=None, admin=True, max_priority="high")
     header = request.headers.get("authorization", "")
     scheme, _, presented = header.partition(" ")
     presented = presented.strip()
@@ -136,10 +138,10 @@ def _matches_any(presented: str, keys: list[str]) -> bool:
 def identify_key(settings: Settings, session: Session, presented: str) -> Caller:
     """The caller a presented key stands for (static, admin or stored), or a 401."""
     if not auth_enabled(settings):
-        return Caller(key=None, admin=True)
+        return Caller(key=None, admin=True, max_priority="high")
     static_id = "static-" + hash_key(presented)[:16]
     if _matches_any(presented, settings.admin_api_keys):
-        return Caller(key=presented, key_id=static_id, admin=True)
+        return Caller(key=presented, key_id=static_id, admin=True, max_priority="high")
     if _matches_any(presented, settings.api_keys):
         return Caller(key=presented, key_id=static_id)
     row = lookup(session, presented)
@@ -151,6 +153,7 @@ def identify_key(settings: Settings, session: Session, presented: str) -> Caller
         key_id=row.id,
         webhook_url=row.webhook_url,
         webhook_secret=row.webhook_secret,
+        max_priority=row.max_priority,
     )
 
 

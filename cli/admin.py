@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
+from enum import StrEnum
 from typing import Annotated
 
 import typer
@@ -55,6 +56,12 @@ def _safe_url(url: str) -> str:
         return "<unparseable URL>"
 
 
+class Priority(StrEnum):
+    high = "high"
+    normal = "normal"
+    low = "low"
+
+
 def _when(value: datetime | None) -> str:
     return "-" if value is None else value.strftime("%Y-%m-%d %H:%M:%S")
 
@@ -67,6 +74,13 @@ def create(
         str | None,
         typer.Option(help="Default webhook for batches created with this key (http/https)."),
     ] = None,
+    max_priority: Annotated[
+        Priority,
+        typer.Option(
+            help="The highest batch priority the key may ask for; a create above it is "
+            "refused (403 priority_not_allowed). Admin keys (BATCHD_ADMIN_API_KEYS) may use any."
+        ),
+    ] = Priority.normal,
 ) -> None:
     """Create a key and print it (once: only its hash is stored) with its webhook secret."""
     from core.auth import create_key, webhook_url_problem
@@ -76,11 +90,15 @@ def create(
         raise typer.Exit(ExitCode.USAGE)
     try:
         with _session() as session:
-            row, plaintext = create_key(session, tenant, name, webhook_url=webhook_url)
+            row, plaintext = create_key(
+                session, tenant, name, webhook_url=webhook_url, max_priority=max_priority.value
+            )
     except ValueError as error:
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(ExitCode.USAGE) from error
-    typer.echo(f"Created key {row.id} for tenant {row.tenant!r}.")
+    typer.echo(
+        f"Created key {row.id} for tenant {row.tenant!r} (priorities up to {row.max_priority})."
+    )
     typer.echo(f"API key:        {plaintext}")
     typer.echo(f"Webhook secret: {row.webhook_secret}")
     if row.webhook_url:
@@ -104,7 +122,9 @@ def list_(
 
     with _session() as session:
         rows = list_keys(session, tenant)
-    table = Table("id", "tenant", "name", "prefix", "created", "last used", "revoked")
+    table = Table(
+        "id", "tenant", "name", "prefix", "created", "last used", "revoked", "max priority"
+    )
     for row in rows:
         table.add_row(
             row.id,
@@ -114,6 +134,7 @@ def list_(
             _when(row.created_at),
             _when(row.last_used_at),
             _when(row.revoked_at),
+            row.max_priority,
         )
     Console(width=200).print(table)
 

@@ -5,6 +5,9 @@ enough: nobody can search that space, and looking a key up by its hash takes one
 whose timing reveals nothing about the key. Each key belongs to a tenant; every file and batch
 created with it belongs to that tenant too.
 
+Each key has a highest batch priority it may ask for (``max_priority``, ``normal`` unless
+granted more), so no tenant can put its work ahead of everyone else's by itself.
+
 Each key also gets a webhook secret (Standard Webhooks' ``whsec_…`` form) used to sign the
 deliveries of batches created with it, so the client knows it from the moment it gets the key.
 """
@@ -14,14 +17,14 @@ from __future__ import annotations
 import base64
 import hashlib
 import secrets
-from datetime import timedelta
+from datetime import datetime, timedelta
 
-from sqlalchemy import or_, select, update
+from sqlalchemy import delete, or_, select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
 from core.lifecycle import now
-from core.models import ApiKey
+from core.models import ApiKey, UiSession
 
 KEY_PREFIX = "sk-bd-"
 #: How much of a key listings show: enough to tell keys apart, far too little to guess one.
@@ -31,6 +34,14 @@ WEBHOOK_SECRET_PREFIX = "whsec_"
 TOUCH_INTERVAL = timedelta(minutes=1)
 MAX_TENANT_CHARS = 64
 MAX_NAME_CHARS = 256
+#: Batch priorities, lowest first.
+PRIORITIES = ("low", "normal", "high")
+DEFAULT_MAX_PRIORITY = "normal"
+
+
+def priority_allowed(requested: str, maximum: str) -> bool:
+    """Whether a key whose highest priority is ``maximum`` may ask for ``requested``."""
+    return PRIORITIES.index(requested) <= PRIORITIES.index(maximum)
 
 
 def hash_key(plaintext: str) -> str:
@@ -53,10 +64,18 @@ def key_id() -> str:
 
 
 def create_key(
-    session: Session, tenant: str, name: str = "", *, webhook_url: str | None = None
+    session: Session,
+    tenant: str,
+    name: str = "",
+    *,
+    webhook_url: str | None = None,
+    max_priority: str = DEFAULT_MAX_PRIORITY,
 ) -> tuple[ApiKey, str]:
     """Add a key for ``tenant`` (flushed, not committed) and return it with its plaintext,
-    which is not stored anywhere: show it to the user now or never."""
+    which is not stored anywhere: show it to the user now or never. Batches created with it
+    may ask for priorities up to ``max_priority``."""
+    if max_priority not in PRIORITIES:
+        raise ValueError(f"a priority is one of {', '.join(PRIORITIES)}, got {max_priority!r}")
     tenant = tenant.strip()
     if not tenant or len(tenant) > MAX_TENANT_CHARS:
         raise ValueError(f"a tenant is 1 to {MAX_TENANT_CHARS} characters, got {len(tenant)}")
@@ -72,6 +91,7 @@ def create_key(
         created_at=now(),
         webhook_url=webhook_url,
         webhook_secret=generate_webhook_secret(),
+        max_priority=max_priority,
     )
     session.add(row)
     session.flush()
@@ -99,7 +119,12 @@ def lookup(session: Session, plaintext: str) -> ApiKey | None:
     """
     if not plaintext.startswith(KEY_PREFIX):
         return None
-    row = session.scalars(select(ApiKey).where(ApiKey.key_hash == hash_key(plaintext))).first()
+    return lookup_hash(session, hash_key(plaintext))
+
+
+def lookup_hash(session: Session, digest: str) -> ApiKey | None:
+    """:func:`lookup` by the key's SHA-256 (what a dashboard session remembers)."""
+    row = session.scalars(select(ApiKey).where(ApiKey.key_hash == digest)).first()
     if row is None or row.revoked_at is not None:
         return None
     current = now()
@@ -124,6 +149,40 @@ def list_keys(session: Session, tenant: str | None = None) -> list[ApiKey]:
     if tenant is not None:
         query = query.where(ApiKey.tenant == tenant)
     return list(session.scalars(query))
+
+
+# -- dashboard sessions
+
+
+def create_ui_session(session: Session, key_digest: str, ttl: timedelta) -> str:
+    """Start a dashboard session for the key whose SHA-256 is ``key_digest`` (flushed, not
+    committed) and return its token, for the browser's cookie; only the token's SHA-256 is
+    stored. Sessions that have expired are deleted first, so the table holds only live ones."""
+    current = now()
+    session.execute(delete(UiSession).where(UiSession.expires_at <= current))
+    token = secrets.token_urlsafe(32)
+    session.add(
+        UiSession(
+            id=hash_key(token), key_hash=key_digest, created_at=current, expires_at=current + ttl
+        )
+    )
+    session.flush()
+    return token
+
+
+def ui_session_key(session: Session, token: str) -> tuple[str, datetime] | None:
+    """The SHA-256 of the key a live dashboard session signed in with, and when the session
+    expires; None for unknown or expired tokens."""
+    row = session.get(UiSession, hash_key(token))
+    if row is None or row.expires_at <= now():
+        return None
+    return row.key_hash, row.expires_at
+
+
+def end_ui_session(session: Session, token: str) -> None:
+    """End a dashboard session (flushed, not committed); nothing when there is none."""
+    session.execute(delete(UiSession).where(UiSession.id == hash_key(token)))
+    session.flush()
 
 
 MAX_WEBHOOK_URL_CHARS = 2048

@@ -93,6 +93,21 @@ class ApiKey(Base):
     # Default webhook for batches created with this key (a batch may name its own).
     webhook_url: Mapped[str | None] = mapped_column(Text, nullable=True)
     webhook_secret: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    # The highest batch priority this key may ask for (high | normal | low).
+    max_priority: Mapped[str] = mapped_column(String(8), default="normal", server_default="normal")
+
+
+class UiSession(Base):
+    """A dashboard sign-in. The browser's cookie holds a random token; only its SHA-256 is
+    stored, with the SHA-256 of the key that signed in, which is checked again (revoked?
+    still configured?) on every request."""
+
+    __tablename__ = "ui_sessions"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # SHA-256 of the token
+    key_hash: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(Timestamp, server_default=func.now())
+    expires_at: Mapped[datetime] = mapped_column(Timestamp, index=True)
 
 
 class Batch(Base):

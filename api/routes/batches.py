@@ -25,7 +25,7 @@ from api.schemas import (
     BatchPublic,
     window_seconds,
 )
-from core.auth import generate_webhook_secret
+from core.auth import generate_webhook_secret, priority_allowed
 from core.ids import batch_id
 from core.lifecycle import CANCELLABLE, TERMINAL, UNFINISHED, BatchStatus, now, transition
 from core.models import Batch
@@ -128,10 +128,30 @@ def _check_unfinished_quota(session: Session, tenant: str, limit: int) -> None:
         )
 
 
+def _priority(body: BatchCreate, caller: Caller) -> str:
+    """A priority is an entitlement of the key: asking for more than the key's
+    ``max_priority`` is a 403. Without one, a batch gets ``normal``, or the key's maximum
+    where that is lower."""
+    requested = body.priority
+    if priority_allowed(requested, caller.max_priority):
+        return requested
+    if "priority" not in body.model_fields_set:
+        return caller.max_priority
+    raise APIError(
+        403,
+        f"This API key may create batches with priority up to '{caller.max_priority}'; "
+        f"'{requested}' is above it. An administrator can create a key that may use it "
+        f"(`batchd keys create --max-priority {requested}`).",
+        param="priority",
+        code="priority_not_allowed",
+        headers={"x-should-retry": "false"},
+    )
+
+
 @router.post(
     "",
     response_model=BatchPublic,
-    responses=error_responses(400, 404, 409, 429),
+    responses=error_responses(400, 403, 404, 409, 429),
     summary="Create a batch",
 )
 def create_batch(
@@ -142,6 +162,7 @@ def create_batch(
     idempotency_key: IdempotencyHeader = None,
 ) -> BatchPublic:
     key = _idempotency_key(idempotency_key, body.idempotency_key)
+    priority = _priority(body, caller)
     seconds = window_seconds(body.completion_window) or 0
     if seconds > settings.max_completion_window_s:
         raise invalid_request(
@@ -184,7 +205,7 @@ def create_batch(
         completion_window=body.completion_window,
         status=BatchStatus.VALIDATING,
         metadata_=body.metadata,
-        priority=body.priority,
+        priority=priority,
         idempotency_key=key,
         webhook_url=webhook_url,
         webhook_secret=webhook_secret,

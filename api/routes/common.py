@@ -20,6 +20,7 @@ def error_responses(*codes: int, authenticated: bool = True) -> dict[int | str, 
     descriptions = {
         400: "Invalid request",
         401: "Missing or invalid API key",
+        403: "Not allowed for this API key",
         404: "No such object",
         409: "Conflict with the object's current state",
         413: "Upload too large",

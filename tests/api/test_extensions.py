@@ -95,18 +95,57 @@ def test_concurrent_creates_with_one_key_make_one_batch(server, input_file):
     assert len(server.client().batches.list().data) == 1
 
 
-def test_priority(client, input_file):
+def _priority_refused(client, input_file: str, priority: str) -> dict:
+    with pytest.raises(openai.PermissionDeniedError) as caught:
+        _create(client, input_file, extra_body={"priority": priority})
+    assert caught.value.status_code == 403
+    return caught.value.body
+
+
+def test_priority_is_an_entitlement_of_the_key(server, client, input_file, make_key):
+    """A fresh key may use normal and low; high is refused with 403 priority_not_allowed,
+    naming the key's maximum."""
     default = _create(client, input_file)
     assert default.model_extra["priority"] == "normal"
-    high = _create(client, input_file, extra_body={"priority": "high"})
-    assert high.model_extra["priority"] == "high"
-    assert client.batches.retrieve(high.id).model_extra["priority"] == "high"
-    assert (
-        _create(client, input_file, extra_body={"priority": "low"}).model_extra["priority"] == "low"
-    )
+    low = _create(client, input_file, extra_body={"priority": "low"})
+    assert low.model_extra["priority"] == "low"
+    refused = _priority_refused(client, input_file, "high")
+    assert refused["code"] == "priority_not_allowed" and refused["param"] == "priority"
+    assert refused["type"] == "invalid_request_error"
+    assert "up to 'normal'" in refused["message"] and "'high'" in refused["message"]
     with pytest.raises(openai.BadRequestError) as caught:
         _create(client, input_file, extra_body={"priority": "urgent"})
     assert caught.value.body["param"] == "priority"
+    assert {b.model_extra["priority"] for b in client.batches.list()} == {"normal", "low"}
+
+    # A key created with max_priority high may use it.
+    granted = server.client(api_key=make_key(max_priority="high"))
+    granted_file = granted.files.create(file=("in.jsonl", LINES), purpose="batch").id
+    high = _create(granted, granted_file, extra_body={"priority": "high"})
+    assert high.model_extra["priority"] == "high"
+    assert granted.batches.retrieve(high.id).model_extra["priority"] == "high"
+
+    # A key limited to low: low always works, and a create that names no priority gets low.
+    limited = server.client(api_key=make_key(max_priority="low"))
+    limited_file = limited.files.create(file=("in.jsonl", LINES), purpose="batch").id
+    assert _create(limited, limited_file).model_extra["priority"] == "low"
+    assert "up to 'low'" in _priority_refused(limited, limited_file, "normal")["message"]
+
+
+def test_admin_and_static_keys_priorities(start_server):
+    """An admin key (BATCHD_ADMIN_API_KEYS) may use any priority; a static BATCHD_API_KEYS
+    key is an ordinary key (normal at most)."""
+    server = start_server(BATCHD_ADMIN_API_KEYS="sk-test-admin-priority")
+    admin = server.client(api_key="sk-test-admin-priority")
+    admin_file = admin.files.create(file=("in.jsonl", LINES), purpose="batch").id
+    for priority in ("high", "normal", "low"):
+        created = _create(admin, admin_file, extra_body={"priority": priority})
+        assert created.model_extra["priority"] == priority
+    static = server.client(api_key=server.env["BATCHD_API_KEYS"])
+    static_file = static.files.create(file=("in.jsonl", LINES), purpose="batch").id
+    assert _priority_refused(static, static_file, "high")["code"] == "priority_not_allowed"
+    low = _create(static, static_file, extra_body={"priority": "low"})
+    assert low.model_extra["priority"] == "low"
 
 
 @pytest.mark.parametrize(

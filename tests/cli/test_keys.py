@@ -112,3 +112,44 @@ def test_unreachable_database_is_a_clear_error(cli, monkeypatch):
         get_settings.cache_clear()
     assert result.exit_code == ExitCode.ERROR
     assert "database" in result.output and "hunter2" not in result.output
+
+
+def _cells(listing: str, key_id: str) -> list[str]:
+    return [
+        cell.strip() for cell in next(x for x in listing.splitlines() if key_id in x).split("│")
+    ]
+
+
+def test_max_priority_is_set_listed_and_enforced(cli, api_server):
+    plain_id, plain, shown = _create(cli, "--tenant", "acme")
+    assert "priorities up to normal" in shown
+    high_id, high, shown = _create(cli, "--tenant", "acme", "--max-priority", "high")
+    assert "priorities up to high" in shown
+    listed = run(cli, "list", "--tenant", "acme").stdout
+    assert "max priority" in listed
+    assert _cells(listed, plain_id)[8] == "normal" and _cells(listed, high_id)[8] == "high"
+    bad = cli.invoke(keys_app, ["create", "--tenant", "acme", "--max-priority", "urgent"])
+    assert bad.exit_code == ExitCode.USAGE, bad.output
+
+    body = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n'
+    with httpx.Client(base_url=api_server.base_url, timeout=30) as http:
+        answers = {}
+        for key in (plain, high):
+            headers = {"authorization": f"Bearer {key}"}
+            f = http.post(
+                "/files", data={"purpose": "batch"}, files={"file": ("a.jsonl", body)},
+                headers=headers,
+            )  # fmt: skip
+            assert f.status_code == 200, f.text
+            answers[key] = http.post(
+                "/batches",
+                json={"input_file_id": f.json()["id"], "endpoint": "/v1/chat/completions",
+                      "completion_window": "24h", "priority": "high"},
+                headers=headers,
+            )  # fmt: skip
+    assert answers[high].status_code == 200, answers[high].text
+    assert answers[high].json()["priority"] == "high"
+    refused = answers[plain]
+    assert refused.status_code == 403, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "priority_not_allowed" and "'normal'" in error["message"]
