@@ -9,12 +9,22 @@ one waits for one free slot, not for the big job's whole backlog. Set the bound 
 total shard concurrency of the model's workers (``worker_shard_concurrency`` times workers): a
 larger bound only queues released shards in the broker, where FIFO order, not fairness, applies.
 
-When a slot frees, the next shard is chosen by, in this order:
+When a slot frees, the next shard is chosen by :func:`choose`, in this order:
 
-1. priority of its batch: ``high`` before ``normal`` before ``low``;
-2. tenant: the tenant with the fewest released-and-unfinished shards of this model, and among
-   those the one served longest ago (round-robin across tenants);
-3. batch within the tenant: the batch with the fewest released-and-unfinished shards, then the
+1. tier: the priority of its batch, ``high`` before ``normal`` before ``low``; a ``low`` batch
+   that has waited longer than ``settings.low_priority_aging_s`` (the engine host's aging
+   setting) for a release of one of its shards, since it started running or since its last
+   release, competes as ``normal`` (so steady ``normal`` load cannot starve it until it
+   expires: it gets a shard at least once per aging time);
+2. tenant, within the tier: deficit round-robin on tokens, as in the engine host
+   (``engine.fair_queue``), with each shard costing its estimated tokens. The release layer
+   keeps no state between calls (many processes release), so a tenant's deficit is read from
+   the database: the tokens of its released-and-unfinished shards of this model. The tenant
+   holding the fewest goes next, and among equals the one served longest ago (round-robin);
+   each pick adds its cost. Tenants therefore hold equal token shares of the released work,
+   whatever their shard sizes: a tenant of 100-token shards gets three slots for every one of
+   a tenant of 300-token shards;
+3. batch within the tenant: the same, by the batch's released-and-unfinished tokens, then the
    one served longest ago, then the oldest batch;
 4. shard index.
 
@@ -87,31 +97,41 @@ def _lock_model(session: Session, model: str) -> None:
 
 
 @dataclass(frozen=True, slots=True)
-class _Candidate:
+class Candidate:
+    """A pending, unreleased shard that may be released now (its batch's head or near it)."""
+
     shard_id: int
     index: int
     batch_id: str
     tenant: str
     priority: str
     created_at: datetime
+    cost: int = 1  # the shard's estimated tokens (at least 1)
+    started_at: datetime | None = None  # when its batch's shards became pending (in_progress)
 
 
 @dataclass
-class _Load:
-    """What a model's shards hold now: released-and-unfinished shards in total, per tenant and
-    per batch, and when each tenant and batch last had a shard released (unix seconds)."""
+class Load:
+    """What a model's shards hold now: released-and-unfinished shards in total, their tokens
+    per tenant and per batch, and when each tenant and batch last had a shard released (unix
+    seconds)."""
 
     total: int = 0
-    per_tenant: dict[str, int] = field(default_factory=dict)
-    per_batch: dict[str, int] = field(default_factory=dict)
+    tenant_tokens: dict[str, int] = field(default_factory=dict)
+    batch_tokens: dict[str, int] = field(default_factory=dict)
     tenant_last: dict[str, float] = field(default_factory=dict)
     batch_last: dict[str, float] = field(default_factory=dict)
 
 
-def _load(session: Session, model: str) -> _Load:
-    load = _Load(per_tenant=defaultdict(int), per_batch=defaultdict(int))
+def shard_cost(est_tokens: int | None) -> int:
+    """A shard's cost in the release's round-robin: its estimated tokens, at least 1."""
+    return max(1, int(est_tokens or 0))
+
+
+def _load(session: Session, model: str) -> Load:
+    load = Load(tenant_tokens=defaultdict(int), batch_tokens=defaultdict(int))
     rows = session.execute(
-        select(Batch.tenant, Shard.batch_id, func.count())
+        select(Batch.tenant, Shard.batch_id, func.count(), func.sum(Shard.est_tokens))
         .select_from(Shard)
         .join(Batch, Batch.id == Shard.batch_id)
         .where(
@@ -121,9 +141,11 @@ def _load(session: Session, model: str) -> _Load:
         )
         .group_by(Batch.tenant, Shard.batch_id)
     ).all()
-    for tenant, batch_id, n in rows:
-        load.per_tenant[tenant] += n
-        load.per_batch[batch_id] += n
+    for tenant, batch_id, n, tokens in rows:
+        # Each shard costs at least 1 (shard_cost), as when it was chosen.
+        cost = max(int(tokens or 0), n)
+        load.tenant_tokens[tenant] += cost
+        load.batch_tokens[batch_id] += cost
         load.total += n
     last = session.execute(
         select(Batch.tenant, Shard.batch_id, func.max(Shard.released_at))
@@ -147,13 +169,14 @@ def _ts(value: datetime) -> float:
     return value.timestamp()
 
 
-def _candidates(session: Session, model: str, per_batch_limit: int) -> list[_Candidate]:
+def _candidates(session: Session, model: str, per_batch_limit: int) -> list[Candidate]:
     """The first ``per_batch_limit`` unreleased pending shards of each runnable batch."""
     ranked = (
         select(
             Shard.id.label("shard_id"),
             Shard.index.label("index"),
             Shard.batch_id.label("batch_id"),
+            Shard.est_tokens.label("est_tokens"),
             func.row_number().over(partition_by=Shard.batch_id, order_by=Shard.index).label("rn"),
         )
         .join(Batch, Batch.id == Shard.batch_id)
@@ -174,37 +197,76 @@ def _candidates(session: Session, model: str, per_batch_limit: int) -> list[_Can
             Batch.tenant,
             Batch.priority,
             Batch.created_at,
+            ranked.c.est_tokens,
+            Batch.in_progress_at,
         )
         .join(Batch, Batch.id == ranked.c.batch_id)
         .where(ranked.c.rn <= per_batch_limit)
     ).all()
-    return [_Candidate(*row) for row in rows]
+    return [
+        Candidate(
+            shard_id=r.shard_id,
+            index=r.index,
+            batch_id=r.batch_id,
+            tenant=r.tenant,
+            priority=r.priority,
+            created_at=r.created_at,
+            cost=shard_cost(r.est_tokens),
+            started_at=r.in_progress_at,
+        )
+        for r in rows
+    ]
 
 
-def choose(candidates: list[_Candidate], slots: int, load: _Load) -> list[_Candidate]:
-    """Pick up to ``slots`` shards in release order (see the module docstring). Counts are
-    updated as it goes, so consecutive picks rotate across tenants and batches; among equals,
-    the tenant (then the batch) whose last release is the oldest goes first, which makes the
-    rotation a true round-robin even when one slot frees at a time."""
-    per_tenant = defaultdict(int, load.per_tenant)
-    per_batch = defaultdict(int, load.per_batch)
+NORMAL_RANK = PRIORITY_RANK["normal"]
+
+
+def tier(cand: Candidate, last_release: float | None, aging_s: float | None, clock: float) -> int:
+    """The tier ``cand`` competes in: its batch's priority rank, except that a ``low`` batch
+    waiting longer than ``aging_s`` since its last release (or, before any, since it started
+    running) competes as ``normal``."""
+    rank = PRIORITY_RANK.get(cand.priority, NORMAL_RANK)
+    if rank <= NORMAL_RANK or aging_s is None:
+        return rank
+    since = _ts(cand.started_at or cand.created_at)
+    if last_release is not None:
+        since = max(since, last_release)
+    return NORMAL_RANK if clock - since > aging_s else rank
+
+
+def choose(
+    candidates: list[Candidate],
+    slots: int,
+    load: Load,
+    *,
+    aging_s: float | None = None,
+    clock: float | None = None,
+) -> list[Candidate]:
+    """Pick up to ``slots`` shards in release order (see the module docstring): the most
+    urgent tier first (``low`` aged into ``normal`` after ``aging_s``); in it, the tenant and
+    then the batch holding the fewest released tokens, and among equals the one served longest
+    ago. ``clock`` is the current unix time. A pure function: it reads only its arguments."""
+    tenant_tokens = defaultdict(int, load.tenant_tokens)
+    batch_tokens = defaultdict(int, load.batch_tokens)
     tenant_last = dict(load.tenant_last)
     batch_last = dict(load.batch_last)
     never = float("-inf")
-    clock = max([time.time(), *tenant_last.values()])
+    current = time.time() if clock is None else clock
+    # Release stamps of this call: after every earlier release, in pick order.
+    stamp = max([current, *tenant_last.values(), *batch_last.values()])
     # Each batch's shards in index order; only a batch's head is ever a choice.
-    queues: dict[str, list[_Candidate]] = defaultdict(list)
+    queues: dict[str, list[Candidate]] = defaultdict(list)
     for cand in sorted(candidates, key=lambda c: c.index):
         queues[cand.batch_id].append(cand)
-    chosen: list[_Candidate] = []
+    chosen: list[Candidate] = []
     while len(chosen) < slots and queues:
         head = min(
             (q[0] for q in queues.values()),
             key=lambda c: (
-                PRIORITY_RANK.get(c.priority, 1),
-                per_tenant[c.tenant],
+                tier(c, batch_last.get(c.batch_id), aging_s, current),
+                tenant_tokens[c.tenant],
                 tenant_last.get(c.tenant, never),
-                per_batch[c.batch_id],
+                batch_tokens[c.batch_id],
                 batch_last.get(c.batch_id, never),
                 _ts(c.created_at),
                 c.batch_id,
@@ -212,10 +274,10 @@ def choose(candidates: list[_Candidate], slots: int, load: _Load) -> list[_Candi
             ),
         )
         chosen.append(head)
-        clock += 1e-3
-        per_tenant[head.tenant] += 1
-        per_batch[head.batch_id] += 1
-        tenant_last[head.tenant] = batch_last[head.batch_id] = clock
+        stamp += 1e-3
+        tenant_tokens[head.tenant] += head.cost
+        batch_tokens[head.batch_id] += head.cost
+        tenant_last[head.tenant] = batch_last[head.batch_id] = stamp
         queue = queues[head.batch_id]
         queue.pop(0)
         if not queue:
@@ -230,7 +292,13 @@ def _release(model: str, limit: int) -> list[int]:
         slots = limit - load.total
         if slots <= 0:
             return []
-        picks = choose(_candidates(session, model, slots), slots, load)
+        picks = choose(
+            _candidates(session, model, slots),
+            slots,
+            load,
+            aging_s=get_settings().low_priority_aging_s,
+            clock=_ts(now()),
+        )
         if not picks:
             return []
         # One UPDATE per pick, each stamped a microsecond apart, so ``released_at`` records the

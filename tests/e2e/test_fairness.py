@@ -2,7 +2,9 @@
 
 Across shards: shards are released a few at a time, so a small job submitted just after
 another tenant's many-shard job finishes long before it, in a time close to its time alone;
-and a ``high`` priority job overtakes a ``normal`` bulk job of the same tenant.
+a ``high`` priority job overtakes a ``normal`` bulk job of the same tenant; and a ``low`` job
+behind a ``normal`` bulk job of the same tenant is released after the aging bound, not after
+the bulk job's last shard.
 
 Inside one shard (the engine host's fair queue): a bulk job that is a single shard still
 lets another tenant's small job, a ``high`` job of the same tenant, and (after the aging
@@ -104,6 +106,27 @@ def test_high_priority_overtakes_a_normal_bulk_job_of_the_same_tenant(clients, b
     print(f"high job alone {small_alone:.2f}s, behind the bulk job {r.small.s:.2f}s")
     assert r.small_done_first, r
     assert r.small.s <= FACTOR * small_alone + SLACK_S, (r, small_alone)
+
+
+def test_low_priority_job_is_released_while_normal_shards_keep_the_slots_busy(clients, bench):
+    """The bulk job's ten shards keep both release slots busy the whole time. Without aging at
+    release the low job's first shard would go only once the bulk job's last shard had been
+    released, i.e. with at least eight of its shards (128 requests) done; aged into normal
+    after AGING_S, it takes a slot when the next one frees."""
+    r = bench.contended(
+        clients["tenant-a"],
+        clients["tenant-a"],
+        big=BIG,
+        small=SMALL,
+        max_tokens=MAX_TOKENS,
+        timeout=180,
+        small_extra={"priority": "low"},
+        finish_big=False,
+    )
+    print(f"low job behind the bulk job {r.small.s:.2f}s, {r.big_done_at_small_end}/{BIG} "
+          "bulk requests done when it completed")  # fmt: skip
+    assert r.small_done_first, r
+    assert r.big_done_at_small_end <= BIG - 3 * 16, r  # three bulk shards were still to finish
 
 
 @pytest.fixture(scope="module")

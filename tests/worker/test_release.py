@@ -1,15 +1,112 @@
-"""Shard release on real Postgres: the per-model bound, the order (priority, then round-robin
-across tenants, then across a tenant's batches, then shard index), and concurrent releasers."""
+"""Shard release: the policy as a pure function (:func:`worker.release.choose`: ``low`` aging
+into ``normal``, deficit round-robin on tokens across tenants), and on real Postgres the
+per-model bound, the order (priority, then round-robin across tenants, then across a tenant's
+batches, then shard index), and concurrent releasers."""
 
 from __future__ import annotations
 
 import secrets
 import threading
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
-pytestmark = pytest.mark.services
+from worker.release import Candidate, Load, choose
+
+services = pytest.mark.services
+
+# ---------------------------------------------------------------------------------------------
+# The policy, pure
+
+T0 = datetime(2030, 1, 1, tzinfo=UTC)
+CLOCK = T0.timestamp() + 3600.0  # "now" in the pure tests: an hour after T0
+
+
+def shards(batch: str, tenant: str, n: int, *, priority="normal", cost=1, started_s=0.0):
+    """``n`` candidates of one batch that started running ``started_s`` seconds after T0."""
+    started = T0 + timedelta(seconds=started_s)
+    return [
+        Candidate(
+            shard_id=hash((batch, i)),
+            index=i,
+            batch_id=batch,
+            tenant=tenant,
+            priority=priority,
+            created_at=started,
+            cost=cost,
+            started_at=started,
+        )
+        for i in range(n)
+    ]
+
+
+def picks(chosen) -> list[tuple[str, int]]:
+    return [(c.batch_id, c.index) for c in chosen]
+
+
+def test_a_low_batch_waiting_longer_than_the_aging_time_competes_as_normal():
+    waited = shards("low", "t-low", 2, priority="low", started_s=3600 - 61)  # waited 61 s
+    fresh_normal = shards("normal", "t-normal", 2, started_s=3600 - 1)
+    candidates = waited + fresh_normal
+    # Aged: it competes as normal, and is the one of the two served longest ago (never, and
+    # older). Once served, its wait starts again and the normal batch goes first.
+    chosen = choose(candidates, 3, Load(), aging_s=60, clock=CLOCK)
+    assert picks(chosen) == [("low", 0), ("normal", 0), ("normal", 1)]
+    # Not aged yet (or no aging): strictly behind normal.
+    assert picks(choose(candidates, 1, Load(), aging_s=120, clock=CLOCK)) == [("normal", 0)]
+    assert picks(choose(candidates, 1, Load(), aging_s=None, clock=CLOCK)) == [("normal", 0)]
+    # The wait counts from its last release: released 10 s ago, it is low again.
+    served = Load(batch_last={"low": CLOCK - 10}, tenant_last={"t-low": CLOCK - 10})
+    assert picks(choose(candidates, 1, served, aging_s=60, clock=CLOCK)) == [("normal", 0)]
+    # ... and released 61 s ago it has waited long enough again: it competes as normal, and
+    # is served before the normal tenant served 5 s ago.
+    served = Load(
+        batch_last={"low": CLOCK - 61, "normal": CLOCK - 5},
+        tenant_last={"t-low": CLOCK - 61, "t-normal": CLOCK - 5},
+    )
+    assert picks(choose(candidates, 1, served, aging_s=60, clock=CLOCK)) == [("low", 0)]
+
+
+def test_aging_lifts_low_to_normal_never_above():
+    aged_low = shards("low", "t-low", 1, priority="low", started_s=0)  # waited an hour
+    high = shards("high", "t-high", 1, priority="high", started_s=3599)
+    chosen = choose(aged_low + high, 2, Load(), aging_s=1, clock=CLOCK)
+    assert picks(chosen) == [("high", 0), ("low", 0)]
+
+
+def test_two_tenants_in_a_tier_share_by_deficit_round_robin_on_shard_tokens():
+    small = shards("a1", "tenant-a", 10, cost=100, started_s=0)
+    big = shards("b1", "tenant-b", 10, cost=300, started_s=1)
+    chosen = choose(small + big, 8, Load(), aging_s=60, clock=CLOCK)
+    # The tenant holding fewer released tokens goes next; at equal tokens, the one served
+    # longest ago. Tenant a's 100-token shards get three slots for each of b's 300-token one.
+    assert [c.tenant for c in chosen] == ["tenant-a", "tenant-b", "tenant-a", "tenant-a",
+                                          "tenant-b", "tenant-a", "tenant-a", "tenant-a"]  # fmt: skip
+    tokens = {t: sum(c.cost for c in chosen if c.tenant == t) for t in ("tenant-a", "tenant-b")}
+    assert tokens == {"tenant-a": 600, "tenant-b": 600}
+    assert [i for b, i in picks(chosen) if b == "a1"] == list(range(6))  # index order
+    # The deficit carries over between calls through what is in flight: with tenant a holding
+    # 600 released tokens and b 300, b's next shard goes first (600 each), then a, served
+    # longest ago (700), then b (900), then a (800).
+    load = Load(
+        tenant_tokens={"tenant-a": 600, "tenant-b": 300},
+        batch_tokens={"a1": 600, "b1": 300},
+        tenant_last={"tenant-a": CLOCK - 1, "tenant-b": CLOCK - 2},
+        batch_last={"a1": CLOCK - 1, "b1": CLOCK - 2},
+    )
+    chosen = choose(small[6:] + big[2:], 4, load, aging_s=60, clock=CLOCK)
+    assert picks(chosen) == [("b1", 2), ("a1", 6), ("b1", 3), ("a1", 7)]
+
+
+def test_within_a_tenant_batches_share_by_tokens_too():
+    one = shards("x1", "tenant-x", 4, cost=200, started_s=0)
+    two = shards("x2", "tenant-x", 4, cost=100, started_s=1)
+    chosen = choose(one + two, 4, Load(), aging_s=60, clock=CLOCK)
+    assert picks(chosen) == [("x1", 0), ("x2", 0), ("x2", 1), ("x1", 1)]
+
+
+# ---------------------------------------------------------------------------------------------
+# On the database
 
 
 @pytest.fixture
@@ -34,8 +131,17 @@ def model(worker_env, monkeypatch):
         )
 
 
-def add_batch(model: str, tenant: str, shards: int, *, priority: str = "normal", age_s: float = 0):
-    """An in-progress batch of ``model`` with ``shards`` pending shards; its id."""
+def add_batch(
+    model: str,
+    tenant: str,
+    shards: int,
+    *,
+    priority: str = "normal",
+    age_s: float = 0,
+    est_tokens: int = 0,
+):
+    """An in-progress batch of ``model`` with ``shards`` pending shards (each of
+    ``est_tokens``), started ``age_s`` seconds ago; its id."""
     from core import ids
     from core.db import session_scope
     from core.lifecycle import now
@@ -57,6 +163,7 @@ def add_batch(model: str, tenant: str, shards: int, *, priority: str = "normal",
                 status="in_progress",
                 priority=priority,
                 created_at=created,
+                in_progress_at=created,
                 expires_at=created + timedelta(hours=24),
             )
         )
@@ -72,6 +179,7 @@ def add_batch(model: str, tenant: str, shards: int, *, priority: str = "normal",
                     start_offset=i,
                     end_offset=i + 1,
                     num_requests=1,
+                    est_tokens=est_tokens,
                 )
             )
     return batch_id
@@ -134,6 +242,7 @@ def release_order(model: str, steps: int) -> list[tuple[str, int]]:
     return order
 
 
+@services
 def test_bound_is_respected_and_freed_slots_are_refilled(model):
     from worker.release import release_for_model
 
@@ -157,6 +266,7 @@ def test_bound_is_respected_and_freed_slots_are_refilled(model):
     assert queued_messages(model) == 4
 
 
+@services
 def test_round_robin_across_tenants_and_batches_one_slot_at_a_time(model, monkeypatch):
     from core.settings import get_settings
 
@@ -178,6 +288,7 @@ def test_round_robin_across_tenants_and_batches_one_slot_at_a_time(model, monkey
     ]
 
 
+@services
 def test_a_small_job_gets_the_first_free_slot_behind_a_big_one(model):
     from worker.release import release_for_model
 
@@ -197,6 +308,7 @@ def test_a_small_job_gets_the_first_free_slot_behind_a_big_one(model):
     assert released(model)[-1] == (small, 1)
 
 
+@services
 def test_slots_spread_over_tenants_then_over_a_tenants_batches(model):
     from worker.release import release_for_model
 
@@ -221,6 +333,7 @@ def test_slots_spread_over_tenants_then_over_a_tenants_batches(model):
     assert released(other)[-1] == (x2, 1)
 
 
+@services
 def test_priority_first_then_fairness(model, monkeypatch):
     from core.settings import get_settings
 
@@ -242,6 +355,7 @@ def test_priority_first_then_fairness(model, monkeypatch):
     ]
 
 
+@services
 def test_high_priority_overtakes_a_running_bulk_job(model):
     from worker.release import release_for_model
 
@@ -262,6 +376,7 @@ def test_high_priority_overtakes_a_running_bulk_job(model):
     assert set(released(model)) == {(bulk, i) for i in (3, 4, 5)}
 
 
+@services
 def test_batches_not_in_progress_or_expired_are_not_released(model):
     from sqlalchemy import update
 
@@ -281,6 +396,7 @@ def test_batches_not_in_progress_or_expired_are_not_released(model):
     assert released(model) == []
 
 
+@services
 def test_concurrent_releasers_never_exceed_the_bound(model, monkeypatch):
     from core.settings import get_settings
     from worker.release import release_for_model
@@ -319,6 +435,7 @@ def test_concurrent_releasers_never_exceed_the_bound(model, monkeypatch):
     assert {b for b, _ in released(model)} <= set(batches)
 
 
+@services
 def test_sweep_resends_a_release_that_was_never_sent(model):
     from sqlalchemy import update
 
@@ -343,3 +460,44 @@ def test_sweep_resends_a_release_that_was_never_sent(model):
     assert queued_messages(model) == 4
     assert _resend_lost(model) == 0  # its release time was renewed
     assert len(released(model)) == 3  # still within the bound
+
+
+@services
+def test_a_low_batch_is_not_starved_by_steady_normal_work(model, monkeypatch):
+    """One slot, always refilled with normal work: the low batch, once it has waited longer
+    than the aging time, gets the next slot; then it waits its aging time again."""
+    from core.settings import get_settings
+
+    monkeypatch.setenv("BATCHD_MAX_RELEASED_SHARDS_PER_MODEL", "1")
+    monkeypatch.setenv("BATCHD_LOW_PRIORITY_AGING_S", "60")
+    get_settings.cache_clear()
+    low = add_batch(model, "tenant-a", 2, priority="low", age_s=120)
+    normal = add_batch(model, "tenant-b", 3, age_s=5)
+    fresh_low = add_batch(model, "tenant-c", 1, priority="low", age_s=10)
+    assert release_order(model, 6) == [
+        (low, 0),  # waited 120 s > 60 s: competes as normal, and was served longest ago
+        (normal, 0),  # released just now, the low batch waits again
+        (normal, 1),
+        (normal, 2),
+        (fresh_low, 0),  # then the low tier, round-robin: tenant-c was never served
+        (low, 1),
+    ]
+
+
+@services
+def test_tenants_share_released_slots_by_tokens(model, monkeypatch):
+    from core.settings import get_settings
+    from worker.release import release_for_model
+
+    monkeypatch.setenv("BATCHD_MAX_RELEASED_SHARDS_PER_MODEL", "4")
+    get_settings.cache_clear()
+    small = add_batch(model, "tenant-a", 6, age_s=20, est_tokens=100)
+    big = add_batch(model, "tenant-b", 6, age_s=10, est_tokens=300)
+    assert release_for_model(model) == 4
+    assert released(model) == [(small, 0), (big, 0), (small, 1), (small, 2)]
+    finish(big, 0)  # tenant b holds nothing now: it goes next
+    assert release_for_model(model) == 1
+    assert released(model)[-1] == (big, 1)
+    finish(small, 0)  # a: 200 tokens, b: 300
+    assert release_for_model(model) == 1
+    assert released(model)[-1] == (small, 3)
