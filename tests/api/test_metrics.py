@@ -56,3 +56,68 @@ def test_metrics_can_be_switched_off(start_server) -> None:
     server = start_server(BATCHD_METRICS_ENABLED="false")
     with server.http(api_key=None) as http:
         assert http.get("/metrics").status_code in (401, 404)
+
+
+def test_metrics_token(start_server) -> None:
+    server = start_server(BATCHD_METRICS_TOKEN="scrape-secret")
+    with server.http(api_key=None) as http:
+        refused = http.get("/metrics")
+        assert refused.status_code == 401
+        assert refused.headers["www-authenticate"] == "Bearer"
+        assert refused.json()["error"]["code"] == "invalid_metrics_token"
+        wrong = http.get("/metrics", headers={"authorization": "Bearer nope"})
+        assert wrong.status_code == 401
+        # An API key is no metrics token.
+        api_key = http.get("/metrics", headers={"authorization": f"Bearer {server.api_key}"})
+        assert api_key.status_code == 401
+        ok = http.get("/metrics", headers={"authorization": "Bearer scrape-secret"})
+        assert ok.status_code == 200 and "batchd_database_up 1.0" in ok.text
+
+
+def _count_queries(url: str):
+    """A list that grows by one for each statement run on ``url``'s engine (the real one the
+    gauges use), and a function that stops counting."""
+    from sqlalchemy import event
+
+    from core.db import get_engine
+
+    engine = get_engine(url)
+    statements: list[str] = []
+
+    def count(_conn, _cursor, statement, *_args) -> None:
+        statements.append(statement)
+
+    event.listen(engine, "before_cursor_execute", count)
+    return statements, lambda: event.remove(engine, "before_cursor_execute", count)
+
+
+def test_database_gauges_are_read_once_per_interval(service_env, pg_url) -> None:
+    import time
+
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+    from core.settings import Settings
+
+    statements, stop = _count_queries(pg_url)
+    try:
+        with TestClient(create_app(Settings(metrics_cache_s=3600))) as client:
+            assert statements == []  # creating the app reads nothing
+            first = client.get("/metrics")
+            assert first.status_code == 200 and "batchd_database_up 1.0" in first.text
+            per_scrape = len(statements)
+            assert per_scrape >= 3, statements  # batches, shards, pending work
+            for _ in range(5):
+                again = client.get("/metrics")
+                assert "batchd_database_up 1.0" in again.text
+            assert len(statements) == per_scrape, statements[per_scrape:]
+        statements.clear()
+        with TestClient(create_app(Settings(metrics_cache_s=3))) as client:
+            client.get("/metrics")
+            client.get("/metrics")
+            assert len(statements) == per_scrape
+            time.sleep(3.1)
+            client.get("/metrics")
+            assert len(statements) == 2 * per_scrape
+    finally:
+        stop()

@@ -48,6 +48,7 @@ def test_counters_move_by_exactly_the_batch(pg_url, private_broker, tmp_path, pr
         BATCHD_RELEASE_SWEEP_INTERVAL_S="1",
         BATCHD_LOG_FORMAT="json",
         BATCHD_WORKER_METRICS_HOST="127.0.0.1",
+        BATCHD_METRICS_CACHE_S="0",  # the gauges as they are now at every scrape
     )
     procs.start("api", api_command(api_port), env)
     procs.start(
