@@ -8,6 +8,8 @@ from typing import Any
 from fastapi import FastAPI
 
 from api import errors, log_context, metrics, ui
+from api.limits import auth_enabled
+from api.local import check_auth_off_is_local
 from api.routes import batches, files, health, models
 from core.logs import configure_process
 from core.settings import Settings, get_settings
@@ -18,6 +20,7 @@ UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
+    check_auth_off_is_local(settings, auth_enabled(settings))
     app = FastAPI(
         title="batchd",
         version="0.1.0",

@@ -20,8 +20,10 @@ from api.limits import (
     rate_limit_per_minute,
     retry_after_header,
 )
-from core.auth import hash_key, lookup
+from api.local import local_only
+from core.auth import hash_key, lookup, lookup_hash
 from core.db import new_session
+from core.models import ApiKey
 from core.settings import Settings
 from core.storage import Storage
 from core.storage_factory import open_storage
@@ -84,10 +86,9 @@ StorageDep = Annotated[Storage, Depends(get_storage)]
 
 @dataclass(frozen=True, slots=True)
 class Caller:
-    """Who is calling: the key they presented, the tenant their rows belong to, and the key's
-    defaults for the batches it creates."""
+    """Who is calling: the tenant their rows belong to, their key's id, and the key's defaults
+    and entitlements for the batches it creates."""
 
-    key: str | None
     tenant: str = DEFAULT_TENANT
     #: What the rate limit counts against: the key's id (static keys: a digest of the key).
     key_id: str = "anonymous"
@@ -115,7 +116,7 @@ def _masked(key: str) -> str:
 
 def _identify(request: Request, settings: Settings, session: Session) -> Caller:
     if not auth_enabled(settings):
-        return Caller(key=None, admin=True, max_priority="high")
+        return anonymous_admin(settings, request)
     header = request.headers.get("authorization", "")
     scheme, _, presented = header.partition(" ")
     presented = presented.strip()
@@ -127,28 +128,41 @@ def _identify(request: Request, settings: Settings, session: Session) -> Caller:
     return identify_key(settings, session, presented)
 
 
-def _matches_any(presented: str, keys: list[str]) -> bool:
-    candidate = presented.encode("utf-8", "surrogateescape")
+def anonymous_admin(settings: Settings, request: Request) -> Caller:
+    """Who calls when authentication is off: an admin, but only over a connection that
+    arrived on a loopback address of a server bound to loopback (see :mod:`api.local`)."""
+    if not local_only(settings, request):
+        raise APIError(
+            403,
+            "Authentication is off (BATCHD_AUTH=off), which is for a server reachable from "
+            "this machine only, and this request did not come over a loopback address. "
+            "Turn authentication on and use an API key.",
+            code="authentication_off_not_local",
+        )
+    return Caller(admin=True, max_priority="high")
+
+
+def _matches_any(digest: str, keys: list[str]) -> bool:
+    candidate = digest.encode("ascii")
     matched = False
     for key in keys:  # compare with every key: the time does not reveal which
-        matched |= hmac.compare_digest(candidate, key.encode("utf-8", "surrogateescape"))
+        matched |= hmac.compare_digest(candidate, hash_key(key).encode("ascii"))
     return matched
 
 
-def identify_key(settings: Settings, session: Session, presented: str) -> Caller:
-    """The caller a presented key stands for (static, admin or stored), or a 401."""
-    if not auth_enabled(settings):
-        return Caller(key=None, admin=True, max_priority="high")
-    static_id = "static-" + hash_key(presented)[:16]
-    if _matches_any(presented, settings.admin_api_keys):
-        return Caller(key=presented, key_id=static_id, admin=True, max_priority="high")
-    if _matches_any(presented, settings.api_keys):
-        return Caller(key=presented, key_id=static_id)
-    row = lookup(session, presented)
-    if row is None:
-        raise _unauthorized(f"Incorrect API key provided: {_masked(presented)}.")
+def _static_caller(settings: Settings, digest: str) -> Caller | None:
+    """The caller a static key (``BATCHD_ADMIN_API_KEYS``, ``BATCHD_API_KEYS``) stands for,
+    by the key's SHA-256; None for other keys."""
+    static_id = "static-" + digest[:16]
+    if _matches_any(digest, settings.admin_api_keys):
+        return Caller(key_id=static_id, admin=True, max_priority="high")
+    if _matches_any(digest, settings.api_keys):
+        return Caller(key_id=static_id)
+    return None
+
+
+def _stored_caller(row: ApiKey) -> Caller:
     return Caller(
-        key=presented,
         tenant=row.tenant,
         key_id=row.id,
         webhook_url=row.webhook_url,
@@ -157,10 +171,32 @@ def identify_key(settings: Settings, session: Session, presented: str) -> Caller
     )
 
 
+def identify_key(settings: Settings, session: Session, presented: str) -> Caller:
+    """The caller a presented key stands for (static, admin or stored), or a 401."""
+    caller = _static_caller(settings, hash_key(presented))
+    if caller is not None:
+        return caller
+    row = lookup(session, presented)
+    if row is None:
+        raise _unauthorized(f"Incorrect API key provided: {_masked(presented)}.")
+    return _stored_caller(row)
+
+
+def identify_digest(settings: Settings, session: Session, digest: str) -> Caller | None:
+    """The caller of the key whose SHA-256 is ``digest`` (what a dashboard session
+    remembers), as long as that key is still valid; None otherwise."""
+    caller = _static_caller(settings, digest)
+    if caller is not None:
+        return caller
+    row = lookup_hash(session, digest)
+    return None if row is None else _stored_caller(row)
+
+
 _buckets_lock = threading.Lock()
 
 
-def _buckets(request: Request, settings: Settings) -> Buckets:
+def rate_buckets(request: Request, settings: Settings) -> Buckets:
+    """The app's token buckets (Redis when the broker is Redis)."""
     return _per_app(
         request, "rate_buckets", _buckets_lock, lambda: open_buckets(settings.broker_url)
     )
@@ -173,7 +209,7 @@ def authenticate(request: Request, settings: SettingsDep, session: SessionDep) -
     caller = _identify(request, settings, session)
     per_minute = rate_limit_per_minute(settings)
     if per_minute > 0:
-        wait = _buckets(request, settings).take(caller.key_id, per_minute)
+        wait = rate_buckets(request, settings).take(caller.key_id, per_minute)
         if wait > 0:
             raise APIError(
                 429,

@@ -1,4 +1,5 @@
-"""Backpressure at the door: a token bucket per API key, and settings read with safe defaults.
+"""Backpressure at the door: a token bucket per API key (and per client address for the
+dashboard's sign-in), and the settings that govern it.
 
 The bucket lives in Redis when the broker is Redis, so every API process behind a load balancer
 draws from the same one; otherwise (embedded mode, one process) it lives in this process. If
@@ -10,18 +11,15 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 import time
 from collections import OrderedDict
-from typing import Any, Protocol
+from typing import Protocol
 
 from core.settings import Settings
 
 log = logging.getLogger("batchd.api")
 
-DEFAULT_RATE_LIMIT_PER_MINUTE = 600
-DEFAULT_MAX_UNFINISHED_BATCHES = 100
 REDIS_KEY_PREFIX = "batchd:ratelimit:"
 #: After a Redis error, use in-process buckets for this long before trying Redis again.
 REDIS_RETRY_AFTER_S = 5.0
@@ -29,40 +27,17 @@ REDIS_RETRY_AFTER_S = 5.0
 MAX_LOCAL_BUCKETS = 10_000
 
 
-def setting(settings: Settings, name: str, default: Any) -> Any:
-    """``settings.<name>`` when the field exists, else ``BATCHD_<NAME>`` from the environment,
-    else ``default``; a value read from the environment takes the default's type."""
-    value = getattr(settings, name, None)
-    if value is not None:
-        return value
-    raw = os.environ.get("BATCHD_" + name.upper())
-    if raw is None or not raw.strip():
-        return default
-    if isinstance(default, bool):
-        return raw.strip().lower() in {"1", "true", "yes", "on"}
-    try:
-        return type(default)(raw.strip())
-    except ValueError:
-        log.warning("ignoring BATCHD_%s=%r: not a %s", name.upper(), raw, type(default).__name__)
-        return default
-
-
 def auth_enabled(settings: Settings) -> bool:
-    """Auth is on unless ``BATCHD_AUTH=off`` (or ``auth_disabled``) says otherwise."""
-    if setting(settings, "auth_disabled", False):
-        return False
-    mode = str(setting(settings, "auth", "on")).strip().lower()
-    return mode not in {"off", "false", "0", "no", "disabled"}
+    """Auth is on unless ``BATCHD_AUTH=off`` says otherwise (see :mod:`api.local`)."""
+    return settings.auth.strip().lower() not in {"off", "false", "0", "no", "disabled"}
 
 
 def rate_limit_per_minute(settings: Settings) -> int:
-    return int(setting(settings, "rate_limit_per_minute", DEFAULT_RATE_LIMIT_PER_MINUTE))
+    return int(settings.rate_limit_per_minute)
 
 
 def max_unfinished_batches(settings: Settings) -> int:
-    return int(
-        setting(settings, "max_unfinished_batches_per_tenant", DEFAULT_MAX_UNFINISHED_BATCHES)
-    )
+    return int(settings.max_unfinished_batches_per_tenant)
 
 
 class Buckets(Protocol):

@@ -2,10 +2,17 @@
 
 A tenant's key shows that tenant's batches; an admin key (``BATCHD_ADMIN_API_KEYS``) shows
 every tenant's. A browser cannot send a bearer header when it opens a page, so ``/ui`` asks
-for the key once (``POST /ui/login``) and keeps it in an HttpOnly, SameSite=Strict cookie
-scoped to ``/ui``; the rest of the API never reads that cookie, so no other site can make a
-browser act on the API with it. Scripts may send ``Authorization: Bearer`` to ``/ui`` and
-``/ui/data`` instead.
+for the key once (``POST /ui/login``) and starts a session: the browser's cookie holds a
+random session token (never the key), the database only the token's SHA-256, the SHA-256 of
+the key and an expiry (``ui_session_ttl_s``), and every request checks the key again, so a
+revoked key ends its sessions at once. The cookie is HttpOnly, SameSite=Strict, scoped to
+``/ui`` and Secure unless the API is reachable from this machine only (:mod:`api.local`; a
+TLS proxy in front makes the request's scheme useless for that); the rest of the API never
+reads it. Every POST form carries a CSRF token: the sign-in form a random token that must
+match a cookie of its own (a page of another site can read neither), the sign-out form one
+derived from the session token. Sign-in attempts are rate-limited per client address
+(``ui_login_attempts_per_minute``) with the API's token buckets. Scripts may send
+``Authorization: Bearer`` to ``/ui`` and ``/ui/data`` instead.
 
 The page is plain HTML rendered here, with a small script (``static/ui.js``) that polls
 ``/ui/data`` every few seconds, moves the progress bars and draws the charts with uPlot
@@ -25,12 +32,15 @@ unfinished batches (Postgres) and the engine figures of every model worker (the 
 from __future__ import annotations
 
 import collections
+import hashlib
+import hmac
 import html
 import logging
+import secrets
 import string
 import threading
 import time
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -39,9 +49,19 @@ from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Resp
 from fastapi.staticfiles import StaticFiles
 from sqlalchemy import or_, select
 
-from api.deps import Caller, SessionDep, SettingsDep, identify_key
+from api.deps import (
+    Caller,
+    SessionDep,
+    SettingsDep,
+    anonymous_admin,
+    identify_digest,
+    identify_key,
+    rate_buckets,
+)
 from api.errors import APIError
-from api.limits import auth_enabled
+from api.limits import auth_enabled, retry_after_header
+from api.local import local_only
+from core.auth import create_ui_session, end_ui_session, hash_key, ui_session_key
 from core.db import session_scope
 from core.lifecycle import TERMINAL
 from core.models import Batch
@@ -50,7 +70,11 @@ from core.settings import Settings
 
 logger = logging.getLogger(__name__)
 
-COOKIE = "batchd_ui_key"
+SESSION_COOKIE = "batchd_ui_session"
+CSRF_COOKIE = "batchd_ui_csrf"
+#: The cookie that held the key itself before sessions: cleared wherever it still is.
+LEGACY_COOKIE = "batchd_ui_key"
+LOGIN_BUCKET = "ui-login:"
 HERE = Path(__file__).resolve().parent
 TEMPLATE = string.Template((HERE / "templates" / "ui.html").read_text())
 LOGIN_TEMPLATE = string.Template((HERE / "templates" / "ui_login.html").read_text())
@@ -66,24 +90,56 @@ router = APIRouter(prefix="/ui", include_in_schema=False)
 # -- who is watching
 
 
-def _presented_key(request: Request) -> str | None:
+def _bearer(request: Request) -> str | None:
     scheme, _, value = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() == "bearer" and value.strip():
         return value.strip()
-    return request.cookies.get(COOKIE) or None
+    return None
 
 
 def ui_caller(request: Request, settings: SettingsDep, session: SessionDep) -> Caller | None:
-    """The caller, or None when no valid key came with the request (the page asks for one)."""
+    """The caller (by bearer key, or by the session cookie), or None when no valid key or
+    live session came with the request (the page asks for a key)."""
     if not auth_enabled(settings):
-        return identify_key(settings, session, "")
-    presented = _presented_key(request)
-    if presented is None:
-        return None
-    try:
-        return identify_key(settings, session, presented)
-    except APIError:
-        return None
+        return anonymous_admin(settings, request)
+    presented = _bearer(request)
+    if presented is not None:
+        try:
+            return identify_key(settings, session, presented)
+        except APIError:
+            return None
+    token = request.cookies.get(SESSION_COOKIE)
+    found = ui_session_key(session, token) if token else None
+    return None if found is None else identify_digest(settings, session, found[0])
+
+
+def _secure(settings: Settings, request: Request) -> bool:
+    """Cookies are Secure unless only this machine reaches the API (plain http there)."""
+    return not local_only(settings, request)
+
+
+def _set_cookie(
+    response: Response, settings: Settings, request: Request, name: str, value: str, **extra: Any
+) -> None:
+    response.set_cookie(
+        name,
+        value,
+        httponly=True,
+        samesite="strict",
+        path="/ui",
+        secure=_secure(settings, request),
+        **extra,
+    )
+
+
+def _logout_token(session_token: str) -> str:
+    """The sign-out form's CSRF token: only a holder of the session token can make it."""
+    return hmac.new(session_token.encode(), b"batchd-ui-logout", hashlib.sha256).hexdigest()
+
+
+def _csrf_cookie(request: Request) -> str | None:
+    value = request.cookies.get(CSRF_COOKIE, "")
+    return value if 32 <= len(value) <= 128 and value.isascii() else None
 
 
 UiCaller = Annotated[Caller | None, Depends(ui_caller)]
@@ -302,9 +358,24 @@ def _model_series(model: str, history: list[Any]) -> list[list[float]]:
 # -- pages
 
 
-def _login_page(message: str = "", status_code: int = 200) -> HTMLResponse:
-    body = LOGIN_TEMPLATE.substitute(message=html.escape(message))
-    return HTMLResponse(body, status_code=status_code)
+def _login_page(
+    request: Request,
+    settings: Settings,
+    message: str = "",
+    status_code: int = 200,
+    headers: dict[str, str] | None = None,
+) -> HTMLResponse:
+    """The sign-in form, with its CSRF token (the one its cookie already holds, so that two
+    tabs can both sign in, else a new one)."""
+    csrf = _csrf_cookie(request) or secrets.token_urlsafe(32)
+    body = LOGIN_TEMPLATE.substitute(message=html.escape(message), csrf=html.escape(csrf))
+    response = HTMLResponse(
+        body, status_code=status_code, headers={"cache-control": "no-store", **(headers or {})}
+    )
+    _set_cookie(response, settings, request, CSRF_COOKIE, csrf)
+    if LEGACY_COOKIE in request.cookies:
+        response.delete_cookie(LEGACY_COOKIE, path="/ui")
+    return response
 
 
 def _fmt_rate(rate: float | None) -> str:
@@ -342,9 +413,11 @@ def _batch_rows(batches: list[dict[str, Any]], admin: bool) -> str:
 
 
 @router.get("", response_class=HTMLResponse)
-def dashboard(request: Request, caller: UiCaller, session: SessionDep) -> Response:
+def dashboard(
+    request: Request, caller: UiCaller, session: SessionDep, settings: SettingsDep
+) -> Response:
     if caller is None:
-        return _login_page()
+        return _login_page(request, settings)
     sampler = _sampler(request)
     sampler.watch()
     data = dashboard_data(session, caller, sampler)
@@ -355,6 +428,7 @@ def dashboard(request: Request, caller: UiCaller, session: SessionDep) -> Respon
         tenant_header="<th>tenant</th>" if caller.admin else "",
         rows=_batch_rows(data["batches"], caller.admin),
         interval_ms=int(1000 * sampler.interval),
+        csrf=_logout_token(token) if (token := request.cookies.get(SESSION_COOKIE)) else "",
     )
     return HTMLResponse(body, headers={"cache-control": "no-store"})
 
@@ -372,28 +446,68 @@ def data(request: Request, caller: UiCaller, session: SessionDep) -> Response:
 
 @router.post("/login")
 def login(
-    request: Request, settings: SettingsDep, session: SessionDep, key: Annotated[str, Form()]
+    request: Request,
+    settings: SettingsDep,
+    session: SessionDep,
+    key: Annotated[str, Form()],
+    csrf: Annotated[str, Form()] = "",
 ) -> Response:
+    if not auth_enabled(settings):
+        anonymous_admin(settings, request)  # no sign-in needed, from this machine only
+        return RedirectResponse("/ui", status_code=303)
+    per_minute = settings.ui_login_attempts_per_minute
+    if per_minute > 0:
+        client = request.client.host if request.client else "unknown"
+        wait = rate_buckets(request, settings).take(LOGIN_BUCKET + client, per_minute)
+        if wait > 0:
+            retry = retry_after_header(wait)
+            return _login_page(
+                request,
+                settings,
+                f"Too many sign-in attempts; retry in {retry} s.",
+                status_code=429,
+                headers={"Retry-After": retry},
+            )
+    expected = _csrf_cookie(request)
+    if expected is None or not hmac.compare_digest(csrf.encode(), expected.encode()):
+        return _login_page(
+            request, settings, "The sign-in form had expired; please sign in again.", 403
+        )
+    key = key.strip()
     try:
-        identify_key(settings, session, key.strip())
+        identify_key(settings, session, key)
     except APIError:
-        return _login_page("That key is not valid.", status_code=401)
+        return _login_page(request, settings, "That key is not valid.", status_code=401)
+    previous = request.cookies.get(SESSION_COOKIE)
+    if previous:
+        end_ui_session(session, previous)
+    ttl = settings.ui_session_ttl_s
+    token = create_ui_session(session, hash_key(key), timedelta(seconds=ttl))
+    session.commit()
     response = RedirectResponse("/ui", status_code=303)
-    response.set_cookie(
-        COOKIE,
-        key.strip(),
-        httponly=True,
-        samesite="strict",
-        path="/ui",
-        secure=request.url.scheme == "https",
-    )
+    _set_cookie(response, settings, request, SESSION_COOKIE, token, max_age=int(ttl))
+    response.delete_cookie(LEGACY_COOKIE, path="/ui")
     return response
 
 
 @router.post("/logout")
-def logout() -> Response:
+def logout(
+    request: Request,
+    settings: SettingsDep,
+    session: SessionDep,
+    csrf: Annotated[str, Form()] = "",
+) -> Response:
+    token = request.cookies.get(SESSION_COOKIE)
+    if token:
+        if not hmac.compare_digest(csrf.encode(), _logout_token(token).encode()):
+            raise APIError(
+                403, "The sign-out form had expired; reload the page.", code="csrf_token_invalid"
+            )
+        end_ui_session(session, token)
+        session.commit()
     response = RedirectResponse("/ui", status_code=303)
-    response.delete_cookie(COOKIE, path="/ui")
+    response.delete_cookie(SESSION_COOKIE, path="/ui")
+    response.delete_cookie(LEGACY_COOKIE, path="/ui")
     return response
 
 
