@@ -166,6 +166,13 @@ class Settings(BaseSettings):
     log_format: str = Field(default="text", pattern="^(text|json)$")
     # The dashboard (/ui) samples progress and engine figures this often while it is watched.
     ui_sample_interval_s: float = Field(default=2.0, gt=0.0)
+    # Worker liveness (worker/liveness.py): every worker_liveness_interval_s a watchdog touches
+    # worker_liveness_file (empty: no file) while the consumer's loop turns, or exits the
+    # process (code 3, for its supervisor to restart it) once the loop has stalled for
+    # worker_hang_timeout_s (0: never) or an engine host died. `python -m worker health`.
+    worker_liveness_file: str = ""
+    worker_liveness_interval_s: float = Field(default=10.0, gt=0.0)
+    worker_hang_timeout_s: float = Field(default=300.0, ge=0.0)
 
     @field_validator("models", "engine_options", mode="before")
     @classmethod

@@ -187,10 +187,10 @@ def test_long_running_services_have_healthchecks_and_one_shots_do_not_restart() 
     all_services = services()
     assert "/healthz" in " ".join(healthcheck_argv(all_services["api"]))
     for name in ("control-worker", "worker"):
-        cmd = healthcheck_argv(all_services[name])
-        assert cmd[:5] == [*CELERY, "inspect", "ping"], cmd
-        # `$$HOSTNAME` in the file is `$HOSTNAME` for the container's shell: the node's name.
-        assert "celery@$HOSTNAME" in cmd, cmd
+        # The worker's own liveness file (worker/liveness.py), not a ping through the broker:
+        # a broker outage must not mark every worker unhealthy.
+        assert healthcheck_argv(all_services[name]) == ["python", "-m", "worker", "health"]
+        assert service_env(all_services[name])["BATCHD_WORKER_LIVENESS_FILE"].startswith("/")
 
 
 def test_gpu_worker_reserves_a_gpu_and_mounts_models_read_only() -> None:
@@ -263,6 +263,11 @@ _CHECK = r"""
 import importlib, json, sys
 checks = json.loads(sys.argv[1])
 for cmd in checks:
+    if cmd[:3] == ["python", "-m", "worker"]:  # runs; no worker here, so "unhealthy"
+        import subprocess
+        out = subprocess.run([sys.executable, *cmd[1:]], capture_output=True, text=True)
+        assert out.returncode == 1 and out.stdout.startswith("unhealthy: "), out
+        continue
     if cmd[0] == "uvicorn":
         module, _, attr = cmd[1].partition(":")
         app = getattr(importlib.import_module(module), attr)
@@ -298,11 +303,11 @@ def test_every_command_exists_in_the_project() -> None:
         cmds = [argv(service["command"])]
         if service.get("healthcheck"):
             check = healthcheck_argv(service)
-            if check[:1] == ["celery"]:
+            if check[:1] == ["celery"] or check[:3] == ["python", "-m", "worker"]:
                 cmds.append(check)
         cmds = [c for c in cmds if c[0] != "alembic"]  # test_migrations_have_one_head
         for c in cmds:
-            assert c[0] in ("celery", "uvicorn"), f"{name}: unknown program {c[0]}"
+            assert c[0] in ("celery", "uvicorn", "python"), f"{name}: unknown program {c[0]}"
         env = service_env(service)
         key = json.dumps(env, sort_keys=True)
         groups.setdefault(key, (env, []))[1].extend(cmds)

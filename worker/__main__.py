@@ -4,6 +4,9 @@
 * ``model [NAME…]``: the queues of the named served models (default: all of them), threads
   pool with ``BATCHD_WORKER_SHARD_CONCURRENCY`` shard tasks in flight; the engine loads once.
 * ``beat``: the scheduler that sends the expiry sweep.
+* ``health``: exits 0 while this container's worker touches ``BATCHD_WORKER_LIVENESS_FILE``
+  (see :mod:`worker.liveness`), 1 otherwise: a healthcheck that tells a hung worker from a busy
+  one and needs no broker.
 """
 
 from __future__ import annotations
@@ -32,13 +35,25 @@ def command(role: str, names: list[str]) -> list[str]:
         return [*base, "worker", "-Q", queues, "--pool", "threads",
                 "-c", str(settings.worker_shard_concurrency),
                 "-n", f"model-{os.getpid()}@%h"]  # fmt: skip
-    raise SystemExit("usage: python -m worker control|model [NAME…]|beat [-- celery options]")
+    raise SystemExit(
+        "usage: python -m worker control|model [NAME…]|beat [-- celery options] | health"
+    )
+
+
+def health() -> None:
+    from worker.liveness import health as check
+
+    ok, why = check()
+    print(("healthy: " if ok else "unhealthy: ") + why)
+    raise SystemExit(0 if ok else 1)
 
 
 def main(argv: list[str]) -> None:
     if not argv:
         command("", [])
     role, rest = argv[0], argv[1:]
+    if role == "health":
+        health()
     extra: list[str] = []
     if "--" in rest:
         cut = rest.index("--")

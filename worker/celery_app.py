@@ -40,7 +40,10 @@ from celery.signals import (
     worker_init,
     worker_process_shutdown,
     worker_ready,
+    worker_shutting_down,
 )
+from kombu.transport import TRANSPORT_ALIASES
+from kombu.transport import redis as kombu_redis
 
 from core.queue import (
     CONTROL_QUEUE,
@@ -118,10 +121,71 @@ def release_sweep_interval_s() -> float:
 
 def transport_options(broker_url: str) -> dict:
     """Redis (and SQS) redeliver an unacknowledged task after the visibility timeout; the
-    SQLAlchemy transport of embedded mode has none and hands every option to create_engine."""
+    SQLAlchemy transport of embedded mode has none and hands every option to create_engine.
+
+    On Redis every socket is bounded, so that a broker that vanishes without closing its
+    connections (a lost host, a dropped route) costs a reconnect instead of a worker blocked
+    in a read or a connect for the kernel's TCP timeouts. The consumer's BRPOP blocks on the
+    server for a second at most (kombu's ``brpop_timeout``): a reply slower than
+    ``SOCKET_TIMEOUT_S`` means a dead link."""
     if broker_url.startswith(("sqla+", "sqlalchemy+")):
         return {}
-    return {"visibility_timeout": get_settings().visibility_timeout_s}
+    options: dict[str, Any] = {"visibility_timeout": get_settings().visibility_timeout_s}
+    if broker_url.startswith(REDIS_SCHEMES):
+        options.update(
+            socket_connect_timeout=SOCKET_CONNECT_TIMEOUT_S,
+            socket_timeout=SOCKET_TIMEOUT_S,
+            socket_keepalive=True,
+        )
+    return options
+
+
+REDIS_SCHEMES = ("redis://", "rediss://")
+REDIS_TRANSPORT = "redis-batchd"
+SOCKET_CONNECT_TIMEOUT_S = 5.0
+SOCKET_TIMEOUT_S = 30.0
+
+
+class RedisTransport(kombu_redis.Transport):
+    """kombu's Redis transport, except that a closed transport keeps its connection info.
+
+    When the consumer loses the broker, Celery closes its connection
+    (``Consumer.on_connection_error_after_connected``: ``connection.collect()`` then
+    ``connection.close()``). ``collect`` fails to close the task channel, whose BRPOP read
+    raises on the dead socket before the channel is marked closed, and then drops the
+    transport's connection info (``kombu.Connection._do_close_transport`` sets
+    ``transport.client = None``, only to break a reference cycle). ``close`` closes that
+    channel again, which restores the messages it delivered and has not acknowledged (a task
+    running under ``task_acks_late``); the restore opens a new Redis pool from
+    ``transport.client`` (``Channel._connparams``) and raises ``AttributeError: 'NoneType'
+    object has no attribute 'hostname'``. That is no connection error, so Celery takes it for
+    a bug: "Unrecoverable error", and the worker shuts down; its pending acknowledgements
+    fail the same way in ``Hub.close``. It happens whenever the broker goes away while a
+    task runs and the consumer waits in BRPOP for the next one (a free pool thread).
+
+    Keeping the connection info turns those calls into what they should be: the restore (or
+    an acknowledgement of a task that finished during the outage) reaches Redis, or fails
+    with a connection error that Celery handles; the consumer reconnects.
+    """
+
+    @property
+    def client(self) -> Any:
+        return self.__dict__.get("_conninfo")
+
+    @client.setter
+    def client(self, value: Any) -> None:
+        if value is not None:
+            self.__dict__["_conninfo"] = value
+
+
+# The name logs show for it (``Connected to redis-batchd://…``); kombu resolves the alias.
+TRANSPORT_ALIASES.setdefault(REDIS_TRANSPORT, f"{__name__}:RedisTransport")
+
+
+def broker_transport(broker_url: str) -> str | None:
+    """The transport for ``broker_url`` (None: the one its scheme names). Not for
+    ``rediss://``: kombu derives its TLS defaults from that scheme's name."""
+    return REDIS_TRANSPORT if broker_url.startswith("redis://") else None
 
 
 def create_app() -> Celery:
@@ -158,8 +222,14 @@ def create_app() -> Celery:
         task_acks_late=True,
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
+        broker_transport=broker_transport(settings.broker_url),
         broker_transport_options=transport_options(settings.broker_url),
         broker_connection_retry_on_startup=True,
+        # A lost broker costs a reconnect, never the tasks in flight: they are idempotent and
+        # their acknowledgement waits (Celery 6 would cancel them by default).
+        worker_cancel_long_running_tasks_on_connection_loss=False,
+        # A channel error (Redis answering READONLY after a failover, say) reconnects too.
+        broker_channel_error_retry=True,
         task_default_queue=CONTROL_QUEUE,
         # Shard tasks name their model's queue when they are sent (core.queue.model_queue).
         task_routes=routes,
@@ -201,6 +271,21 @@ def _start_metrics_exporter(**_: Any) -> None:
     from worker.metrics import start_exporter
 
     start_exporter()
+
+
+@worker_ready.connect
+def _start_liveness(sender: Any = None, **_: Any) -> None:
+    from worker import liveness
+
+    liveness.start(sender)
+
+
+@worker_shutting_down.connect
+def _stop_liveness(**_: Any) -> None:
+    # A requested shutdown: whoever asked for it bounds it (see worker.liveness).
+    from worker import liveness
+
+    liveness.stop()
 
 
 @after_setup_logger.connect
