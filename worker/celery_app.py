@@ -241,8 +241,9 @@ def create_app() -> Celery:
 # What tasks import on first use. transformers resolves names through a lazy module that is
 # not safe for concurrent first imports: two task threads importing ``AutoTokenizer`` and
 # ``AutoModelForCausalLM`` at once (a validate beside the engine load) can fail with
-# ``ImportError: cannot import name 'AutoTokenizer' from 'transformers'``.
-TRANSFORMERS_NAMES = ("AutoConfig", "AutoTokenizer", "AutoModelForCausalLM")
+# ``ImportError: cannot import name 'AutoTokenizer' from 'transformers'``. ``AutoModel`` loads
+# the embedding models (engine.embedding).
+TRANSFORMERS_NAMES = ("AutoConfig", "AutoTokenizer", "AutoModelForCausalLM", "AutoModel")
 TASK_DEPENDENCIES = ("engine", "engine.host", "engine.tokenizer")
 
 

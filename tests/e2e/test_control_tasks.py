@@ -124,7 +124,7 @@ def test_validate_that_fails_once_is_retried_and_the_batch_completes(service):
     # The worker's start imported transformers' Auto classes before any task ran.
     assert (
         "auto classes before the first validate: "
-        "['AutoConfig', 'AutoTokenizer', 'AutoModelForCausalLM']" in log
+        "['AutoConfig', 'AutoTokenizer', 'AutoModelForCausalLM', 'AutoModel']" in log
     )
 
 

@@ -32,21 +32,24 @@ from engine.tokenizer import load_tokenizer
 from worker import runtime
 
 path = sys.argv[1]
-threads, errors, tokenizers = 12, [], []
+threads, errors, tokenizers = 16, [], []
 start = threading.Barrier(threads)
 
 def job(i):
     try:
         start.wait()
-        if i % 3 == 0:
+        if i % 4 == 0:
             tokenizers.append(load_tokenizer(path))
-        elif i % 3 == 1:
+        elif i % 4 == 1:
             from transformers import AutoConfig
             AutoConfig.from_pretrained(path)
             tokenizers.append(runtime.tokenizer("batchd-demo"))
-        else:
+        elif i % 4 == 2:
             from transformers import AutoModelForCausalLM
             AutoModelForCausalLM.from_pretrained(path)
+        else:  # as the embedding engine loads its encoder
+            from transformers import AutoModel
+            AutoModel.from_pretrained(path)
     except Exception as exc:
         errors.append(repr(exc))
 
@@ -85,6 +88,8 @@ def test_worker_init_imports_transformers_then_threads_load_tokenizers_at_once(t
     result = json.loads(lines[-1].removeprefix("RESULT "))
     assert result["errors"] == []
     assert result["before"] is False, "importing the Celery app must not import transformers"
-    assert result["resolved"] == ["AutoConfig", "AutoTokenizer", "AutoModelForCausalLM"]
+    assert result["resolved"] == [
+        "AutoConfig", "AutoTokenizer", "AutoModelForCausalLM", "AutoModel"
+    ]  # fmt: skip
     assert result["engine_imported"]
     assert result["tokenizers"] == 8 and result["encodings"] == 1
