@@ -6,19 +6,26 @@ validating | in_progress -> cancelling -> cancelled
 validating | in_progress | finalizing -> expired   (via the expiry sweep)
 
 Each batch transition is one conditional UPDATE, so two actors never both win.
+
+Webhook outbox: a transition into a terminal status of a batch that has a ``webhook_url``
+also inserts the event's ``webhook_deliveries`` row (pending, never attempted) in the same
+transaction, so the event is recorded exactly when the transition commits and is lost with
+nothing: the actor enqueues its delivery after the commit, best effort, and the webhook
+sweep enqueues any row left never attempted (``worker.webhooks``).
 """
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Iterable
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import update
+from sqlalchemy import insert, update
 from sqlalchemy.orm import Session
 
-from core.models import Batch
+from core.models import Batch, WebhookDelivery
 
 
 class BatchStatus(StrEnum):
@@ -93,6 +100,34 @@ def now() -> datetime:
     return datetime.now(UTC)
 
 
+# The webhook event type of each terminal status.
+EVENT_TYPES = {status: f"batch.{status}" for status in TERMINAL}
+
+
+def webhook_event_id() -> str:
+    """A new webhook event id (the delivery row's id and the ``webhook-id`` header)."""
+    return "evt_" + secrets.token_hex(12)
+
+
+def record_webhook_event(session: Session, batch_id: str, status: str, url: str) -> str:
+    """Insert the pending ``webhook_deliveries`` row of ``batch_id`` having ended in
+    ``status`` (in the caller's transaction); return its id, the event id."""
+    delivery_id = webhook_event_id()
+    session.execute(
+        insert(WebhookDelivery).values(
+            id=delivery_id,
+            batch_id=batch_id,
+            event_type=EVENT_TYPES[status],
+            url=url,
+            status=DeliveryStatus.PENDING,
+            attempts=0,
+            # Whole seconds: the event's created_at is unix seconds, the same on every attempt.
+            created_at=now().replace(microsecond=0),
+        )
+    )
+    return delivery_id
+
+
 def transition(
     session: Session,
     batch_id: str,
@@ -102,17 +137,27 @@ def transition(
 ) -> bool:
     """Move ``batch_id`` from one of ``expected`` to ``target``; True if this caller won.
 
-    ``values`` are extra columns set in the same UPDATE. The caller commits.
+    ``values`` are extra columns set in the same UPDATE. The caller commits. A won transition
+    into a terminal status of a batch with a ``webhook_url`` also records the webhook event
+    (the outbox row, see the module docstring): the UPDATE returns the URL, so a batch without
+    one costs no extra statement, and the event commits or rolls back with the transition.
     """
     sources = {expected} if isinstance(expected, str) else set(expected)
     for source in sources:
         if target not in ALLOWED.get(source, ()):
             raise ValueError(f"illegal batch transition {source} -> {target}")
     values.setdefault(STAMP[target], now())
-    result = session.execute(
+    statement = (
         update(Batch)
         .where(Batch.id == batch_id, Batch.status.in_(sources))
         .values(status=target, **values)
         .execution_options(synchronize_session=False)
     )
-    return result.rowcount == 1
+    if target not in TERMINAL:
+        return session.execute(statement).rowcount == 1
+    won = session.execute(statement.returning(Batch.webhook_url)).first()
+    if won is None:
+        return False
+    if won.webhook_url:
+        record_webhook_event(session, batch_id, target, won.webhook_url)
+    return True

@@ -124,6 +124,11 @@ class Settings(BaseSettings):
     # Webhooks.
     webhook_max_attempts: int = 8
     webhook_timeout_s: float = 10.0
+    # The webhook outbox's safety net: every webhook_sweep_interval_s, beat enqueues the events
+    # recorded (with the batch's terminal transition) but not attempted for
+    # webhook_unsent_after_s: their actor died after the commit, or the broker refused the task.
+    webhook_unsent_after_s: float = Field(default=60.0, gt=0.0)
+    webhook_sweep_interval_s: float = Field(default=30.0, gt=0.0)
     # Webhook destinations (core/netcheck.py): only public addresses, except these host names,
     # IP addresses and CIDR ranges (comma-separated), e.g. "hooks.corp,10.20.0.0/16" for an
     # intranet receiver.

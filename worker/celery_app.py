@@ -12,7 +12,8 @@ the engine's batch stays full across shard boundaries; never forks after the mod
 
 Beat (the sweeps: expiry every ``BATCHD_EXPIRY_SWEEP_INTERVAL_S`` seconds, shard release
 every ``BATCHD_RELEASE_SWEEP_INTERVAL_S``, file retention every ``BATCHD_FILE_SWEEP_INTERVAL_S``,
-the stale-shard reclaim every ``BATCHD_RECLAIM_SWEEP_INTERVAL_S``)::
+the stale-shard reclaim every ``BATCHD_RECLAIM_SWEEP_INTERVAL_S``, unsent webhook events every
+``BATCHD_WEBHOOK_SWEEP_INTERVAL_S``)::
 
     celery -A worker.celery_app beat
 
@@ -62,7 +63,6 @@ from core.settings import get_settings
 # Task modules every process registers. ``worker.recovery`` (heartbeats and the reclaim sweep)
 # is included when it is present.
 INCLUDE = ["worker.tasks", "worker.shard", "worker.release", "worker.webhooks", "worker.retention"]
-WEBHOOK_SWEEP_INTERVAL_S = 60.0
 
 
 def _has_recovery() -> bool:
@@ -212,7 +212,7 @@ def create_app() -> Celery:
         "sweep-expired": _every(TASK_SWEEP_EXPIRED, settings.expiry_sweep_interval_s),
         "release-shards": _every(TASK_RELEASE_SWEEP, release_sweep_interval_s()),
         "sweep-files": _every(TASK_SWEEP_FILES, settings.file_sweep_interval_s),
-        "sweep-webhooks": _every(TASK_SWEEP_WEBHOOKS, WEBHOOK_SWEEP_INTERVAL_S),
+        "sweep-webhooks": _every(TASK_SWEEP_WEBHOOKS, settings.webhook_sweep_interval_s),
     }
     if recovery:
         schedule["reclaim-stale-shards"] = _every(TASK_RECLAIM, settings.reclaim_sweep_interval_s)

@@ -333,11 +333,13 @@ def _finalize(batch_id: str) -> str | None:
     if not _commit(batch_id, plan, target, merged):
         logger.info("batch %s: another actor finalized it first", batch_id)
         return None
+    # The commit recorded the webhook event (if any); enqueue its delivery first thing (the
+    # webhook sweep sends it should this process die before).
+    notify(batch_id, target)
     sto.delete_prefix(batch_prefix(batch_id))
     logger.info(
         "batch %s %s: %s ok, %s error lines", batch_id, target, merged.completed, merged.err.lines
     )
-    notify(batch_id, target)
     if sealed:
         # Sealing freed the slots of its released shards that had not started.
         try:

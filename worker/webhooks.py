@@ -2,10 +2,15 @@
 retries.
 
 When a batch that has a ``webhook_url`` reaches ``completed``, ``failed``, ``expired`` or
-``cancelled``, the actor whose transition won calls :func:`notify` after its commit. That
-inserts one ``webhook_deliveries`` row (its id is the event id and the ``webhook-id`` header)
-and enqueues the delivery task on the control queue. The event is shaped like OpenAI's batch
-webhooks::
+``cancelled``, the transition itself (:func:`core.lifecycle.transition`) inserts one
+``webhook_deliveries`` row (its id is the event id and the ``webhook-id`` header) in the same
+transaction: an outbox, so the event exists exactly when the terminal status has committed,
+whichever path ended the batch. After the commit the actor calls :func:`notify`, which only
+enqueues the delivery task on the control queue (best effort). If that enqueue fails, or the
+process dies between the commit and the enqueue, the beat sweep (:func:`sweep_unsent`) sends
+the row once it has been pending, never attempted, for ``settings.webhook_unsent_after_s``:
+every event is delivered at least once, always under the same event id. The event is shaped
+like OpenAI's batch webhooks::
 
     {"id": "evt_…", "object": "event", "type": "batch.completed", "created_at": 1700000000,
      "data": {"id": "batch_…"}}
@@ -25,9 +30,9 @@ connection error) is recorded in ``attempts``/``last_status_code``/``last_error`
 with exponential backoff: ``BATCHD_WEBHOOK_BACKOFF_S`` (default 30 s) doubled per attempt,
 capped at ``BATCHD_WEBHOOK_BACKOFF_MAX_S`` (default 1 h), up to
 ``settings.webhook_max_attempts`` attempts; then the delivery is ``failed``. The body is
-rebuilt from the row on every attempt, so it is byte-for-byte the same each time. A beat
-sweep enqueues deliveries that were recorded but never attempted for a minute (the process
-that recorded one died before enqueueing it).
+rebuilt from the row on every attempt, so it is byte-for-byte the same each time. Duplicate
+delivery tasks (the actor's and the sweep's) are harmless: each attempt is claimed by one
+conditional UPDATE.
 
 Every attempt resolves the URL's host, checks every address against the destination rule of
 :mod:`core.netcheck` (public addresses only, unless ``BATCHD_WEBHOOK_ALLOWED_HOSTS`` allows
@@ -44,7 +49,6 @@ import hmac
 import json
 import logging
 import os
-import secrets
 import time
 from datetime import datetime, timedelta
 from typing import Any
@@ -54,7 +58,7 @@ from sqlalchemy import select, update
 
 from core import metrics
 from core.db import session_scope
-from core.lifecycle import TERMINAL, DeliveryStatus, now
+from core.lifecycle import EVENT_TYPES, DeliveryStatus, now, record_webhook_event, webhook_event_id
 from core.models import Batch, WebhookDelivery
 from core.netcheck import (
     AllowList,
@@ -71,7 +75,6 @@ from worker.common import send
 
 logger = logging.getLogger(__name__)
 
-EVENT_TYPES = {status: f"batch.{status}" for status in TERMINAL}
 SECRET_PREFIX = "whsec_"
 USER_AGENT = "batchd-webhooks/1"
 #: How much of a receiver's answer is read (into ``last_error`` on a failed attempt).
@@ -86,7 +89,7 @@ def backoff_s(attempts: int) -> float:
 
 
 def event_id() -> str:
-    return "evt_" + secrets.token_hex(12)
+    return webhook_event_id()
 
 
 def signing_key(secret: str) -> bytes:
@@ -127,43 +130,55 @@ def event_body(delivery: WebhookDelivery) -> bytes:
 
 
 def notify(batch_id: str, status: str) -> str | None:
-    """Record and enqueue the event for ``batch_id`` having ended in ``status``; call after
-    the transition commits. Returns the delivery id, or None when there is nothing to send.
-    Never raises: a webhook problem must not undo or fail the transition."""
+    """Enqueue the delivery of the event of ``batch_id`` having ended in ``status``; call after
+    the terminal transition commits (which recorded the event, see the module docstring).
+    Returns the delivery id, or None when there is nothing to send. A batch ended without
+    :func:`core.lifecycle.transition` (a tool, a test) has its event recorded here first.
+    Never raises: a webhook problem must not undo or fail the transition, and the sweep
+    enqueues what this could not."""
     event_type = EVENT_TYPES.get(status)
     if event_type is None:
         return None
     try:
         with session_scope() as session:
-            row = session.execute(select(Batch.webhook_url).where(Batch.id == batch_id)).first()
-            if row is None or not row.webhook_url:
-                return None
-            existing = session.scalar(
-                select(WebhookDelivery.id).where(
-                    WebhookDelivery.batch_id == batch_id,
-                    WebhookDelivery.event_type == event_type,
+            # A batch ends once: its one event, whatever the status named here.
+            delivery = session.execute(
+                select(
+                    WebhookDelivery.id,
+                    WebhookDelivery.event_type,
+                    WebhookDelivery.status,
+                    WebhookDelivery.attempts,
                 )
-            )
-            if existing is not None:
-                return None  # already recorded (a repeated call)
-            delivery_id = event_id()
-            session.add(
-                WebhookDelivery(
-                    id=delivery_id,
-                    batch_id=batch_id,
-                    event_type=event_type,
-                    url=row.webhook_url,
-                    status=DeliveryStatus.PENDING,
-                    attempts=0,
-                    created_at=now().replace(microsecond=0),
-                )
-            )
-        send(TASK_DELIVER_WEBHOOK, delivery_id, queue=CONTROL_QUEUE)
-        logger.info("batch %s: %s webhook %s enqueued", batch_id, event_type, delivery_id)
-        return delivery_id
+                .where(WebhookDelivery.batch_id == batch_id)
+                .limit(1)
+            ).first()
+            if delivery is not None:
+                if (
+                    delivery.event_type != event_type
+                    or delivery.status != DeliveryStatus.PENDING
+                    or delivery.attempts
+                ):
+                    return None  # another event, or already under way (a repeated call)
+                delivery_id = delivery.id
+            else:
+                url = session.scalar(select(Batch.webhook_url).where(Batch.id == batch_id))
+                if not url:
+                    return None
+                delivery_id = record_webhook_event(session, batch_id, status, url)
     except Exception:
-        logger.exception("batch %s: could not record or enqueue its %s webhook", batch_id, status)
+        logger.exception("batch %s: could not read its %s webhook event", batch_id, status)
         return None
+    try:
+        send(TASK_DELIVER_WEBHOOK, delivery_id, queue=CONTROL_QUEUE)
+    except Exception:
+        logger.exception(
+            "batch %s: could not enqueue webhook %s (the webhook sweep sends it)",
+            batch_id,
+            delivery_id,
+        )
+        return delivery_id
+    logger.info("batch %s: %s webhook %s enqueued", batch_id, event_type, delivery_id)
+    return delivery_id
 
 
 def post_pinned(
@@ -288,9 +303,12 @@ def attempt(delivery_id: str, *, resolver: Resolver = system_resolver) -> float 
     return wait
 
 
-def sweep_unsent(older_than_s: float = 60.0) -> int:
-    """Enqueue deliveries recorded but never attempted for a while (the process that recorded
-    one died, or the broker refused the task); return how many were enqueued."""
+def sweep_unsent(older_than_s: float | None = None) -> int:
+    """Enqueue deliveries recorded but never attempted for ``older_than_s`` (default
+    ``settings.webhook_unsent_after_s``: the actor that committed the transition died before
+    enqueueing, or the broker refused the task); return how many were enqueued."""
+    if older_than_s is None:
+        older_than_s = get_settings().webhook_unsent_after_s
     cutoff = now() - timedelta(seconds=older_than_s)
     with session_scope() as session:
         ids = list(

@@ -3,7 +3,9 @@ with this folder on ``PYTHONPATH``. Nothing in the service refers to this module
 
 A batch gets a fault when the file ``$BATCHD_TEST_FAULT_DIR/<batch id>`` exists; its text
 names it: ``validate:once`` (the first validate of the batch raises), ``validate:always`` or
-``finalize:always``. Each injected failure logs ``injected fault``.
+``finalize:always``; or ``notify:exit``: the worker process exits (``os._exit``, no cleanup)
+right after the batch's terminal transition committed, before the webhook delivery is
+enqueued (the webhook outbox test). Each injected failure logs ``injected fault``.
 
 The first validate this process runs also logs which of transformers' Auto classes were
 already imported (``auto classes before the first validate: [...]``): in a control worker
@@ -19,6 +21,7 @@ import threading
 from collections import Counter
 from pathlib import Path
 
+import worker.finalize as finalize_module
 import worker.tasks as tasks
 from worker.celery_app import TRANSFORMERS_NAMES
 
@@ -26,7 +29,8 @@ logger = logging.getLogger("control_faults")
 _lock = threading.Lock()
 _calls: Counter[tuple[str, str]] = Counter()
 _first_validate = True
-_real = {"validate": tasks.validate, "finalize": tasks.finalize}
+_real = {"validate": tasks.validate, "finalize": tasks.finalize, "notify": tasks.notify}
+EXIT_CODE = 70
 
 
 def _fault(step: str, batch_id: str) -> None:
@@ -40,6 +44,11 @@ def _fault(step: str, batch_id: str) -> None:
     with _lock:
         _calls[step, batch_id] += 1
         call = _calls[step, batch_id]
+    if mode == "exit":
+        logger.warning("injected fault: the process exits at %s of %s", step, batch_id)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(EXIT_CODE)
     if mode == "always" or (mode == "once" and call == 1):
         logger.warning("injected fault: %s of %s, call %s", step, batch_id, call)
         raise RuntimeError(f"injected {step} fault (call {call})")
@@ -62,5 +71,14 @@ def finalize(batch_id: str) -> str | None:
     return _real["finalize"](batch_id)
 
 
+def notify(batch_id: str, status: str) -> str | None:
+    _fault("notify", batch_id)
+    return _real["notify"](batch_id, status)
+
+
 tasks.validate = validate
 tasks.finalize = finalize
+# Both call sites of the webhook notify (after a validate that failed the batch, and after a
+# finalize's commit).
+tasks.notify = notify
+finalize_module.notify = notify

@@ -2,7 +2,11 @@
 BATCHD_WEBHOOK_ALLOWED_HOSTS, as loopback is refused by default) gets a signed event when a
 batch completes or fails validation; a receiver that errors is retried with backoff until it
 answers 2xx (or the attempts run out), and every attempt is recorded in webhook_deliveries;
-a redirect is not followed. Every receiver here is on loopback."""
+a redirect is not followed. Every receiver here is on loopback.
+
+The event is recorded with the batch's terminal transition (an outbox): a control worker that
+dies right after that commit, before it enqueued the delivery, loses nothing; the webhook
+sweep sends it, once, under the event id recorded with the transition."""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,6 +30,7 @@ from tests.helpers.lines import chat_line, jsonl
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 
 TERMINAL = {"completed", "failed", "expired", "cancelled"}
+HERE = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -246,3 +252,122 @@ def test_loopback_outside_the_allow_list_is_refused_at_create(stack, receiver):
         assert caught.value.body["param"] == "webhook_url", host
         assert "loopback" in caught.value.body["message"], host
     assert len(receiver.requests) == before
+
+
+def _outbox(batch_id: str) -> list[dict[str, Any]]:
+    from sqlalchemy import select
+
+    from core.db import session_scope
+    from core.models import WebhookDelivery
+
+    with session_scope() as session:
+        rows = session.scalars(select(WebhookDelivery).where(WebhookDelivery.batch_id == batch_id))
+        return [
+            {"id": r.id, "event_type": r.event_type, "status": r.status, "attempts": r.attempts}
+            for r in rows
+        ]
+
+
+def test_a_worker_killed_between_the_terminal_commit_and_the_enqueue_loses_no_event(
+    procs, private_broker, pg_url, receiver, tmp_path, monkeypatch
+):
+    """A control worker (with the test-only ``control_faults``) exits right after committing a
+    batch's terminal status, before it enqueues the webhook delivery: once after a validate
+    that failed the batch (worker/tasks.py), once after the finalize of a cancel
+    (worker/finalize.py). The event row committed with the status; after a restart the
+    webhook sweep sends each one, and the receiver gets it exactly once, under that id."""
+    from sqlalchemy import update
+
+    from core.db import session_scope
+    from core.lifecycle import transition
+    from core.models import Batch
+    from core.queue import TASK_CANCEL, TASK_VALIDATE, enqueue
+    from core.settings import get_settings
+    from tests.helpers.service import celery_command, stack_env
+    from tests.helpers.worker import batch_row, make_batch
+
+    faults = tmp_path / "faults"
+    faults.mkdir()
+    env = stack_env(
+        pg_url,
+        private_broker,
+        tmp_path,
+        BATCHD_TEST_FAULT_DIR=str(faults),
+        BATCHD_WEBHOOK_UNSENT_AFTER_S="1",
+        BATCHD_WEBHOOK_SWEEP_INTERVAL_S="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])),
+    )
+    # This process creates the batches on the same database, storage and broker.
+    for key in ("BATCHD_DATABASE_URL", "BATCHD_STORAGE_URL", "BATCHD_BROKER_URL"):
+        monkeypatch.setenv(key, env[key])
+    get_settings.cache_clear()
+    control = [*celery_command("control", "control", tmp_path), "-I", "control_faults"]
+
+    def start_control() -> None:
+        starts = procs.log("control").count("ready.")
+        procs.start("control", control, env)
+        procs.wait_log("control", "ready.", 120, count=starts + 1)
+
+    def died_after_commit(batch_id: str, status: str) -> str:
+        """The control worker exited at the fault; the batch ended with its event recorded,
+        not yet attempted. Returns the event id."""
+        assert procs.procs["control"].wait(60) == 70, procs.logs()
+        assert batch_row(batch_id).status == status
+        (row,) = _outbox(batch_id)
+        assert (row["event_type"], row["status"], row["attempts"]) == (
+            f"batch.{status}",
+            "pending",
+            0,
+        )
+        return row["id"]
+
+    def submit(lines: bytes, path: str) -> str:
+        batch_id = make_batch(lines)
+        with session_scope() as session:
+            session.execute(
+                update(Batch)
+                .where(Batch.id == batch_id)
+                .values(webhook_url=receiver.url(path), webhook_secret="whsec_" + "A" * 44)
+            )
+        (faults / batch_id).write_text("notify:exit")
+        enqueue(TASK_VALIDATE, batch_id, broker_url=private_broker)
+        return batch_id
+
+    try:
+        procs.start("beat", celery_command("beat", "beat", tmp_path), env)
+        start_control()
+        # 1. A validate fails the batch, and the worker dies before enqueueing the event.
+        failed = submit(b"{not json\n", "/outbox-failed")
+        failed_event = died_after_commit(failed, "failed")
+        start_control()
+        # 2. A batch is cancelled while in progress (no model worker runs it); the finalize
+        # of the cancel commits "cancelled", and the worker dies again.
+        cancelled = submit(jsonl([chat_line("a", "hello", 4)]), "/outbox-cancelled")
+        wait_for_status = time.monotonic() + 60
+        while batch_row(cancelled).status != "in_progress":
+            assert time.monotonic() < wait_for_status, procs.logs()
+            time.sleep(0.2)
+        with session_scope() as session:
+            assert transition(session, cancelled, "in_progress", "cancelling")
+        enqueue(TASK_CANCEL, cancelled, broker_url=private_broker)
+        cancelled_event = died_after_commit(cancelled, "cancelled")
+        start_control()
+        # The sweep delivers both, each under the id recorded with its transition.
+        for batch_id, path, event_id, status in (
+            (failed, "/outbox-failed", failed_event, "failed"),
+            (cancelled, "/outbox-cancelled", cancelled_event, "cancelled"),
+        ):
+            (request,) = receiver.wait(path, 1, 30)
+            event = json.loads(request["body"])
+            headers = {k.lower(): v for k, v in request["headers"].items()}
+            assert event["id"] == event_id == headers["webhook-id"]
+            assert (event["type"], event["data"]) == (f"batch.{status}", {"id": batch_id})
+            assert verify_signature("whsec_" + "A" * 44, request)
+        time.sleep(3)  # several sweeps later: still one delivery each, one row each
+        for batch_id, path in ((failed, "/outbox-failed"), (cancelled, "/outbox-cancelled")):
+            assert len(receiver.received(path)) == 1
+            (row,) = _outbox(batch_id)
+            assert (row["status"], row["attempts"]) == ("delivered", 1)
+        assert procs.log("control").count("injected fault: the process exits at notify") == 2
+    finally:
+        get_settings.cache_clear()

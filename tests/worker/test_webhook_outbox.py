@@ -1,0 +1,141 @@
+"""The webhook outbox on real Postgres and Redis: a batch's terminal transition records its
+event in the same transaction (and a rolled-back one records nothing); the actor's enqueue
+after the commit is best effort, and when it fails the row stays, pending, for the webhook
+sweep to send under the same event id."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+
+pytestmark = pytest.mark.services
+
+URL = "https://hooks.example.com/batchd"
+
+
+def batch_with_webhook(url: str | None = URL) -> str:
+    from sqlalchemy import update
+
+    from core.db import session_scope
+    from core.models import Batch
+    from tests.helpers.worker import chat_line, make_batch
+
+    batch_id = make_batch([chat_line("a", "hello", 4)])
+    with session_scope() as session:
+        session.execute(update(Batch).where(Batch.id == batch_id).values(webhook_url=url))
+    return batch_id
+
+
+def outbox(batch_id: str) -> list[dict]:
+    from sqlalchemy import select
+
+    from core.db import session_scope
+    from core.models import WebhookDelivery
+
+    with session_scope() as session:
+        rows = session.scalars(select(WebhookDelivery).where(WebhookDelivery.batch_id == batch_id))
+        return [
+            {
+                "id": r.id,
+                "event_type": r.event_type,
+                "url": r.url,
+                "status": r.status,
+                "attempts": r.attempts,
+            }
+            for r in rows
+        ]
+
+
+def queued_deliveries(redis_url: str) -> list[str]:
+    """Delivery ids of the webhook tasks waiting on the control queue."""
+    import redis
+
+    from core.queue import CONTROL_QUEUE, TASK_DELIVER_WEBHOOK
+
+    ids = []
+    for raw in redis.Redis.from_url(redis_url).lrange(CONTROL_QUEUE, 0, -1):
+        message = json.loads(raw)
+        if message["headers"]["task"] == TASK_DELIVER_WEBHOOK:
+            args, _kwargs, _embed = json.loads(base64.b64decode(message["body"]))
+            ids.append(args[0])
+    return ids
+
+
+def end(batch_id: str, target: str = "failed", *, commit: bool = True) -> bool:
+    from core.db import new_session
+    from core.lifecycle import transition
+
+    session = new_session()
+    try:
+        won = transition(session, batch_id, "validating", target)
+        if commit:
+            session.commit()
+        else:
+            session.rollback()
+        return won
+    finally:
+        session.close()
+
+
+def test_the_terminal_transition_records_the_event_in_its_transaction(worker_env):
+    batch_id = batch_with_webhook()
+    assert end(batch_id, "failed", commit=False)
+    assert outbox(batch_id) == []  # rolled back with the transition
+    assert end(batch_id, "failed")
+    (row,) = outbox(batch_id)
+    assert row["id"].startswith("evt_")
+    assert row | {"id": None} == {
+        "id": None,
+        "event_type": "batch.failed",
+        "url": URL,
+        "status": "pending",
+        "attempts": 0,
+    }
+    assert not end(batch_id, "failed")  # a loser records nothing
+    assert len(outbox(batch_id)) == 1
+
+
+def test_no_event_without_a_webhook_or_before_a_terminal_status(worker_env):
+    from core.db import session_scope
+    from core.lifecycle import transition
+
+    quiet = batch_with_webhook(None)
+    assert end(quiet, "failed")
+    assert outbox(quiet) == []
+    running = batch_with_webhook()
+    with session_scope() as session:
+        assert transition(session, running, "validating", "cancelling")
+    assert outbox(running) == []
+
+
+def test_a_failing_enqueue_leaves_the_row_for_the_sweep(worker_env, redis_url, monkeypatch):
+    from worker import webhooks
+
+    batch_id = batch_with_webhook()
+    assert end(batch_id, "failed")
+    (row,) = outbox(batch_id)
+
+    def broker_down(*args, **kwargs):
+        raise ConnectionError("broker down")
+
+    monkeypatch.setattr(webhooks, "send", broker_down)
+    assert webhooks.notify(batch_id, "failed") == row["id"]  # never raises
+    assert outbox(batch_id) == [row]  # still pending, never attempted
+    monkeypatch.undo()
+    assert webhooks.sweep_unsent(older_than_s=3600) == 0  # too recent for the sweep yet
+    assert webhooks.sweep_unsent(older_than_s=0) >= 1
+    assert row["id"] in queued_deliveries(redis_url)
+
+
+def test_notify_enqueues_the_recorded_event_once(worker_env, redis_url):
+    from worker import webhooks
+
+    batch_id = batch_with_webhook()
+    assert end(batch_id, "failed")
+    (row,) = outbox(batch_id)
+    assert webhooks.notify(batch_id, "failed") == row["id"]
+    assert queued_deliveries(redis_url).count(row["id"]) == 1
+    assert webhooks.notify(batch_id, "completed") is None  # not the status it ended in
+    assert len(outbox(batch_id)) == 1
