@@ -3,6 +3,7 @@ collect results, checkpoint them (see :class:`ShardRun`)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import time
@@ -15,6 +16,7 @@ from core.batchfile import (
     EMBEDDINGS_URL,
     BatchRequest,
     LineError,
+    RawLine,
     iter_lines,
     parse_request,
 )
@@ -451,12 +453,29 @@ class ShardRun:
                 req = parse_request(raw, endpoint=self.endpoint, served_models=None)
             except LineError as err:  # validated before; only a changed file lands here
                 logger.error("shard %s line %s no longer parses: %s", self.shard.id, raw.line, err)
-                continue
-            prepared = self._prepare(req)
-            if prepared is not None:
-                self._submit(req, *prepared)
+                self.pending.add_error(raw.line, unparsable_line_error(raw, err))
+            else:
+                prepared = self._prepare(req)
+                if prepared is not None:
+                    self._submit(req, *prepared)
             self._collect()
             self._checkpoint()
             self._poll()
             if self.stopping:
                 return
+
+
+def unparsable_line_error(raw: RawLine, err: LineError) -> dict[str, Any]:
+    """The error line of an input line that passed validation but no longer parses when its
+    shard reads it (the stored file changed): still one line per request, under the custom_id
+    the line names if any can be read."""
+    try:
+        custom_id = json.loads(raw.data).get("custom_id")
+    except (ValueError, AttributeError):
+        custom_id = None
+    return error_record(
+        custom_id if isinstance(custom_id, str) else None,
+        err.code,
+        f"This line no longer parses (the input file changed after validation): {err.message}",
+        param=err.param,
+    )

@@ -115,6 +115,45 @@ def test_multi_shard_finalize_keeps_input_order_and_reports_errors(worker_env, h
     assert (batch.request_completed, batch.request_failed) == (15, 2)
 
 
+def test_a_line_that_no_longer_parses_gets_an_error_line(worker_env, host):
+    """The stored input changed after validation (same length, so the shard's byte range
+    still holds its lines): the line that no longer parses is reported, not skipped."""
+    from core.db import session_scope
+    from core.models import Batch
+    from worker.common import input_key, storage
+    from worker.finalize import finalize
+    from worker.shard import run_shard
+
+    lines = [chat_line(f"r{i}", f"hello number {i}", max_tokens=4) for i in range(6)]
+    batch_id = _validated(lines)
+    with session_scope() as session:
+        key = input_key(session, session.get(Batch, batch_id))
+    with storage().reader(key) as stream:
+        data = stream.read()
+    rows = data.split(b"\n")
+    rows[3] = rows[3].replace(b'"messages"', b'"massages"')  # r3: no messages any more
+    rows[4] = rows[4].replace(b'"custom_id": "r4"', b'"custom_id": 4444')  # r4: no custom_id
+    changed = b"\n".join(rows)
+    assert len(changed) == len(data) and changed != data
+    with storage().writer(key) as out:
+        out.write(changed)
+
+    (shard,) = shard_rows(batch_id)
+    outcome = run_shard(shard.id, host=host)
+    assert (outcome.status, outcome.ran) == ("done", 6)
+    assert finalize(batch_id) == "completed"
+    batch = batch_row(batch_id)
+    out = read_file_lines(batch.output_file_id)
+    err = read_file_lines(batch.error_file_id)
+    assert [r["custom_id"] for r in out] == ["r0", "r1", "r2", "r5"]
+    assert [r["custom_id"] for r in err] == ["r3", None]  # r4's custom_id is no string now
+    assert [r["response"]["status_code"] for r in err] == [400, 400]
+    errors = [r["response"]["body"]["error"] for r in err]
+    assert [e["param"] for e in errors] == ["body.messages", "custom_id"]
+    assert all(e["code"] and "no longer parses" in e["message"] for e in errors)
+    assert (batch.request_completed, batch.request_failed) == (4, 2)
+
+
 def test_last_shard_race_has_one_winner(worker_env):
     import redis
 
