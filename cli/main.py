@@ -9,16 +9,14 @@ with ``BATCHD_*`` variables it runs the same processes against Postgres, Redis a
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
-import time
 from typing import Annotated
 
 import typer
 
 from cli.exit_codes import exit_codes_help
 from cli.models import resolve_models
+from cli.supervise import Supervisor
 
 app = typer.Typer(
     name="batchd",
@@ -64,7 +62,8 @@ def up(
     port: Annotated[int, typer.Option(help="Port the API listens on.")] = 8000,
     workers: Annotated[bool, typer.Option(help="Also run a worker and beat here.")] = True,
 ) -> None:
-    """Run the API, a worker and the beat scheduler; Ctrl-C stops them all."""
+    """Run the API, a worker and the beat scheduler; one that exits is started again; Ctrl-C
+    stops them all."""
     import migrations
     from core.queue import CONTROL_QUEUE, model_queue
     from core.settings import get_settings
@@ -78,46 +77,35 @@ def up(
         typer.echo(f"model {name!r}: {path}")
 
     env = dict(os.environ, BATCHD_HOME=str(settings.home))
-    children: list[subprocess.Popen] = []
+    commands: dict[str, list[str]] = {}
     if workers:
         queues = [CONTROL_QUEUE, *(model_queue(m) for m in settings.models)]
-        cmd = worker_command(
+        commands["worker"] = worker_command(
             queues, settings.worker_shard_concurrency + 2, beat=True, home=str(settings.home)
         )
-        children.append(subprocess.Popen(cmd, env=env))
-    api_cmd = [
+    commands["api"] = [
         sys.executable, "-m", "uvicorn", "api.app:app", "--host", host, "--port", str(port),
     ]  # fmt: skip
-    children.append(subprocess.Popen(api_cmd, env=env))
-    shown_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-    typer.echo(f"\nbatchd is up: base URL http://{shown_host}:{port}/v1")
-    if settings.auth.strip().lower() in {"off", "false", "0", "no", "disabled"}:
-        typer.echo("Authentication is off (BATCHD_AUTH=off): any key works.")
-    else:
-        typer.echo(f"development API key (tenant 'default'): {development_key(settings)}")
-        typer.echo(
-            f"  export OPENAI_BASE_URL=http://{shown_host}:{port}/v1 OPENAI_API_KEY=<that key>"
-        )
-
-    def _stop(*_args: object) -> None:
-        for child in children:
-            if child.poll() is None:
-                child.send_signal(signal.SIGTERM)
-
-    signal.signal(signal.SIGTERM, _stop)
+    # A child that exits while nobody asked it to is started again (cli/supervise.py).
+    supervisor = Supervisor(commands, env, echo=lambda line: typer.echo(line, err=True))
+    supervisor.start()
     try:
-        while all(child.poll() is None for child in children):
-            time.sleep(0.5)
+        shown_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        typer.echo(f"\nbatchd is up: base URL http://{shown_host}:{port}/v1")
+        if settings.auth.strip().lower() in {"off", "false", "0", "no", "disabled"}:
+            typer.echo("Authentication is off (BATCHD_AUTH=off): any key works.")
+        else:
+            typer.echo(f"development API key (tenant 'default'): {development_key(settings)}")
+            typer.echo(
+                f"  export OPENAI_BASE_URL=http://{shown_host}:{port}/v1 OPENAI_API_KEY=<that key>"
+            )
+        supervisor.run()
     except KeyboardInterrupt:
         pass
     finally:
-        _stop()
-        for child in children:
-            try:
-                child.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                child.kill()
-    if any(child.returncode not in (0, -signal.SIGTERM) for child in children):
+        typer.echo("batchd up: stopping …", err=True)
+        clean = supervisor.stop(grace_s=20)
+    if not clean:
         raise typer.Exit(1)
 
 

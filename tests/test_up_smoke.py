@@ -1,5 +1,7 @@
 """`batchd up` on embedded defaults (SQLite, Celery's SQLAlchemy transport, a local storage
-directory): the command a newcomer runs first must serve a batch end to end."""
+directory): the command a newcomer runs first must serve a batch end to end, start again a
+child that dies, and stop cleanly on SIGTERM. Its supervisor (cli/supervise.py) on its own,
+with stand-in children."""
 
 from __future__ import annotations
 
@@ -21,6 +23,73 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _sleeper(code: str = "") -> list[str]:
+    return [sys.executable, "-c", f"import signal, sys, time\n{code}\ntime.sleep(60)"]
+
+
+def test_supervisor_restarts_a_child_that_exits_with_backoff_and_leaves_the_others() -> None:
+    from cli.supervise import Supervisor
+
+    lines: list[str] = []
+    sup = Supervisor(
+        {"steady": _sleeper(), "crashy": [sys.executable, "-c", "raise SystemExit(3)"]},
+        echo=lines.append, min_backoff_s=0.1, max_backoff_s=0.4, stable_s=60, poll_s=0.02,
+    ).start()  # fmt: skip
+    steady_pid = sup.children["steady"].proc.pid
+    try:
+        deadline = time.monotonic() + 30
+        while sup.children["crashy"].restarts < 4 and time.monotonic() < deadline:
+            sup.poll()
+            time.sleep(0.02)
+    finally:
+        assert sup.stop(grace_s=10)
+    crashy = sup.children["crashy"]
+    assert crashy.restarts >= 4 and set(crashy.codes) == {3}, lines
+    assert [sup.backoff_s(n) for n in (1, 2, 3, 4, 5)] == [0.1, 0.2, 0.4, 0.4, 0.4]
+    assert sup.children["steady"].proc.pid == steady_pid and sup.children["steady"].restarts == 0
+    assert "batchd up: crashy exited unexpectedly (exit code 3)" in lines[0]
+    assert any(line.startswith("batchd up: starting crashy again (restart 1)") for line in lines)
+
+
+def test_supervisor_stops_on_sigterm_and_kills_what_ignores_it(tmp_path: Path) -> None:
+    """SIGTERM to `batchd up` (its handler only sets a flag) ends run(); stop() then sends
+    SIGTERM to each child, SIGKILL to one still there after the grace period."""
+    import threading
+
+    from cli.supervise import Supervisor
+
+    ready = tmp_path / "ready"
+    stubborn = _sleeper(
+        f"signal.signal(signal.SIGTERM, signal.SIG_IGN); open({str(ready)!r}, 'w').close()"
+    )
+    sup = Supervisor({"polite": _sleeper(), "stubborn": stubborn}, echo=print, poll_s=0.02)
+    sup.start()
+    deadline = time.monotonic() + 30
+    while not ready.exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.start()
+    sup.run()  # returns once the SIGTERM arrived
+    assert sup.stopping
+    started = time.monotonic()
+    assert sup.stop(grace_s=1.0) is False  # the stubborn one had to be killed
+    assert time.monotonic() - started < 10
+    assert sup.children["polite"].proc.returncode == -signal.SIGTERM
+    assert sup.children["stubborn"].proc.returncode == -signal.SIGKILL
+    assert signal.getsignal(signal.SIGTERM) is not sup.request_stop  # handler given back
+
+
+def _children(pid: int) -> dict[int, str]:
+    """The direct children of ``pid``: {pid: command line}."""
+    found = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
+            found[int(child)] = cmdline.decode(errors="replace")
+    return found
 
 
 @pytest.mark.slow
@@ -58,6 +127,17 @@ def test_batchd_up_embedded_mode_serves_a_batch(tmp_path: Path) -> None:
                 time.sleep(0.5)
         assert [m.id for m in models.data] == ["batchd-demo"]
 
+        # The worker dies (SIGKILL: no cleanup): `batchd up` starts it again, and the batch
+        # below is served by the new one.
+        (worker_pid,) = [p for p, cmd in _children(proc.pid).items() if "celery" in cmd]
+        os.kill(worker_pid, signal.SIGKILL)
+        while "batchd up: starting worker again (restart 1)" not in Path(log.name).read_text():
+            assert time.monotonic() < deadline + 30, Path(log.name).read_text()[-3000:]
+            time.sleep(0.2)
+        assert (
+            "batchd up: worker exited unexpectedly (signal SIGKILL)" in Path(log.name).read_text()
+        )
+
         upload = client.files.create(
             file=(ROOT / "examples" / "chat.jsonl").open("rb"), purpose="batch"
         )
@@ -75,8 +155,14 @@ def test_batchd_up_embedded_mode_serves_a_batch(tmp_path: Path) -> None:
         assert [line.split('"custom_id":"')[1].split('"')[0] for line in lines] == [
             f"req-{i}" for i in range(8)
         ]
+
+        os.killpg(proc.pid, signal.SIGTERM)  # as a terminal's Ctrl-C reaches the whole group
+        assert proc.wait(timeout=30) == 0, Path(log.name).read_text()[-3000:]
+        with pytest.raises(ProcessLookupError):  # nothing of it is left running
+            os.killpg(proc.pid, 0)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:

@@ -1,0 +1,132 @@
+"""The process supervisor of ``batchd up``: runs named children (the API, the worker with its
+embedded beat), starts again one that exits while nobody asked it to (after a backoff that
+doubles from ``min_backoff_s`` to ``max_backoff_s`` with each exit in a row, and starts over
+once the child has run ``stable_s``), and on Ctrl-C or SIGTERM stops them all: SIGTERM, then
+SIGKILL for whatever is left after ``grace_s``. Every exit and restart is logged.
+
+A worker that cannot recover exits non-zero (worker/liveness.py): this is what brings it back.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Child:
+    name: str
+    cmd: list[str]
+    proc: subprocess.Popen | None = None
+    started_at: float = 0.0
+    exits_in_a_row: int = 0
+    restart_at: float | None = None  # when an exited child is due to start again
+    restarts: int = 0
+    codes: list[int] = field(default_factory=list)
+
+
+class Supervisor:
+    def __init__(
+        self,
+        commands: Mapping[str, list[str]],
+        env: Mapping[str, str] | None = None,
+        *,
+        echo: Callable[[str], None] = print,
+        min_backoff_s: float = 1.0,
+        max_backoff_s: float = 30.0,
+        stable_s: float = 60.0,
+        poll_s: float = 0.5,
+    ) -> None:
+        self.children = {name: Child(name, list(cmd)) for name, cmd in commands.items()}
+        self.env = dict(env) if env is not None else None
+        self.echo = echo
+        self.min_backoff_s = min_backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.stable_s = stable_s
+        self.poll_s = poll_s
+        self.stopping = False
+
+    def start(self) -> Supervisor:
+        for child in self.children.values():
+            self._spawn(child)
+        return self
+
+    def _spawn(self, child: Child) -> None:
+        child.proc = subprocess.Popen(child.cmd, env=self.env)
+        child.started_at = time.monotonic()
+        child.restart_at = None
+
+    def backoff_s(self, exits_in_a_row: int) -> float:
+        return min(self.max_backoff_s, self.min_backoff_s * 2 ** max(0, exits_in_a_row - 1))
+
+    def poll(self) -> None:
+        """Notice children that exited and start again those that are due."""
+        now = time.monotonic()
+        for child in self.children.values():
+            if self.stopping:
+                return
+            if child.restart_at is not None:
+                if now >= child.restart_at:
+                    child.restarts += 1
+                    self.echo(f"batchd up: starting {child.name} again (restart {child.restarts})")
+                    self._spawn(child)
+                continue
+            code = child.proc.poll() if child.proc is not None else None
+            if code is None:
+                continue
+            child.codes.append(code)
+            ran = now - child.started_at
+            child.exits_in_a_row = 1 if ran >= self.stable_s else child.exits_in_a_row + 1
+            delay = self.backoff_s(child.exits_in_a_row)
+            child.restart_at = now + delay
+            self.echo(
+                f"batchd up: {child.name} exited unexpectedly ({_describe(code)}) after "
+                f"{ran:.0f}s; restarting in {delay:.0f}s"
+            )
+
+    def request_stop(self, *_args: object) -> None:
+        """Signal-safe: only sets a flag that :meth:`run` reads."""
+        self.stopping = True
+
+    def run(self) -> None:
+        """Supervise until Ctrl-C or SIGTERM (or :meth:`request_stop`), then stop all."""
+        previous = {
+            sig: signal.signal(sig, self.request_stop) for sig in (signal.SIGTERM, signal.SIGINT)
+        }
+        try:
+            while not self.stopping:
+                self.poll()
+                time.sleep(self.poll_s)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def stop(self, grace_s: float = 20.0) -> bool:
+        """SIGTERM every running child, SIGKILL those left after ``grace_s``; True when every
+        one ended within the grace period."""
+        self.stopping = True
+        running = [c.proc for c in self.children.values() if c.proc and c.proc.poll() is None]
+        for proc in running:
+            proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        clean = True
+        for proc in running:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                clean = False
+                proc.kill()
+                proc.wait()
+        return clean
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
