@@ -159,27 +159,39 @@ class EmbeddingHost:
             return taken
 
     def _run(self) -> None:
-        while (round_ := self._take_round()) is not None:
-            live = [e for e in round_ if e.future.set_running_or_notify_cancel()]
-            # One engine call per output size; usually every request asks the model's own size.
-            by_size: dict[int | None, list[_Entry]] = {}
-            for entry in live:
-                by_size.setdefault(entry.dimensions, []).append(entry)
-            for dimensions, entries in by_size.items():
-                flat = [x for e in entries for x in e.inputs]
-                try:
-                    outputs = self.engine.embed_ids(flat, self.engine.check_dimensions(dimensions))
-                except Exception as exc:  # a failed round fails its requests, not the host
-                    logger.exception("embedding round of %d inputs failed", len(flat))
-                    for entry in entries:
-                        entry.future.set_exception(exc)
-                    self.failed += len(entries)
-                    continue
-                at = 0
+        while self._serve_round():
+            pass
+
+    def _serve_round(self) -> bool:
+        """Take one round and run it; False when the host is shut down and drained. Its locals
+        (the round's entries and outputs) end with it, so an idle loop holds none of them."""
+        round_ = self._take_round()
+        if round_ is None:
+            return False
+        self._run_round(round_)
+        return True
+
+    def _run_round(self, round_: list[_Entry]) -> None:
+        live = [e for e in round_ if e.future.set_running_or_notify_cancel()]
+        # One engine call per output size; usually every request asks the model's own size.
+        by_size: dict[int | None, list[_Entry]] = {}
+        for entry in live:
+            by_size.setdefault(entry.dimensions, []).append(entry)
+        for dimensions, entries in by_size.items():
+            flat = [x for e in entries for x in e.inputs]
+            try:
+                outputs = self.engine.embed_ids(flat, self.engine.check_dimensions(dimensions))
+            except Exception as exc:  # a failed round fails its requests, not the host
+                logger.exception("embedding round of %d inputs failed", len(flat))
                 for entry in entries:
-                    entry.future.set_result(outputs[at : at + len(entry.inputs)])
-                    at += len(entry.inputs)
-                self.completed += len(entries)
+                    entry.future.set_exception(exc)
+                self.failed += len(entries)
+                continue
+            at = 0
+            for entry in entries:
+                entry.future.set_result(outputs[at : at + len(entry.inputs)])
+                at += len(entry.inputs)
+            self.completed += len(entries)
 
     def _abort(self, entry: _Entry) -> None:
         if entry.future.set_running_or_notify_cancel():

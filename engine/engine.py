@@ -160,6 +160,7 @@ class Engine:
                 self._final_text(seq)
         request.metrics.finished_time = time.time()
         self._aborted.append(self._output(request))
+        request.seqs = []  # see _postprocess
         return True
 
     def suspend_request(self, request_id: str) -> Request | None:
@@ -293,6 +294,10 @@ class Engine:
                     request.metrics.finished_time = now
                     self.requests.pop(request.request_id, None)
                     done.append(self._output(request))
+                    # A request and its sequences refer to each other: break the cycle, so
+                    # they (and a grammar matcher's native state) are freed now, not at the
+                    # next full collection.
+                    request.seqs = []
         self._stats.total_output_tokens += len(seqs)
         if self.metrics is not None:
             self.metrics.on_sample(now, seqs, done)

@@ -60,7 +60,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine.engine import Engine
@@ -426,51 +426,8 @@ class EngineHost:
             self._counters.base_steps = base.num_steps
             self._counters.base_running_seq_steps = base.total_running_seq_steps
             in_flight: dict[str, Entry] = {}
-            while True:
-                with self._lock:
-                    while (
-                        not (self._pending or self._to_abort or self._stats_requests or in_flight)
-                        and not self._closing
-                    ):
-                        self._work.wait()
-                    to_abort, self._to_abort = self._to_abort, []
-                    stats_requests, self._stats_requests = self._stats_requests, []
-                    admitted: list[Entry] = []
-                    if self._drain:
-                        skip = self._share_out(in_flight) if self._pending else frozenset()
-                        lesser_room = self._guard_urgent(in_flight)
-                        room = self.max_in_flight - len(in_flight)
-                        while room + self.reserved_seqs > 0 and self._pending:
-                            # Past the cap, only urgent work enters (the reserved room), and
-                            # only urgent work while the guard's room for the rest is used.
-                            urgent_only = room <= 0 or lesser_room == 0
-                            entry = self._pending.pop(-1 if urgent_only else None, skip)
-                            if entry is None:
-                                break
-                            if (
-                                entry.suspended is None
-                                and not entry.future.set_running_or_notify_cancel()
-                            ):
-                                self._forget(entry)  # the caller cancelled it while pending
-                                continue
-                            entry.state = IN_FLIGHT
-                            admitted.append(entry)
-                            room -= 1
-                            if lesser_room is not None and entry.priority >= 0:
-                                lesser_room -= 1
-                        if admitted:
-                            self._space.notify_all()
-                    done = self._closing and not self._pending and not in_flight and not admitted
-                for request in stats_requests:
-                    resolve_call(request.future, self._snapshot)
-                if done and not to_abort:
-                    break
-                self._apply_aborts(to_abort, in_flight)
-                self._admit(admitted, in_flight)
-                self._num_in_flight = len(in_flight)
-                if in_flight:
-                    self._step(in_flight)
-                self._num_in_flight = len(in_flight)
+            while self._turn(in_flight):
+                pass
         except BaseException as exc:  # a bug in the host or engine outside step(): fail loudly
             logger.exception("engine host loop died")
             with self._lock:
@@ -486,6 +443,54 @@ class EngineHost:
             for request in requests:
                 fail(request.future, HostError("engine host loop died"), exc)
             raise
+
+    def _turn(self, in_flight: dict[str, Entry]) -> bool:
+        """One turn of the loop: wait for work, apply aborts and stats requests, admit, step.
+        False when the host is shut down and drained. Its locals (the entries it admitted or
+        aborted) end with it, so an idle loop holds nothing of finished work."""
+        with self._lock:
+            while (
+                not (self._pending or self._to_abort or self._stats_requests or in_flight)
+                and not self._closing
+            ):
+                self._guard = None  # idle: no urgent episode goes on
+                self._work.wait()
+            to_abort, self._to_abort = self._to_abort, []
+            stats_requests, self._stats_requests = self._stats_requests, []
+            admitted: list[Entry] = []
+            if self._drain:
+                skip = self._share_out(in_flight) if self._pending else frozenset()
+                lesser_room = self._guard_urgent(in_flight)
+                room = self.max_in_flight - len(in_flight)
+                while room + self.reserved_seqs > 0 and self._pending:
+                    # Past the cap, only urgent work enters (the reserved room), and only
+                    # urgent work while the guard's room for the rest is used.
+                    urgent_only = room <= 0 or lesser_room == 0
+                    entry = self._pending.pop(-1 if urgent_only else None, skip)
+                    if entry is None:
+                        break
+                    if entry.suspended is None and not entry.future.set_running_or_notify_cancel():
+                        self._forget(entry)  # the caller cancelled it while pending
+                        continue
+                    entry.state = IN_FLIGHT
+                    admitted.append(entry)
+                    room -= 1
+                    if lesser_room is not None and entry.priority >= 0:
+                        lesser_room -= 1
+                if admitted:
+                    self._space.notify_all()
+            done = self._closing and not self._pending and not in_flight and not admitted
+        for request in stats_requests:
+            resolve_call(request.future, self._snapshot)
+        if done and not to_abort:
+            return False
+        self._apply_aborts(to_abort, in_flight)
+        self._admit(admitted, in_flight)
+        self._num_in_flight = len(in_flight)
+        if in_flight:
+            self._step(in_flight)
+        self._num_in_flight = len(in_flight)
+        return True
 
     def _share_out(self, in_flight: dict[str, Entry]) -> frozenset[str | None]:
         """Carry out the fair-share plan (``engine.fair_share``); the caller holds the lock.
@@ -520,9 +525,9 @@ class EngineHost:
         plan = guard_urgent(
             list(in_flight.values()), self._pending.count_upto(-1), room_for, self._guard
         )
-        self._guard = plan
         for entry in plan.suspend:
             self._suspend(entry, in_flight)
+        self._guard = replace(plan, suspend=[])  # the episode's bounds; no entries held
         return plan.room
 
     def _suspend(self, entry: Entry, in_flight: dict[str, Entry]) -> bool:

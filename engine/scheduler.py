@@ -32,7 +32,16 @@ HeapItem = tuple[int, int, int, Sequence, int]
 
 class WaitingQueue:
     """Waiting sequences. Entries carry the sequence's epoch at push time; leaving the queue
-    bumps the epoch, so stale entries (admitted, aborted, re-queued) are dropped lazily."""
+    bumps the epoch, so stale entries (admitted, aborted, suspended, re-queued) are dropped
+    lazily as the walks of :meth:`candidates` meet them.
+
+    Lazily is not enough on its own: a walk stops at the first sequence that does not fit, and
+    a prefix bucket is walked only while it has running members, so a stale entry may never be
+    met (a bucket of a prompt that ran once holds its sequence forever). The queue therefore
+    counts the entries it stores and sweeps every stale one out (:meth:`_compact`) when they
+    outnumber the live ones, and drops everything at once when no sequence waits: its memory
+    is bounded by the waiting sequences, at an amortised O(1) per push.
+    """
 
     def __init__(self, policy: str, block_size: int) -> None:
         self.policy = policy
@@ -42,6 +51,8 @@ class WaitingQueue:
         self.heap: list[HeapItem] = []
         self.buckets: dict[object, list[HeapItem]] = {}
         self.size = 0
+        self.stored = 0  # entries in the containers above, stale ones included (an upper bound)
+        self._walking = 0  # candidates() walks in progress: the containers must stay put
 
     def __len__(self) -> int:
         return self.size
@@ -51,21 +62,64 @@ class WaitingQueue:
         seq.epoch += 1
         if self.policy == "fcfs":
             self.fifo.setdefault(seq.priority, deque()).append((seq, seq.epoch))
-            return
-        item = (seq.priority, -seq.expected_work, seq.seq_id, seq, seq.epoch)
-        heapq.heappush(self.heap, item)
-        if seq.bucket is not None:
-            heapq.heappush(self.buckets.setdefault(seq.bucket, []), item)
+            self.stored += 1
+        else:
+            item = (seq.priority, -seq.expected_work, seq.seq_id, seq, seq.epoch)
+            heapq.heappush(self.heap, item)
+            self.stored += 1
+            if seq.bucket is not None:
+                heapq.heappush(self.buckets.setdefault(seq.bucket, []), item)
+                self.stored += 1
+        self._tidy()
 
     def push_front(self, seq: Sequence) -> None:
         self.size += 1
         seq.epoch += 1
         self.preempted.appendleft((seq, seq.epoch))
+        self.stored += 1
+        self._tidy()
 
     def taken(self, seq: Sequence) -> None:
-        """``seq`` left the queue (admitted or aborted)."""
+        """``seq`` left the queue (admitted, aborted or suspended)."""
         self.size -= 1
         seq.epoch += 1
+        self._tidy()
+
+    def _tidy(self) -> None:
+        """Drop the stale entries when no sequence waits or when they outnumber the live ones
+        (a live sequence has at most two entries: the heap's and its bucket's)."""
+        if self._walking:
+            return
+        if self.size == 0:
+            if self.stored:
+                self.preempted.clear()
+                self.fifo.clear()
+                self.heap.clear()
+                self.buckets.clear()
+                self.stored = 0
+        elif self.stored > 4 * self.size + 64:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Keep only live entries, in every container (O(entries))."""
+        self.preempted = deque(e for e in self.preempted if _valid(*e))
+        fifo = {p: deque(e for e in q if _valid(*e)) for p, q in self.fifo.items()}
+        self.fifo = {p: q for p, q in fifo.items() if q}
+        self.heap = [item for item in self.heap if _valid(item[3], item[4])]
+        heapq.heapify(self.heap)
+        buckets: dict[object, list[HeapItem]] = {}
+        for item in self.heap:  # a live entry's bucket entry is the same tuple
+            if item[3].bucket is not None:
+                buckets.setdefault(item[3].bucket, []).append(item)
+        for bucket in buckets.values():
+            heapq.heapify(bucket)
+        self.buckets = buckets
+        self.stored = (
+            len(self.preempted)
+            + sum(map(len, self.fifo.values()))
+            + len(self.heap)
+            + sum(map(len, self.buckets.values()))
+        )
 
     def num_urgent(self) -> int:
         """Waiting sequences with a negative (urgent) priority."""
@@ -79,6 +133,14 @@ class WaitingQueue:
 
     def candidates(self, hot_buckets: dict[object, int]) -> Iterator[tuple[Sequence, bool]]:
         """Waiting sequences in admission order, as (sequence, was_preempted)."""
+        self._walking += 1
+        try:
+            yield from self._candidates(hot_buckets)
+        finally:
+            self._walking -= 1
+            self._tidy()
+
+    def _candidates(self, hot_buckets: dict[object, int]) -> Iterator[tuple[Sequence, bool]]:
         yield from _deque_iter(self.preempted, True)
         if self.policy == "fcfs":
             for priority in sorted(self.fifo):
