@@ -257,7 +257,8 @@ class Traffic:
         next_t = self.clock() + rng.uniform(0, self.opts.submit_every)
         seq = 0
         while not self.stop.is_set():
-            if self.stop.wait(max(0.0, next_t - self.clock())) or self.clock() >= self.end_t:
+            wake = min(next_t, self.end_t)
+            if self.stop.wait(max(0.0, wake - self.clock())) or self.clock() >= self.end_t:
                 return
             seq += 1
             try:
@@ -610,6 +611,8 @@ def run(opts: Options) -> dict[str, Any]:
         progress.stop()
         stack.sample_rss()
         end = clock()
+        # The rows behind each failure, read before the database is dropped.
+        report["db_rows"] = _db_rows(db.url, _violating(tracker, receiver, clock))
     finally:
         traffic.close()
         faults.stop.set()
@@ -628,6 +631,10 @@ def run(opts: Options) -> dict[str, Any]:
         "ok": not tracker.line_violations,
         "batches_checked": sum(1 for r in records if r.checked),
         "lines_accepted": sum(len(r.custom_ids) for r in records if r.validated),
+        # Cancelled or expired while validating: no line was accepted, none is owed.
+        "ended_before_validation": sorted(
+            r.id for r in records if r.status in ("cancelled", "expired") and not r.validated
+        ),
         "violations": tracker.line_violations[:50],
         "violation_count": len(tracker.line_violations),
     }
@@ -709,6 +716,50 @@ def run(opts: Options) -> dict[str, Any]:
     return report
 
 
+def _violating(tracker: Tracker, receiver: Receiver, clock: Clock) -> list[str]:
+    """The batches named by a failed invariant so far (the first 10)."""
+    hooks = webhook_invariant(tracker.records(), receiver.snapshot(), [], clock.at_wall)
+    ids = [v["batch"] for v in tracker.line_violations]
+    ids += [v["batch"] for v in tracker.overdue]
+    ids += [r.id for r in tracker.unsettled()]
+    ids += [v["batch"] for v in hooks["violations"] if "batch" in v]
+    return list(dict.fromkeys(ids))[:10]
+
+
+def _db_rows(database_url: str, batch_ids: list[str]) -> dict[str, Any]:
+    """Each batch's row, its shards and its webhook deliveries, straight from Postgres."""
+    if not batch_ids:
+        return {}
+    from sqlalchemy import create_engine, text
+
+    queries = {
+        "batch": "SELECT id, status, priority, completion_window, created_at, expires_at, "
+        "in_progress_at, finalizing_at, completed_at, failed_at, expired_at, cancelling_at, "
+        "cancelled_at, request_total, request_completed, request_failed, errors FROM batches "
+        "WHERE id = :b",
+        "shards": 'SELECT * FROM shards WHERE batch_id = :b ORDER BY "index"',
+        "webhook_deliveries": "SELECT * FROM webhook_deliveries WHERE batch_id = :b",
+    }
+    engine = create_engine(database_url)
+    out: dict[str, Any] = {}
+    try:
+        with engine.connect() as conn:
+            for b in batch_ids:
+                out[b] = {
+                    name: [
+                        {k: v if isinstance(v, int | float | str | None) else str(v)
+                         for k, v in row._mapping.items()}
+                        for row in conn.execute(text(sql), {"b": b})
+                    ]
+                    for name, sql in queries.items()
+                }  # fmt: skip
+    except Exception as error:
+        out["error"] = f"{type(error).__name__}: {error}"
+    finally:
+        engine.dispose()
+    return out
+
+
 def _code(r: BatchRecord) -> str | None:
     try:
         return r.errors["data"][0]["code"]
@@ -780,6 +831,9 @@ def print_report(report: dict[str, Any], out: Any = sys.stdout) -> None:
         p(f"log lines naming {batch}:")
         for line in lines:
             p(f"  {line}")
+        for table, rows in report.get("db_rows", {}).get(batch, {}).items():
+            for row in rows[:8]:
+                p(f"  {table}: {json.dumps(row, default=str)[:500]}")
     p(f"work dir: {report['work_dir']}{' (kept)' if report['work_dir_kept'] else ' (removed)'}")
 
 

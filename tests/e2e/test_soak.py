@@ -69,7 +69,11 @@ def test_short_soak_holds_its_invariants(private_broker: str, tmp_path: Path) ->
     assert traffic["by_status"].get("completed", 0) >= 10, traffic
     assert invariants["lines"]["lines_accepted"] > 200, invariants["lines"]
     assert invariants["webhooks"]["events_expected"] >= 10, invariants["webhooks"]
-    assert report["keys"]["tenant-a"]["max_priority"] in ("high", None)
+    # Keys from `batchd keys create --max-priority high`: every priority asked for, granted.
+    assert {k["max_priority"] for k in report["keys"].values()} == {"high"}, report["keys"]
+    assert traffic["priority_refused"] == 0, traffic
+    assert {p.split("->")[0] for p in traffic["priorities"]} == {"low", "normal", "high"}
+    assert all(a == b for a, b in (p.split("->") for p in traffic["priorities"])), traffic
     # RSS: every long-lived process was sampled, the restarted ones once per run.
     sampled = {p["name"] for p in invariants["rss"]["processes"] if p["samples"]}
     assert sampled >= {"api", "control", "beat", "model-1", "model-2"}, sampled
