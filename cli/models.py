@@ -1,14 +1,68 @@
-"""The served models as the local processes load them: demo presets built ahead of use."""
+"""The served models as the local processes load them: demo presets built and GGUF files
+converted ahead of use."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 
-def resolve_models(models: dict[str, str]) -> dict[str, str]:
-    """Build demo models named ``demo:<preset>`` ahead of the first request; other specs are
-    returned as they are."""
+
+def resolve_models(
+    models: dict[str, str], say: Callable[[str], None] | None = None
+) -> dict[str, str]:
+    """Build demo models named ``demo:<preset>`` and convert GGUF files (``gguf:<file>``, a
+    package that ships one) ahead of the first request, once: both are cached, so the worker
+    then loads them in seconds and two processes never race to make them. Other specs are
+    returned as they are. A model whose files cannot be served (or whose package is not
+    installed) raises ``ModelSourceError`` naming it; ``say`` reports a conversion (slow)."""
+    from core import gguf_models, served_models
     from engine.demo_models import build
 
     resolved = {}
     for name, spec in models.items():
-        resolved[name] = str(build(spec.split(":", 1)[1])) if spec.startswith("demo:") else spec
+        if spec.startswith("demo:"):
+            resolved[name] = str(build(spec.split(":", 1)[1]))
+            continue
+        try:
+            path = gguf_models.gguf_file(spec)
+            if path is not None:
+                resolved[name] = str(gguf_models.converted_dir(path, say=say))
+                continue
+            if spec.startswith("pkg:"):
+                served_models.package_dir(spec)  # an installed package, or say how to install
+        except ValueError as exc:
+            raise gguf_models.ModelSourceError(f"model {name!r} ({spec}): {exc}") from exc
+        resolved[name] = spec
+    return resolved
+
+
+def describe(name: str, spec: str, path: str) -> str:
+    """One line for ``batchd up``: the served name, its spec and where it loads from."""
+    from core import gguf_models
+
+    if path == spec:
+        return f"model {name!r}: {spec}"
+    info = gguf_models.conversion_info(path)
+    if info is None:
+        return f"model {name!r}: {spec} ({path})"
+    return (
+        f"model {name!r}: {spec} = {info.get('source')}, de-quantised to {info.get('dtype')}, "
+        f"cached in {path}"
+    )
+
+
+def local_model_dir(model: str, say: Callable[[str], None] | None = None) -> str:
+    """The model directory ``model`` names for an engine in this process (``batchd run``): a
+    local directory, a GGUF file (converted once, cached), a spec (``demo:``, ``gguf:``,
+    ``pkg:``) or a name ``BATCHD_MODELS`` serves."""
+    from pathlib import Path
+
+    from core import served_models
+    from core.settings import get_settings
+
+    if Path(model).expanduser().is_dir():
+        return model
+    spec = get_settings().models.get(model, model)
+    resolved = resolve_models({model: spec}, say=say)[model]
+    if resolved.startswith("pkg:"):
+        return str(served_models.package_dir(resolved))
     return resolved

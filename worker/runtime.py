@@ -11,12 +11,14 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from core import metrics, served_models
+from core.gguf_models import ModelSourceError
 from core.settings import get_settings
 
 if TYPE_CHECKING:
@@ -29,6 +31,7 @@ _tokenizers: dict[str, Any] = {}
 _context: dict[str, int] = {}
 _hosts: dict[str, EngineHost] = {}
 _load_locks: dict[str, threading.Lock] = {}
+_refused: dict[str, str] = {}  # served model -> why its files cannot be served
 
 # Options in ``engine_options`` that size the host rather than the engine.
 HOST_OPTIONS = ("max_pending", "engine_backlog", "group_window")
@@ -78,9 +81,23 @@ def model_spec(model: str) -> str:
 
 
 def model_dir(model: str) -> Path:
-    """The local directory of served model ``model`` (demo presets are built on first use)."""
+    """The local directory of served model ``model`` (demo presets are built and GGUF files
+    converted on first use). A model whose files cannot be served (a missing file, not GGUF,
+    an architecture transformers cannot read, a corrupt file) is refused: ``ModelSourceError``
+    naming the model and the file, now and at every later call in this process."""
+    with _lock:
+        refused = _refused.get(model)
+    if refused is not None:
+        raise ModelSourceError(refused)
     spec = model_spec(model)
-    path = served_models.spec_dir(spec)
+    try:
+        path = served_models.spec_dir(spec)
+    except ModelSourceError as exc:
+        message = f"model {model!r} ({spec}) is refused: {exc}"
+        with _lock:
+            _refused[model] = message
+        logger.error("%s", message)
+        raise ModelSourceError(message) from exc
     if path is None:
         from engine.demo_models import build
 
@@ -95,11 +112,14 @@ def tokenizer(model: str) -> Any:
         if host is not None:
             return host.tokenizer
         tok = _tokenizers.get(model)
-        if tok is None:
-            from engine.tokenizer import load_tokenizer
+        if tok is not None:
+            return tok
+    from engine.tokenizer import load_tokenizer
 
-            tok = _tokenizers[model] = load_tokenizer(str(model_dir(model)))
-        return tok
+    path = model_dir(model)  # outside the lock: a GGUF file's first conversion takes a while
+    tok = load_tokenizer(str(path))
+    with _lock:
+        return _tokenizers.setdefault(model, tok)
 
 
 def context_length(model: str) -> int:
@@ -135,10 +155,11 @@ def host(model: str) -> EngineHost:
         settings = get_settings()
         options = dict(settings.engine_options)
         host_options = {k: options.pop(k) for k in HOST_OPTIONS if k in options}
+        started_at = time.monotonic()
         path = model_dir(model)
         logger.info("loading model %s from %s", model, path)
         if served_models.kind_of(model_spec(model)) == "embedding":
-            return _start_embedding_host(model, path, options)
+            return _start_embedding_host(model, path, options, started_at)
         options.setdefault("enable_metrics", settings.metrics_enabled)
         engine = Engine(str(path), **options)
         host_options.setdefault("reserved_share", settings.high_priority_reserved_share)
@@ -151,11 +172,20 @@ def host(model: str) -> EngineHost:
             if configured:
                 _context[model] = int(configured)
         metrics.ENGINE_LOADS.labels(model=model).inc()
-        logger.info("model %s ready", model)
+        runner = getattr(engine, "runner", None)
+        logger.info(
+            "model %s ready: %s on %s, loaded in %.1f s",
+            model,
+            str(getattr(runner, "dtype", "?")).removeprefix("torch."),
+            getattr(runner, "device", "?"),
+            time.monotonic() - started_at,
+        )
         return started
 
 
-def _start_embedding_host(model: str, path: Path, options: dict[str, Any]) -> Any:
+def _start_embedding_host(
+    model: str, path: Path, options: dict[str, Any], started_at: float
+) -> Any:
     """An embedding model's host: its device and dtype from the engine options; its batches
     sized by ``embedding_max_batch_tokens`` (default 16,384 padded tokens)."""
     from engine.embedding import EmbeddingEngine
@@ -171,7 +201,14 @@ def _start_embedding_host(model: str, path: Path, options: dict[str, Any]) -> An
     with _lock:
         _hosts[model] = started
         _context[model] = engine.max_model_len
-    logger.info("model %s ready (embeddings, %d dimensions)", model, engine.dimension)
+    logger.info(
+        "model %s ready (embeddings, %d dimensions): %s on %s, loaded in %.1f s",
+        model,
+        engine.dimension,
+        str(engine.dtype).removeprefix("torch."),
+        engine.device,
+        time.monotonic() - started_at,
+    )
     return started
 
 

@@ -53,6 +53,7 @@ from celery.signals import worker_ready
 
 from core import metrics
 from core.db import session_scope
+from core.gguf_models import ModelSourceError
 from core.lifecycle import BatchStatus, ShardStatus
 from core.logs import bind_log_context, log_context
 from core.models import Batch, Shard
@@ -212,6 +213,8 @@ def _load_served_models(sender: Any = None, **_: Any) -> None:
         for model in models:
             try:
                 runtime.host(model)
+            except ModelSourceError:
+                pass  # logged as refused, naming the model and its file
             except Exception:
                 logger.exception("could not load model %s", model)
 

@@ -57,7 +57,14 @@ def run(
         Path, typer.Argument(exists=True, dir_okay=False, readable=True, help="JSONL batch file.")
     ],
     output: Annotated[Path, typer.Option("-o", "--output", help="Output JSONL file.")],
-    model: Annotated[str, typer.Option("--model", help="Local Hugging Face model directory.")],
+    model: Annotated[
+        str,
+        typer.Option(
+            "--model",
+            help="Local Hugging Face model directory, GGUF file, model spec (gguf:FILE, "
+            "pkg:MODULE, demo:PRESET) or a name BATCHD_MODELS serves.",
+        ),
+    ],
     errors: Annotated[
         Path | None,
         typer.Option("--errors", help="Error JSONL file (default: OUT with .errors.jsonl)."),

@@ -286,11 +286,12 @@ def run_batch_file(
             f"{report.num_invalid} invalid lines go to the error file; running the other {report.num_valid}"
         )
 
+    from cli.models import local_model_dir
     from engine import Engine
 
     say(f"loading {options.model} …")
     try:
-        engine = Engine(options.model, **options.engine_config)
+        engine = Engine(local_model_dir(options.model, say=say), **options.engine_config)
     except Exception as exc:  # a missing or unreadable model dir, a bad engine option
         raise ModelLoadError(f"cannot load the model {options.model}: {exc}") from exc
 
