@@ -123,7 +123,7 @@ an engine-options JSON for BATCHD_ENGINE_OPTIONS, a report (tune.json) and the c
 throughput and step time against the running batch size (tune.png). On a shared CPU pass
 --threads 1. Example:
 
-  batchd tune --model batchd-demo --workload requests.jsonl --kv-memory 256MiB \\
+  batchd tune --model demo:llama-25m --workload requests.jsonl --kv-memory 256MiB \\
       --threads 1 -o engine-options.json
   export BATCHD_ENGINE_OPTIONS="$(cat engine-options.json)"
 """
@@ -305,8 +305,9 @@ latency.png and timeline.png to --out and prints the table: TTFT, inter-token la
 end-to-end time per request and per job, queue time per batch and per shard, input and output
 tokens/s, engine occupancy (p50/p90/p99), RSS per process, and the requests rejected. Example:
 
-  batchd bench --broker-url redis://127.0.0.1:6379/9 --jobs 8 --rate 0.5 \\
-      --requests-per-job uniform:10:40 --tenants a:3,b:1 --priorities normal:3,high:1 --out bench/
+  batchd bench --model demo:llama-25m --broker-url redis://127.0.0.1:6379/9 --jobs 8 \\
+      --rate 0.5 --requests-per-job uniform:10:40 --tenants a:3,b:1 \\
+      --priorities normal:3,high:1 --out bench/
 """
 
 
@@ -337,7 +338,8 @@ def bench(
         str | None,
         typer.Option(
             help="The served model the requests name (default: the first of BATCHD_MODELS; "
-            "with --url, the service's first generation model)."
+            "with --url, the service's first generation model). Embedded, also demo:<preset>, "
+            "served as batchd-demo: the random demo model, where speed matters more than words."
         ),
     ] = None,  # fmt: skip
     engine_options: EngineOptionsOpt = None,
@@ -382,6 +384,10 @@ def bench(
         key = api_key or next((k.partition("=")[2] for k in tenant_key or ()), None)
         model = _served_model(url, key)
     name = model or next(iter(served))
+    if url is None and name not in served and name.startswith("demo:"):
+        from core.settings import DEMO_MODEL_NAME
+
+        served, name = {DEMO_MODEL_NAME: name}, DEMO_MODEL_NAME  # a demo preset, as batchd-demo
     if url is None and name not in served:
         raise typer.BadParameter(
             f"{name!r} is not served (BATCHD_MODELS: {', '.join(served)})", param_hint="--model"

@@ -21,7 +21,7 @@ def test_bench_embedded_service_reports_every_metric(
 ) -> None:
     from core.settings import get_settings
 
-    monkeypatch.setenv("BATCHD_MODELS", json.dumps({"batchd-demo": "demo:llama-tiny"}))
+    monkeypatch.delenv("BATCHD_MODELS", raising=False)  # --model names the demo preset
     monkeypatch.setenv("BATCHD_ENGINE_OPTIONS", "{}")
     get_settings.cache_clear()
     schedule = tmp_path / "schedule.jsonl"
@@ -38,7 +38,8 @@ def test_bench_embedded_service_reports_every_metric(
         result = CliRunner().invoke(
             app,
             [
-                "bench", "--database-url", pg_url, "--broker-url", redis_url,
+                "bench", "--model", "demo:llama-tiny", "--database-url", pg_url,
+                "--broker-url", redis_url,
                 "--schedule", str(schedule), "--input-len", "uniform:8:24",
                 "--output-len", "uniform:3:8", "--shard-requests", "2",
                 "--interval", "0.2", "--poll", "0.2", "--out", str(out),
