@@ -45,6 +45,7 @@ from celery.signals import (
 )
 from kombu.transport import TRANSPORT_ALIASES
 from kombu.transport import redis as kombu_redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from core.queue import (
     CONTROL_QUEUE,
@@ -146,8 +147,25 @@ SOCKET_CONNECT_TIMEOUT_S = 5.0
 SOCKET_TIMEOUT_S = 30.0
 
 
+class RedisChannel(kombu_redis.Channel):
+    """kombu's Redis channel, except that one already closed raises a connection error when it
+    is used (a pooled producer that still holds it publishes; a task delivered on it finishes
+    and is acknowledged) instead of ``AttributeError: 'NoneType' object has no attribute
+    'client'``: a closed channel is detached from its transport (``connection`` None), which
+    ``_connparams`` reads. A connection error is what callers handle: kombu's ``ensure``
+    reconnects and revives the producer; an acknowledgement is logged as not sent (its message
+    was restored to the queue when the channel closed, or is after the visibility timeout; its
+    task runs again, and tasks are idempotent)."""
+
+    def _connparams(self, asynchronous: bool = False) -> dict[str, Any]:
+        if self.connection is None:
+            raise RedisConnectionError("the channel is closed (its broker connection was lost)")
+        return super()._connparams(asynchronous=asynchronous)
+
+
 class RedisTransport(kombu_redis.Transport):
-    """kombu's Redis transport, except that a closed transport keeps its connection info.
+    """kombu's Redis transport, except that a closed transport keeps its connection info, and
+    its channels are :class:`RedisChannel`.
 
     When the consumer loses the broker, Celery closes its connection
     (``Consumer.on_connection_error_after_connected``: ``connection.collect()`` then
@@ -168,6 +186,8 @@ class RedisTransport(kombu_redis.Transport):
     with a connection error that Celery handles; the consumer reconnects.
     """
 
+    Channel = RedisChannel
+
     @property
     def client(self) -> Any:
         return self.__dict__.get("_conninfo")
@@ -186,6 +206,14 @@ def broker_transport(broker_url: str) -> str | None:
     """The transport for ``broker_url`` (None: the one its scheme names). Not for
     ``rediss://``: kombu derives its TLS defaults from that scheme's name."""
     return REDIS_TRANSPORT if broker_url.startswith("redis://") else None
+
+
+# Publishing (a task that a task sends, a control step's retry, beat's sweeps) waits out a
+# broker outage of up to about a minute. Celery's default gives up after about a second, and
+# a control step whose retry cannot be published is rejected: lost until the stuck-batch
+# sweep sends it again (stuck_batch_after_s, minutes later).
+PUBLISH_RETRY_POLICY = {"max_retries": 30, "interval_start": 0, "interval_step": 0.5,
+                        "interval_max": 2.0}  # fmt: skip
 
 
 def create_app() -> Celery:
@@ -230,6 +258,7 @@ def create_app() -> Celery:
         worker_cancel_long_running_tasks_on_connection_loss=False,
         # A channel error (Redis answering READONLY after a failover, say) reconnects too.
         broker_channel_error_retry=True,
+        task_publish_retry_policy=PUBLISH_RETRY_POLICY,
         task_default_queue=CONTROL_QUEUE,
         # Shard tasks name their model's queue when they are sent (core.queue.model_queue).
         task_routes=routes,

@@ -1,13 +1,26 @@
-"""Outages in the middle of a job: Postgres and then Redis cut off (every connection closed,
-new ones refused) for a few seconds through TCP proxies that the API and workers connect
-through. The API answers 503 while the database is away; the job completes, correctly."""
+"""Outages in every phase of a job: Postgres and Redis cut off (every connection closed, new
+ones refused) for a few seconds through TCP proxies that the API, the workers and beat connect
+through. The API answers 503 while the database is away; no process dies or hangs; the job
+completes, correctly.
+
+* :func:`test_database_and_broker_outages_mid_job`: while shards run (Postgres, then Redis,
+  which may also catch the last shard finishing and its finalize being sent);
+* :func:`test_outages_while_control_steps_hold_their_messages`: Redis while a validate holds
+  its unacknowledged message (the control worker once died there: kombu's reconnect raised
+  ``AttributeError`` restoring it), then Postgres and Redis together while a finalize does,
+  which then fails and has to publish its retry through the outage; beat keeps sending its
+  sweeps after each.
+
+A step is held at the right moment by ``outage_faults`` (loaded into the control worker)."""
 
 from __future__ import annotations
 
 import io
 import json
+import os
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,6 +41,7 @@ from tests.helpers.tcp_proxy import TcpProxy
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 
 OUTAGE_S = 4.0
+HERE = Path(__file__).resolve().parent
 
 
 def test_database_and_broker_outages_mid_job(pg_url, private_broker, tmp_path, procs: Procs):
@@ -160,3 +174,132 @@ def _download(client: Any, file_id: str | None) -> list[dict[str, Any]]:
     r = client.get(f"/v1/files/{file_id}/content")
     assert r.status_code == 200, r.text
     return [json.loads(x) for x in r.text.splitlines() if x.strip()]
+
+
+def test_outages_while_control_steps_hold_their_messages(
+    pg_url, private_broker, tmp_path, procs: Procs
+):
+    import httpx
+
+    from tests.conftest import PG_HOST, PG_PORT
+
+    redis_port = int(private_broker.rsplit(":", 1)[1].split("/")[0])
+    pg = TcpProxy(PG_HOST, PG_PORT).start()
+    rd = TcpProxy("127.0.0.1", redis_port).start()
+    pauses = tmp_path / "pauses"
+    pauses.mkdir()
+    try:
+        env = stack_env(
+            pg.url_for(pg_url, PG_PORT),
+            rd.url_for(private_broker, redis_port),
+            tmp_path,
+            BATCHD_SHARD_MAX_REQUESTS="8",
+            BATCHD_WORKER_SHARD_CONCURRENCY="2",
+            BATCHD_ENGINE_OPTIONS=json.dumps({"max_num_seqs": 4}),
+            BATCHD_RELEASE_SWEEP_INTERVAL_S="1",
+            BATCHD_RECLAIM_SWEEP_INTERVAL_S="2",
+            BATCHD_EXPIRY_SWEEP_INTERVAL_S="2",
+            BATCHD_TEST_PAUSE_DIR=str(pauses),
+            PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])),
+        )
+        port = free_port()
+        client = httpx.Client(
+            base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {API_KEY}"}
+        )
+        control = [*celery_command("control", "control", tmp_path), "-I", "outage_faults"]
+        # Beat at DEBUG: the lines of the sweeps it sends are DEBUG (worker.celery_app).
+        beat = [*celery_command("beat", "beat", tmp_path)[:-1], "DEBUG"]
+        procs.start("api", api_command(port), env)
+        procs.start("control", control, env)
+        procs.start("beat", beat, env)
+        procs.start("model", celery_command("model", "model", tmp_path), env)
+        procs.wait_log("model", f"model {MODEL} ready", 120)
+        procs.wait_log("control", "ready.", 60)
+
+        def broker_lost(count: int) -> None:
+            procs.wait_log("control", "Connection to broker lost", 30, count=count)
+
+        def beat_sends_again() -> None:
+            seen = procs.log("beat").count("Sending due task")
+            procs.wait_log("beat", "Sending due task", 30, count=seen + 2)
+
+        # Validate: Redis goes while the control worker holds the validate's message (one of
+        # its two threads busy, the other waiting in BRPOP), and comes back while it runs.
+        (pauses / "validate").touch()
+        (pauses / "finalize").touch()
+        ids = [f"s{i}" for i in range(8)]
+        batch_id = _create_batch(client, ids)
+        started = pauses / f"validate-{batch_id}.started"
+        wait_for(started.exists, 60, "the validate to start", procs.logs)
+        rd.cut()
+        broker_lost(1)
+        (pauses / f"validate-{batch_id}.go").touch()
+        time.sleep(OUTAGE_S)
+        rd.resume()
+        beat_sends_again()
+
+        # Finalize: Postgres and Redis go while it holds its message; let go, it fails on the
+        # database and publishes its retry through the broker outage.
+        started = pauses / f"finalize-{batch_id}.started"
+        wait_for(started.exists, 120, "the finalize to start", procs.logs)
+        rd.cut()
+        pg.cut()
+        broker_lost(2)
+        (pauses / f"finalize-{batch_id}.go").touch()
+        time.sleep(OUTAGE_S)
+        pg.resume()
+        rd.resume()
+        beat_sends_again()
+
+        final = _wait_until_done(client, batch_id, procs)
+        assert final["status"] == "completed", (final, procs.logs())
+        out = _download(client, final["output_file_id"])
+        assert not _download(client, final["error_file_id"])
+        assert [r["custom_id"] for r in out] == ids
+        assert final["request_counts"] == {"total": 8, "completed": 8, "failed": 0}
+        # Every process rode it out: none exited, the control worker never gave up.
+        procs.check_alive()
+        control_log = procs.log("control")
+        assert "Unrecoverable error" not in control_log, control_log[-5000:]
+        assert "Error on stopping Hub" not in control_log
+        assert control_log.count(f"resumed: finalize of {batch_id}") == 1
+        assert rd.refused > 0 and pg.refused > 0
+    finally:
+        pg.close()
+        rd.close()
+
+
+def _create_batch(client: Any, ids: list[str]) -> str:
+    data = b"".join(
+        json.dumps(chat_line(c, f"the outage report {c}", 8, ignore_eos=True)).encode() + b"\n"
+        for c in ids
+    )
+    f = client.post(
+        "/v1/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", io.BytesIO(data))}
+    )
+    assert f.status_code == 200, f.text
+    created = client.post(
+        "/v1/batches",
+        json={
+            "input_file_id": f.json()["id"],
+            "endpoint": "/v1/chat/completions",
+            "completion_window": "24h",
+        },
+    )
+    assert created.status_code == 200, created.text
+    return created.json()["id"]
+
+
+def _wait_until_done(client: Any, batch_id: str, procs: Procs) -> dict[str, Any]:
+    done = ("completed", "failed", "expired", "cancelled")
+    last: dict[str, Any] = {}
+
+    def finished() -> bool:
+        procs.check_alive()
+        r = client.get(f"/v1/batches/{batch_id}")
+        if r.status_code == 200:
+            last.update(r.json())
+        return last.get("status") in done
+
+    wait_for(finished, 150, "the batch to finish", procs.logs)
+    return last
