@@ -120,13 +120,7 @@ def test_database_and_broker_outages_mid_job(pg_url, private_broker, tmp_path, p
         rd.outage(OUTAGE_S).join()
         assert rd.refused > 0
 
-        wait_for(
-            lambda: batch()["status"] in ("completed", "failed", "expired", "cancelled"),
-            150,
-            "the batch to finish",
-            procs.logs,
-        )
-        final = batch()
+        final = _wait_until_done(client, batch_id, procs)
         assert final["status"] == "completed", (final, procs.logs())
         out = _download(client, final["output_file_id"])
         err = _download(client, final["error_file_id"])
@@ -134,7 +128,9 @@ def test_database_and_broker_outages_mid_job(pg_url, private_broker, tmp_path, p
         assert Counter(r["custom_id"] for r in out) == Counter(ids)
         assert [r["custom_id"] for r in out] == ids
         assert final["request_counts"] == {"total": 18, "completed": 18, "failed": 0}
+        procs.check_alive()  # no process died on the way
         logs = procs.log("model") + procs.log("control")
+        assert "Unrecoverable error" not in logs
         print(
             f"pg refused {pg.refused} connections, redis {rd.refused}; "
             f"{logs.count('; retry ')} retried database/broker calls logged"
@@ -182,6 +178,7 @@ def test_outages_while_control_steps_hold_their_messages(
     import httpx
 
     from tests.conftest import PG_HOST, PG_PORT
+    from worker import liveness
 
     redis_port = int(private_broker.rsplit(":", 1)[1].split("/")[0])
     pg = TcpProxy(PG_HOST, PG_PORT).start()
@@ -209,10 +206,22 @@ def test_outages_while_control_steps_hold_their_messages(
         control = [*celery_command("control", "control", tmp_path), "-I", "outage_faults"]
         # Beat at DEBUG: the lines of the sweeps it sends are DEBUG (worker.celery_app).
         beat = [*celery_command("beat", "beat", tmp_path)[:-1], "DEBUG"]
+        # Each worker's liveness file, touched every second while its consumer loop turns or
+        # it reconnects; a loop stalled for a minute would end the process (worker/liveness.py).
+        alive = {name: tmp_path / f"{name}.alive" for name in ("control", "model")}
+        live = {"BATCHD_WORKER_LIVENESS_INTERVAL_S": "1", "BATCHD_WORKER_HANG_TIMEOUT_S": "60"}
         procs.start("api", api_command(port), env)
-        procs.start("control", control, env)
+        procs.start(
+            "control",
+            control,
+            {**env, **live, "BATCHD_WORKER_LIVENESS_FILE": str(alive["control"])},
+        )
         procs.start("beat", beat, env)
-        procs.start("model", celery_command("model", "model", tmp_path), env)
+        procs.start(
+            "model",
+            celery_command("model", "model", tmp_path),
+            {**env, **live, "BATCHD_WORKER_LIVENESS_FILE": str(alive["model"])},
+        )
         procs.wait_log("model", f"model {MODEL} ready", 120)
         procs.wait_log("control", "ready.", 60)
 
@@ -263,6 +272,9 @@ def test_outages_while_control_steps_hold_their_messages(
         assert "Unrecoverable error" not in control_log, control_log[-5000:]
         assert "Error on stopping Hub" not in control_log
         assert control_log.count(f"resumed: finalize of {batch_id}") == 1
+        for name, path in alive.items():
+            healthy, why = liveness.health(str(path), interval_s=1.0)
+            assert healthy, (name, why)
         assert rd.refused > 0 and pg.refused > 0
     finally:
         pg.close()
