@@ -22,6 +22,7 @@ from sqlalchemy import (
     TypeDecorator,
     UniqueConstraint,
     func,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
@@ -201,6 +202,16 @@ class WebhookDelivery(Base):
     """One webhook event for a batch reaching a terminal status, and its delivery attempts."""
 
     __tablename__ = "webhook_deliveries"
+    # The beat sweep's question ("recorded, never attempted, older than a minute") reads only
+    # the few rows still waiting, however many events the table has kept.
+    __table_args__ = (
+        Index(
+            "ix_webhook_deliveries_unsent",
+            "created_at",
+            postgresql_where=text("status = 'pending' AND attempts = 0"),
+            sqlite_where=text("status = 'pending' AND attempts = 0"),
+        ),
+    )
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)  # the event's webhook-id
     batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"), index=True)

@@ -1,4 +1,4 @@
-"""api key max priority, ui sessions
+"""api key max priority, ui sessions, the webhook sweep's index
 
 Revision ID: 07af6648b2b4
 Revises: 0f4d6855057f
@@ -36,10 +36,20 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("id", name=op.f("pk_ui_sessions")),
     )
     op.create_index(op.f("ix_ui_sessions_expires_at"), "ui_sessions", ["expires_at"], unique=False)
+    # The webhook sweep reads only deliveries never attempted (an outbox that is kept).
+    op.create_index(
+        "ix_webhook_deliveries_unsent",
+        "webhook_deliveries",
+        ["created_at"],
+        unique=False,
+        postgresql_where=sa.text("status = 'pending' AND attempts = 0"),
+        sqlite_where=sa.text("status = 'pending' AND attempts = 0"),
+    )
 
 
 def downgrade() -> None:
     """Downgrade schema."""
+    op.drop_index("ix_webhook_deliveries_unsent", table_name="webhook_deliveries")
     op.drop_index(op.f("ix_ui_sessions_expires_at"), table_name="ui_sessions")
     op.drop_table("ui_sessions")
     with op.batch_alter_table("api_keys", schema=None) as batch_op:
