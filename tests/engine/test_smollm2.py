@@ -42,7 +42,7 @@ QUESTIONS = [
     "How do I boil an egg?",
     "What does a CPU do?",
 ]
-MAX_TOKENS = 32
+MAX_TOKENS = 24
 # What the tickets of examples/structured.jsonl say, by custom_id.
 SENTIMENT = {
     "ticket-1": "negative",
@@ -92,14 +92,16 @@ def prompts(engine: Engine) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(path: str, engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
-    """Greedy ``generate()`` of each prompt alone, stopping at the engine's end tokens."""
+    """Greedy ``generate()`` of each prompt alone, stopping at the engine's end tokens, on the
+    engine's device."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    device = engine.runner.device  # the test device (conftest), so both use its kernels
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
     out = []
     with torch.inference_mode():
         for prompt in prompts:
-            ids = torch.tensor([prompt])
+            ids = torch.tensor([prompt], device=device)
             gen = model.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
@@ -148,8 +150,8 @@ def test_default_config_equals_generate(
 def test_chunked_prefill_preemption_and_prefix_caching_equal_generate(
     path: str, prompts: list[list[int]], reference: list[list[int]]
 ) -> None:
-    """16 blocks of 16 tokens hold two or three of the eight sequences at full length (up to
-    6 blocks each), and a budget of 32 tokens a step cuts every prompt (about 56 tokens, the
+    """16 blocks of 16 tokens hold three of the eight sequences at full length (up to 5
+    blocks each), and a budget of 32 tokens a step cuts every prompt (about 56 tokens, the
     first 32 of them the shared system prompt) into chunks."""
     engine = Engine(path, num_kv_blocks=16, max_num_batched_tokens=32, admission="fcfs")
     _check(engine, prompts, reference)
