@@ -15,7 +15,9 @@ Decisions worth knowing:
   block). Completion ``i`` samples with ``seed + i`` when a seed is given. Forks never push
   the running set past ``max_num_seqs``: those that do not fit wait first in line and take
   the prompt's blocks from the prefix cache when admitted (they recompute the prompt when
-  prefix caching is off).
+  prefix caching is off). A caller that schedules completions one by one (the host, so that
+  an ``n > 1`` request holds ``n`` slots of the fair shares and each can be suspended) adds
+  them as single requests with ``completion_index``: same tokens, counted once.
 """
 
 from __future__ import annotations
@@ -84,12 +86,33 @@ class Engine:
         params: SamplingParams | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        completion_index: int = 0,
     ) -> None:
         """Queue a request. ``priority``: lower is admitted first (vLLM's convention); requests
         already running are never preempted for it. ``cache_salt`` (vLLM's name): the request
         reuses cached prompt blocks only of requests with the same salt; a multi-tenant caller
-        passes the tenant, so no tenant can see (or time) another's cached prompts."""
+        passes the tenant, so no tenant can see (or time) another's cached prompts.
+
+        ``completion_index``: the request is completion ``completion_index`` of an ``n > 1``
+        request that its caller split into single completions (``params.n`` 1), each of which
+        it can schedule and suspend on its own: it samples with ``seed + completion_index``
+        (the completion an unsplit request gives that index), its output's one completion
+        carries that index, and only completion 0 counts the prompt, its cache hit and the
+        request in the engine's statistics, as an unsplit request counts once. Completions
+        admitted together read the prompt's blocks from the prefix cache after the first
+        computes them."""
         params = params or SamplingParams()
+        if (
+            isinstance(completion_index, bool)
+            or not isinstance(completion_index, int)
+            or not 0 <= completion_index < 128
+            or (completion_index and params.n != 1)
+        ):
+            raise RequestError(
+                f"request {request_id!r}: completion_index must be an integer in [0, 128) and "
+                f"needs n == 1, got {completion_index!r} with n={params.n}",
+                "invalid_request",
+            )
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise RequestError(
                 f"request {request_id!r}: cache_salt must be a non-empty string or None, got {cache_salt!r}",
@@ -134,7 +157,14 @@ class Engine:
             RequestMetrics(arrival_time=time.time()),
             cache_salt=cache_salt,
         )
-        seq = Sequence(request, 0, list(prompt), max_len, self._generator(params, 0))
+        request.admitted = completion_index > 0  # counted by completion 0 (_count_prompt)
+        seq = Sequence(
+            request,
+            completion_index,
+            list(prompt),
+            max_len,
+            self._generator(params, completion_index),
+        )
         if params.json_schema is not None:
             try:
                 seq.matcher = self.grammar.matcher(params.json_schema)
@@ -300,7 +330,9 @@ class Engine:
                     request.seqs = []
         self._stats.total_output_tokens += len(seqs)
         if self.metrics is not None:
-            self.metrics.on_sample(now, seqs, done)
+            # A completion of a split request (completion_index > 0) counts as no request.
+            counted = [out for out in done if out.outputs[0].index == 0]
+            self.metrics.on_sample(now, seqs, counted)
         return done
 
     def _fork(self, parent: Sequence, index: int) -> Sequence:

@@ -20,6 +20,17 @@ hold every slot gets its share at once; the newest requests of less urgent tiers
 tenants above their share, are suspended (``Engine.suspend_request``: KV freed, output kept)
 and resume first in their batch (``fair_share=False`` turns this off).
 
+An ``n > 1`` request is split into ``n`` single completions (``engine.host_entry.split``),
+each an entry of its own in the queue, the shares and the in-flight cap, suspended like any
+other: it holds ``n`` slots, not one, and one tenant's ``n = 128`` lines cannot take the
+engine from the others (as one engine request it would hold a slot while its completions,
+forked inside the engine, filled every other one and queued ahead of everyone). The engine
+runs completion ``i`` with ``completion_index=i``, which gives the tokens the unsplit request
+gives it (with prefix caching, completions admitted together compute the prompt once and
+read its full blocks from the cache); the caller's future resolves once, with all ``n``
+completions. The stats' counters count requests; ``pending`` and ``in_flight`` count
+completions.
+
 Memory stays bounded: a batch may hold at most ``group_window`` pending requests (default
 ``max_num_seqs``, enough to refill every slot of the engine at once, so a batch alone keeps it
 full) and at most its even share of ``max_pending``; ``submit`` blocks, optionally with a
@@ -61,6 +72,7 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 from engine.engine import Engine
@@ -70,11 +82,13 @@ from engine.host_entry import (
     IN_FLIGHT,
     PENDING,
     Entry,
+    Fanout,
     abort_output,
     expected_tokens,
     fail,
     resolve,
     resolve_call,
+    split,
 )
 from engine.outputs import HostStats, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -173,6 +187,7 @@ class EngineHost:
         self._space = threading.Condition(self._lock)  # producers wait here while full
         self._pending = FairQueue(aging_s)
         self._live: dict[str, Entry] = {}  # pending and in flight, by request id
+        self._fanouts: dict[str, Fanout] = {}  # split n > 1 requests, by the caller's id
         self._groups: dict[str, set[str]] = {}
         self._to_abort: list[Entry] = []  # in-flight entries the loop must abort in the engine
         self._stats_requests: list[_StatsRequest] = []
@@ -276,8 +291,13 @@ class EngineHost:
             tenant=tenant,
             cost=expected_tokens(prompt, params),
         )
+        fanout, entries = split(entry) if params.n > 1 else (None, [entry])
         if callback is not None:
             entry.future.add_done_callback(callback)
+        if fanout is not None:
+            for e in entries:
+                e.future.add_done_callback(partial(self._settle, fanout, e.index))
+            entry.future.add_done_callback(partial(self._on_cancel, entry.request_id))
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             while True:
@@ -296,12 +316,18 @@ class EngineHost:
                         f"{self.group_window}) after waiting {timeout or 0:g}s"
                     )
                 self._space.wait(remaining)
-            if entry.request_id in self._live:
-                raise ValueError(f"request id {entry.request_id!r} is already pending or in flight")
-            self._live[entry.request_id] = entry
-            if group is not None:
-                self._groups.setdefault(group, set()).add(entry.request_id)
-            self._pending.push(entry)
+            taken = [e.request_id for e in entries if e.request_id in self._live]
+            if entry.request_id in self._live or entry.request_id in self._fanouts or taken:
+                raise ValueError(
+                    f"request id {(taken or [entry.request_id])[0]!r} is already pending or in flight"
+                )
+            if fanout is not None:
+                self._fanouts[entry.request_id] = fanout
+            for e in entries:
+                self._live[e.request_id] = e
+                if group is not None:
+                    self._groups.setdefault(group, set()).add(e.request_id)
+                self._pending.push(e)
             self._counters.submitted += 1
             self._work.notify()
         return entry.future
@@ -322,7 +348,17 @@ class EngineHost:
 
     def abort(self, request_id: str) -> bool:
         """Abort one pending or in-flight request; False if it is unknown or already done."""
-        return self._abort_where(lambda e: e.request_id == request_id, ids=[request_id]) > 0
+        with self._lock:
+            fanout = self._fanouts.get(request_id)
+        if fanout is not None:
+            members = fanout.member_ids()
+            return self._abort_where(lambda e: e.fanout is fanout, ids=members) > 0
+        return (
+            self._abort_where(
+                lambda e: e.request_id == request_id and e.fanout is None, ids=[request_id]
+            )
+            > 0
+        )
 
     def abort_group(self, group: str) -> int:
         """Abort every pending and in-flight request of ``group`` at once.
@@ -358,6 +394,8 @@ class EngineHost:
             raise HostError("engine host is shut down")
 
     def _abort_where(self, match: Callable[[Entry], bool], ids: Iterable[str] | None = None) -> int:
+        """Abort the live entries that ``match`` (among ``ids``); returns how many requests
+        they are (the completions of a split request count as one)."""
         with self._lock:
             candidates = (
                 [self._live[i] for i in ids if i in self._live]
@@ -371,7 +409,7 @@ class EngineHost:
                 self._pending.remove(pending)
                 for e in pending:
                     self._forget(e)
-                self._counters.aborted += len(pending)
+                self._counters.aborted += _requests(pending)
                 self._space.notify_all()
             for e in in_flight:
                 e.abort_requested = True
@@ -380,11 +418,14 @@ class EngineHost:
                 self._work.notify()
         for e in pending:
             resolve(e.future, abort_output(e))
-        return len(entries)
+        return len({id(e.fanout or e) for e in entries})
 
     def _forget(self, entry: Entry) -> None:
         """Drop an entry from the indexes; the caller holds the lock."""
-        self._live.pop(entry.request_id, None)
+        if self._live.pop(entry.request_id, None) is not None and entry.fanout is not None:
+            entry.fanout.live -= 1
+            if entry.fanout.live == 0:
+                self._fanouts.pop(entry.fanout.request_id, None)
         if entry.group is not None:
             members = self._groups.get(entry.group)
             if members is not None:
@@ -435,6 +476,7 @@ class EngineHost:
                 entries = list(self._live.values())
                 self._pending.clear()
                 self._live.clear()
+                self._fanouts.clear()
                 self._groups.clear()
                 requests, self._stats_requests = self._stats_requests, []
                 self._space.notify_all()
@@ -469,7 +511,7 @@ class EngineHost:
                     entry = self._pending.pop(-1 if urgent_only else None, skip)
                     if entry is None:
                         break
-                    if entry.suspended is None and not entry.future.set_running_or_notify_cancel():
+                    if entry.suspended is None and not _claim(entry):
                         self._forget(entry)  # the caller cancelled it while pending
                         continue
                     entry.state = IN_FLIGHT
@@ -552,6 +594,7 @@ class EngineHost:
                 self._engine.resume_request(handle)
                 in_flight[entry.request_id] = entry
                 continue
+            split_kw = {"completion_index": entry.index} if entry.index else {}
             try:
                 self._engine.add_request(
                     entry.request_id,
@@ -559,6 +602,7 @@ class EngineHost:
                     entry.params,
                     entry.priority,
                     cache_salt=entry.cache_salt,
+                    **split_kw,
                 )
             except Exception as exc:  # RequestError, or a bad argument the engine rejects
                 failures.append((entry, exc))
@@ -568,7 +612,7 @@ class EngineHost:
             with self._lock:
                 for entry, _ in failures:
                     self._forget(entry)
-                self._counters.failed += len(failures)
+                self._counters.failed += _requests(e for e, _ in failures)
             for entry, exc in failures:
                 fail(entry.future, exc)
 
@@ -588,7 +632,7 @@ class EngineHost:
             if not known:
                 del in_flight[entry.request_id]
                 lost.append(entry)
-        self._finish([(e, abort_output(e)) for e in lost], aborted=len(lost))
+        self._finish([(e, abort_output(e)) for e in lost], aborted=_requests(lost))
 
     def _step(self, in_flight: dict[str, Entry]) -> None:
         try:
@@ -606,11 +650,11 @@ class EngineHost:
             # Requests already being aborted resolve as aborts; the rest carry the error.
             aborted = [e for e in entries if e.abort_requested]
             failed = [e for e in entries if not e.abort_requested]
-            self._finish([(e, abort_output(e)) for e in aborted], aborted=len(aborted))
+            self._finish([(e, abort_output(e)) for e in aborted], aborted=_requests(aborted))
             with self._lock:
                 for entry in failed:
                     self._forget(entry)
-                self._counters.failed += len(failed)
+                self._counters.failed += _requests(failed)
             for entry in failed:
                 fail(entry.future, EngineStepError(f"engine step failed: {exc!r}"), exc)
             return
@@ -622,7 +666,7 @@ class EngineHost:
             if entry is None:
                 continue
             finished.append((entry, output))
-            if any(c.finish_reason == "abort" for c in output.outputs):
+            if entry.fanout is None and any(c.finish_reason == "abort" for c in output.outputs):
                 aborted += 1
         self._finish(finished, aborted=aborted)
         if in_flight and not outputs and not self._engine.has_unfinished_requests():
@@ -632,7 +676,7 @@ class EngineHost:
             with self._lock:
                 for entry in lost:
                     self._forget(entry)
-                self._counters.failed += len(lost)
+                self._counters.failed += _requests(lost)
             for entry in lost:
                 fail(entry.future, EngineStepError("the engine dropped this request"))
 
@@ -643,6 +687,56 @@ class EngineHost:
             for entry, _ in finished:
                 self._forget(entry)
             self._counters.aborted += aborted
-            self._counters.completed += len(finished) - aborted
+            self._counters.completed += _requests(e for e, _ in finished) - aborted
         for entry, output in finished:
             resolve(entry.future, output)
+
+    def _settle(self, fanout: Fanout, index: int, future: Future) -> None:
+        """Completion ``index`` of a split request resolved (on whichever thread resolved it):
+        the caller's future resolves with the request's output once every completion has
+        one, or fails with the first error, and then its other completions are aborted."""
+        error = future.exception()
+        output = None if error is not None else future.result()
+        with self._lock:
+            merged, first_error = fanout.settle(index, output, error)
+            counted = not fanout.future.cancelled()
+            if merged is not None and counted:
+                if any(c.finish_reason == "abort" for c in merged.outputs):
+                    self._counters.aborted += 1
+                else:
+                    self._counters.completed += 1
+            elif first_error is not None and counted:
+                self._counters.failed += 1
+        if merged is not None:
+            resolve(fanout.future, merged)
+        elif first_error is not None:
+            fail(fanout.future, first_error)
+            self._abort_where(lambda e: e.fanout is fanout, ids=fanout.member_ids())
+
+    def _on_cancel(self, request_id: str, future: Future) -> None:
+        """The caller cancelled a split request while it was pending: drop its completions.
+        (By id, not by its :class:`Fanout`: the caller's future must not hold the fanout,
+        which holds the future, or the two would wait for the cyclic collector.)"""
+        if future.cancelled():
+            self.abort(request_id)
+
+
+def _claim(entry: Entry) -> bool:
+    """Mark the caller's future running as ``entry`` is admitted; False if the caller
+    cancelled it (or, for a completion of a split request, if the request already failed)."""
+    if entry.fanout is None:
+        return entry.future.set_running_or_notify_cancel()
+    caller = entry.fanout.future
+    if not caller.running():
+        try:
+            if not caller.set_running_or_notify_cancel():
+                return False
+        except RuntimeError:  # already failed, by another of its completions
+            return False
+    return entry.future.set_running_or_notify_cancel()
+
+
+def _requests(entries: Iterable[Entry]) -> int:
+    """How many of ``entries`` are requests of their own: the completions of a split request
+    are counted once, when the request settles (``EngineHost._settle``)."""
+    return sum(1 for e in entries if e.fanout is None)

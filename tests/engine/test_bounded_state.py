@@ -33,7 +33,7 @@ from engine.embedding import EmbeddingOutput
 from engine.embedding_host import EmbeddingHost
 from engine.embedding_host import _Entry as EmbeddingEntry
 from engine.host import EngineHost
-from engine.host_entry import Entry
+from engine.host_entry import Entry, Fanout
 from engine.sequence import Request, Sequence
 
 # Containers whose size is fixed when their owner is built, whatever the traffic:
@@ -60,7 +60,7 @@ FIXED_SIZE = frozenset(
     }
 )
 CONTAINERS = (dict, list, set, frozenset, tuple, collections.deque, bytearray)
-PER_REQUEST_TYPES = frozenset({Sequence, Request, Entry, EmbeddingEntry, EmbeddingOutput})
+PER_REQUEST_TYPES = frozenset({Sequence, Request, Entry, Fanout, EmbeddingEntry, EmbeddingOutput})
 
 
 def _attributes(obj: Any) -> list[tuple[str, Any]]:

@@ -449,3 +449,28 @@ def test_only_single_unfinished_requests_can_be_suspended(path: str) -> None:
     engine.resume_request(suspended)
     out = _drain(engine)["waiting"]
     assert len(out.outputs[0].token_ids) == 4
+
+
+def test_a_completion_index_samples_as_that_completion_and_counts_once(path: str) -> None:
+    """An n > 1 request split by its caller into single requests with ``completion_index``
+    gives the completions the engine's own fork gives, and counts as one request."""
+    engine = Engine(path)
+    prompt = _prompt(70, 40)
+    params = SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=9, ignore_eos=True)
+    engine.add_request("n", prompt, params)
+    forked = _drain(engine)["n"]
+    before = engine.stats()
+    e2e_before = engine.metrics.e2e_request_latency_s.snapshot().count
+    single = SamplingParams(max_tokens=8, temperature=1.0, seed=9, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(f"c{i}", prompt, single, completion_index=i)
+    done = _drain(engine)
+    split = [done[f"c{i}"].outputs for i in range(3)]
+    assert [len(outs) for outs in split] == [1, 1, 1]
+    assert [outs[0].index for outs in split] == [0, 1, 2]
+    assert [outs[0].token_ids for outs in split] == [c.token_ids for c in forked.outputs]
+    stats = engine.stats()
+    assert stats.total_prompt_tokens - before.total_prompt_tokens == len(prompt)
+    assert engine.metrics.e2e_request_latency_s.snapshot().count - e2e_before == 1
+    with pytest.raises(RequestError, match="completion_index"):
+        engine.add_request("bad", prompt, params, completion_index=1)

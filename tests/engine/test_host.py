@@ -533,3 +533,93 @@ def test_a_flat_step_cost_holds_no_bulk_back_beside_urgent_work(model_dir: Path)
     beside, _other, exact = _bulk_beside_urgent(model_dir, lambda n: 0.010)
     assert beside and max(beside) == 2, beside
     assert exact
+
+
+def test_a_new_tenant_gets_its_share_beside_n_completion_requests(model_dir: Path) -> None:
+    """Tenant A's two n=64 requests are 128 completions, each holding a slot of its own (not
+    one slot per request, with 126 forks queued ahead of everyone inside the engine): tenant
+    B's small batch arriving behind them gets its share at once, as beside single
+    completions, and every completion is exactly its greedy output."""
+    wide = SamplingParams(n=64, max_tokens=12, temperature=0.0, ignore_eos=True)
+    short = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    a_prompts, b_prompts = _prompts(2, seed=51), _prompts(3, seed=52)
+    llm = LLM(str(model_dir), max_num_seqs=8)
+    single = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    want_a = [o.outputs[0].token_ids for o in llm.generate(a_prompts, single, use_tqdm=False)]
+    want_b = [o.outputs[0].token_ids for o in llm.generate(b_prompts, short, use_tqdm=False)]
+    with EngineHost(_engine(model_dir, max_num_seqs=4)) as host:
+        a = [host.submit(p, wide, group="wide", tenant="A") for p in a_prompts]
+        deadline = time.monotonic() + 60
+        while host.stats().engine.num_running < 4 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert host.stats().in_flight == 4  # four completions, four slots
+        steps_before = host.stats().steps
+        b = [host.submit(p, short, group="small", tenant="B") for p in b_prompts]
+        got_b = [f.result(timeout=60).outputs[0].token_ids for f in b]
+        steps_for_b = host.stats().steps - steps_before
+        assert not any(f.done() for f in a)
+        outs_a = [f.result(timeout=300) for f in a]
+        stats = host.stats()
+    # As beside single requests (test_a_new_tenant_gets_its_share_of_a_full_engine_at_once):
+    # B's share is 2 of the 4 slots, its three 6-token requests run in two waves (about 14
+    # steps). Before n > 1 requests were split, B waited for A's 128 completions (~380 steps).
+    assert steps_for_b <= 24, steps_for_b
+    assert stats.suspended >= 2
+    assert got_b == want_b
+    for out, want in zip(outs_a, want_a, strict=True):
+        assert [c.index for c in out.outputs] == list(range(64))
+        assert all(c.token_ids == want for c in out.outputs)
+        assert all(c.finish_reason == "length" for c in out.outputs)
+    assert stats.completed == 5 and stats.submitted == 5
+    assert (stats.pending, stats.in_flight, stats.engine.kv_blocks_used) == (0, 0, 0)
+
+
+def test_a_split_request_gives_the_engines_own_n_completions(model_dir: Path) -> None:
+    """Completion i samples with seed + i, whether the engine forks the request or the host
+    splits it; the prompt is counted once in the engine's statistics."""
+    prompt = _prompts(1, seed=53, lo=40, hi=40)[0]
+    params = SamplingParams(n=6, max_tokens=10, temperature=0.9, seed=17, ignore_eos=True)
+    want = LLM(str(model_dir), max_num_seqs=8).generate([prompt], params, use_tqdm=False)[0]
+    with EngineHost(_engine(model_dir, max_num_seqs=4)) as host:
+        got = host.submit(prompt, params, request_id="six", tenant="A").result(timeout=60)
+        stats = host.stats()
+    assert got.request_id == "six" and got.prompt_token_ids == prompt
+    assert [c.index for c in got.outputs] == list(range(6))
+    assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
+    assert [c.text for c in got.outputs] == [c.text for c in want.outputs]
+    assert len({tuple(c.token_ids) for c in got.outputs}) > 1
+    assert stats.engine.total_prompt_tokens == len(prompt)
+    assert stats.completed == 1 and stats.submitted == 1
+    assert got.metrics.first_token_time is not None and got.metrics.finished_time is not None
+
+
+def test_abort_cancel_and_refusal_of_a_split_request(model_dir: Path) -> None:
+    """A split request is one request to its caller: ``abort`` with its id aborts every
+    completion (its output carries n aborted ones), cancelling it while it is pending takes
+    all of them out of the queue, a refusal fails it once, and each counts once."""
+    long = SamplingParams(n=5, max_tokens=500, temperature=0.0, ignore_eos=True)
+    host = EngineHost(_engine(model_dir, max_num_seqs=2, max_model_len=512), max_pending=16)
+    cancelled = host.submit([5, 6, 7], long, request_id="cancel-me")
+    assert cancelled.cancel()  # still pending: the caller may cancel it
+    assert host.stats().pending == 0  # its completions left the queue
+    running = host.submit([5, 6, 7, 8], long, request_id="running")
+    for taken in ("running", "running#2"):
+        with pytest.raises(ValueError, match="already pending or in flight"):
+            host.submit([5, 6, 7], GREEDY, request_id=taken)
+    with host:
+        deadline = time.monotonic() + 60
+        while host.stats().engine.num_running < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert not host.abort("running#1")  # a completion is not a request of its own
+        assert host.abort("running")
+        out = running.result(timeout=30)
+        assert [c.index for c in out.outputs] == list(range(5))
+        assert all(c.finish_reason == "abort" for c in out.outputs)
+        assert any(c.token_ids for c in out.outputs)  # those in flight had begun
+        refused = host.submit(list(range(3, 603)), SamplingParams(n=3), request_id="too-long")
+        assert isinstance(refused.exception(timeout=30), RequestError)
+        after = host.submit([5, 6, 7], GREEDY).result(timeout=30)  # the host keeps serving
+        assert after.outputs[0].finish_reason == "length"
+        stats = host.stats()
+    assert (stats.submitted, stats.completed, stats.aborted, stats.failed) == (4, 1, 1, 1)
+    assert (stats.pending, stats.in_flight, stats.engine.kv_blocks_used) == (0, 0, 0)
