@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import gc
 import inspect
+import json
 import random
 import threading
 import time
@@ -409,3 +410,42 @@ def test_embedding_host_state_is_empty_after_hundreds_of_requests() -> None:
         assert live_request_objects() == {}
     finally:
         host.shutdown()
+
+
+def test_the_rss_benchmark_reports_its_curve(tmp_path: Path) -> None:
+    """``benchmarks/engine_rss.py`` on a few hundred requests: its samples, its figures, and
+    nothing left in the engine or the host after its run."""
+    from benchmarks import engine_rss
+
+    out = tmp_path / "rss.json"
+    figures = engine_rss.main(["--requests", "300", "--sample-every", "100", "--json", str(out)])
+    assert [s["requests"] for s in figures["samples"]] == [0, 100, 200, 300]
+    assert all(s["rss_mb"] > 0 for s in figures["samples"])
+    assert figures["warmup_requests"] == 100 and figures["requests_per_s"] > 0
+    assert set(figures["left_after_run"].values()) == {0}
+    assert json.loads(out.read_text())["growth_after_warmup_mb"] == pytest.approx(
+        figures["growth_after_warmup_mb"]
+    )
+
+
+def test_the_waiting_queue_stays_bounded_under_a_standing_backlog(model_dir: Path) -> None:
+    """Between two steps the waiting queue holds at most a few entries per waiting sequence,
+    also while it never empties (the sweep, not only the drop when it does): a backlog of
+    about 20 sequences, 1,500 passing through it."""
+    engine = Engine(str(model_dir), max_num_seqs=4, num_kv_blocks=64)
+    rng = random.Random(5)
+    waiting = engine.scheduler.waiting
+    prompts = _distinct(rng, 1500, 17, 40)
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    worst, smallest = 0, 1500
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+        if i >= 20 and i % 4 == 3:
+            engine.step()  # four admitted and finished per step, four added
+            entries = len(waiting.heap) + sum(map(len, waiting.buckets.values()))
+            worst = max(worst, entries - 4 * len(waiting))
+            smallest = min(smallest, len(waiting))
+    assert smallest > 0  # it never emptied
+    assert worst <= 64, worst
+    _drain(engine)
+    assert find_leaks(engine) == []
