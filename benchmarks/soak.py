@@ -128,7 +128,7 @@ def _chat(rng: random.Random, cid: str, short_window: bool) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": CHAT_MODEL,
         "messages": [{"role": "user", "content": _text(rng, rng.randint(3, 30))}],
-        "max_tokens": rng.randint(32, 64) if short_window else rng.randint(4, 24),
+        "max_tokens": rng.randint(48, 96) if short_window else rng.randint(4, 24),
     }
     if short_window or rng.random() < 0.3:
         body["ignore_eos"] = True
@@ -179,7 +179,7 @@ def make_spec(rng: random.Random, opts: Options, tenant: str, seq: int) -> Spec:
     kind = rng.choices(list(kinds), weights=list(kinds.values()))[0]
     short = kind != "broken" and rng.random() < opts.short_window_share
     window = f"{rng.choice(opts.short_windows)}s" if short else "24h"
-    n = rng.randint(12, 32) if short else rng.randint(3, opts.max_lines)
+    n = rng.randint(16, 40) if short else rng.randint(3, opts.max_lines)
     prefix = f"{tenant}-{seq:05d}-"
     ids = [f"{prefix}{i:03d}" for i in range(n)]
     lines: list[Any]
@@ -196,7 +196,7 @@ def make_spec(rng: random.Random, opts: Options, tenant: str, seq: int) -> Spec:
         if kind == "broken":
             lines[rng.randrange(n)] = '{"custom_id": "broken", not json'
     priority = rng.choices(["low", "normal", "high"], weights=[1, 2, 1])[0]
-    cancel = rng.uniform(0.5, 8.0) if rng.random() < opts.cancel_share else None
+    cancel = rng.uniform(0.2, 4.0) if rng.random() < opts.cancel_share else None
     return Spec(
         kind, endpoint, lines, ids, window, priority, rng.random() < opts.webhook_share, cancel
     )
@@ -454,7 +454,7 @@ class Options:
     model_workers: int = 2
     embeddings: bool = True
     short_window_share: float = 0.15
-    short_windows: tuple[int, ...] = (20, 30, 45)
+    short_windows: tuple[int, ...] = (5, 10, 20)
     cancel_share: float = 0.1
     webhook_share: float = 0.75
     webhook_flaky: float = 0.15
@@ -820,7 +820,8 @@ def print_report(report: dict[str, Any], out: Any = sys.stdout) -> None:
     p("rss (MiB; growth after warm-up):")
     for proc in report["invariants"]["rss"]["processes"]:
         judged = (
-            f"growth {proc['growth_mib']:+.1f} (allowed {proc['allowed_mib']}), slope "
+            f"growth {proc['growth_mib']:+.1f} (allowed {proc['allowed_mib']}; second half "
+            f"{proc['second_half_growth_mib']:+.1f}), slope "
             f"{proc['slope_mib_per_h']:+.1f}/h over {proc['span_s']} s"
             if proc["judged"] else "not judged (too short)"
         )  # fmt: skip

@@ -451,12 +451,18 @@ def rss_invariant(
             first = statistics.median(kb for t, kb in after if t <= after[0][0] + window_s)
             last = statistics.median(kb for t, kb in after if t >= after[-1][0] - window_s)
             growth = (last - first) / 1024
+            # The second half alone: a leak grows as much there as in the first; an allocator
+            # still reaching its high-water mark mostly in the first.
+            mid_t = (after[0][0] + after[-1][0]) / 2
+            middle = [kb for t, kb in after if abs(t - mid_t) <= window_s / 2] or [last]
+            late = (last - statistics.median(middle)) / 1024
             allowed = max(tolerance_mib, tolerance_pct / 100 * first / 1024)
             span_h = (after[-1][0] - after[0][0]) / 3600
             entry.update(
                 judged=True,
                 after_warmup_mib=round(first / 1024, 1),
                 growth_mib=round(growth, 1),
+                second_half_growth_mib=round(late, 1),
                 allowed_mib=round(allowed, 1),
                 slope_mib_per_h=round(_slope(after) / 1024, 1),
                 span_s=round(span_h * 3600),

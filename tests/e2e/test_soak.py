@@ -209,6 +209,8 @@ def test_rss_rule_judges_growth_after_warm_up() -> None:
     assert by_name["flat"]["flat"] and by_name["flat"]["growth_mib"] == 0
     assert not by_name["short"]["judged"]
     assert by_name["leak"]["slope_mib_per_h"] == pytest.approx(500 * 3600 / 1024, rel=0.01)
+    leak = by_name["leak"]
+    assert leak["second_half_growth_mib"] == pytest.approx(leak["growth_mib"] / 2, rel=0.1)
     report_only = rss_invariant([leaking], 100, 30, 48, 10, report_only=True)
     assert report_only["ok"] and report_only["not_flat"]
 
