@@ -128,7 +128,7 @@ def _chat(rng: random.Random, cid: str, short_window: bool) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": CHAT_MODEL,
         "messages": [{"role": "user", "content": _text(rng, rng.randint(3, 30))}],
-        "max_tokens": rng.randint(48, 96) if short_window else rng.randint(4, 24),
+        "max_tokens": rng.randint(128, 256) if short_window else rng.randint(4, 24),
     }
     if short_window or rng.random() < 0.3:
         body["ignore_eos"] = True
@@ -453,8 +453,8 @@ class Options:
     max_lines: int = 24
     model_workers: int = 2
     embeddings: bool = True
-    short_window_share: float = 0.15
-    short_windows: tuple[int, ...] = (5, 10, 20)
+    short_window_share: float = 0.1
+    short_windows: tuple[int, ...] = (2, 4, 8)
     cancel_share: float = 0.1
     webhook_share: float = 0.75
     webhook_flaky: float = 0.15
@@ -708,6 +708,14 @@ def run(opts: Options) -> dict[str, Any]:
         unplanned_exits=[asdict(u) for u in stack.unplanned],
         invariants=inv,
     )
+    report["batches"] = [
+        {"id": r.id, "tenant": r.tenant, "kind": r.kind, "lines": len(r.custom_ids),
+         "window": r.window, "priority": r.priority, "webhook": r.webhook, "status": r.status,
+         "created_t": round(r.created_t, 1),
+         "ended_t": None if r.ended_at is None else round(clock.at_wall(r.ended_at), 1),
+         "outputs": r.outputs, "error_codes": dict(r.error_codes)}
+        for r in records
+    ]  # fmt: skip
     report["log_excerpts"] = _excerpts(work, inv) if work.exists() else {}
     keep = opts.keep or not report["ok"]
     report["work_dir_kept"] = keep
