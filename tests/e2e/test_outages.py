@@ -78,24 +78,7 @@ def test_database_and_broker_outages_mid_job(pg_url, private_broker, tmp_path, p
         procs.wait_log("model", f"model {MODEL} ready", 120)
 
         ids = [f"o{i:02d}" for i in range(18)]
-        data = b"".join(
-            json.dumps(chat_line(c, f"the outage report {c}", 24, ignore_eos=True)).encode() + b"\n"
-            for c in ids
-        )
-        f = client.post(
-            "/v1/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", io.BytesIO(data))}
-        )
-        assert f.status_code == 200, f.text
-        created = client.post(
-            "/v1/batches",
-            json={
-                "input_file_id": f.json()["id"],
-                "endpoint": "/v1/chat/completions",
-                "completion_window": "24h",
-            },
-        )
-        assert created.status_code == 200, created.text
-        batch_id = created.json()["id"]
+        batch_id = _create_batch(client, ids, max_tokens=24)
 
         def batch() -> dict[str, Any]:
             return client.get(f"/v1/batches/{batch_id}").json()
@@ -281,9 +264,10 @@ def test_outages_while_control_steps_hold_their_messages(
         rd.close()
 
 
-def _create_batch(client: Any, ids: list[str]) -> str:
+def _create_batch(client: Any, ids: list[str], max_tokens: int = 8) -> str:
     data = b"".join(
-        json.dumps(chat_line(c, f"the outage report {c}", 8, ignore_eos=True)).encode() + b"\n"
+        json.dumps(chat_line(c, f"the outage report {c}", max_tokens, ignore_eos=True)).encode()
+        + b"\n"
         for c in ids
     )
     f = client.post(
