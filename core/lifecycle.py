@@ -113,6 +113,8 @@ def record_webhook_event(session: Session, batch_id: str, status: str, url: str)
     """Insert the pending ``webhook_deliveries`` row of ``batch_id`` having ended in
     ``status`` (in the caller's transaction); return its id, the event id."""
     delivery_id = webhook_event_id()
+    # Whole seconds: the event's created_at is unix seconds, the same on every attempt.
+    created = now().replace(microsecond=0)
     session.execute(
         insert(WebhookDelivery).values(
             id=delivery_id,
@@ -121,8 +123,8 @@ def record_webhook_event(session: Session, batch_id: str, status: str, url: str)
             url=url,
             status=DeliveryStatus.PENDING,
             attempts=0,
-            # Whole seconds: the event's created_at is unix seconds, the same on every attempt.
-            created_at=now().replace(microsecond=0),
+            created_at=created,
+            next_attempt_at=created,
         )
     )
     return delivery_id

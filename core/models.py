@@ -202,14 +202,14 @@ class WebhookDelivery(Base):
     """One webhook event for a batch reaching a terminal status, and its delivery attempts."""
 
     __tablename__ = "webhook_deliveries"
-    # The beat sweep's question ("recorded, never attempted, older than a minute") reads only
-    # the few rows still waiting, however many events the table has kept.
+    # The beat sweep's question ("pending, its next attempt overdue") reads only the rows still
+    # pending, however many events the table has kept.
     __table_args__ = (
         Index(
-            "ix_webhook_deliveries_unsent",
-            "created_at",
-            postgresql_where=text("status = 'pending' AND attempts = 0"),
-            sqlite_where=text("status = 'pending' AND attempts = 0"),
+            "ix_webhook_deliveries_due",
+            "next_attempt_at",
+            postgresql_where=text("status = 'pending'"),
+            sqlite_where=text("status = 'pending'"),
         ),
     )
 
@@ -223,3 +223,8 @@ class WebhookDelivery(Base):
     last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_at: Mapped[datetime] = mapped_column(Timestamp, server_default=func.now())
     delivered_at: Mapped[datetime | None] = mapped_column(Timestamp, nullable=True)
+    # When the next attempt is due: the event's creation, then (while an attempt runs) its
+    # end at the latest, then the retry's time. A pending row overdue by more than
+    # webhook_unsent_after_s lost its attempt (a killed worker, a broker or database blip) and
+    # the sweep enqueues it again.
+    next_attempt_at: Mapped[datetime | None] = mapped_column(Timestamp, nullable=True)

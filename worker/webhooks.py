@@ -8,8 +8,11 @@ transaction: an outbox, so the event exists exactly when the terminal status has
 whichever path ended the batch. After the commit the actor calls :func:`notify`, which only
 enqueues the delivery task on the control queue (best effort). If that enqueue fails, or the
 process dies between the commit and the enqueue, the beat sweep (:func:`sweep_unsent`) sends
-the row once it has been pending, never attempted, for ``settings.webhook_unsent_after_s``:
-every event is delivered at least once, always under the same event id. The event is shaped
+the row once its next attempt (``next_attempt_at``: at first its creation, then the end of a
+running attempt, then its retry's time) is ``settings.webhook_unsent_after_s`` overdue; so
+does an attempt or retry lost on the way (a killed worker, a task lost in a broker blip, a
+database write refused): every event is delivered at least once, always under the same event
+id. The event is shaped
 like OpenAI's batch webhooks::
 
     {"id": "evt_…", "object": "event", "type": "batch.completed", "created_at": 1700000000,
@@ -79,6 +82,8 @@ SECRET_PREFIX = "whsec_"
 USER_AGENT = "batchd-webhooks/1"
 #: How much of a receiver's answer is read (into ``last_error`` on a failed attempt).
 ANSWER_BYTES_KEPT = 200
+#: A delivery task this early for its row's next attempt is a duplicate, and does nothing.
+DUE_SLACK_S = 2.0
 
 
 def backoff_s(attempts: int) -> float:
@@ -227,6 +232,9 @@ def attempt(delivery_id: str, *, resolver: Resolver = system_resolver) -> float 
         delivery = session.get(WebhookDelivery, delivery_id)
         if delivery is None or delivery.status != DeliveryStatus.PENDING:
             return None
+        due = delivery.next_attempt_at
+        if due is not None and (due - now()).total_seconds() > DUE_SLACK_S:
+            return None  # a duplicate task ahead of the retry its attempt scheduled
         secret = session.scalar(select(Batch.webhook_secret).where(Batch.id == delivery.batch_id))
         seen = delivery.attempts
         body = event_body(delivery)
@@ -240,7 +248,12 @@ def attempt(delivery_id: str, *, resolver: Resolver = system_resolver) -> float 
                 WebhookDelivery.status == DeliveryStatus.PENDING,
                 WebhookDelivery.attempts == seen,
             )
-            .values(attempts=seen + 1)
+            .values(
+                attempts=seen + 1,
+                # Due again once this attempt should have ended: if it is lost (a killed
+                # worker, a blip), the sweep sends the event again.
+                next_attempt_at=now() + timedelta(seconds=settings.webhook_timeout_s),
+            )
             .execution_options(synchronize_session=False)
         ).rowcount
     if claimed != 1:
@@ -283,6 +296,9 @@ def attempt(delivery_id: str, *, resolver: Resolver = system_resolver) -> float 
         values.update(status=DeliveryStatus.DELIVERED, delivered_at=now())
     elif final:
         values["status"] = DeliveryStatus.FAILED
+    else:
+        wait = backoff_s(number)
+        values["next_attempt_at"] = now() + timedelta(seconds=wait)
     with session_scope() as session:
         session.execute(
             update(WebhookDelivery)
@@ -296,7 +312,6 @@ def attempt(delivery_id: str, *, resolver: Resolver = system_resolver) -> float 
     if final:
         logger.warning("webhook %s failed after %s attempts: %s", delivery_id, number, error)
         return None
-    wait = backoff_s(number)
     logger.info(
         "webhook %s attempt %s failed (%s); retry in %.1fs", delivery_id, number, error, wait
     )
@@ -304,9 +319,11 @@ def attempt(delivery_id: str, *, resolver: Resolver = system_resolver) -> float 
 
 
 def sweep_unsent(older_than_s: float | None = None) -> int:
-    """Enqueue deliveries recorded but never attempted for ``older_than_s`` (default
-    ``settings.webhook_unsent_after_s``: the actor that committed the transition died before
-    enqueueing, or the broker refused the task); return how many were enqueued."""
+    """Enqueue the pending deliveries whose next attempt is overdue by ``older_than_s``
+    (default ``settings.webhook_unsent_after_s``): never sent (the actor that committed the
+    transition died before enqueueing, or the broker refused the task), or an attempt or retry
+    lost on the way (its worker killed, its task lost in a broker blip, its database write
+    refused); return how many were enqueued."""
     if older_than_s is None:
         older_than_s = get_settings().webhook_unsent_after_s
     cutoff = now() - timedelta(seconds=older_than_s)
@@ -316,8 +333,7 @@ def sweep_unsent(older_than_s: float | None = None) -> int:
                 select(WebhookDelivery.id)
                 .where(
                     WebhookDelivery.status == DeliveryStatus.PENDING,
-                    WebhookDelivery.attempts == 0,
-                    WebhookDelivery.created_at < cutoff,
+                    WebhookDelivery.next_attempt_at < cutoff,
                 )
                 .limit(1000)
             )
@@ -325,7 +341,7 @@ def sweep_unsent(older_than_s: float | None = None) -> int:
     for delivery_id in ids:
         send(TASK_DELIVER_WEBHOOK, delivery_id, queue=CONTROL_QUEUE)
     if ids:
-        logger.warning("re-enqueued %s webhook deliveries never attempted", len(ids))
+        logger.warning("re-enqueued %s webhook deliveries whose attempt is overdue", len(ids))
     return len(ids)
 
 

@@ -1,4 +1,4 @@
-"""api key max priority, ui sessions, the webhook sweep's index
+"""api key max priority, ui sessions, when a webhook's next attempt is due
 
 Revision ID: 07af6648b2b4
 Revises: 0f4d6855057f
@@ -36,20 +36,28 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("id", name=op.f("pk_ui_sessions")),
     )
     op.create_index(op.f("ix_ui_sessions_expires_at"), "ui_sessions", ["expires_at"], unique=False)
-    # The webhook sweep reads only deliveries never attempted (an outbox that is kept).
-    op.create_index(
-        "ix_webhook_deliveries_unsent",
+    # When a webhook delivery's next attempt is due, so that the sweep can send again one
+    # whose attempt was lost; the rows recorded before it are due since their creation.
+    op.add_column(
         "webhook_deliveries",
-        ["created_at"],
+        sa.Column("next_attempt_at", sa.DateTime(timezone=True), nullable=True),
+    )
+    op.execute("UPDATE webhook_deliveries SET next_attempt_at = created_at")
+    op.create_index(
+        "ix_webhook_deliveries_due",
+        "webhook_deliveries",
+        ["next_attempt_at"],
         unique=False,
-        postgresql_where=sa.text("status = 'pending' AND attempts = 0"),
-        sqlite_where=sa.text("status = 'pending' AND attempts = 0"),
+        postgresql_where=sa.text("status = 'pending'"),
+        sqlite_where=sa.text("status = 'pending'"),
     )
 
 
 def downgrade() -> None:
     """Downgrade schema."""
-    op.drop_index("ix_webhook_deliveries_unsent", table_name="webhook_deliveries")
+    op.drop_index("ix_webhook_deliveries_due", table_name="webhook_deliveries")
+    with op.batch_alter_table("webhook_deliveries", schema=None) as batch_op:
+        batch_op.drop_column("next_attempt_at")
     op.drop_index(op.f("ix_ui_sessions_expires_at"), table_name="ui_sessions")
     op.drop_table("ui_sessions")
     with op.batch_alter_table("api_keys", schema=None) as batch_op:

@@ -139,3 +139,60 @@ def test_notify_enqueues_the_recorded_event_once(worker_env, redis_url):
     assert queued_deliveries(redis_url).count(row["id"]) == 1
     assert webhooks.notify(batch_id, "completed") is None  # not the status it ended in
     assert len(outbox(batch_id)) == 1
+
+
+def test_an_attempt_or_retry_lost_on_the_way_is_sent_again_by_the_sweep(
+    worker_env, redis_url, monkeypatch
+):
+    """An attempt whose worker dies mid-POST, and a retry whose task is lost (a SIGKILL, a
+    broker blip), leave the row pending with attempts made: the sweep sends it again once its
+    next attempt is overdue, and a duplicate task ahead of that time does nothing."""
+    from sqlalchemy import update
+
+    from core.db import session_scope
+    from core.lifecycle import now
+    from core.models import WebhookDelivery
+    from worker import webhooks
+
+    batch_id = batch_with_webhook()
+    assert end(batch_id, "failed")
+    (row,) = outbox(batch_id)
+
+    class Killed(BaseException):
+        """The worker dying in the middle of the POST."""
+
+    def killed(*args, **kwargs):
+        raise Killed
+
+    monkeypatch.setattr(webhooks, "post_pinned", killed)
+    with pytest.raises(Killed):
+        webhooks.attempt(row["id"])
+    assert outbox(batch_id)[0]["attempts"] == 1  # claimed, then lost
+    assert row["id"] not in queued_deliveries(redis_url)
+    webhooks.sweep_unsent(older_than_s=0)  # the attempt may still be running
+    assert row["id"] not in queued_deliveries(redis_url)
+    webhooks.sweep_unsent(older_than_s=-60)  # ... until it is overdue (its timeout is 10 s)
+    assert queued_deliveries(redis_url).count(row["id"]) == 1
+
+    def time_passes() -> None:  # the row's next attempt has come
+        with session_scope() as session:
+            session.execute(
+                update(WebhookDelivery)
+                .where(WebhookDelivery.id == row["id"])
+                .values(next_attempt_at=now())
+            )
+
+    time_passes()
+    monkeypatch.setattr(webhooks, "post_pinned", lambda *a, **k: (500, "try later"))
+    wait = webhooks.attempt(row["id"])
+    assert wait is not None and wait > 0  # a retry is scheduled...
+    assert outbox(batch_id)[0]["attempts"] == 2
+    assert webhooks.attempt(row["id"]) is None  # ... and a duplicate task before it is a no-op
+    assert outbox(batch_id)[0]["attempts"] == 2
+    assert webhooks.sweep_unsent(older_than_s=-(wait + 60)) >= 1  # the retry's task was lost
+    assert queued_deliveries(redis_url).count(row["id"]) == 2
+
+    time_passes()
+    monkeypatch.setattr(webhooks, "post_pinned", lambda *a, **k: (204, ""))
+    assert webhooks.attempt(row["id"]) is None
+    assert outbox(batch_id)[0] | {"attempts": 0} == row | {"status": "delivered"}
