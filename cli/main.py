@@ -48,15 +48,22 @@ def development_key(settings) -> str | None:
     return plaintext
 
 
-def worker_command(queues: list[str], concurrency: int, *, beat: bool, home: str) -> list[str]:
-    cmd = [
+def worker_command(queues: list[str], concurrency: int) -> list[str]:
+    return [
         sys.executable, "-m", "celery", "-A", "worker.celery_app", "worker",
         "-Q", ",".join(queues), "--pool", "threads", "-c", str(concurrency),
         "--loglevel", "INFO", "-n", f"batchd-{os.getpid()}@%h",
     ]  # fmt: skip
-    if beat:
-        cmd += ["-B", "-s", os.path.join(home, "celerybeat-schedule")]
-    return cmd
+
+
+def beat_command(home: str) -> list[str]:
+    """Beat as a child of its own, not the worker's ``-B``: an embedded beat is a process the
+    worker forks, which outlives a worker killed with SIGKILL (and runs beside the restarted
+    worker's own)."""
+    return [
+        sys.executable, "-m", "celery", "-A", "worker.celery_app", "beat",
+        "-s", os.path.join(home, "celerybeat-schedule"), "--loglevel", "INFO",
+    ]  # fmt: skip
 
 
 WORKER_METRICS_PORT = 9101
@@ -111,9 +118,8 @@ def up(
     commands: dict[str, list[str]] = {}
     if workers:
         queues = [CONTROL_QUEUE, *(model_queue(m) for m in settings.models)]
-        commands["worker"] = worker_command(
-            queues, settings.worker_shard_concurrency + 2, beat=True, home=str(settings.home)
-        )
+        commands["worker"] = worker_command(queues, settings.worker_shard_concurrency + 2)
+        commands["beat"] = beat_command(str(settings.home))
     commands["api"] = [
         sys.executable, "-m", "uvicorn", "api.app:app", "--host", host, "--port", str(port),
     ]  # fmt: skip

@@ -130,7 +130,9 @@ def test_batchd_up_embedded_mode_serves_a_batch(tmp_path: Path) -> None:
 
         # The worker dies (SIGKILL: no cleanup): `batchd up` starts it again, and the batch
         # below is served by the new one.
-        (worker_pid,) = [p for p, cmd in _children(proc.pid).items() if "celery" in cmd]
+        children = _children(proc.pid)
+        (worker_pid,) = [p for p, cmd in children.items() if " worker " in cmd]
+        assert [cmd for cmd in children.values() if " beat " in cmd]  # a child of its own
         os.kill(worker_pid, signal.SIGKILL)
         while "batchd up: starting worker again (restart 1)" not in Path(log.name).read_text():
             assert time.monotonic() < deadline + 30, Path(log.name).read_text()[-3000:]
