@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs batchd into .venv and runs the whole service on embedded defaults (SQLite, a local
-# broker database, ./.batchd storage, the demo model): API on http://127.0.0.1:8000/v1.
+# broker database, ./.batchd storage, SmolLM2-135M-Instruct and MiniLM): API on
+# http://127.0.0.1:8000/v1.
 # Extra arguments go to `batchd up` (for example --port 9000).
 set -euo pipefail
 cd "$(dirname "$0")/.."
