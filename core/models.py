@@ -159,6 +159,8 @@ class Batch(Base):
     input_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     output_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    # Result lines committed so far, in commit order (core.results_log): the next line's seq.
+    results_logged: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
     shards: Mapped[list[Shard]] = relationship(
         back_populates="batch", order_by="Shard.index", cascade="all, delete-orphan"
@@ -228,3 +230,30 @@ class WebhookDelivery(Base):
     # webhook_unsent_after_s lost its attempt (a killed worker, a broker or database blip) and
     # the sweep enqueues it again.
     next_attempt_at: Mapped[datetime | None] = mapped_column(Timestamp, nullable=True)
+
+class ResultChunk(Base):
+    """One committed checkpoint chunk (or a finalize's ``batch_<code>`` lines) in the batch's
+    results log: lines ``[first_seq, first_seq + num_lines)`` in commit order, stored at
+    ``storage_key``. See :mod:`core.results_log`."""
+
+    __tablename__ = "result_chunks"
+
+    batch_id: Mapped[str] = mapped_column(
+        ForeignKey("batches.id", ondelete="CASCADE"), primary_key=True
+    )
+    first_seq: Mapped[int] = mapped_column(Integer, primary_key=True)
+    num_lines: Mapped[int] = mapped_column(Integer)
+    storage_key: Mapped[str] = mapped_column(String(512))
+
+
+class ResultLine(Base):
+    """Where a result line's ``id`` sits in its batch's results log: the cursor of
+    ``GET /v1/batches/{id}/results?after=<id>``."""
+
+    __tablename__ = "result_lines"
+
+    batch_id: Mapped[str] = mapped_column(
+        ForeignKey("batches.id", ondelete="CASCADE"), primary_key=True
+    )
+    line_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    seq: Mapped[int] = mapped_column(Integer)

@@ -8,26 +8,32 @@ one JSON record per request, sorted by input line::
 A chunk counts only once the shard row's ``num_chunks`` has been advanced past it in the same
 database transaction that advances the live counters. Chunks at or beyond ``num_chunks`` were
 written by an attempt that died before committing: a retry deletes them and redoes their
-requests, so every request ends up in exactly one committed chunk.
+requests, so every request ends up in exactly one committed chunk. The chunk format and the
+log of committed chunks live in :mod:`core.results_log`.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
 from core.batchfile import iter_lines
+from core.results_log import ChunkRecord, read_chunk, write_chunk
 from core.settings import get_settings
 from core.storage import ObjectNotFound, Storage
 
-
-@dataclass(slots=True)
-class ChunkRecord:
-    line: int
-    ok: bool
-    record: dict[str, Any]
+__all__ = [
+    "ChunkRecord",
+    "batch_prefix",
+    "chunk_key",
+    "committed_chunks",
+    "committed_lines",
+    "discard_uncommitted",
+    "lines_without_result",
+    "read_chunk",
+    "write_chunk",
+]
 
 
 def batch_prefix(batch_id: str) -> str:
@@ -46,23 +52,6 @@ def _chunk_number(key: str) -> int | None:
     name = key.rsplit("/", 1)[-1]
     stem = name.removesuffix(".jsonl")
     return int(stem) if stem != name and stem.isdigit() else None
-
-
-def write_chunk(storage: Storage, key: str, records: Iterable[ChunkRecord]) -> None:
-    """Write one chunk atomically, records sorted by line."""
-    with storage.writer(key) as out:
-        for rec in sorted(records, key=lambda r: r.line):
-            data = {"line": rec.line, "ok": rec.ok, "record": rec.record}
-            out.write(json.dumps(data, ensure_ascii=True, separators=(",", ":")).encode() + b"\n")
-
-
-def read_chunk(storage: Storage, key: str) -> Iterator[ChunkRecord]:
-    """Stream one chunk's records (in line order, as written)."""
-    with storage.reader(key) as stream:
-        for raw in stream:
-            if raw.strip():
-                obj = json.loads(raw)
-                yield ChunkRecord(obj["line"], obj["ok"], obj["record"])
 
 
 def committed_chunks(batch_id: str, shard_index: int, num_chunks: int) -> list[str]:

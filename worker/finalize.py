@@ -17,7 +17,9 @@ The same path ends every batch that ran:
 
 The files are written, then their ``files`` rows are inserted in the same transaction as the
 status transition. If another finalize won the transition, this one deletes what it wrote.
-Chunks are deleted only after the winning transaction commits.
+The ``batch_<code>`` lines also go into one last chunk of the batch's results log
+(:mod:`core.results_log`), logged in that transaction; the chunks are kept (the log pages
+through them) until retention deletes the batch's output files.
 
 The winner then sends the batch's webhook event (:mod:`worker.webhooks`), and after a cancel or
 expiry lets the release policy fill the slots its sealed shards held (:mod:`worker.release`).
@@ -43,11 +45,11 @@ from core.db import new_session, session_scope
 from core.lifecycle import TERMINAL, BatchStatus, ShardStatus, now, transition
 from core.models import Batch, File, Shard
 from core.results import batch_error_line, dumps_line
+from core.results_log import chunk_line, final_chunk_key, log_chunk
 from core.settings import get_settings
 from core.storage import Storage
 from worker.checkpoints import (
     ChunkRecord,
-    batch_prefix,
     chunk_key,
     lines_without_result,
     read_chunk,
@@ -212,10 +214,29 @@ def _shard_views(batch_id: str) -> list[_ShardView]:
         ]
 
 
+class _FinalChunk:
+    """The ``batch_<code>`` lines a finalize writes, as the last chunk of the results log
+    (:mod:`core.results_log`): stored on the first line, logged with the batch's end."""
+
+    def __init__(self, sto: Storage, stack: ExitStack, batch_id: str):
+        self.sto = sto
+        self.stack = stack
+        self.key = final_chunk_key(batch_id)
+        self.line_ids: list[str | None] = []
+        self._out: BinaryIO | None = None
+
+    def write(self, rec: ChunkRecord) -> None:
+        if self._out is None:
+            self._out = self.stack.enter_context(self.sto.writer(self.key))
+        self._out.write(chunk_line(rec))
+        self.line_ids.append(rec.record.get("id"))
+
+
 @dataclass(slots=True)
 class _Merged:
     out: _LazyFile
     err: _LazyFile
+    final: _FinalChunk
     completed: int = 0
     failed: int = 0
     never_ran: int = 0  # batch_<code> lines: requests cut short by a cancel or expiry
@@ -223,6 +244,11 @@ class _Merged:
     @property
     def written(self) -> list[_LazyFile]:
         return [f for f in (self.out, self.err) if f.file_id is not None]
+
+    @property
+    def written_keys(self) -> list[str]:
+        keys = [f.key for f in self.written if f.key is not None]
+        return keys + ([self.final.key] if self.final.line_ids else [])
 
 
 def _merge(sto: Storage, batch_id: str, shards: list[_ShardView], key: str, target: str) -> _Merged:
@@ -234,6 +260,7 @@ def _merge(sto: Storage, batch_id: str, shards: list[_ShardView], key: str, targ
         merged = _Merged(
             _LazyFile(sto, stack, f"{batch_id}_output.jsonl"),
             _LazyFile(sto, stack, f"{batch_id}_error.jsonl"),
+            _FinalChunk(sto, stack, batch_id),
         )
         for rec in merged_records(sto, batch_id, shards, key=key, unfinished_code=code):
             if rec.ok:
@@ -245,6 +272,7 @@ def _merge(sto: Storage, batch_id: str, shards: list[_ShardView], key: str, targ
                     merged.failed += 1
                 else:
                     merged.never_ran += 1
+                    merged.final.write(rec)
     return merged
 
 
@@ -284,6 +312,7 @@ def _commit(batch_id: str, plan: _Plan, target: str, merged: _Merged) -> bool:
             request_failed=merged.failed,
         )
         if won:
+            log_chunk(session, batch_id, merged.final.key, merged.final.line_ids)
             session.commit()
         else:
             session.rollback()
@@ -293,8 +322,8 @@ def _commit(batch_id: str, plan: _Plan, target: str, merged: _Merged) -> bool:
         raise
     finally:
         if not won:
-            for f in written:
-                storage().delete(f.key)
+            for key in merged.written_keys:
+                storage().delete(key)
         session.close()
     return won
 
@@ -336,7 +365,7 @@ def _finalize(batch_id: str) -> str | None:
     # The commit recorded the webhook event (if any); enqueue its delivery first thing (the
     # webhook sweep sends it should this process die before).
     notify(batch_id, target)
-    sto.delete_prefix(batch_prefix(batch_id))
+    # The checkpoint chunks stay: they are the results log, dropped with the output files.
     logger.info(
         "batch %s %s: %s ok, %s error lines", batch_id, target, merged.completed, merged.err.lines
     )

@@ -4,6 +4,8 @@ Every ``settings.file_sweep_interval_s`` the sweep takes expired ``files`` rows 
 ``expires_at`` from the API, batch output and error files from the finalize: the batch's
 ``output_expires_after`` seconds after it, or ``settings.file_expiry_s``), deletes each row,
 and after that commits deletes the stored object. The API already answers 404 for an expired file, so the order is invisible.
+A batch's results log (its checkpoint chunks, :mod:`core.results_log`) goes with the first of
+its output and error files to be swept.
 
 An input file that a batch still needs is never deleted: the shards read their line ranges
 from it, and a cancel/expiry finalize reads it to name the requests that never ran. A file
@@ -18,11 +20,14 @@ import logging
 from typing import Any
 
 from sqlalchemy import delete, exists, select
+from sqlalchemy.orm import Session
 
+from core import results_log
 from core.db import session_scope
 from core.lifecycle import TERMINAL, now
-from core.models import Batch, File
+from core.models import Batch, File, ResultChunk
 from core.queue import TASK_SWEEP_FILES
+from core.results_log import batch_log_prefix
 from worker.celery_app import app
 from worker.common import storage
 
@@ -34,6 +39,23 @@ BATCH_SIZE = 500  # rows per transaction
 def _in_use():
     """A correlated condition: a batch that has not ended reads this file."""
     return exists().where(Batch.input_file_id == File.id, Batch.status.not_in(tuple(TERMINAL)))
+
+
+def _drop_results_logs(session: Session, file_ids: set[str]) -> list[str]:
+    """Forget the results logs of the batches whose output or error file is among
+    ``file_ids``; return those batches (their chunks go once this commits)."""
+    if not file_ids:
+        return []
+    batch_ids = list(
+        session.scalars(
+            select(Batch.id).where(
+                Batch.output_file_id.in_(file_ids) | Batch.error_file_id.in_(file_ids),
+                exists().where(ResultChunk.batch_id == Batch.id),
+            )
+        )
+    )
+    results_log.drop(session, batch_ids)
+    return batch_ids
 
 
 def sweep_files(limit: int | None = None) -> int:
@@ -68,6 +90,12 @@ def sweep_files(limit: int | None = None) -> int:
                     .execution_options(synchronize_session=False)
                 ).all()
             )
+            logs = _drop_results_logs(session, gone)
+        for batch_id in logs:
+            try:
+                sto.delete_prefix(batch_log_prefix(batch_id))
+            except Exception:
+                logger.exception("batch %s: results log forgotten, its chunks were not", batch_id)
         for file_id, key in rows:
             if file_id not in gone:
                 continue

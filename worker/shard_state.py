@@ -18,6 +18,7 @@ from core.lifecycle import BatchStatus, ShardStatus, now, transition
 from core.models import Batch, Shard
 from core.queue import TASK_FINALIZE
 from core.results import GenerationResult
+from core.results_log import log_chunk
 from worker.checkpoints import (
     ChunkRecord,
     chunk_key,
@@ -176,7 +177,8 @@ def _commit_chunk_once(shard: Shard, attempt: int, chunk: int, pending: Pending)
             or row.num_chunks != chunk
         ):
             raise ShardLost(f"shard {shard.id} is no longer this attempt's ({row})")
-        write_chunk(storage(), chunk_key(shard.batch_id, shard.index, chunk), pending.records)
+        key = chunk_key(shard.batch_id, shard.index, chunk)
+        line_ids = write_chunk(storage(), key, pending.records)
         session.execute(
             update(Shard)
             .where(Shard.id == shard.id, Shard.num_chunks == chunk)
@@ -199,6 +201,7 @@ def _commit_chunk_once(shard: Shard, attempt: int, chunk: int, pending: Pending)
             )
             .execution_options(synchronize_session=False)
         )
+        log_chunk(session, shard.batch_id, key, line_ids)  # readable once this commits
 
 
 def set_shard_status(shard_id: int, attempt: int, status: str) -> bool:
