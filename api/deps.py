@@ -99,6 +99,9 @@ class Caller:
     admin: bool = False
     #: The highest batch priority the caller may ask for (the key's ``max_priority``).
     max_priority: str = "normal"
+    #: The shortest completion window, in seconds, the caller may ask for (the key's
+    #: ``min_completion_window_s``; None: the server's minimum).
+    min_completion_window_s: int | None = None
 
 
 def _unauthorized(message: str) -> APIError:
@@ -168,6 +171,7 @@ def _stored_caller(row: ApiKey) -> Caller:
         webhook_url=row.webhook_url,
         webhook_secret=row.webhook_secret,
         max_priority=row.max_priority,
+        min_completion_window_s=row.min_completion_window_s,
     )
 
 

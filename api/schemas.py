@@ -29,12 +29,12 @@ MAX_IDEMPOTENCY_KEY_CHARS = 256
 #: Printable ASCII: what survives any HTTP header and any database. Checked in the route.
 IDEMPOTENCY_KEY_PATTERN = "^[ -~]+$"
 
-_WINDOW = re.compile(r"^([1-9][0-9]{0,9})([smh])$")
-_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600}
+_WINDOW = re.compile(r"^([1-9][0-9]{0,9})([smhd])$")
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
 def window_seconds(window: str) -> int | None:
-    """``"24h"`` -> 86400; None when ``window`` is not ``<n>s|m|h``."""
+    """``"24h"`` -> 86400; None when ``window`` is not ``<n>s|m|h|d``."""
     match = _WINDOW.match(window)
     if not match:
         return None
@@ -142,7 +142,8 @@ class BatchCreate(BaseModel):
     input_file_id: str = Field(min_length=1, max_length=64)
     endpoint: BatchEndpoint
     completion_window: str = Field(
-        description='"24h", or "<n>s", "<n>m", "<n>h" up to the server\'s maximum window.',
+        description='"24h", or "<n>s", "<n>m", "<n>h", "<n>d" (e.g. "1h" to "7d") within '
+        "the server's and the API key's limits.",
         min_length=2,
         max_length=16,
         # Documented, and checked by the validator below with a clearer message.
@@ -184,7 +185,7 @@ class BatchCreate(BaseModel):
     @classmethod
     def _window_shape(cls, value: str) -> str:
         if window_seconds(value) is None:
-            raise ValueError('expected "24h" or a duration like "30m", "90s", "2h"')
+            raise ValueError('expected "24h" or a duration like "1h", "90m", "7d"')
         return value
 
     @field_validator("metadata")
@@ -272,6 +273,16 @@ class BatchPublic(BaseModel):
     # Extensions; OpenAI's client keeps unknown fields.
     priority: BatchPriority = "normal"
     webhook_url: str | None = None
+    estimated_completion_at: int | None = Field(
+        default=None,
+        description="While validating or in progress: when the batch is projected to end, "
+        "from its observed progress (null until there is data).",
+    )
+    at_risk: bool | None = Field(
+        default=None,
+        description="While validating or in progress: whether its projected end is after "
+        "its deadline (expires_at).",
+    )
     webhook_secret: str | None = Field(
         default=None,
         description="Only in the answer to the create that made the batch, and only when the "
@@ -321,7 +332,18 @@ class BatchPublic(BaseModel):
             priority=row.priority if row.priority in ("high", "low") else "normal",  # type: ignore[arg-type]
             webhook_url=row.webhook_url,
             webhook_secret=row.webhook_secret if show_secret else None,
+            **_projection(row),
         )
+
+
+def _projection(row: Batch) -> dict[str, Any]:
+    """``estimated_completion_at`` and ``at_risk`` while the batch may still run."""
+    if row.status not in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS):
+        return {}
+    return {
+        "estimated_completion_at": unix(row.estimated_completion_at),
+        "at_risk": bool(row.at_risk),
+    }
 
 
 def _error_fields(entry: Any) -> dict[str, Any]:

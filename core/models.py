@@ -12,6 +12,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     DateTime,
     ForeignKey,
     Index,
@@ -24,6 +25,7 @@ from sqlalchemy import (
     func,
     text,
 )
+from sqlalchemy import false as sa_false
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 NAMING_CONVENTION = {
@@ -96,6 +98,9 @@ class ApiKey(Base):
     webhook_secret: Mapped[str | None] = mapped_column(String(128), nullable=True)
     # The highest batch priority this key may ask for (high | normal | low).
     max_priority: Mapped[str] = mapped_column(String(8), default="normal", server_default="normal")
+    # The shortest completion window this key may ask for, in seconds (None: the server's
+    # minimum): like priority, a short window (an early deadline) is an entitlement.
+    min_completion_window_s: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class UiSession(Base):
@@ -140,6 +145,10 @@ class Batch(Base):
     output_expires_after_s: Mapped[int | None] = mapped_column(Integer, nullable=True)
     # Prompt tokens counted at validation: what the batch holds against the tenant's queue limit.
     est_prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    # Its projected completion, refreshed from observed progress while it runs (core.eta), and
+    # whether that projection lies past ``expires_at``.
+    estimated_completion_at: Mapped[datetime | None] = mapped_column(Timestamp, nullable=True)
+    at_risk: Mapped[bool] = mapped_column(Boolean, default=False, server_default=sa_false())
 
     created_at: Mapped[datetime] = mapped_column(Timestamp, server_default=func.now())
     expires_at: Mapped[datetime] = mapped_column(Timestamp)
@@ -230,6 +239,7 @@ class WebhookDelivery(Base):
     # webhook_unsent_after_s lost its attempt (a killed worker, a broker or database blip) and
     # the sweep enqueues it again.
     next_attempt_at: Mapped[datetime | None] = mapped_column(Timestamp, nullable=True)
+
 
 class ResultChunk(Base):
     """One committed checkpoint chunk (or a finalize's ``batch_<code>`` lines) in the batch's

@@ -17,6 +17,8 @@ TASK_RELEASE_SWEEP = "batchd.release_shards"
 TASK_DELIVER_WEBHOOK = "batchd.deliver_webhook"
 TASK_SWEEP_FILES = "batchd.sweep_files"
 TASK_SWEEP_WEBHOOKS = "batchd.sweep_webhooks"
+TASK_ESTIMATE = "batchd.estimate_batch"
+TASK_REFRESH_ETAS = "batchd.refresh_etas"
 
 CONTROL_QUEUE = "batchd.control"
 

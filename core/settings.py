@@ -85,9 +85,18 @@ class Settings(BaseSettings):
     max_requests_per_batch: int = 50_000
     max_errors_reported: int = 100
     max_line_bytes: int = 8 * 1024 * 1024  # one request line in a batch file
-    # Completion windows accepted on create: "24h" (OpenAI's only value) and, for tests and
-    # short jobs, any "<n>s|m|h" up to this many seconds.
+    # Completion windows accepted on create: "24h" (OpenAI's only value) and any
+    # "<n>s|m|h|d" from min_completion_window_s up to max_completion_window_s (an API key may
+    # be held to a longer minimum: its min_completion_window_s).
     max_completion_window_s: int = 7 * 24 * 3600
+    min_completion_window_s: int = Field(default=1, ge=1)
+    # Projected completions (core.eta): the control worker refreshes each running batch's
+    # every eta_refresh_interval_s from its observed progress; a model's throughput is what
+    # its batches retired over the last throughput_window_s. POST /v1/batches/estimate waits
+    # up to estimate_timeout_s for the control worker to read the file.
+    eta_refresh_interval_s: float = Field(default=5.0, gt=0.0)
+    throughput_window_s: float = Field(default=900.0, gt=0.0)
+    estimate_timeout_s: float = Field(default=60.0, gt=0.0)
     file_expiry_s: int = 30 * 24 * 3600
     file_sweep_interval_s: float = 3600.0
 

@@ -1,6 +1,7 @@
 """The host's admission queue: pending requests released by deficit round-robin on tokens,
-strictly by priority tier, fairly across tenants and across a tenant's batches, longest work
-first inside a batch (see :class:`FairQueue`)."""
+strictly by priority tier, fairly across tenants, earliest deadline first across a tenant's
+batches (fairly among batches without one), longest work first inside a batch (see
+:class:`FairQueue`)."""
 
 from __future__ import annotations
 
@@ -33,10 +34,12 @@ class _BatchQueue(Generic[E]):
     """One batch's pending entries (a DRR flow inside its tenant), longest work first; arrival
     order for requests without a batch."""
 
-    __slots__ = ("key", "tier", "heap", "deficit", "in_turn", "waiting_since", "max_cost")
+    __slots__ = ("key", "tier", "heap", "deficit", "in_turn", "waiting_since", "max_cost",
+                 "deadline")  # fmt: skip
 
-    def __init__(self, key: Flow, tier: int, now: float) -> None:
+    def __init__(self, key: Flow, tier: int, now: float, deadline: float | None = None) -> None:
         self.key = key
+        self.deadline = deadline  # the batch's deadline (unix seconds), None: none
         self.tier = tier
         self.heap: list[tuple[int, int, E]] = []
         self.deficit = 0
@@ -71,8 +74,11 @@ class FairQueue(Generic[E]):
 
     :meth:`pop` serves the most urgent tier (lowest ``priority``) that has work, strictly. In
     a tier, tenants take turns; each turn adds a quantum of tokens to the tenant's deficit,
-    and the tenant is served while the cost of its next request fits in it. A tenant's turn is
-    spent the same way across its batches, and a batch's own order is longest work first, as
+    and the tenant is served while the cost of its next request fits in it. A tenant's turn
+    goes to its batch with the earliest deadline (an entry's ``deadline``; batches with equal
+    deadlines take turns request by request); batches without a deadline come after those
+    with one and share the turn the same way as tenants do. A batch's own order is longest
+    work first, as
     the engine's batch admission does (with few requests in the engine at a time, that order
     has to be applied here). The quantum is the largest request cost pending, the smallest
     that lets every turn serve at least one request (DRR's O(1) condition), so turns stay
@@ -114,7 +120,8 @@ class FairQueue(Generic[E]):
         bq = self._batches.get(entry.flow)
         if bq is None:
             tier = self._promoted.get(entry.flow, entry.priority)
-            bq = self._batches[entry.flow] = _BatchQueue(entry.flow, tier, self._clock())
+            deadline = getattr(entry, "deadline", None)
+            bq = self._batches[entry.flow] = _BatchQueue(entry.flow, tier, self._clock(), deadline)
             self._activate(bq)
         bq.max_cost = max(bq.max_cost, entry.cost)
         longest_first = -entry.cost if entry.group is not None else 0
@@ -246,24 +253,41 @@ class FairQueue(Generic[E]):
             tenant = tier.tenants[tier.rotation[0]]
             if not tenant.in_turn:
                 tenant.in_turn, tenant.deficit = True, tenant.deficit + self._quantum()
-            bq = tenant.batches[tenant.rotation[0]]
+            earliest = _earliest_deadline(tenant)
+            bq = earliest or tenant.batches[tenant.rotation[0]]
             cost = bq.heap[0][2].cost
             if tenant.deficit < cost:  # the tenant's turn is spent
                 tenant.in_turn = False
                 tier.rotation.rotate(-1)
                 continue
-            if not bq.in_turn:
-                bq.in_turn, bq.deficit = True, bq.deficit + self._quantum()
-            if bq.deficit < cost:  # this batch's part of the turn is spent
-                bq.in_turn = False
-                tenant.rotation.rotate(-1)
-                continue
+            if earliest is not None:
+                # Equal deadlines take turns: the one served goes behind the others.
+                tenant.rotation.remove(bq.key)
+                tenant.rotation.append(bq.key)
+            else:
+                if not bq.in_turn:
+                    bq.in_turn, bq.deficit = True, bq.deficit + self._quantum()
+                if bq.deficit < cost:  # this batch's part of the turn is spent
+                    bq.in_turn = False
+                    tenant.rotation.rotate(-1)
+                    continue
+                bq.deficit -= cost
             entry = heapq.heappop(bq.heap)[2]
             self._count(entry, -1)
             tenant.deficit -= cost
-            bq.deficit -= cost
             bq.waiting_since = self._clock()
             entry.priority = min(entry.priority, bq.tier)  # what the engine is told
             if not bq.heap:
                 self._deactivate(bq)
             return entry
+
+
+def _earliest_deadline(tenant: _TenantQueue) -> _BatchQueue | None:
+    """The tenant's batch with the earliest deadline (the first in its rotation among equal
+    ones); None when none of its batches has a deadline."""
+    best: _BatchQueue | None = None
+    for key in tenant.rotation:
+        bq = tenant.batches[key]
+        if bq.deadline is not None and (best is None or bq.deadline < best.deadline):  # type: ignore[operator]
+            best = bq
+    return best

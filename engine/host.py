@@ -263,13 +263,15 @@ class EngineHost:
         priority: int = 0,
         cache_salt: str | None = None,
         tenant: str | None = None,
+        deadline: float | None = None,
     ) -> Future:
         """Queue one request; block while its batch (``group``) holds its share of the host's
         queue (see the module docstring).
 
         ``priority`` is the request's tier: lower first (vLLM's convention), strictly, but for
         aging. ``tenant`` and ``group`` (the batch) make the flows that share a tier fairly.
-        ``cache_salt`` scopes the prefix cache (see ``Engine.add_request``).
+        ``cache_salt`` scopes the prefix cache (see ``Engine.add_request``). ``deadline`` (unix
+        seconds, the batch's) orders a tenant's batches in a tier: earliest deadline first.
 
         Returns a future that resolves with the request's :class:`RequestOutput` (also for an
         abort), or raises ``RequestError`` (the engine refused it) or :class:`EngineStepError`.
@@ -290,6 +292,7 @@ class EngineHost:
             cache_salt=cache_salt,
             tenant=tenant,
             cost=expected_tokens(prompt, params),
+            deadline=deadline,
         )
         fanout, entries = split(entry) if params.n > 1 else (None, [entry])
         if callback is not None:

@@ -33,6 +33,7 @@ class Entry:
     cache_salt: str | None = None
     tenant: str | None = None
     cost: int = 0  # tokens: prompt + expected output (max_tokens for each of n completions)
+    deadline: float | None = None  # its batch's deadline (unix seconds): earliest first in a tenant
     state: str = PENDING
     abort_requested: bool = False
     suspended: Any = None  # the engine's handle while suspended for another tenant's share

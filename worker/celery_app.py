@@ -51,8 +51,10 @@ from core.queue import (
     CONTROL_QUEUE,
     TASK_CANCEL,
     TASK_DELIVER_WEBHOOK,
+    TASK_ESTIMATE,
     TASK_FINALIZE,
     TASK_RECLAIM,
+    TASK_REFRESH_ETAS,
     TASK_RELEASE_SWEEP,
     TASK_SWEEP_EXPIRED,
     TASK_SWEEP_FILES,
@@ -63,7 +65,8 @@ from core.settings import get_settings
 
 # Task modules every process registers. ``worker.recovery`` (heartbeats and the reclaim sweep)
 # is included when it is present.
-INCLUDE = ["worker.tasks", "worker.shard", "worker.release", "worker.webhooks", "worker.retention"]
+INCLUDE = ["worker.tasks", "worker.shard", "worker.release", "worker.webhooks", "worker.retention",
+           "worker.estimate"]  # fmt: skip
 
 
 def _has_recovery() -> bool:
@@ -234,6 +237,8 @@ def create_app() -> Celery:
             TASK_SWEEP_FILES,
             TASK_SWEEP_WEBHOOKS,
             TASK_RECLAIM,
+            TASK_ESTIMATE,
+            TASK_REFRESH_ETAS,
         )
     }
     schedule = {
@@ -241,6 +246,7 @@ def create_app() -> Celery:
         "release-shards": _every(TASK_RELEASE_SWEEP, release_sweep_interval_s()),
         "sweep-files": _every(TASK_SWEEP_FILES, settings.file_sweep_interval_s),
         "sweep-webhooks": _every(TASK_SWEEP_WEBHOOKS, settings.webhook_sweep_interval_s),
+        "refresh-etas": _every(TASK_REFRESH_ETAS, settings.eta_refresh_interval_s),
     }
     if recovery:
         schedule["reclaim-stale-shards"] = _every(TASK_RECLAIM, settings.reclaim_sweep_interval_s)

@@ -24,8 +24,11 @@ When a slot frees, the next shard is chosen by :func:`choose`, in this order:
    each pick adds its cost. Tenants therefore hold equal token shares of the released work,
    whatever their shard sizes: a tenant of 100-token shards gets three slots for every one of
    a tenant of 300-token shards;
-3. batch within the tenant: the same, by the batch's released-and-unfinished tokens, then the
-   one served longest ago, then the oldest batch;
+3. batch within the tenant: earliest deadline first (the batch's ``expires_at``), so a
+   tenant's short-window job overtakes its own long-window work instead of sharing with it
+   (the tenant's share against other tenants is unchanged: step 2 comes first); among equal
+   deadlines the same as step 2, by the batch's released-and-unfinished tokens, then the one
+   served longest ago, then the oldest batch;
 4. shard index.
 
 :func:`release_for_model` is called after validation commits, whenever a shard task ends (a
@@ -108,6 +111,7 @@ class Candidate:
     created_at: datetime
     cost: int = 1  # the shard's estimated tokens (at least 1)
     started_at: datetime | None = None  # when its batch's shards became pending (in_progress)
+    deadline: datetime | None = None  # its batch's expires_at (None: no deadline, last)
 
 
 @dataclass
@@ -199,6 +203,7 @@ def _candidates(session: Session, model: str, per_batch_limit: int) -> list[Cand
             Batch.created_at,
             ranked.c.est_tokens,
             Batch.in_progress_at,
+            Batch.expires_at,
         )
         .join(Batch, Batch.id == ranked.c.batch_id)
         .where(ranked.c.rn <= per_batch_limit)
@@ -213,6 +218,7 @@ def _candidates(session: Session, model: str, per_batch_limit: int) -> list[Cand
             created_at=r.created_at,
             cost=shard_cost(r.est_tokens),
             started_at=r.in_progress_at,
+            deadline=r.expires_at,
         )
         for r in rows
     ]
@@ -243,9 +249,9 @@ def choose(
     clock: float | None = None,
 ) -> list[Candidate]:
     """Pick up to ``slots`` shards in release order (see the module docstring): the most
-    urgent tier first (``low`` aged into ``normal`` after ``aging_s``); in it, the tenant and
-    then the batch holding the fewest released tokens, and among equals the one served longest
-    ago. ``clock`` is the current unix time. A pure function: it reads only its arguments."""
+    urgent tier first (``low`` aged into ``normal`` after ``aging_s``); in it, the tenant
+    holding the fewest released tokens, and among equals the one served longest ago; in the
+    tenant, the batch with the earliest deadline, then the same as for tenants. ``clock`` is the current unix time. A pure function: it reads only its arguments."""
     tenant_tokens = defaultdict(int, load.tenant_tokens)
     batch_tokens = defaultdict(int, load.batch_tokens)
     tenant_last = dict(load.tenant_last)
@@ -266,6 +272,7 @@ def choose(
                 tier(c, batch_last.get(c.batch_id), aging_s, current),
                 tenant_tokens[c.tenant],
                 tenant_last.get(c.tenant, never),
+                _ts(c.deadline) if c.deadline is not None else float("inf"),
                 batch_tokens[c.batch_id],
                 batch_last.get(c.batch_id, never),
                 _ts(c.created_at),

@@ -83,6 +83,8 @@ class ShardRun:
             None if settings.share_prefix_cache_across_tenants else f"tenant:{batch.tenant}"
         )
         self.tenant = batch.tenant  # the host shares each tier fairly across tenants
+        # ... and runs a tenant's batches earliest deadline first.
+        self.deadline = batch.expires_at.timestamp() if batch.expires_at is not None else None
         self.endpoint = batch.endpoint
         self.model = batch.model or ""
         self.key = key
@@ -309,6 +311,7 @@ class ShardRun:
                     priority=self.priority,
                     cache_salt=self.cache_salt,
                     tenant=self.tenant,
+                    deadline=self.deadline,
                 )
             except TimeoutError:  # HostQueueFull, or the embedding host's full queue
                 self._collect()

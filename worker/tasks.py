@@ -111,7 +111,7 @@ class _Scan:
     prompt_tokens: int
 
 
-def _scan(key: str, endpoint: str) -> _Scan:
+def scan_input(key: str, endpoint: str) -> _Scan:
     """Stream the input file once: validate every line, count its tokens, plan the shards."""
     settings = get_settings()
     served = [m for m, spec in settings.models.items() if served_models.serves(spec, endpoint)]
@@ -144,11 +144,18 @@ def _too_many_errors(report: ValidationReport) -> dict[str, Any]:
     }
 
 
-def _fail_invalid(session: Session, batch_id: str, report: ValidationReport) -> bool:
-    """The input file has errors: the batch fails with them; True if this call failed it."""
+def validation_errors(report: ValidationReport) -> list[dict[str, Any]]:
+    """The ``errors.data`` of a batch whose file has errors: the first ones, then how many
+    more were left out."""
     errors = report.error_dicts()
     if report.num_more_errors:
         errors.append(_too_many_errors(report))
+    return errors
+
+
+def _fail_invalid(session: Session, batch_id: str, report: ValidationReport) -> bool:
+    """The input file has errors: the batch fails with them; True if this call failed it."""
+    errors = validation_errors(report)
     won = transition(
         session,
         batch_id,
@@ -242,7 +249,7 @@ def validate(batch_id: str) -> str | None:
             return None  # someone else got here first
         key = input_key(session, batch)
 
-    scan = _scan(key, endpoint)
+    scan = scan_input(key, endpoint)
     session = new_session()
     try:
         if not scan.report.ok:

@@ -11,19 +11,18 @@ from sqlalchemy import func, select, text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from api.batch_checks import batch_input_file, checked_window_s
 from api.deps import Caller, CurrentKey, SessionDep, SettingsDep
 from api.errors import APIError, invalid_request, not_found
 from api.limits import max_unfinished_batches
 from api.log_context import bind_batch
 from api.routes.common import could_be_id, error_responses, keyset_page, list_page
-from api.routes.files import get_file_row
 from api.schemas import (
     IDEMPOTENCY_KEY_PATTERN,
     MAX_IDEMPOTENCY_KEY_CHARS,
     BatchCreate,
     BatchList,
     BatchPublic,
-    window_seconds,
 )
 from core.auth import generate_webhook_secret, priority_allowed
 from core.ids import batch_id
@@ -163,13 +162,7 @@ def create_batch(
 ) -> BatchPublic:
     key = _idempotency_key(idempotency_key, body.idempotency_key)
     priority = _priority(body, caller)
-    seconds = window_seconds(body.completion_window) or 0
-    if seconds > settings.max_completion_window_s:
-        raise invalid_request(
-            f"Invalid value for 'completion_window': {body.completion_window} is longer than "
-            f"the maximum of {settings.max_completion_window_s} seconds.",
-            param="completion_window",
-        )
+    seconds = checked_window_s(body.completion_window, caller, settings)
     if key is not None and (existing := _existing(session, caller.tenant, key)) is not None:
         return _replay(existing, body, caller)
     output_expiry_s = None
@@ -185,13 +178,7 @@ def create_batch(
             param="webhook_url",
             code="webhook_url_not_allowed",
         )
-    input_file = get_file_row(session, caller.tenant, body.input_file_id, param="input_file_id")
-    if input_file.purpose != "batch":
-        raise invalid_request(
-            f"The input file {input_file.id} has purpose '{input_file.purpose}'; "
-            "a batch needs a file uploaded with purpose 'batch'.",
-            param="input_file_id",
-        )
+    input_file = batch_input_file(session, caller.tenant, body.input_file_id)
     _check_unfinished_quota(session, caller.tenant, max_unfinished_batches(settings))
     webhook_secret = None
     if webhook_url is not None:

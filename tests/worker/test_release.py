@@ -20,11 +20,18 @@ services = pytest.mark.services
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
 CLOCK = T0.timestamp() + 3600.0  # "now" in the pure tests: an hour after T0
+# One deadline for the database tests' batches unless a test gives its own: batches with equal
+# deadlines share their tenant's slots (earliest deadline first orders the others).
+SHARED_DEADLINE = datetime.now(UTC).replace(microsecond=0) + timedelta(days=2)
 
 
-def shards(batch: str, tenant: str, n: int, *, priority="normal", cost=1, started_s=0.0):
-    """``n`` candidates of one batch that started running ``started_s`` seconds after T0."""
+def shards(
+    batch: str, tenant: str, n: int, *, priority="normal", cost=1, started_s=0.0, deadline_s=None
+):
+    """``n`` candidates of one batch that started running ``started_s`` seconds after T0 (and
+    is due ``deadline_s`` seconds after T0; None: no deadline)."""
     started = T0 + timedelta(seconds=started_s)
+    deadline = None if deadline_s is None else T0 + timedelta(seconds=deadline_s)
     return [
         Candidate(
             shard_id=hash((batch, i)),
@@ -35,6 +42,7 @@ def shards(batch: str, tenant: str, n: int, *, priority="normal", cost=1, starte
             created_at=started,
             cost=cost,
             started_at=started,
+            deadline=deadline,
         )
         for i in range(n)
     ]
@@ -98,6 +106,20 @@ def test_two_tenants_in_a_tier_share_by_deficit_round_robin_on_shard_tokens():
     assert picks(chosen) == [("b1", 2), ("a1", 6), ("b1", 3), ("a1", 7)]
 
 
+def test_within_a_tenant_the_earliest_deadline_goes_first():
+    # A day-long job that started first, then a one-hour job: the one-hour job's shards go
+    # first within the tenant; the other tenant keeps its share (tenants alternate).
+    day = shards("day", "tenant-x", 3, started_s=0, deadline_s=86400)
+    hour = shards("hour", "tenant-x", 3, started_s=5, deadline_s=3605)
+    other = shards("y", "tenant-y", 3, started_s=1, deadline_s=86401)
+    chosen = choose(day + hour + other, 6, Load(), aging_s=60, clock=CLOCK)
+    assert [b for b, _ in picks(chosen) if b != "y"] == ["hour", "hour", "hour"]
+    assert [b for b, _ in picks(chosen)].count("y") == 3
+    assert picks(choose(day + hour, 4, Load(), clock=CLOCK)) == [
+        ("hour", 0), ("hour", 1), ("hour", 2), ("day", 0)
+    ]  # fmt: skip
+
+
 def test_within_a_tenant_batches_share_by_tokens_too():
     one = shards("x1", "tenant-x", 4, cost=200, started_s=0)
     two = shards("x2", "tenant-x", 4, cost=100, started_s=1)
@@ -139,6 +161,7 @@ def add_batch(
     priority: str = "normal",
     age_s: float = 0,
     est_tokens: int = 0,
+    deadline: datetime | None = None,
 ):
     """An in-progress batch of ``model`` with ``shards`` pending shards (each of
     ``est_tokens``), started ``age_s`` seconds ago; its id."""
@@ -164,7 +187,7 @@ def add_batch(
                 priority=priority,
                 created_at=created,
                 in_progress_at=created,
-                expires_at=created + timedelta(hours=24),
+                expires_at=deadline or SHARED_DEADLINE,
             )
         )
         session.flush()
@@ -501,3 +524,20 @@ def test_tenants_share_released_slots_by_tokens(model, monkeypatch):
     finish(small, 0)  # a: 200 tokens, b: 300
     assert release_for_model(model) == 1
     assert released(model)[-1] == (small, 3)
+
+
+@services
+def test_a_tenants_one_hour_job_is_released_before_its_day_long_job(model, monkeypatch):
+    from core.lifecycle import now
+    from core.settings import get_settings
+
+    monkeypatch.setenv("BATCHD_MAX_RELEASED_SHARDS_PER_MODEL", "1")
+    get_settings.cache_clear()
+    day = add_batch(model, "tenant-a", 3, age_s=5, deadline=now() + timedelta(hours=24))
+    hour = add_batch(model, "tenant-a", 2, deadline=now() + timedelta(hours=1))
+    other = add_batch(model, "tenant-b", 2, deadline=now() + timedelta(hours=24))
+    order = release_order(model, 7)
+    mine = [batch for batch, _ in order if batch != other]
+    assert mine == [hour, hour, day, day, day]
+    # The other tenant keeps its turns: tenants still alternate.
+    assert [batch for batch, _ in order[:4]].count(other) == 2

@@ -1,0 +1,59 @@
+"""Control tasks of the projections: an estimate of an input file (validated and counted
+exactly as the validate task does, nothing created) answered to the API that asked, and the
+beat task that refreshes every running batch's projected completion (``core.eta_store``)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from core import eta_store, rpc
+from core.db import session_scope
+from core.lifecycle import now
+from core.queue import TASK_ESTIMATE, TASK_REFRESH_ETAS
+from core.settings import get_settings
+from worker.celery_app import app
+from worker.tasks import scan_input, validation_errors
+
+logger = logging.getLogger(__name__)
+
+
+def scan_file(key: str, endpoint: str) -> dict[str, Any]:
+    """What validation finds in the stored file ``key``: request counts, the errors the
+    batch would fail with, its model, and its exact prompt tokens and estimated tokens
+    (prompt + output bounds, the unit of shards and of the projections)."""
+    scan = scan_input(key, endpoint)
+    report = scan.report
+    est_tokens = sum(spec.est_tokens for spec in scan.planner.finish())
+    return {
+        "total_requests": report.num_requests + report.num_invalid,
+        "valid_requests": report.num_requests,
+        "errors": validation_errors(report),
+        "truncated": report.truncated,
+        "model": report.model,
+        "prompt_tokens": scan.prompt_tokens,
+        "est_tokens": est_tokens,
+        "max_completion_tokens": max(0, est_tokens - scan.prompt_tokens),
+    }
+
+
+@app.task(name=TASK_ESTIMATE, acks_late=False)
+def estimate_task(key: str, endpoint: str, reply_to: str, deadline: float) -> None:
+    """Scan the file and answer the caller (``core.rpc.call``). Not redelivered after a
+    worker dies (``acks_late`` off): its caller has stopped waiting by then."""
+    try:
+        payload: dict[str, Any] = {"ok": True, **scan_file(key, endpoint)}
+    except Exception as exc:
+        logger.exception("estimating %s failed", key)
+        payload = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    rpc.reply(reply_to, deadline, payload)
+
+
+def refresh_etas() -> int:
+    with session_scope() as session:
+        return eta_store.refresh(session, now(), get_settings().throughput_window_s)
+
+
+@app.task(name=TASK_REFRESH_ETAS)
+def refresh_etas_task(**_: Any) -> None:
+    refresh_etas()
