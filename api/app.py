@@ -10,7 +10,7 @@ from fastapi import FastAPI
 from api import errors, log_context, metrics, ui
 from api.limits import auth_enabled
 from api.local import check_auth_off_is_local
-from api.routes import batches, files, health, models
+from api.routes import batch_results, batches, files, health, models
 from core.logs import configure_process
 from core.settings import Settings, get_settings
 
@@ -33,7 +33,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     metrics.install(app, settings)
     configure_process(settings.log_format, UVICORN_LOGGERS)
     app.include_router(health.router)
-    for router in (files.router, batches.router, models.router):
+    for router in (files.router, batches.router, batch_results.router, models.router):
         app.include_router(router, prefix=API_PREFIX)
     ui.install(app)
     log_context.install(app)

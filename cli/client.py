@@ -193,6 +193,28 @@ class BatchdClient:
     def cancel_batch(self, batch_id: str) -> dict[str, Any]:
         return self._request("POST", f"batches/{batch_id}/cancel")
 
+    def batch_results(
+        self, batch_id: str, *, after: str | None = None, limit: int = 1000
+    ) -> dict[str, Any]:
+        """One page of the result lines committed so far (batchd's extension)."""
+        params: dict[str, Any] = {"limit": limit}
+        if after:
+            params["after"] = after
+        return self._request("GET", f"batches/{batch_id}/results", params=params)
+
+    def retry_batch(self, batch_id: str, **options: Any) -> dict[str, Any]:
+        """A new batch of what did not succeed (batchd's extension); ``options``: include,
+        completion_window, priority (None: the server's default)."""
+        payload = {k: v for k, v in options.items() if v is not None}
+        return self._request("POST", f"batches/{batch_id}/retry", json=payload)
+
+    def file_content(self, file_id: str) -> bytes:
+        with self._translate_errors():
+            response = self._http.get(f"files/{file_id}/content")
+        if response.status_code >= 400:
+            raise _error_from_response(response)
+        return response.content
+
     # ------------------------------------------------------------------ models
 
     def list_models(self) -> list[dict[str, Any]]:

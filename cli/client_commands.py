@@ -456,6 +456,14 @@ def download(
     errors: Annotated[
         Path | None, typer.Option("--errors", help="Write the error file here.")
     ] = None,
+    with_retries: Annotated[
+        bool,
+        typer.Option(
+            "--with-retries",
+            help="Write one line per custom_id, in input order, each from the latest retry "
+            "(`batchd retry`) that has it: successes and errors together in -o.",
+        ),
+    ] = False,
     as_json: JsonOpt = False,
     base_url: BaseUrlOpt = None,
     api_key: ApiKeyOpt = None,
@@ -471,6 +479,18 @@ def download(
             raise _exit(ExitCode.ERROR)
         if not _has_results(batch):
             raise _exit(ExitCode.FAILED)
+        if with_retries:
+            from cli.results_commands import download_with_retries
+
+            merged = download_with_retries(client, batch, output)
+            if as_json:
+                _print_json(merged)
+            else:
+                _stderr().print(
+                    f"wrote {output} ({merged['lines']} lines, retries: "
+                    f"{', '.join(merged['retries']) or 'none'})"
+                )
+            return
         written = _download_results(client, batch, output, errors)
     if as_json:
         _print_json(written)

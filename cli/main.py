@@ -154,11 +154,12 @@ def up(
 
 
 def _register_commands() -> None:
-    from cli import client_commands, run
+    from cli import client_commands, results_commands, run
     from cli.admin import keys_app
     from cli.perf import commands as perf
 
     client_commands.register(app)
+    results_commands.register(app)
     run.register(app)
     perf.register(app)
     app.add_typer(keys_app, name="keys")

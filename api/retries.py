@@ -1,0 +1,203 @@
+"""``POST /v1/batches/{id}/retry``: a new batch from exactly the parent's input lines that did
+not succeed (see :mod:`core.retry` for which), with the same ``custom_id``s and bodies.
+
+The lines are copied byte for byte from the parent's input file into a new input file of the
+caller's, and the batch is created through the ordinary create (quotas, entitlements, the
+validate task), with ``metadata.retry_of`` naming the parent.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import timedelta
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from sqlalchemy.orm import Session
+
+from api.deps import Caller
+from api.errors import APIError, invalid_request
+from api.routes.batches import create_batch, get_batch_row
+from api.routes.files import is_expired
+from api.schemas import (
+    MAX_METADATA_PAIRS,
+    BatchCreate,
+    BatchPublic,
+    ExpiresAfter,
+    window_seconds,
+)
+from core.auth import priority_allowed
+from core.ids import file_id
+from core.lifecycle import TERMINAL, now
+from core.models import Batch, File
+from core.retry import RETRY_KINDS, RETRY_OF, retry_kind
+from core.settings import Settings
+from core.storage import Storage
+
+log = logging.getLogger("batchd.api")
+
+RetryKind = Literal["expired", "cancelled", "failed"]
+
+
+class RetryCreate(BaseModel):
+    """What to retry, and how to run it (by default as the parent ran)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    include: list[RetryKind] | None = Field(
+        default=None,
+        min_length=1,
+        description="Which lines to retry: 'expired', 'cancelled' (never ran) and 'failed' "
+        "(failed with a retryable error: 5xx or 429; a request's own 4xx error never is). "
+        "Default: all three.",
+    )
+    completion_window: str | None = Field(
+        default=None, description="Default: the parent's completion window."
+    )
+    priority: Literal["high", "normal", "low"] | None = Field(
+        default=None, description="Default: the parent's priority (if this key may use it)."
+    )
+
+    @field_validator("completion_window")
+    @classmethod
+    def _window_shape(cls, value: str | None) -> str | None:
+        if value is not None and window_seconds(value) is None:
+            raise ValueError('expected "24h" or a duration like "30m", "90s", "2h"')
+        return value
+
+
+def _conflict(message: str, code: str) -> APIError:
+    return APIError(409, message, code=code, headers={"x-should-retry": "false"})
+
+
+def _live_file(session: Session, file_id_: str | None) -> File | None:
+    row = session.get(File, file_id_) if file_id_ else None
+    return None if row is None or is_expired(row) else row
+
+
+def _ids_to_retry(storage: Storage, error_file: File, include: set[str]) -> set[str]:
+    """The ``custom_id``s of the error file's lines of the kinds in ``include``."""
+    wanted: set[str] = set()
+    with storage.reader(error_file.storage_key) as stream:
+        for raw in stream:
+            if not raw.strip():
+                continue
+            line = json.loads(raw)
+            custom_id = line.get("custom_id")
+            if isinstance(custom_id, str) and retry_kind(line) in include:
+                wanted.add(custom_id)
+    return wanted
+
+
+def _copy_lines(storage: Storage, source: File, key: str, custom_ids: set[str]) -> tuple[int, int]:
+    """Copy the input lines naming ``custom_ids`` to ``key``, byte for byte, in input order;
+    (lines, bytes) written."""
+    lines = size = 0
+    with storage.reader(source.storage_key) as stream, storage.writer(key) as out:
+        for raw in stream:
+            if not raw.strip():
+                continue
+            try:
+                custom_id = json.loads(raw).get("custom_id")
+            except (ValueError, AttributeError):
+                continue  # the parent ran it, so it parsed; a changed file has no say here
+            if custom_id in custom_ids:
+                data = raw if raw.endswith(b"\n") else raw + b"\n"
+                out.write(data)
+                lines += 1
+                size += len(data)
+    return lines, size
+
+
+def _metadata(parent: Batch) -> dict[str, str]:
+    metadata = {k: v for k, v in (parent.metadata_ or {}).items() if k != RETRY_OF}
+    metadata[RETRY_OF] = parent.id
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise invalid_request(
+            f"Batch {parent.id} has {len(metadata) - 1} metadata pairs; its retry carries them "
+            f"and '{RETRY_OF}', which would exceed the limit of {MAX_METADATA_PAIRS}.",
+            param="metadata",
+        )
+    return metadata
+
+
+def retry_batch(
+    session: Session,
+    storage: Storage,
+    caller: Caller,
+    settings: Settings,
+    batch_id: str,
+    body: RetryCreate,
+) -> BatchPublic:
+    parent = get_batch_row(session, caller.tenant, batch_id)
+    if parent.status not in TERMINAL:
+        raise _conflict(
+            f"Batch {batch_id} is still '{parent.status}'; only a batch that has ended can be "
+            f"retried (wait for it: batchd wait {batch_id}).",
+            "batch_not_finished",
+        )
+    include = set(body.include or RETRY_KINDS)
+    kinds = ", ".join(sorted(include))
+    if parent.error_file_id is None:
+        raise invalid_request(
+            f"Batch {batch_id} has no error lines ({parent.status}): nothing to retry.",
+            code="nothing_to_retry",
+        )
+    error_file = _live_file(session, parent.error_file_id)
+    if error_file is None:
+        raise _conflict(
+            f"The error file {parent.error_file_id} of batch {batch_id} has expired: what "
+            "did not succeed is no longer known.",
+            "results_expired",
+        )
+    custom_ids = _ids_to_retry(storage, error_file, include)
+    if not custom_ids:
+        raise invalid_request(
+            f"Batch {batch_id} has no lines of the kinds to retry ({kinds}): nothing to retry. "
+            "Errors a request causes itself (4xx) are never retried.",
+            param="include" if body.include else None,
+            code="nothing_to_retry",
+        )
+    source = _live_file(session, parent.input_file_id)
+    if source is None:
+        raise _conflict(
+            f"The input file {parent.input_file_id} of batch {batch_id} has expired: its "
+            "lines can no longer be read.",
+            "input_file_expired",
+        )
+    new_id = file_id()
+    key = f"files/{new_id}"
+    lines, size = _copy_lines(storage, source, key, custom_ids)
+    created = now()
+    session.add(
+        File(
+            id=new_id,
+            tenant=caller.tenant,
+            purpose="batch",
+            filename=f"{parent.id}_retry.jsonl",
+            bytes=size,
+            storage_key=key,
+            created_at=created,
+            expires_at=created + timedelta(seconds=settings.file_expiry_s),
+        )
+    )
+    session.commit()
+    priority = body.priority or parent.priority
+    explicit = body.priority is not None or priority_allowed(priority, caller.max_priority)
+    create = BatchCreate(
+        **({"priority": priority} if explicit else {}),  # an ask above the key's is a 403
+        input_file_id=new_id,
+        endpoint=parent.endpoint,  # type: ignore[arg-type]
+        completion_window=body.completion_window or parent.completion_window,
+        metadata=_metadata(parent),
+        webhook_url=parent.webhook_url,
+        output_expires_after=(
+            ExpiresAfter(anchor="created_at", seconds=parent.output_expires_after_s)
+            if parent.output_expires_after_s
+            else None
+        ),
+    )
+    retry = create_batch(create, caller, session, settings, idempotency_key=None)
+    log.info("batch %s retries %s lines of %s (%s)", retry.id, lines, batch_id, kinds)
+    return retry
