@@ -11,6 +11,7 @@ from api import errors, log_context, metrics, ui
 from api.limits import auth_enabled
 from api.local import check_auth_off_is_local
 from api.routes import batch_results, batches, files, health, models
+from api.routes.batch_estimate import router as estimate_router
 from core.logs import configure_process
 from core.settings import Settings, get_settings
 
@@ -35,6 +36,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(health.router)
     for router in (files.router, batches.router, batch_results.router, models.router):
         app.include_router(router, prefix=API_PREFIX)
+    app.include_router(estimate_router, prefix=API_PREFIX)
     ui.install(app)
     log_context.install(app)
     _document_validation_as_400(app)

@@ -8,17 +8,9 @@ from sqlalchemy.orm import Session
 from api.deps import Caller
 from api.errors import APIError, invalid_request
 from api.routes.files import get_file_row
-from api.schemas import window_seconds
 from core.models import File
 from core.settings import Settings
-
-
-def duration(seconds: int) -> str:
-    """``86400`` -> ``"24h"``: the largest unit that divides it."""
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds % size == 0:
-            return f"{seconds // size}{unit}"
-    return f"{seconds}s"
+from core.windows import duration, window_seconds
 
 
 def checked_window_s(window: str, caller: Caller, settings: Settings) -> int:

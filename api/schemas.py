@@ -6,7 +6,6 @@ answer; ORM rows never leave the API directly.
 
 from __future__ import annotations
 
-import re
 from datetime import datetime
 from typing import Any, Literal
 
@@ -16,6 +15,7 @@ from api.errors import invalid_request
 from core.auth import MAX_WEBHOOK_URL_CHARS, is_text, webhook_url_problem
 from core.lifecycle import BatchStatus
 from core.models import Batch, File
+from core.windows import WINDOW, window_seconds
 
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY_CHARS = 64
@@ -29,16 +29,7 @@ MAX_IDEMPOTENCY_KEY_CHARS = 256
 #: Printable ASCII: what survives any HTTP header and any database. Checked in the route.
 IDEMPOTENCY_KEY_PATTERN = "^[ -~]+$"
 
-_WINDOW = re.compile(r"^([1-9][0-9]{0,9})([smhd])$")
-_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
-def window_seconds(window: str) -> int | None:
-    """``"24h"`` -> 86400; None when ``window`` is not ``<n>s|m|h|d``."""
-    match = _WINDOW.match(window)
-    if not match:
-        return None
-    return int(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+_WINDOW = WINDOW
 
 
 def unix(value: datetime | None) -> int | None:

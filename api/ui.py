@@ -63,7 +63,7 @@ from api.limits import auth_enabled, retry_after_header
 from api.local import local_only
 from core.auth import create_ui_session, end_ui_session, hash_key, ui_session_key
 from core.db import session_scope
-from core.lifecycle import TERMINAL
+from core.lifecycle import TERMINAL, BatchStatus, now
 from core.models import Batch
 from core.queue import engine_stats
 from core.settings import Settings
@@ -283,6 +283,10 @@ def dashboard_data(session: Any, caller: Caller, sampler: Sampler) -> dict[str, 
         points = [(t, d[b.id]) for t, d, _ in history if b.id in d]
         rate = _rate(points) if b.status not in TERMINAL else None
         eta = (total - done) / rate if rate and total > done else None
+        running = b.status in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS)
+        if running and b.estimated_completion_at is not None:
+            # The service's projection (core.eta_store), beside the deadline it is held to.
+            eta = max(0.0, (b.estimated_completion_at - now()).total_seconds())
         batches.append(
             {
                 "id": b.id,
@@ -295,6 +299,7 @@ def dashboard_data(session: Any, caller: Caller, sampler: Sampler) -> dict[str, 
                 "progress": done / total if total else (1.0 if b.status == "completed" else 0.0),
                 "throughput": rate,
                 "eta_s": eta,
+                "at_risk": bool(running and b.at_risk),
                 "created_at": _iso(b.created_at),
             }
         )
@@ -382,6 +387,9 @@ def _fmt_rate(rate: float | None) -> str:
     return "–" if rate is None else f"{rate:.1f}/s"
 
 
+AT_RISK = " (at risk)"
+
+
 def _fmt_eta(eta: float | None) -> str:
     if eta is None:
         return "–"
@@ -404,7 +412,7 @@ def _batch_rows(batches: list[dict[str, Any]], admin: bool) -> str:
             f"<span class='pct'>{pct}%</span></td>"
             f"<td class='done'>{b['completed'] + b['failed']} / {b['total']}</td>"
             f"<td class='rate'>{_fmt_rate(b['throughput'])}</td>"
-            f"<td class='eta'>{_fmt_eta(b['eta_s'])}</td></tr>"
+            f"<td class='eta'>{_fmt_eta(b['eta_s'])}{AT_RISK if b['at_risk'] else ''}</td></tr>"
         )
     if not rows:
         cols = 8 if admin else 7

@@ -81,23 +81,50 @@ def create(
             "refused (403 priority_not_allowed). Admin keys (BATCHD_ADMIN_API_KEYS) may use any."
         ),
     ] = Priority.normal,
+    min_completion_window: Annotated[
+        str | None,
+        typer.Option(
+            help="The shortest completion window the key may ask for, e.g. 6h; a create "
+            "below it is refused (403 completion_window_not_allowed). Default: any."
+        ),
+    ] = None,
 ) -> None:
     """Create a key and print it (once: only its hash is stored) with its webhook secret."""
     from core.auth import create_key, webhook_url_problem
+    from core.windows import window_seconds
 
     if webhook_url is not None and (problem := webhook_url_problem(webhook_url)):
         typer.echo(f"error: --webhook-url {problem}", err=True)
         raise typer.Exit(ExitCode.USAGE)
+    shortest = None
+    if min_completion_window is not None:
+        shortest = window_seconds(min_completion_window)
+        if shortest is None:
+            typer.echo(
+                f"error: --min-completion-window {min_completion_window!r}: expected a "
+                'duration like "1h", "90m", "2d"',
+                err=True,
+            )
+            raise typer.Exit(ExitCode.USAGE)
     try:
         with _session() as session:
             row, plaintext = create_key(
-                session, tenant, name, webhook_url=webhook_url, max_priority=max_priority.value
+                session,
+                tenant,
+                name,
+                webhook_url=webhook_url,
+                max_priority=max_priority.value,
+                min_completion_window_s=shortest,
             )
     except ValueError as error:
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(ExitCode.USAGE) from error
+    windows = ""
+    if row.min_completion_window_s is not None:
+        windows = f", completion windows of at least {min_completion_window}"
     typer.echo(
-        f"Created key {row.id} for tenant {row.tenant!r} (priorities up to {row.max_priority})."
+        f"Created key {row.id} for tenant {row.tenant!r} (priorities up to {row.max_priority}"
+        f"{windows})."
     )
     typer.echo(f"API key:        {plaintext}")
     typer.echo(f"Webhook secret: {row.webhook_secret}")

@@ -21,6 +21,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from cli import estimate_commands
 from cli.client import BatchdClient, ClientError, ServerUnreachable
 from cli.exit_codes import TERMINAL_STATUSES, ExitCode, exit_code_for_batch, exit_codes_help
 from cli.progress import requests_progress
@@ -262,6 +263,14 @@ def submit(
         typer.Option(help="Sent as the Idempotency-Key header when creating the batch."),
     ] = None,
     wait: Annotated[bool, typer.Option("--wait", help="Wait for the batch to finish.")] = False,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run",
+            help="Create nothing: print the estimate (valid lines and errors, exact prompt "
+            "tokens, when it would start and end) and exit (4 if the file has errors).",
+        ),
+    ] = False,
     output: Annotated[
         Path | None, typer.Option("-o", "--output", help="With --wait: write the output here.")
     ] = None,
@@ -279,6 +288,12 @@ def submit(
     if (output or errors) and not wait:
         raise typer.BadParameter("-o/--errors need --wait (or use `batchd download`)")
     endpoint = _endpoint_for(file, endpoint)
+    if dry_run:
+        with _client(base_url, api_key) as client:
+            code = estimate_commands.dry_run(
+                client, file, endpoint=endpoint, window=window, as_json=as_json
+            )
+        raise _exit(code)
     with _client(base_url, api_key) as client:
         uploaded = client.upload_file(file)
         batch = client.create_batch(
@@ -369,6 +384,9 @@ def status(
         ("completed", _when(batch.get("completed_at"))),
         ("expires", _when(batch.get("expires_at"))),
     ]
+    if batch.get("status") in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS):
+        eta = estimate_commands.eta_text(batch.get("estimated_completion_at"), batch.get("at_risk"))
+        rows.append(("estimated completion", eta))
     if batch.get("metadata"):
         rows.append(("metadata", json.dumps(batch["metadata"])))
     for key, value in rows:

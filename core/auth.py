@@ -70,12 +70,18 @@ def create_key(
     *,
     webhook_url: str | None = None,
     max_priority: str = DEFAULT_MAX_PRIORITY,
+    min_completion_window_s: int | None = None,
 ) -> tuple[ApiKey, str]:
     """Add a key for ``tenant`` (flushed, not committed) and return it with its plaintext,
     which is not stored anywhere: show it to the user now or never. Batches created with it
-    may ask for priorities up to ``max_priority``."""
+    may ask for priorities up to ``max_priority`` and completion windows of at least
+    ``min_completion_window_s`` seconds (None: any the server accepts)."""
     if max_priority not in PRIORITIES:
         raise ValueError(f"a priority is one of {', '.join(PRIORITIES)}, got {max_priority!r}")
+    if min_completion_window_s is not None and min_completion_window_s < 1:
+        raise ValueError(
+            f"a shortest completion window is at least 1 second, got {min_completion_window_s}"
+        )
     tenant = tenant.strip()
     if not tenant or len(tenant) > MAX_TENANT_CHARS:
         raise ValueError(f"a tenant is 1 to {MAX_TENANT_CHARS} characters, got {len(tenant)}")
@@ -92,6 +98,7 @@ def create_key(
         webhook_url=webhook_url,
         webhook_secret=generate_webhook_secret(),
         max_priority=max_priority,
+        min_completion_window_s=min_completion_window_s,
     )
     session.add(row)
     session.flush()

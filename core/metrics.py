@@ -142,6 +142,11 @@ class ServiceCollector(Collector):
             "Estimated prompt + output tokens of the pending shards (see batchd_pending_shards)",
             labels=["model", "state"],
         )
+        at_risk = GaugeMetricFamily(
+            "batchd_batches_at_risk",
+            "Running batches projected to end after their deadline (core.eta_store)",
+            labels=["model"],
+        )
         up = GaugeMetricFamily("batchd_database_up", "1 if the last scrape read the database")
         try:
             with session_scope(self.database_url) as session:
@@ -174,6 +179,11 @@ class ServiceCollector(Collector):
                     .where(unfinished)
                     .group_by(Batch.model, Shard.status)
                 ).all()
+                risky = session.execute(
+                    select(Batch.model, func.count())
+                    .where(Batch.status == "in_progress", Batch.at_risk.is_(True))
+                    .group_by(Batch.model)
+                ).all()
                 work = session.execute(
                     select(Batch.model, state, func.count(), func.sum(remaining))
                     .join(Batch, Batch.id == Shard.batch_id)
@@ -197,7 +207,10 @@ class ServiceCollector(Collector):
         for (model, st), (n, est) in sorted(found.items()):
             pending.add_metric([model, st], n)
             tokens.add_metric([model, st], est)
-        yield from (up, batches, shards, pending, tokens)
+        risky_by_model = {model or "": n for model, n in risky}
+        for model in sorted(set(self.models) | set(risky_by_model)):
+            at_risk.add_metric([model], risky_by_model.get(model, 0))
+        yield from (up, batches, shards, pending, tokens, at_risk)
 
 
 def observe_queue_wait(model: str, released_at: Any) -> None:

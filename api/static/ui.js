@@ -68,7 +68,7 @@
       row.querySelector(".model-name").textContent = b.model || "–";
       row.querySelector(".done").textContent = b.completed + b.failed + " / " + b.total;
       row.querySelector(".rate").textContent = rate(b.throughput);
-      row.querySelector(".eta").textContent = eta(b.eta_s);
+      row.querySelector(".eta").textContent = eta(b.eta_s) + (b.at_risk ? " (at risk)" : "");
     });
     Array.from(tbody.children).forEach((row) => {
       if (!keep.has(row)) row.remove();
