@@ -4,11 +4,16 @@ A step's tokens are packed into one flat sequence (batch 1, no padding). The mod
 layers call :func:`paged_attention` with that packed query/key/value and an
 :class:`AttentionContext` passed as the ``batchd_ctx`` forward kwarg (transformers forwards
 unknown kwargs down to the attention function). The function writes the new K/V into the
-layer's paged cache at ``slot_mapping`` (layout ``[num_blocks, block_size, kv_heads, head_dim]``,
-slot = block * size + offset), then hands the step to the context's backend:
+layer's paged cache at ``slot_mapping``, then hands the step to the context's backend.
 
-- ``sdpa`` (:mod:`engine.attention_sdpa`, the CPU backend): one SDPA call per sequence over its
-  gathered K/V. On CPU this beats one batched call, whose padding and masks cost more.
+The cache of a layer is laid out as the kernels read it: ``[kv_heads, num_blocks, block_size,
+head_dim]``, so a KV head's keys of one block are one contiguous run, a gather of a sequence's
+blocks (``index_select`` on dim 1) yields ``[kv_heads, tokens, head_dim]`` ready for a matmul,
+and the whole pool of one head is ``[slots, head_dim]`` in place (slot = block * size + offset).
+
+- ``sdpa`` (:mod:`engine.attention_sdpa`, the CPU backend): the decode rows of a step attend
+  together, in a few padded batched matmuls over their gathered blocks (sequences grouped by
+  length so padding stays small); each prefill chunk attends with its own SDPA call.
 - ``flex`` (:mod:`engine.attention_flex`, the CUDA backend): one FlexAttention call per layer
   over the whole packed step, reading K/V in place from the paged cache through the block
   tables, so the kernel launches of a step do not grow with the number of sequences.
@@ -66,11 +71,29 @@ class PrefillChunk:
 
 
 @dataclass(slots=True)
-class Decode:
-    """One decoding sequence: its token sits at ``row`` of the packed sequence."""
+class DecodeGroup:
+    """Decode rows ``start .. end`` of the packed sequence (one query per sequence), sequences
+    of similar length attended together: ``blocks`` holds each one's block ids padded to the
+    longest (with the scratch block), ``lens`` their context lengths (the new token included)."""
 
-    blocks: torch.Tensor  # the block ids covering the context (a view of one per-step tensor)
-    context_len: int  # tokens to attend, the new one included
+    start: int
+    end: int
+    blocks: torch.Tensor  # [n, max_blocks] long
+    lens: torch.Tensor  # [n] long
+    block_size: int
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # [n, keys] by window
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """[n, max_blocks * block_size] bool, True where a sequence attends the key."""
+        if window not in self.masks:
+            keys = self.blocks.shape[1] * self.block_size
+            pos = torch.arange(keys, device=self.lens.device).unsqueeze(0)
+            lens = self.lens.unsqueeze(1)
+            mask = pos < lens
+            if window is not None:
+                mask &= pos >= lens - window
+            self.masks[window] = mask
+        return self.masks[window]
 
 
 @dataclass(slots=True)
@@ -111,7 +134,7 @@ class AttentionContext:
     v_cache: list[torch.Tensor]
     slot_mapping: torch.Tensor  # [num_tokens] cache slot of every packed token
     backend: Backend | None = None
-    decodes: list[Decode] = field(default_factory=list)  # the packed sequence starts with them
+    decodes: list[DecodeGroup] = field(default_factory=list)  # the packed sequence starts with them
     prefills: list[PrefillChunk] = field(default_factory=list)
     flex: FlexStep | None = None
 
@@ -138,10 +161,9 @@ def paged_attention(
     layer = module.layer_idx
     k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
     kv_heads, head_dim = key.shape[1], key.shape[3]
-    k_new = key[0].transpose(0, 1)  # [T, KV, D]
-    v_new = value[0].transpose(0, 1)
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, ctx.slot_mapping, k_new.to(k_cache.dtype))
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, ctx.slot_mapping, v_new.to(v_cache.dtype))
+    slots = ctx.slot_mapping
+    k_cache.view(kv_heads, -1, head_dim).index_copy_(1, slots, key[0].to(k_cache.dtype))
+    v_cache.view(kv_heads, -1, head_dim).index_copy_(1, slots, value[0].to(v_cache.dtype))
     window = int(sliding_window) if sliding_window else None
     cap = float(softcap) if softcap else None
     out = ctx.backend.attend(ctx, layer, query, key, value, scaling, window, cap)

@@ -141,9 +141,9 @@ class FlexBackend:
         k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
         num_heads, head_dim = query.shape[1], query.shape[3]
         kv_heads = key.shape[1]
-        num_slots = k_cache.shape[0] * k_cache.shape[1]
-        k = k_cache.view(1, num_slots, kv_heads, head_dim).transpose(1, 2)  # [1, KV, S, D] in place
-        v = v_cache.view(1, num_slots, kv_heads, head_dim).transpose(1, 2)
+        num_slots = k_cache.shape[1] * k_cache.shape[2]
+        k = k_cache.view(1, kv_heads, num_slots, head_dim)  # [1, KV, S, D] in place
+        v = v_cache.view(1, kv_heads, num_slots, head_dim)
         out = _kernel(query.device)(
             query.to(k.dtype),
             k,

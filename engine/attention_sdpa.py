@@ -1,17 +1,22 @@
-"""The CPU attention backend: one call per sequence over exactly its K/V.
+"""The CPU attention backend: the decode rows of a step together, each prefill chunk on its own.
 
-1. Each decode token (one query per sequence) attends with its own SDPA call over the
-   sequence's gathered K/V (one index_select over its block ids, cut to its length, and to the
-   last ``window`` tokens on a sliding-window layer): on CPU this beats batching sequences of
-   unequal length, whose padding and length mask cost more than the extra calls. Query heads
-   are folded onto their KV head (``[kv_heads, group, D]``) so GQA needs no K/V repeat.
+1. Decode rows (one query per sequence) attend in groups of sequences of similar length (the
+   runner sorts them and cuts the groups, :class:`engine.attention.DecodeGroup`): one
+   ``index_select`` of the group's blocks per layer gives ``[kv_heads, n, keys, head_dim]``
+   padded to the longest, and three batched operations (scores in float32, masked softmax,
+   probabilities times values) replace a gather and an SDPA call per sequence. Query heads are
+   folded onto their KV head (``[kv_heads, n, group, head_dim]``) so GQA needs no K/V repeat;
+   a sliding window is part of the group's mask. The arithmetic follows SDPA's CPU kernel for
+   reduced precision: float32 scores and softmax, probabilities rounded to the model's dtype
+   for the product with the values.
 2. Each prefill chunk attends on its own: a chunk that starts the sequence uses the fresh K/V
    with a causal SDPA; a chunk that continues one (chunked prefill, prefix-cache hit) gathers
    the sequence's cached K/V and uses a causal mask offset by the context already computed.
    A sliding window adds its lower bound to the mask.
 
-SDPA has no soft-capping, so a layer with ``softcap`` runs the same shapes through explicit
-matmul -> softcap -> mask -> float32 softmax -> matmul (transformers' eager order).
+SDPA has no soft-capping, so a prefill chunk on a layer with ``softcap`` runs the same shapes
+through explicit matmul -> softcap -> mask -> float32 softmax -> matmul (transformers' eager
+order), as every decode group does.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionContext, PrefillChunk, softcapped
+from engine.attention import AttentionContext, DecodeGroup, PrefillChunk, softcapped
 
 
 def _attend(
@@ -67,6 +72,33 @@ def _chunk_mask(
     return chunk.masks[window]
 
 
+def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """The tokens of ``blocks`` (1-D, in order) of one layer's cache: ``[kv_heads, tokens, D]``."""
+    kv_heads, _, _, head_dim = cache.shape
+    return cache.index_select(1, blocks).view(kv_heads, -1, head_dim)
+
+
+def _attend_decodes(
+    g: DecodeGroup,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float | None,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """``q`` [KV, group, n, D] (one query per sequence) -> [KV, n, group, D]."""
+    kv_heads, _, n, head_dim = q.shape
+    k = _gather(k_cache, g.blocks.view(-1)).view(kv_heads, n, -1, head_dim)
+    v = _gather(v_cache, g.blocks.view(-1)).view(kv_heads, n, -1, head_dim)
+    scale = head_dim**-0.5 if scale is None else scale
+    scores = torch.matmul(q.transpose(1, 2).float(), k.float().transpose(-1, -2)) * scale
+    scores = softcapped(scores, softcap)  # [KV, n, group, keys]
+    scores.masked_fill_(~g.mask(window)[None, :, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v)
+
+
 class SdpaBackend:
     name = "sdpa"
 
@@ -87,25 +119,13 @@ class SdpaBackend:
         group = num_heads // kv_heads
         q = query[0]  # [H, T, D]
         out = query.new_empty(num_tokens, num_heads, head_dim)
-        nd = len(ctx.decodes)
-        if nd:
-            # 4-D operands: SDPA's CPU path is ~25% faster with them than with 3-D ones.
-            qd = q[:, :nd].transpose(0, 1).reshape(nd, 1, kv_heads, group, head_dim)
-            od = out[:nd].view(nd, kv_heads, group, head_dim)
-            for i, d in enumerate(ctx.decodes):
-                n = d.context_len
-                lo = max(0, n - window) if window is not None else 0
-                kd = k_cache.index_select(0, d.blocks).view(-1, kv_heads, head_dim)[lo:n]
-                vd = v_cache.index_select(0, d.blocks).view(-1, kv_heads, head_dim)[lo:n]
-                od[i] = _attend(
-                    qd[i],
-                    kd.transpose(0, 1).unsqueeze(0),
-                    vd.transpose(0, 1).unsqueeze(0),
-                    scaling,
-                    None,
-                    False,
-                    softcap,
-                )[0]
+        if ctx.decodes:
+            qd = q.view(kv_heads, group, num_tokens, head_dim)
+            for g in ctx.decodes:
+                o = _attend_decodes(
+                    g, qd[:, :, g.start : g.end], k_cache, v_cache, scaling, window, softcap
+                )  # [KV, n, group, D]
+                out[g.start : g.end].view(-1, kv_heads, group, head_dim).copy_(o.transpose(0, 1))
         for chunk in ctx.prefills:
             n_q = chunk.end - chunk.start
             qp = q[:, chunk.start : chunk.end].unsqueeze(0)  # [1, H, q, D]
@@ -117,10 +137,8 @@ class SdpaBackend:
                 n = chunk.context_len
                 # Keys before the first query's window are never attended: leave them out.
                 key_start = max(0, chunk.first_pos - window + 1) if window is not None else 0
-                kp = k_cache.index_select(0, chunk.blocks).view(-1, kv_heads, head_dim)[key_start:n]
-                vp = v_cache.index_select(0, chunk.blocks).view(-1, kv_heads, head_dim)[key_start:n]
-                kp = kp.transpose(0, 1).unsqueeze(0)  # [1, KV, ctx, D]
-                vp = vp.transpose(0, 1).unsqueeze(0)
+                kp = _gather(k_cache, chunk.blocks)[:, key_start:n].unsqueeze(0)  # [1, KV, ctx, D]
+                vp = _gather(v_cache, chunk.blocks)[:, key_start:n].unsqueeze(0)
             if chunk.blocks is None and (window is None or window >= n_q):
                 op = _attend(qp, kp, vp, scaling, None, True, softcap)
             else:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine import attention, memory
-from engine.attention import AttentionContext, Decode, PrefillChunk
+from engine.attention import AttentionContext, DecodeGroup, PrefillChunk
 from engine.attention_flex import FlexBackend, build_step, to_device
 from engine.attention_sdpa import SdpaBackend
 from engine.config import EngineConfig
@@ -26,9 +26,23 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def cpu_supports_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AMX tiles or AVX-512 BF16): there a bf16
+    matmul runs several times faster than a float32 one; elsewhere bf16 is emulated."""
+    for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
+        supported = getattr(torch.cpu, probe, None)
+        if supported is not None and supported():
+            return True
+    return False
+
+
+def resolve_dtype(name: str, device: torch.device, *, cpu_bf16: bool = True) -> torch.dtype:
+    """``auto``: bf16 on an accelerator, and on a CPU that multiplies bf16 natively unless
+    ``cpu_bf16`` is False; float32 otherwise."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda" or (cpu_bf16 and device.type == "cpu" and cpu_supports_bf16()):
+            return torch.bfloat16
+        return torch.float32
     return _DTYPES[name]
 
 
@@ -73,7 +87,8 @@ class ModelRunner:
         # One block past those the block manager hands out: a scratch block that the load-time
         # probe and the padding rows of a CUDA graph write to, never read by a real sequence.
         self.scratch_block = self.num_blocks
-        shape = (self.num_blocks + 1, self.block_size, self.num_kv_heads, self.head_dim)
+        # The layout the attention reads (engine/attention.py): a KV head's block is contiguous.
+        shape = (self.num_kv_heads, self.num_blocks + 1, self.block_size, self.head_dim)
         self.k_cache = [
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
         ]
@@ -179,26 +194,33 @@ class ModelRunner:
     def _prepare_sdpa(
         self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]]
     ) -> StepBatch:
-        """Pack the step; each decode and prefill chunk is attended on its own."""
+        """Pack the step: decodes first, sorted by length and cut into groups attended
+        together; then each prefill chunk, attended on its own."""
         bs = self.block_size
         dev = self.device
+        decodes = sorted(decodes, key=len)
         packed = _Packed.of(decodes, prefills, bs)
         ctx = AttentionContext(
             self.k_cache, self.v_cache, to_device(packed.slots, torch.long, dev), self.backend
         )
-        nd = len(decodes)
-        if nd:
-            flat_blocks = [
-                b for seq in decodes for b in seq.block_table[: (len(seq) - 1) // bs + 1]
-            ]
-            all_blocks = torch.tensor(flat_blocks, dtype=torch.long, device=dev)
-            at = 0
-            for seq in decodes:
-                nb = (len(seq) - 1) // bs + 1
-                ctx.decodes.append(Decode(all_blocks[at : at + nb], len(seq)))
-                at += nb
-        offset = nd
-        for seq, c0, end in packed.parts[nd:]:
+        start = 0
+        for end in _decode_groups([(len(seq) - 1) // bs + 1 for seq in decodes]):
+            group = decodes[start:end]
+            width = (len(group[-1]) - 1) // bs + 1
+            rows = [seq.block_table[: (len(seq) - 1) // bs + 1] for seq in group]
+            blocks = [r + [self.scratch_block] * (width - len(r)) for r in rows]
+            ctx.decodes.append(
+                DecodeGroup(
+                    start,
+                    end,
+                    torch.tensor(blocks, dtype=torch.long, device=dev),
+                    torch.tensor([len(seq) for seq in group], dtype=torch.long, device=dev),
+                    bs,
+                )
+            )
+            start = end
+        offset = len(decodes)
+        for seq, c0, end in packed.parts[len(decodes) :]:
             chunk = PrefillChunk(offset, offset + end - c0, first_pos=c0)
             if c0 > 0:
                 chunk.context_len = end
@@ -279,6 +301,21 @@ class _Packed:
             sample_seqs=self.sample_seqs,
             num_tokens=len(self.ids),
         )
+
+
+def _decode_groups(num_blocks: list[int]) -> list[int]:
+    """Cut decodes sorted by their number of blocks into groups attended together; return each
+    group's end. A group grows while padding to its longest costs little: a new one starts
+    where a sequence needs both over 1.5x and over 8 more blocks than the group's first."""
+    ends: list[int] = []
+    first = num_blocks[0] if num_blocks else 0
+    for i, nb in enumerate(num_blocks):
+        if nb > 1.5 * first and nb - first > 8:
+            ends.append(i)
+            first = nb
+    if num_blocks:
+        ends.append(len(num_blocks))
+    return ends
 
 
 class _ProbeSeq:
