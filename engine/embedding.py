@@ -158,7 +158,8 @@ class EmbeddingEngine:
         from engine.model_runner import resolve_device, resolve_dtype
 
         self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
+        # Vectors keep float32 on a CPU (auto): bf16 moves every coordinate by up to 2^-8.
+        self.dtype = resolve_dtype(dtype, self.device, cpu_bf16=False)
         self.pooling = Pooling.from_dir(model)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model))
         self.model = AutoModel.from_pretrained(str(model), dtype=self.dtype).to(self.device).eval()

@@ -17,8 +17,9 @@ from engine.config import EngineConfig
 TEST_DEVICE = os.environ.get("BATCHD_TEST_DEVICE", "cpu")
 
 
-@pytest.fixture(autouse=True)
-def engine_test_device(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+@pytest.fixture(autouse=True, scope="module")
+def engine_test_device() -> Iterator[str]:
+    """Module-scoped, so the module-scoped engines of a test module are built under it too."""
     build = EngineConfig.from_kwargs.__func__  # type: ignore[attr-defined]
 
     def from_kwargs(cls: type[EngineConfig], **kwargs: Any) -> EngineConfig:
@@ -26,8 +27,9 @@ def engine_test_device(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
         kwargs.setdefault("dtype", "float32")
         return build(cls, **kwargs)
 
-    monkeypatch.setattr(EngineConfig, "from_kwargs", classmethod(from_kwargs))
-    yield TEST_DEVICE
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(EngineConfig, "from_kwargs", classmethod(from_kwargs))
+        yield TEST_DEVICE
 
 
 @pytest.fixture(scope="module")
