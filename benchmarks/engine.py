@@ -279,14 +279,28 @@ def run_engine(
 
     token_ids = [done[f"req-{i}"] for i in range(len(workload.prompts))]
     generated = sum(len(t) for t in token_ids)
+    profile = phases.summarise(trace.steps, engine.config.max_num_seqs)
     extra = {
         "engine_stats": _engine_figures(before, after),
         "engine_config": _stats_dict(engine.config),
         "device": str(engine.runner.device),
         "dtype": str(engine.runner.dtype).removeprefix("torch."),
-        "phases": phases.summarise(trace.steps, engine.config.max_num_seqs),
+        "phases": profile,
         "metrics_cpu_s": metrics_cpu[0] if engine.metrics is not None else None,
     }
+    if engine.runner.device.type == "cpu":
+        from benchmarks import matmul_share
+
+        cfg = engine.runner.model_config
+        rate = matmul_share.matmul_rate(
+            engine.runner.dtype, 2048, cfg.hidden_size, cfg.intermediate_size
+        )
+        layers, head = matmul_share.model_weights(engine.runner.model)
+        extra["matmul"] = {
+            "rate_gflop_per_cpu_s": rate / 1e9,
+            "shape": [2048, cfg.hidden_size, cfg.intermediate_size],
+            "phases": matmul_share.shares(profile, layers, head, rate),
+        }
     return SystemResult(
         label, wall, workload.prompt_tokens, generated, generated, cpu, token_ids, extra
     )
@@ -516,6 +530,16 @@ def _print_report(results: dict[str, Any]) -> None:
     for name, r in results["systems"].items():
         if r.get("phases"):
             print_profile(console, name, r["phases"])
+        mm = r.get("matmul")
+        if mm:
+            console.print(
+                f"{name}: a plain {'x'.join(map(str, mm['shape']))} matmul runs at "
+                f"{mm['rate_gflop_per_cpu_s']:,.0f} GFLOP per CPU-second here; model work: "
+                + ", ".join(
+                    f"{phase} {f['gflop_per_cpu_s']:,.0f} ({f['share']:.0%})"
+                    for phase, f in mm["phases"].items()
+                )
+            )
     for key, value in results.get("agreement", {}).items():
         console.print(f"greedy agreement {key}: {value:.0%} of requests identical")
 
