@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.eta_record import Recorder
 from benchmarks.soak_stack import FreshDatabase, create_key
 from cli.perf.service import Procs, api_command, api_up, free_port, wait_for
 
@@ -184,27 +185,38 @@ def measure(args: argparse.Namespace, url: str, env: dict[str, str]) -> dict[str
         load.start()
     time.sleep(args.warmup)
     rng = random.Random(3)
-    file_id = clients["tenant-a"].upload(job_lines("job", args.lines, rng, (4, 24)))
+    data = job_lines("job", args.lines, rng, (4, 24))
+    max_tokens = {
+        row["custom_id"]: row["body"]["max_tokens"] for row in map(json.loads, data.splitlines())
+    }
+    file_id = clients["tenant-a"].upload(data)
     estimate = clients["tenant-a"].estimate(file_id)
     job = clients["tenant-a"].create(file_id)
+    recorder = Recorder(env["BATCHD_DATABASE_URL"], clients["tenant-a"], job["id"],
+                        float(job["created_at"]))  # fmt: skip
     marks: dict[float, dict[str, Any]] = {}
     seen = []
-    while True:
-        b = clients["tenant-a"].get(job["id"])
-        t = time.time()
-        counts = b["request_counts"]
-        progress = (counts["completed"] + counts["failed"]) / max(1, counts["total"] or 1)
-        if b["status"] == "in_progress":
-            seen.append((t, progress, b.get("estimated_completion_at")))
-            for mark in MARKS:
-                if mark not in marks and progress >= mark and b.get("estimated_completion_at"):
-                    marks[mark] = {"at": t, "progress": progress,
-                                   "predicted": b["estimated_completion_at"]}  # fmt: skip
-        if ended(b):
-            break
-        time.sleep(0.5)
-    for load in loads:
-        load.stop.set()
+    try:
+        while True:
+            b = clients["tenant-a"].get(job["id"])
+            t = time.time()
+            recorder.sample(b, t)
+            counts = b["request_counts"]
+            progress = (counts["completed"] + counts["failed"]) / max(1, counts["total"] or 1)
+            if b["status"] == "in_progress":
+                seen.append((t, progress, b.get("estimated_completion_at")))
+                for mark in MARKS:
+                    if mark not in marks and progress >= mark and b.get("estimated_completion_at"):
+                        marks[mark] = {"at": t, "progress": progress,
+                                       "predicted": b["estimated_completion_at"]}  # fmt: skip
+            if ended(b):
+                break
+            time.sleep(0.5)
+        shards = recorder.shards()
+    finally:
+        recorder.close()
+        for load in loads:
+            load.stop.set()
     actual = float(b["completed_at"] or b["finalizing_at"] or time.time())
     created = float(b["created_at"])
     rows = []
@@ -229,6 +241,11 @@ def measure(args: argparse.Namespace, url: str, env: dict[str, str]) -> dict[str
         "marks": results,
         "load_batches_done": {load.name: load.done for load in loads},
         "samples": len(seen),
+        # The curve: times in seconds from the job's creation (see benchmarks.eta_record).
+        "series": recorder.series,
+        "lines": recorder.lines,
+        "shards": shards,
+        "job_max_tokens": max_tokens,
     }
 
 
