@@ -7,14 +7,14 @@ running batches, refreshed every few seconds by the control worker (``worker.est
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import Float, and_, case, cast, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from core import eta
-from core.lifecycle import BatchStatus
+from core.lifecycle import BatchStatus, ShardStatus
 from core.models import Batch, Shard
 
 logger = logging.getLogger(__name__)
@@ -47,6 +47,8 @@ class BatchWork:
     done: float
     stored_eta: float | None = None
     stored_at_risk: bool = False
+    # Its shards that ran within the recent window (see ``recent_shards``), for its own rate.
+    shards: tuple[eta.Span, ...] = ()
 
     @property
     def remaining(self) -> float:
@@ -72,13 +74,7 @@ def _ts(value: datetime | None) -> float | None:
 def model_batches(session: Session, model: str, now: datetime, window_s: float) -> list[BatchWork]:
     """The batches of ``model`` that run now or ran within the last ``window_s`` seconds."""
     low = now - timedelta(seconds=window_s)
-    done = case(
-        (
-            Shard.num_requests > 0,
-            cast(Shard.est_tokens, Float) * Shard.done_requests / Shard.num_requests,
-        ),
-        else_=0.0,
-    )
+    done = _committed()
     ended = func.coalesce(Batch.finalizing_at, Batch.cancelling_at, Batch.expired_at)
     rows = session.execute(
         select(
@@ -122,6 +118,42 @@ def model_batches(session: Session, model: str, now: datetime, window_s: float) 
     ]
 
 
+def _committed():
+    """A shard's committed work: its estimated tokens prorated by its committed requests."""
+    return case(
+        (
+            Shard.num_requests > 0,
+            cast(Shard.est_tokens, Float) * Shard.done_requests / Shard.num_requests,
+        ),
+        else_=0.0,
+    )
+
+
+def recent_shards(
+    session: Session, batch_ids: list[str], now: datetime, window_s: float
+) -> dict[str, list[eta.Span]]:
+    """The released shards of ``batch_ids`` that run now or ended within the last
+    ``window_s`` seconds, as spans from their release to their end (the last update of a
+    shard that is no longer pending or running) with their committed work."""
+    if not batch_ids:
+        return {}
+    unfinished = Shard.status.in_((ShardStatus.PENDING, ShardStatus.RUNNING))
+    rows = session.execute(
+        select(Shard.batch_id, Shard.released_at, Shard.updated_at, unfinished, _committed()).where(
+            Shard.batch_id.in_(batch_ids),
+            Shard.released_at.is_not(None),
+            or_(unfinished, Shard.updated_at >= now - timedelta(seconds=window_s)),
+        )
+    ).all()
+    clock = now.timestamp()
+    spans: dict[str, list[eta.Span]] = {}
+    for batch_id, released, updated, running, work in rows:
+        start = _ts(released) or clock
+        end = clock if running else max(start, _ts(updated) or clock)
+        spans.setdefault(batch_id, []).append(eta.Span(start, end, float(work or 0)))
+    return spans
+
+
 def model_rate(batches: list[BatchWork], now: float, window_s: float) -> float | None:
     spans = [s for b in batches if (s := b.span(now)) is not None]
     return eta.throughput(spans, now=now, window_s=window_s)
@@ -136,10 +168,15 @@ def queue_of(batches: list[BatchWork], exclude: str | None = None) -> list[eta.Q
     ]
 
 
-def project_batch(batch: BatchWork, batches: list[BatchWork], rate: float | None, now: float):
+def project_batch(
+    batch: BatchWork, batches: list[BatchWork], rate: float | None, now: float, window_s: float
+) -> float | None:
     """A running batch's projected finish (unix seconds) or None: at its own rate once it has
-    one, else from the work ahead of it at the model's rate."""
-    finish = eta.from_progress(batch.started, batch.done, batch.total, now)
+    one (``window_s`` bounds its recent window), else from the work ahead of it at the
+    model's rate."""
+    finish = eta.from_progress(
+        batch.started, batch.done, batch.total, now, batch.shards, max_window_s=window_s
+    )
     if finish is not None:
         return finish
     ahead = eta.work_ahead(
@@ -166,10 +203,11 @@ def refresh(session: Session, now: datetime, window_s: float) -> int:
     for model in models:
         batches = model_batches(session, model, now, window_s)
         rate = model_rate(batches, clock, window_s)
-        for batch in batches:
-            if batch.status != BatchStatus.IN_PROGRESS:
-                continue
-            finish = project_batch(batch, batches, rate, clock)
+        running = [b for b in batches if b.status == BatchStatus.IN_PROGRESS]
+        shards = recent_shards(session, [b.id for b in running], now, window_s)
+        for batch in running:
+            batch = replace(batch, shards=tuple(shards.get(batch.id, ())))
+            finish = project_batch(batch, batches, rate, clock, window_s)
             risky = eta.at_risk(finish, batch.deadline)
             if risky and not batch.stored_at_risk:
                 logger.warning(

@@ -72,8 +72,59 @@ def test_project_and_at_risk():
 
 
 def test_from_progress_extrapolates_the_batch_own_rate():
-    # A quarter done in 30 s: three quarters more take 90 s.
-    assert eta.from_progress(NOW - 30, 250, 1000, NOW) == pytest.approx(NOW + 90)
-    assert eta.from_progress(NOW - 30, 0, 1000, NOW) is None
-    assert eta.from_progress(None, 10, 1000, NOW) is None
-    assert eta.from_progress(NOW - 0.1, 10, 1000, NOW) is None
+    # A quarter done in 30 s at a steady rate: three quarters more take 90 s.
+    shards = [Span(NOW - 30, NOW, 250)]
+    assert eta.from_progress(NOW - 30, 250, 1000, NOW, shards, max_window_s=900) == (
+        pytest.approx(NOW + 90)
+    )
+    assert eta.from_progress(NOW - 30, 0, 1000, NOW, [], max_window_s=900) is None
+    assert eta.from_progress(None, 10, 1000, NOW, [], max_window_s=900) is None
+    assert eta.from_progress(NOW - 0.1, 10, 1000, NOW, [], max_window_s=900) is None
+    assert eta.from_progress(NOW - 30, 10, 0, NOW, [], max_window_s=900) is None
+
+
+def test_retired_spreads_each_shard_over_its_span_and_cuts_it_to_the_window():
+    shards = [
+        Span(NOW - 100, NOW - 60, 400),  # ended before the window: nothing of it
+        Span(NOW - 60, NOW - 20, 400),  # half of it inside [NOW - 40, NOW]
+        Span(NOW - 10, NOW + 50, 100),  # still running: its span ends now, all of it inside
+        Span(NOW - 30, NOW, 0),  # released, nothing committed yet
+    ]
+    assert eta.retired(shards, low=NOW - 40, now=NOW) == pytest.approx(200 + 100)
+    assert eta.retired([], low=NOW - 40, now=NOW) == 0
+
+
+def test_recent_window_is_the_later_part_of_the_run_within_bounds():
+    assert eta.recent_window_s(200, max_window_s=900) == pytest.approx(200 * eta.RECENT_FRACTION)
+    # Never shorter than RECENT_MIN_S, unless the run itself is shorter.
+    assert eta.recent_window_s(12, max_window_s=900) == pytest.approx(eta.RECENT_MIN_S)
+    assert eta.recent_window_s(4, max_window_s=900) == pytest.approx(4)
+    # A long run's window stops at the cap.
+    assert eta.recent_window_s(36_000, max_window_s=900) == pytest.approx(900)
+
+
+def test_own_rate_blends_the_recent_window_with_the_whole_run():
+    # 100 s of run: 500 tokens in the first half (10/s, e.g. while its share ramped up),
+    # 1000 in the second (20/s): the window is the second half.
+    shards = [Span(NOW - 100, NOW - 50, 500), Span(NOW - 50, NOW, 1000)]
+    whole, recent = 1500 / 100, 1000 / 50
+    w = eta.RECENT_WEIGHT
+    rate = eta.own_rate(NOW - 100, 1500, shards, NOW, max_window_s=900)
+    assert rate == pytest.approx(w * recent + (1 - w) * whole)
+    assert whole < rate < recent
+    # The projection follows: 1500 left at that rate, earlier than at the whole-run rate.
+    finish = eta.from_progress(NOW - 100, 1500, 3000, NOW, shards, max_window_s=900)
+    assert finish == pytest.approx(NOW + 1500 / rate)
+    assert finish < NOW + 1500 / whole
+    # Shards that ended before the window change nothing, so callers may leave them out.
+    assert eta.own_rate(NOW - 100, 1500, shards[1:], NOW, max_window_s=900) == rate
+
+
+def test_a_batch_that_retired_nothing_lately_slows_down_but_keeps_a_projection():
+    # All its work came in its first 40 s; the last 60 s (its window) retired nothing: its rate
+    # is the whole-run rate's share only, so the projection moves later, not to "unknown".
+    shards = [Span(NOW - 120, NOW - 80, 600), Span(NOW - 60, NOW, 0)]
+    rate = eta.own_rate(NOW - 120, 600, shards, NOW, max_window_s=900)
+    assert rate == pytest.approx((1 - eta.RECENT_WEIGHT) * 600 / 120)
+    # A cap on the window: the last 30 s only.
+    assert eta.recent_window_s(120, max_window_s=30) == 30
