@@ -7,8 +7,12 @@ load has run a while, a third tenant asks for an estimate of its job, submits it
 benchmark reads the job's ``estimated_completion_at`` as it runs. Printed: the prediction
 before submitting (``POST /v1/batches/estimate``) and at 10%, 50% and 90% progress against
 the actual completion, as the error over the time that was still to go when the prediction
-was made and over the job's whole duration (target: within 20% at 50%). A JSON record goes
-to ``--out``. Nothing here imports ``tests``.
+was made and over the job's whole duration (target: within 20% at 50%); then the error at
+every 10% of progress, and the job's and all tenants' rates by quarter of its run (what moved
+the projection). The JSON record at ``--out`` holds the curve (``curve``: every projection
+read while the job ran, against the actual completion) and the raw samples behind it
+(``series``, ``lines``, ``shards``: see :mod:`benchmarks.eta_record`). Nothing here imports
+``tests``.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.eta_record import Recorder
+from benchmarks.eta_record import Recorder, curve, phases
 from benchmarks.soak_stack import FreshDatabase, create_key
 from cli.perf.service import Procs, api_command, api_up, free_port, wait_for
 
@@ -237,16 +241,27 @@ def measure(args: argparse.Namespace, url: str, env: dict[str, str]) -> dict[str
         })  # fmt: skip
     return {
         "job": {"lines": args.lines, "status": b["status"], "duration_s": actual - created},
+        # Times in seconds from the job's creation (see benchmarks.eta_record).
+        "curve": curve(recorder.series, actual - created),
+        "phases": phases(recorder.series, "tenant-a"),
         "estimate_before_submit": estimate,
         "marks": results,
         "load_batches_done": {load.name: load.done for load in loads},
         "samples": len(seen),
-        # The curve: times in seconds from the job's creation (see benchmarks.eta_record).
         "series": recorder.series,
         "lines": recorder.lines,
         "shards": shards,
         "job_max_tokens": max_tokens,
     }
+
+
+DECILES = tuple(f"{10 * k}%" for k in range(1, 10))
+
+
+def decile(points: list[dict[str, Any]], mark: str) -> float | None:
+    """The error of duration of the first projection at or past ``mark`` progress."""
+    share = float(mark.rstrip("%")) / 100
+    return next((p["error_of_duration"] for p in points if p["progress"] >= share), None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -287,6 +302,15 @@ def main(argv: list[str] | None = None) -> int:
     for m in record["marks"]:
         print(f"{m['when']:>14}  {m['predicted_minus_actual_s']:>12.1f}s  "
               f"{100 * m['error_of_time_to_go']:>13.1f}%  {100 * m['error_of_duration']:>11.1f}%")  # fmt: skip
+    print("projected minus actual completion, as a share of the job's duration, by progress:")
+    print("  " + "  ".join(f"{p:>5}" for p in DECILES))
+    print("  " + "  ".join(f"{100 * e:>+4.0f}%" if e is not None else "    -" for e in
+                           (decile(record["curve"], p) for p in DECILES)))  # fmt: skip
+    print("by quarter of the run: the job's and all tenants' estimated tokens/s, share, load")
+    for ph in record["phases"]:
+        print(f"  {ph['from_s']:>6.0f}-{ph['to_s']:<6.0f}s  job {ph['job_tokens_per_s']:>6.0f}/s  "
+              f"all {ph['all_tokens_per_s']:>6.0f}/s  share {ph['job_share']}  "
+              f"load {ph['loadavg_1m']}")  # fmt: skip
     print(f"record: {args.out}")
     return 0
 

@@ -121,3 +121,44 @@ class Recorder:
                 self._after = page["last_id"]
             if not page["has_more"]:
                 return
+
+
+def curve(series: list[dict[str, Any]], actual: float) -> list[dict[str, Any]]:
+    """The projection against the actual completion (``actual`` seconds from t0) at every
+    sample of the running job that had one."""
+    return [
+        {"t": x["t"], "progress": round(x["progress_requests"], 4),
+         "predicted_minus_actual_s": round(x["predicted_in_s"] - actual, 3),
+         "error_of_duration": round((x["predicted_in_s"] - actual) / max(1e-9, actual), 4)}
+        for x in series
+        if x["status"] == "in_progress" and x["predicted_in_s"] is not None
+    ]  # fmt: skip
+
+
+def phases(series: list[dict[str, Any]], tenant: str, parts: int = 4) -> list[dict[str, Any]]:
+    """The job's run cut into ``parts`` equal spans of time: the estimated tokens per second
+    the job (``tenant``) and all tenants together retired in each, the job's share of them, and
+    the machine's mean 1-minute load: what moves the job's rate."""
+    run = [x for x in series if x["status"] == "in_progress"]
+    if len(run) < parts + 1:
+        return []
+    t0, t1 = run[0]["t"], run[-1]["t"]
+    out = []
+    for k in range(parts):
+        lo, hi = t0 + (t1 - t0) * k / parts, t0 + (t1 - t0) * (k + 1) / parts
+        inside = [x for x in run if lo <= x["t"] <= hi]
+        a, b = inside[0], inside[-1]
+        dt = max(1e-9, b["t"] - a["t"])
+
+        def retired(x: dict[str, Any], who: str | None) -> float:
+            return sum(v["done_est"] for k, v in x["tenants"].items() if who in (None, k))
+
+        job = (retired(b, tenant) - retired(a, tenant)) / dt
+        total = (retired(b, None) - retired(a, None)) / dt
+        out.append({
+            "from_s": round(lo, 1), "to_s": round(hi, 1),
+            "job_tokens_per_s": round(job, 1), "all_tokens_per_s": round(total, 1),
+            "job_share": round(job / total, 3) if total > 0 else None,
+            "loadavg_1m": round(sum(x["loadavg_1m"] for x in inside) / len(inside), 2),
+        })  # fmt: skip
+    return out
