@@ -295,7 +295,7 @@ def run_engine(
         rate = matmul_share.matmul_rate(
             engine.runner.dtype, 2048, cfg.hidden_size, cfg.intermediate_size
         )
-        layers, head = matmul_share.model_weights(engine.runner.model)
+        layers, head = matmul_share.model_weights(engine.runner)
         extra["matmul"] = {
             "rate_gflop_per_cpu_s": rate / 1e9,
             "shape": [2048, cfg.hidden_size, cfg.intermediate_size],

@@ -38,14 +38,16 @@ def matmul_rate(
     return flops / best if best > 0 else 0.0
 
 
-def model_weights(model: Any) -> tuple[int, int]:
-    """Weights of the decoder's linear layers, and of the output layer."""
-    head = model.get_output_embeddings()
-    base = getattr(model, model.base_model_prefix)
-    layers = sum(
-        m.weight.numel() for m in base.modules() if isinstance(m, torch.nn.Linear) and m is not head
-    )
-    return layers, head.weight.numel()
+def model_weights(runner: Any) -> tuple[int, int]:
+    """Weights of the decoder's linear layers (plain or packed), and of the output layer."""
+    from engine.cpu_linear import PackedLinear
+
+    def size(m: Any) -> int:
+        return m.in_features * m.out_features
+
+    kinds = (torch.nn.Linear, PackedLinear)
+    layers = sum(size(m) for m in runner.base.modules() if isinstance(m, kinds))
+    return layers, size(runner.lm_head)
 
 
 def shares(profile: dict[str, Any], layer_weights: int, head_weights: int, rate: float) -> dict:

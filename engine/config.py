@@ -9,13 +9,14 @@ from typing import Any
 DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB on CPU unless told otherwise
 
 # The running-set cap when ``max_num_seqs`` is not given, by device type. On an accelerator a
-# decode step is bound by reading the weights, so 128 sequences cost little more than one; on
-# a CPU the step is compute-bound and its cost grows with its sequences, but a decode step is
-# mostly matmul (the decode rows attend together), and a matmul of 64 rows runs faster per row
-# than one of 32: SmolLM2 in bf16 on 64 chat requests makes 12-15% more tokens per CPU-second
-# at 64 than at 32 (``benchmarks.engine --workload chat``); more only lengthens every step,
-# and the wait of any small job that shares the engine.
-DEFAULT_MAX_NUM_SEQS = {"cpu": 64}
+# decode step is bound by reading the weights, so 128 sequences cost little more than one. On
+# a CPU too a decode step is mostly matmul (the decode rows attend together) and partly bound
+# by streaming the weights from memory (SmolLM2's 270 MB in bf16, past the caches, every
+# step), so more rows per step pay: SmolLM2 in bf16 makes 12-15% more tokens per CPU-second
+# at 64 than at 32 sequences (64 chat requests) and 14% more at 128 than at 64 (200 requests;
+# ``benchmarks.engine --workload chat``). More only lengthens every step, and the wait of any
+# small job that shares the engine.
+DEFAULT_MAX_NUM_SEQS = {"cpu": 128}
 DEFAULT_MAX_NUM_SEQS_ACCELERATOR = 128
 
 
@@ -32,8 +33,8 @@ class EngineConfig:
     FlexAttention call per layer per step over the paged cache, for CUDA) or "auto" (sdpa on
     CPU, flex on CUDA). ``cuda_graphs``: capture decode-only steps as CUDA graphs at bucketed
     batch sizes up to ``cuda_graph_max_batch`` (flex backend on CUDA only; ignored elsewhere).
-    ``max_num_seqs`` left as None is chosen by the device (:meth:`for_device`): 64 on a CPU,
-    128 on an accelerator. ``dtype`` "auto" is bf16 on an accelerator and on a CPU that
+    ``max_num_seqs`` left as None is chosen by the device (:meth:`for_device`): 128 on a
+    CPU and on an accelerator. ``dtype`` "auto" is bf16 on an accelerator and on a CPU that
     multiplies bf16 natively (AMX or AVX-512 BF16), float32 on other CPUs.
     """
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine import attention, memory
+from engine import attention, cpu_linear, memory
 from engine.attention import AttentionContext, DecodeGroup, PrefillChunk
 from engine.attention_flex import FlexBackend, build_step, to_device
 from engine.attention_sdpa import SdpaBackend
@@ -62,6 +62,13 @@ class ModelRunner:
         self.model = hf_model
         self.base = getattr(hf_model, hf_model.base_model_prefix)
         self.lm_head = hf_model.get_output_embeddings()
+        if cpu_linear.packable(self.dtype, self.device):
+            rows = config.max_num_seqs or 64
+            packed = cpu_linear.pack_linears(self.base, rows)
+            if packed and type(self.lm_head) is torch.nn.Linear:
+                # A copy: the output layer may share its weight with the input embedding.
+                self.lm_head = cpu_linear.PackedLinear.of(self.lm_head, rows)
+            log.info("%d linear layers packed for oneDNN (bf16 on CPU)", packed)
         text_config = hf_model.config.get_text_config()
         attention.check_config(text_config)
         self.model_config = text_config

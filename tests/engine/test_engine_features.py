@@ -294,14 +294,14 @@ def test_engine_config_validation(kwargs: dict, message: str) -> None:
 
 
 def test_max_num_seqs_defaults_by_device(path: str) -> None:
-    """Unset, the running-set cap is the device's: 64 on a CPU, 128 on an accelerator; a
+    """Unset, the running-set cap is the device's: 128 on a CPU and on an accelerator; a
     given value is kept."""
     config = EngineConfig()
     assert config.max_num_seqs is None
-    assert config.for_device("cpu").max_num_seqs == 64
+    assert config.for_device("cpu").max_num_seqs == 128
     assert config.for_device("cuda").max_num_seqs == 128
     assert EngineConfig(max_num_seqs=7).for_device("cpu").max_num_seqs == 7
-    assert Engine(path, device="cpu", num_kv_blocks=64).config.max_num_seqs == 64
+    assert Engine(path, device="cpu", num_kv_blocks=64).config.max_num_seqs == 128
     assert Engine(path, device="cpu", num_kv_blocks=64, max_num_seqs=5).config.max_num_seqs == 5
 
 
