@@ -7,9 +7,9 @@ in another revision's engine, on the same model and chat requests.
 Each tree runs in a fresh process on one intra-op thread: the chat requests are prefilled,
 a few decode steps run unmeasured, then ``torch.profiler`` records ``--steps`` decode steps
 of all ``--seqs`` sequences. Operators are summed by self CPU time into kinds: matmul (the
-model's linear layers: ``mm``/``addmm``), attention (SDPA, batched matmuls, gathers, softmax
-and masks over the KV cache), KV writes, copies and casts, other elementwise work, sampling
-(argmax and top-k over the logits) and the rest. The profiler's own cost per call inflates
+model's linear layers: ``mm``/``addmm``, or oneDNN's packed linear), attention (SDPA, batched
+matmuls, gathers, softmax and masks over the KV cache), KV writes, copies and casts, other
+elementwise work, sampling (argmax and top-k over the logits) and the rest. The profiler's own cost per call inflates
 small operators, so the shares overstate what is not matmul; compare trees, not absolutes.
 """
 
@@ -27,7 +27,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 
 KINDS = {
-    "matmul": ("aten::mm", "aten::addmm"),
+    "matmul": ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"),
     "attention": (
         "aten::bmm",
         "aten::_scaled_dot_product_flash_attention_for_cpu",
