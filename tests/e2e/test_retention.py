@@ -81,8 +81,11 @@ def test_expired_unused_upload_is_deleted(stack):
     row = _file(stack, file_id)
     assert row["expires_at"] is not None and _object(stack, row).exists()
     _expire_now(stack, file_id)
-    _until(lambda: _file(stack, file_id) is None, 15, "the sweep to delete the file row")
-    assert not _object(stack, row).exists()
+    _until(
+        lambda: _file(stack, file_id) is None and not _object(stack, row).exists(),
+        15,
+        "the sweep to delete the file (row and stored object)",
+    )
     with pytest.raises(openai.NotFoundError):
         stack.client.files.retrieve(file_id)
 
@@ -116,8 +119,12 @@ def test_output_expires_after_sets_the_expiry_of_output_and_error_files(stack):
     # The sweep deletes the output once it has expired (moved into the past here).
     out = _file(stack, done.output_file_id)
     _expire_now(stack, done.output_file_id)
-    _until(lambda: _file(stack, done.output_file_id) is None, 15, "the sweep to delete the output")
-    assert not _object(stack, out).exists()
+    # The sweep commits the row's deletion first, then deletes the stored object.
+    _until(
+        lambda: _file(stack, done.output_file_id) is None and not _object(stack, out).exists(),
+        15,
+        "the sweep to delete the output (row and stored object)",
+    )
     with pytest.raises(openai.NotFoundError):
         stack.client.files.content(done.output_file_id)
     assert _file(stack, done.error_file_id) is not None  # not expired yet: kept
@@ -183,8 +190,11 @@ def test_running_batch_keeps_its_expired_input_until_it_ends(stack):
     assert len(stack.client.files.content(out_id).text.splitlines()) == len(lines)
 
     # Now the batch has ended, the sweep deletes its expired input.
-    _until(lambda: _file(stack, file_id) is None, 15, "the sweep to delete the used input")
-    assert not _object(stack, row).exists()
+    _until(
+        lambda: _file(stack, file_id) is None and not _object(stack, row).exists(),
+        15,
+        "the sweep to delete the used input (row and stored object)",
+    )
 
     # The output file expires settings.file_expiry_s (30 days by default) after the finalize.
     out = _file(stack, out_id)
@@ -192,7 +202,10 @@ def test_running_batch_keeps_its_expired_input_until_it_ends(stack):
     assert abs((out["expires_at"] - completed_at).total_seconds() - 30 * 24 * 3600) < 60
     assert stack.client.files.retrieve(out_id).expires_at == int(out["expires_at"].timestamp())
     _expire_now(stack, out_id)
-    _until(lambda: _file(stack, out_id) is None, 15, "the sweep to delete the output file")
-    assert not _object(stack, out).exists()
+    _until(
+        lambda: _file(stack, out_id) is None and not _object(stack, out).exists(),
+        15,
+        "the sweep to delete the output file (row and stored object)",
+    )
     with pytest.raises(openai.NotFoundError):
         stack.client.files.content(out_id)
