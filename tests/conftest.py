@@ -4,6 +4,7 @@ database, storage directories and settings pointing at them. Real servers, real 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import secrets
 import socket
@@ -18,6 +19,35 @@ PG_ADMIN_URL = f"postgresql+psycopg://postgres@{PG_HOST}:{PG_PORT}/postgres"
 REDIS_HOST = os.environ.get("BATCHD_TEST_REDIS_HOST", "127.0.0.1")
 REDIS_PORT = int(os.environ.get("BATCHD_TEST_REDIS_PORT", "6379"))
 STATIC_TEST_KEY = "sk-test-static"
+
+
+# Under pytest-xdist (scripts/test.sh runs the suite on two workers, one test module per
+# worker at a time), the modules that take longest start first, so that no worker is left
+# with a long module at the end while the other has nothing to do: the end-to-end modules
+# (whole service stacks, mostly waiting on their subprocesses), then the engine's (CPU-bound),
+# then the rest in their usual order.
+FIRST = ["tests/e2e/test_soak.py", "tests/e2e/", "tests/engine/test_model_families.py",
+         "tests/engine/", "tests/cli/", "tests/api/"]  # fmt: skip
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """On an xdist worker, torch (here and in the service processes the tests start) gets the
+    cores divided by the workers, not every core each: on two cores two workers' OpenMP thread
+    pairs would stall each other at every barrier. ``OMP_NUM_THREADS`` set by hand wins."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers and "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return  # a plain run keeps pytest's order
+
+    def rank(item: pytest.Item) -> int:
+        path = item.nodeid.split("::", 1)[0]
+        return next((i for i, p in enumerate(FIRST) if path.startswith(p)), len(FIRST))
+
+    items.sort(key=rank)  # stable: modules and the tests in each keep their order
 
 
 def _reachable(host: str, port: int) -> bool:
@@ -56,6 +86,25 @@ def pg_url() -> Iterator[str]:
         admin.dispose()
 
 
+def redis_index() -> int:
+    """The Redis database index of this test session, 1 to 15 (0 is left to ``benchmarks.soak``
+    and the service scripts). ``BATCHD_TEST_REDIS_DB`` pins it, so test runs side by side on
+    one server stay apart; otherwise it is random. Under pytest-xdist every worker of a run
+    takes its own: the run's index (pinned, or drawn from the run's id) plus three per worker,
+    since a session also uses the next two indices (the e2e stack's broker, and a private
+    broker's fallback without ``redis-server``). Five workers fit in the 15 indices."""
+    pinned = os.environ.get("BATCHD_TEST_REDIS_DB")
+    worker = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ...
+    if worker is None:
+        return int(pinned) if pinned else 1 + secrets.randbelow(15)
+    if pinned:
+        base = int(pinned)
+    else:
+        run = os.environ.get("PYTEST_XDIST_TESTRUNUID", "")
+        base = 1 + int(hashlib.sha256(run.encode()).hexdigest(), 16) % 15
+    return (base - 1 + 3 * int(worker.removeprefix("gw"))) % 15 + 1
+
+
 @pytest.fixture(scope="session")
 def redis_url() -> str:
     """A Redis database index picked for this session and emptied first."""
@@ -63,9 +112,7 @@ def redis_url() -> str:
         pytest.fail(f"Redis is not reachable at {REDIS_HOST}:{REDIS_PORT}; start it (see .ci/run)")
     import redis
 
-    # BATCHD_TEST_REDIS_DB pins the index, so test runs side by side on one server stay apart.
-    index = int(os.environ.get("BATCHD_TEST_REDIS_DB") or 1 + secrets.randbelow(15))
-    url = f"redis://{REDIS_HOST}:{REDIS_PORT}/{index}"
+    url = f"redis://{REDIS_HOST}:{REDIS_PORT}/{redis_index()}"
     redis.Redis.from_url(url).flushdb()
     return url
 
