@@ -8,6 +8,7 @@ import hashlib
 import os
 import secrets
 import socket
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,13 +31,22 @@ FIRST = ["tests/e2e/test_soak.py", "tests/e2e/", "tests/engine/test_model_famili
          "tests/engine/", "tests/cli/", "tests/api/"]  # fmt: skip
 
 
-def pytest_configure(config: pytest.Config) -> None:
+def _worker_threads() -> None:
     """On an xdist worker, torch (here and in the service processes the tests start) gets the
-    cores divided by the workers, not every core each: on two cores two workers' OpenMP thread
-    pairs would stall each other at every barrier. ``OMP_NUM_THREADS`` set by hand wins."""
+    cores divided by the workers, not every core each: on two busy cores two OpenMP threads
+    per process stall at every barrier (an engine test measured 10x slower). Set when this
+    file is imported, before the directories' conftest files import torch, and applied to a
+    torch already imported; ``OMP_NUM_THREADS`` set by hand wins."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
-    if workers and "OMP_NUM_THREADS" not in os.environ:
-        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
+    if not workers or "OMP_NUM_THREADS" in os.environ:
+        return
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(threads)
+
+
+_worker_threads()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
