@@ -2,11 +2,9 @@
 
 The proxy, measurable on CPU, for kernel launches on a GPU: ``torch.profiler`` counts the
 operator calls of one engine step in which every running sequence decodes one token. The flex
-backend (the CUDA one) and the sdpa backend (the CPU one, which attends the decode rows of
-similar length together) must issue the same number at 16 and at 64 sequences (within 5%).
-``spread=True`` gives each sequence a prompt over 1.5x and 8 blocks longer than the previous
-one, so each forms its own group and the count grows with the sequences (five fit the tiny
-demo model's context).
+backend (the CUDA one) and the sdpa backend (the CPU one) in bf16, where it attends the decode
+rows of similar length together, must issue the same number at 16 and at 64 sequences (within
+5%); the sdpa backend in float32 makes one call per sequence, and its count grows.
 
     python -m benchmarks.attention_ops                      # 16 and 64 sequences, both backends
     python -m benchmarks.attention_ops --seqs 8 32 128 --backends flex
@@ -27,28 +25,25 @@ PROMPT_LEN = 40
 
 
 def decode_step_ops(
-    path: str, backend: str, num_seqs: int, prompt_len: int = PROMPT_LEN, spread: bool = False
+    path: str, backend: str, num_seqs: int, prompt_len: int = PROMPT_LEN, dtype: str = "float32"
 ) -> int:
     """Operator calls of one engine step in which all ``num_seqs`` sequences decode."""
-    lens = [prompt_len] * num_seqs
-    if spread:
-        blocks = [-(-prompt_len // 16)]
-        while len(blocks) < num_seqs:
-            blocks.append(max(int(1.5 * blocks[-1]) + 1, blocks[-1] + 9))
-        lens = [16 * b - 4 for b in blocks]
+    blocks_per_seq = -(-(prompt_len + 8) // 16)
     engine = Engine(
         path,
         attention_backend=backend,
+        dtype=dtype,
         max_num_seqs=num_seqs,
-        num_kv_blocks=sum(-(-(n + 8) // 16) for n in lens),
-        max_num_batched_tokens=max(2048, sum(lens)),
-        max_model_len=max(lens) + 16,
+        num_kv_blocks=num_seqs * blocks_per_seq,
+        max_num_batched_tokens=max(2048, num_seqs * prompt_len),
         enable_prefix_caching=False,
     )
     rng = random.Random(num_seqs)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    for i, n in enumerate(lens):
-        engine.add_request(str(i), [rng.randrange(3, engine.vocab_size) for _ in range(n)], params)
+    for i in range(num_seqs):
+        engine.add_request(
+            str(i), [rng.randrange(3, engine.vocab_size) for _ in range(prompt_len)], params
+        )
     engine.step()  # every prompt in one step
     engine.step()  # a first decode step, unmeasured (lazy initialisation)
     running = engine.scheduler.running

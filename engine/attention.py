@@ -74,13 +74,15 @@ class PrefillChunk:
 class DecodeGroup:
     """Decode rows ``start .. end`` of the packed sequence (one query per sequence), sequences
     of similar length attended together: ``blocks`` holds each one's block ids padded to the
-    longest (with the scratch block), ``lens`` their context lengths (the new token included)."""
+    longest (with the scratch block), ``lens`` their context lengths (the new token included),
+    ``context_lens`` the same as Python ints."""
 
     start: int
     end: int
     blocks: torch.Tensor  # [n, max_blocks] long
     lens: torch.Tensor  # [n] long
     block_size: int
+    context_lens: list[int] = field(default_factory=list)
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # [n, keys] by window
 
     def mask(self, window: int | None) -> torch.Tensor:

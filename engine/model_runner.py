@@ -223,6 +223,7 @@ class ModelRunner:
                     torch.tensor(blocks, dtype=torch.long, device=dev),
                     torch.tensor([len(seq) for seq in group], dtype=torch.long, device=dev),
                     bs,
+                    [len(seq) for seq in group],
                 )
             )
             start = end
