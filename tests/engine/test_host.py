@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -391,6 +392,24 @@ def test_reserved_room_lets_urgent_work_start_while_bulk_fills_the_engine(model_
     assert outputs == expected
 
 
+def _steps_when_done(host: EngineHost, futures: list) -> Callable[[], int]:
+    """Call right after submitting ``futures``; the returned function gives the host's step
+    count when the last of them resolved, read on the host's thread (it resolves futures
+    between steps), not when the test's thread next runs: on a busy machine the host keeps
+    stepping other requests meanwhile."""
+    at: list[int] = []
+    for f in futures:
+        f.add_done_callback(lambda _f: at.append(host.stats().steps))
+
+    def last() -> int:
+        deadline = time.monotonic() + 10
+        while len(at) < len(futures) and time.monotonic() < deadline:
+            time.sleep(0.005)  # a callback may still be running
+        return max(at)
+
+    return last
+
+
 def test_a_new_tenant_gets_its_share_of_a_full_engine_at_once(model_dir: Path) -> None:
     """Tenant A's long requests hold every slot; tenant B's small batch arriving later does
     not wait for A's requests to finish: A's newest requests are suspended down to an equal
@@ -409,8 +428,9 @@ def test_a_new_tenant_gets_its_share_of_a_full_engine_at_once(model_dir: Path) -
             time.sleep(0.005)
         steps_before = host.stats().steps
         b = [host.submit(p, short, group="small", tenant="B") for p in b_prompts]
+        b_done_at = _steps_when_done(host, b)
         got_b = [f.result(timeout=60).outputs[0].token_ids for f in b]
-        steps_for_b = host.stats().steps - steps_before
+        steps_for_b = b_done_at() - steps_before
         assert not any(f.done() for f in a)
         got_a = [f.result(timeout=120).outputs[0].token_ids for f in a]
         stats = host.stats()
@@ -555,8 +575,9 @@ def test_a_new_tenant_gets_its_share_beside_n_completion_requests(model_dir: Pat
         assert host.stats().in_flight == 4  # four completions, four slots
         steps_before = host.stats().steps
         b = [host.submit(p, short, group="small", tenant="B") for p in b_prompts]
+        b_done_at = _steps_when_done(host, b)
         got_b = [f.result(timeout=60).outputs[0].token_ids for f in b]
-        steps_for_b = host.stats().steps - steps_before
+        steps_for_b = b_done_at() - steps_before
         assert not any(f.done() for f in a)
         outs_a = [f.result(timeout=300) for f in a]
         stats = host.stats()
