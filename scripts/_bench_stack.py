@@ -12,6 +12,7 @@ everything it started.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -86,7 +87,12 @@ def Broker(root: Path, fallback_url: str = REDIS_URL) -> RedisServer:
 
 
 def service_env(root: Path, database_url: str, broker_url: str, **overrides: str) -> dict[str, str]:
-    """The environment of a private service on ``root`` (``overrides`` win)."""
+    """The environment of a private service on ``root`` (``overrides`` win), its engine in the
+    dtype it would choose itself (the tests' stacks pin float32)."""
+    inherited = os.environ.get("BATCHD_ENGINE_OPTIONS") or "{}"
+    options = json.loads(overrides.get("BATCHD_ENGINE_OPTIONS") or inherited)
+    options.setdefault("dtype", "auto")
+    overrides["BATCHD_ENGINE_OPTIONS"] = json.dumps(options)
     return stack_env(database_url, broker_url, root, api_key=API_KEY, **overrides)
 
 

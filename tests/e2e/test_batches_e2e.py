@@ -51,7 +51,7 @@ def llm():
     from engine import LLM
     from engine.demo_models import build
 
-    return LLM(str(build("llama-tiny")))
+    return LLM(str(build("llama-tiny")), dtype="float32")  # as the stack's engine
 
 
 def test_chat_batch_matches_the_engine_and_reports_per_request_errors(stack, llm):

@@ -147,7 +147,7 @@ def test_sigkilled_model_worker_loses_nothing_and_repeats_nothing(
     from engine import LLM, SamplingParams
     from engine.demo_models import build
 
-    llm = LLM(str(build("llama-tiny")), max_num_seqs=8)
+    llm = LLM(str(build("llama-tiny")), max_num_seqs=8, dtype="float32")  # as the stack
     want = llm.chat(
         [[{"role": "user", "content": t}] for t in texts.values()],
         SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True),

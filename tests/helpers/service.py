@@ -57,10 +57,18 @@ def stack_env(
     database_url: str, broker_url: str, root: Path, *, api_key: str = API_KEY, **overrides: str
 ) -> dict[str, str]:
     """The environment of a private service on ``root`` serving the tiny demo model
-    (``overrides`` win)."""
+    (``overrides`` win; engine options in ``BATCHD_ENGINE_OPTIONS`` get ``dtype`` float32
+    unless they name one)."""
     (root / "home").mkdir(parents=True, exist_ok=True)
+    # The engine in float32 unless a test says otherwise: the tests' oracle is greedy text
+    # equal to another run's, which bf16 (the default on a CPU that multiplies it natively)
+    # keeps only where both runs batch the same sequences together.
+    inherited = os.environ.get("BATCHD_ENGINE_OPTIONS") or "{}"
+    options = json.loads(overrides.pop("BATCHD_ENGINE_OPTIONS", inherited))
+    options.setdefault("dtype", "float32")
     return {
         **os.environ,
+        "BATCHD_ENGINE_OPTIONS": json.dumps(options),
         "PYTHONUNBUFFERED": "1",
         "BATCHD_HOME": str(root / "home"),
         "BATCHD_DATABASE_URL": database_url,
