@@ -379,17 +379,29 @@ def test_reserved_room_lets_urgent_work_start_while_bulk_fills_the_engine(model_
     host = EngineHost(_engine(model_dir, max_num_seqs=4), reserved_share=0.25, fair_share=False)
     with host:
         bulk = [host.submit(p, bulk_params, group="bulk") for p in prompts]
+        bulk_done_at = _steps_each_done(host, bulk)
         deadline = time.monotonic() + 60
         while host.stats().engine.num_running < 4 and time.monotonic() < deadline:
             time.sleep(0.005)
         assert host.stats().engine.num_running == 4  # all slots, the reserved one included
         urgent = host.submit([5, 6, 7], urgent_params, group="urgent", priority=-1)
+        urgent_done_at = _steps_when_done(host, [urgent])
         urgent.result(timeout=60)
-        assert not any(f.done() for f in bulk)
+        urgent_done = urgent_done_at()
         outputs = [f.result(timeout=120).outputs[0].token_ids for f in bulk]
         stats = host.stats()
+    assert max(bulk_done_at) > urgent_done, (bulk_done_at, urgent_done)
     assert stats.engine.num_preemptions >= 1
     assert outputs == expected
+
+
+def _steps_each_done(host: EngineHost, futures: list) -> list[int]:
+    """Call right after submitting ``futures``: the host's step count when each resolves (in
+    the order they resolve), read on the host's thread."""
+    at: list[int] = []
+    for f in futures:
+        f.add_done_callback(lambda _f: at.append(host.stats().steps))
+    return at
 
 
 def _steps_when_done(host: EngineHost, futures: list) -> Callable[[], int]:
@@ -423,6 +435,7 @@ def test_a_new_tenant_gets_its_share_of_a_full_engine_at_once(model_dir: Path) -
     want_b = [o.outputs[0].token_ids for o in llm.generate(b_prompts, short, use_tqdm=False)]
     with EngineHost(_engine(model_dir, max_num_seqs=4)) as host:
         a = [host.submit(p, long, group="bulk", tenant="A") for p in a_prompts]
+        a_done_at = _steps_each_done(host, a)
         deadline = time.monotonic() + 60
         while host.stats().engine.num_running < 4 and time.monotonic() < deadline:
             time.sleep(0.005)
@@ -430,10 +443,13 @@ def test_a_new_tenant_gets_its_share_of_a_full_engine_at_once(model_dir: Path) -
         b = [host.submit(p, short, group="small", tenant="B") for p in b_prompts]
         b_done_at = _steps_when_done(host, b)
         got_b = [f.result(timeout=60).outputs[0].token_ids for f in b]
-        steps_for_b = b_done_at() - steps_before
-        assert not any(f.done() for f in a)
+        b_done = b_done_at()
+        steps_for_b = b_done - steps_before
         got_a = [f.result(timeout=120).outputs[0].token_ids for f in a]
         stats = host.stats()
+    # B ends while A still runs, in engine steps, not in the test thread's time (that thread
+    # may sleep while the host steps on, so B may arrive after some of A's requests ended).
+    assert max(a_done_at) > b_done, (a_done_at, b_done)
     # B's share is 2 of the 4 slots: its three 6-token requests run in two waves (about 14
     # steps), not after A's 120-token requests free their slots (over 100 steps).
     assert steps_for_b <= 24, steps_for_b
@@ -465,6 +481,7 @@ def test_urgent_work_beyond_the_reservation_suspends_bulk(model_dir: Path) -> No
     want = [o.outputs[0].token_ids for o in llm.generate(bulk_prompts, long, use_tqdm=False)]
     with EngineHost(_engine(model_dir, max_num_seqs=4), reserved_share=0.25) as host:
         bulk = [host.submit(p, long, group="bulk", tenant="A") for p in bulk_prompts]
+        bulk_done_at = _steps_each_done(host, bulk)
         deadline = time.monotonic() + 60
         while host.stats().engine.num_running < 4 and time.monotonic() < deadline:
             time.sleep(0.005)
@@ -472,12 +489,14 @@ def test_urgent_work_beyond_the_reservation_suspends_bulk(model_dir: Path) -> No
         urgent = [
             host.submit(p, short, group="now", tenant="A", priority=-1) for p in urgent_prompts
         ]
+        urgent_done_at = _steps_when_done(host, urgent)
         for f in urgent:
             f.result(timeout=60)
-        steps_for_urgent = host.stats().steps - steps_before
-        assert not any(f.done() for f in bulk)
+        urgent_done = urgent_done_at()
+        steps_for_urgent = urgent_done - steps_before
         got = [f.result(timeout=120).outputs[0].token_ids for f in bulk]
         stats = host.stats()
+    assert max(bulk_done_at) > urgent_done, (bulk_done_at, urgent_done)
     assert steps_for_urgent <= 12, steps_for_urgent  # 20 without suspending (three waves)
     assert stats.suspended >= 1
     assert got == want
@@ -569,6 +588,7 @@ def test_a_new_tenant_gets_its_share_beside_n_completion_requests(model_dir: Pat
     want_b = [o.outputs[0].token_ids for o in llm.generate(b_prompts, short, use_tqdm=False)]
     with EngineHost(_engine(model_dir, max_num_seqs=4)) as host:
         a = [host.submit(p, wide, group="wide", tenant="A") for p in a_prompts]
+        a_done_at = _steps_each_done(host, a)
         deadline = time.monotonic() + 60
         while host.stats().engine.num_running < 4 and time.monotonic() < deadline:
             time.sleep(0.005)
@@ -577,10 +597,11 @@ def test_a_new_tenant_gets_its_share_beside_n_completion_requests(model_dir: Pat
         b = [host.submit(p, short, group="small", tenant="B") for p in b_prompts]
         b_done_at = _steps_when_done(host, b)
         got_b = [f.result(timeout=60).outputs[0].token_ids for f in b]
-        steps_for_b = b_done_at() - steps_before
-        assert not any(f.done() for f in a)
+        b_done = b_done_at()
+        steps_for_b = b_done - steps_before
         outs_a = [f.result(timeout=300) for f in a]
         stats = host.stats()
+    assert max(a_done_at) > b_done, (a_done_at, b_done)
     # As beside single requests (test_a_new_tenant_gets_its_share_of_a_full_engine_at_once):
     # B's share is 2 of the 4 slots, its three 6-token requests run in two waves (about 14
     # steps). Before n > 1 requests were split, B waited for A's 128 completions (~380 steps).
