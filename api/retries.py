@@ -25,7 +25,6 @@ from api.schemas import (
     BatchCreate,
     BatchPublic,
     ExpiresAfter,
-    window_seconds,
 )
 from core.auth import priority_allowed
 from core.ids import file_id
@@ -34,6 +33,7 @@ from core.models import Batch, File
 from core.retry import RETRY_KINDS, RETRY_OF, retry_kind
 from core.settings import Settings
 from core.storage import Storage
+from core.windows import WINDOW, window_seconds
 
 log = logging.getLogger("batchd.api")
 
@@ -53,7 +53,12 @@ class RetryCreate(BaseModel):
         "Default: all three.",
     )
     completion_window: str | None = Field(
-        default=None, description="Default: the parent's completion window."
+        default=None,
+        description="Default: the parent's completion window.",
+        min_length=2,
+        max_length=16,
+        # Documented, and checked by the validator below with a clearer message.
+        json_schema_extra={"pattern": WINDOW.pattern},
     )
     priority: Literal["high", "normal", "low"] | None = Field(
         default=None, description="Default: the parent's priority (if this key may use it)."
@@ -63,7 +68,7 @@ class RetryCreate(BaseModel):
     @classmethod
     def _window_shape(cls, value: str | None) -> str | None:
         if value is not None and window_seconds(value) is None:
-            raise ValueError('expected "24h" or a duration like "30m", "90s", "2h"')
+            raise ValueError('expected "24h" or a duration like "1h", "90m", "7d"')
         return value
 
 

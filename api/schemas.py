@@ -29,8 +29,6 @@ MAX_IDEMPOTENCY_KEY_CHARS = 256
 #: Printable ASCII: what survives any HTTP header and any database. Checked in the route.
 IDEMPOTENCY_KEY_PATTERN = "^[ -~]+$"
 
-_WINDOW = WINDOW
-
 
 def unix(value: datetime | None) -> int | None:
     return None if value is None else int(value.timestamp())
@@ -138,7 +136,7 @@ class BatchCreate(BaseModel):
         min_length=2,
         max_length=16,
         # Documented, and checked by the validator below with a clearer message.
-        json_schema_extra={"pattern": _WINDOW.pattern},
+        json_schema_extra={"pattern": WINDOW.pattern},
     )
     metadata: dict[str, str] | None = Field(
         default=None,
