@@ -15,6 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+
+from engine.model_runner import resolve_dtype
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -164,7 +167,8 @@ def test_batchd_up_embedded_mode_serves_a_batch(tmp_path: Path) -> None:
         # The startup lines say what is served in which dtype, how long loading took, and
         # where the worker's metrics exporter (on by default) listens.
         text = Path(log.name).read_text()
-        assert re.search(r"model batchd-demo ready: float32 on cpu, loaded in [\d.]+ s", text)
+        dtype = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
+        assert re.search(rf"model batchd-demo ready: {dtype} on cpu, loaded in [\d.]+ s", text)
         worker_metrics = re.search(r"(http://127\.0\.0\.1:\d+/metrics) \(worker\)", text)
         assert worker_metrics, text
         scraped = httpx.get(worker_metrics.group(1), timeout=10).text
