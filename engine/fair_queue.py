@@ -76,7 +76,8 @@ class FairQueue(Generic[E]):
     a tier, tenants take turns; each turn adds a quantum of tokens to the tenant's deficit,
     and the tenant is served while the cost of its next request fits in it. A tenant's turn
     goes to its batch with the earliest deadline (an entry's ``deadline``; batches with equal
-    deadlines take turns request by request); batches without a deadline come after those
+    deadlines take turns request by request; a batch aged into a more urgent tier counts as
+    due before every deadline); batches without a deadline come after those
     with one and share the turn the same way as tenants do. A batch's own order is longest
     work first, as
     the engine's batch admission does (with few requests in the engine at a time, that order
@@ -120,7 +121,9 @@ class FairQueue(Generic[E]):
         bq = self._batches.get(entry.flow)
         if bq is None:
             tier = self._promoted.get(entry.flow, entry.priority)
-            deadline = getattr(entry, "deadline", None)
+            # An aged batch goes first in its tenant (see _age).
+            aged = entry.flow in self._promoted
+            deadline = float("-inf") if aged else getattr(entry, "deadline", None)
             bq = self._batches[entry.flow] = _BatchQueue(entry.flow, tier, self._clock(), deadline)
             self._activate(bq)
         bq.max_cost = max(bq.max_cost, entry.cost)
@@ -235,6 +238,9 @@ class FairQueue(Generic[E]):
                 self._deactivate(bq, keep=True)
                 bq.tier -= 1
                 bq.deficit, bq.in_turn = 0, False
+                # Aging bounds the batch's wait: an earlier deadline of its tenant's other
+                # work in the tier it joins must not undo that.
+                bq.deadline = float("-inf")
                 bq.waiting_since = self._clock()
                 if bq.key[1] is not None:
                     self._promoted[bq.key] = bq.tier

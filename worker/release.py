@@ -26,7 +26,8 @@ When a slot frees, the next shard is chosen by :func:`choose`, in this order:
    a tenant of 300-token shards;
 3. batch within the tenant: earliest deadline first (the batch's ``expires_at``), so a
    tenant's short-window job overtakes its own long-window work instead of sharing with it
-   (the tenant's share against other tenants is unchanged: step 2 comes first); among equal
+   (the tenant's share against other tenants is unchanged: step 2 comes first); a ``low``
+   batch aged into ``normal`` comes before every deadline (aging bounds its wait); among equal
    deadlines the same as step 2, by the batch's released-and-unfinished tokens, then the one
    served longest ago, then the oldest batch;
 4. shard index.
@@ -266,20 +267,26 @@ def choose(
         queues[cand.batch_id].append(cand)
     chosen: list[Candidate] = []
     while len(chosen) < slots and queues:
-        head = min(
-            (q[0] for q in queues.values()),
-            key=lambda c: (
-                tier(c, batch_last.get(c.batch_id), aging_s, current),
+
+        def order(c: Candidate) -> tuple:
+            rank = tier(c, batch_last.get(c.batch_id), aging_s, current)
+            aged = rank < PRIORITY_RANK.get(c.priority, NORMAL_RANK)
+            # An aged low batch goes first in its tenant: aging bounds its wait, and an earlier
+            # deadline of the tenant's normal work must not undo that.
+            due = float("-inf") if aged else _ts(c.deadline) if c.deadline else float("inf")
+            return (
+                rank,
                 tenant_tokens[c.tenant],
                 tenant_last.get(c.tenant, never),
-                _ts(c.deadline) if c.deadline is not None else float("inf"),
+                due,
                 batch_tokens[c.batch_id],
                 batch_last.get(c.batch_id, never),
                 _ts(c.created_at),
                 c.batch_id,
                 c.index,
-            ),
-        )
+            )
+
+        head = min((q[0] for q in queues.values()), key=order)
         chosen.append(head)
         stamp += 1e-3
         tenant_tokens[head.tenant] += head.cost
