@@ -20,6 +20,7 @@ import pytest
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 
 BIG = 160  # requests (10 shards of 16)
+BIG_TOKENS = 128  # each: the big job lasts seconds of engine steps, however fast a step is
 SMALL = 20
 MAX_TOKENS = 8
 # Generous: the small job shares the engine with the big one and waits for a free slot.
@@ -27,7 +28,7 @@ FACTOR, SLACK_S = 4.0, 10.0
 # One shard (the stack's shard_max_requests is 16) of long requests: with 4 sequence slots it
 # runs in 4 waves, and a small job that waited for the whole shard would finish after it.
 SHARD, SHARD_TOKENS = 16, 128
-AGING_S = 0.2
+AGING_S = 0.05  # short beside the bulk work in engine steps, however fast a step is
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -47,6 +48,9 @@ def _release_settings(pg_url: str) -> Iterator[None]:
         mp.setenv("BATCHD_MAX_RELEASED_SHARDS_PER_MODEL", "2")
         mp.setenv("BATCHD_RELEASE_SWEEP_INTERVAL_S", "1")
         mp.setenv("BATCHD_LOW_PRIORITY_AGING_S", str(AGING_S))
+        # A shard's first results are visible within 0.2 s, not at its end when it takes
+        # under the default 5 s (the small job is created once the bulk shows results).
+        mp.setenv("BATCHD_CHECKPOINT_INTERVAL_S", "0.2")
         yield
 
 
@@ -82,7 +86,8 @@ def test_small_job_is_not_stuck_behind_another_tenants_big_job(clients, bench, s
         clients["tenant-b"],
         big=BIG,
         small=SMALL,
-        max_tokens=MAX_TOKENS,
+        max_tokens=BIG_TOKENS,
+        small_max_tokens=MAX_TOKENS,
         timeout=180,
         finish_big=False,
     )
@@ -98,7 +103,8 @@ def test_high_priority_overtakes_a_normal_bulk_job_of_the_same_tenant(clients, b
         clients["tenant-a"],
         big=BIG,
         small=SMALL,
-        max_tokens=MAX_TOKENS,
+        max_tokens=BIG_TOKENS,
+        small_max_tokens=MAX_TOKENS,
         timeout=180,
         small_extra={"priority": "high"},
         finish_big=False,
@@ -118,7 +124,8 @@ def test_low_priority_job_is_released_while_normal_shards_keep_the_slots_busy(cl
         clients["tenant-a"],
         big=BIG,
         small=SMALL,
-        max_tokens=MAX_TOKENS,
+        max_tokens=BIG_TOKENS,
+        small_max_tokens=MAX_TOKENS,
         timeout=180,
         small_extra={"priority": "low"},
         finish_big=False,
