@@ -27,7 +27,7 @@ MAX_TOKENS = 8
 FACTOR, SLACK_S = 4.0, 10.0
 # One shard (the stack's shard_max_requests is 16) of long requests: with 4 sequence slots it
 # runs in 4 waves, and a small job that waited for the whole shard would finish after it.
-SHARD, SHARD_TOKENS = 16, 128
+SHARD, SHARD_TOKENS = 16, 512  # a bulk wave outlasts the small job's start-up in steps
 AGING_S = 0.05  # short beside the bulk work in engine steps, however fast a step is
 
 

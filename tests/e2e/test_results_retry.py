@@ -149,11 +149,11 @@ def _batchd(stack: Stack, *args: str):
     )
 
 
-def _rows(prefix: str, text: str, long: int) -> list[dict[str, Any]]:
+def _rows(prefix: str, text: str, long: int, long_tokens: int = 120) -> list[dict[str, Any]]:
     """Four quick requests first (results show up at once), then ``long`` long ones."""
     quick = [chat_line(f"{prefix}{i:02d}", f"{text} {i}", 4) for i in range(4)]
     return quick + [
-        chat_line(f"{prefix}{i:02d}", f"{text} {i}", 120, ignore_eos=True)
+        chat_line(f"{prefix}{i:02d}", f"{text} {i}", long_tokens, ignore_eos=True)
         for i in range(4, 4 + long)
     ]
 
@@ -245,7 +245,9 @@ def test_cursor_limit_and_tenancy_errors(rstack, monkeypatch) -> None:
 
 def test_follow_cancel_retry_and_download_with_retries(rstack, tmp_path: Path) -> None:
     stack = rstack
-    rows = _rows("c", "river", 16)
+    # Long enough to be running still once the follower has lines, however fast a step is
+    # (the batch is cancelled then, not run to its end).
+    rows = _rows("c", "river", 16, long_tokens=900)
     batch_id = _submit(stack, rows)
     partial = tmp_path / "partial.jsonl"
     follower = subprocess.Popen(
