@@ -162,7 +162,10 @@ def test_pages_equal_the_files_across_a_model_worker_sigkill(rstack) -> None:
     """Lines committed before the kill, by the reclaimed shard's resumed attempt, and the
     batch_cancelled lines of the cancel that ends the batch: each paged once, all of them."""
     stack, procs = rstack, rstack.procs
-    rows = _rows("k", "mountain", 28)
+    # Long requests, so the first shard has committed its quick lines but not its long ones
+    # when the worker is killed, however fast a step is (the batch is cancelled once the
+    # resumed attempt has committed more, not run to its end).
+    rows = _rows("k", "mountain", 28, long_tokens=900)
     batch_id = _submit(stack, rows)
     seen: list[dict[str, Any]] = []
     after = None
