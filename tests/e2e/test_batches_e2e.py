@@ -294,13 +294,14 @@ def test_live_counts_then_cancel_keeps_partial_results(stack):
 
 
 def test_expiry_keeps_finished_results_and_reports_the_rest(stack):
-    batch = _submit(stack, _long_workload(48, 1000), window="10s")
+    # 96 requests, most of 1,000 tokens: over 10 s of engine work however fast a step is.
+    batch = _submit(stack, _long_workload(96, 1000), window="10s")
     batch = _wait(stack, batch.id, 60)
     assert batch.status == "expired", batch
     out = _download(stack, batch.output_file_id)
     err = _download(stack, batch.error_file_id)
     assert err and {r["error"]["code"] for r in err} == {"batch_expired"}
     ids = [r["custom_id"] for r in out] + [r["custom_id"] for r in err]
-    assert sorted(ids) == sorted(f"long-{i}" for i in range(48))
+    assert sorted(ids) == sorted(f"long-{i}" for i in range(96))
     assert len(out) > 0, "some requests finish within the window"
     assert batch.expired_at is not None and batch.expired_at - batch.created_at < 25
