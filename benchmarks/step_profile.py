@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -80,19 +78,9 @@ print(json.dumps({"ops_us": ops, "cpu_s": cpu, "calls": len(prof.events())}))
 
 
 def profile_tree(tree: Path, job: dict[str, Any]) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", _CHILD],
-        input=json.dumps(job),
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tree,
-        check=False,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"the profile in {tree} failed:\n{proc.stderr[-4000:]}")
-    raw = json.loads(proc.stdout.strip().splitlines()[-1])
+    from benchmarks.versions import run_child
+
+    raw = run_child(_CHILD, tree, job, "the profile")
     total = sum(raw["ops_us"].values())
     kinds = dict.fromkeys([*KINDS, "other"], 0.0)
     for name, us in raw["ops_us"].items():

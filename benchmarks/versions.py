@@ -75,11 +75,13 @@ def export_engine(rev: str, dest: Path) -> Path:
     return dest
 
 
-def run_once(tree: Path, job: dict[str, Any]) -> dict[str, Any]:
+def run_child(code: str, tree: Path, job: dict[str, Any], what: str) -> dict[str, Any]:
+    """Run ``code`` in a fresh process whose imports start at ``tree``, ``job`` on its stdin
+    (``job["threads"]`` intra-op threads, default 1); return the JSON of its last line."""
     threads = str(job.get("threads", 1))
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": threads}
     proc = subprocess.run(
-        [sys.executable, "-c", _CHILD],
+        [sys.executable, "-c", code],
         input=json.dumps(job),
         capture_output=True,
         text=True,
@@ -88,8 +90,12 @@ def run_once(tree: Path, job: dict[str, Any]) -> dict[str, Any]:
         check=False,
     )
     if proc.returncode != 0:
-        raise RuntimeError(f"the engine in {tree} failed:\n{proc.stderr[-4000:]}")
+        raise RuntimeError(f"{what} in {tree} failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_once(tree: Path, job: dict[str, Any]) -> dict[str, Any]:
+    return run_child(_CHILD, tree, job, "the engine")
 
 
 def compare(
