@@ -135,6 +135,7 @@ class ShardRun:
                 return
             chunk = self.pending.take(self.every)
             commit_chunk(self.shard, self.attempt, self.chunk, chunk)
+            timings.record_commit(self.batch_id, chunk.finished, time.time())
             metrics.record_chunk(self.model, self.tenant, chunk)
             self.chunk += 1
             self.ran += len(chunk)
@@ -248,7 +249,8 @@ class ShardRun:
         if result is None:
             self.pending.add_error(req.line, record)
         else:
-            self.pending.add_ok(req.line, record, result)
+            finished = getattr(getattr(output, "metrics", None), "finished_time", None)
+            self.pending.add_ok(req.line, record, result, finished)
 
     def _handle_embedding(self, req: BatchRequest, inputs: Any, dims: Any, future: Future) -> None:
         from engine.embedding_host import EmbeddingAborted, EmbeddingHostClosed

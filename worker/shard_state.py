@@ -47,6 +47,9 @@ class Pending:
     """Finished results not yet checkpointed, each with its usage."""
 
     items: list[tuple[ChunkRecord, int, int, int]] = field(default_factory=list)
+    # When each ok result finished in the engine (``time.time()``; None where unknown): the
+    # lag from there to the chunk's commit is measured (``worker.timings``).
+    finished: list[float | None] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.items)
@@ -75,7 +78,14 @@ class Pending:
     def output_tokens(self) -> int:
         return sum(item[3] for item in self.items)
 
-    def add_ok(self, line: int, record: dict[str, Any], result: GenerationResult) -> None:
+    def add_ok(
+        self,
+        line: int,
+        record: dict[str, Any],
+        result: GenerationResult,
+        finished: float | None = None,
+    ) -> None:
+        self.finished.append(finished)
         self.items.append(
             (
                 ChunkRecord(line, True, record),
@@ -86,12 +96,14 @@ class Pending:
         )
 
     def add_error(self, line: int, record: dict[str, Any]) -> None:
+        self.finished.append(None)
         self.items.append((ChunkRecord(line, False, record), 0, 0, 0))
 
     def take(self, n: int) -> Pending:
         """Split off the first ``n`` results (in the order they finished)."""
-        head = Pending(self.items[:n])
+        head = Pending(self.items[:n], self.finished[:n])
         del self.items[:n]
+        del self.finished[:n]
         return head
 
 

@@ -8,9 +8,11 @@ prompt, cached and output token counts. Records live in a bounded buffer (the mo
 
     app.control.broadcast("request_timings", arguments={"batch_ids": [...]}, reply=True)
 
-answers ``{"pid": …, "records": [...]}`` with the records of those batches (all records
-without ``batch_ids``). Nothing is written anywhere else: the buffer costs one tuple per
-finished request.
+answers ``{"pid": …, "records": [...], "commit_lags": [...]}`` with the records of those
+batches (all records without ``batch_ids``) and, for each of their results committed by this
+process, the seconds from its finish in the engine to the commit of its checkpoint chunk (the
+lag ``benchmarks.fleet`` reports). Nothing is written anywhere else: the buffers cost one
+tuple per finished request and one per committed result.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ FIELDS = (
 
 _lock = threading.Lock()
 _records: collections.deque[tuple[Any, ...]] = collections.deque(maxlen=MAX_RECORDS)
+_lags: collections.deque[tuple[str, float]] = collections.deque(maxlen=MAX_RECORDS)
 
 
 def record(batch_id: str, shard: int, custom_id: str, submitted: float | None, output: Any) -> None:
@@ -61,6 +64,22 @@ def record(batch_id: str, shard: int, custom_id: str, submitted: float | None, o
         _records.append(row)
 
 
+def record_commit(batch_id: str, finished: list[float | None], committed: float) -> None:
+    """Keep the finish-to-commit lag of each result of one committed chunk."""
+    lags = [(batch_id, committed - t) for t in finished if t is not None]
+    if lags:
+        with _lock:
+            _lags.extend(lags)
+
+
+def commit_lags(batch_ids: list[str] | None = None) -> list[float]:
+    """The kept finish-to-commit lags (seconds) of ``batch_ids`` (all when None)."""
+    wanted = set(batch_ids) if batch_ids is not None else None
+    with _lock:
+        rows = list(_lags)
+    return [lag for b, lag in rows if wanted is None or b in wanted]
+
+
 def records(batch_ids: list[str] | None = None) -> list[dict[str, Any]]:
     """The kept records of ``batch_ids`` (every record when None), oldest first."""
     wanted = set(batch_ids) if batch_ids is not None else None
@@ -74,7 +93,11 @@ def _register_command() -> None:
 
     @inspect_command(name="request_timings", args=[("batch_ids", list)])
     def request_timings(state: Any, batch_ids: list[str] | None = None, **_: Any) -> dict:
-        return {"pid": os.getpid(), "records": records(batch_ids)}
+        return {
+            "pid": os.getpid(),
+            "records": records(batch_ids),
+            "commit_lags": commit_lags(batch_ids),
+        }
 
 
 _register_command()

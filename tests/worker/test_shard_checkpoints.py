@@ -265,3 +265,23 @@ def test_cancel_finalize_keeps_finished_and_reports_the_rest(worker_env, host):
     assert finalize(batch_id) is None  # already terminal: a second finalize does nothing
     # A shard task delivered late exits at once.
     assert run_shard(shard.id, host=host).status == "skipped"
+
+
+def test_each_committed_result_records_its_finish_to_commit_lag(worker_env, host):
+    import time
+
+    from worker import timings
+    from worker.shard import run_shard
+
+    lines = [chat_line(f"r{i}", f"lag {i}", max_tokens=4) for i in range(10)]
+    batch_id = make_batch(lines)
+    from worker.tasks import validate
+
+    assert validate(batch_id) == "in_progress"
+    before = time.time()
+    for shard in shard_rows(batch_id):
+        run_shard(shard.id, host=host)
+    lags = timings.commit_lags([batch_id])
+    assert len(lags) == 10  # one per result the engine finished
+    assert all(0.0 <= lag < time.time() - before + 1.0 for lag in lags)
+    assert timings.commit_lags(["batch_other"]) == []
