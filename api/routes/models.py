@@ -18,6 +18,8 @@ def _model(request: Request, name: str, spec: str) -> ModelPublic:
     return ModelPublic(
         id=name,
         created=request.app.state.started_at,
+        # A simulated model (load tests) says so: it generates filler, not answers.
+        owned_by=served_models.SIM_OWNER if served_models.is_sim(spec) else "batchd",
         kind=kind,
         endpoints=list(served_models.ENDPOINTS[kind]),
     )

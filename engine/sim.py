@@ -1,0 +1,719 @@
+"""A simulated engine for load tests: the real engine's interface and statistics, no model.
+
+``SimEngine`` runs no neural network. It admits requests, produces tokens at a configured
+rate, and reports them exactly as :class:`engine.Engine` does, so the whole service (API,
+control and model workers, Postgres, Redis, storage) can be driven at fleet rates on a CPU
+machine. It is served as the model spec ``sim:`` (``core.served_models``), e.g.
+``sim:tokens_per_s=4000,max_num_seqs=256,ttft_ms=50``. It is a load-testing model: its text
+is deterministic filler, not an answer.
+
+The clock. The engine counts virtual decode steps of ``1 / tokens_per_s`` seconds; each step
+gives one token to every running sequence that is past its first-token latency (a GPU decode
+step costs about the same for 1 or 256 sequences). A sequence admitted before step ``S + 1``
+produces its first token at step ``S + ceil(ttft_ms * tokens_per_s / 1000)`` (at least
+``S + 1``) and one token per step after it. One call of :meth:`SimEngine.step` covers several
+virtual steps: up to the step where the next running sequence finishes, but at least
+``MIN_CALL_S`` and at most ``MAX_CALL_S`` seconds of them, and it returns when their time is
+up (it sleeps the rest). Time spent outside the calls (the caller's work between two of them)
+or over a call's budget is made up by the next calls' sleeps, unless the clock is more than
+``MAX_LAG_S`` behind (idle, or a caller that cannot keep up): then it restarts from now, so
+the virtual steps never run faster than the configured rate. Requests that finish inside a
+call are reported at its end, and the slots they free are refilled then: the measured rate
+is the configured one less at most ``MIN_CALL_S`` per request. A call costs work per event
+(an admission, a first token, a finish), never per token per sequence.
+
+Admission. At most ``max_num_seqs`` sequences run; the rest wait first come, first served
+(lower ``priority`` first, then arrival, as the real scheduler's "fcfs" admission), with
+preempted and resumed sequences first in line. ``Scheduler.reserve_for_urgent`` is honoured
+like the real scheduler's: urgent work (``priority < 0``) that waits preempts the newest
+non-urgent sequences, up to the reservation. A preempted, suspended and then resumed sequence
+keeps its tokens and waits the first-token latency again (it recomputes its context).
+``n > 1`` requests run ``n`` sequences; ``completion_index`` works as in the real engine.
+
+What a completion is, a pure function of the request (never of the batch it ran in):
+
+- its length: ``max_tokens`` (finish_reason "length"), clamped so prompt + output fits
+  ``max_model_len``. With ``lengths="hash"``, a length drawn from ``[1, max_tokens]`` by a hash
+  of the prompt ids and the completion index, finish_reason "stop" when it ends before
+  ``max_tokens`` (``ignore_eos`` keeps ``max_tokens``);
+- its token ids: position ``j`` of completion ``i`` is entry ``(h + i * 7919 + j) mod P`` of a
+  fixed pseudo-random stream of ``P`` ordinary word tokens of the tokenizer (``h`` a hash of
+  the prompt ids); its text is the tokenizer's decoding of those ids;
+- with ``logprobs``: each token at logprob 0, with ``top_logprobs`` alternatives below it.
+
+Stop strings, stop token ids, sampling values, penalties and ``json_schema`` are accepted
+and ignored. The prompt is checked as the real engine checks it (empty, a token id outside
+the tokenizer's vocabulary, no room under ``max_model_len``: ``RequestError``).
+
+Statistics (``EngineStats``) and metrics (``engine.stats.EngineMetrics``) have the real
+engine's fields and meanings: prompt tokens counted once per request at its first admission,
+output tokens as they are produced (so an abort's partial tokens count), time to first token,
+inter-token latency and step time per virtual step. There is no prefix cache (no cached
+tokens); the KV blocks a sequence would hold (``block_size`` tokens each) are reported
+against a pool of ``max_num_seqs`` full-length sequences. Engine options meant for the real
+engine (``dtype``, ``device``, ``kv_cache_memory``, …) are accepted and have no effect.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import heapq
+import itertools
+import logging
+import math
+import random
+import time
+from array import array
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.config import DEFAULT_MAX_NUM_SEQS_ACCELERATOR, EngineConfig
+from engine.outputs import (
+    CompletionOutput,
+    EngineStats,
+    RequestError,
+    RequestMetrics,
+    RequestOutput,
+    TokenLogprob,
+)
+from engine.sampling_params import SamplingParams
+from engine.stats import EngineMetrics
+from engine.step_cost import StepCostCurve
+
+log = logging.getLogger("engine.sim")
+
+DEFAULT_MAX_MODEL_LEN = 8192
+LENGTHS = ("max", "hash")
+MIN_CALL_S = 0.002  # a step() call covers at least this much virtual time...
+MAX_CALL_S = 0.02  # ...and at most this much, so new work and aborts wait no longer
+MAX_LAG_S = 0.05  # a call that starts later than this after the clock's due time restarts it
+STREAM_LEN = 65521  # P: the token stream's period (a prime)
+STREAM_SEED = 20240601
+INDEX_STRIDE = 7919  # completion i starts i * 7919 tokens further along the stream
+_M64 = (1 << 64) - 1
+
+
+@dataclass(slots=True, eq=False)
+class SimRequest:
+    """A request in the simulated engine (the handle ``suspend_request`` returns)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    prompt_hash: int
+    seqs: list[SimSeq] = field(default_factory=list)
+    num_unfinished: int = 0
+    admitted: bool = False  # its prompt was counted in the engine's prompt totals
+
+
+@dataclass(slots=True, eq=False)
+class SimSeq:
+    """One completion. Its tokens in the current run are a range of virtual steps."""
+
+    seq_id: int
+    request: SimRequest
+    index: int  # the completion's index in its request
+    priority: int
+    length: int  # the tokens it produces in all
+    reason: str  # its finish_reason once it has them
+    done: int = 0  # tokens produced before its current run (preemption, suspension)
+    first: int = 0  # the virtual step of the current run's first token
+    last: int = 0  # the virtual step of its final token
+    epoch: int = 0  # bumped whenever it stops running: older index entries are stale
+    status: str = "waiting"  # waiting, running, suspended, finished
+    finish_reason: str | None = None
+    num_tokens: int = 0  # tokens produced, once finished or aborted
+
+
+class SimScheduler:
+    """Who runs: at most ``max_num_seqs`` sequences, the rest waiting in line (see the module
+    docstring). Owns the running set and the waiting line; the engine owns the clock."""
+
+    def __init__(self, max_num_seqs: int) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.running: dict[int, SimSeq] = {}  # by seq id, oldest admission first
+        self.waiting = SimWaiting()
+        self.urgent_seqs = 0
+        self.urgent_tokens = 0
+        self.num_preemptions = 0
+        self.num_chunked_prefills = 0  # never: kept for the real scheduler's readers
+
+    def reserve_for_urgent(self, seqs: int, tokens: int) -> None:
+        """Keep up to ``seqs`` slots for urgent work (``Scheduler.reserve_for_urgent``); a
+        simulated step has no token budget, so ``tokens`` only is checked."""
+        if seqs < 0 or tokens < 0:
+            raise ValueError(f"reserved seqs and tokens must be >= 0, got {seqs}, {tokens}")
+        self.urgent_seqs = min(seqs, self.max_num_seqs)
+        self.urgent_tokens = tokens
+
+    def to_preempt(self) -> list[SimSeq]:
+        """The newest non-urgent running sequences to preempt so that waiting urgent work gets
+        its reserved slots (none when no urgent work waits)."""
+        waiting = self.waiting.urgent
+        if not self.urgent_seqs or not waiting:
+            return []
+        urgent_running = sum(1 for s in self.running.values() if s.priority < 0)
+        want = min(waiting, self.urgent_seqs - urgent_running)
+        free = self.max_num_seqs - len(self.running)
+        victims: list[SimSeq] = []
+        for seq in reversed(self.running.values()):
+            if free >= want:
+                break
+            if seq.priority >= 0:
+                victims.append(seq)
+                free += 1
+        return victims
+
+    def admit(self) -> list[SimSeq]:
+        """Take waiting sequences into the free slots, in line order; only urgent ones while
+        urgent work waits. Returns them (now running)."""
+        room = self.max_num_seqs - len(self.running)
+        if room <= 0 or not self.waiting:
+            return []
+        taken = self.waiting.take(
+            room, urgent_only=self.urgent_seqs > 0 and self.waiting.urgent > 0
+        )
+        for seq in taken:
+            seq.status = "running"
+            self.running[seq.seq_id] = seq
+        return taken
+
+
+class SimWaiting:
+    """The waiting line: preempted and resumed sequences first, then by priority (lower
+    first), then arrival."""
+
+    def __init__(self) -> None:
+        self.front: deque[SimSeq] = deque()
+        self.by_priority: dict[int, deque[SimSeq]] = {}
+        self.size = 0
+        self.urgent = 0  # waiting sequences with priority < 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def push(self, seq: SimSeq, front: bool = False) -> None:
+        if front:
+            self.front.appendleft(seq)
+        else:
+            self.by_priority.setdefault(seq.priority, deque()).append(seq)
+        self._count(seq, +1)
+        seq.status = "waiting"
+
+    def remove(self, seq: SimSeq) -> None:
+        queue = self.by_priority.get(seq.priority)
+        if queue is not None and seq in queue:
+            queue.remove(seq)
+            if not queue:
+                del self.by_priority[seq.priority]
+        else:
+            self.front.remove(seq)
+        self._count(seq, -1)
+
+    def take(self, room: int, urgent_only: bool) -> list[SimSeq]:
+        taken: list[SimSeq] = []
+        for queue in self._queues():
+            kept: list[SimSeq] = []
+            while queue and len(taken) < room:
+                seq = queue.popleft()
+                if urgent_only and seq.priority >= 0:
+                    kept.append(seq)
+                else:
+                    taken.append(seq)
+                    self._count(seq, -1)
+            queue.extendleft(reversed(kept))
+            if len(taken) >= room:
+                break
+        self.by_priority = {p: q for p, q in self.by_priority.items() if q}
+        return taken
+
+    def _queues(self) -> Iterator[deque[SimSeq]]:
+        yield self.front
+        for priority in sorted(self.by_priority):
+            yield self.by_priority[priority]
+
+    def _count(self, seq: SimSeq, delta: int) -> None:
+        self.size += delta
+        if seq.priority < 0:
+            self.urgent += delta
+
+
+class SimEngine:
+    """The engine interface of :class:`engine.Engine` over a simulated model (module
+    docstring). ``tokenizer`` is a Hugging Face tokenizer or the directory of one;
+    ``tokens_per_s`` is the per-sequence decode rate (virtual steps per second); ``ttft_ms``
+    the first-token latency after admission; ``lengths`` "max" or "hash"; ``config`` any
+    :class:`EngineConfig` field (``max_num_seqs``, ``max_model_len``, ``block_size`` and
+    ``enable_metrics`` are used; the rest are accepted for the real engine's options)."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        tokens_per_s: float,
+        ttft_ms: float,
+        lengths: str = "max",
+        **config: Any,
+    ) -> None:
+        if isinstance(tokens_per_s, bool) or not (
+            isinstance(tokens_per_s, int | float) and 0 < tokens_per_s < math.inf
+        ):
+            raise ValueError(f"tokens_per_s must be a positive number, got {tokens_per_s!r}")
+        if isinstance(ttft_ms, bool) or not (
+            isinstance(ttft_ms, int | float) and 0 <= ttft_ms < math.inf
+        ):
+            raise ValueError(f"ttft_ms must be a number >= 0, got {ttft_ms!r}")
+        if lengths not in LENGTHS:
+            raise ValueError(f"lengths must be one of {', '.join(LENGTHS)}, got {lengths!r}")
+        given = EngineConfig.from_kwargs(**config)
+        self.config = dataclasses.replace(
+            given,
+            max_num_seqs=given.max_num_seqs or DEFAULT_MAX_NUM_SEQS_ACCELERATOR,
+            max_model_len=given.max_model_len or DEFAULT_MAX_MODEL_LEN,
+        )
+        if self.config.max_model_len < 2:  # type: ignore[operator]
+            raise ValueError(f"max_model_len must be at least 2, got {self.config.max_model_len}")
+        if isinstance(tokenizer, str):
+            from engine.tokenizer import load_tokenizer
+
+            tokenizer = load_tokenizer(tokenizer)
+        self.tokenizer = tokenizer
+        self.tokens_per_s = float(tokens_per_s)
+        self.ttft_ms = float(ttft_ms)
+        self.lengths = lengths
+        self.max_model_len = int(self.config.max_model_len)  # type: ignore[arg-type]
+        self.vocab_size = len(tokenizer)
+        max_num_seqs = int(self.config.max_num_seqs)  # type: ignore[arg-type]
+        self.scheduler = SimScheduler(max_num_seqs)
+        self.metrics = EngineMetrics() if self.config.enable_metrics else None
+        self.step_cost = StepCostCurve(max_num_seqs)  # flat: the host's urgent guard holds none
+        self.requests: dict[str, SimRequest] = {}
+        self._aborted: list[RequestOutput] = []
+        self._ttft_steps = max(1, math.ceil(self.ttft_ms * self.tokens_per_s / 1000 - 1e-9))
+        self._min_steps = max(1, round(MIN_CALL_S * self.tokens_per_s))
+        self._max_steps = max(self._min_steps, round(MAX_CALL_S * self.tokens_per_s))
+        self._stream, self._text_of = _token_stream(tokenizer, self.max_model_len)
+        self._seq_ids = itertools.count()
+        self._step = 0  # virtual steps done
+        self._due: float | None = None  # when (perf_counter) the last virtual step is due
+        self._live = 0  # running sequences past their first token and not finished
+        self._finishes: list[tuple[int, int, int]] = []  # (last step, seq id, epoch) heap
+        self._starts: deque[tuple[int, int, int]] = deque()  # (first step, seq id, epoch)
+        self._total_prompt_tokens = 0
+        blocks_per_seq = -(-self.max_model_len // self.config.block_size)
+        self._stats = EngineStats(kv_blocks_total=blocks_per_seq * max_num_seqs)
+        log.info(
+            "simulated engine ready: %g tokens/s per sequence, max_num_seqs %d, ttft %g ms, "
+            "max_model_len %d, lengths %s",
+            self.tokens_per_s,
+            max_num_seqs,
+            self.ttft_ms,
+            self.max_model_len,
+            lengths,
+        )
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        completion_index: int = 0,
+    ) -> None:
+        """Queue a request (``Engine.add_request``: same arguments, same refusals)."""
+        params = params or SamplingParams()
+        if (
+            isinstance(completion_index, bool)
+            or not isinstance(completion_index, int)
+            or not 0 <= completion_index < 128
+            or (completion_index and params.n != 1)
+        ):
+            raise RequestError(
+                f"request {request_id!r}: completion_index must be an integer in [0, 128) and "
+                f"needs n == 1, got {completion_index!r} with n={params.n}",
+                "invalid_request",
+            )
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise RequestError(
+                f"request {request_id!r}: cache_salt must be a non-empty string or None, got {cache_salt!r}",
+                "invalid_request",
+            )
+        if request_id in self.requests:
+            raise RequestError(
+                f"request_id {request_id!r} is already in the engine", "duplicate_request_id"
+            )
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise RequestError(
+                f"request {request_id!r}: the prompt is empty; it needs at least 1 token",
+                "invalid_prompt",
+            )
+        self._check_ids(request_id, prompt)
+        if len(prompt) >= self.max_model_len:
+            raise RequestError(
+                f"request {request_id!r}: the prompt has {len(prompt)} tokens; max_model_len is "
+                f"{self.max_model_len} and at least one token must be generated",
+                "context_length_exceeded",
+            )
+        h = _prompt_hash(prompt)
+        request = SimRequest(
+            request_id, prompt, params, RequestMetrics(arrival_time=time.time()), h
+        )
+        request.admitted = completion_index > 0  # counted by completion 0
+        room = self.max_model_len - len(prompt)
+        indexes = range(params.n) if params.n > 1 else (completion_index,)
+        for index in indexes:
+            length, reason = self._length(h, index, params, room)
+            seq = SimSeq(next(self._seq_ids), request, index, int(priority), length, reason)
+            request.seqs.append(seq)
+            self.scheduler.waiting.push(seq)
+        request.num_unfinished = len(request.seqs)
+        self.requests[request_id] = request
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now; the next ``step()`` reports it with the tokens it has."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        for seq in request.seqs:
+            if seq.status != "finished":
+                seq.num_tokens = self._leave(seq)
+                seq.status, seq.finish_reason = "finished", "abort"
+        request.metrics.finished_time = time.time()
+        self._aborted.append(self._output(request))
+        request.seqs = []
+        return True
+
+    def suspend_request(self, request_id: str) -> SimRequest | None:
+        """Take an unfinished single-completion request out, keeping its tokens
+        (``Engine.suspend_request``); None for an unknown, finished or ``n > 1`` one."""
+        request = self.requests.get(request_id)
+        if request is None or len(request.seqs) != 1 or request.params.n != 1:
+            return None
+        (seq,) = request.seqs
+        if seq.status == "finished":
+            return None
+        seq.done = self._leave(seq)
+        seq.status = "suspended"
+        del self.requests[request_id]
+        self._stats.num_suspended += 1
+        return request
+
+    def resume_request(self, request: SimRequest) -> None:
+        """Put back a request that :meth:`suspend_request` took out: first in line."""
+        if request.request_id in self.requests:
+            raise RequestError(
+                f"request_id {request.request_id!r} is already in the engine",
+                "duplicate_request_id",
+            )
+        (seq,) = request.seqs
+        if seq.status != "suspended":
+            raise RequestError(
+                f"request {request.request_id!r} is not suspended", "invalid_request"
+            )
+        self.requests[request.request_id] = request
+        self.scheduler.waiting.push(seq, front=True)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or bool(self._aborted)
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Admit, advance the clock over a few virtual steps, report what finished."""
+        start = time.perf_counter()
+        wall = time.time()
+        finished, self._aborted = self._aborted, []
+        for seq in self.scheduler.to_preempt():
+            seq.done = self._leave(seq)
+            self.scheduler.waiting.push(seq, front=True)
+            self.scheduler.num_preemptions += 1
+        prefill = sum(self._run(seq) for seq in self.scheduler.admit())
+        s = self._stats
+        running = len(self.scheduler.running)
+        if not running:
+            s.num_steps += 1
+            s.last_step_tokens = 0
+            s.total_step_time_s += time.perf_counter() - start
+            return finished
+        k = self._call_steps()
+        produced, firsts, done = self._advance(k, wall)
+        tokens = prefill + produced
+        s.num_steps += k
+        s.last_step_tokens = round(tokens / k)
+        s.total_scheduled_tokens += tokens
+        s.total_running_seq_steps += running * k
+        s.total_output_tokens += produced
+        if self._due is None or start - self._due > MAX_LAG_S:
+            self._due = start  # idle (or far behind) since the last call: the clock restarts
+        self._due += k / self.tokens_per_s
+        remaining = self._due - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
+        elapsed = time.perf_counter() - start
+        s.total_step_time_s += elapsed
+        s.total_forward_time_s += elapsed
+        self.step_cost.observe(running, round(produced / k), elapsed / k)
+        if self.metrics is not None:
+            self._observe(elapsed / k, k, tokens, produced - firsts, done)
+        return finished + done
+
+    def _call_steps(self) -> int:
+        """How many virtual steps this call covers: up to the next finish, within bounds."""
+        heap, running = self._finishes, self.scheduler.running
+        while heap and _stale(heap[0], running):
+            heapq.heappop(heap)
+        until = heap[0][0] - self._step if heap else self._max_steps
+        return min(max(until, self._min_steps), self._max_steps)
+
+    def _advance(self, k: int, wall: float) -> tuple[int, int, list[RequestOutput]]:
+        """Move the clock ``k`` virtual steps; returns (tokens produced, first tokens of fresh
+        sequences, the outputs of the requests that finished)."""
+        s0, s1 = self._step, self._step + k
+        running = self.scheduler.running
+        produced = self._live * k
+        firsts = 0
+        step_s = 1.0 / self.tokens_per_s
+        starts = self._starts
+        while starts and starts[0][0] <= s1:
+            entry = starts.popleft()
+            if _stale(entry, running):
+                continue
+            seq = running[entry[1]]
+            produced += min(s1, seq.last) - seq.first + 1
+            self._live += 1
+            if seq.done == 0:
+                firsts += 1
+                request = seq.request
+                first_time = wall + (seq.first - s0) * step_s
+                if request.metrics.first_token_time is None:
+                    request.metrics.first_token_time = first_time
+                if seq.index == 0 and self.metrics is not None:
+                    ttft = first_time - request.metrics.arrival_time
+                    self.metrics.time_to_first_token_s.observe(ttft)
+        done: list[RequestOutput] = []
+        heap = self._finishes
+        now = time.time()
+        while heap and heap[0][0] <= s1:
+            entry = heapq.heappop(heap)
+            if _stale(entry, running):
+                continue
+            seq = running.pop(entry[1])
+            if seq.first <= s0:
+                produced -= s1 - seq.last
+            self._live -= 1
+            seq.epoch += 1
+            seq.status, seq.finish_reason, seq.num_tokens = "finished", seq.reason, seq.length
+            request = seq.request
+            request.num_unfinished -= 1
+            if request.num_unfinished == 0:
+                request.metrics.finished_time = now
+                self.requests.pop(request.request_id, None)
+                done.append(self._output(request))
+                request.seqs = []
+        self._step = s1
+        if not running:  # whatever is left in the indexes is stale
+            self._finishes.clear()
+            self._starts.clear()
+        return produced, firsts, done
+
+    def _run(self, seq: SimSeq) -> int:
+        """``seq`` was admitted before the next step: schedule its run; returns the tokens its
+        prefill computes (the prompt, and the output so far for a resumed sequence)."""
+        request = seq.request
+        if not request.admitted:
+            request.admitted = True
+            self._total_prompt_tokens += len(request.prompt_token_ids)
+        seq.first = self._step + self._ttft_steps
+        seq.last = seq.first + seq.length - seq.done - 1
+        heapq.heappush(self._finishes, (seq.last, seq.seq_id, seq.epoch))
+        self._starts.append((seq.first, seq.seq_id, seq.epoch))
+        self._compact()
+        return len(request.prompt_token_ids) + seq.done
+
+    def _leave(self, seq: SimSeq) -> int:
+        """``seq`` stops running or waiting now (abort, suspension, preemption); returns the
+        tokens it has produced."""
+        if seq.status == "waiting":
+            self.scheduler.waiting.remove(seq)
+            return seq.done
+        if seq.status != "running":
+            return seq.done
+        del self.scheduler.running[seq.seq_id]
+        seq.epoch += 1
+        if seq.first <= self._step:
+            self._live -= 1
+        return seq.done + max(0, min(self._step, seq.last) - seq.first + 1)
+
+    def _compact(self) -> None:
+        """Drop stale index entries once they outnumber the running sequences (entries of a
+        sequence that left early stay until their step comes or they are swept here)."""
+        running = self.scheduler.running
+        if len(self._finishes) > 2 * len(running) + 64:
+            self._finishes = [e for e in self._finishes if not _stale(e, running)]
+            heapq.heapify(self._finishes)
+        if len(self._starts) > 2 * len(running) + 64:
+            self._starts = deque(e for e in self._starts if not _stale(e, running))
+
+    def _observe(
+        self, step_s: float, k: int, tokens: int, decodes: int, finished: list[RequestOutput]
+    ) -> None:
+        metrics = self.metrics
+        assert metrics is not None
+        metrics.step_time_s.observe(step_s, k)
+        metrics.tokens_per_step.observe(tokens / k, k)
+        if decodes > 0:
+            metrics.inter_token_latency_s.observe(step_s, decodes)
+        now = time.time()
+        metrics.last_sample_time = now
+        for output in finished:
+            first = output.outputs[0]
+            if first.index != 0:
+                continue  # a completion of a split request counts as no request
+            metrics.e2e_request_latency_s.observe(now - output.metrics.arrival_time)
+            reason = first.finish_reason or "unknown"
+            metrics.finished[reason] = metrics.finished.get(reason, 0) + 1
+
+    # -- what a completion is -----------------------------------------------------------------
+
+    def _length(self, h: int, index: int, params: SamplingParams, room: int) -> tuple[int, str]:
+        want = params.max_tokens
+        reason = "length"
+        if self.lengths == "hash" and not params.ignore_eos:
+            drawn = 1 + _mix(h ^ (index * 0x9E3779B97F4A7C15)) % want
+            if drawn < want:
+                want, reason = drawn, "stop"
+        if want > room:
+            return room, "length"
+        return want, reason
+
+    def _output(self, request: SimRequest) -> RequestOutput:
+        outputs = []
+        for seq in sorted(request.seqs, key=lambda s: s.index):
+            ids = self.token_ids(request.prompt_hash, seq.index, seq.num_tokens)
+            outputs.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=self._text(ids),
+                    token_ids=ids,
+                    finish_reason=seq.finish_reason,  # type: ignore[arg-type]
+                    stop_reason=None,
+                    logprobs=self._logprobs(ids, request.params),
+                )
+            )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=outputs,
+            finished=True,
+            metrics=request.metrics,
+        )
+
+    def token_ids(self, prompt_hash: int, index: int, count: int) -> list[int]:
+        """The first ``count`` output token ids of completion ``index`` of a prompt."""
+        offset = (prompt_hash + index * INDEX_STRIDE) % STREAM_LEN
+        return self._stream[offset : offset + count]
+
+    def _text(self, ids: list[int]) -> str:
+        if self._text_of is not None:
+            return "".join(map(self._text_of.__getitem__, ids))
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _logprobs(self, ids: list[int], params: SamplingParams) -> list[TokenLogprob] | None:
+        if not params.logprobs:
+            return None
+        k, stream = params.top_logprobs, self._stream
+        return [
+            TokenLogprob(
+                t,
+                0.0,
+                [(t, 0.0)] + [(stream[(t + 31 * i) % STREAM_LEN], -10.0 * i) for i in range(1, k)]
+                if k
+                else [],
+            )
+            for t in ids
+        ]
+
+    def _check_ids(self, request_id: str, prompt: list[int]) -> None:
+        try:
+            ok = min(prompt) >= 0 and max(prompt) < self.vocab_size
+            ok = ok and all(type(t) is int for t in prompt)
+        except TypeError:
+            ok = False
+        if ok:
+            return
+        bad = next(t for t in prompt if not isinstance(t, int) or not 0 <= t < self.vocab_size)
+        raise RequestError(
+            f"request {request_id!r}: prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})",
+            "invalid_prompt",
+        )
+
+    # -- introspection --------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        s = self._stats
+        sched = self.scheduler
+        bs = self.config.block_size
+        step = self._step
+        used = 0
+        for seq in sched.running.values():
+            tokens = seq.done + max(0, min(step, seq.last) - seq.first + 1)
+            used += -(-(len(seq.request.prompt_token_ids) + tokens) // bs)
+        s.num_running = len(sched.running)
+        s.num_waiting = len(sched.waiting)
+        s.kv_blocks_used = used
+        s.kv_blocks_free = max(0, s.kv_blocks_total - used)
+        s.num_preemptions = sched.num_preemptions
+        s.total_prompt_tokens = self._total_prompt_tokens
+        return EngineStats(**{f: getattr(s, f) for f in s.__dataclass_fields__})
+
+
+def _stale(entry: tuple[int, int, int], running: dict[int, SimSeq]) -> bool:
+    seq = running.get(entry[1])
+    return seq is None or seq.epoch != entry[2]
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finaliser: a well-spread 64-bit hash of ``x``."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def _prompt_hash(prompt: list[int]) -> int:
+    data = array("q", prompt).tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def _token_stream(tokenizer: Any, max_len: int) -> tuple[list[int], dict[int, str] | None]:
+    """A fixed pseudo-random stream of word tokens (``STREAM_LEN`` long, extended by
+    ``max_len`` so that any window is one slice), and each token's text when the tokenizer
+    decodes a run of them as the concatenation of their texts (else None: decode each
+    output)."""
+    special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    texts = {}
+    for token_id in range(len(tokenizer)):
+        if token_id in special:
+            continue
+        text = tokenizer.decode([token_id])
+        if len(text) > 2 and text[0] == " " and text[1:].isascii() and text[1:].isalpha():
+            texts[token_id] = text
+    pool = sorted(texts) or [t for t in range(len(tokenizer)) if t not in special]
+    rng = random.Random(STREAM_SEED)
+    base = [rng.choice(pool) for _ in range(STREAM_LEN)]
+    stream = (base * (1 + max_len // STREAM_LEN + 1))[: STREAM_LEN + max_len]
+    probe = base[:64]
+    table = texts if texts else None
+    if table is not None and tokenizer.decode(probe, skip_special_tokens=True) != "".join(
+        table[t] for t in probe
+    ):
+        table = None
+    return stream, table
