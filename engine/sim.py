@@ -444,7 +444,7 @@ class SimEngine:
             s.total_step_time_s += time.perf_counter() - start
             return finished
         k = self._call_steps()
-        produced, firsts, done = self._advance(k, wall)
+        produced, fresh, done = self._advance(k)
         tokens = prefill + produced
         s.num_steps += k
         s.last_step_tokens = round(tokens / k)
@@ -461,8 +461,9 @@ class SimEngine:
         s.total_step_time_s += elapsed
         s.total_forward_time_s += elapsed
         self.step_cost.observe(running, round(produced / k), elapsed / k)
+        self._stamp(wall, time.time(), elapsed / k, fresh, done)
         if self.metrics is not None:
-            self._observe(elapsed / k, k, tokens, produced - firsts, done)
+            self._observe(elapsed / k, k, tokens, produced - len(fresh), done)
         return finished + done
 
     def _call_steps(self) -> int:
@@ -473,14 +474,13 @@ class SimEngine:
         until = heap[0][0] - self._step if heap else self._max_steps
         return min(max(until, self._min_steps), self._max_steps)
 
-    def _advance(self, k: int, wall: float) -> tuple[int, int, list[RequestOutput]]:
-        """Move the clock ``k`` virtual steps; returns (tokens produced, first tokens of fresh
-        sequences, the outputs of the requests that finished)."""
+    def _advance(self, k: int) -> tuple[int, list[SimSeq], list[RequestOutput]]:
+        """Move the clock ``k`` virtual steps; returns (tokens produced, the sequences that
+        produced their first token, the outputs of the requests that finished)."""
         s0, s1 = self._step, self._step + k
         running = self.scheduler.running
         produced = self._live * k
-        firsts = 0
-        step_s = 1.0 / self.tokens_per_s
+        fresh: list[SimSeq] = []
         starts = self._starts
         while starts and starts[0][0] <= s1:
             entry = starts.popleft()
@@ -490,17 +490,9 @@ class SimEngine:
             produced += min(s1, seq.last) - seq.first + 1
             self._live += 1
             if seq.done == 0:
-                firsts += 1
-                request = seq.request
-                first_time = wall + (seq.first - s0) * step_s
-                if request.metrics.first_token_time is None:
-                    request.metrics.first_token_time = first_time
-                if seq.index == 0 and self.metrics is not None:
-                    ttft = first_time - request.metrics.arrival_time
-                    self.metrics.time_to_first_token_s.observe(ttft)
+                fresh.append(seq)
         done: list[RequestOutput] = []
         heap = self._finishes
-        now = time.time()
         while heap and heap[0][0] <= s1:
             entry = heapq.heappop(heap)
             if _stale(entry, running):
@@ -514,7 +506,6 @@ class SimEngine:
             request = seq.request
             request.num_unfinished -= 1
             if request.num_unfinished == 0:
-                request.metrics.finished_time = now
                 self.requests.pop(request.request_id, None)
                 done.append(self._output(request))
                 request.seqs = []
@@ -522,7 +513,29 @@ class SimEngine:
         if not running:  # whatever is left in the indexes is stale
             self._finishes.clear()
             self._starts.clear()
-        return produced, firsts, done
+        return produced, fresh, done
+
+    def _stamp(
+        self,
+        start: float,
+        end: float,
+        step_s: float,
+        fresh: list[SimSeq],
+        done: list[RequestOutput],
+    ) -> None:
+        """Times of the call's events (wall clock): a first token at its virtual step counted
+        back from the call's end (``step_s`` apart, not before its start); finishes at the end."""
+        for seq in fresh:
+            metrics = seq.request.metrics
+            at = max(start, end - (self._step - seq.first) * step_s)
+            if metrics.first_token_time is None:
+                metrics.first_token_time = at
+            if seq.index == 0 and self.metrics is not None:
+                self.metrics.time_to_first_token_s.observe(at - metrics.arrival_time)
+        for output in done:
+            output.metrics.finished_time = end
+        if self.metrics is not None:
+            self.metrics.last_sample_time = end
 
     def _run(self, seq: SimSeq) -> int:
         """``seq`` was admitted before the next step: schedule its run; returns the tokens its
@@ -571,13 +584,12 @@ class SimEngine:
         metrics.tokens_per_step.observe(tokens / k, k)
         if decodes > 0:
             metrics.inter_token_latency_s.observe(step_s, decodes)
-        now = time.time()
-        metrics.last_sample_time = now
         for output in finished:
             first = output.outputs[0]
             if first.index != 0:
                 continue  # a completion of a split request counts as no request
-            metrics.e2e_request_latency_s.observe(now - output.metrics.arrival_time)
+            end = output.metrics.finished_time or time.time()
+            metrics.e2e_request_latency_s.observe(end - output.metrics.arrival_time)
             reason = first.finish_reason or "unknown"
             metrics.finished[reason] = metrics.finished.get(reason, 0) + 1
 
