@@ -8,11 +8,27 @@ An input file is JSONL; each non-blank line is one request::
 
 How the worker uses this module
 -------------------------------
-*Validate task*: stream the uploaded object through :func:`validate_file`, passing an
-``on_request`` callback that counts tokens (the tokenizer lives in the worker) and feeds a
-:class:`core.sharding.ShardPlanner` with ``(req.line, req.offset, req.length, tokens)``. If the
-returned :class:`ValidationReport` has errors, store ``report.error_dicts()`` as the batch's
-``errors.data`` and fail the batch; otherwise create one shard per planned ``ShardSpec``.
+*Validate task* (``worker.validation``): stream the uploaded object through a
+:class:`LineValidator`, one line at a time; count each valid request's tokens (the tokenizer
+lives in the worker) and feed a :class:`core.sharding.ShardPlanner` with
+``(req.line, req.offset, req.length, tokens)``; create and release each shard as soon as the
+planner closes it. *An estimate* (and tests) read a whole file through :func:`validate_file`,
+which runs the same :class:`LineValidator` and reports every error.
+
+Validation streamed into execution
+----------------------------------
+Which errors fail a batch depends on where they are:
+
+* in the **head** — the first shard's lines (up to ``shard_max_requests`` requests or
+  ``shard_max_tokens`` estimated tokens), or the whole file when it is smaller — any error
+  fails the batch as a whole-file validation does: ``errors.data`` lists the first
+  ``max_errors_reported`` errors of the file, and nothing runs;
+* after the head, a line error (any code of the table below but ``empty_file`` and
+  ``too_many_requests``) fails only its line: it gets one line in the batch's error file,
+  :func:`line_error_record`, and the other lines run;
+* after the head, a whole-file error (:data:`FILE_ERRORS`: more than ``max_requests`` request
+  lines; the worker adds the tenant's enqueued-token limit) fails the batch, with nothing of
+  it shown and no file written, ``errors.data`` naming the rule, the line and the limit.
 
 *Shard task*: re-read exactly the shard's bytes and parse each line again::
 
@@ -100,6 +116,7 @@ from core.batch_request import (
     type_name,
 )
 from core.bodies import KINDS, check_body
+from core.results import request_error_line
 
 __all__ = [
     "CHAT_URL",
@@ -111,11 +128,15 @@ __all__ = [
     "MAX_CUSTOM_ID_CHARS",
     "RESPONSES_URL",
     "SUPPORTED_URLS",
+    "FILE_ERRORS",
     "BatchRequest",
     "LineError",
+    "LineValidator",
     "RawLine",
     "ValidationReport",
+    "custom_id_of",
     "file_endpoint",
+    "line_error_record",
     "iter_lines",
     "parse_request",
     "validate_file",
@@ -469,6 +490,110 @@ class ValidationReport:
         """``errors.data`` for the batch object."""
         return [e.to_dict() for e in self.errors]
 
+    def add_error(self, err: LineError, max_errors: int) -> None:
+        """Keep ``err`` if fewer than ``max_errors`` are kept, else count it."""
+        if len(self.errors) < max_errors:
+            self.errors.append(err)
+        else:
+            self.num_more_errors += 1
+
+
+class LineValidator:
+    """The lines of one file checked in order, one at a time, with the file-wide rules: unique
+    ``custom_id``, one model per batch (the first valid request's), at most ``max_requests``
+    request lines. :func:`validate_file` runs a whole file through it; the validate task runs
+    it line by line and plans shards as it goes (see "Validation streamed into execution" in
+    the module docstring).
+
+    Memory is bounded by the ``custom_id`` set (at most ``max_requests`` entries).
+    """
+
+    def __init__(
+        self,
+        *,
+        endpoint: str,
+        served_models: Collection[str] | None,
+        max_requests: int,
+        max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+    ):
+        self.endpoint = endpoint
+        self.served_models = served_models
+        self.max_requests = max_requests
+        self.max_line_bytes = max_line_bytes
+        self.model: str | None = None
+        self.model_line = 0
+        self.request_lines = 0  # non-blank lines checked so far, valid or not
+        self._seen: dict[str, int] = {}
+
+    def check(self, raw: RawLine) -> BatchRequest:
+        """The request on ``raw``, or :class:`LineError`. A ``too_many_requests`` error
+        (:data:`FILE_ERRORS`) is about the whole file: no later line can be valid."""
+        self.request_lines += 1
+        if self.request_lines > self.max_requests:
+            raise LineError(
+                raw.line,
+                "too_many_requests",
+                f"The file holds more than {self.max_requests} requests, the limit for one "
+                f"batch (line {raw.line} is request {self.request_lines})",
+            )
+        req = parse_request(
+            raw,
+            endpoint=self.endpoint,
+            served_models=self.served_models,
+            max_line_bytes=self.max_line_bytes,
+        )
+        first = self._seen.get(req.custom_id)
+        if first is not None:
+            raise LineError(
+                raw.line,
+                "duplicate_custom_id",
+                f"custom_id {show(req.custom_id)} on line {raw.line} was already used on "
+                f"line {first}; custom_id must be unique within a batch",
+                "custom_id",
+            )
+        self._seen[req.custom_id] = raw.line
+        if self.model is None:
+            self.model = req.model
+            self.model_line = raw.line
+        elif req.model != self.model:
+            raise LineError(
+                raw.line,
+                "mismatched_model",
+                f"All requests in a batch must use the same model: line {raw.line} uses "
+                f"{show(req.model)}, line {self.model_line} uses {show(self.model)}",
+                "body.model",
+            )
+        return req
+
+
+# Errors about the whole file rather than one line: after the head they still fail the batch.
+FILE_ERRORS = frozenset({"empty_file", "too_many_requests"})
+
+
+def custom_id_of(raw: RawLine) -> str | None:
+    """The ``custom_id`` a line names, if it can be read at all (for the error line of a line
+    that failed validation)."""
+    try:
+        custom_id = json.loads(raw.data).get("custom_id")
+    except (ValueError, AttributeError, RecursionError):
+        return None
+    return custom_id if isinstance(custom_id, str) else None
+
+
+def line_error_record(raw: RawLine, err: LineError) -> dict[str, Any]:
+    """The error-file line of an input line that failed validation after the file's head:
+    the 400 response the endpoint would have answered (OpenAI's error-file shape), under the
+    line's ``custom_id`` when it names one, its ``error`` carrying the ``line`` number and a
+    message that names it."""
+    message = err.message
+    if f"line {raw.line}" not in message.lower():
+        message = f"Line {raw.line}: {message}"
+    record = request_error_line(
+        custom_id_of(raw), status_code=400, message=message, code=err.code, param=err.param
+    )
+    record["response"]["body"]["error"]["line"] = raw.line
+    return record
+
 
 def validate_file(
     stream: BinaryIO | Iterable[bytes],
@@ -480,74 +605,36 @@ def validate_file(
     max_errors: int = 100,
     on_request: Callable[[BatchRequest], None] | None = None,
 ) -> ValidationReport:
-    """Stream every line of ``stream`` through :func:`parse_request` and the file-wide checks
-    (unique ``custom_id``, one model per batch, at most ``max_requests`` request lines, not
-    empty).
+    """Stream every line of ``stream`` through a :class:`LineValidator` (:func:`parse_request`
+    and the file-wide checks: unique ``custom_id``, one model per batch, at most
+    ``max_requests`` request lines, not empty).
 
     ``on_request`` is called, in line order, for each valid request that passed every check;
     exceptions it raises propagate. Memory is bounded by the ``custom_id`` set (at most
     ``max_requests`` entries) plus one line.
     """
     report = ValidationReport()
-    seen: dict[str, int] = {}
-    model_line = 0
-    request_lines = 0
-
-    def add_error(err: LineError) -> None:
-        if len(report.errors) < max_errors:
-            report.errors.append(err)
-        else:
-            report.num_more_errors += 1
-
-    last_line = 0
+    lines = LineValidator(
+        endpoint=endpoint,
+        served_models=served_models,
+        max_requests=max_requests,
+        max_line_bytes=max_line_bytes,
+    )
     for raw in iter_lines(stream, max_line_bytes=max_line_bytes):
-        last_line = raw.line
-        request_lines += 1
-        if request_lines > max_requests:
-            add_error(
-                LineError(
-                    raw.line,
-                    "too_many_requests",
-                    f"The file holds more than {max_requests} requests, the limit for one batch "
-                    f"(line {raw.line} is request {request_lines})",
-                )
-            )
-            report.truncated = True
-            break
+        report.num_lines = raw.line
         try:
-            req = parse_request(
-                raw, endpoint=endpoint, served_models=served_models, max_line_bytes=max_line_bytes
-            )
-            first = seen.get(req.custom_id)
-            if first is not None:
-                raise LineError(
-                    raw.line,
-                    "duplicate_custom_id",
-                    f"custom_id {show(req.custom_id)} on line {raw.line} was already used on "
-                    f"line {first}; custom_id must be unique within a batch",
-                    "custom_id",
-                )
-            seen[req.custom_id] = raw.line
-            if report.model is None:
-                report.model = req.model
-                model_line = raw.line
-            elif req.model != report.model:
-                raise LineError(
-                    raw.line,
-                    "mismatched_model",
-                    f"All requests in a batch must use the same model: line {raw.line} uses "
-                    f"{show(req.model)}, line {model_line} uses {show(report.model)}",
-                    "body.model",
-                )
+            req = lines.check(raw)
         except LineError as err:
+            report.add_error(err, max_errors)
+            if err.code == "too_many_requests":
+                report.truncated = True
+                break
             report.num_invalid += 1
-            add_error(err)
             continue
         report.num_requests += 1
         if on_request is not None:
             on_request(req)
-
-    report.num_lines = last_line
-    if request_lines == 0:
-        add_error(LineError(None, "empty_file", "The file holds no requests"))
+    report.model = lines.model
+    if lines.request_lines == 0:
+        report.add_error(LineError(None, "empty_file", "The file holds no requests"), max_errors)
     return report

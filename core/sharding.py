@@ -16,6 +16,13 @@ earlier shard; re-reading them is harmless (:func:`core.batchfile.iter_lines` sk
 A shard is closed before a request that would push it over ``max_tokens_per_shard`` estimated
 tokens, or when it holds ``max_requests_per_shard`` requests. A request larger than the token
 limit on its own gets a shard to itself; no shard is ever empty.
+
+Streamed validation (``worker.tasks``) creates each shard as soon as :meth:`ShardPlanner.add`
+returns it closed, and adds a line that failed validation after the file's head as a request
+of 0 tokens: it stays inside its shard's line range, where the shard's first checkpoint chunk
+holds its error line. A validation that resumes after a crash plans on from its last durable
+shard: ``first_index`` is that shard's index + 1, ``after_line`` its ``end_line - 1`` and
+``after_offset`` its ``end_offset`` (the planner then refuses anything before them).
 """
 
 from __future__ import annotations
@@ -47,11 +54,20 @@ class ShardSpec:
 class ShardPlanner:
     """Accumulates requests in file order and cuts them into :class:`ShardSpec` ranges."""
 
-    def __init__(self, max_tokens_per_shard: int, max_requests_per_shard: int):
+    def __init__(
+        self,
+        max_tokens_per_shard: int,
+        max_requests_per_shard: int,
+        *,
+        first_index: int = 0,
+        after_line: int = 0,
+        after_offset: int = 0,
+    ):
         if max_tokens_per_shard < 1 or max_requests_per_shard < 1:
             raise ValueError("shard limits must be >= 1")
         self.max_tokens = max_tokens_per_shard
         self.max_requests = max_requests_per_shard
+        self.first_index = first_index
         self._done: list[ShardSpec] = []
         self._finished = False
         # The open shard.
@@ -59,9 +75,14 @@ class ShardPlanner:
         self._start_offset = 0
         self._count = 0
         self._tokens = 0
-        # The last request added.
-        self._last_line = 0
-        self._last_end = 0
+        # The last request added (a resumed plan starts after the shards already created).
+        self._last_line = after_line
+        self._last_end = after_offset
+
+    @property
+    def open_requests(self) -> int:
+        """Requests in the open shard (not yet closed)."""
+        return self._count
 
     @property
     def shards(self) -> list[ShardSpec]:
@@ -70,7 +91,7 @@ class ShardPlanner:
 
     def _close(self, end_line: int, end_offset: int) -> ShardSpec:
         spec = ShardSpec(
-            index=len(self._done),
+            index=self.first_index + len(self._done),
             start_line=self._start_line,
             end_line=end_line,
             start_offset=self._start_offset,

@@ -13,7 +13,16 @@ The same path ends every batch that ran:
   / ``batch_expired`` line in the error file. Unfinished shards are first sealed (``closed``)
   so no late checkpoint can slip in after the merge has read them. An expiring batch whose
   merge finds that every request has a result after all (its shards stopped right after
-  their last one) completes instead (``in_progress -> finalizing -> completed``).
+  their last one) completes instead (``in_progress -> finalizing -> completed``), unless its
+  validation was not done.
+
+Validation streams into execution (:mod:`worker.validation`): a batch may be cancelled or
+expire before its validation has read its whole input. The merge then also reads the input
+after the last shard, streaming, and gives each of those never-validated lines a
+``batch_cancelled``/``batch_expired`` line (``custom_id`` when the line names one), so every
+request line still ends as exactly one output or error line; ``request_counts.total`` becomes
+the number of those lines. A batch never moves to ``finalizing`` before its validation is done
+(``worker.shard_state.finish_if_last``), and a finalize never completes one.
 
 The files are written, then their ``files`` rows are inserted in the same transaction as the
 status transition. If another finalize won the transition, this one deletes what it wrote.
@@ -39,6 +48,7 @@ from datetime import datetime, timedelta
 from typing import Any, BinaryIO
 
 from sqlalchemy import select, update
+from sqlalchemy.orm import Session
 
 from core import ids, metrics
 from core.db import new_session, session_scope
@@ -69,6 +79,11 @@ class _ShardView:
     end_offset: int
     num_chunks: int
     done: bool
+    end_line: int = 0
+
+
+# The end of any input file (``Storage.read_range`` clamps it to the object's size).
+_FILE_END = 1 << 62
 
 
 def target_status(batch: Batch) -> str | None:
@@ -93,6 +108,24 @@ def _unfinished(
         yield ChunkRecord(line, False, batch_error_line(custom_id, code))
 
 
+def _unvalidated(
+    sto: Storage, batch_id: str, key: str, shards: list[_ShardView], code: str
+) -> Iterator[ChunkRecord]:
+    """``batch_<code>`` error records for the lines after the last shard: those a validation
+    cut short by a cancel or expiry never reached (none once validation is done: only blank
+    lines may follow the last shard). Streamed, in bounded memory."""
+    last = max(shards, key=lambda s: s.index, default=None)
+    rest = _ShardView(
+        index=-1,
+        start_line=last.end_line if last is not None else 1,
+        start_offset=last.end_offset if last is not None else 0,
+        end_offset=_FILE_END,
+        num_chunks=0,
+        done=False,
+    )
+    yield from _unfinished(sto, batch_id, key, rest, code)
+
+
 def merged_records(
     sto: Storage,
     batch_id: str,
@@ -109,6 +142,8 @@ def merged_records(
         if unfinished_code is not None and not shard.done and key is not None:
             streams.append(_unfinished(sto, batch_id, key, shard, unfinished_code))
         yield from heapq.merge(*streams, key=lambda r: r.line)
+    if unfinished_code is not None and key is not None:
+        yield from _unvalidated(sto, batch_id, key, shards, unfinished_code)
 
 
 class _LazyFile:
@@ -146,6 +181,7 @@ class _Plan:
     model: str | None
     files_created_at: datetime
     files_expire_at: datetime
+    validation_done: bool = True
 
 
 def _plan(batch_id: str) -> _Plan | None:
@@ -182,25 +218,35 @@ def _plan(batch_id: str) -> _Plan | None:
             model=batch.model,
             files_created_at=created,
             files_expire_at=created + timedelta(seconds=lifetime_s),
+            validation_done=bool(batch.validation_done),
         )
 
 
-def _seal(batch_id: str) -> None:
+def _seal(session: Session, batch_id: str) -> None:
     """Close the batch's unfinished shards: no late checkpoint may land after the merge."""
-    with session_scope() as session:
-        session.execute(
-            update(Shard)
-            .where(
-                Shard.batch_id == batch_id,
-                Shard.status.not_in((ShardStatus.DONE, ShardStatus.CLOSED)),
-            )
-            .values(status=ShardStatus.CLOSED)
-            .execution_options(synchronize_session=False)
+    session.execute(
+        update(Shard)
+        .where(
+            Shard.batch_id == batch_id,
+            Shard.status.not_in((ShardStatus.DONE, ShardStatus.CLOSED)),
         )
+        .values(status=ShardStatus.CLOSED)
+        .execution_options(synchronize_session=False)
+    )
 
 
-def _shard_views(batch_id: str) -> list[_ShardView]:
+def _shard_views(batch_id: str, seal: bool) -> list[_ShardView]:
+    """The batch's shards, first sealed if ``seal``. A validation still streaming creates each
+    shard under a lock on the batch row after checking the batch is still running
+    (``worker.validation``): taking that lock here means the shards read are all it will
+    ever create for a batch being cancelled or expired. Shards are sealed before the lock, the
+    order a checkpoint commit takes them in, and once more after it (one created meanwhile)."""
     with session_scope() as session:
+        if seal:
+            _seal(session, batch_id)
+        session.execute(select(Batch.id).where(Batch.id == batch_id).with_for_update())
+        if seal:
+            _seal(session, batch_id)
         return [
             _ShardView(
                 s.index,
@@ -209,6 +255,7 @@ def _shard_views(batch_id: str) -> list[_ShardView]:
                 s.end_offset,
                 s.num_chunks,
                 s.status == ShardStatus.DONE,
+                s.end_line,
             )
             for s in session.scalars(select(Shard).where(Shard.batch_id == batch_id))
         ]
@@ -301,6 +348,10 @@ def _commit(batch_id: str, plan: _Plan, target: str, merged: _Merged) -> bool:
             # An expiring batch with every result in completes through finalizing.
             won = transition(session, batch_id, source, BatchStatus.FINALIZING)
             source = BatchStatus.FINALIZING
+        counts = {"request_completed": merged.completed, "request_failed": merged.failed}
+        if not plan.validation_done:
+            # Cut short while validating: every line of the input has its line now.
+            counts["request_total"] = merged.completed + merged.failed + merged.never_ran
         won = won and transition(
             session,
             batch_id,
@@ -308,8 +359,7 @@ def _commit(batch_id: str, plan: _Plan, target: str, merged: _Merged) -> bool:
             target,
             output_file_id=merged.out.file_id,
             error_file_id=merged.err.file_id,
-            request_completed=merged.completed,
-            request_failed=merged.failed,
+            **counts,
         )
         if won:
             log_chunk(session, batch_id, merged.final.key, merged.final.line_ids)
@@ -342,11 +392,11 @@ def _finalize(batch_id: str) -> str | None:
     if plan is None:
         return None
     sealed = plan.target != BatchStatus.COMPLETED
-    if sealed:
-        _seal(batch_id)
-    shards = _shard_views(batch_id)
-    if plan.target == BatchStatus.COMPLETED and not all(s.done for s in shards):
-        logger.error("batch %s is finalizing with unfinished shards", batch_id)
+    shards = _shard_views(batch_id, sealed)
+    if plan.target == BatchStatus.COMPLETED and not (
+        plan.validation_done and all(s.done for s in shards)
+    ):
+        logger.error("batch %s is finalizing with unfinished shards or validation", batch_id)
         return None
 
     sto = storage()
@@ -355,6 +405,7 @@ def _finalize(batch_id: str) -> str | None:
     if (
         target == BatchStatus.EXPIRED
         and plan.source != BatchStatus.VALIDATING
+        and plan.validation_done
         and shards
         and not merged.never_ran
     ):

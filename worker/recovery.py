@@ -16,7 +16,9 @@ timeout (hours), so beat runs :func:`reclaim_stale_shards` every ``reclaim_sweep
 * a batch left in ``validating`` or ``finalizing`` for longer than ``stuck_batch_after_s``
   (its task was lost, or kept failing through an outage) gets its validate or finalize sent
   again, once per ``stuck_batch_after_s`` (:func:`redrive_due`); both are idempotent. A
-  validating batch past its window is left to the expiry sweep.
+  validating batch past its window is left to the expiry sweep. So does an ``in_progress``
+  batch whose validation is not done and has created no shard for that long
+  (``validated_at``): the validate resumes after its last shard (``worker.validation``).
 
 The reclaimed shard keeps its ``released_at``: it was released once and is only re-sent.
 """
@@ -165,20 +167,34 @@ def _stuck_batches(now: datetime, bound_s: float, every_s: float) -> list[tuple[
     cutoff = now - timedelta(seconds=bound_s)
     with session_scope() as session:
         rows = session.execute(
-            select(Batch.id, Batch.status, Batch.created_at, Batch.finalizing_at).where(
+            select(
+                Batch.id, Batch.status, Batch.created_at, Batch.finalizing_at, Batch.validated_at
+            ).where(
                 (
                     (Batch.status == BatchStatus.VALIDATING)
                     & (Batch.created_at < cutoff)
                     & (Batch.expires_at > now)
                 )
                 | ((Batch.status == BatchStatus.FINALIZING) & (Batch.finalizing_at < cutoff))
+                # Validation streams shards into a running batch (worker.validation): one
+                # that has created none for that long stopped (its worker was killed).
+                | (
+                    (Batch.status == BatchStatus.IN_PROGRESS)
+                    & Batch.validation_done.is_(False)
+                    & (Batch.validated_at < cutoff)
+                    & (Batch.expires_at > now)
+                )
             )
         ).all()
     due = []
     for row in rows:
-        since = row.created_at if row.status == BatchStatus.VALIDATING else row.finalizing_at
+        since = {
+            BatchStatus.VALIDATING: row.created_at,
+            BatchStatus.FINALIZING: row.finalizing_at,
+        }.get(row.status, row.validated_at)
         if redrive_due((now - since).total_seconds(), bound_s, every_s):
-            due.append((row.id, row.status))
+            status = BatchStatus.VALIDATING if row.status == BatchStatus.IN_PROGRESS else row.status
+            due.append((row.id, status))
     return due
 
 

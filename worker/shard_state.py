@@ -252,6 +252,10 @@ def finish_if_last(batch_id: str) -> bool:
         with session_scope() as session:
             if unfinished_shards(session, batch_id):
                 return False, False
+            # A batch whose validation still streams shards waits for its last one (the
+            # validation calls this once it has planned it).
+            if not session.scalar(select(Batch.validation_done).where(Batch.id == batch_id)):
+                return False, False
             if transition(session, batch_id, BatchStatus.IN_PROGRESS, BatchStatus.FINALIZING):
                 return True, True
             status = session.scalar(select(Batch.status).where(Batch.id == batch_id))

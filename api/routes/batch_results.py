@@ -1,6 +1,6 @@
 """batchd's extensions beside the OpenAI batch routes: a batch's results while it runs
-(``GET /v1/batches/{id}/results``) and a retry of what did not succeed
-(``POST /v1/batches/{id}/retry``)."""
+(``GET /v1/batches/{id}/results``, shown once its validation is done) and a retry of what did
+not succeed (``POST /v1/batches/{id}/retry``)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,17 @@ from api.retries import RetryCreate, retry_batch
 from api.routes.batches import get_batch_row
 from api.routes.common import could_be_id, error_responses
 from api.schemas import BatchPublic
+from core.lifecycle import BatchStatus
 from core.results_log import DEFAULT_PAGE, MAX_PAGE, cursor_seq, read_page
 
 router = APIRouter(prefix="/batches", tags=["batches"])
+
+
+def results_visible(status: str, validation_done: bool) -> bool:
+    """A batch's results are shown once its validation is done (before that a whole-file rule
+    may still fail it, and a batch that fails never shows any), or once it ended cancelled or
+    expired (its files then hold them)."""
+    return validation_done or status in (BatchStatus.CANCELLED, BatchStatus.EXPIRED)
 
 
 class ResultPage(BaseModel):
@@ -49,6 +57,8 @@ def list_results(
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = DEFAULT_PAGE,
 ) -> ResultPage:
     batch = get_batch_row(session, caller.tenant, batch_id)
+    if not results_visible(batch.status, batch.validation_done):
+        return ResultPage(data=[], first_id=None, last_id=None, has_more=False)
     start = 0
     if after is not None:
         seq = cursor_seq(session, batch.id, after) if could_be_id(after) else None
