@@ -656,7 +656,7 @@ class SimEngine:
     def _check_ids(self, request_id: str, prompt: list[int]) -> None:
         try:
             ok = min(prompt) >= 0 and max(prompt) < self.vocab_size
-            ok = ok and all(type(t) is int for t in prompt)
+            ok = ok and set(map(type, prompt)) == {int}
         except TypeError:
             ok = False
         if ok:
