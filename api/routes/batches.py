@@ -7,6 +7,7 @@ from datetime import timedelta
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Query
+from fastapi.concurrency import run_in_threadpool
 from sqlalchemy import func, select, text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -252,17 +253,27 @@ def create_batch(
     responses=error_responses(404),
     summary="Retrieve a batch",
 )
-def retrieve_batch(batch_id: str, caller: CurrentKey, session: SessionDep) -> BatchPublic:
-    return BatchPublic.of(get_batch_row(session, caller.tenant, batch_id))
+async def retrieve_batch(batch_id: str, caller: CurrentKey, session: SessionDep) -> BatchPublic:
+    # The polled routes are ``async def`` around one thread-pool call that does all their
+    # database work: FastAPI would otherwise also check a sync route's answer in its pool.
+    return await run_in_threadpool(_retrieve, session, caller.tenant, batch_id)
+
+
+def _retrieve(session: Session, tenant: str, batch_id: str) -> BatchPublic:
+    return BatchPublic.of(get_batch_row(session, tenant, batch_id))
 
 
 @router.get("", response_model=BatchList, responses=error_responses(400), summary="List batches")
-def list_batches(
+async def list_batches(
     caller: CurrentKey,
     session: SessionDep,
     after: Annotated[str | None, Query(max_length=64)] = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> BatchList:
+    return await run_in_threadpool(_list, session, caller, after, limit)
+
+
+def _list(session: Session, caller: Caller, after: str | None, limit: int) -> BatchList:
     cursor = None
     if after is not None:
         cursor = session.get(Batch, after) if could_be_id(after) else None
