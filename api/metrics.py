@@ -7,6 +7,12 @@ HTTP requests by route template, method and status, and their latency
 pending work). Those gauges cost three queries, so they are read at most once per
 ``metrics_cache_s`` whatever the scrape rate (scrapes in between get the last reading).
 
+Several API processes (``batchd up --api-workers``, uvicorn's ``--workers``) run in
+prometheus-client's multiprocess mode: with ``PROMETHEUS_MULTIPROC_DIR`` pointing at an empty
+directory of their own, each process writes its counters there and whichever process answers
+``/metrics`` serves their sum (without the per-process ``process_*`` and ``python_*`` figures,
+which do not add up). The database gauges read the same rows from any process.
+
 With ``BATCHD_METRICS_TOKEN`` set, a scrape must send ``Authorization: Bearer <token>`` (401
 otherwise); without it the route is open, as exporters are: keep it on the internal network
 that Prometheus scrapes from.
@@ -15,13 +21,20 @@ that Prometheus scrapes from.
 from __future__ import annotations
 
 import hmac
+import os
 import threading
 import time
 from collections.abc import Iterable
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    CollectorRegistry,
+    generate_latest,
+    multiprocess,
+)
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 from prometheus_fastapi_instrumentator import Instrumentator
@@ -79,6 +92,16 @@ def _check_token(request: Request, token: str) -> None:
         )
 
 
+def counted_registry() -> CollectorRegistry:
+    """What the API counts: this process's registry, or in multiprocess mode
+    (``PROMETHEUS_MULTIPROC_DIR``) the sum of every API process's files."""
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return REGISTRY
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)
+    return registry
+
+
 def install(app: FastAPI, settings: Settings) -> None:
     if not settings.metrics_enabled:
         return
@@ -98,11 +121,12 @@ def install(app: FastAPI, settings: Settings) -> None:
     gauges = metrics.ServiceCollector(settings.database_url, list(settings.models))
     service.register(CachedCollector(gauges, settings.metrics_cache_s))
     token = settings.metrics_token.strip()
+    counted = counted_registry()
 
     @app.get("/metrics", include_in_schema=False)
     def prometheus_metrics(request: Request) -> Response:
         if token:
             _check_token(request, token)
-        # Process-wide metrics, then this app's database gauges (distinct names).
-        body = generate_latest(REGISTRY) + generate_latest(service)
+        # What the API processes counted, then this app's database gauges (distinct names).
+        body = generate_latest(counted) + generate_latest(service)
         return Response(body, media_type=CONTENT_TYPE_LATEST)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -66,6 +67,46 @@ def beat_command(home: str) -> list[str]:
     ]  # fmt: skip
 
 
+MAX_DEFAULT_API_WORKERS = 4
+
+
+def api_workers(settings, requested: int | None = None) -> int:
+    """How many API processes ``batchd up`` runs: ``requested`` (``--api-workers``), else
+    ``BATCHD_API_WORKERS``, else min(4, CPUs) on a database server and a Redis broker, and 1
+    on embedded defaults (SQLite takes one writer at a time; without Redis each process
+    counts rate limits on its own)."""
+    count = requested or settings.api_workers
+    if count:
+        return count
+    if settings.uses_embedded_defaults or not settings.broker_url.startswith(
+        ("redis://", "rediss://")
+    ):
+        return 1
+    return max(1, min(MAX_DEFAULT_API_WORKERS, len(os.sched_getaffinity(0))))
+
+
+def api_command(host: str, port: int, workers: int = 1) -> list[str]:
+    """The API under uvicorn; with ``workers`` > 1, uvicorn's own process manager runs that
+    many processes on the one socket (and starts again one that dies)."""
+    cmd = [sys.executable, "-m", "uvicorn", "api.app:app", "--host", host, "--port", str(port)]
+    return cmd + (["--workers", str(workers)] if workers > 1 else [])
+
+
+def api_metrics_env(settings, workers: int, directory: Path | None = None) -> dict[str, str]:
+    """Several API processes count in prometheus-client's multiprocess mode: each writes its
+    counters to files in ``directory`` (default ``BATCHD_HOME/api-metrics``; the files of an
+    earlier run are removed here, at start), and ``/metrics`` of whichever process answers
+    sums every process's (api/metrics.py). The API's alone: the worker's exporter must not add
+    the API's counters to its own."""
+    if workers < 2 or not settings.metrics_enabled:
+        return {}
+    directory = directory or settings.home / "api-metrics"
+    directory.mkdir(parents=True, exist_ok=True)
+    for stale in directory.glob("*.db"):
+        stale.unlink(missing_ok=True)
+    return {"PROMETHEUS_MULTIPROC_DIR": str(directory)}
+
+
 WORKER_METRICS_PORT = 9101
 
 
@@ -87,11 +128,42 @@ def worker_metrics_env(settings) -> dict[str, str]:
     return {"BATCHD_WORKER_METRICS_PORT": str(port), "BATCHD_WORKER_METRICS_HOST": host}
 
 
+ApiWorkersOption = Annotated[
+    int | None,
+    typer.Option(
+        "--api-workers",
+        min=1,
+        help="API processes (default: BATCHD_API_WORKERS, else min(4, CPUs) on Postgres and "
+        "Redis, 1 on embedded defaults).",
+    ),
+]
+
+
+@app.command("api")
+def api(
+    host: Annotated[str, typer.Option(help="Address the API listens on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port the API listens on.")] = 8000,
+    api_workers_option: ApiWorkersOption = None,
+) -> None:
+    """Run the API alone, as many processes as `batchd up` would (the compose file's api
+    service); migrations are a step of their own."""
+    from core.settings import get_settings
+
+    settings = get_settings()
+    count = api_workers(settings, api_workers_option)
+    given = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    env = dict(os.environ, **api_metrics_env(settings, count, Path(given) if given else None))
+    cmd = api_command(host, port, count)
+    typer.echo(f"batchd api: {count} API process{'es' if count > 1 else ''} on {host}:{port}")
+    os.execve(cmd[0], cmd, env)
+
+
 @app.command()
 def up(
     host: Annotated[str, typer.Option(help="Address the API listens on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port the API listens on.")] = 8000,
     workers: Annotated[bool, typer.Option(help="Also run a worker and beat here.")] = True,
+    api_workers_option: ApiWorkersOption = None,
 ) -> None:
     """Run the API, a worker and the beat scheduler; one that exits is started again; Ctrl-C
     stops them all."""
@@ -120,16 +192,23 @@ def up(
         queues = [CONTROL_QUEUE, *(model_queue(m) for m in settings.models)]
         commands["worker"] = worker_command(queues, settings.worker_shard_concurrency + 2)
         commands["beat"] = beat_command(str(settings.home))
-    commands["api"] = [
-        sys.executable, "-m", "uvicorn", "api.app:app", "--host", host, "--port", str(port),
-    ]  # fmt: skip
+    api_processes = api_workers(settings, api_workers_option)
+    commands["api"] = api_command(host, port, api_processes)
     # A child that exits while nobody asked it to is started again (cli/supervise.py).
-    supervisor = Supervisor(commands, env, echo=lambda line: typer.echo(line, err=True))
+    supervisor = Supervisor(
+        commands,
+        env,
+        child_env={"api": api_metrics_env(settings, api_processes)},
+        echo=lambda line: typer.echo(line, err=True),
+    )
     supervisor.start()
     try:
         shown_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         typer.echo(f"\nbatchd is up: base URL http://{shown_host}:{port}/v1")
         typer.echo(f"dashboard: http://{shown_host}:{port}/ui")
+        typer.echo(f"API processes: {api_processes}")
+        if api_processes > 1 and not settings.broker_url.startswith(("redis://", "rediss://")):
+            typer.echo("  without Redis each API process counts the rate limit on its own")
         if metrics_env:
             typer.echo(
                 f"metrics (Prometheus): http://{shown_host}:{port}/metrics (API), http://"

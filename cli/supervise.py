@@ -1,14 +1,16 @@
-"""The process supervisor of ``batchd up``: runs named children (the API, the worker with its
-embedded beat), starts again one that exits while nobody asked it to (after a backoff that
-doubles from ``min_backoff_s`` to ``max_backoff_s`` with each exit in a row, and starts over
-once the child has run ``stable_s``), and on Ctrl-C or SIGTERM stops them all: SIGTERM, then
-SIGKILL for whatever is left after ``grace_s``. Every exit and restart is logged.
+"""The process supervisor of ``batchd up``: runs named children (the API, the worker, beat;
+each in the shared environment plus any variables of its own), starts again one that exits
+while nobody asked it to (after a backoff that doubles from ``min_backoff_s`` to
+``max_backoff_s`` with each exit in a row, and starts over once the child has run
+``stable_s``), and on Ctrl-C or SIGTERM stops them all: SIGTERM, then SIGKILL for whatever is
+left after ``grace_s``. Every exit and restart is logged.
 
 A worker that cannot recover exits non-zero (worker/liveness.py): this is what brings it back.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import time
@@ -34,6 +36,7 @@ class Supervisor:
         commands: Mapping[str, list[str]],
         env: Mapping[str, str] | None = None,
         *,
+        child_env: Mapping[str, Mapping[str, str]] | None = None,
         echo: Callable[[str], None] = print,
         min_backoff_s: float = 1.0,
         max_backoff_s: float = 30.0,
@@ -42,6 +45,7 @@ class Supervisor:
     ) -> None:
         self.children = {name: Child(name, list(cmd)) for name, cmd in commands.items()}
         self.env = dict(env) if env is not None else None
+        self.child_env = {name: dict(extra) for name, extra in (child_env or {}).items()}
         self.echo = echo
         self.min_backoff_s = min_backoff_s
         self.max_backoff_s = max_backoff_s
@@ -55,7 +59,11 @@ class Supervisor:
         return self
 
     def _spawn(self, child: Child) -> None:
-        child.proc = subprocess.Popen(child.cmd, env=self.env)
+        env = self.env
+        extra = self.child_env.get(child.name)
+        if extra:  # this child's own variables on top of everyone's
+            env = {**(os.environ if env is None else env), **extra}
+        child.proc = subprocess.Popen(child.cmd, env=env)
         child.started_at = time.monotonic()
         child.restart_at = None
 

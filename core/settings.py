@@ -79,6 +79,10 @@ class Settings(BaseSettings):
     # database gauges are read at most once per metrics_cache_s (0: at every scrape).
     metrics_token: str = ""
     metrics_cache_s: float = Field(default=15.0, ge=0.0)
+    # API processes ``batchd up`` runs (uvicorn --workers). 0: min(4, CPUs) on a database
+    # server and a Redis broker; 1 on embedded defaults (SQLite takes one writer at a time,
+    # and rate limits without Redis are counted in each process).
+    api_workers: int = Field(default=0, ge=0)
 
     # Limits (OpenAI's defaults where it has them).
     max_upload_bytes: int = 200 * 1024 * 1024

@@ -269,6 +269,11 @@ for cmd in checks:
         verdict = {0: "healthy: ", 1: "unhealthy: "}.get(out.returncode)
         assert verdict and out.stdout.startswith(verdict), out
         continue
+    if cmd[:3] == ["python", "-m", "cli"]:  # a `batchd` command
+        from cli.main import app
+        names = {c.name or c.callback.__name__ for c in app.registered_commands}
+        assert cmd[3] in names, (cmd, sorted(names))
+        continue
     if cmd[0] == "uvicorn":
         module, _, attr = cmd[1].partition(":")
         app = getattr(importlib.import_module(module), attr)
@@ -347,3 +352,91 @@ def test_dockerfiles(dockerfile: str) -> None:
                 .replace('"', "").split(",")}  # fmt: skip
     copied = {src.rstrip("/") for ln in lines if ln.startswith("COPY") for src in ln.split()[1:-1]}
     assert packages <= copied, f"{dockerfile}: packages not copied: {packages - copied}"
+
+
+def test_api_runs_as_many_processes_as_batchd_up_with_metrics_of_its_own() -> None:
+    """The api service runs `batchd api` (the API processes `batchd up` would run), counting
+    its metrics in multiprocess mode in a tmpfs of its own, which no worker reads."""
+    _, env, _ = loaded()
+    api = services()["api"]
+    assert argv(api["command"])[:4] == ["python", "-m", "cli", "api"]
+    api_env = service_env(api)
+    assert api_env["BATCHD_API_WORKERS"] == env["BATCHD_API_WORKERS"] == "0"
+    directory = api_env["PROMETHEUS_MULTIPROC_DIR"]
+    assert directory in api.get("tmpfs", []), "the metrics directory starts empty"
+    for name, service in services().items():
+        if name != "api":
+            assert "PROMETHEUS_MULTIPROC_DIR" not in service_env(service), name
+
+
+@pytest.mark.services
+@pytest.mark.slow
+def test_api_command_starts_min_4_cpus_processes(
+    pg_url: str, redis_url: str, tmp_path: Path
+) -> None:
+    """The api service's own command and environment (its database, broker and storage
+    pointed at this machine's): min(4, CPUs) uvicorn processes answer on the one port."""
+    import signal
+    import time
+
+    from cli.perf.service import free_port
+
+    api = services()["api"]
+    cmd = argv(api["command"])
+    port = free_port()
+    cmd[cmd.index("--host") + 1] = "127.0.0.1"
+    cmd[cmd.index("--port") + 1] = str(port)
+    metrics_dir = tmp_path / "metrics"
+    metrics_dir.mkdir()
+    (metrics_dir / "counter_1.db").write_bytes(b"")  # a file a previous run left
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHD_")}
+    env.update(service_env(api))
+    env.update(
+        BATCHD_DATABASE_URL=pg_url, BATCHD_BROKER_URL=redis_url,
+        BATCHD_STORAGE_URL=str(tmp_path / "storage"), BATCHD_HOME=str(tmp_path / "home"),
+        PROMETHEUS_MULTIPROC_DIR=str(metrics_dir),
+    )  # fmt: skip
+    expected = min(4, len(os.sched_getaffinity(0)))
+    proc = subprocess.Popen(
+        [sys.executable, *cmd[1:]], cwd=REPO, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 90
+        while len(_spawned(proc.pid)) < expected or not _healthy(port):
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            assert time.monotonic() < deadline, _spawned(proc.pid)
+            time.sleep(0.3)
+        assert len(_spawned(proc.pid)) == expected  # uvicorn's manager runs them
+        assert not (metrics_dir / "counter_1.db").exists()
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _spawned(pid: int) -> list[int]:
+    """The worker processes uvicorn's manager ``pid`` spawned (not its resource tracker)."""
+    from cli.perf.service import children
+
+    found = []
+    for child in children(pid):
+        try:
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"spawn_main" in cmdline:
+            found.append(child)
+    return found
+
+
+def _healthy(port: int) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

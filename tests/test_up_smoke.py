@@ -1,6 +1,7 @@
 """`batchd up` on embedded defaults (SQLite, Celery's SQLAlchemy transport, a local storage
 directory): the command a newcomer runs first must serve a batch end to end, start again a
-child that dies, and stop cleanly on SIGTERM. Its supervisor (cli/supervise.py) on its own,
+child that dies, and stop cleanly on SIGTERM. On Postgres and Redis it runs several API
+processes, whose /metrics add up. Its supervisor (cli/supervise.py) on its own,
 with stand-in children."""
 
 from __future__ import annotations
@@ -165,8 +166,11 @@ def test_batchd_up_embedded_mode_serves_a_batch(tmp_path: Path) -> None:
         ]
 
         # The startup lines say what is served in which dtype, how long loading took, and
-        # where the worker's metrics exporter (on by default) listens.
+        # where the worker's metrics exporter (on by default) listens. Embedded defaults run
+        # one API process (SQLite, rate limits counted in the process).
         text = Path(log.name).read_text()
+        assert "API processes: 1" in text
+        assert len(_api_processes(proc.pid)) == 1
         dtype = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
         assert re.search(rf"model batchd-demo ready: {dtype} on cpu, loaded in [\d.]+ s", text)
         worker_metrics = re.search(r"(http://127\.0\.0\.1:\d+/metrics) \(worker\)", text)
@@ -177,6 +181,119 @@ def test_batchd_up_embedded_mode_serves_a_batch(tmp_path: Path) -> None:
         os.killpg(proc.pid, signal.SIGTERM)  # as a terminal's Ctrl-C reaches the whole group
         assert proc.wait(timeout=30) == 0, Path(log.name).read_text()[-3000:]
         with pytest.raises(ProcessLookupError):  # nothing of it is left running
+            os.killpg(proc.pid, 0)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    """Every process under ``pid``: {pid: command line}."""
+    found: dict[int, str] = {}
+    todo = [pid]
+    while todo:
+        try:
+            children = _children(todo.pop())
+        except FileNotFoundError:  # gone meanwhile
+            continue
+        found.update(children)
+        todo.extend(children)
+    return found
+
+
+def _api_processes(up_pid: int) -> list[int]:
+    """The processes that serve the API under ``batchd up``: uvicorn itself, or the worker
+    processes its manager spawned when there are several."""
+    tree = _descendants(up_pid)
+    (uvicorn,) = [p for p, cmd in tree.items() if " uvicorn api.app:app " in cmd]
+    spawned = [p for p, cmd in _descendants(uvicorn).items() if "spawn_main" in cmd]
+    return spawned or [uvicorn]
+
+
+@pytest.mark.services
+@pytest.mark.slow
+def test_batchd_up_runs_api_processes_by_cpu_count_with_one_view_of_metrics(
+    pg_url: str, redis_url: str, tmp_path: Path
+) -> None:
+    """On Postgres and Redis, `batchd up` runs min(4, CPUs) API processes on one port. Each
+    scrape of /metrics, whichever process answers it, counts every process's requests."""
+    import threading
+
+    import httpx
+
+    from tests.helpers.scrape import parse, value
+
+    expected = min(4, len(os.sched_getaffinity(0)))
+    port = _free_port()
+    key = "sk-up-smoke-static-key"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("BATCHD_", "OPENAI_"))}
+    env.update(
+        BATCHD_HOME=str(tmp_path / "home"), BATCHD_DATABASE_URL=pg_url,
+        BATCHD_BROKER_URL=redis_url, BATCHD_STORAGE_URL=str(tmp_path / "storage"),
+        BATCHD_MODELS="batchd-demo=demo:llama-tiny", BATCHD_API_KEYS=key,
+        BATCHD_RATE_LIMIT_PER_MINUTE="0",
+    )  # fmt: skip
+    log = (tmp_path / "up.log").open("w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cli", "up", "--no-workers", "--port", str(port)],
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, Path(log.name).read_text()
+            assert time.monotonic() < deadline, Path(log.name).read_text()
+            try:
+                if httpx.get(f"{base}/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        assert f"API processes: {expected}" in Path(log.name).read_text()
+        while len(_api_processes(proc.pid)) < expected:  # the manager spawns them in turn
+            assert time.monotonic() < deadline, _descendants(proc.pid)
+            time.sleep(0.2)
+        assert len(_api_processes(proc.pid)) == expected
+
+        # Requests on connections of their own, several at a time: the processes share them.
+        requests, errors = 48, []
+
+        def send(n: int) -> None:
+            for _ in range(n):
+                r = httpx.get(
+                    f"{base}/v1/batches", headers={"Authorization": f"Bearer {key}"}, timeout=30
+                )
+                if r.status_code != 200:
+                    errors.append(r.text)
+
+        threads = [threading.Thread(target=send, args=(requests // 8,)) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors[:3]
+        counted = [
+            value(
+                parse(httpx.get(f"{base}/metrics", timeout=30).text),
+                "batchd_http_requests_total",
+                handler="/v1/batches",
+                method="GET",
+                status="200",
+            )  # fmt: skip
+            for _ in range(4 * expected)
+        ]
+        assert counted == [requests] * len(counted)
+        assert any((tmp_path / "home" / "api-metrics").glob("*.db"))  # multiprocess mode
+
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, Path(log.name).read_text()[-3000:]
+        with pytest.raises(ProcessLookupError):  # no API process is left running
             os.killpg(proc.pid, 0)
     finally:
         if proc.poll() is None:
