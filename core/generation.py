@@ -43,26 +43,37 @@ def token_ids(encoded: Any) -> list[int]:
     return [int(t) for t in ids]
 
 
+def encode(tok: Any, text: str, *, add_special_tokens: bool) -> list[int]:
+    """The token ids of ``text``. A fast tokenizer's Rust backend is called directly: the
+    same ids as calling the tokenizer, in under half the time (the Python wrapper builds a
+    batch encoding around every call), which every request line pays twice, at validation
+    and in its shard."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    # A backend configured to pad or truncate (sentence-transformers models ship one) would
+    # do so here; the tokenizer's own call turns both off for an unpadded encoding.
+    if backend is not None and backend.padding is None and backend.truncation is None:
+        return backend.encode(text, add_special_tokens=add_special_tokens).ids
+    return token_ids(tok(text, add_special_tokens=add_special_tokens))
+
+
 def prompt_token_ids(tok: Any, req: BatchRequest) -> list[int]:
-    """Chat and responses: the model's chat template with the assistant turn opened; completions: the
-    prompt string tokenized, or the token list as given; embeddings: every input's ids one
-    after another (their count is what quotas and shard sizes weigh; the embedding engine
-    frames each input itself)."""
+    """Chat and responses: the model's chat template with the assistant turn opened (rendered,
+    then encoded without special tokens, as ``apply_chat_template(tokenize=True)`` does);
+    completions: the prompt string tokenized, or the token list as given; embeddings: every
+    input's ids one after another (their count is what quotas and shard sizes weigh; the
+    embedding engine frames each input itself)."""
     if req.kind == "embedding":
         return [
             t
             for item in req.inputs or ()
-            for t in (
-                token_ids(tok(item, add_special_tokens=True)) if isinstance(item, str) else item
-            )
+            for t in (encode(tok, item, add_special_tokens=True) if isinstance(item, str) else item)
         ]
     if req.kind in ("chat", "response"):
-        return token_ids(
-            tok.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=True)
-        )
+        text = tok.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
+        return encode(tok, text, add_special_tokens=False)
     if isinstance(req.prompt, list):
         return [int(t) for t in req.prompt]
-    return token_ids(tok(req.prompt, add_special_tokens=True))
+    return encode(tok, req.prompt, add_special_tokens=True)
 
 
 def default_max_tokens(req: BatchRequest, prompt_len: int, context: int) -> int:

