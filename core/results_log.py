@@ -46,6 +46,9 @@ class ChunkRecord:
     record: dict[str, Any]
 
 
+CURSOR_ROWS_PER_INSERT = 5_000  # three parameters a row, under Postgres' 65,535
+
+
 def batch_log_prefix(batch_id: str) -> str:
     """Everything a batch's results log keeps in storage lies under this prefix."""
     return f"batches/{batch_id}/"
@@ -105,8 +108,9 @@ def log_chunk(session: Session, batch_id: str, key: str, line_ids: Sequence[str 
         for i, line_id in enumerate(line_ids)
         if isinstance(line_id, str)
     ]
-    if cursors:
-        session.execute(insert(ResultLine), cursors)
+    # One multi-row INSERT per slice (an executemany would send a statement per line).
+    for start in range(0, len(cursors), CURSOR_ROWS_PER_INSERT):
+        session.execute(insert(ResultLine).values(cursors[start : start + CURSOR_ROWS_PER_INSERT]))
     return first
 
 
