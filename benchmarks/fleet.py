@@ -1,0 +1,549 @@
+"""The control plane under a simulated fleet: how many result lines per second one API, one
+control worker, one Postgres and one Redis commit for 1, 2, 4 and 8 model workers.
+
+The model workers serve the ``sim`` model (:mod:`engine.sim`: no network, deterministic tokens
+at a configured per-sequence rate), so the engine is never what limits: what saturates is the
+service around it. Each fleet size runs on its own fresh stack:
+
+* a private Postgres server (``initdb`` in a temporary directory, ``pg_stat_statements``
+  loaded; its processes are this run's alone, so their CPU and statements are measured
+  exactly). Without ``initdb`` the shared server is used and statements are not counted;
+* a private ``redis-server``; the API (uvicorn), the control worker, beat and ``N`` model
+  workers (threads pool, ``--shard-concurrency`` shards each), started as ``batchd up`` and
+  compose start them.
+
+The workload: ``--batches`` chat batches of ``--lines`` lines in all (``max_tokens`` each),
+created together. Sampled every half second: committed lines and output tokens (a read-only
+query under its own role, left out of the statement counts) and every process's CPU time.
+
+Reported per fleet size: result lines committed per second and output tokens per second over
+the middle 80% of the lines (ramp-up and tail left out), p50/p99 of the lag from a request's
+finish in the engine to its durable commit (``request_timings`` over remote control), each
+process's CPU share of the run and CPU milliseconds per line, Postgres statements and
+transactions per line, and which process saturates first. ``--out`` gets ``fleet.json`` and
+``fleet.png`` (lines per second against workers)::
+
+    python -m benchmarks.fleet --workers 1,2,4,8 --lines 20000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from cli.perf.service import api_command, api_up, free_port, wait_for  # noqa: E402
+from cli.perf.workload import chat_bodies  # noqa: E402
+from scripts._bench_stack import Broker, Database, Stack, service_env  # noqa: E402
+
+MODEL = "sim-8b"
+DEFAULT_SIM = "tokens_per_s=4000,max_num_seqs=256,ttft_ms=50"
+WORKER = [sys.executable, "-m", "worker"]
+QUIET = ["--loglevel", "INFO", "--without-gossip", "--without-mingle", "--without-heartbeat"]
+PG_BIN = Path("/usr/lib/postgresql")
+BENCH_ROLE = "fleet_bench"
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+# -- processes and their CPU
+
+
+def cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of ``pid`` (all its threads), or None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def children(pid: int) -> list[int]:
+    """The direct children of ``pid``."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid:
+            out.append(int(entry.name))
+    return out
+
+
+class CpuMeter:
+    """CPU seconds per named group of processes; a group's processes may come and go (Postgres
+    backends do), so each pid's last reading is kept and summed."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, dict[int, float]] = {}
+
+    def sample(self, groups: dict[str, list[int]]) -> None:
+        for name, pids in groups.items():
+            seen = self.last.setdefault(name, {})
+            for pid in pids:
+                value = cpu_s(pid)
+                if value is not None:
+                    seen[pid] = value
+
+    def total(self, name: str) -> float:
+        return sum(self.last.get(name, {}).values())
+
+    def totals(self) -> dict[str, float]:
+        return {name: self.total(name) for name in self.last}
+
+
+# -- a private Postgres with pg_stat_statements
+
+
+def _pg_bin() -> Path | None:
+    versions = sorted(PG_BIN.glob("*/bin/initdb"), reverse=True)
+    return versions[0].parent if versions else None
+
+
+class PrivatePostgres:
+    """A Postgres server of this run alone, on a free port, ``pg_stat_statements`` loaded;
+    run as the ``postgres`` user when this process is root (``initdb`` refuses root)."""
+
+    def __init__(self, root: Path):
+        bindir = _pg_bin()
+        if bindir is None:
+            raise RuntimeError("initdb not found under /usr/lib/postgresql")
+        self.dir = Path(tempfile.mkdtemp(prefix="batchd-fleet-pg-"))
+        self.port = free_port()
+        as_user: list[str] = []
+        if os.geteuid() == 0:
+            shutil.chown(self.dir, "postgres", "postgres")
+            as_user = ["runuser", "-u", "postgres", "--"]
+        data = self.dir / "data"
+        subprocess.run(
+            [*as_user, str(bindir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres"],
+            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        self.proc = subprocess.Popen(
+            [*as_user, str(bindir / "postgres"), "-D", str(data), "-p", str(self.port),
+             "-k", str(self.dir), "-c", "listen_addresses=127.0.0.1",
+             "-c", "shared_preload_libraries=pg_stat_statements",
+             "-c", "pg_stat_statements.track=top", "-c", "max_connections=300",
+             "-c", "shared_buffers=256MB"],
+            stdout=(root / "postgres.log").open("wb"), stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        self.admin_url = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
+        wait_for(self._up, 30, "the private Postgres")
+        self._sql(f"CREATE EXTENSION pg_stat_statements; CREATE ROLE {BENCH_ROLE} LOGIN")
+
+    def _up(self) -> bool:
+        if self.proc.poll() is not None:
+            raise RuntimeError("the private Postgres exited")
+        try:
+            self._sql("SELECT 1")
+            return True
+        except Exception:
+            return False
+
+    def _sql(self, sql: str, db: str = "postgres") -> list[tuple]:
+        import psycopg
+
+        conninfo = f"host=127.0.0.1 port={self.port} user=postgres dbname={db}"
+        with psycopg.connect(conninfo, autocommit=True) as conn:
+            cur = conn.execute(sql)
+            return cur.fetchall() if cur.description else []
+
+    def postmaster_pid(self) -> int:
+        """The postmaster (under ``runuser`` it is the runuser process's child)."""
+        pid = self.proc.pid
+        kids = children(pid)
+        return (
+            kids[0] if kids and Path(f"/proc/{pid}/comm").read_text().strip() == "runuser" else pid
+        )
+
+    def pids(self) -> list[int]:
+        master = self.postmaster_pid()
+        return [master, *children(master)]
+
+    def statements(self, db: str) -> tuple[int, int]:
+        """(statements, transactions) run in ``db`` so far by roles other than the bench's."""
+        calls = self._sql(
+            "SELECT coalesce(sum(s.calls), 0) FROM pg_stat_statements s "
+            "JOIN pg_database d ON d.oid = s.dbid JOIN pg_roles r ON r.oid = s.userid "
+            f"WHERE d.datname = '{db}' AND r.rolname <> '{BENCH_ROLE}'"
+        )[0][0]
+        xacts = self._sql(
+            f"SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = '{db}'"
+        )[0][0]
+        return int(calls), int(xacts)
+
+    def top_statements(self, db: str, n: int = 8) -> list[tuple[int, str]]:
+        """The ``n`` statements run most often in ``db`` (calls, text), the bench's left out."""
+        rows = self._sql(
+            "SELECT s.calls, regexp_replace(s.query, '\\s+', ' ', 'g') FROM pg_stat_statements s "
+            "JOIN pg_database d ON d.oid = s.dbid JOIN pg_roles r ON r.oid = s.userid "
+            f"WHERE d.datname = '{db}' AND r.rolname <> '{BENCH_ROLE}' "
+            f"ORDER BY s.calls DESC LIMIT {n}"
+        )
+        return [(int(calls), query[:150]) for calls, query in rows]
+
+    def reset_statements(self) -> None:
+        self._sql("SELECT pg_stat_statements_reset()")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+# -- one fleet size
+
+
+@dataclass
+class Sample:
+    t: float
+    lines: int
+    tokens: int
+
+
+@dataclass
+class Result:
+    workers: int
+    lines: int
+    lines_per_s: float
+    tokens_per_s: float
+    lag_p50_ms: float | None
+    lag_p99_ms: float | None
+    wall_s: float
+    cpu_s: dict[str, float]
+    statements_per_line: float | None
+    transactions_per_line: float | None
+    saturated: str
+    top_statements: list[tuple[int, str]] = field(default_factory=list)
+    samples: list[Sample] = field(default_factory=list)
+
+    def cpu_ms_per_line(self) -> dict[str, float]:
+        return {k: 1000 * v / max(1, self.lines) for k, v in self.cpu_s.items()}
+
+
+def write_batches(work: Path, lines: int, batches: int, max_tokens: int) -> list[Path]:
+    bodies = chat_bodies(lines, max_tokens, seed=7)
+    paths = []
+    per = -(-lines // batches)
+    for b in range(batches):
+        path = work / f"fleet-{b}.jsonl"
+        with path.open("w") as out:
+            for i, body in enumerate(bodies[b * per : (b + 1) * per]):
+                line = {"custom_id": f"b{b}-r{i}", "method": "POST", "url": "/v1/chat/completions",
+                        "body": {"model": MODEL, **body}}  # fmt: skip
+                out.write(json.dumps(line) + "\n")
+        paths.append(path)
+    return paths
+
+
+def _progress(url: str, batch_ids: list[str]) -> tuple[int, int, list[str]]:
+    import psycopg
+
+    conninfo = url.replace("postgresql+psycopg://", "postgresql://")
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT request_completed + request_failed, output_tokens, status FROM batches "
+            "WHERE id = ANY(%s)",
+            (batch_ids,),
+        ).fetchall()
+    return sum(r[0] for r in rows), sum(r[1] or 0 for r in rows), [r[2] for r in rows]
+
+
+def _commit_lags(broker_url: str, batch_ids: list[str]) -> list[float]:
+    from celery import Celery
+
+    app = Celery(broker=broker_url)
+    try:
+        replies = app.control.broadcast(
+            "request_timings", arguments={"batch_ids": batch_ids}, reply=True, timeout=5.0
+        )
+    finally:
+        app.close()
+    lags: list[float] = []
+    for reply in replies:
+        for answer in reply.values():
+            lags.extend(answer.get("commit_lags", []) if isinstance(answer, dict) else [])
+    return lags
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def steady_rate(samples: list[Sample], total: int, attr: str = "lines") -> float:
+    """Per second over the middle 80% of ``total`` lines (interpolated between samples)."""
+
+    def when(target: float) -> float:
+        prev = samples[0]
+        for s in samples:
+            if s.lines >= target:
+                if s.lines == prev.lines:
+                    return s.t
+                return prev.t + (s.t - prev.t) * (target - prev.lines) / (s.lines - prev.lines)
+            prev = s
+        return samples[-1].t
+
+    lo, hi = 0.1 * total, 0.9 * total
+    t0, t1 = when(lo), when(hi)
+    if t1 <= t0:
+        return 0.0
+    if attr == "lines":
+        return (hi - lo) / (t1 - t0)
+
+    # tokens: read the token counts at the same two instants
+    def value_at(t: float) -> float:
+        prev = samples[0]
+        for s in samples:
+            if s.t >= t:
+                span = s.t - prev.t
+                frac = 0.0 if span <= 0 else (t - prev.t) / span
+                return prev.tokens + frac * (s.tokens - prev.tokens)
+            prev = s
+        return samples[-1].tokens
+
+    return (value_at(t1) - value_at(t0)) / (t1 - t0)
+
+
+def run_fleet(args: argparse.Namespace, workers: int) -> Result:
+    work = Path(tempfile.mkdtemp(prefix=f"batchd-fleet-{workers}-"))
+    pg: PrivatePostgres | None = None
+    db: Database | None = None
+    broker = None
+    stack: Stack | None = None
+    try:
+        try:
+            pg = PrivatePostgres(work)
+            db = Database(pg.admin_url)
+        except Exception as exc:  # no initdb here: the shared server, statements not counted
+            print(f"  (private Postgres unavailable: {exc}; using the shared server)")
+            pg = None
+            db = Database()
+        if pg is not None:
+            pg._sql(f"GRANT pg_read_all_data TO {BENCH_ROLE}")
+        broker = Broker(work)
+        env = service_env(
+            work, db.url, broker.url,
+            BATCHD_MODELS=json.dumps({MODEL: f"sim:{args.sim}"}),
+            BATCHD_SHARD_MAX_REQUESTS=str(args.shard_requests),
+            BATCHD_WORKER_SHARD_CONCURRENCY=str(args.shard_concurrency),
+            BATCHD_MAX_ENQUEUED_TOKENS_PER_TENANT=str(10**12),
+            # Enough shards on the queue to keep every worker's shard slots busy.
+            BATCHD_MAX_RELEASED_SHARDS_PER_MODEL=str(2 * workers * args.shard_concurrency),
+            BATCHD_METRICS_ENABLED="false",
+        )  # fmt: skip
+        port = free_port()
+        stack = Stack(work, env, port)
+        stack.start("api", api_command(port), env)
+        # The processes as ``python -m worker`` (and so ``batchd up`` and compose) start them.
+        stack.start("control", [*WORKER, "control", "--", *QUIET], env)
+        stack.start("beat", [*WORKER, "beat", "--", "--loglevel", "INFO"], env)
+        for i in range(workers):
+            stack.start(f"model{i}", [*WORKER, "model", MODEL, "--", *QUIET], env)
+
+        def ready() -> bool:
+            stack.check_alive()
+            if not api_up(port) or "ready." not in stack.log("control"):
+                return False
+            return all(f"model {MODEL} ready" in stack.log(f"model{i}") for i in range(workers))
+
+        wait_for(ready, 300, "the fleet to start", stack.logs)
+        client = stack.client(timeout=120)
+        paths = write_batches(work, args.lines, args.batches, args.max_tokens)
+        files = []
+        for path in paths:
+            with path.open("rb") as fh:
+                files.append(client.files.create(file=(path.name, fh), purpose="batch").id)
+        if pg is not None:
+            pg.reset_statements()
+            base_statements = pg.statements(db.name)
+        meter = CpuMeter()
+        groups = lambda: {  # noqa: E731
+            **{name: [pid] for name, pid in stack.pids().items()},
+            **({"postgres": pg.pids()} if pg is not None else {}),
+            **({"redis": [broker._proc.pid]} if getattr(broker, "_proc", None) else {}),
+        }
+        meter.sample(groups())
+        cpu0 = meter.totals()
+        t0 = time.monotonic()
+        batch_ids = [
+            client.batches.create(input_file_id=f, endpoint="/v1/chat/completions",
+                                  completion_window="24h").id
+            for f in files
+        ]  # fmt: skip
+        bench_url = db.url.replace("postgres@", f"{BENCH_ROLE}@") if pg is not None else db.url
+        samples: list[Sample] = [Sample(0.0, 0, 0)]
+        deadline = t0 + args.timeout
+        while True:
+            time.sleep(0.5)
+            lines, tokens, statuses = _progress(bench_url, batch_ids)
+            meter.sample(groups())
+            samples.append(Sample(time.monotonic() - t0, lines, tokens))
+            if all(s in ("completed", "failed", "expired", "cancelled") for s in statuses):
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{workers} workers: {lines} of {args.lines} after {args.timeout} s"
+                )
+            stack.check_alive()
+        wall = time.monotonic() - t0
+        if any(s != "completed" for s in statuses):
+            raise RuntimeError(f"batches ended {statuses}\n{stack.logs()}")
+        cpu = {k: v - cpu0.get(k, 0.0) for k, v in meter.totals().items()}
+        statements = transactions = None
+        top: list[tuple[int, str]] = []
+        if pg is not None:
+            top = pg.top_statements(db.name)
+            calls, xacts = pg.statements(db.name)
+            statements = (calls - base_statements[0]) / args.lines
+            transactions = (xacts - base_statements[1]) / args.lines
+        lags = _commit_lags(broker.url, batch_ids)
+        busiest = max(cpu, key=lambda k: cpu[k])
+        total_cpu = sum(cpu.values())
+        saturated = (
+            f"{busiest} ({100 * cpu[busiest] / wall:.0f}% of a core; all processes "
+            f"{100 * total_cpu / wall / (os.cpu_count() or 1):.0f}% of the machine)"
+        )
+        return Result(
+            workers=workers,
+            lines=args.lines,
+            lines_per_s=steady_rate(samples, args.lines),
+            tokens_per_s=steady_rate(samples, args.lines, "tokens"),
+            lag_p50_ms=None if not lags else 1000 * (_quantile(lags, 0.5) or 0),
+            lag_p99_ms=None if not lags else 1000 * (_quantile(lags, 0.99) or 0),
+            wall_s=wall,
+            cpu_s=cpu,
+            statements_per_line=statements,
+            transactions_per_line=transactions,
+            saturated=saturated,
+            top_statements=top,
+            samples=samples,
+        )
+    finally:
+        if stack is not None:
+            stack.stop()
+        if broker is not None:
+            broker.stop()
+        if db is not None:
+            db.drop()
+        if pg is not None:
+            pg.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+# -- report
+
+
+def _group(name: str) -> str:
+    return "model" if name.startswith("model") else name
+
+
+def table(results: list[Result]) -> str:
+    rows = [
+        "workers  lines/s  tokens/s  lag p50 ms  lag p99 ms  stmts/line  xacts/line  "
+        "CPU ms/line: api control beat model(all) postgres redis"
+    ]
+    for r in results:
+        per = {}
+        for k, v in r.cpu_ms_per_line().items():
+            per[_group(k)] = per.get(_group(k), 0.0) + v
+        fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+        cpu = " ".join(
+            f"{per.get(k, 0.0):.2f}"
+            for k in ("api", "control", "beat", "model", "postgres", "redis")
+        )
+        rows.append(
+            f"{r.workers:>7}  {r.lines_per_s:7.0f}  {r.tokens_per_s:8.0f}  {fmt(r.lag_p50_ms):>10}"
+            f"  {fmt(r.lag_p99_ms):>10}  {fmt(r.statements_per_line):>10}  "
+            f"{fmt(r.transactions_per_line):>10}  {cpu}"
+        )
+    rows.append("")
+    rows.extend(f"{r.workers} workers: busiest {r.saturated}" for r in results)
+    last = results[-1]
+    if last.top_statements:
+        rows.append(f"\nstatements per line at {last.workers} workers, most frequent first:")
+        rows.extend(f"  {calls / last.lines:7.3f}  {query}" for calls, query in last.top_statements)
+    return "\n".join(rows)
+
+
+def plot(results: list[Result], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r.workers for r in results], [r.lines_per_s for r in results], marker="o")
+    ax.set_xlabel("sim model workers")
+    ax.set_ylabel("result lines committed per second")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks([r.workers for r in results], [str(r.workers) for r in results])
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.set_title("batchd control plane: lines/s against workers")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", default="1,2,4,8", help="fleet sizes, comma-separated")
+    parser.add_argument("--lines", type=int, default=20_000, help="request lines per run")
+    parser.add_argument("--batches", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--sim", default=DEFAULT_SIM, help="the sim model's options")
+    parser.add_argument("--shard-requests", type=int, default=500)
+    parser.add_argument("--shard-concurrency", type=int, default=8)
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per fleet size")
+    parser.add_argument("--out", type=Path, default=None, help="directory for fleet.json/.png")
+    args = parser.parse_args(argv)
+    results = []
+    for n in (int(x) for x in args.workers.split(",")):
+        print(f"{n} model workers: {args.lines} lines in {args.batches} batches …", flush=True)
+        r = run_fleet(args, n)
+        print(f"  {r.lines_per_s:.0f} lines/s, {r.wall_s:.1f} s", flush=True)
+        results.append(r)
+    print()
+    print(table(results))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        data = {
+            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "results": [
+                {**{k: v for k, v in r.__dict__.items() if k != "samples"},
+                 "cpu_ms_per_line": r.cpu_ms_per_line(),
+                 "samples": [s.__dict__ for s in r.samples]}
+                for r in results
+            ],
+        }  # fmt: skip
+        (args.out / "fleet.json").write_text(json.dumps(data, indent=1))
+        plot(results, args.out / "fleet.png")
+        print(f"\nwrote {args.out / 'fleet.json'} and {args.out / 'fleet.png'}")
+    print(f"\n(statistics: median lines/s {statistics.median(r.lines_per_s for r in results):.0f})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
