@@ -363,3 +363,29 @@ def test_a_validation_that_dies_resumes_after_its_last_shard(small_shards, host,
     assert sorted(r["response"]["body"]["error"]["line"] for r in err) == [6, 18]
     assert {r["response"]["body"]["error"]["code"] for r in err} == {"duplicate_custom_id"}
     assert batch_row(batch_id).model == MODEL
+
+
+def test_expiry_during_validation_reports_every_line(small_shards, host, after_shard):
+    from datetime import timedelta
+
+    from core.lifecycle import now
+    from worker.shard import run_shard
+    from worker.tasks import validate
+
+    lines = _lines(14)
+    batch_id = _make(lines)
+
+    def expire_after_second(index: int) -> None:
+        if index == 0:
+            run_shard(shard_rows(batch_id)[0].id, host=host)
+        if index == 1:
+            _update(batch_id, expires_at=now() - timedelta(seconds=1))
+
+    after_shard.append(expire_after_second)
+    assert validate(batch_id) == "expired"  # the validation stopped and finalized it
+    batch = batch_row(batch_id)
+    assert len(shard_rows(batch_id)) == 2 and not batch.validation_done
+    out, err = _one_line_each(batch, [x["custom_id"] for x in lines])
+    assert [r["custom_id"] for r in out] == [f"r{i}" for i in range(SHARD)]
+    assert {r["error"]["code"] for r in err} == {"batch_expired"}
+    assert batch.request_total == len(lines)

