@@ -9,13 +9,15 @@ Reported per tree:
 
 * **upload**: ``files.create`` of the file, seconds;
 * **in_progress**: from the batch's ``created_at`` to its ``in_progress_at``;
+* **released**: to the first shard released to the model's queue (``released_at``);
 * **first result**: from ``created_at`` to the first result line committed (the batch row's
-  ``results_logged`` polled every 10 ms);
+  ``results_logged`` polled every 10 ms): the release plus the engine's first checkpoint
+  (64 results, or 5 s);
 * **validation done**: to the last shard planned (``validated_at`` once ``validation_done``;
   a revision that validates the whole file first: ``in_progress_at``);
 * **validation CPU**: CPU seconds of the control worker process (all its threads) from the
-  create to validation done, less its idle rate measured for 3 s before the upload (beat's
-  sweeps);
+  create to validation done (as the 10 ms poll sees it), less its idle rate measured for 3 s
+  before the upload (beat's sweeps);
 * the number of shards and of request lines counted when validation was done.
 
 The batch is then cancelled and the service stopped: the benchmark is about the start of a
@@ -65,6 +67,7 @@ class TreeRun:
     tree: str
     upload_s: float
     in_progress_s: float
+    first_release_s: float
     first_result_s: float
     validation_done_s: float
     validation_cpu_s: float
@@ -132,15 +135,16 @@ class _Db:
                 .one()
             )
 
-    def shards(self, batch_id: str) -> int:
+    def shards(self, batch_id: str) -> tuple[int, Any]:
+        """How many shards the batch has, and when the first was released."""
         from sqlalchemy import text
 
         with self.engine.connect() as conn:
-            return int(
-                conn.execute(
-                    text("SELECT count(*) FROM shards WHERE batch_id = :id"), {"id": batch_id}
-                ).scalar_one()
-            )
+            row = conn.execute(
+                text("SELECT count(*), min(released_at) FROM shards WHERE batch_id = :id"),
+                {"id": batch_id},
+            ).one()
+        return int(row[0]), row[1]
 
     def drop(self) -> None:
         from sqlalchemy import text
@@ -198,8 +202,9 @@ def run_tree(label: str, tree: Path, path: Path, args: argparse.Namespace) -> Tr
     broker = bs.Broker(work, args.redis_url)
     procs: Procs | None = None
     try:
+        settings = dict(item.split("=", 1) for item in args.setting)
         env = bs.service_env(
-            work, db.url, broker.url, BATCHD_MODELS=json.dumps({SERVED: args.model})
+            work, db.url, broker.url, BATCHD_MODELS=json.dumps({SERVED: args.model}), **settings
         )
         port = bs.free_port()
         procs = _start(tree, work, env, port)
@@ -220,36 +225,41 @@ def run_tree(label: str, tree: Path, path: Path, args: argparse.Namespace) -> Tr
         batch = client.batches.create(
             input_file_id=upload.id, endpoint=ENDPOINT, completion_window="24h"
         )
+        created_wall = time.time()
         first_result_at = None
+        done_seen: tuple[float, float] | None = None  # (wall time, control CPU) when seen done
         row = db.row(batch.id)
         while True:
             if first_result_at is None and row["results_logged"]:
                 first_result_at = time.time()
             done_at = _validation_done_at(row)
-            if (done_at is not None and first_result_at is not None) or row[
+            if done_at is not None and done_seen is None:
+                done_seen = (time.time(), process_cpu_s(control))
+            if (done_seen is not None and first_result_at is not None) or row[
                 "status"
             ] in bs.TERMINAL:
                 break
             time.sleep(POLL_S)
             row = db.row(batch.id)
-        cpu1 = process_cpu_s(control)
-        if row["status"] in bs.TERMINAL and first_result_at is None:
+        if row["status"] in bs.TERMINAL and (first_result_at is None or done_seen is None):
             raise RuntimeError(f"{label}: the batch ended {row['status']}: {row['errors']}")
         created = row["created_at"].timestamp()
         done = done_at.timestamp()
         validation_s = done - created
+        shards, released = db.shards(batch.id)
         client.batches.cancel(batch.id)
         return TreeRun(
             tree=label,
             upload_s=upload_s,
             in_progress_s=row["in_progress_at"].timestamp() - created,
+            first_release_s=released.timestamp() - created,
             first_result_s=first_result_at - created,
             validation_done_s=validation_s,
-            # The poll ends after both events: the CPU of the control worker from the create
-            # to then, less its idle rate over that time.
-            validation_cpu_s=(cpu1 - cpu0) - idle_rate * (time.time() - created),
+            # The control worker's CPU from the create to validation done (as polled), less
+            # its idle rate over that time.
+            validation_cpu_s=(done_seen[1] - cpu0) - idle_rate * (done_seen[0] - created_wall),
             control_idle_cpu_per_s=idle_rate,
-            shards=db.shards(batch.id),
+            shards=shards,
             request_total=int(row["request_total"]),
         )
     finally:
@@ -257,19 +267,23 @@ def run_tree(label: str, tree: Path, path: Path, args: argparse.Namespace) -> Tr
             procs.stop_all()
         broker.stop()
         db.drop()
-        shutil.rmtree(work, ignore_errors=True)
+        if args.keep:
+            print(f"{label}: logs kept in {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def report(runs: list[TreeRun], path: Path, requests: int) -> dict[str, Any]:
     size_mb = path.stat().st_size / 1e6
     print(f"\n{requests:,} chat lines, {size_mb:.1f} MB")
     print(
-        f"{'tree':<12} {'upload':>8} {'in_progress':>12} {'first result':>13} "
+        f"{'tree':<12} {'upload':>8} {'in_progress':>12} {'released':>9} {'first result':>13} "
         f"{'validated':>10} {'valid. CPU':>11} {'shards':>7} {'total':>7}"
     )
     for r in runs:
         print(
-            f"{r.tree:<12} {r.upload_s:>7.2f}s {r.in_progress_s:>11.2f}s {r.first_result_s:>12.2f}s"
+            f"{r.tree:<12} {r.upload_s:>7.2f}s {r.in_progress_s:>11.2f}s {r.first_release_s:>8.2f}s"
+            f" {r.first_result_s:>12.2f}s"
             f" {r.validation_done_s:>9.2f}s {r.validation_cpu_s:>10.2f}s {r.shards:>7}"
             f" {r.request_total:>7}"
         )
@@ -308,6 +322,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pg-admin-url", default=bs.PG_ADMIN_URL)
     parser.add_argument("--redis-url", default=bs.REDIS_URL)
     parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--keep", action="store_true", help="keep each run's service logs")
+    parser.add_argument(
+        "--setting",
+        action="append",
+        default=[],
+        metavar="BATCHD_NAME=VALUE",
+        help="a service setting for both trees (repeatable), e.g. BATCHD_CHECKPOINT_EVERY=8",
+    )
     args = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory(prefix="first-result-") as tmp:
