@@ -103,14 +103,16 @@ def log_chunk(session: Session, batch_id: str, key: str, line_ids: Sequence[str 
     session.execute(
         insert(ResultChunk).values(batch_id=batch_id, first_seq=first, num_lines=n, storage_key=key)
     )
-    cursors = [
-        {"batch_id": batch_id, "line_id": line_id, "seq": first + i}
-        for i, line_id in enumerate(line_ids)
-        if isinstance(line_id, str)
-    ]
-    # One multi-row INSERT per slice (an executemany would send a statement per line).
-    for start in range(0, len(cursors), CURSOR_ROWS_PER_INSERT):
-        session.execute(insert(ResultLine).values(cursors[start : start + CURSOR_ROWS_PER_INSERT]))
+    # One multi-row INSERT per slice (an executemany would send a statement per line), each
+    # slice's rows built as it goes: a finalize's chunk holds every line a cancel cut short.
+    for start in range(0, n, CURSOR_ROWS_PER_INSERT):
+        cursors = [
+            {"batch_id": batch_id, "line_id": line_id, "seq": first + start + i}
+            for i, line_id in enumerate(line_ids[start : start + CURSOR_ROWS_PER_INSERT])
+            if isinstance(line_id, str)
+        ]
+        if cursors:
+            session.execute(insert(ResultLine).values(cursors))
     return first
 
 
