@@ -20,6 +20,10 @@ before the finalize and its peak during it (``VmRSS`` and ``VmHWM`` of /proc, ``
 and the two verdicts: the per-line time of the largest size over the smallest's (1.0 is
 linear) and the growth of the finalize's peak memory from the smallest size to the largest
 (flat is a few MB of allocator noise).
+
+``--unfinished 0.5`` measures the finalize of a cancel instead: ``cancelling`` batches whose
+shards stopped with half their lines never run, each of which gets a ``batch_cancelled`` line
+(read back from the input file) in the error file and in the finalize's results-log chunk.
 """
 
 from __future__ import annotations
@@ -132,7 +136,9 @@ def build_job(
     database_url: str, storage_root: Path, lines: int, args: argparse.Namespace
 ) -> tuple[str, int]:
     """A ``finalizing`` batch of ``lines`` requests with every shard done and its chunks
-    committed and logged; returns (its id, how many of its lines are error lines)."""
+    committed and logged; returns (its id, how many of its lines are error lines). With
+    ``args.unfinished``, a ``cancelling`` batch instead, each shard stopped with that share
+    of its lines (its last chunks' worth) never run."""
     from core import ids
     from core.db import session_scope
     from core.lifecycle import BatchStatus, ShardStatus, now
@@ -154,13 +160,15 @@ def build_job(
             offsets.append(offsets[-1] + len(data))
     created = now()
     errors = 0
+    cancel = args.unfinished > 0
+    status = BatchStatus.CANCELLING if cancel else BatchStatus.FINALIZING
     with session_scope(database_url) as session:
         session.add(File(id=file_id, tenant="default", purpose="batch",
                          filename=f"{lines}.jsonl", bytes=offsets[-1], storage_key=key,
                          created_at=created, expires_at=created + timedelta(days=30)))  # fmt: skip
         session.add(Batch(id=batch_id, tenant="default", endpoint="/v1/chat/completions",
                           model=model, input_file_id=file_id, completion_window="24h",
-                          status=BatchStatus.FINALIZING, created_at=created,
+                          status=status, created_at=created,
                           expires_at=created + timedelta(hours=24), in_progress_at=created,
                           finalizing_at=created, request_total=lines))  # fmt: skip
     for index, start in enumerate(range(1, lines + 1, args.shard_lines)):
@@ -169,6 +177,9 @@ def build_job(
         rng.shuffle(order)  # the order the shard's requests finished in
         every = args.checkpoint_every
         groups = [order[i : i + every] for i in range(0, len(order), every)]
+        never_ran = groups[len(groups) - round(len(groups) * args.unfinished) :] if cancel else []
+        groups = groups[: len(groups) - len(never_ran)]
+        errors += sum(map(len, never_ran))  # each gets a batch_cancelled line
         logged: list[tuple[str, list[str | None]]] = []
         for c, group in enumerate(groups):
             records = []
@@ -179,10 +190,12 @@ def build_job(
             ckey = chunk_key(batch_id, index, c)
             logged.append((ckey, write_chunk(sto, ckey, records)))
         with session_scope(database_url) as session:
-            session.add(Shard(batch_id=batch_id, index=index, status=ShardStatus.DONE,
+            done = sum(map(len, groups))
+            session.add(Shard(batch_id=batch_id, index=index,
+                              status=ShardStatus.STOPPED if cancel else ShardStatus.DONE,
                               start_line=start, end_line=end, start_offset=offsets[start - 1],
                               end_offset=offsets[end - 1], num_requests=end - start,
-                              done_requests=end - start, num_chunks=len(groups),
+                              done_requests=done, num_chunks=len(groups),
                               attempts=1))  # fmt: skip
             session.flush()
             for ckey, line_ids in logged:
@@ -206,7 +219,7 @@ def run_finalize(batch_id: str, env: dict[str, str]) -> dict[str, Any]:
 
 
 def check_files(database_url: str, storage_root: Path, batch_id: str, lines: int,
-                errors: int) -> float:  # fmt: skip
+                errors: int, want: str) -> float:  # fmt: skip
     """The batch completed with every line in its output or error file, in input order;
     returns the output file's mean line size in bytes."""
     from core.db import session_scope
@@ -215,8 +228,8 @@ def check_files(database_url: str, storage_root: Path, batch_id: str, lines: int
     with session_scope(database_url) as session:
         batch = session.get(Batch, batch_id)
         assert batch is not None
-        if batch.status != "completed":
-            raise RuntimeError(f"{batch_id} ended {batch.status}, not completed")
+        if batch.status != want:
+            raise RuntimeError(f"{batch_id} ended {batch.status}, not {want}")
         counts = {}
         for name, file_id, expected in (
             ("output", batch.output_file_id, lines - errors),
@@ -252,6 +265,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--error-share", type=float, default=0.02, help="error lines (0.02)")
     parser.add_argument(
+        "--unfinished",
+        type=float,
+        default=0.0,
+        help="cancelled jobs instead, this share of each shard's lines never run (0: none)",
+    )
+    parser.add_argument(
         "--pg-admin-url", default="postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
     )
     parser.add_argument("--json", type=Path, help="write the figures here")
@@ -280,7 +299,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 batch_id, errors = build_job(db.url, storage_root, lines, args)
                 built_s = time.perf_counter() - t0
                 figures = run_finalize(batch_id, env)
-                line_bytes = check_files(db.url, storage_root, batch_id, lines, errors)
+                want = "cancelled" if args.unfinished else "completed"
+                line_bytes = check_files(db.url, storage_root, batch_id, lines, errors, want)
                 figures.update(lines=lines, error_lines=errors, build_s=built_s,
                                output_line_bytes=line_bytes,
                                us_per_line=figures["wall_s"] / lines * 1e6,
