@@ -26,7 +26,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import delete, insert, select, update
+from sqlalchemy import delete, insert, select, text, update
 from sqlalchemy.orm import Session
 
 from core.models import Batch, ResultChunk, ResultLine
@@ -46,7 +46,12 @@ class ChunkRecord:
     record: dict[str, Any]
 
 
-CURSOR_ROWS_PER_INSERT = 5_000  # three parameters a row, under Postgres' 65,535
+CURSOR_ROWS_PER_INSERT = 5_000
+_INSERT_CURSORS = text(
+    "INSERT INTO result_lines (batch_id, line_id, seq) "
+    "SELECT :batch_id, c.line_id, c.seq "
+    "FROM unnest(CAST(:ids AS varchar[]), CAST(:seqs AS integer[])) AS c(line_id, seq)"
+)
 
 
 def batch_log_prefix(batch_id: str) -> str:
@@ -103,16 +108,28 @@ def log_chunk(session: Session, batch_id: str, key: str, line_ids: Sequence[str 
     session.execute(
         insert(ResultChunk).values(batch_id=batch_id, first_seq=first, num_lines=n, storage_key=key)
     )
-    # One multi-row INSERT per slice (an executemany would send a statement per line), each
-    # slice's rows built as it goes: a finalize's chunk holds every line a cancel cut short.
+    # Each slice's rows built as it goes: a finalize's chunk holds every line a cancel cut
+    # short. On Postgres a slice is one statement of fixed text with two array parameters
+    # (compiled once, no bind per row); elsewhere an executemany.
+    postgres = session.get_bind().dialect.name == "postgresql"
     for start in range(0, n, CURSOR_ROWS_PER_INSERT):
-        cursors = [
-            {"batch_id": batch_id, "line_id": line_id, "seq": first + start + i}
+        rows = [
+            (line_id, first + start + i)
             for i, line_id in enumerate(line_ids[start : start + CURSOR_ROWS_PER_INSERT])
             if isinstance(line_id, str)
         ]
-        if cursors:
-            session.execute(insert(ResultLine).values(cursors))
+        if not rows:
+            continue
+        if postgres:
+            session.execute(
+                _INSERT_CURSORS,
+                {"batch_id": batch_id, "ids": [r[0] for r in rows], "seqs": [r[1] for r in rows]},
+            )
+        else:
+            session.execute(
+                insert(ResultLine),
+                [{"batch_id": batch_id, "line_id": i, "seq": q} for i, q in rows],
+            )
     return first
 
 
