@@ -155,6 +155,7 @@ def api(
     env = dict(os.environ, **api_metrics_env(settings, count, Path(given) if given else None))
     cmd = api_command(host, port, count)
     typer.echo(f"batchd api: {count} API process{'es' if count > 1 else ''} on {host}:{port}")
+    sys.stdout.flush()  # exec replaces the process: what is buffered would be lost
     os.execve(cmd[0], cmd, env)
 
 
