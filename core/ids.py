@@ -1,14 +1,29 @@
 """Identifiers in OpenAI's shapes: a kind's prefix and random hex, ``file-…``, ``batch_…``,
 ``batch_req_…`` for what the service stores, ``chatcmpl-…``, ``cmpl-…``, ``resp_…``,
-``msg_…`` and ``req_…`` inside the result lines it writes."""
+``msg_…`` and ``req_…`` inside the result lines it writes.
+
+Files and batches take their hex from ``secrets``. The ids inside result lines (several per
+line, at fleet rates) take it from a per-process generator seeded from ``secrets`` (again in
+a forked child): as unique, and without an ``os.urandom`` call, which releases and retakes
+the GIL, per id.
+"""
 
 from __future__ import annotations
 
+import os
+import random
 import secrets
+
+_lines = random.Random(secrets.randbits(128))
+os.register_at_fork(after_in_child=lambda: _lines.seed(secrets.randbits(128)))
 
 
 def _token(nbytes: int = 12) -> str:
     return secrets.token_hex(nbytes)
+
+
+def _line_token(nbytes: int = 12) -> str:
+    return f"{_lines.getrandbits(8 * nbytes):0{2 * nbytes}x}"
 
 
 def file_id() -> str:
@@ -20,24 +35,24 @@ def batch_id() -> str:
 
 
 def batch_request_id() -> str:
-    return f"batch_req_{_token()}"
+    return f"batch_req_{_line_token()}"
 
 
 def chat_completion_id() -> str:
-    return f"chatcmpl-{_token()}"
+    return f"chatcmpl-{_line_token()}"
 
 
 def completion_id() -> str:
-    return f"cmpl-{_token()}"
+    return f"cmpl-{_line_token()}"
 
 
 def response_id() -> str:
-    return f"resp_{_token(24)}"
+    return f"resp_{_line_token(24)}"
 
 
 def message_id() -> str:
-    return f"msg_{_token(24)}"
+    return f"msg_{_line_token(24)}"
 
 
 def request_id() -> str:
-    return f"req_{_token(16)}"
+    return f"req_{_line_token(16)}"

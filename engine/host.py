@@ -64,11 +64,12 @@ engine so their KV blocks return, logs the traceback, and the host keeps serving
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
+import secrets
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
@@ -196,6 +197,9 @@ class EngineHost:
         self._drain = True
         self._dead: BaseException | None = None
         self._counters = _Counters()
+        # Request ids unique to this host (a random prefix, then a counter): no urandom call,
+        # and so no release of the GIL, per request.
+        self._request_ids = map(f"{secrets.token_hex(6)}-{{}}".format, itertools.count())
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._started = False
 
@@ -282,7 +286,7 @@ class EngineHost:
         params = params if params is not None else SamplingParams()
         prompt = list(prompt_token_ids)
         entry = Entry(
-            request_id=request_id if request_id is not None else uuid.uuid4().hex,
+            request_id=request_id if request_id is not None else next(self._request_ids),
             prompt_token_ids=prompt,
             params=params,
             group=group,
