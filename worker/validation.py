@@ -275,7 +275,8 @@ class StreamedValidation:
     def _replay(self) -> None:
         """Rebuild the file-wide state from the lines already in shards (after a crash):
         each parsed again, none tokenised."""
-        assert self.resume is not None
+        if self.resume is None:
+            return
         chunks = storage().read_range(self.key, 0, self.resume.offset)
         n = 0
         for raw in iter_lines(chunks, max_line_bytes=self.settings.max_line_bytes):
