@@ -3,9 +3,9 @@ and creates and releases each shard as soon as its lines are validated.
 
 Policy (``core.batchfile`` documents the line rules; this module applies them to a batch):
 
-* **The head.** The first shard's lines (up to ``shard_max_requests`` requests or
-  ``shard_max_tokens`` estimated tokens), or the whole file if it is smaller, are validated
-  completely before anything is created. An error in the head fails the batch exactly as a
+* **The head.** The first shard's lines (up to ``shard_max_requests`` request lines, valid
+  or not, or ``shard_max_tokens`` estimated tokens), or the whole file if it is smaller, are
+  validated completely before anything is created. An error in the head fails the batch exactly as a
   whole-file validation did: the rest of the file is still read (parsed, not tokenised) so that
   ``errors.data`` lists the first ``max_errors_reported`` errors of the whole file, and no file
   is written. A file of one shard therefore behaves exactly as before.
@@ -312,7 +312,7 @@ class StreamedValidation:
         try:
             req = self.lines.check(raw)
         except LineError as err:
-            if self.head:
+            if self.head and (err.code in FILE_ERRORS or not self._head_full()):
                 return self._collect_error(err)
             if err.code in FILE_ERRORS:
                 raise _Failed(err.to_dict(), err.code) from None
@@ -320,11 +320,17 @@ class StreamedValidation:
             outcome = self._create(closed, last=False) if closed else None
             self.open.errors.append(ChunkRecord(raw.line, False, line_error_record(raw, err)))
             return outcome
+        self.report.num_requests += 1
         tokens = self.count(req)
         closed = self.planner.add(req.line, req.offset, req.length, tokens)
         outcome = self._create(closed, last=False) if closed else None
         self.open.add(req.line, self.count.last_prompt)
         return outcome
+
+    def _head_full(self) -> bool:
+        """The head holds ``shard_max_requests`` lines: the next line belongs to the next shard
+        (closed by the planner when that line is added)."""
+        return self.planner.open_requests >= self.planner.max_requests
 
     def _collect(self, raw: RawLine) -> str | None:
         """The head failed: go on reading only to report the file's errors, as a whole-file

@@ -206,6 +206,28 @@ def test_an_error_in_the_head_fails_the_batch_as_before(small_shards):
     assert shard_rows(batch_id) == [] and batch.output_file_id is batch.error_file_id is None
 
 
+def test_a_bad_line_right_after_a_full_head_is_not_in_the_head(small_shards):
+    from worker.tasks import validate
+
+    lines: list = _lines(SHARD + 2)
+    lines[SHARD] = "not json"  # the line after the head's SHARD requests
+    batch_id = _make(lines)
+    assert validate(batch_id) == "in_progress"
+    assert [(s.start_line, s.end_line, s.done_requests) for s in shard_rows(batch_id)] == [
+        (1, SHARD + 1, 0),
+        (SHARD + 1, SHARD + 3, 1),
+    ]
+
+
+def test_a_head_error_counts_every_line_as_before(small_shards):
+    from worker.tasks import validate
+
+    lines: list = _lines(3) + ["{}"]
+    batch_id = _make(lines)
+    assert validate(batch_id) == "failed"
+    assert batch_row(batch_id).request_total == 4
+
+
 def _failed_late(batch_id: str) -> dict:
     from api.routes.batch_results import results_visible
     from core.results_log import batch_log_prefix
