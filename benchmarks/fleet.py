@@ -351,7 +351,6 @@ def run_fleet(args: argparse.Namespace, workers: int) -> Result:
             BATCHD_MAX_ENQUEUED_TOKENS_PER_TENANT=str(10**12),
             # Enough shards on the queue to keep every worker's shard slots busy.
             BATCHD_MAX_RELEASED_SHARDS_PER_MODEL=str(2 * workers * args.shard_concurrency),
-            BATCHD_METRICS_ENABLED="false",
         )  # fmt: skip
         port = free_port()
         stack = Stack(work, env, port)
