@@ -191,12 +191,18 @@ def generation_result(tok: Any, req: BatchRequest, output: Any) -> GenerationRes
 
 
 def prepare_request(
-    tok: Any, req: BatchRequest, context: int, vocab_size: int | None
+    tok: Any,
+    req: BatchRequest,
+    context: int,
+    vocab_size: int | None,
+    ids: list[int] | None = None,
 ) -> tuple[list[int], dict[str, Any]]:
-    """A request as engine input: its prompt token ids and its sampling parameters (keyword
-    arguments for ``engine.SamplingParams``). Raises :class:`PromptError` or ``ValueError``
-    for a request this model can never run; :func:`error_for_exception` makes its line."""
-    ids = prompt_token_ids(tok, req)
+    """A request as engine input: its prompt token ids (``ids`` when the caller has them from
+    the same tokenizer) and its sampling parameters (keyword arguments for
+    ``engine.SamplingParams``). Raises :class:`PromptError` or ``ValueError`` for a request
+    this model can never run; :func:`error_for_exception` makes its line."""
+    if ids is None:
+        ids = prompt_token_ids(tok, req)
     check_prompt(req, len(ids), context, vocab_size)
     return ids, sampling_kwargs(req, len(ids), context)
 

@@ -28,6 +28,7 @@ from core.results import GenerationResult, embedding_body, output_line
 from core.settings import get_settings
 from worker import runtime, timings
 from worker.common import REQUEST_ERRORS, storage
+from worker.prepared import read_prepared
 from worker.shard_state import Heartbeat, Pending, ShardLost, batch_stopping, commit_chunk
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,8 @@ class ShardRun:
         # methods; everything else (checkpoints, cancel, retries) is the same.
         self.embedding = self.endpoint == EMBEDDINGS_URL
         self.context = 0 if self.embedding else runtime.context_length(self.model)
+        # The prompt ids validation stored for this shard (worker.prepared), by input line.
+        self.prepared = {} if self.embedding else read_prepared(storage(), batch.id, shard.index)
         self.vocab_size = len(self.tok)
         self.every = max(1, settings.checkpoint_every)
         self.interval = settings.checkpoint_interval_s
@@ -335,7 +338,9 @@ class ShardRun:
         if self.embedding:
             return self._prepare_embedding(req)
         try:
-            ids, kwargs = generation.prepare_request(self.tok, req, self.context, self.vocab_size)
+            ids, kwargs = generation.prepare_request(
+                self.tok, req, self.context, self.vocab_size, self.prepared.pop(req.line, None)
+            )
             params = SamplingParams(**kwargs)
         except REQUEST_ERRORS as exc:
             self.pending.add_error(req.line, error_for_exception(req, exc))

@@ -83,6 +83,7 @@ from core.sharding import ShardPlanner, ShardSpec
 from worker import runtime
 from worker.checkpoints import chunk_key
 from worker.common import REQUEST_ERRORS, past_expiry, storage
+from worker.prepared import write_prepared
 from worker.release import release_for_model
 from worker.shard_state import finish_if_last
 from worker.webhooks import notify
@@ -99,16 +100,22 @@ class TokenCounter:
         self.model_names = set(model_names)
         self.prompt_tokens = 0
         self.last_prompt = 0
+        self.last_ids: list[int] | None = None  # a generation request's prompt ids
 
     def __call__(self, req: BatchRequest) -> int:
         tok = runtime.tokenizer(req.model)
         context = runtime.context_length(req.model)
+        self.last_ids = None
         try:
-            prompt_len = len(generation.prompt_token_ids(tok, req))
+            ids = generation.prompt_token_ids(tok, req)
         except REQUEST_ERRORS as exc:
             # It fails with an error line when its shard runs; here it holds no tokens.
             logger.warning("line %s cannot be tokenized (%s); counted as 0 tokens", req.line, exc)
-            prompt_len = 0
+            ids = []
+        else:
+            if req.kind != "embedding":  # the embedding engine frames each input itself
+                self.last_ids = ids
+        prompt_len = len(ids)
         self.prompt_tokens += prompt_len
         self.last_prompt = prompt_len
         return generation.estimate_tokens(req, prompt_len, context)
@@ -207,10 +214,13 @@ class _OpenShard:
     errors: list[ChunkRecord] = field(default_factory=list)
     line_tokens: list[tuple[int, int]] = field(default_factory=list)
     prompt_tokens: int = 0
+    ids: list[tuple[int, list[int]]] = field(default_factory=list)  # see worker.prepared
 
-    def add(self, line: int, prompt_tokens: int) -> None:
+    def add(self, line: int, prompt_tokens: int, ids: list[int] | None) -> None:
         self.line_tokens.append((line, prompt_tokens))
         self.prompt_tokens += prompt_tokens
+        if ids is not None:
+            self.ids.append((line, ids))
 
 
 class _Failed(Exception):
@@ -324,7 +334,7 @@ class StreamedValidation:
         tokens = self.count(req)
         closed = self.planner.add(req.line, req.offset, req.length, tokens)
         outcome = self._create(closed, last=False) if closed else None
-        self.open.add(req.line, self.count.last_prompt)
+        self.open.add(req.line, self.count.last_prompt, self.count.last_ids)
         return outcome
 
     def _head_full(self) -> bool:
@@ -375,6 +385,8 @@ class StreamedValidation:
     def _create(self, spec: ShardSpec, *, last: bool) -> str | None:
         """Create ``spec`` with the open shard's error lines and release it; None to go on."""
         shard, self.open = self.open, _OpenShard()
+        if shard.ids:  # before the row: a shard that exists finds its ids stored
+            write_prepared(storage(), self.batch_id, spec.index, shard.ids)
         outcome = self._commit(spec, shard, last)
         if outcome is not None:
             return outcome
