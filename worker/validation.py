@@ -54,12 +54,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 from collections.abc import Generator
 from contextlib import suppress
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from celery.signals import worker_ready
 from sqlalchemy import func, select, text, update
 from sqlalchemy.orm import Session
 
@@ -77,6 +79,7 @@ from core.batchfile import (
 from core.db import new_session
 from core.lifecycle import ENQUEUED, BatchStatus, ShardStatus, now, transition
 from core.models import Batch, Shard
+from core.queue import CONTROL_QUEUE
 from core.results_log import ChunkRecord, batch_log_prefix, log_chunk, write_chunk
 from core.settings import get_settings
 from core.sharding import ShardPlanner, ShardSpec
@@ -657,3 +660,28 @@ def fail_running(batch_id: str, error: dict[str, Any]) -> bool:
     except Exception:
         logger.exception("batch %s: could not release the next shards of %s", batch_id, model)
     return True
+
+
+@worker_ready.connect
+def _load_tokenizers(sender: Any = None, **_: Any) -> None:
+    """A control worker loads every served model's tokenizer (and context length) once, at
+    start, in the background: a batch's first lines do not wait for it."""
+    try:
+        consumed = set(sender.app.amqp.queues.consume_from or ())
+    except Exception:
+        return
+    if CONTROL_QUEUE not in consumed:
+        return
+
+    def load() -> None:
+        loaded = []
+        for model in get_settings().models:
+            try:
+                runtime.tokenizer(model)
+                runtime.context_length(model)
+                loaded.append(model)
+            except Exception as exc:  # reported when a batch names the model
+                logger.warning("could not load the tokenizer of %s yet: %s", model, exc)
+        logger.info("tokenizers loaded for validation: %s", ", ".join(loaded) or "none")
+
+    threading.Thread(target=load, name="batchd-tokenizer-loader", daemon=True).start()

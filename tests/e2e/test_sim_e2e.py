@@ -76,6 +76,8 @@ def test_a_sim_model_serves_batches_with_deterministic_outputs(
                     "-n", "model@e2e", *QUIET]  # fmt: skip
     procs.start("model", model_worker, {**env, "BATCHD_WORKER_METRICS_PORT": str(model_port)})
     procs.wait_log("model", f"model {SIM} ready: simulated", 120)
+    # The control worker loads the tokenizers it validates with at start, not on a first line.
+    procs.wait_log("control", f"tokenizers loaded for validation: {SIM}", 120)
     model_metrics = f"http://127.0.0.1:{model_port}/metrics"
     before = scrape(model_metrics)
     assert value(before, "batchd_engine_max_num_seqs", model=SIM) == 8
