@@ -341,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
         write_file(path, args.requests, args.max_tokens, args.seed)
         runs = [run_tree("this tree", ROOT, path, args)]
         if args.base and Path(args.base).is_dir():
-            runs.append(run_tree(args.base, Path(args.base).resolve(), path, args))
+            tree = Path(args.base).resolve()
+            runs.append(run_tree(tree.name, tree, path, args))
         elif args.base:
             tree = worktree(args.base, Path(tmp) / "base")
             try:
