@@ -187,7 +187,7 @@ class PrivatePostgres:
         )[0][0]
         return int(calls), int(xacts)
 
-    def top_statements(self, db: str, n: int = 8) -> list[tuple[int, str]]:
+    def top_statements(self, db: str, n: int = 12) -> list[tuple[int, str]]:
         """The ``n`` statements run most often in ``db`` (calls, text), the bench's left out."""
         rows = self._sql(
             "SELECT s.calls, regexp_replace(s.query, '\\s+', ' ', 'g') FROM pg_stat_statements s "
@@ -233,6 +233,7 @@ class Result:
     statements_per_line: float | None
     transactions_per_line: float | None
     saturated: str
+    peak_connections: int = 0
     top_statements: list[tuple[int, str]] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
 
@@ -255,7 +256,8 @@ def write_batches(work: Path, lines: int, batches: int, max_tokens: int) -> list
     return paths
 
 
-def _progress(url: str, batch_ids: list[str]) -> tuple[int, int, list[str]]:
+def _progress(url: str, batch_ids: list[str]) -> tuple[int, int, list[str], int]:
+    """(lines committed, output tokens, the batches' statuses, the database's connections)."""
     import psycopg
 
     conninfo = url.replace("postgresql+psycopg://", "postgresql://")
@@ -265,7 +267,11 @@ def _progress(url: str, batch_ids: list[str]) -> tuple[int, int, list[str]]:
             "WHERE id = ANY(%s)",
             (batch_ids,),
         ).fetchall()
-    return sum(r[0] for r in rows), sum(r[1] or 0 for r in rows), [r[2] for r in rows]
+        connections = conn.execute(
+            "SELECT count(*) - 1 FROM pg_stat_activity WHERE datname = current_database()"
+        ).fetchone()
+    lines, tokens = sum(r[0] for r in rows), sum(r[1] or 0 for r in rows)
+    return lines, tokens, [r[2] for r in rows], int(connections[0] if connections else 0)
 
 
 def _commit_lags(broker_url: str, batch_ids: list[str]) -> list[float]:
@@ -393,10 +399,12 @@ def run_fleet(args: argparse.Namespace, workers: int) -> Result:
         ]  # fmt: skip
         bench_url = db.url.replace("postgres@", f"{BENCH_ROLE}@") if pg is not None else db.url
         samples: list[Sample] = [Sample(0.0, 0, 0)]
+        peak_connections = 0
         deadline = t0 + args.timeout
         while True:
             time.sleep(0.5)
-            lines, tokens, statuses = _progress(bench_url, batch_ids)
+            lines, tokens, statuses, connections = _progress(bench_url, batch_ids)
+            peak_connections = max(peak_connections, connections)
             meter.sample(groups())
             samples.append(Sample(time.monotonic() - t0, lines, tokens))
             if all(s in ("completed", "failed", "expired", "cancelled") for s in statuses):
@@ -436,6 +444,7 @@ def run_fleet(args: argparse.Namespace, workers: int) -> Result:
             statements_per_line=statements,
             transactions_per_line=transactions,
             saturated=saturated,
+            peak_connections=peak_connections,
             top_statements=top,
             samples=samples,
         )
@@ -478,7 +487,11 @@ def table(results: list[Result]) -> str:
             f"{fmt(r.transactions_per_line):>10}  {cpu}"
         )
     rows.append("")
-    rows.extend(f"{r.workers} workers: busiest {r.saturated}" for r in results)
+    rows.extend(
+        f"{r.workers} workers: busiest {r.saturated}; {r.peak_connections} database "
+        "connections at the peak"
+        for r in results
+    )
     last = results[-1]
     if last.top_statements:
         rows.append(f"\nstatements per line at {last.workers} workers, most frequent first:")
