@@ -44,9 +44,16 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from cli.perf.service import api_command, api_up, free_port, wait_for  # noqa: E402
+from benchmarks.first_result import remove_worktree, worktree  # noqa: E402
+from cli.perf.service import (  # noqa: E402
+    Procs,
+    api_command,
+    api_up,
+    free_port,
+    wait_for,
+)
 from cli.perf.workload import chat_bodies  # noqa: E402
-from scripts._bench_stack import Broker, Database, Stack, service_env  # noqa: E402
+from scripts._bench_stack import API_KEY, Broker, Database, service_env  # noqa: E402
 
 MODEL = "sim-8b"
 DEFAULT_SIM = "tokens_per_s=4000,max_num_seqs=256,ttft_ms=50"
@@ -332,20 +339,21 @@ def steady_rate(samples: list[Sample], total: int, attr: str = "lines") -> float
     return (value_at(t1) - value_at(t0)) / (t1 - t0)
 
 
-def run_fleet(args: argparse.Namespace, workers: int) -> Result:
+def run_fleet(args: argparse.Namespace, workers: int, tree: Path = REPO) -> Result:
+    """One fleet size on a fresh stack run from ``tree`` (this repository, or a worktree)."""
     work = Path(tempfile.mkdtemp(prefix=f"batchd-fleet-{workers}-"))
     pg: PrivatePostgres | None = None
     db: Database | None = None
     broker = None
-    stack: Stack | None = None
+    stack: Procs | None = None
     try:
         try:
             pg = PrivatePostgres(work)
-            db = Database(pg.admin_url)
+            db = Database(pg.admin_url, migrate=tree)
         except Exception as exc:  # no initdb here: the shared server, statements not counted
             print(f"  (private Postgres unavailable: {exc}; using the shared server)")
             pg = None
-            db = Database()
+            db = Database(migrate=tree)
         if pg is not None:
             pg._sql(f"GRANT pg_read_all_data TO {BENCH_ROLE}")
         broker = Broker(work)
@@ -359,7 +367,7 @@ def run_fleet(args: argparse.Namespace, workers: int) -> Result:
             BATCHD_MAX_RELEASED_SHARDS_PER_MODEL=str(2 * workers * args.shard_concurrency),
         )  # fmt: skip
         port = free_port()
-        stack = Stack(work, env, port)
+        stack = Procs(work, cwd=tree)
         stack.start("api", api_command(port), env)
         # The processes as ``python -m worker`` (and so ``batchd up`` and compose) start them.
         stack.start("control", [*WORKER, "control", "--", *QUIET], env)
@@ -374,7 +382,11 @@ def run_fleet(args: argparse.Namespace, workers: int) -> Result:
             return all(f"model {MODEL} ready" in stack.log(f"model{i}") for i in range(workers))
 
         wait_for(ready, 300, "the fleet to start", stack.logs)
-        client = stack.client(timeout=120)
+        from openai import OpenAI
+
+        client = OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY, max_retries=2, timeout=120
+        )
         paths = write_batches(work, args.lines, args.batches, args.max_tokens)
         files = []
         for path in paths:
@@ -450,7 +462,7 @@ def run_fleet(args: argparse.Namespace, workers: int) -> Result:
         )
     finally:
         if stack is not None:
-            stack.stop()
+            stack.stop_all()
         if broker is not None:
             broker.stop()
         if db is not None:
@@ -530,19 +542,45 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shard-concurrency", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per fleet size")
     parser.add_argument("--out", type=Path, default=None, help="directory for fleet.json/.png")
+    parser.add_argument(
+        "--base", default=None, help="also run this revision (a git worktree), size by size"
+    )
     args = parser.parse_args(argv)
-    results = []
-    for n in (int(x) for x in args.workers.split(",")):
-        print(f"{n} model workers: {args.lines} lines in {args.batches} batches …", flush=True)
-        r = run_fleet(args, n)
-        print(f"  {r.lines_per_s:.0f} lines/s, {r.wall_s:.1f} s", flush=True)
-        results.append(r)
+    results, base_results = [], []
+    with tempfile.TemporaryDirectory(prefix="batchd-fleet-base-") as tmp:
+        base = worktree(args.base, Path(tmp) / "base") if args.base else None
+        try:
+            for n in (int(x) for x in args.workers.split(",")):
+                trees = [("this tree", REPO, results)]
+                if base is not None:
+                    trees.append((args.base, base, base_results))
+                for label, tree, out in trees:
+                    print(f"{label}, {n} model workers: {args.lines} lines …", flush=True)
+                    r = run_fleet(args, n, tree)
+                    print(f"  {r.lines_per_s:.0f} lines/s, {r.wall_s:.1f} s", flush=True)
+                    out.append(r)
+        finally:
+            if base is not None:
+                remove_worktree(base)
     print()
     print(table(results))
+    if base_results:
+        print(f"\n{args.base}:\n{table(base_results)}\n\nthis tree / {args.base}:")
+        for r, b in zip(results, base_results, strict=True):
+            cpu = sum(r.cpu_ms_per_line().values()) / max(1e-9, sum(b.cpu_ms_per_line().values()))
+            print(
+                f"  {r.workers} workers: lines/s {r.lines_per_s / max(b.lines_per_s, 1e-9):.2f}x,"
+                f" CPU per line {cpu:.2f}x"
+            )
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         data = {
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "base_results": [
+                {**{k: v for k, v in r.__dict__.items() if k != "samples"},
+                 "cpu_ms_per_line": r.cpu_ms_per_line()}
+                for r in base_results
+            ],  # fmt: skip
             "results": [
                 {**{k: v for k, v in r.__dict__.items() if k != "samples"},
                  "cpu_ms_per_line": r.cpu_ms_per_line(),

@@ -16,6 +16,7 @@ import json
 import os
 import secrets
 import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Iterable
@@ -53,7 +54,10 @@ TERMINAL = {"completed", "failed", "expired", "cancelled"}
 class Database:
     """A fresh database on the local Postgres server, migrated; ``drop()`` removes it."""
 
-    def __init__(self, admin_url: str = PG_ADMIN_URL, prefix: str = "batchd_bench"):
+    def __init__(
+        self, admin_url: str = PG_ADMIN_URL, prefix: str = "batchd_bench", migrate: Path = REPO
+    ):
+        """Migrated by the migrations of the tree ``migrate`` (this repository by default)."""
         from sqlalchemy import create_engine, text
 
         import migrations
@@ -63,7 +67,11 @@ class Database:
         with self._admin.connect() as conn:
             conn.execute(text(f'CREATE DATABASE "{self.name}"'))
         self.url = admin_url.rsplit("/", 1)[0] + f"/{self.name}"
-        migrations.upgrade(self.url)
+        if Path(migrate).resolve() == REPO:
+            migrations.upgrade(self.url)
+        else:
+            code = f"import migrations; migrations.upgrade({self.url!r})"
+            subprocess.run([sys.executable, "-c", code], cwd=migrate, check=True)
 
     def drop(self) -> None:
         from sqlalchemy import text
