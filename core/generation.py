@@ -46,8 +46,7 @@ def token_ids(encoded: Any) -> list[int]:
 def encode(tok: Any, text: str, *, add_special_tokens: bool) -> list[int]:
     """The token ids of ``text``. A fast tokenizer's Rust backend is called directly: the
     same ids as calling the tokenizer, in under half the time (the Python wrapper builds a
-    batch encoding around every call), which every request line pays twice, at validation
-    and in its shard."""
+    batch encoding around every call), which every request line pays at validation."""
     backend = getattr(tok, "backend_tokenizer", None)
     # A backend configured to pad or truncate (sentence-transformers models ship one) would
     # do so here; the tokenizer's own call turns both off for an unpadded encoding.
