@@ -10,12 +10,14 @@ A worker that cannot recover exits non-zero (worker/liveness.py): this is what b
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 @dataclass
@@ -52,8 +54,10 @@ class Supervisor:
         self.stable_s = stable_s
         self.poll_s = poll_s
         self.stopping = False
+        self._subreaper = False
 
     def start(self) -> Supervisor:
+        self._subreaper = _become_subreaper()
         for child in self.children.values():
             self._spawn(child)
         return self
@@ -71,7 +75,14 @@ class Supervisor:
         return min(self.max_backoff_s, self.min_backoff_s * 2 ** max(0, exits_in_a_row - 1))
 
     def poll(self) -> None:
-        """Notice children that exited and start again those that are due."""
+        """Notice children that exited and start again those that are due; reap orphans
+        handed to this process that ended."""
+        if self._subreaper:
+            ours = {c.proc.pid for c in self.children.values() if c.proc is not None}
+            for pid in _children(os.getpid(), zombies=True):
+                if pid not in ours:  # the children's own exits are their Popen's to read
+                    with contextlib.suppress(ChildProcessError):
+                        os.waitpid(pid, os.WNOHANG)
         now = time.monotonic()
         for child in self.children.values():
             if self.stopping:
@@ -128,7 +139,58 @@ class Supervisor:
                 clean = False
                 proc.kill()
                 proc.wait()
-        return clean
+        return self._wait_for_orphans(deadline) and clean
+
+    def _wait_for_orphans(self, deadline: float) -> bool:
+        """Wait for what the children started and left behind: multiprocessing's resource
+        tracker under uvicorn's worker processes, say, exits only once they are gone. As a
+        child subreaper (:meth:`start`) this process inherits such orphans; none may outlive
+        ``batchd up``. SIGKILL for what is left after ``deadline``; True if none was killed."""
+        if not self._subreaper:
+            return True
+        while True:
+            with contextlib.suppress(ChildProcessError):
+                while os.waitpid(-1, os.WNOHANG)[0] > 0:  # reap the orphans that ended
+                    pass
+            left = _children(os.getpid())
+            if not left:
+                return True
+            if time.monotonic() >= deadline:
+                for pid in left:
+                    with contextlib.suppress(ProcessLookupError, ChildProcessError):
+                        os.kill(pid, signal.SIGKILL)
+                        os.waitpid(pid, 0)
+                return False
+            time.sleep(0.05)
+
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def _become_subreaper() -> bool:
+    """Orphaned descendants are handed to this process rather than to init (Linux's prctl);
+    False where that is not available."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _children(pid: int, *, zombies: bool = False) -> list[int]:
+    """The child processes of ``pid`` from /proc: the live ones, or the ended ones not yet
+    reaped (``zombies``)."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = entry.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 1 and (fields[0] == "Z") == zombies and int(fields[1]) == pid:
+            found.append(int(entry.parent.name))
+    return found
 
 
 def _describe(code: int) -> str:
