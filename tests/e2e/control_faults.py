@@ -23,6 +23,7 @@ from pathlib import Path
 
 import worker.finalize as finalize_module
 import worker.tasks as tasks
+import worker.validation as validation_module
 from worker.celery_app import TRANSFORMERS_NAMES
 
 logger = logging.getLogger("control_faults")
@@ -78,7 +79,8 @@ def notify(batch_id: str, status: str) -> str | None:
 
 tasks.validate = validate
 tasks.finalize = finalize
-# Both call sites of the webhook notify (after a validate that failed the batch, and after a
+# Every call site of the webhook notify (after a validate that failed the batch, and after a
 # finalize's commit).
 tasks.notify = notify
+validation_module.notify = notify
 finalize_module.notify = notify
