@@ -194,7 +194,11 @@ def make_spec(rng: random.Random, opts: Options, tenant: str, seq: int) -> Spec:
             for c in ids
         ]  # fmt: skip
         if kind == "broken":
-            lines[rng.randrange(n)] = '{"custom_id": "broken", not json'
+            k = rng.randrange(n)
+            lines[k] = '{"custom_id": "broken", not json'
+            # In the file's head it fails the batch; past it, it becomes an error line with
+            # no custom_id (the line cannot be read), which the line check expects as "None".
+            ids = [*ids[:k], "None", *ids[k + 1 :]]
     priority = rng.choices(["low", "normal", "high"], weights=[1, 2, 1])[0]
     cancel = rng.uniform(0.2, 4.0) if rng.random() < opts.cancel_share else None
     return Spec(
