@@ -89,7 +89,8 @@ def test_bench_a_running_service(
 
     sent = JOBS * PER_JOB
     counts = data["counts"]
-    assert counts["jobs"] == {"submitted": JOBS, "completed": JOBS, "rejected": 0, "other": {}}
+    why = [(job["status"], job["rejected"]) for job in data["jobs"]]  # named if it fails
+    assert counts["jobs"] == {"submitted": JOBS, "completed": JOBS, "rejected": 0, "other": {}}, why
     assert counts["requests"] == {
         "submitted": sent,
         "completed": sent,
