@@ -39,7 +39,7 @@ from engine.outputs import (
     RequestOutput,
 )
 from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, check_new_request
 from engine.scheduler import Scheduler
 from engine.sequence import Request, Sequence, Status
 from engine.stats import EngineMetrics
@@ -101,33 +101,9 @@ class Engine:
         request in the engine's statistics, as an unsplit request counts once. Completions
         admitted together read the prompt's blocks from the prefix cache after the first
         computes them."""
-        params = params or SamplingParams()
-        if (
-            isinstance(completion_index, bool)
-            or not isinstance(completion_index, int)
-            or not 0 <= completion_index < 128
-            or (completion_index and params.n != 1)
-        ):
-            raise RequestError(
-                f"request {request_id!r}: completion_index must be an integer in [0, 128) and "
-                f"needs n == 1, got {completion_index!r} with n={params.n}",
-                "invalid_request",
-            )
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise RequestError(
-                f"request {request_id!r}: cache_salt must be a non-empty string or None, got {cache_salt!r}",
-                "invalid_request",
-            )
-        if request_id in self.requests:
-            raise RequestError(
-                f"request_id {request_id!r} is already in the engine", "duplicate_request_id"
-            )
-        prompt = list(prompt_token_ids)
-        if not prompt:
-            raise RequestError(
-                f"request {request_id!r}: the prompt is empty; it needs at least 1 token",
-                "invalid_prompt",
-            )
+        params, prompt = check_new_request(
+            request_id, prompt_token_ids, params, cache_salt, completion_index, self.requests
+        )
         bad = next(
             (t for t in prompt if not isinstance(t, int) or not 0 <= t < self.vocab_size), None
         )

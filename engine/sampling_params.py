@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Container, Iterable
 from dataclasses import dataclass
 from typing import Any
+
+from engine.outputs import RequestError
 
 
 @dataclass(slots=True)
@@ -84,3 +87,44 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def check_new_request(
+    request_id: str,
+    prompt_token_ids: Iterable[int],
+    params: SamplingParams | None,
+    cache_salt: str | None,
+    completion_index: int,
+    live: Container[str],
+) -> tuple[SamplingParams, list[int]]:
+    """The refusals every engine makes before it looks at a request's tokens (``RequestError``
+    naming the field): a bad completion index or cache salt, a request id already ``live``,
+    an empty prompt. Returns the parameters (defaults when None) and the prompt as a list."""
+    params = params or SamplingParams()
+    if (
+        isinstance(completion_index, bool)
+        or not isinstance(completion_index, int)
+        or not 0 <= completion_index < 128
+        or (completion_index and params.n != 1)
+    ):
+        raise RequestError(
+            f"request {request_id!r}: completion_index must be an integer in [0, 128) and "
+            f"needs n == 1, got {completion_index!r} with n={params.n}",
+            "invalid_request",
+        )
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise RequestError(
+            f"request {request_id!r}: cache_salt must be a non-empty string or None, got {cache_salt!r}",
+            "invalid_request",
+        )
+    if request_id in live:
+        raise RequestError(
+            f"request_id {request_id!r} is already in the engine", "duplicate_request_id"
+        )
+    prompt = list(prompt_token_ids)
+    if not prompt:
+        raise RequestError(
+            f"request {request_id!r}: the prompt is empty; it needs at least 1 token",
+            "invalid_prompt",
+        )
+    return params, prompt

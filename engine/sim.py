@@ -79,7 +79,7 @@ from engine.outputs import (
     RequestOutput,
     TokenLogprob,
 )
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, check_new_request
 from engine.stats import EngineMetrics
 from engine.step_cost import StepCostCurve
 
@@ -328,33 +328,9 @@ class SimEngine:
         completion_index: int = 0,
     ) -> None:
         """Queue a request (``Engine.add_request``: same arguments, same refusals)."""
-        params = params or SamplingParams()
-        if (
-            isinstance(completion_index, bool)
-            or not isinstance(completion_index, int)
-            or not 0 <= completion_index < 128
-            or (completion_index and params.n != 1)
-        ):
-            raise RequestError(
-                f"request {request_id!r}: completion_index must be an integer in [0, 128) and "
-                f"needs n == 1, got {completion_index!r} with n={params.n}",
-                "invalid_request",
-            )
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise RequestError(
-                f"request {request_id!r}: cache_salt must be a non-empty string or None, got {cache_salt!r}",
-                "invalid_request",
-            )
-        if request_id in self.requests:
-            raise RequestError(
-                f"request_id {request_id!r} is already in the engine", "duplicate_request_id"
-            )
-        prompt = list(prompt_token_ids)
-        if not prompt:
-            raise RequestError(
-                f"request {request_id!r}: the prompt is empty; it needs at least 1 token",
-                "invalid_prompt",
-            )
+        params, prompt = check_new_request(
+            request_id, prompt_token_ids, params, cache_salt, completion_index, self.requests
+        )
         self._check_ids(request_id, prompt)
         if len(prompt) >= self.max_model_len:
             raise RequestError(
