@@ -53,6 +53,9 @@ class EngineConfig:
     cuda_graphs: bool = True
     cuda_graph_max_batch: int = 256
     enable_metrics: bool = True  # per-step and per-request histograms (engine/stats.py)
+    # On a CPU, size torch's intra-op threads to the cores other processes leave free
+    # (engine/cpu_threads.py); off keeps the threads torch was given.
+    adapt_cpu_threads: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
@@ -93,6 +96,10 @@ class EngineConfig:
         _positive_int("cuda_graph_max_batch", self.cuda_graph_max_batch)
         if not isinstance(self.enable_metrics, bool):
             raise ValueError(f"enable_metrics must be true or false, got {self.enable_metrics!r}")
+        if not isinstance(self.adapt_cpu_threads, bool):
+            raise ValueError(
+                f"adapt_cpu_threads must be true or false, got {self.adapt_cpu_threads!r}"
+            )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 

@@ -30,6 +30,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.cpu_threads import CpuThreads
 from engine.model_runner import ModelRunner, resolve_device
 from engine.outputs import (
     CompletionOutput,
@@ -71,6 +72,11 @@ class Engine:
         self._grammar: GrammarBackend | None = None  # built by the first structured request
         self.metrics = EngineMetrics() if self.config.enable_metrics else None
         self.step_cost = StepCostCurve(self.config.max_num_seqs)  # the host's urgent guard reads it
+        self.cpu_threads = (
+            CpuThreads(torch.get_num_threads())
+            if self.config.adapt_cpu_threads and self.runner.device.type == "cpu"
+            else None
+        )
         log.info(
             "engine ready: %d KV blocks, max_model_len %d",
             self.runner.num_blocks,
@@ -210,6 +216,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         finished, self._aborted = self._aborted, []
+        if self.cpu_threads is not None:
+            self.cpu_threads.poll()
         scheduled = self.scheduler.schedule()
         num_tokens = 0
         if scheduled:

@@ -50,6 +50,15 @@ engine's measured step-cost curve (``engine.step_cost``; the newest beyond it ar
 and resume when the urgent work is done). On an accelerator the curve is flat and nothing is
 held back; on a CPU it is a handful of slots. None (the default) turns the guard off.
 
+``lead_requests`` gets an idle engine's first results back fast. When work reaches an engine
+with nothing in flight, only that many requests are admitted, and nothing else joins them
+(urgent work aside) until one of them finishes or ``lead_steps`` steps have passed; then the
+engine fills as usual. A full first wave finishes together after the whole wave's prefill and
+decode (on a CPU, seconds to tens of seconds); a lead of a few requests runs at the cost of a
+few sequences per step, so a new batch on an idle worker shows results, or its mistakes,
+within seconds. The price is bounded: ``lead_steps`` steps at a low occupancy per idle spell.
+0 (the default here; the worker sets it) admits at once.
+
 Aborted requests (``abort``, ``abort_group``, ``shutdown(abort_pending=True)``) never leave a
 future cancelled: every future resolves with a :class:`RequestOutput` whose completions carry
 ``finish_reason == "abort"``. A request aborted before it reached the engine has empty
@@ -123,6 +132,14 @@ class _Counters:
 
 
 @dataclass(slots=True)
+class _Lead:
+    """A lead episode (``lead_requests``): the requests it admitted and the steps it has left."""
+
+    ids: frozenset[str] = frozenset()
+    steps_left: int = 0
+
+
+@dataclass(slots=True)
 class _StatsRequest:
     future: Future = field(default_factory=Future)
 
@@ -145,6 +162,8 @@ class EngineHost:
         urgent_slowdown: float | None = None,
         aging_s: float | None = None,
         fair_share: bool = True,
+        lead_requests: int = 0,
+        lead_steps: int = 64,
         name: str = "engine-host",
     ) -> None:
         config = engine.config
@@ -169,11 +188,19 @@ class EngineHost:
             )
         if aging_s is not None and aging_s <= 0:
             raise ValueError(f"aging_s must be positive (or None for no aging), got {aging_s}")
+        if lead_requests < 0 or lead_steps < 1:
+            raise ValueError(
+                f"lead_requests must be at least 0 and lead_steps at least 1, got "
+                f"{lead_requests} and {lead_steps}"
+            )
         self._engine = engine
         self._max_num_seqs = max_num_seqs
         self.fair_share = fair_share
         self.urgent_slowdown = urgent_slowdown
         self._guard: GuardPlan | None = None  # the urgent episode's last plan (guard_urgent)
+        self.lead_requests = lead_requests
+        self.lead_steps = lead_steps
+        self._lead: _Lead | None = None  # the lead episode going on (loop thread only)
         self.max_pending = max_pending
         self.group_window = group_window
         self.max_in_flight = max_num_seqs + engine_backlog
@@ -511,6 +538,9 @@ class EngineHost:
                 skip = self._share_out(in_flight) if self._pending else frozenset()
                 lesser_room = self._guard_urgent(in_flight)
                 room = self.max_in_flight - len(in_flight)
+                lead_room = self._lead_room(in_flight)
+                if lead_room is not None:
+                    room = min(room, lead_room)
                 while room + self.reserved_seqs > 0 and self._pending:
                     # Past the cap, only urgent work enters (the reserved room), and only
                     # urgent work while the guard's room for the rest is used.
@@ -528,6 +558,8 @@ class EngineHost:
                         lesser_room -= 1
                 if admitted:
                     self._space.notify_all()
+                if self._lead is not None and not self._lead.ids:
+                    self._lead.ids = frozenset(e.request_id for e in admitted)
             done = self._closing and not self._pending and not in_flight and not admitted
         for request in stats_requests:
             resolve_call(request.future, self._snapshot)
@@ -540,6 +572,23 @@ class EngineHost:
             self._step(in_flight)
         self._num_in_flight = len(in_flight)
         return True
+
+    def _lead_room(self, in_flight: dict[str, Entry]) -> int | None:
+        """How many requests the lead episode lets in now (None: no episode, no bound); the
+        caller holds the lock. An episode starts when work reaches an idle engine and ends once
+        a lead request leaves the engine (finished, aborted or suspended) or its steps run out.
+        """
+        lead = self._lead
+        if lead is not None and (
+            lead.steps_left <= 0 or not lead.ids or not lead.ids <= in_flight.keys()
+        ):
+            self._lead = lead = None
+        if lead is not None:
+            return 0
+        if self.lead_requests and not in_flight and self._pending:
+            self._lead = _Lead(steps_left=self.lead_steps)
+            return self.lead_requests
+        return None
 
     def _share_out(self, in_flight: dict[str, Entry]) -> frozenset[str | None]:
         """Carry out the fair-share plan (``engine.fair_share``); the caller holds the lock.
@@ -666,6 +715,8 @@ class EngineHost:
                 fail(entry.future, EngineStepError(f"engine step failed: {exc!r}"), exc)
             return
         self._counters.steps += 1
+        if self._lead is not None:
+            self._lead.steps_left -= 1
         finished: list[tuple[Entry, RequestOutput]] = []
         aborted = 0
         for output in outputs:

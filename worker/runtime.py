@@ -34,7 +34,7 @@ _load_locks: dict[str, threading.Lock] = {}
 _refused: dict[str, str] = {}  # served model -> why its files cannot be served
 
 # Options in ``engine_options`` that size the host rather than the engine.
-HOST_OPTIONS = ("max_pending", "engine_backlog", "group_window")
+HOST_OPTIONS = ("max_pending", "engine_backlog", "group_window", "lead_requests", "lead_steps")
 
 
 class IsolationGate:
@@ -173,11 +173,10 @@ def host(model: str) -> EngineHost:
         options.setdefault("enable_metrics", settings.metrics_enabled)
         if served_models.is_sim(spec):
             return _start_sim_host(model, spec, path, options, host_options, started_at)
+        options.setdefault("adapt_cpu_threads", settings.adapt_cpu_threads)
         engine = Engine(str(path), **options)
-        host_options.setdefault("reserved_share", settings.high_priority_reserved_share)
-        host_options.setdefault("urgent_slowdown", settings.high_priority_max_slowdown)
-        host_options.setdefault("aging_s", settings.low_priority_aging_s)
-        started = EngineHost(engine, name=f"engine-host-{model}", **host_options).start()
+        host = EngineHost(engine, name=f"engine-host-{model}", **_host_policy(host_options))
+        started = host.start()
         configured = getattr(getattr(engine, "config", None), "max_model_len", None)
         with _lock:
             _hosts[model] = started
@@ -195,6 +194,19 @@ def host(model: str) -> EngineHost:
         return started
 
 
+def _host_policy(host_options: dict[str, Any]) -> dict[str, Any]:
+    """The engine host's options: those given in ``engine_options``, the admission policy of
+    the settings (tiers, aging, the lead of an idle engine) for the rest."""
+    settings = get_settings()
+    return {
+        "reserved_share": settings.high_priority_reserved_share,
+        "urgent_slowdown": settings.high_priority_max_slowdown,
+        "aging_s": settings.low_priority_aging_s,
+        "lead_requests": settings.first_results_lead,
+        **host_options,
+    }
+
+
 def _start_sim_host(
     model: str,
     spec: str,
@@ -208,13 +220,10 @@ def _start_sim_host(
     from engine import EngineHost
     from engine.sim import SimEngine
 
-    settings = get_settings()
     options.update(served_models.sim_spec(spec).engine_kwargs())
     engine = SimEngine(str(path), **options)
-    host_options.setdefault("reserved_share", settings.high_priority_reserved_share)
-    host_options.setdefault("urgent_slowdown", settings.high_priority_max_slowdown)
-    host_options.setdefault("aging_s", settings.low_priority_aging_s)
-    started = EngineHost(engine, name=f"engine-host-{model}", **host_options).start()  # type: ignore[arg-type]
+    host = EngineHost(engine, name=f"engine-host-{model}", **_host_policy(host_options))  # type: ignore[arg-type]
+    started = host.start()
     with _lock:
         _hosts[model] = started
         _context[model] = engine.max_model_len

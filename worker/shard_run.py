@@ -130,13 +130,15 @@ class ShardRun:
 
     def _checkpoint(self, force: bool = False) -> None:
         """Commit full chunks of ``checkpoint_every`` results; a partial one when the interval
-        has passed or ``force``."""
+        has passed or ``force``. A shard's first chunk is its first result alone, committed as
+        soon as it comes: a batch's first result is visible without waiting for a full chunk."""
         while self.pending:
             n = len(self.pending)
             late = time.monotonic() - self._last_checkpoint >= self.interval
-            if n < self.every and not (force or late):
+            first = self.chunk == 0
+            if n < self.every and not (force or late or first):
                 return
-            chunk = self.pending.take(self.every)
+            chunk = self.pending.take(1 if first else self.every)
             commit_chunk(self.shard, self.attempt, self.chunk, chunk)
             timings.record_commit(self.batch_id, chunk.finished, time.time())
             metrics.record_chunk(self.model, self.tenant, chunk)

@@ -665,3 +665,31 @@ def test_abort_cancel_and_refusal_of_a_split_request(model_dir: Path) -> None:
         stats = host.stats()
     assert (stats.submitted, stats.completed, stats.aborted, stats.failed) == (4, 1, 1, 1)
     assert (stats.pending, stats.in_flight, stats.engine.kv_blocks_used) == (0, 0, 0)
+
+
+def test_an_idle_engine_runs_its_lead_alone_then_fills(model_dir: Path) -> None:
+    """Eight requests reach an idle engine with room for all: with ``lead_requests=2`` the
+    first two run alone and finish about ten steps before the rest, which are admitted only
+    then; with ``lead_steps=3`` the rest join after three steps and all finish within a few
+    steps of each other. Greedy outputs are the same either way."""
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    prompts = _prompts(8, seed=31)
+    llm = LLM(str(model_dir), max_num_seqs=8)
+    want = sorted(o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False))
+
+    def run(**lead) -> list[int]:
+        host = EngineHost(_engine(model_dir), **lead)
+        futures = [host.submit(p, params, group="batch") for p in prompts]  # all pending
+        done_at = _steps_each_done(host, futures)
+        with host.start():
+            got = sorted(f.result(timeout=60).outputs[0].token_ids for f in futures)
+        assert got == want
+        return sorted(done_at)
+
+    led = run(lead_requests=2)
+    first, rest = led[:2], led[2:]
+    assert max(first) <= 11 and min(rest) >= max(first) + 9, (first, rest)
+    capped = run(lead_requests=2, lead_steps=3)
+    assert capped[-1] - capped[0] <= 4 and capped[-1] <= 15, capped
+    filled = run()  # no lead: one wave
+    assert filled[-1] - filled[0] <= 1, filled

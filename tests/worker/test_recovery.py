@@ -115,7 +115,7 @@ def test_reclaim_requeues_a_silent_shard_which_resumes_from_its_checkpoint(
         raise Interrupted
 
     with pytest.raises(Interrupted):
-        run_shard(shard.id, host=host, after_commit=die)  # 4 results committed
+        run_shard(shard.id, host=host, after_commit=die)  # the first result committed
     # As if the worker had been SIGKILLed instead: running, fresh heartbeat, no thread.
     assert claim(shard.id, "killed-worker", force=True) is not None
     assert shard.id not in reclaim_stale_shards().requeued  # not silent long enough yet
@@ -133,7 +133,7 @@ def test_reclaim_requeues_a_silent_shard_which_resumes_from_its_checkpoint(
     assert shard.id not in reclaim_stale_shards().requeued  # once
 
     outcome = run_shard(shard.id, host=host)
-    assert (outcome.status, outcome.ran) == ("done", 6)  # only what was not committed
+    assert (outcome.status, outcome.ran) == ("done", 9)  # only what was not committed
     assert finalize(batch_id) == "completed"
     out, err = _one_line_each(batch_id, ids)
     assert not err and [r["custom_id"] for r in out] == ids
@@ -155,7 +155,7 @@ def test_shard_given_up_after_max_attempts_reports_shard_failed(worker_env, host
         raise Interrupted
 
     with pytest.raises(Interrupted):
-        run_shard(second.id, host=host, after_commit=die)  # 4 of 5 committed
+        run_shard(second.id, host=host, after_commit=die)  # 1 of 5 committed (q5)
     _set_shard(second.id, attempts=get_settings().max_shard_attempts)
     report = reclaim_stale_shards()  # abandoned (no heartbeat) and out of attempts
     assert second.id in report.failed and second.id not in report.requeued
@@ -165,14 +165,14 @@ def test_shard_given_up_after_max_attempts_reports_shard_failed(worker_env, host
     assert run_shard(first.id, host=host).status == "done"
     assert finalize(batch_id) == "completed"
     out, err = _one_line_each(batch_id, ids)
-    assert len(out) == 9
-    (failed,) = err
-    assert failed["custom_id"] == "q9"
-    assert failed["response"]["status_code"] == 500
-    error = failed["response"]["body"]["error"]
-    assert error["code"] == "shard_failed" and "max_shard_attempts" in error["message"]
+    assert len(out) == 6
+    assert len(err) == 4 and {r["custom_id"] for r in out} >= {f"q{i}" for i in range(5)}
+    for failed in err:
+        assert failed["response"]["status_code"] == 500
+        error = failed["response"]["body"]["error"]
+        assert error["code"] == "shard_failed" and "max_shard_attempts" in error["message"]
     batch = batch_row(batch_id)
-    assert (batch.request_completed, batch.request_failed) == (9, 1)
+    assert (batch.request_completed, batch.request_failed) == (6, 4)
 
 
 def test_redelivered_task_past_max_attempts_fails_the_rest(worker_env, host):
