@@ -1,6 +1,7 @@
-"""``batchd submit --dry-run FILE``: upload the file, ask for its estimate
-(``POST /v1/batches/estimate``), delete the upload, print what a submit would make of it and
-when it would be done. Nothing is created."""
+"""``batchd submit --dry-run FILE``: what a submit would make of a file, creating nothing.
+
+It uploads the file, asks for its estimate (``POST /v1/batches/estimate``), deletes the
+upload, and prints what a submit would make of it and when it would be done."""
 
 from __future__ import annotations
 

@@ -1,37 +1,26 @@
-"""``batchd results`` (the lines committed so far, or followed until the batch ends),
-``batchd retry`` and ``download --with-retries``: batchd's extensions beside the OpenAI
-shapes (``GET /v1/batches/{id}/results``, ``POST /v1/batches/{id}/retry``)."""
+"""``batchd results`` and ``batchd retry``: batchd's extensions beside the OpenAI shapes.
+
+``results`` writes the lines committed so far, or follows them until the batch ends
+(``GET /v1/batches/{id}/results``); ``retry`` creates a batch of the lines that did not
+succeed (``POST /v1/batches/{id}/retry``); ``download --with-retries`` merges them
+(:mod:`cli.downloads`)."""
 
 from __future__ import annotations
 
 import json
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Annotated, Any
 
 import typer
 
-from cli.client import BatchdClient, ServerUnreachable
-from cli.client_commands import (
-    UNREACHABLE_GRACE_S,
-    ApiKeyOpt,
-    BaseUrlOpt,
-    BatchIdArg,
-    JsonOpt,
-    PollOpt,
-    TimeoutOpt,
-    _client,
-    _exit,
-    _finish_wait,
-    _print_json,
-    _stderr,
-    wait_for_batch,
-)
-from cli.exit_codes import TERMINAL_STATUSES, ExitCode, exit_codes_help
+from cli.client import BatchdClient
+from cli.console import api_client, exit_with, print_json, stderr
+from cli.exit_codes import exit_codes_help
+from cli.options import ApiKeyOpt, BaseUrlOpt, BatchIdArg, JsonOpt, PollOpt, TimeoutOpt
+from cli.waiting import finish_wait, wait_for_batch
 from core.results_log import MAX_PAGE
-from core.retry import RETRY_KINDS, RETRY_OF, merge_with_retries
+from core.retry import RETRY_KINDS
 
 # ------------------------------------------------------------------------------ results
 
@@ -88,32 +77,33 @@ def results(
     final output or error file. With --follow, exit when the batch ends (exit codes as
     `wait`)."""
     after = last_line_id(output) if output is not None else None
-    with _client(base_url, api_key) as client, _Sink(output) as out:
+    with api_client(base_url, api_key) as client, _Sink(output) as out:
         batch = client.get_batch(batch_id)  # a missing batch fails before anything is written
         after, total = _drain(client, batch_id, after, out)
         if not follow:
-            _stderr().print(f"{total} lines ({batch.get('status')})")
+            stderr().print(f"{total} lines ({batch.get('status')})")
             return
-        start = time.monotonic()
-        last_answer = start
-        while batch.get("status") not in TERMINAL_STATUSES:
-            if timeout is not None and time.monotonic() - start >= timeout:
-                raise _exit(_finish_wait(batch, True, as_json=False))
-            time.sleep(poll_interval)
-            try:
-                batch = client.get_batch(batch_id)
-                after, n = _drain(client, batch_id, after, out)
-                last_answer = time.monotonic()
-            except ServerUnreachable:
-                if time.monotonic() - last_answer > UNREACHABLE_GRACE_S:
-                    raise
-                continue
+
+        def drain(_: dict[str, Any]) -> None:
+            nonlocal after, total
+            after, n = _drain(client, batch_id, after, out)
             total += n
+
+        batch, timed_out = wait_for_batch(
+            client,
+            batch_id,
+            poll_interval=poll_interval,
+            timeout=timeout,
+            show_progress=False,
+            batch=batch,
+            on_poll=drain,
+        )
+        if timed_out:
+            raise exit_with(finish_wait(batch, True, as_json=False))
         # The batch's end commits its last lines with it: one more pass takes them all.
-        after, n = _drain(client, batch_id, after, out)
-        total += n
-    _stderr().print(f"{total} lines written")
-    raise _exit(_finish_wait(batch, False, as_json=False))
+        drain(batch)
+    stderr().print(f"{total} lines written")
+    raise exit_with(finish_wait(batch, False, as_json=False))
 
 
 class _Sink:
@@ -166,97 +156,26 @@ def retry(
             raise typer.BadParameter(
                 f"{kind!r} is not one of {', '.join(RETRY_KINDS)}", param_hint="--include"
             )
-    with _client(base_url, api_key) as client:
+    with api_client(base_url, api_key) as client:
         batch = client.retry_batch(
             batch_id, include=include or None, completion_window=window, priority=priority
         )
         if not wait:
             if as_json:
-                _print_json(batch)
+                print_json(batch)
             else:
                 typer.echo(batch["id"])
             return
         if not as_json:
             typer.echo(batch["id"])
-        _stderr().print(f"retrying {batch_id} as {batch['id']}; waiting …")
+        stderr().print(f"retrying {batch_id} as {batch['id']}; waiting …")
         batch, timed_out = wait_for_batch(
             client, batch["id"], poll_interval=poll_interval, timeout=timeout
         )
-    raise _exit(_finish_wait(batch, timed_out, as_json=as_json))
-
-
-# ------------------------------------------------------------------------------ download
-
-
-def _lines(client: BatchdClient, file_id: str | None) -> list[dict[str, Any]]:
-    if not file_id:
-        return []
-    return [json.loads(x) for x in client.file_content(file_id).splitlines() if x.strip()]
-
-
-def _retries_of(client: BatchdClient, parent: dict[str, Any]) -> list[dict[str, Any]]:
-    """The retries of ``parent`` and of its retries, oldest first (a retry is created after
-    its parent, so the listing, newest first, stops at the parent)."""
-    candidates: list[dict[str, Any]] = []
-    after = None
-    while True:
-        page = client.list_batches(limit=100, after=after)
-        data = page.get("data") or []
-        candidates += [b for b in data if b.get("created_at", 0) >= parent.get("created_at", 0)]
-        if (
-            not page.get("has_more")
-            or not data
-            or data[-1].get("created_at", 0) < parent.get("created_at", 0)
-        ):
-            break
-        after = page.get("last_id")
-    family = {parent["id"]}
-    chain = []
-    for batch in sorted(candidates, key=lambda b: (b.get("created_at", 0), b["id"])):
-        if (batch.get("metadata") or {}).get(RETRY_OF) in family:
-            family.add(batch["id"])
-            chain.append(batch)
-    return chain
-
-
-def _input_order(client: BatchdClient, batch: dict[str, Any]) -> Iterator[str]:
-    for line in _lines(client, batch.get("input_file_id")):
-        if isinstance(line.get("custom_id"), str):
-            yield line["custom_id"]
-
-
-def download_with_retries(client: BatchdClient, batch: dict[str, Any], output: Path) -> dict:
-    """Write the parent's results with each line replaced by its latest retry's: one line per
-    ``custom_id``, in the parent's input order."""
-    chain = _retries_of(client, batch)
-    layers = [
-        _lines(client, batch.get("output_file_id")) + _lines(client, batch.get("error_file_id"))
-    ]
-    used = []
-    for retry_batch in chain:
-        if retry_batch.get("status") not in TERMINAL_STATUSES:
-            _stderr().print(
-                f"retry {retry_batch['id']} is still {retry_batch.get('status')}: not included"
-            )
-            continue
-        used.append(retry_batch["id"])
-        layers.append(
-            _lines(client, retry_batch.get("output_file_id"))
-            + _lines(client, retry_batch.get("error_file_id"))
-        )
-    merged = merge_with_retries(list(_input_order(client, batch)), layers)
-    tmp = output.with_name(output.name + ".download")
-    with tmp.open("wb") as out:
-        for line in merged:
-            out.write(json.dumps(line, ensure_ascii=False, separators=(",", ":")).encode() + b"\n")
-    tmp.replace(output)
-    return {"output": str(output), "lines": len(merged), "retries": used}
+    raise exit_with(finish_wait(batch, timed_out, as_json=as_json))
 
 
 def register(app: typer.Typer) -> None:
     epilog = exit_codes_help()
     app.command(name="results", epilog=epilog)(results)
     app.command(name="retry", epilog=epilog)(retry)
-
-
-__all__ = ["ExitCode", "download_with_retries", "register", "results", "retry"]

@@ -1,8 +1,8 @@
-"""The prompt token ids validation computed for a shard, stored beside it so that the shard's
-run does not render and tokenize its prompts a second time.
+"""Prompt token ids that validation computed for a shard, stored for the shard's run to reuse.
 
-Validation counts every request's tokens with the model's own tokenizer (quota and shard
-sizes weigh them); the ids it had are written, before the shard's row exists, to
+The shard's run then does not render and tokenize its prompts a second time. Validation
+counts every request's tokens with the model's own tokenizer (quota and shard sizes weigh
+them); the ids it had are written, before the shard's row exists, to
 ``batches/{batch}/prepared/{index:05d}.ids``: per request, its input line, the number of ids
 and the ids, unsigned 32-bit little-endian. The shard reads the object when it starts and
 takes a line's ids from it; a line it does not hold (a line validation could not tokenize, a

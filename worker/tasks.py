@@ -43,13 +43,11 @@ from worker.common import (
     transient_error,
 )
 from worker.finalize import finalize
-from worker.validation import (
-    Outcome,
-    StreamedValidation,
-    TokenCounter,
+from worker.token_count import TokenCounter
+from worker.validation import Outcome, StreamedValidation, progress
+from worker.validation_failures import (
     enqueued_tokens,
     fail_running,
-    progress,
     quota_error,
     validation_errors,
 )

@@ -1,74 +1,35 @@
-"""Validation streamed into execution: the validate task reads a batch's input once, in order,
-and creates and releases each shard as soon as its lines are validated.
+"""The validate task: one pass over a batch's input that creates each shard as its lines pass.
 
-Policy (``core.batchfile`` documents the line rules; this module applies them to a batch):
+It reads the input once, in order, and creates and releases each shard as soon as its lines
+are validated. The policy (the head, bad lines after it, whole-file rules broken later, cancel
+and expiry, crash safety) is ``docs/validation.md``. Invariants a change must keep:
 
-* **The head.** The first shard's lines (up to ``shard_max_requests`` request lines, valid
-  or not, or ``shard_max_tokens`` estimated tokens), or the whole file if it is smaller, are
-  validated completely before anything is created. An error in the head fails the batch exactly as a
-  whole-file validation did: the rest of the file is still read (parsed, not tokenised) so that
-  ``errors.data`` lists the first ``max_errors_reported`` errors of the whole file, and no file
-  is written. A file of one shard therefore behaves exactly as before.
-* **Shards as they come.** Once the head is clean, shard 0 is created as a pending row in the
-  transaction that moves the batch to ``in_progress``, and released at once. Each later shard
-  is created (and released) as soon as the planner closes it. ``request_counts.total`` and
-  ``est_prompt_tokens`` grow with each shard; ``validation_done`` stays False until the last
-  shard is created (in the same transaction). While it is False nothing moves the batch to
-  ``finalizing`` (``worker.shard_state.finish_if_last``), so it never completes on part of its
-  plan, and its results are not shown (``GET /v1/batches/{id}/results``): a whole-file rule may
-  still fail it.
-* **A bad line after the head** (bad JSON, no or duplicate ``custom_id``, a bad parameter, the
-  wrong url or model, a line too long, ...) no longer fails the batch. The line stays inside its
-  shard's range and gets one line in the error file: its ``custom_id`` when it names one, its
-  line number, the code and the message (:func:`core.batchfile.line_error_record`). These lines
-  are written as the shard's first checkpoint chunk, committed with the shard row
-  (``num_chunks`` 1, ``done_requests`` the number of bad lines) and logged in the results log,
-  so the shard task skips them and the finalize merges them in line order like any result. A
-  shard of bad lines only is created ``done``.
-* **A whole-file rule broken after the head** — more than ``max_requests_per_batch`` request
-  lines, or the tenant's enqueued-token limit (``max_enqueued_tokens_per_tenant``, counted
-  shard by shard, in the transaction that creates it) — fails the batch: its unfinished shards
-  are sealed (``closed``: no checkpoint can land any more, its running shards stop within a
-  second), its results log is dropped with the chunks in storage, and it ends ``failed`` with
-  ``errors.data`` naming the rule, the line and the limit, and no output or error file.
-* **Cancel and expiry** may come at any time. Each shard is created under a lock on the batch
-  row that re-checks its status and window, so a cancel or an expiry finalize sees a fixed set
-  of shards; the finalize reports the lines never validated (after the last shard) as
-  ``batch_cancelled``/``batch_expired`` lines, streaming the rest of the input
-  (``worker.finalize``). Every request line thus ends as exactly one output or error line.
-* **Crash safety.** Shard rows are the durable record of progress. A validate task that runs
-  again (retried after an error, or re-sent by the reclaim sweep when ``validated_at`` has not
-  moved for ``stuck_batch_after_s``: a killed worker's task would otherwise wait for the
-  broker's visibility timeout) resumes after the last shard: it re-reads the lines before it
-  once (parsed only, to rebuild the ``custom_id`` set, the model and the request count; never
-  tokenised), plans on from that shard's end, and adds to the prompt tokens already committed
-  on the batch row, so no line is planned twice and no token counted twice. Two runs at once
-  are harmless: a shard is created only when it continues the last one, and a run that finds
-  its shard already created moves on.
-
-Cost: each line is parsed and tokenised once, as before; shards add one short transaction and
-one release each.
+* Nothing is created until the head (the first shard's lines) is clean; an error in it fails
+  the batch with the whole file's errors and no shard.
+* Shard rows are the durable record of progress: a shard is created only when it continues the
+  last one, under a lock on the batch row that re-checks its status and window, so a cancel or
+  expiry finalize sees a fixed set of shards and a resumed or concurrent run plans no line twice.
+* ``validation_done`` becomes True only in the transaction that creates the last shard; until
+  then nothing finalizes the batch or shows its results.
+* Every request line ends as exactly one output or error line: a bad line after the head is an
+  error line in its shard's first chunk, committed with the shard row.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import threading
 from collections.abc import Generator
 from contextlib import suppress
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from celery.signals import worker_ready
-from sqlalchemy import func, select, text, update
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from core import generation, metrics, results_log, served_models
+from core import metrics, served_models
 from core.batchfile import (
     FILE_ERRORS,
-    BatchRequest,
     LineError,
     LineValidator,
     RawLine,
@@ -77,109 +38,27 @@ from core.batchfile import (
     line_error_record,
 )
 from core.db import new_session
-from core.lifecycle import ENQUEUED, BatchStatus, ShardStatus, now, transition
+from core.lifecycle import BatchStatus, ShardStatus, now, transition
 from core.models import Batch, Shard
-from core.queue import CONTROL_QUEUE
-from core.results_log import ChunkRecord, batch_log_prefix, log_chunk, write_chunk
+from core.results_log import ChunkRecord, log_chunk, write_chunk
 from core.settings import get_settings
 from core.sharding import ShardPlanner, ShardSpec
-from worker import runtime
 from worker.checkpoints import chunk_key
-from worker.common import REQUEST_ERRORS, past_expiry, storage
+from worker.common import past_expiry, storage
 from worker.prepared import write_prepared
 from worker.release import release_for_model
 from worker.shard_state import finish_if_last
+from worker.token_count import TokenCounter
+from worker.validation_failures import (
+    enqueued_tokens,
+    fail_running,
+    lock_tenant_model,
+    quota_error,
+    validation_errors,
+)
 from worker.webhooks import notify
 
 logger = logging.getLogger(__name__)
-
-
-class TokenCounter:
-    """Estimates each request's tokens with the model's own tokenizer (no model weights), and
-    sums the prompt tokens (what the batch holds against its tenant's enqueued-token limit);
-    ``last_prompt`` is the prompt tokens of the request counted last."""
-
-    def __init__(self, model_names: list[str]):
-        self.model_names = set(model_names)
-        self.prompt_tokens = 0
-        self.last_prompt = 0
-        self.last_ids: list[int] | None = None  # a generation request's prompt ids
-
-    def __call__(self, req: BatchRequest) -> int:
-        tok = runtime.tokenizer(req.model)
-        context = runtime.context_length(req.model)
-        self.last_ids = None
-        try:
-            ids = generation.prompt_token_ids(tok, req)
-        except REQUEST_ERRORS as exc:
-            # It fails with an error line when its shard runs; here it holds no tokens.
-            logger.warning("line %s cannot be tokenized (%s); counted as 0 tokens", req.line, exc)
-            ids = []
-        else:
-            if req.kind != "embedding":  # the embedding engine frames each input itself
-                self.last_ids = ids
-        prompt_len = len(ids)
-        self.prompt_tokens += prompt_len
-        self.last_prompt = prompt_len
-        return generation.estimate_tokens(req, prompt_len, context)
-
-
-def lock_tenant_model(session: Session, tenant: str, model: str) -> None:
-    """Serialize quota checks of one tenant and model until this transaction ends, so two
-    batches validated at once cannot both fit into the room for one (Postgres only; SQLite
-    writers are serialized by the database)."""
-    if session.get_bind().dialect.name != "postgresql":
-        return
-    digest = hashlib.sha256(f"batchd.quota:{tenant}:{model}".encode()).digest()
-    session.execute(
-        text("SELECT pg_advisory_xact_lock(:key)"),
-        {"key": int.from_bytes(digest[:8], "big", signed=True)},
-    )
-
-
-def enqueued_tokens(session: Session, tenant: str, model: str, exclude: str | None = None) -> int:
-    """Prompt tokens of ``tenant``'s unfinished batches on ``model``."""
-    query = select(func.coalesce(func.sum(Batch.est_prompt_tokens), 0)).where(
-        Batch.tenant == tenant, Batch.model == model, Batch.status.in_(ENQUEUED)
-    )
-    if exclude is not None:
-        query = query.where(Batch.id != exclude)
-    return int(session.scalar(query) or 0)
-
-
-def quota_error(
-    tenant: str, model: str, limit: int, used: int, tokens: int, line: int | None = None
-) -> dict[str, Any]:
-    """The ``errors`` entry of a batch over its tenant's enqueued-token limit; ``line`` is the
-    line that took it over when that was found after the head."""
-    through = f" through line {line}" if line is not None else ""
-    return {
-        "code": "token_limit_exceeded",
-        "message": f"Enqueued token limit reached for {model} in tenant {tenant}: "
-        f"limit {limit:,}, already enqueued {used:,}, this batch {tokens:,}{through}. "
-        "Please try again once some of your batches have completed.",
-        "param": None,
-        "line": line,
-    }
-
-
-def too_many_errors(report: ValidationReport) -> dict[str, Any]:
-    return {
-        "code": "too_many_errors",
-        "message": f"{report.num_more_errors} more errors were not reported "
-        f"(the first {len(report.errors)} are listed)",
-        "param": None,
-        "line": None,
-    }
-
-
-def validation_errors(report: ValidationReport) -> list[dict[str, Any]]:
-    """The ``errors.data`` of a batch whose file has errors: the first ones, then how many
-    more were left out."""
-    errors = report.error_dicts()
-    if report.num_more_errors:
-        errors.append(too_many_errors(report))
-    return errors
 
 
 @dataclass(frozen=True, slots=True)
@@ -603,85 +482,3 @@ class StreamedValidation:
             metrics.REJECTIONS.labels(reason="token_limit_exceeded").inc()
         logger.info("batch %s failed after its head: %s", self.batch_id, failed.error["message"])
         return BatchStatus.FAILED
-
-
-def fail_running(batch_id: str, error: dict[str, Any]) -> bool:
-    """Fail a batch whose validation is not done (in ``validating``, or ``in_progress`` with
-    shards running): seal its unfinished shards, fail it with ``error``, drop its results log
-    (nothing of it is ever shown), then delete the log's chunks, send its webhook event and let
-    the release fill the slots it held. True if this call failed it.
-
-    Shards are sealed before the batch row is locked, the order a checkpoint commit takes
-    them in (``worker.shard_state.commit_chunk``)."""
-    session = new_session()
-    try:
-        session.execute(
-            update(Shard)
-            .where(
-                Shard.batch_id == batch_id,
-                Shard.status.not_in((ShardStatus.DONE, ShardStatus.CLOSED)),
-            )
-            .values(status=ShardStatus.CLOSED)
-            .execution_options(synchronize_session=False)
-        )
-        row = session.execute(
-            select(Batch.status, Batch.validation_done, Batch.model)
-            .where(Batch.id == batch_id)
-            .with_for_update()
-        ).first()
-        running = row is not None and (
-            row.status == BatchStatus.VALIDATING
-            or (row.status == BatchStatus.IN_PROGRESS and not row.validation_done)
-        )
-        won = running and transition(
-            session,
-            batch_id,
-            (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS),
-            BatchStatus.FAILED,
-            errors=[error],
-            request_completed=0,
-            request_failed=0,
-        )
-        if not won:
-            session.rollback()
-            return False
-        model = row.model
-        results_log.drop(session, [batch_id])
-        session.commit()
-    finally:
-        session.close()
-    try:
-        storage().delete_prefix(batch_log_prefix(batch_id))
-    except Exception:
-        logger.exception("batch %s: results log forgotten, its chunks were not", batch_id)
-    notify(batch_id, BatchStatus.FAILED)
-    try:
-        release_for_model(model)
-    except Exception:
-        logger.exception("batch %s: could not release the next shards of %s", batch_id, model)
-    return True
-
-
-@worker_ready.connect
-def _load_tokenizers(sender: Any = None, **_: Any) -> None:
-    """A control worker loads every served model's tokenizer (and context length) once, at
-    start, in the background: a batch's first lines do not wait for it."""
-    try:
-        consumed = set(sender.app.amqp.queues.consume_from or ())
-    except Exception:
-        return
-    if CONTROL_QUEUE not in consumed:
-        return
-
-    def load() -> None:
-        loaded = []
-        for model in get_settings().models:
-            try:
-                runtime.tokenizer(model)
-                runtime.context_length(model)
-                loaded.append(model)
-            except Exception as exc:  # reported when a batch names the model
-                logger.warning("could not load the tokenizer of %s yet: %s", model, exc)
-        logger.info("tokenizers loaded for validation: %s", ", ".join(loaded) or "none")
-
-    threading.Thread(target=load, name="batchd-tokenizer-loader", daemon=True).start()

@@ -24,6 +24,7 @@ from pathlib import Path
 import worker.finalize as finalize_module
 import worker.tasks as tasks
 import worker.validation as validation_module
+import worker.validation_failures as validation_failures_module
 from worker.celery_app import TRANSFORMERS_NAMES
 
 logger = logging.getLogger("control_faults")
@@ -83,4 +84,5 @@ tasks.finalize = finalize
 # finalize's commit).
 tasks.notify = notify
 validation_module.notify = notify
+validation_failures_module.notify = notify
 finalize_module.notify = notify
