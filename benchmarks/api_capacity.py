@@ -300,8 +300,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     counts = [int(p) for p in args.processes.split(",")]
 
-    sys.path.insert(0, str(ROOT))
-    from scripts._bench_stack import API_KEY, Broker, Database, service_env
+    from benchmarks.harness.stack import BENCH_API_KEY, Broker, Database, service_env
 
     work = Path(tempfile.mkdtemp(prefix="batchd-api-capacity-"))
     db = Database(args.pg_admin_url, prefix="batchd_api_capacity")
@@ -312,7 +311,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         env = service_env(work, db.url, broker.url, BATCHD_RATE_LIMIT_PER_MINUTE="0",
                           BATCHD_MODELS=json.dumps({"batchd-demo": "demo:llama-tiny"}))  # fmt: skip
         env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-        key = API_KEY if args.key == "static" else stored_key(db.url, "default")
+        key = BENCH_API_KEY if args.key == "static" else stored_key(db.url, "default")
         batch_ids = seed_batches(db.url, "default", args.batches)
         kinds = {
             "poll": [http_get(f"/v1/batches/{b}", key) for b in batch_ids],

@@ -47,14 +47,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT))
-
-import _bench_stack as bs  # noqa: E402
-
-from cli.perf.service import Procs, process_cpu_s  # noqa: E402
-from cli.perf.workload import chat_bodies  # noqa: E402
+from benchmarks.harness import stack as bs
+from benchmarks.harness.stack import REPO
+from cli.perf.service import Procs, process_cpu_s
+from cli.perf.workload import chat_bodies
 
 ENDPOINT = "/v1/chat/completions"
 SERVED = bs.MODEL  # the served name the stack helpers give the model queue
@@ -91,7 +87,7 @@ def write_file(path: Path, n: int, max_tokens: int, seed: int) -> None:
 
 def worktree(rev: str, dest: Path) -> Path:
     subprocess.run(
-        ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(dest), rev],
+        ["git", "-C", str(REPO), "worktree", "add", "--detach", str(dest), rev],
         check=True,
         capture_output=True,
     )
@@ -100,7 +96,7 @@ def worktree(rev: str, dest: Path) -> Path:
 
 def remove_worktree(path: Path) -> None:
     subprocess.run(
-        ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(path)],
+        ["git", "-C", str(REPO), "worktree", "remove", "--force", str(path)],
         check=False,
         capture_output=True,
     )
@@ -211,7 +207,9 @@ def run_tree(label: str, tree: Path, path: Path, args: argparse.Namespace) -> Tr
         procs = _start(tree, work, env, port)
         from openai import OpenAI
 
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=bs.API_KEY, max_retries=2)
+        client = OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key=bs.BENCH_API_KEY, max_retries=2
+        )
         _warm_up(client, db)
         control = procs.procs["control"].pid
         idle0 = process_cpu_s(control)
@@ -339,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="first-result-") as tmp:
         path = Path(tmp) / "batch.jsonl"
         write_file(path, args.requests, args.max_tokens, args.seed)
-        runs = [run_tree("this tree", ROOT, path, args)]
+        runs = [run_tree("this tree", REPO, path, args)]
         if args.base and Path(args.base).is_dir():
             tree = Path(args.base).resolve()
             runs.append(run_tree(tree.name, tree, path, args))

@@ -40,20 +40,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from benchmarks.first_result import remove_worktree, worktree  # noqa: E402
-from cli.perf.service import (  # noqa: E402
+from benchmarks.first_result import remove_worktree, worktree
+from benchmarks.harness.stack import BENCH_API_KEY, REPO, Broker, Database, service_env
+from cli.perf.service import (
     Procs,
     api_command,
     api_up,
     free_port,
     wait_for,
 )
-from cli.perf.workload import chat_bodies  # noqa: E402
-from scripts._bench_stack import API_KEY, Broker, Database, service_env  # noqa: E402
+from cli.perf.workload import chat_bodies
 
 MODEL = "sim-8b"
 DEFAULT_SIM = "tokens_per_s=4000,max_num_seqs=256,ttft_ms=50"
@@ -385,7 +381,10 @@ def run_fleet(args: argparse.Namespace, workers: int, tree: Path = REPO) -> Resu
         from openai import OpenAI
 
         client = OpenAI(
-            base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY, max_retries=2, timeout=120
+            base_url=f"http://127.0.0.1:{port}/v1",
+            api_key=BENCH_API_KEY,
+            max_retries=2,
+            timeout=120,
         )
         paths = write_batches(work, args.lines, args.batches, args.max_tokens)
         files = []

@@ -56,11 +56,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks.soak_checks import (  # noqa: E402 - needs the repository on the path
+from benchmarks.harness.stack import REPO
+from benchmarks.soak_checks import (
     TERMINAL,
     Api,
     BatchRecord,
@@ -71,7 +68,7 @@ from benchmarks.soak_checks import (  # noqa: E402 - needs the repository on the
     rss_invariant,
     webhook_invariant,
 )
-from benchmarks.soak_stack import (  # noqa: E402
+from benchmarks.soak_stack import (
     CHAT_MODEL,
     EMBED_MODEL,
     Clock,
@@ -85,7 +82,7 @@ from benchmarks.soak_stack import (  # noqa: E402
     proxied,
     service_env,
 )
-from cli.perf.service import Ticker  # noqa: E402
+from cli.perf.service import Ticker
 
 FAULTS = ("kill-model", "redis-cut", "kill-control", "pg-cut", "api-restart")
 OUTAGES = ("redis-cut", "pg-cut")
@@ -519,7 +516,7 @@ def _build_models(models: dict[str, str], env: dict[str, str]) -> None:
         "resolve_models(json.loads(sys.argv[1]))\n"
     )
     subprocess.run(
-        [sys.executable, "-c", code, json.dumps(models)], cwd=ROOT, env=env, check=True,
+        [sys.executable, "-c", code, json.dumps(models)], cwd=REPO, env=env, check=True,
         timeout=900,
     )  # fmt: skip
 
