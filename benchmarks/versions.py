@@ -128,15 +128,13 @@ def compare(
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    from benchmarks.engine import (
-        CHAT_DEFAULTS,
-        CHAT_WORKLOAD,
-        DEFAULT_WORKLOAD,
-        WORKLOADS,
+    from benchmarks.engine import CHAT_DEFAULTS, CHAT_WORKLOAD, DEFAULT_WORKLOAD, WORKLOADS
+    from cli.perf.workload import (
+        LengthDist,
         chat_workload,
         synthetic_workload,
+        usable_token_ids,
     )
-    from cli.perf.workload import LengthDist, usable_token_ids
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", required=True, help="git revision of the engine to compare with")
