@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import secrets
 import tempfile
 import time
 from collections.abc import Callable
@@ -302,19 +301,13 @@ def main() -> None:
 
     import redis
     from openai import OpenAI
-    from sqlalchemy import create_engine, text
 
-    import migrations
-    from benchmarks.harness.stack import EngineStatsProbe
+    from benchmarks.harness.stack import Database, EngineStatsProbe
     from engine.demo_models import build
 
     build("llama-tiny")
-    name = f"batchd_bench_{secrets.token_hex(4)}"
-    admin = create_engine(args.pg_admin_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    database_url = args.pg_admin_url.rsplit("/", 1)[0] + f"/{name}"
-    migrations.upgrade(database_url)
+    db = Database(args.pg_admin_url)
+    database_url = db.url
     broker = redis.Redis.from_url(args.redis_url)
     for key in broker.keys("batchd.*"):
         broker.delete(key)
@@ -331,9 +324,7 @@ def main() -> None:
         probe.close()
         if stack is not None:
             stack.stop()
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+        db.drop()
     _report(args, result)
 
 

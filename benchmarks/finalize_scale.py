@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,7 +40,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.harness.revisions import REPO, run_json
 
 # The finalize in a fresh process: the batch id on stdin, one JSON line of measurements out.
 _CHILD = r"""
@@ -204,18 +203,9 @@ def build_job(
 
 
 def run_finalize(batch_id: str, env: dict[str, str]) -> dict[str, Any]:
-    proc = subprocess.run(
-        [sys.executable, "-c", _CHILD],
-        input=json.dumps({"batch_id": batch_id}),
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        check=False,
+    return run_json(
+        _CHILD, {"batch_id": batch_id}, f"the finalize of {batch_id}", cwd=REPO, env=env
     )
-    if proc.returncode != 0:
-        raise RuntimeError(f"the finalize of {batch_id} failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def check_files(database_url: str, storage_root: Path, batch_id: str, lines: int,

@@ -39,7 +39,6 @@ import argparse
 import io
 import json
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import stack as bs
-from benchmarks.harness.stack import REPO
+from benchmarks.harness.revisions import REPO, remove_worktree, worktree
 from cli.perf.service import Procs, process_cpu_s
 from cli.perf.workload import chat_bodies
 
@@ -85,41 +84,13 @@ def write_file(path: Path, n: int, max_tokens: int, seed: int) -> None:
             fh.write(json.dumps(line, separators=(",", ":")) + "\n")
 
 
-def worktree(rev: str, dest: Path) -> Path:
-    subprocess.run(
-        ["git", "-C", str(REPO), "worktree", "add", "--detach", str(dest), rev],
-        check=True,
-        capture_output=True,
-    )
-    return dest
-
-
-def remove_worktree(path: Path) -> None:
-    subprocess.run(
-        ["git", "-C", str(REPO), "worktree", "remove", "--force", str(path)],
-        check=False,
-        capture_output=True,
-    )
-
-
-class _Db:
-    """A fresh database on the local server, migrated by ``tree``'s own migrations."""
+class _Db(bs.Database):
+    """A fresh database migrated by ``tree``'s own migrations, and the batch rows it holds."""
 
     def __init__(self, admin_url: str, tree: Path):
-        import secrets
+        from sqlalchemy import create_engine
 
-        from sqlalchemy import create_engine, text
-
-        self.name = f"batchd_first_result_{secrets.token_hex(4)}"
-        self._admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
-        with self._admin.connect() as conn:
-            conn.execute(text(f'CREATE DATABASE "{self.name}"'))
-        self.url = admin_url.rsplit("/", 1)[0] + f"/{self.name}"
-        subprocess.run(
-            [sys.executable, "-c", f"import migrations; migrations.upgrade({self.url!r})"],
-            cwd=tree,
-            check=True,
-        )
+        super().__init__(admin_url, prefix="batchd_first_result", migrate=tree)
         self.engine = create_engine(self.url)
 
     def row(self, batch_id: str) -> dict[str, Any]:
@@ -144,12 +115,8 @@ class _Db:
         return int(row[0]), row[1]
 
     def drop(self) -> None:
-        from sqlalchemy import text
-
         self.engine.dispose()
-        with self._admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)'))
-        self._admin.dispose()
+        super().drop()
 
 
 def _validation_done_at(row: dict[str, Any]) -> Any:

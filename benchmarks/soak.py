@@ -56,7 +56,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness.stack import REPO
+from benchmarks.harness.revisions import REPO
+from benchmarks.harness.stack import Database
 from benchmarks.soak_checks import (
     TERMINAL,
     Api,
@@ -72,7 +73,6 @@ from benchmarks.soak_stack import (
     CHAT_MODEL,
     EMBED_MODEL,
     Clock,
-    FreshDatabase,
     Key,
     Receiver,
     RedisDb,
@@ -549,7 +549,7 @@ def run(opts: Options) -> dict[str, Any]:
     try:
         redis_db = RedisDb(opts.redis_url)
         cleanup.append(redis_db.empty)
-        db = FreshDatabase(opts.pg_admin_url)
+        db = Database(opts.pg_admin_url, prefix="batchd_soak")
         cleanup.append(db.drop)
         pg_proxy, pg_url = proxied(db.url, 5432)
         rd_proxy, rd_url = proxied(opts.redis_url, 6379)

@@ -1,8 +1,10 @@
-"""What the engine benchmark's systems share: what a system returns (:class:`SystemResult`), and the transformers systems the engine is compared against,
-on the same requests and the engine's device and dtype, each set up and warmed up outside its
-timed region: ``model.generate`` on padded static batches (:func:`run_static`) and
-transformers' own continuous batching over its paged KV cache (:func:`run_generate_batch`).
-``benchmarks.engine`` says what each measures."""
+"""The systems the engine benchmark compares: what each returns, and the transformers ones.
+
+What a system returns (:class:`SystemResult`), and the transformers systems the engine is
+compared against, on the same requests and the engine's device and dtype, each set up and
+warmed up outside its timed region: ``model.generate`` on padded static batches
+(:func:`run_static`) and transformers' own continuous batching over its paged KV cache
+(:func:`run_generate_batch`). ``benchmarks.engine`` says what each measures."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
-"""The service's processes as subprocesses for benchmarks and end-to-end tests: the API under
-uvicorn, control and model workers and beat (their command lines and environment), each in its
-own process group and logging to ``root/<name>.log``; a fresh migrated Postgres database, a
-private ``redis-server``; waiting for readiness; the model worker's engine stats over Celery
-remote control.
+"""The whole service as subprocesses, for the benchmarks and the end-to-end tests.
+
+The API under uvicorn, control and model workers and beat (their command lines and
+environment), each in its own process group and logging to ``root/<name>.log``; a fresh
+migrated Postgres database, a private ``redis-server``; waiting for readiness; the model
+worker's engine stats over Celery remote control.
 
 The process handling, the engine-stats probe and the memory readings are ``batchd bench``'s
 (:mod:`cli.perf.service`); the benchmarks and the e2e tests start the service through this
@@ -25,11 +26,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness.revisions import REPO
 from cli.perf import service
 from cli.perf.service import WorkerProbe, api_command, api_up, free_port, wait_for
 from core.settings import DEMO_MODEL_NAME as MODEL
 
-REPO = Path(__file__).resolve().parents[2]
 API_KEY = "sk-e2e-test-key"  # the tests' stacks
 BENCH_API_KEY = "sk-bench-key"  # the benchmarks' stacks
 PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -141,6 +142,11 @@ class RedisServer:
         except BaseException:
             self.stop()
             raise
+
+    @property
+    def pid(self) -> int | None:
+        """The private server's pid; None on a shared server's database."""
+        return None if self._proc is None else self._proc.pid
 
     def stop(self) -> None:
         if self._proc is not None and self._proc.poll() is None:

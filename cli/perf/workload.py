@@ -1,10 +1,11 @@
-"""The workloads every benchmark runs: one type (:class:`Workload`, prompt token ids and output
-lengths) made from a real JSONL batch file, from chat questions through the model's template,
-or from named length distributions; and the request bodies ``batchd bench`` and the service
-benchmarks send.
+"""The workloads every benchmark, ``batchd bench`` and ``batchd tune`` run.
 
-A length distribution is ``fixed:N``, ``uniform:LO:HI`` or ``lognormal:MEAN:SIGMA`` (MEAN
-is the mean; samples are clipped to [1, 4 * MEAN]).
+One type (:class:`Workload`, prompt token ids and output lengths) made from a real JSONL batch
+file, from chat questions through the model's template, or from named length distributions; and
+the request bodies ``batchd bench`` and the service benchmarks send.
+
+A length distribution is ``fixed:N``, ``uniform:LO:HI`` or ``lognormal:MEAN:SIGMA`` (MEAN is
+the mean; samples are clipped to [1, 4 * MEAN]).
 """
 
 from __future__ import annotations

@@ -26,9 +26,9 @@ from typing import Any
 import pytest
 
 from benchmarks.harness.stack import API_KEY, Procs, celery_command, stack_env
+from benchmarks.harness.tcp_proxy import TcpProxy
 from cli.perf.service import api_command, free_port, wait_for
 from tests.helpers.lines import MODEL, chat_line
-from tests.helpers.tcp_proxy import TcpProxy
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 
