@@ -39,7 +39,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from collections.abc import Sequence
@@ -47,7 +46,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.harness.revisions import REPO, export_tree
+
 _LENGTH = re.compile(rb"(?i)\r\ncontent-length: *(\d+)")
 
 
@@ -252,16 +252,6 @@ def run_tree(
         api.stop()
 
 
-def export_tree(rev: str, dest: Path) -> Path:
-    archive = dest / "tree.tar"
-    subprocess.run(
-        ["git", "-C", str(ROOT), "archive", "--format=tar", "-o", str(archive), rev], check=True
-    )
-    with tarfile.open(archive) as tar:
-        tar.extractall(dest / "tree", filter="data")
-    return dest / "tree"
-
-
 def median_of(results: list[dict[str, Any]]) -> dict[str, Any]:
     """Each figure's median over the rounds, per kind of request."""
     return {
@@ -300,8 +290,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     counts = [int(p) for p in args.processes.split(",")]
 
-    sys.path.insert(0, str(ROOT))
-    from scripts._bench_stack import API_KEY, Broker, Database, service_env
+    from benchmarks.harness.stack import BENCH_API_KEY, Broker, Database, service_env
 
     work = Path(tempfile.mkdtemp(prefix="batchd-api-capacity-"))
     db = Database(args.pg_admin_url, prefix="batchd_api_capacity")
@@ -312,15 +301,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         env = service_env(work, db.url, broker.url, BATCHD_RATE_LIMIT_PER_MINUTE="0",
                           BATCHD_MODELS=json.dumps({"batchd-demo": "demo:llama-tiny"}))  # fmt: skip
         env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-        key = API_KEY if args.key == "static" else stored_key(db.url, "default")
+        key = BENCH_API_KEY if args.key == "static" else stored_key(db.url, "default")
         batch_ids = seed_batches(db.url, "default", args.batches)
         kinds = {
             "poll": [http_get(f"/v1/batches/{b}", key) for b in batch_ids],
             "list": [http_get("/v1/batches?limit=20", key)],
         }
-        trees = {"this tree": ROOT}
+        trees = {"this tree": REPO}
         if args.base:
-            trees[args.base] = export_tree(args.base, work)
+            trees[args.base] = export_tree(args.base, work / "tree")
         rounds: dict[str, dict[int, list[dict[str, Any]]]] = {}
         for r in range(args.rounds):
             for processes in counts:

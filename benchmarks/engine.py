@@ -54,8 +54,15 @@ from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.systems import SystemResult, Workload, run_generate_batch, run_static
-from cli.perf.workload import LengthDist, chat_bodies, request_shape, usable_token_ids
+from benchmarks.systems import SystemResult, run_generate_batch, run_static
+from cli.perf.workload import (
+    LengthDist,
+    Workload,
+    chat_workload,
+    jsonl_workload,
+    synthetic_workload,
+    usable_token_ids,
+)
 
 SYSTEMS = ("engine", "static", "generate_batch")
 # Named workloads: (number of requests, prompt lengths, output lengths). The default is a
@@ -79,93 +86,6 @@ DEFAULT_NUM_REQUESTS, DEFAULT_INPUT_LEN, DEFAULT_OUTPUT_LEN = WORKLOADS[DEFAULT_
 PREFIX_DEFAULT_INPUT_LEN = "uniform:384:768"
 PREFIX_DEFAULT_OUTPUT_LEN = "uniform:8:32"
 PREFIX_DEFAULT_SHARED_FRAC = 0.8
-
-
-# --------------------------------------------------------------------------- workload
-
-
-def synthetic_workload(
-    *,
-    num_requests: int,
-    input_len: LengthDist,
-    output_len: LengthDist,
-    shared_prefix_frac: float,
-    vocab: Sequence[int],
-    max_model_len: int,
-    seed: int,
-) -> Workload:
-    if not 0.0 <= shared_prefix_frac <= 1.0:
-        raise ValueError(f"--shared-prefix-frac must be in [0, 1], got {shared_prefix_frac}")
-    rng = random.Random(seed)
-    lengths = []
-    for _ in range(num_requests):
-        out = max(1, min(output_len.sample(rng), max_model_len - 1))
-        inp = max(1, min(input_len.sample(rng), max_model_len - out))
-        lengths.append((inp, out))
-    longest = max((i for i, _ in lengths), default=0)
-    prefix = [rng.choice(vocab) for _ in range(longest)]
-    prompts = []
-    for inp, _ in lengths:
-        shared = int(round(shared_prefix_frac * inp))
-        prompts.append(prefix[:shared] + [rng.choice(vocab) for _ in range(inp - shared)])
-    return Workload(
-        prompts=prompts,
-        max_tokens=[out for _, out in lengths],
-        description={
-            "source": "synthetic",
-            "num_requests": num_requests,
-            "input_len": str(input_len),
-            "output_len": str(output_len),
-            "shared_prefix_frac": shared_prefix_frac,
-            "seed": seed,
-        },
-    )
-
-
-def chat_workload(
-    tokenizer: Any, *, num_requests: int, output_len: int, max_model_len: int, seed: int
-) -> Workload:
-    """Chat requests rendered by the model's chat template (as the service renders them)."""
-    shapes = [
-        request_shape(body, tokenizer, max_model_len, output_len)
-        for body in chat_bodies(num_requests, output_len, seed)
-    ]
-    return Workload(
-        prompts=[s[0] for s in shapes if s is not None],
-        max_tokens=[s[1] for s in shapes if s is not None],
-        description={
-            "source": "chat",
-            "num_requests": num_requests,
-            "output_len": output_len,
-            "seed": seed,
-        },
-    )
-
-
-def jsonl_workload(
-    path: Path, tokenizer: Any, *, max_model_len: int, default_max_tokens: int, limit: int | None
-) -> Workload:
-    """Prompts and ``max_tokens`` from an OpenAI batch file (``body.messages`` or
-    ``body.prompt``) or from plain ``{"prompt", "max_tokens"}`` lines."""
-    prompts, max_tokens = [], []
-    with open(path, encoding="utf-8") as fh:
-        for line_no, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            if limit is not None and len(prompts) >= limit:
-                break
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{line_no}: not JSON ({exc.msg})") from None
-            shape = request_shape(row, tokenizer, max_model_len, default_max_tokens)
-            if shape is None:
-                raise ValueError(f"{path}:{line_no}: no 'messages' or 'prompt' in the request")
-            prompts.append(shape[0])
-            max_tokens.append(shape[1])
-    if not prompts:
-        raise ValueError(f"{path}: no requests")
-    return Workload(prompts, max_tokens, {"source": str(path), "num_requests": len(prompts)})
 
 
 # --------------------------------------------------------------------------- systems

@@ -21,8 +21,6 @@ import argparse
 import json
 import random
 import shutil
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -30,13 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.eta_record import Recorder, curve, phases
-from benchmarks.soak_stack import FreshDatabase, create_key
+from benchmarks.harness.revisions import REPO
+from benchmarks.harness.stack import CELERY, MODEL, QUIET, Database, RedisServer
+from benchmarks.soak_stack import create_key
 from cli.perf.service import Procs, api_command, api_up, free_port, wait_for
 
-REPO = Path(__file__).resolve().parents[1]
-MODEL = "batchd-demo"
-CELERY = [sys.executable, "-m", "celery", "-A", "worker.celery_app"]
-QUIET = ["--loglevel", "INFO", "--without-gossip", "--without-mingle", "--without-heartbeat"]
 MARKS = (0.10, 0.50, 0.90)
 
 
@@ -273,26 +269,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=float, default=20.0, help="seconds of load before the job")
     ap.add_argument("--out", type=Path, default=Path("eta-benchmark.json"))
     args = ap.parse_args(argv)
-    binary = shutil.which("redis-server")
-    if binary is None:
+    if shutil.which("redis-server") is None:
         raise SystemExit("redis-server is needed (a private one is started on a free port)")
     root = Path(tempfile.mkdtemp(prefix="batchd-eta-"))
-    db = FreshDatabase(args.pg_admin_url)
-    redis_port = free_port()
-    redis = subprocess.Popen(
-        [binary, "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
-         "--appendonly", "no", "--dir", str(root)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
+    db = Database(args.pg_admin_url, prefix="batchd_soak")
+    redis = RedisServer(root, fallback_url="")  # never used: the binary is there
     procs = None
     try:
-        procs, env, port = start_stack(root, db.url, f"redis://127.0.0.1:{redis_port}/0")
+        procs, env, port = start_stack(root, db.url, redis.url)
         record = measure(args, f"http://127.0.0.1:{port}/v1", env)
     finally:
         if procs is not None:
             procs.stop_all()
-        redis.terminate()
-        redis.wait(10)
+        redis.stop()
         db.drop()
     args.out.write_text(json.dumps(record, indent=2))
     job = record["job"]

@@ -6,7 +6,7 @@
 ``worker.finalize`` merges a batch's checkpoint chunks into its output and error files and
 promises to do it with bounded memory, so its time should grow with the lines and its memory
 not at all. Each job is built as it stands right before its finalize, on a fresh Postgres
-database (``scripts/_bench_stack.Database``) and a local storage directory: the input file
+database (``benchmarks.harness.stack.Database``) and a local storage directory: the input file
 (chat requests), a ``finalizing`` batch row, one ``done`` shard row per ``--shard-lines``
 lines, and each shard's committed checkpoint chunks of ``--checkpoint-every`` results (chat
 completions of about 700 bytes, ``--error-share`` of them error lines), written and logged in
@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,7 +40,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.harness.revisions import REPO, run_json
 
 # The finalize in a fresh process: the batch id on stdin, one JSON line of measurements out.
 _CHILD = r"""
@@ -204,18 +203,9 @@ def build_job(
 
 
 def run_finalize(batch_id: str, env: dict[str, str]) -> dict[str, Any]:
-    proc = subprocess.run(
-        [sys.executable, "-c", _CHILD],
-        input=json.dumps({"batch_id": batch_id}),
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        check=False,
+    return run_json(
+        _CHILD, {"batch_id": batch_id}, f"the finalize of {batch_id}", cwd=REPO, env=env
     )
-    if proc.returncode != 0:
-        raise RuntimeError(f"the finalize of {batch_id} failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def check_files(database_url: str, storage_root: Path, batch_id: str, lines: int,
@@ -277,8 +267,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
 
-    sys.path.insert(0, str(ROOT))
-    from scripts._bench_stack import Database
+    from benchmarks.harness.stack import Database
 
     db = Database(args.pg_admin_url, prefix="batchd_finalize")
     results: list[dict[str, Any]] = []

@@ -39,7 +39,6 @@ import argparse
 import io
 import json
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,14 +46,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT))
-
-import _bench_stack as bs  # noqa: E402
-
-from cli.perf.service import Procs, process_cpu_s  # noqa: E402
-from cli.perf.workload import chat_bodies  # noqa: E402
+from benchmarks.harness import stack as bs
+from benchmarks.harness.revisions import REPO, remove_worktree, worktree
+from cli.perf.service import Procs, process_cpu_s
+from cli.perf.workload import chat_bodies
 
 ENDPOINT = "/v1/chat/completions"
 SERVED = bs.MODEL  # the served name the stack helpers give the model queue
@@ -89,41 +84,13 @@ def write_file(path: Path, n: int, max_tokens: int, seed: int) -> None:
             fh.write(json.dumps(line, separators=(",", ":")) + "\n")
 
 
-def worktree(rev: str, dest: Path) -> Path:
-    subprocess.run(
-        ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(dest), rev],
-        check=True,
-        capture_output=True,
-    )
-    return dest
-
-
-def remove_worktree(path: Path) -> None:
-    subprocess.run(
-        ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(path)],
-        check=False,
-        capture_output=True,
-    )
-
-
-class _Db:
-    """A fresh database on the local server, migrated by ``tree``'s own migrations."""
+class _Db(bs.Database):
+    """A fresh database migrated by ``tree``'s own migrations, and the batch rows it holds."""
 
     def __init__(self, admin_url: str, tree: Path):
-        import secrets
+        from sqlalchemy import create_engine
 
-        from sqlalchemy import create_engine, text
-
-        self.name = f"batchd_first_result_{secrets.token_hex(4)}"
-        self._admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
-        with self._admin.connect() as conn:
-            conn.execute(text(f'CREATE DATABASE "{self.name}"'))
-        self.url = admin_url.rsplit("/", 1)[0] + f"/{self.name}"
-        subprocess.run(
-            [sys.executable, "-c", f"import migrations; migrations.upgrade({self.url!r})"],
-            cwd=tree,
-            check=True,
-        )
+        super().__init__(admin_url, prefix="batchd_first_result", migrate=tree)
         self.engine = create_engine(self.url)
 
     def row(self, batch_id: str) -> dict[str, Any]:
@@ -148,12 +115,8 @@ class _Db:
         return int(row[0]), row[1]
 
     def drop(self) -> None:
-        from sqlalchemy import text
-
         self.engine.dispose()
-        with self._admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)'))
-        self._admin.dispose()
+        super().drop()
 
 
 def _validation_done_at(row: dict[str, Any]) -> Any:
@@ -211,7 +174,9 @@ def run_tree(label: str, tree: Path, path: Path, args: argparse.Namespace) -> Tr
         procs = _start(tree, work, env, port)
         from openai import OpenAI
 
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=bs.API_KEY, max_retries=2)
+        client = OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key=bs.BENCH_API_KEY, max_retries=2
+        )
         _warm_up(client, db)
         control = procs.procs["control"].pid
         idle0 = process_cpu_s(control)
@@ -339,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="first-result-") as tmp:
         path = Path(tmp) / "batch.jsonl"
         write_file(path, args.requests, args.max_tokens, args.seed)
-        runs = [run_tree("this tree", ROOT, path, args)]
+        runs = [run_tree("this tree", REPO, path, args)]
         if args.base and Path(args.base).is_dir():
             tree = Path(args.base).resolve()
             runs.append(run_tree(tree.name, tree, path, args))

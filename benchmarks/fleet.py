@@ -33,188 +33,28 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from benchmarks.first_result import remove_worktree, worktree  # noqa: E402
-from cli.perf.service import (  # noqa: E402
+from benchmarks.harness.cpu import CpuMeter
+from benchmarks.harness.postgres import BENCH_ROLE, PrivatePostgres
+from benchmarks.harness.revisions import REPO, remove_worktree, worktree
+from benchmarks.harness.stack import BENCH_API_KEY, QUIET, Broker, Database, service_env
+from cli.perf.service import (
     Procs,
     api_command,
     api_up,
     free_port,
     wait_for,
 )
-from cli.perf.workload import chat_bodies  # noqa: E402
-from scripts._bench_stack import API_KEY, Broker, Database, service_env  # noqa: E402
+from cli.perf.workload import chat_bodies
 
 MODEL = "sim-8b"
 DEFAULT_SIM = "tokens_per_s=4000,max_num_seqs=256,ttft_ms=50"
 WORKER = [sys.executable, "-m", "worker"]
-QUIET = ["--loglevel", "INFO", "--without-gossip", "--without-mingle", "--without-heartbeat"]
-PG_BIN = Path("/usr/lib/postgresql")
-BENCH_ROLE = "fleet_bench"
-TICKS = os.sysconf("SC_CLK_TCK")
-
-
-# -- processes and their CPU
-
-
-def cpu_s(pid: int) -> float | None:
-    """User + system CPU seconds of ``pid`` (all its threads), or None once it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / TICKS
-
-
-def children(pid: int) -> list[int]:
-    """The direct children of ``pid``."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == pid:
-            out.append(int(entry.name))
-    return out
-
-
-class CpuMeter:
-    """CPU seconds per named group of processes; a group's processes may come and go (Postgres
-    backends do), so each pid's last reading is kept and summed."""
-
-    def __init__(self) -> None:
-        self.last: dict[str, dict[int, float]] = {}
-
-    def sample(self, groups: dict[str, list[int]]) -> None:
-        for name, pids in groups.items():
-            seen = self.last.setdefault(name, {})
-            for pid in pids:
-                value = cpu_s(pid)
-                if value is not None:
-                    seen[pid] = value
-
-    def total(self, name: str) -> float:
-        return sum(self.last.get(name, {}).values())
-
-    def totals(self) -> dict[str, float]:
-        return {name: self.total(name) for name in self.last}
-
-
-# -- a private Postgres with pg_stat_statements
-
-
-def _pg_bin() -> Path | None:
-    versions = sorted(PG_BIN.glob("*/bin/initdb"), reverse=True)
-    return versions[0].parent if versions else None
-
-
-class PrivatePostgres:
-    """A Postgres server of this run alone, on a free port, ``pg_stat_statements`` loaded;
-    run as the ``postgres`` user when this process is root (``initdb`` refuses root)."""
-
-    def __init__(self, root: Path):
-        bindir = _pg_bin()
-        if bindir is None:
-            raise RuntimeError("initdb not found under /usr/lib/postgresql")
-        self.dir = Path(tempfile.mkdtemp(prefix="batchd-fleet-pg-"))
-        self.port = free_port()
-        as_user: list[str] = []
-        if os.geteuid() == 0:
-            shutil.chown(self.dir, "postgres", "postgres")
-            as_user = ["runuser", "-u", "postgres", "--"]
-        data = self.dir / "data"
-        subprocess.run(
-            [*as_user, str(bindir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres"],
-            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        self.proc = subprocess.Popen(
-            [*as_user, str(bindir / "postgres"), "-D", str(data), "-p", str(self.port),
-             "-k", str(self.dir), "-c", "listen_addresses=127.0.0.1",
-             "-c", "shared_preload_libraries=pg_stat_statements",
-             "-c", "pg_stat_statements.track=top", "-c", "max_connections=300",
-             "-c", "shared_buffers=256MB"],
-            stdout=(root / "postgres.log").open("wb"), stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
-        self.admin_url = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
-        wait_for(self._up, 30, "the private Postgres")
-        self._sql(f"CREATE EXTENSION pg_stat_statements; CREATE ROLE {BENCH_ROLE} LOGIN")
-
-    def _up(self) -> bool:
-        if self.proc.poll() is not None:
-            raise RuntimeError("the private Postgres exited")
-        try:
-            self._sql("SELECT 1")
-            return True
-        except Exception:
-            return False
-
-    def _sql(self, sql: str, db: str = "postgres") -> list[tuple]:
-        import psycopg
-
-        conninfo = f"host=127.0.0.1 port={self.port} user=postgres dbname={db}"
-        with psycopg.connect(conninfo, autocommit=True) as conn:
-            cur = conn.execute(sql)
-            return cur.fetchall() if cur.description else []
-
-    def postmaster_pid(self) -> int:
-        """The postmaster (under ``runuser`` it is the runuser process's child)."""
-        pid = self.proc.pid
-        kids = children(pid)
-        return (
-            kids[0] if kids and Path(f"/proc/{pid}/comm").read_text().strip() == "runuser" else pid
-        )
-
-    def pids(self) -> list[int]:
-        master = self.postmaster_pid()
-        return [master, *children(master)]
-
-    def statements(self, db: str) -> tuple[int, int]:
-        """(statements, transactions) run in ``db`` so far by roles other than the bench's."""
-        calls = self._sql(
-            "SELECT coalesce(sum(s.calls), 0) FROM pg_stat_statements s "
-            "JOIN pg_database d ON d.oid = s.dbid JOIN pg_roles r ON r.oid = s.userid "
-            f"WHERE d.datname = '{db}' AND r.rolname <> '{BENCH_ROLE}'"
-        )[0][0]
-        xacts = self._sql(
-            f"SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = '{db}'"
-        )[0][0]
-        return int(calls), int(xacts)
-
-    def top_statements(self, db: str, n: int = 12) -> list[tuple[int, str]]:
-        """The ``n`` statements run most often in ``db`` (calls, text), the bench's left out."""
-        rows = self._sql(
-            "SELECT s.calls, regexp_replace(s.query, '\\s+', ' ', 'g') FROM pg_stat_statements s "
-            "JOIN pg_database d ON d.oid = s.dbid JOIN pg_roles r ON r.oid = s.userid "
-            f"WHERE d.datname = '{db}' AND r.rolname <> '{BENCH_ROLE}' "
-            f"ORDER BY s.calls DESC LIMIT {n}"
-        )
-        return [(int(calls), query[:150]) for calls, query in rows]
-
-    def reset_statements(self) -> None:
-        self._sql("SELECT pg_stat_statements_reset()")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 # -- one fleet size
@@ -355,7 +195,7 @@ def run_fleet(args: argparse.Namespace, workers: int, tree: Path = REPO) -> Resu
             pg = None
             db = Database(migrate=tree)
         if pg is not None:
-            pg._sql(f"GRANT pg_read_all_data TO {BENCH_ROLE}")
+            pg.sql(f"GRANT pg_read_all_data TO {BENCH_ROLE}")
         broker = Broker(work)
         env = service_env(
             work, db.url, broker.url,
@@ -385,7 +225,10 @@ def run_fleet(args: argparse.Namespace, workers: int, tree: Path = REPO) -> Resu
         from openai import OpenAI
 
         client = OpenAI(
-            base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY, max_retries=2, timeout=120
+            base_url=f"http://127.0.0.1:{port}/v1",
+            api_key=BENCH_API_KEY,
+            max_retries=2,
+            timeout=120,
         )
         paths = write_batches(work, args.lines, args.batches, args.max_tokens)
         files = []
@@ -399,7 +242,7 @@ def run_fleet(args: argparse.Namespace, workers: int, tree: Path = REPO) -> Resu
         groups = lambda: {  # noqa: E731
             **{name: [pid] for name, pid in stack.pids().items()},
             **({"postgres": pg.pids()} if pg is not None else {}),
-            **({"redis": [broker._proc.pid]} if getattr(broker, "_proc", None) else {}),
+            **({"redis": [broker.pid]} if broker.pid else {}),
         }
         meter.sample(groups())
         cpu0 = meter.totals()

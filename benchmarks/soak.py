@@ -56,11 +56,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks.soak_checks import (  # noqa: E402 - needs the repository on the path
+from benchmarks.harness.revisions import REPO
+from benchmarks.harness.stack import Database
+from benchmarks.soak_checks import (
     TERMINAL,
     Api,
     BatchRecord,
@@ -71,11 +69,10 @@ from benchmarks.soak_checks import (  # noqa: E402 - needs the repository on the
     rss_invariant,
     webhook_invariant,
 )
-from benchmarks.soak_stack import (  # noqa: E402
+from benchmarks.soak_stack import (
     CHAT_MODEL,
     EMBED_MODEL,
     Clock,
-    FreshDatabase,
     Key,
     Receiver,
     RedisDb,
@@ -85,7 +82,7 @@ from benchmarks.soak_stack import (  # noqa: E402
     proxied,
     service_env,
 )
-from cli.perf.service import Ticker  # noqa: E402
+from cli.perf.service import Ticker
 
 FAULTS = ("kill-model", "redis-cut", "kill-control", "pg-cut", "api-restart")
 OUTAGES = ("redis-cut", "pg-cut")
@@ -519,7 +516,7 @@ def _build_models(models: dict[str, str], env: dict[str, str]) -> None:
         "resolve_models(json.loads(sys.argv[1]))\n"
     )
     subprocess.run(
-        [sys.executable, "-c", code, json.dumps(models)], cwd=ROOT, env=env, check=True,
+        [sys.executable, "-c", code, json.dumps(models)], cwd=REPO, env=env, check=True,
         timeout=900,
     )  # fmt: skip
 
@@ -552,7 +549,7 @@ def run(opts: Options) -> dict[str, Any]:
     try:
         redis_db = RedisDb(opts.redis_url)
         cleanup.append(redis_db.empty)
-        db = FreshDatabase(opts.pg_admin_url)
+        db = Database(opts.pg_admin_url, prefix="batchd_soak")
         cleanup.append(db.drop)
         pg_proxy, pg_url = proxied(db.url, 5432)
         rd_proxy, rd_url = proxied(opts.redis_url, 6379)

@@ -14,7 +14,6 @@ import hmac
 import json
 import os
 import re
-import secrets
 import signal
 import subprocess
 import sys
@@ -26,13 +25,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness.revisions import REPO
+from benchmarks.harness.stack import QUIET
+from benchmarks.harness.tcp_proxy import TcpProxy
 from cli.perf.service import Procs, api_command, api_up, free_port, memory_kb, wait_for
-from cli.perf.tcp_proxy import TcpProxy
 
-REPO = Path(__file__).resolve().parents[1]
 CHAT_MODEL = "batchd-demo"
 EMBED_MODEL = "minilm"
-QUIET = ["--loglevel", "INFO", "--without-gossip", "--without-mingle", "--without-heartbeat"]
 
 
 def _host_port(url: str, default_port: int) -> tuple[str, int]:
@@ -51,36 +50,6 @@ def _with_host_port(url: str, host: str, port: int) -> str:
 
 # ---------------------------------------------------------------------------------------------
 # Postgres and Redis
-
-
-class FreshDatabase:
-    """A new database on the server of ``admin_url`` (named ``batchd_soak_<pid>_<hex>``),
-    migrated; ``drop()`` removes it."""
-
-    def __init__(self, admin_url: str):
-        from sqlalchemy import create_engine, text
-
-        import migrations
-
-        self.name = f"batchd_soak_{os.getpid()}_{secrets.token_hex(3)}"
-        self._admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
-        with self._admin.connect() as conn:
-            conn.execute(text(f'CREATE DATABASE "{self.name}"'))
-        self.url = admin_url.rsplit("/", 1)[0] + f"/{self.name}"
-        migrations.upgrade(self.url)
-
-    def drop(self) -> None:
-        from sqlalchemy import text
-
-        try:
-            from core.db import get_engine
-
-            get_engine(self.url).dispose()
-        except Exception:
-            pass
-        with self._admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)'))
-        self._admin.dispose()
 
 
 class RedisDb:
@@ -520,7 +489,6 @@ __all__ = [
     "CHAT_MODEL",
     "EMBED_MODEL",
     "Clock",
-    "FreshDatabase",
     "Key",
     "Receiver",
     "RedisDb",

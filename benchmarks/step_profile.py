@@ -107,9 +107,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     from transformers import AutoTokenizer
 
-    from benchmarks.engine import chat_workload
     from benchmarks.versions import export_engine
     from cli.models import local_model_dir
+    from cli.perf.workload import chat_workload
 
     model_dir = local_model_dir(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

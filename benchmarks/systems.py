@@ -1,9 +1,10 @@
-"""What the engine benchmark's systems share: the requests (:class:`Workload`), what a system
-returns (:class:`SystemResult`), and the transformers systems the engine is compared against,
-on the same requests and the engine's device and dtype, each set up and warmed up outside its
-timed region: ``model.generate`` on padded static batches (:func:`run_static`) and
-transformers' own continuous batching over its paged KV cache (:func:`run_generate_batch`).
-``benchmarks.engine`` says what each measures."""
+"""The systems the engine benchmark compares: what each returns, and the transformers ones.
+
+What a system returns (:class:`SystemResult`), and the transformers systems the engine is
+compared against, on the same requests and the engine's device and dtype, each set up and
+warmed up outside its timed region: ``model.generate`` on padded static batches
+(:func:`run_static`) and transformers' own continuous batching over its paged KV cache
+(:func:`run_generate_batch`). ``benchmarks.engine`` says what each measures."""
 
 from __future__ import annotations
 
@@ -14,20 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-
-@dataclass
-class Workload:
-    prompts: list[list[int]]
-    max_tokens: list[int]
-    description: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(len(p) for p in self.prompts)
-
-    @property
-    def output_tokens(self) -> int:
-        return sum(self.max_tokens)
+from cli.perf.workload import Workload
 
 
 @dataclass

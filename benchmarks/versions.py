@@ -23,15 +23,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tarfile
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.harness.revisions import REPO as ROOT
+from benchmarks.harness.revisions import export_tree, run_json
 
 # Run in a child whose sys.path starts at one tree: reads the requests from stdin, prints one
 # JSON line with its timings and a digest of the tokens it generated.
@@ -65,14 +64,7 @@ print(json.dumps({"wall_s": wall, "cpu_s": cpu, "output_tokens": sum(map(len, to
 
 def export_engine(rev: str, dest: Path) -> Path:
     """``engine/`` of ``rev`` under ``dest``; returns the directory to put on sys.path."""
-    archive = dest / "engine.tar"
-    subprocess.run(
-        ["git", "-C", str(ROOT), "archive", "--format=tar", "-o", str(archive), rev, "engine"],
-        check=True,
-    )
-    with tarfile.open(archive) as tar:
-        tar.extractall(dest, filter="data")
-    return dest
+    return export_tree(rev, dest, "engine")
 
 
 def run_child(code: str, tree: Path, job: dict[str, Any], what: str) -> dict[str, Any]:
@@ -80,18 +72,7 @@ def run_child(code: str, tree: Path, job: dict[str, Any], what: str) -> dict[str
     (``job["threads"]`` intra-op threads, default 1); return the JSON of its last line."""
     threads = str(job.get("threads", 1))
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": threads}
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        input=json.dumps(job),
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tree,
-        check=False,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"{what} in {tree} failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_json(code, job, what, cwd=tree, env=env)
 
 
 def run_once(tree: Path, job: dict[str, Any]) -> dict[str, Any]:
@@ -128,15 +109,13 @@ def compare(
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    from benchmarks.engine import (
-        CHAT_DEFAULTS,
-        CHAT_WORKLOAD,
-        DEFAULT_WORKLOAD,
-        WORKLOADS,
+    from benchmarks.engine import CHAT_DEFAULTS, CHAT_WORKLOAD, DEFAULT_WORKLOAD, WORKLOADS
+    from cli.perf.workload import (
+        LengthDist,
         chat_workload,
         synthetic_workload,
+        usable_token_ids,
     )
-    from cli.perf.workload import LengthDist, usable_token_ids
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", required=True, help="git revision of the engine to compare with")

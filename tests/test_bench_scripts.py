@@ -32,10 +32,10 @@ SERVERS = [
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 
 
-def _run(script: str, *args: str, timeout: float = 480) -> subprocess.CompletedProcess:
+def _run(module: str, *args: str, timeout: float = 480) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHD_")}
     proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / script), *args, *SERVERS],
+        [sys.executable, "-m", f"benchmarks.{module}", *args, *SERVERS],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -49,7 +49,7 @@ def _run(script: str, *args: str, timeout: float = 480) -> subprocess.CompletedP
 def test_bench_service_runs_the_same_batch_both_ways(tmp_path: Path) -> None:
     out = tmp_path / "service.json"
     proc = _run(
-        "bench_service.py", "--model-preset", "llama-tiny", "--requests", "24",
+        "service", "--model-preset", "llama-tiny", "--requests", "24",
         "--shard-requests", "6", "--max-tokens", "6", "--prompt-words", "8", "--warmup", "2",
         "--stats-interval", "0.1", "--json", str(out),
     )  # fmt: skip
@@ -75,7 +75,7 @@ def test_bench_service_runs_the_same_batch_both_ways(tmp_path: Path) -> None:
 def test_bench_upload_memory_reports_both_processes(tmp_path: Path) -> None:
     out = tmp_path / "upload.json"
     proc = _run(
-        "bench_upload_memory.py", "--model-preset", "llama-tiny", "--requests", "300",
+        "upload_memory", "--model-preset", "llama-tiny", "--requests", "300",
         "--line-bytes", "1000", "--json", str(out),
     )  # fmt: skip
     data = json.loads(out.read_text())

@@ -198,7 +198,12 @@ def tune(
     ] = None,
 ) -> None:
     from cli.perf import tune as tuning
-    from cli.perf.workload import LengthDist, file_shapes, synthetic_shapes, usable_token_ids
+    from cli.perf.workload import (
+        LengthDist,
+        jsonl_workload,
+        synthetic_workload,
+        usable_token_ids,
+    )
     from cli.run.command import _memory_size
 
     if objective not in ("output", "total"):
@@ -242,12 +247,13 @@ def tune(
     limit = int(base.get("max_model_len") or getattr(config, "max_position_embeddings", 2048))
     try:
         if workload is not None:
-            shapes = file_shapes(workload, tok, max_model_len=limit)
+            shapes = jsonl_workload(workload, tok, max_model_len=limit)
         else:
             vocab = usable_token_ids(tok, int(getattr(config, "vocab_size", len(tok))))
-            shapes = synthetic_shapes(
-                requests, LengthDist.parse(input_len), LengthDist.parse(output_len),
-                vocab=vocab, max_model_len=limit, seed=seed,
+            shapes = synthetic_workload(
+                num_requests=requests, input_len=LengthDist.parse(input_len),
+                output_len=LengthDist.parse(output_len), vocab=vocab, max_model_len=limit,
+                seed=seed,
             )  # fmt: skip
     except ValueError as exc:
         raise _usage_error(exc) from None

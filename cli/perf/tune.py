@@ -50,7 +50,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cli.perf.workload import Shapes
+from cli.perf.workload import Workload
 
 COMPUTE_GAIN = 0.10  # a doubling of the batch that adds less than this: compute saturated
 TOKEN_BUDGETS = (256, 512, 1024, 2048, 4096, 8192)
@@ -134,7 +134,7 @@ class Bench:
     def __init__(
         self,
         model_dir: str,
-        shapes: Shapes,
+        shapes: Workload,
         base_options: dict[str, Any],
         *,
         warmup_s: float = 60.0,
@@ -479,7 +479,7 @@ def plot(result: TuneResult, path: Path, title: str) -> None:
 
 def run(
     model_dir: str,
-    shapes: Shapes,
+    shapes: Workload,
     base_options: dict[str, Any],
     *,
     seqs: list[int] | None = None,

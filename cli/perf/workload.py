@@ -1,8 +1,11 @@
-"""Request shapes for ``batchd tune`` and ``batchd bench``: from a real JSONL batch file, or
-from named length distributions.
+"""The workloads every benchmark, ``batchd bench`` and ``batchd tune`` run.
 
-A length distribution is ``fixed:N``, ``uniform:LO:HI`` or ``lognormal:MEAN:SIGMA`` (MEAN
-is the mean; samples are clipped to [1, 4 * MEAN]).
+One type (:class:`Workload`, prompt token ids and output lengths) made from a real JSONL batch
+file, from chat questions through the model's template, or from named length distributions; and
+the request bodies ``batchd bench`` and the service benchmarks send.
+
+A length distribution is ``fixed:N``, ``uniform:LO:HI`` or ``lognormal:MEAN:SIGMA`` (MEAN is
+the mean; samples are clipped to [1, 4 * MEAN]).
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import json
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -64,23 +67,41 @@ class LengthDist:
 
 
 @dataclass
-class Shapes:
-    """Prompts (token ids) and output lengths: what the engine alone runs."""
+class Workload:
+    """Prompts (token ids) and output lengths: what the engine alone runs. ``description`` says
+    where they came from (``source``: ``synthetic``, ``chat`` or a file's path, and the
+    parameters that made them)."""
 
     prompts: list[list[int]]
     max_tokens: list[int]
-    source: str
+    description: dict[str, Any] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.prompts)
 
     @property
+    def source(self) -> str:
+        """The workload in a few words, for reports."""
+        d = self.description
+        if d.get("source") == "synthetic":
+            return f"synthetic input {d['input_len']}, output {d['output_len']}"
+        return str(d.get("source", ""))
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.max_tokens)
+
+    @property
     def mean_prompt(self) -> float:
-        return sum(map(len, self.prompts)) / max(1, len(self.prompts))
+        return self.prompt_tokens / max(1, len(self.prompts))
 
     @property
     def mean_output(self) -> float:
-        return sum(self.max_tokens) / max(1, len(self.max_tokens))
+        return self.output_tokens / max(1, len(self.max_tokens))
 
 
 def usable_token_ids(tokenizer: Any, vocab_size: int) -> list[int]:
@@ -88,23 +109,45 @@ def usable_token_ids(tokenizer: Any, vocab_size: int) -> list[int]:
     return [i for i in range(vocab_size) if i not in special]
 
 
-def synthetic_shapes(
-    n: int,
+def synthetic_workload(
+    *,
+    num_requests: int,
     input_len: LengthDist,
     output_len: LengthDist,
-    *,
     vocab: Sequence[int],
     max_model_len: int,
     seed: int = 0,
-) -> Shapes:
+    shared_prefix_frac: float = 0.0,
+) -> Workload:
+    """``num_requests`` random prompts and output lengths drawn from the two distributions
+    (both fit ``max_model_len``), the same for the same seed; ``shared_prefix_frac`` of each
+    prompt is a prefix all prompts share (what prefix caching saves)."""
+    if not 0.0 <= shared_prefix_frac <= 1.0:
+        raise ValueError(f"--shared-prefix-frac must be in [0, 1], got {shared_prefix_frac}")
     rng = random.Random(seed)
-    prompts, outs = [], []
-    for _ in range(n):
+    lengths = []
+    for _ in range(num_requests):
         out = max(1, min(output_len.sample(rng), max_model_len - 1))
         inp = max(1, min(input_len.sample(rng), max_model_len - out))
-        prompts.append([rng.choice(vocab) for _ in range(inp)])
-        outs.append(out)
-    return Shapes(prompts, outs, f"synthetic input {input_len}, output {output_len}")
+        lengths.append((inp, out))
+    longest = max((i for i, _ in lengths), default=0)
+    prefix = [rng.choice(vocab) for _ in range(longest)]
+    prompts = []
+    for inp, _ in lengths:
+        shared = int(round(shared_prefix_frac * inp))
+        prompts.append(prefix[:shared] + [rng.choice(vocab) for _ in range(inp - shared)])
+    return Workload(
+        prompts=prompts,
+        max_tokens=[out for _, out in lengths],
+        description={
+            "source": "synthetic",
+            "num_requests": num_requests,
+            "input_len": str(input_len),
+            "output_len": str(output_len),
+            "shared_prefix_frac": shared_prefix_frac,
+            "seed": seed,
+        },
+    )
 
 
 # Chat requests for benchmarks on real models: ordinary questions through the model's chat
@@ -213,15 +256,42 @@ def request_shape(
     return list(ids)[-(max_model_len - out) :] or [0], out
 
 
-def file_shapes(
-    path: Path, tokenizer: Any, *, max_model_len: int, default_max_tokens: int = 256
-) -> Shapes:
-    """Prompt token ids and ``max_tokens`` of every request in a JSONL batch file."""
+def jsonl_workload(
+    path: Path,
+    tokenizer: Any,
+    *,
+    max_model_len: int,
+    default_max_tokens: int = 256,
+    limit: int | None = None,
+) -> Workload:
+    """Prompt token ids and ``max_tokens`` of the requests in a JSONL batch file (the first
+    ``limit``): OpenAI batch lines (``body.messages`` or ``body.prompt``) or bare bodies."""
     prompts, outs = [], []
-    for line_no, row in enumerate(iter_request_bodies(path), 1):
+    for line_no, row in enumerate(iter_request_bodies(path)[:limit], 1):
         shape = request_shape(row, tokenizer, max_model_len, default_max_tokens)
         if shape is None:
             raise ValueError(f"{path}: request {line_no} has no 'messages' or 'prompt'")
         prompts.append(shape[0])
         outs.append(shape[1])
-    return Shapes(prompts, outs, str(path))
+    return Workload(prompts, outs, {"source": str(path), "num_requests": len(prompts)})
+
+
+def chat_workload(
+    tokenizer: Any, *, num_requests: int, output_len: int, max_model_len: int, seed: int
+) -> Workload:
+    """Chat requests (:func:`chat_bodies`) rendered by the model's chat template, as the
+    service renders them."""
+    shapes = [
+        request_shape(body, tokenizer, max_model_len, output_len)
+        for body in chat_bodies(num_requests, output_len, seed)
+    ]
+    return Workload(
+        prompts=[s[0] for s in shapes if s is not None],
+        max_tokens=[s[1] for s in shapes if s is not None],
+        description={
+            "source": "chat",
+            "num_requests": num_requests,
+            "output_len": output_len,
+            "seed": seed,
+        },
+    )

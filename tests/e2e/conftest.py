@@ -2,7 +2,7 @@
 beat as subprocesses on Postgres, Redis and a local storage directory, serving the tiny demo
 model. Started once per test module; tests talk to it with the official ``openai`` client.
 
-The processes, their command lines and environment come from :mod:`tests.helpers.service`."""
+The processes, their command lines and environment come from :mod:`benchmarks.harness.stack`."""
 
 from __future__ import annotations
 
@@ -14,17 +14,9 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.service import (
-    API_KEY,
-    MODEL,
-    Procs,
-    api_command,
-    celery_command,
-    free_port,
-    private_redis,
-    stack_env,
-    wait_for,
-)
+from benchmarks.harness.stack import API_KEY, Procs, celery_command, private_redis, stack_env
+from cli.perf.service import api_command, free_port, wait_for
+from tests.helpers.lines import MODEL
 
 
 @dataclass

@@ -19,7 +19,9 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.service import MODEL, Procs, celery_command, private_redis, stack_env, wait_for
+from benchmarks.harness.stack import Procs, celery_command, private_redis, stack_env
+from cli.perf.service import wait_for
+from tests.helpers.lines import MODEL
 from tests.helpers.worker import batch_row, chat_line, make_batch, read_file_lines
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]

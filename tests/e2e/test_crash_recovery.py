@@ -14,16 +14,9 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.service import (
-    API_KEY,
-    MODEL,
-    Procs,
-    api_command,
-    celery_command,
-    free_port,
-    stack_env,
-    wait_for,
-)
+from benchmarks.harness.stack import API_KEY, Procs, celery_command, stack_env
+from cli.perf.service import api_command, free_port, wait_for
+from tests.helpers.lines import MODEL
 from tests.helpers.worker import batch_row, chat_line, read_file_lines, shard_rows
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]

@@ -13,17 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.service import (
-    API_KEY,
-    CELERY,
-    MODEL,
-    Procs,
-    api_command,
-    celery_command,
-    free_port,
-    stack_env,
-    wait_for,
-)
+from benchmarks.harness.stack import API_KEY, CELERY, Procs, celery_command, stack_env
+from cli.perf.service import api_command, free_port, wait_for
+from tests.helpers.lines import MODEL
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 

@@ -25,18 +25,9 @@ from typing import Any
 
 import pytest
 
+from benchmarks.harness.stack import API_KEY, CELERY, QUIET, Procs, private_redis, stack_env
+from cli.perf.service import api_command, free_port, wait_for
 from tests.helpers.lines import chat_line, jsonl
-from tests.helpers.service import (
-    API_KEY,
-    CELERY,
-    QUIET,
-    Procs,
-    api_command,
-    free_port,
-    private_redis,
-    stack_env,
-    wait_for,
-)
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 

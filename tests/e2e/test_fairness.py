@@ -9,7 +9,7 @@ the bulk job's last shard.
 Inside one shard (the engine host's fair queue): a bulk job that is a single shard still
 lets another tenant's small job, a ``high`` job of the same tenant, and (after the aging
 bound) a ``low`` job through, instead of feeding the engine all of its requests first.
-``scripts/bench_fairness.py`` measures the same scenarios at full size."""
+``python -m benchmarks.fairness`` measures the same scenarios at full size."""
 
 from __future__ import annotations
 
@@ -56,9 +56,9 @@ def _release_settings(pg_url: str) -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def bench():
-    from scripts import bench_fairness
+    from benchmarks import fairness
 
-    return bench_fairness
+    return fairness
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +139,7 @@ def test_low_priority_job_is_released_while_normal_shards_keep_the_slots_busy(cl
 @pytest.fixture(scope="module")
 def probe(stack, bench):
     """The model worker's engine counters (``engine_stats``)."""
-    from scripts._bench_stack import EngineStatsProbe
+    from benchmarks.harness.stack import EngineStatsProbe
 
     probe = EngineStatsProbe(stack.env["BATCHD_BROKER_URL"], worker="model@e2e")
     yield probe

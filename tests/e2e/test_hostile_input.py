@@ -25,7 +25,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.helpers.service import API_KEY, MODEL
+from benchmarks.harness.stack import API_KEY
+from tests.helpers.lines import MODEL
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 

@@ -12,18 +12,12 @@ from typing import Any
 
 import pytest
 
+from benchmarks.harness.stack import API_KEY, Procs, stack_env
+from benchmarks.harness.stack import celery_command as celery
+from cli.perf.service import api_command, free_port, wait_for
 from tests.helpers.lines import MODEL, chat_line
 from tests.helpers.metrics_lint import sample_problems
 from tests.helpers.scrape import Samples, scrape, total, value
-from tests.helpers.service import (
-    API_KEY,
-    Procs,
-    api_command,
-    free_port,
-    stack_env,
-    wait_for,
-)
-from tests.helpers.service import celery_command as celery
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 

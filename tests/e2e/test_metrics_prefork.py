@@ -10,17 +10,10 @@ import json
 
 import pytest
 
+from benchmarks.harness.stack import API_KEY, CELERY, Procs, stack_env
+from cli.perf.service import api_command, free_port, wait_for
 from tests.helpers.lines import chat_line
 from tests.helpers.scrape import scrape, value
-from tests.helpers.service import (
-    API_KEY,
-    CELERY,
-    Procs,
-    api_command,
-    free_port,
-    stack_env,
-    wait_for,
-)
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 

@@ -25,18 +25,10 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.lines import chat_line
-from tests.helpers.service import (
-    API_KEY,
-    MODEL,
-    Procs,
-    api_command,
-    celery_command,
-    free_port,
-    stack_env,
-    wait_for,
-)
-from tests.helpers.tcp_proxy import TcpProxy
+from benchmarks.harness.stack import API_KEY, Procs, celery_command, stack_env
+from benchmarks.harness.tcp_proxy import TcpProxy
+from cli.perf.service import api_command, free_port, wait_for
+from tests.helpers.lines import MODEL, chat_line
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 

@@ -19,21 +19,12 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
+from benchmarks.harness.stack import API_KEY, REPO, Procs, celery_command, stack_env
 from cli.exit_codes import ExitCode
 from cli.main import app
+from cli.perf.service import api_command, free_port, wait_for
 from tests.e2e.conftest import Stack, _own_redis_db
-from tests.helpers.lines import chat_line
-from tests.helpers.service import (
-    API_KEY,
-    MODEL,
-    REPO,
-    Procs,
-    api_command,
-    celery_command,
-    free_port,
-    stack_env,
-    wait_for,
-)
+from tests.helpers.lines import MODEL, chat_line
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 

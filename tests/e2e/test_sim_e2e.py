@@ -12,19 +12,11 @@ from typing import Any
 
 import pytest
 
+from benchmarks.harness.stack import API_KEY, CELERY, QUIET, Procs, stack_env
+from benchmarks.harness.stack import celery_command as celery
+from cli.perf.service import api_command, free_port, wait_for
 from tests.helpers.lines import chat_line
 from tests.helpers.scrape import scrape, value
-from tests.helpers.service import (
-    API_KEY,
-    CELERY,
-    QUIET,
-    Procs,
-    api_command,
-    free_port,
-    stack_env,
-    wait_for,
-)
-from tests.helpers.service import celery_command as celery
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 

@@ -24,17 +24,9 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.service import (
-    API_KEY,
-    MODEL,
-    Procs,
-    api_command,
-    celery_command,
-    free_port,
-    private_redis,
-    stack_env,
-    wait_for,
-)
+from benchmarks.harness.stack import API_KEY, Procs, celery_command, private_redis, stack_env
+from cli.perf.service import api_command, free_port, wait_for
+from tests.helpers.lines import MODEL
 from tests.helpers.worker import batch_row, chat_line, read_file_lines
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]

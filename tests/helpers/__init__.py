@@ -1,3 +1,3 @@
-"""Helpers the test modules share: request lines (:mod:`tests.helpers.lines`), the service's
-processes (:mod:`tests.helpers.service`, also used by the service benchmarks in scripts/), and
-batches and rows for the worker tests (:mod:`tests.helpers.worker`)."""
+"""Helpers the test modules share: request lines (:mod:`tests.helpers.lines`) and batches and
+rows for the worker tests (:mod:`tests.helpers.worker`); the service's processes come from the
+benchmarks' harness (:mod:`benchmarks.harness.stack`)."""

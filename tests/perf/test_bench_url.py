@@ -11,18 +11,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from benchmarks.harness.stack import API_KEY, Procs, celery_command, private_redis, stack_env
 from cli.main import app
-from tests.helpers.service import (
-    API_KEY,
-    MODEL,
-    Procs,
-    api_command,
-    celery_command,
-    free_port,
-    private_redis,
-    stack_env,
-    wait_for,
-)
+from cli.perf.service import api_command, free_port, wait_for
+from tests.helpers.lines import MODEL
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.service import CELERY, QUIET, Procs, free_port, stack_env
+from benchmarks.harness.stack import CELERY, QUIET, Procs, stack_env
+from cli.perf.service import free_port
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 

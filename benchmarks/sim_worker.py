@@ -11,38 +11,27 @@ the model worker's CPU time (``/proc/<pid>/stat`` utime + stime) per line over t
 interval, beside what the engine alone could give (``max_num_seqs`` lines every
 ``ttft + (max_tokens - 1) / tokens_per_s`` seconds) and the engine's mean occupancy::
 
-    .venv/bin/python scripts/bench_sim_worker.py                      # 2,000 lines of 64 tokens
-    .venv/bin/python scripts/bench_sim_worker.py --env BATCHD_SHARD_MAX_REQUESTS=250
+    .venv/bin/python -m benchmarks.sim_worker                      # 2,000 lines of 64 tokens
+    .venv/bin/python -m benchmarks.sim_worker --env BATCHD_SHARD_MAX_REQUESTS=250
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import _bench_stack as bs
-
+from benchmarks.harness import stack as bs
+from benchmarks.harness.stack import CELERY, QUIET
+from cli.perf.service import process_cpu_s as cpu_s
+from cli.perf.service import wait_for
 from core.queue import model_queue
 from core.served_models import sim_spec
-from tests.helpers.lines import chat_line
-from tests.helpers.service import CELERY, QUIET
 
 SIM = "sim-8b"
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (all its threads)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> None:
@@ -63,13 +52,21 @@ def main() -> None:
         stack.start("sim-model", [*CELERY, "worker", "-Q", model_queue(SIM), "--pool", "threads",
                               "-c", concurrency, "-n", "model@bench", *QUIET], env)  # fmt: skip
         stack.wait_ready()
-        bs.wait_for(lambda: f"model {SIM} ready" in stack.log("sim-model"), 120, "the sim model")
+        wait_for(lambda: f"model {SIM} ready" in stack.log("sim-model"), 120, "the sim model")
         pid = stack.procs["sim-model"].pid
         data = work / "batch.jsonl"
         with data.open("w") as out:
             for i in range(args.lines):
                 text = f"Summarise item {i} of the nightly report in two sentences, please."
-                line = chat_line(f"r{i}", text, args.max_tokens, model=SIM, ignore_eos=True)
+                body = {
+                    "model": SIM,
+                    "messages": [{"role": "user", "content": text}],
+                    "max_tokens": args.max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                }
+                line = {"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+                        "body": body}  # fmt: skip
                 out.write(json.dumps(line) + "\n")
         client = stack.client()
         batch, _ = bs.upload_and_create(client, data, "/v1/chat/completions")
@@ -83,7 +80,7 @@ def main() -> None:
                 end = (time.monotonic(), cpu_s(pid), done)
                 break
             time.sleep(0.05)
-        bs.wait_for(lambda: client.batches.retrieve(batch.id).status in bs.TERMINAL, 120, "end")
+        wait_for(lambda: client.batches.retrieve(batch.id).status in bs.TERMINAL, 120, "end")
         final = client.batches.retrieve(batch.id)
         stats = bs.EngineStatsProbe(run.broker.url)(timeout=5) or {}  # type: ignore[union-attr]
         figures = _figures(args, sim, start, end, final, stats)

@@ -14,8 +14,8 @@ The increase reported is against the resident size after the warm-up: the sample
 miss; it is the figure checked against the target). The batch stays ``in_progress`` (nobody
 runs its shards) and is dropped with the database.
 
-    .venv/bin/python scripts/bench_upload_memory.py
-    .venv/bin/python scripts/bench_upload_memory.py --requests 5000   # a quicker look
+    .venv/bin/python -m benchmarks.upload_memory
+    .venv/bin/python -m benchmarks.upload_memory --requests 5000   # a quicker look
 
 Exit status 1 when either process grows by 150 MB or more.
 """
@@ -31,12 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import _bench_stack as bs
-
-from cli.perf.service import Ticker
+from benchmarks.harness import stack as bs
+from cli.perf.service import Ticker, memory_kb
 
 TARGET_MB = 150.0
 ENDPOINT = "/v1/chat/completions"
@@ -80,7 +76,7 @@ class MemorySampler:
 
     def _sample(self) -> None:
         for name, pid in self.pids.items():
-            mem = bs.memory_kb(pid)
+            mem = memory_kb(pid)
             if mem is not None:
                 self.peak_rss[name] = max(self.peak_rss[name], mem[0])
 
@@ -133,18 +129,18 @@ def main(argv: list[str] | None = None) -> int:
         stack = run.stack(env).start_roles(("api", "control"))
         stack.wait_ready()
         pids = {name: stack.procs[name].pid for name in ("api", "control")}
-        started = {name: bs.memory_kb(pid) for name, pid in pids.items()}
+        started = {name: memory_kb(pid) for name, pid in pids.items()}
         client = stack.client(timeout=args.timeout)
         warm, _, _ = submit_and_validate(client, small, args.timeout)
         if warm.status != "in_progress":
             raise RuntimeError(f"the warm-up batch is {warm.status}: {warm.errors}")
         time.sleep(1.0)
-        base = {name: bs.memory_kb(pid) for name, pid in pids.items()}
+        base = {name: memory_kb(pid) for name, pid in pids.items()}
         sampler = MemorySampler(pids, args.interval).start()
         batch, upload_s, validate_s = submit_and_validate(client, big, args.timeout)
         time.sleep(1.0)
         sampler.stop()
-        end = {name: bs.memory_kb(pid) for name, pid in pids.items()}
+        end = {name: memory_kb(pid) for name, pid in pids.items()}
         stack.check_alive()
 
     ok = batch.status == "in_progress"

@@ -5,8 +5,8 @@ target is the large run's peak within 200 MB of the small run's. Both files hold
 completions prompts with ``max_tokens`` 1–2 (``--max-tokens 1`` for 1 only) for the
 ``llama-tiny`` demo model, so the large one finishes in minutes on a few CPU cores.
 
-    .venv/bin/python scripts/bench_run_memory.py                    # 1,000 vs 200,000 lines
-    .venv/bin/python scripts/bench_run_memory.py --large 20000      # a quicker look
+    .venv/bin/python -m benchmarks.run_memory                    # 1,000 vs 200,000 lines
+    .venv/bin/python -m benchmarks.run_memory --large 20000      # a quicker look
 
 Peak RSS is the child's ``ru_maxrss`` from ``wait4`` (exact), cross-checked with ``VmHWM``
 sampled from ``/proc/<pid>/status`` while it runs. Exit status 1 when over the target.

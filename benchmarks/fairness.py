@@ -25,9 +25,9 @@ occupancy as alone. Engine steps (from the model
 worker's ``engine_stats``) are printed next to seconds: on a CPU a step with more sequences
 takes longer, so seconds mix scheduling delay with step cost; steps do not.
 
-    .venv/bin/python scripts/bench_fairness.py                      # the scenario above
-    .venv/bin/python scripts/bench_fairness.py --big 300 --delay 3  # quicker
-    .venv/bin/python scripts/bench_fairness.py --shard-requests 16 --big 600 --max-tokens 8 \
+    .venv/bin/python -m benchmarks.fairness                      # the scenario above
+    .venv/bin/python -m benchmarks.fairness --big 300 --delay 3  # quicker
+    .venv/bin/python -m benchmarks.fairness --shard-requests 16 --big 600 --max-tokens 8 \
         --small 20 --small-max-tokens 8 --max-num-seqs 16 --delay 0  # many shards
 
 Needs Postgres (``--pg-admin-url``, trust auth) and Redis (``--redis-url``) as the tests do.
@@ -40,8 +40,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import secrets
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -49,7 +47,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
 MODEL = "batchd-demo"
 TERMINAL = {"completed", "failed", "expired", "cancelled"}
 
@@ -111,7 +108,7 @@ def wait(
         time.sleep(poll_s)
 
 
-# Engine counters of the model worker, or None (``_bench_stack.EngineStatsProbe`` wrapped).
+# Engine counters of the model worker, or None (the harness's ``EngineStatsProbe`` wrapped).
 Probe = Callable[[], dict[str, Any] | None]
 # CPU seconds the model worker has used so far (steadier than wall time on a shared machine).
 CpuClock = Callable[[], float]
@@ -249,7 +246,8 @@ def tenant_key(database_url: str, tenant: str) -> str:
 
 
 def _start_stack(root: Path, database_url: str, redis_url: str, args: argparse.Namespace):
-    import _bench_stack as bs
+    from benchmarks.harness import stack as bs
+    from cli.perf.service import free_port
 
     env = bs.service_env(
         root,
@@ -267,7 +265,7 @@ def _start_stack(root: Path, database_url: str, redis_url: str, args: argparse.N
         ),
     )
     del env["BATCHD_API_KEYS"]  # the tenants' keys are in the database
-    stack = bs.Stack(root, env, bs.free_port())
+    stack = bs.Stack(root, env, free_port())
     stack.start_roles(("api", "control", "model", "beat"), args.concurrency)
     stack.wait_ready(180)
     return stack.base_url, stack
@@ -300,23 +298,16 @@ def main() -> None:
         "--threads", type=int, default=1, help="torch threads per service process (default 1)"
     )
     args = parser.parse_args()
-    sys.path.insert(0, str(REPO))
 
     import redis
-    from _bench_stack import EngineStatsProbe
     from openai import OpenAI
-    from sqlalchemy import create_engine, text
 
-    import migrations
+    from benchmarks.harness.stack import Database, EngineStatsProbe
     from engine.demo_models import build
 
     build("llama-tiny")
-    name = f"batchd_bench_{secrets.token_hex(4)}"
-    admin = create_engine(args.pg_admin_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    database_url = args.pg_admin_url.rsplit("/", 1)[0] + f"/{name}"
-    migrations.upgrade(database_url)
+    db = Database(args.pg_admin_url)
+    database_url = db.url
     broker = redis.Redis.from_url(args.redis_url)
     for key in broker.keys("batchd.*"):
         broker.delete(key)
@@ -333,9 +324,7 @@ def main() -> None:
         probe.close()
         if stack is not None:
             stack.stop()
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+        db.drop()
     _report(args, result)
 
 

@@ -27,9 +27,9 @@ not yet claimed by a worker. The drain at the end (nothing waits; the last reque
 is left out. **Busy** is the fraction of those intervals' wall time the engine spent inside
 ``step()``; busy × occupancy is a time-weighted occupancy that also counts idle gaps.
 
-    .venv/bin/python scripts/bench_service.py                                  # 500 requests, llama-25m
-    .venv/bin/python scripts/bench_service.py --model-preset llama-tiny --requests 100
-    .venv/bin/python scripts/bench_service.py --json /tmp/bench.json
+    .venv/bin/python -m benchmarks.service                                  # 500 requests, llama-25m
+    .venv/bin/python -m benchmarks.service --model-preset llama-tiny --requests 100
+    .venv/bin/python -m benchmarks.service --json /tmp/bench.json
 
 Targets: service/engine output throughput ≥ 0.85, occupancy while backlogged ≥ 0.90.
 Needs Postgres (``--pg-admin-url``, trust auth) and Redis (a private ``redis-server`` when
@@ -49,11 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import _bench_stack as bs
-
+from benchmarks.harness import stack as bs
 from cli.perf.service import Ticker
 
 ENDPOINT = "/v1/chat/completions"

@@ -1,6 +1,8 @@
-"""A loopback TCP proxy that the tests and ``benchmarks.soak`` put between the service's
-processes and Postgres or Redis to simulate outages: ``cut()`` closes every proxied connection
-and refuses new ones (accepted, then closed at once) until ``resume()``. Standard library only."""
+"""A loopback TCP proxy that cuts the service off from Postgres or Redis on demand.
+
+The tests and ``benchmarks.soak`` put it between the service's processes and Postgres or Redis
+to simulate outages: ``cut()`` closes every proxied connection and refuses new ones (accepted,
+then closed at once) until ``resume()``. Standard library only."""
 
 from __future__ import annotations
 

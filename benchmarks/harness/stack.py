@@ -1,13 +1,13 @@
-"""Helpers the service benchmarks share: a fresh Postgres database, a private Redis, the
-service's processes (API under uvicorn, control worker, model worker, beat) as subprocesses
-logging to a directory, the model worker's engine stats over Celery remote control, and the
-resident memory of a process from ``/proc``.
+"""The whole service as subprocesses, for the benchmarks and the end-to-end tests.
 
-The processes, their command lines and environment come from ``tests/helpers/service.py``,
-the module the e2e tests start the service with, and the process handling, the engine-stats
-probe and the memory readings from ``cli/perf/service.py`` (``batchd bench``'s): real
-servers, real connections, one process group per service process so stopping it stops
-everything it started.
+The API under uvicorn, control and model workers and beat (their command lines and
+environment), each in its own process group and logging to ``root/<name>.log``; a fresh
+migrated Postgres database, a private ``redis-server``; waiting for readiness; the model
+worker's engine stats over Celery remote control.
+
+The process handling, the engine-stats probe and the memory readings are ``batchd bench``'s
+(:mod:`cli.perf.service`); the benchmarks and the e2e tests start the service through this
+module, and nothing here imports the test suite.
 """
 
 from __future__ import annotations
@@ -16,39 +16,154 @@ import json
 import os
 import secrets
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from benchmarks.harness.revisions import REPO
+from cli.perf import service
+from cli.perf.service import WorkerProbe, api_command, api_up, free_port, wait_for
+from core.settings import DEMO_MODEL_NAME as MODEL
 
-from cli.perf.service import (  # noqa: E402 - needs the repository on the path
-    WorkerProbe,
-    api_up,
-    memory_kb,
-)
-from tests.helpers.service import (  # noqa: E402
-    MODEL,
-    Procs,
-    RedisServer,
-    api_command,
-    celery_command,
-    free_port,
-    stack_env,
-    wait_for,
-)
-
-__all__ = ["MODEL", "free_port", "memory_kb", "wait_for"]
-
-API_KEY = "sk-bench-key"
+API_KEY = "sk-e2e-test-key"  # the tests' stacks
+BENCH_API_KEY = "sk-bench-key"  # the benchmarks' stacks
 PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 REDIS_URL = "redis://127.0.0.1:6379/0"
 TERMINAL = {"completed", "failed", "expired", "cancelled"}
+CELERY = [sys.executable, "-m", "celery", "-A", "worker.celery_app"]
+QUIET = ["--loglevel", "INFO", "--without-gossip", "--without-mingle", "--without-heartbeat"]
+
+
+def port_open(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def celery_command(
+    kind: str, name: str, root: Path, concurrency: int = 2, *, host: str = "e2e"
+) -> list[str]:
+    """A control worker, a model worker (the demo model's queue) or beat, named
+    ``name@host``."""
+    if kind == "beat":
+        return [*CELERY, "beat", "-s", str(root / f"beat-schedule-{name}"), "--loglevel", "INFO"]
+    queue = "batchd.control" if kind == "control" else f"batchd.model.{MODEL}"
+    return [*CELERY, "worker", "-Q", queue, "--pool", "threads", "-c", str(concurrency),
+            "-n", f"{name}@{host}", *QUIET]  # fmt: skip
+
+
+def stack_env(
+    database_url: str, broker_url: str, root: Path, *, api_key: str = API_KEY, **overrides: str
+) -> dict[str, str]:
+    """The environment of a private service on ``root`` serving the tiny demo model
+    (``overrides`` win; engine options in ``BATCHD_ENGINE_OPTIONS`` get ``dtype`` float32
+    unless they name one)."""
+    (root / "home").mkdir(parents=True, exist_ok=True)
+    # The engine in float32 unless a test says otherwise: the tests' oracle is greedy text
+    # equal to another run's, which bf16 (the default on a CPU that multiplies it natively)
+    # keeps only where both runs batch the same sequences together.
+    inherited = os.environ.get("BATCHD_ENGINE_OPTIONS") or "{}"
+    options = json.loads(overrides.pop("BATCHD_ENGINE_OPTIONS", inherited))
+    options.setdefault("dtype", "float32")
+    return {
+        **os.environ,
+        "BATCHD_ENGINE_OPTIONS": json.dumps(options),
+        "PYTHONUNBUFFERED": "1",
+        "BATCHD_HOME": str(root / "home"),
+        "BATCHD_DATABASE_URL": database_url,
+        "BATCHD_BROKER_URL": broker_url,
+        "BATCHD_STORAGE_URL": str(root / "storage"),
+        "BATCHD_MODELS": json.dumps({MODEL: "demo:llama-tiny"}),
+        "BATCHD_API_KEYS": api_key,
+        "BATCHD_RATE_LIMIT_PER_MINUTE": "0",  # tests and benchmarks poll faster than clients
+        **overrides,
+    }
+
+
+class Procs(service.Procs):
+    """The service's processes run from the repository, as the tests start and kill them."""
+
+    def __init__(self, root: Path):
+        super().__init__(root, cwd=REPO)
+
+    def wait_log(self, name: str, text: str, timeout: float, count: int = 1) -> None:
+        def seen() -> bool:
+            proc = self.procs.get(name)
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"{name} exited:{self.logs()}")
+            return self.log(name).count(text) >= count
+
+        wait_for(seen, timeout, f"{text!r} in {name}.log", self.logs)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        proc = self.procs[name]
+        if proc.poll() is None:
+            os.killpg(proc.pid, sig)
+        proc.wait(30)
+
+
+class RedisServer:
+    """A private ``redis-server`` on a free port (no queue shared with anyone); without the
+    binary, ``fallback_url`` (a database of a shared server), emptied. ``stop()`` ends it."""
+
+    def __init__(self, directory: Path, fallback_url: str):
+        self._proc: subprocess.Popen | None = None
+        binary = shutil.which("redis-server")
+        if binary is None:
+            import redis
+
+            redis.Redis.from_url(fallback_url).flushdb()
+            self.url = fallback_url
+            return
+        port = free_port()
+        self._proc = subprocess.Popen(
+            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(directory)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+        self.url = f"redis://127.0.0.1:{port}/0"
+        proc = self._proc
+
+        def up() -> bool:
+            if proc.poll() is not None:
+                raise RuntimeError("the private redis-server exited")
+            return port_open(port)
+
+        try:
+            wait_for(up, 15, "the private redis-server")
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def pid(self) -> int | None:
+        """The private server's pid; None on a shared server's database."""
+        return None if self._proc is None else self._proc.pid
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            self._proc.wait(10)
+
+
+@contextmanager
+def private_redis(redis_url: str, directory: Path) -> Iterator[str]:
+    """A private redis-server on a free port (no queue is shared with anyone); without the
+    binary, the next database index of ``redis_url``'s server, emptied."""
+    base, _, index = redis_url.rpartition("/")
+    server = RedisServer(directory, fallback_url=f"{base}/{(int(index) + 1) % 15 + 1}")
+    try:
+        yield server.url
+    finally:
+        server.stop()
 
 
 class Database:
@@ -101,7 +216,7 @@ def service_env(root: Path, database_url: str, broker_url: str, **overrides: str
     options = json.loads(overrides.get("BATCHD_ENGINE_OPTIONS") or inherited)
     options.setdefault("dtype", "auto")
     overrides["BATCHD_ENGINE_OPTIONS"] = json.dumps(options)
-    return stack_env(database_url, broker_url, root, api_key=API_KEY, **overrides)
+    return stack_env(database_url, broker_url, root, api_key=BENCH_API_KEY, **overrides)
 
 
 class Stack(Procs):
@@ -143,7 +258,7 @@ class Stack(Procs):
     def client(self, **kw: Any) -> Any:
         from openai import OpenAI
 
-        return OpenAI(base_url=self.base_url, api_key=API_KEY, max_retries=2, **kw)
+        return OpenAI(base_url=self.base_url, api_key=BENCH_API_KEY, max_retries=2, **kw)
 
     def stop(self) -> None:
         self.stop_all()

@@ -1,0 +1,1 @@
+"""The processes a benchmark measures and the readings it takes of them."""
