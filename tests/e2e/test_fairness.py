@@ -19,12 +19,10 @@ import pytest
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 
-BIG = 160  # requests (10 shards of 16)
+BIG, BIG_SHARD = 160, 16  # requests (10 shards of 16)
 BIG_TOKENS = 128  # each: the big job lasts seconds of engine steps, however fast a step is
 SMALL = 20
 MAX_TOKENS = 8
-# Generous: the small job shares the engine with the big one and waits for a free slot.
-FACTOR, SLACK_S = 4.0, 10.0
 # One shard (the stack's shard_max_requests is 16) of long requests: with 4 sequence slots it
 # runs in 4 waves, and a small job that waited for the whole shard would finish after it.
 SHARD, SHARD_TOKENS = 16, 512  # a bulk wave outlasts the small job's start-up in steps
@@ -93,8 +91,11 @@ def test_small_job_is_not_stuck_behind_another_tenants_big_job(clients, bench, s
     )
     print(f"small job alone {small_alone:.2f}s, behind the big job {r.small.s:.2f}s")
     assert r.small_done_first, r
-    assert r.big_done_at_small_end < BIG
-    assert r.small.s <= FACTOR * small_alone + SLACK_S, (r, small_alone)
+    # Measured in the big job's progress, not in seconds (a step's time varies with the
+    # machine's load; its order does not): the small job's shard waits for one of the big
+    # job's two released shards to end, then shares the engine, and ends before the big job's
+    # third shard does. Stuck behind the big job, it would end after most of its 160 requests.
+    assert r.big_done_at_small_end <= 3 * BIG_SHARD, (r, small_alone)
 
 
 def test_high_priority_overtakes_a_normal_bulk_job_of_the_same_tenant(clients, bench, small_alone):
@@ -111,7 +112,7 @@ def test_high_priority_overtakes_a_normal_bulk_job_of_the_same_tenant(clients, b
     )
     print(f"high job alone {small_alone:.2f}s, behind the bulk job {r.small.s:.2f}s")
     assert r.small_done_first, r
-    assert r.small.s <= FACTOR * small_alone + SLACK_S, (r, small_alone)
+    assert r.big_done_at_small_end <= 3 * BIG_SHARD, (r, small_alone)  # as for another tenant
 
 
 def test_low_priority_job_is_released_while_normal_shards_keep_the_slots_busy(clients, bench):
