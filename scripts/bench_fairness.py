@@ -308,7 +308,7 @@ def main() -> None:
     from sqlalchemy import create_engine, text
 
     import migrations
-    from engine.demo_models import build
+    from core.demo_models import build
 
     build("llama-tiny")
     name = f"batchd_bench_{secrets.token_hex(4)}"

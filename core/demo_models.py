@@ -9,8 +9,8 @@ is an ordinary model directory (``config.json``, ``model.safetensors``, ``tokeni
 Directories are cached under ``$BATCHD_MODEL_CACHE`` (default ``~/.cache/batchd/models``) and
 rebuilt only when missing; building is deterministic, so two machines get the same weights.
 
-    python -m engine.demo_models            # build every preset, print the paths
-    python -m engine.demo_models llama-25m  # build one
+    python -m core.demo_models            # build every preset, print the paths
+    python -m core.demo_models llama-25m  # build one
 """
 
 from __future__ import annotations

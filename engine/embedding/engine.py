@@ -155,7 +155,7 @@ class EmbeddingEngine:
     ) -> None:
         from transformers import AutoModel, AutoTokenizer
 
-        from engine.model_runner import resolve_device, resolve_dtype
+        from engine.core.model_runner import resolve_device, resolve_dtype
 
         self.device = resolve_device(device)
         # Vectors keep float32 on a CPU (auto): bf16 moves every coordinate by up to 2^-8.

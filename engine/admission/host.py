@@ -15,12 +15,12 @@ loop refills the engine's free slots between two steps and hands it no backlog b
 (``engine_backlog=0``): anything parked in the engine's own queue would be ordered by
 priority and length across batches, and a newly arriving batch would queue behind it.
 
-Shares of a full engine (``engine.fair_share``): a tenant or tier that arrives while others
+Shares of a full engine (``engine.admission.fair_share``): a tenant or tier that arrives while others
 hold every slot gets its share at once; the newest requests of less urgent tiers, then of
 tenants above their share, are suspended (``Engine.suspend_request``: KV freed, output kept)
 and resume first in their batch (``fair_share=False`` turns this off).
 
-An ``n > 1`` request is split into ``n`` single completions (``engine.host_entry.split``),
+An ``n > 1`` request is split into ``n`` single completions (``engine.admission.entry.split``),
 each an entry of its own in the queue, the shares and the in-flight cap, suspended like any
 other: it holds ``n`` slots, not one, and one tenant's ``n = 128`` lines cannot take the
 engine from the others (as one engine request it would hold a slot while its completions,
@@ -46,7 +46,7 @@ cap by that many, and the engine's scheduler makes room for them (see
 ``urgent_slowdown`` bounds what bulk costs urgent work on hardware where a step's cost grows
 with its sequences: while urgent requests are in flight or pending, less urgent ones may hold
 only as many slots as keep a step within that factor of its cost without them, by the
-engine's measured step-cost curve (``engine.step_cost``; the newest beyond it are suspended
+engine's measured step-cost curve (``engine.admission.step_cost``; the newest beyond it are suspended
 and resume when the urgent work is done). On an accelerator the curve is flat and nothing is
 held back; on a CPU it is a handful of slots. None (the default) turns the guard off.
 
@@ -85,10 +85,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
-from engine.engine import Engine
-from engine.fair_queue import FairQueue
-from engine.fair_share import GuardPlan, guard_urgent, plan_shares
-from engine.host_entry import (
+from engine.admission.entry import (
     IN_FLIGHT,
     PENDING,
     Entry,
@@ -100,8 +97,11 @@ from engine.host_entry import (
     resolve_call,
     split,
 )
-from engine.outputs import HostStats, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.admission.fair_queue import FairQueue
+from engine.admission.fair_share import GuardPlan, guard_urgent, plan_shares
+from engine.core.engine import Engine
+from engine.core.outputs import HostStats, RequestOutput
+from engine.core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -591,7 +591,7 @@ class EngineHost:
         return None
 
     def _share_out(self, in_flight: dict[str, Entry]) -> frozenset[str | None]:
-        """Carry out the fair-share plan (``engine.fair_share``); the caller holds the lock.
+        """Carry out the fair-share plan (``engine.admission.fair_share``); the caller holds the lock.
         Returns the tenants that hold their share."""
         if not self.fair_share:
             return frozenset()
@@ -610,7 +610,7 @@ class EngineHost:
         return plan.full
 
     def _guard_urgent(self, in_flight: dict[str, Entry]) -> int | None:
-        """Carry out the urgent guard (``engine.fair_share.guard_urgent``); the caller holds
+        """Carry out the urgent guard (``engine.admission.fair_share.guard_urgent``); the caller holds
         the lock. Returns how many less urgent requests may still be admitted (None: any)."""
         curve = getattr(self._engine, "step_cost", None)
         if self.urgent_slowdown is None or curve is None:

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.outputs import TokenLogprob
-from engine.sequence import Sequence
+from engine.core.outputs import TokenLogprob
+from engine.core.sequence import Sequence
 
 
 class Sampler:

@@ -7,13 +7,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine import attention, cpu_linear, memory
-from engine.attention import AttentionContext, DecodeGroup, PrefillChunk
-from engine.attention_flex import FlexBackend, build_step, to_device
-from engine.attention_sdpa import SdpaBackend
-from engine.config import EngineConfig
-from engine.sequence import Sequence
-from engine.step import StepBatch
+from engine.attention import paged as attention
+from engine.attention.flex import FlexBackend, build_step, to_device
+from engine.attention.paged import AttentionContext, DecodeGroup, PrefillChunk
+from engine.attention.sdpa import SdpaBackend
+from engine.core import memory
+from engine.core.config import EngineConfig
+from engine.core.sequence import Sequence
+from engine.core.step import StepBatch
+from engine.cpu import linear as cpu_linear
 
 log = logging.getLogger("engine")
 
@@ -94,7 +96,7 @@ class ModelRunner:
         # One block past those the block manager hands out: a scratch block that the load-time
         # probe and the padding rows of a CUDA graph write to, never read by a real sequence.
         self.scratch_block = self.num_blocks
-        # The layout the attention reads (engine/attention.py): a KV head's block is contiguous.
+        # The layout the attention reads (engine/attention/paged.py): a KV head's block is contiguous.
         shape = (self.num_kv_heads, self.num_blocks + 1, self.block_size, self.head_dim)
         self.k_cache = [
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
@@ -114,7 +116,7 @@ class ModelRunner:
         self.graphs = None
         self._probe()
         if config.cuda_graphs and self.device.type == "cuda" and self.backend_name == "flex":
-            from engine.cuda_graph import DecodeGraphs
+            from engine.attention.cuda_graph import DecodeGraphs
 
             self.graphs = DecodeGraphs(self, config.cuda_graph_max_batch)
         log.info("attention backend %s, CUDA graphs %s", self.backend_name, self.graphs is not None)
@@ -126,7 +128,7 @@ class ModelRunner:
 
     def _num_blocks(self) -> int:
         """KV blocks for this device: ``num_kv_blocks`` if set, else the memory budget
-        (engine/memory.py: on an accelerator, a fraction of the memory left free by the
+        (engine/core/memory.py: on an accelerator, a fraction of the memory left free by the
         weights and by a profiling forward at ``max_num_batched_tokens``)."""
         cfg = self.config
         if cfg.num_kv_blocks is not None:

@@ -1,7 +1,7 @@
 """The CPU attention backend: the decode rows of a step in groups, each prefill chunk on its own.
 
 1. Decode rows (one query per sequence) come in groups of sequences of similar length (the
-   runner sorts them and cuts the groups, :class:`engine.attention.DecodeGroup`). Query heads
+   runner sorts them and cuts the groups, :class:`engine.attention.paged.DecodeGroup`). Query heads
    are folded onto their KV head (``[kv_heads, n, group, head_dim]``: a sequence's query heads
    are the "queries" of its KV head) so GQA needs no K/V repeat. In bf16 (the default on a CPU
    that multiplies it natively) one ``index_select`` of the group's blocks per layer gives
@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionContext, DecodeGroup, PrefillChunk, softcapped
+from engine.attention.paged import AttentionContext, DecodeGroup, PrefillChunk, softcapped
 
 
 def _attend(

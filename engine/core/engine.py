@@ -28,25 +28,25 @@ from typing import Any
 
 import torch
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.cpu_threads import CpuThreads
-from engine.model_runner import ModelRunner, resolve_device
-from engine.outputs import (
+from engine.admission.step_cost import StepCostCurve
+from engine.core.block_manager import BlockManager
+from engine.core.config import EngineConfig
+from engine.core.model_runner import ModelRunner, resolve_device
+from engine.core.outputs import (
     CompletionOutput,
     EngineStats,
     RequestError,
     RequestMetrics,
     RequestOutput,
 )
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams, check_new_request
-from engine.scheduler import Scheduler
-from engine.sequence import Request, Sequence, Status
-from engine.stats import EngineMetrics
-from engine.step_cost import StepCostCurve
-from engine.structured import GrammarBackend
-from engine.tokenizer import detokenize_step, find_stop, load_tokenizer, start_detokenizer
+from engine.core.sampler import Sampler
+from engine.core.sampling_params import SamplingParams, check_new_request
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import Request, Sequence, Status
+from engine.core.stats import EngineMetrics
+from engine.cpu.threads import CpuThreads
+from engine.text.structured import GrammarBackend
+from engine.text.tokenizer import detokenize_step, find_stop, load_tokenizer, start_detokenizer
 
 log = logging.getLogger("engine")
 

@@ -1,8 +1,8 @@
-"""A thread-safe host for an :class:`~engine.embedding.EmbeddingEngine`, shared by many producers.
+"""A thread-safe host for an :class:`~engine.embedding.engine.EmbeddingEngine`, shared by many producers.
 
 The worker runs several shard threads per process; each submits embedding requests (one request
 holds one or more inputs, already tokenized) and gets a :class:`concurrent.futures.Future` that
-resolves with the request's :class:`~engine.embedding.EmbeddingOutput` list, in input order.
+resolves with the request's :class:`~engine.embedding.engine.EmbeddingOutput` list, in input order.
 
 The loop thread takes the pending requests of every producer together, up to ``round_tokens``
 input tokens, and hands all their inputs to the engine at once, so inputs of similar length from
@@ -22,7 +22,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from engine.embedding import EmbeddingEngine, EmbeddingOutput
+from engine.embedding.engine import EmbeddingEngine, EmbeddingOutput
 
 logger = logging.getLogger(__name__)
 

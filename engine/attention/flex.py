@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from engine.attention import AttentionContext, FlexStep
+from engine.attention.paged import AttentionContext, FlexStep
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -26,7 +26,7 @@ class EngineConfig:
 
     ``kv_cache_memory`` is bytes (int) or a fraction (float in (0, 1]) of the accelerator
     memory left free by the weights and by the activation peak of a profiling forward at
-    ``max_num_batched_tokens`` (engine/memory.py); on CPU a fraction applies to 1 GiB. ``num_kv_blocks``,
+    ``max_num_batched_tokens`` (engine/core/memory.py); on CPU a fraction applies to 1 GiB. ``num_kv_blocks``,
     when set, overrides the memory budget. ``admission`` orders waiting requests: "batch"
     groups shared prefixes and starts long work first, "fcfs" keeps arrival order.
     ``attention_backend``: "sdpa" (one call per sequence, fastest on CPU), "flex" (one
@@ -52,9 +52,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     cuda_graphs: bool = True
     cuda_graph_max_batch: int = 256
-    enable_metrics: bool = True  # per-step and per-request histograms (engine/stats.py)
+    enable_metrics: bool = True  # per-step and per-request histograms (engine/core/stats.py)
     # On a CPU, size torch's intra-op threads to the cores other processes leave free
-    # (engine/cpu_threads.py); off keeps the threads torch was given.
+    # (engine/cpu/threads.py); off keeps the threads torch was given.
     adapt_cpu_threads: bool = False
 
     def __post_init__(self) -> None:

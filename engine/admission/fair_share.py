@@ -10,7 +10,7 @@ slot, and work that fits in the free room suspends nothing.
 
 While urgent work (``priority < 0``) runs, :func:`guard_urgent` also holds less urgent
 requests to the few that keep its steps within a slowdown of their cost without them
-(``engine.step_cost``): on an accelerator that is every free slot, on a CPU a handful. The
+(``engine.admission.step_cost``): on an accelerator that is every free slot, on a CPU a handful. The
 bound is set by the urgent episode's peak (its requests in flight and pending) and only grows
 within an episode, so it never suspends more bulk as the urgent requests finish one by one or
 as the measured step cost wavers.
@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
-from engine.fair_queue import FairQueue
+from engine.admission.fair_queue import FairQueue
 
 
 class Running(Protocol):

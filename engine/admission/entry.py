@@ -15,8 +15,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, aborted_output
-from engine.sampling_params import SamplingParams
+from engine.core.outputs import CompletionOutput, RequestMetrics, RequestOutput, aborted_output
+from engine.core.sampling_params import SamplingParams
 
 PENDING, IN_FLIGHT = "pending", "in_flight"
 

@@ -1,7 +1,7 @@
 """A fixed pool of KV blocks with ref counts and prefix caching.
 
 A full block is identified by a key chain: SHA-256 of the parent block's key and the block's
-token ids (``engine.sequence.block_digest``), so equal keys mean equal prefixes. A block whose
+token ids (``engine.core.sequence.block_digest``), so equal keys mean equal prefixes. A block whose
 K/V are computed is registered under (its request's cache salt, its key); when its last user
 frees it, it stays cached in an LRU free list and is reused (evicted) only when a fresh block
 is needed. Sequences free their blocks tail first, so the end of a prompt is evicted before its
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from engine.sequence import Sequence
+from engine.core.sequence import Sequence
 
 CacheKey = tuple[str | None, bytes]  # (cache salt, block key)
 

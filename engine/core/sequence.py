@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from engine.outputs import RequestMetrics, TokenLogprob
-from engine.sampling_params import SamplingParams
+from engine.core.outputs import RequestMetrics, TokenLogprob
+from engine.core.sampling_params import SamplingParams
 
 
 class Status(enum.Enum):

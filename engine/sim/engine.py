@@ -45,7 +45,7 @@ Stop strings, stop token ids, sampling values, penalties and ``json_schema`` are
 and ignored. The prompt is checked as the real engine checks it (empty, a token id outside
 the tokenizer's vocabulary, no room under ``max_model_len``: ``RequestError``).
 
-Statistics (``EngineStats``) and metrics (``engine.stats.EngineMetrics``) have the real
+Statistics (``EngineStats``) and metrics (``engine.core.stats.EngineMetrics``) have the real
 engine's fields and meanings: prompt tokens counted once per request at its first admission,
 output tokens as they are produced (so an abort's partial tokens count), time to first token,
 inter-token latency and step time per virtual step. There is no prefix cache (no cached
@@ -70,8 +70,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.config import DEFAULT_MAX_NUM_SEQS_ACCELERATOR, EngineConfig
-from engine.outputs import (
+from engine.admission.step_cost import StepCostCurve
+from engine.core.config import DEFAULT_MAX_NUM_SEQS_ACCELERATOR, EngineConfig
+from engine.core.outputs import (
     CompletionOutput,
     EngineStats,
     RequestError,
@@ -79,9 +80,8 @@ from engine.outputs import (
     RequestOutput,
     TokenLogprob,
 )
-from engine.sampling_params import SamplingParams, check_new_request
-from engine.stats import EngineMetrics
-from engine.step_cost import StepCostCurve
+from engine.core.sampling_params import SamplingParams, check_new_request
+from engine.core.stats import EngineMetrics
 
 log = logging.getLogger("engine.sim")
 
@@ -278,7 +278,7 @@ class SimEngine:
         if self.config.max_model_len < 2:  # type: ignore[operator]
             raise ValueError(f"max_model_len must be at least 2, got {self.config.max_model_len}")
         if isinstance(tokenizer, str):
-            from engine.tokenizer import load_tokenizer
+            from engine.text.tokenizer import load_tokenizer
 
             tokenizer = load_tokenizer(tokenizer)
         self.tokenizer = tokenizer

@@ -11,10 +11,10 @@ head_dim]``, so a KV head's keys of one block are one contiguous run, a gather o
 blocks (``index_select`` on dim 1) yields ``[kv_heads, tokens, head_dim]`` ready for a matmul,
 and the whole pool of one head is ``[slots, head_dim]`` in place (slot = block * size + offset).
 
-- ``sdpa`` (:mod:`engine.attention_sdpa`, the CPU backend): the decode rows of a step attend
+- ``sdpa`` (:mod:`engine.attention.sdpa`, the CPU backend): the decode rows of a step attend
   together, in a few padded batched matmuls over their gathered blocks (sequences grouped by
   length so padding stays small); each prefill chunk attends with its own SDPA call.
-- ``flex`` (:mod:`engine.attention_flex`, the CUDA backend): one FlexAttention call per layer
+- ``flex`` (:mod:`engine.attention.flex`, the CUDA backend): one FlexAttention call per layer
   over the whole packed step, reading K/V in place from the paged cache through the block
   tables, so the kernel launches of a step do not grow with the number of sequences.
 

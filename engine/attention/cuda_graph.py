@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from engine.attention import AttentionContext, FlexStep
-from engine.step import StepBatch
+from engine.attention.paged import AttentionContext, FlexStep
+from engine.core.step import StepBatch
 
 log = logging.getLogger("engine")
 

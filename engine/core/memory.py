@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from engine.config import DEFAULT_CPU_KV_BYTES
+from engine.core.config import DEFAULT_CPU_KV_BYTES
 
 
 def blocks_per_sequence(max_model_len: int, block_size: int) -> int:

@@ -22,9 +22,9 @@ import heapq
 from collections import deque
 from collections.abc import Iterator
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.sequence import Sequence, Status
+from engine.core.block_manager import BlockManager
+from engine.core.config import EngineConfig
+from engine.core.sequence import Sequence, Status
 
 # (priority, -expected work, sequence id, sequence, epoch at push)
 HeapItem = tuple[int, int, int, Sequence, int]

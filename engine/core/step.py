@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionContext
-from engine.sequence import Sequence
+from engine.attention.paged import AttentionContext
+from engine.core.sequence import Sequence
 
 
 @dataclass(slots=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from engine.sequence import Sequence
+from engine.core.sequence import Sequence
 
 # transformers resolves its classes through a lazy module that is not safe for concurrent
 # first imports (a thread may see ``cannot import name 'AutoTokenizer'`` while another one
