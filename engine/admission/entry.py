@@ -1,6 +1,7 @@
-"""The host's record of one request (:class:`Entry`), its cost for fair sharing, and how its
-future settles: every future resolves once, with an output or an error, and a future the
-caller cancelled while it was pending is left alone.
+"""The host's record of one request: its :class:`Entry`, its cost, and how its future settles.
+
+Every future resolves once, with an output or an error, and a future the caller cancelled
+while it was pending is left alone.
 
 An ``n > 1`` request is split into ``n`` entries of one completion each (:func:`split`), so
 that it holds ``n`` slots in the fair shares, queues, and is suspended, one completion at a
@@ -176,3 +177,18 @@ def resolve_call(future: Future, fn: Callable[[], Any]) -> None:
         future.set_result(fn())
     except Exception as exc:
         future.set_exception(exc)
+
+
+def claim(entry: Entry) -> bool:
+    """Mark the caller's future running as ``entry`` is admitted; False if the caller
+    cancelled it (or, for a completion of a split request, if the request already failed)."""
+    if entry.fanout is None:
+        return entry.future.set_running_or_notify_cancel()
+    caller = entry.fanout.future
+    if not caller.running():
+        try:
+            if not caller.set_running_or_notify_cancel():
+                return False
+        except RuntimeError:  # already failed, by another of its completions
+            return False
+    return entry.future.set_running_or_notify_cancel()

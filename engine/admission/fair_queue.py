@@ -1,7 +1,9 @@
-"""The host's admission queue: pending requests released by deficit round-robin on tokens,
-strictly by priority tier, fairly across tenants, earliest deadline first across a tenant's
+"""The host's queue of pending requests, released by deficit round-robin on tokens.
+
+Strictly by priority tier, fairly across tenants, earliest deadline first across a tenant's
 batches (fairly among batches without one), longest work first inside a batch (see
-:class:`FairQueue`)."""
+:class:`FairQueue`).
+"""
 
 from __future__ import annotations
 

@@ -8,23 +8,16 @@ suspended in the engine (their KV freed, what they generated kept) and wait firs
 batch; they resume when their tenant is below its share again. One tenant alone keeps every
 slot, and work that fits in the free room suspends nothing.
 
-While urgent work (``priority < 0``) runs, :func:`guard_urgent` also holds less urgent
-requests to the few that keep its steps within a slowdown of their cost without them
-(``engine.admission.step_cost``): on an accelerator that is every free slot, on a CPU a handful. The
-bound is set by the urgent episode's peak (its requests in flight and pending) and only grows
-within an episode, so it never suspends more bulk as the urgent requests finish one by one or
-as the measured step cost wavers.
-
 The policy is pure: :func:`plan_shares` reads the pending queue and the in-flight requests
 and says which requests to suspend (in order, until ``need`` of them are) and which tenants
-hold their share; :func:`guard_urgent` says which to suspend and how many more may enter; the
-host carries both out.
+hold their share; the host carries it out. (The urgent guard, which holds less urgent work
+back while urgent work runs, is ``engine.admission.policy.guard_urgent``.)
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
@@ -83,39 +76,3 @@ def plan_shares(
             over[entry.tenant] -= 1
             candidates.append(entry)
     return SharePlan(candidates, need, full)
-
-
-@dataclass(frozen=True, slots=True)
-class GuardPlan(Generic[R]):
-    """``suspend``: in-flight requests of less urgent tiers to suspend, newest first;
-    ``room``: how many more of them may be admitted now (None: no bound); ``peak`` and
-    ``allowed``: the urgent episode's peak so far and the slots less urgent work may hold
-    (0 and None when no urgent work is in flight or pending)."""
-
-    suspend: list[R] = field(default_factory=list)
-    room: int | None = None
-    peak: int = 0
-    allowed: int | None = None
-
-
-def guard_urgent(
-    in_flight: Sequence[R],
-    pending_urgent: int,
-    room_for: Callable[[int], int],
-    last: GuardPlan | None = None,
-) -> GuardPlan[R]:
-    """While urgent work is in flight or pending, less urgent requests may hold
-    ``room_for(peak)`` slots, ``peak`` the most urgent requests in flight and pending at once
-    since the episode began; within an episode those slots only grow (``last`` is the
-    previous plan), so a step-cost estimate that wavers never suspends what it let in.
-    ``in_flight`` oldest first."""
-    urgent = sum(1 for e in in_flight if e.priority < 0)
-    if not urgent and not pending_urgent:
-        return GuardPlan()
-    peak = max(last.peak if last else 0, urgent + pending_urgent)
-    allowed = room_for(peak)
-    if last is not None and last.allowed is not None:
-        allowed = max(allowed, last.allowed)
-    lesser = [e for e in in_flight if e.priority >= 0]
-    excess = len(lesser) - allowed
-    return GuardPlan(lesser[::-1][: max(0, excess)], max(0, allowed - len(lesser)), peak, allowed)

@@ -14,6 +14,10 @@ running sequences come first (their shared prefix is cached), then the longest e
 (prompt + max_tokens). Under "fcfs" arrival order is kept. Under either, a sequence whose next
 uncached block is being computed right now by another sequence waits a step, so it hits the
 cache instead of computing the same prefix twice.
+
+Which requests reach this queue is the host's decision (``engine.admission``); the rule for
+urgent work that is already here, the slots kept for it, is the host's too
+(``engine.admission.policy.UrgentReservation``): this scheduler holds it and carries it out.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import heapq
 from collections import deque
 from collections.abc import Iterator
 
+from engine.admission.policy import UrgentReservation
 from engine.core.block_manager import BlockManager
 from engine.core.config import EngineConfig
 from engine.core.sequence import Sequence, Status
@@ -209,8 +214,7 @@ class Scheduler:
         self.hot_buckets: dict[object, int] = {}  # bucket -> number of running members
         self.num_preemptions = 0
         self.num_chunked_prefills = 0
-        self.urgent_seqs = 0  # see reserve_for_urgent
-        self.urgent_tokens = 0
+        self.reservation = UrgentReservation()  # see reserve_for_urgent
         self.urgent_waiting = False
         self.total_prompt_tokens = 0
         self.total_cached_tokens = 0
@@ -325,44 +329,26 @@ class Scheduler:
 
     def reserve_for_urgent(self, seqs: int, tokens: int) -> None:
         """Keep up to ``seqs`` sequence slots and ``tokens`` of each step's budget for urgent
-        work (``priority < 0``, the service's ``high`` tier).
-
-        The reservation is lent, not fenced off: while no urgent sequence waits, other work
-        may fill every slot, so a bulk job alone keeps the engine as full as without one.
-        When urgent sequences wait, this step (1) preempts the newest non-urgent running
-        sequences (least computed; their full blocks stay in the prefix cache, so the
-        recompute is mostly cache hits) until the urgent ones have free slots, up to the
-        reservation; (2) holds ``tokens`` back from non-urgent running sequences; (3) admits
-        no non-urgent sequence before the urgent ones. Urgent work beyond the reservation does
-        not preempt anything: it waits for slots that finishing sequences free, ahead of all
-        other waiting work. Preempting past the reservation would buy a few steps of latency
-        with recompute, and the reservation exists to bound exactly that trade.
-        """
-        if seqs < 0 or tokens < 0:
-            raise ValueError(f"reserved seqs and tokens must be >= 0, got {seqs}, {tokens}")
-        self.urgent_seqs = min(seqs, self.config.max_num_seqs)
-        self.urgent_tokens = min(tokens, self.config.max_num_batched_tokens - 1)
+        work (``priority < 0``): the rule, lent while no urgent work waits, is
+        ``engine.admission.policy.UrgentReservation``; this scheduler carries it out."""
+        self.reservation = UrgentReservation(seqs, tokens).capped(
+            self.config.max_num_seqs, self.config.max_num_batched_tokens
+        )
 
     def _make_room_for_urgent(self) -> int:
-        """Apply the reservation for this step (see :meth:`reserve_for_urgent`); the tokens
-        to hold back from non-urgent running sequences."""
+        """Apply the reservation for this step: preempt the sequences it names, and return
+        the tokens to hold back from non-urgent running sequences."""
         self.urgent_waiting = False
-        if not self.urgent_seqs:
+        reservation = self.reservation
+        if not reservation.seqs:
             return 0
         waiting = self.waiting.num_urgent()
-        if not waiting:
+        if not reservation.applies(waiting):
             return 0
         self.urgent_waiting = True
-        urgent_running = sum(1 for seq in self.running if seq.priority < 0)
-        want = min(waiting, self.urgent_seqs - urgent_running)
-        free = self.config.max_num_seqs - len(self.running)
-        for victim in reversed(list(self.running)):
-            if free >= want:
-                break
-            if victim.priority >= 0:
-                self.preempt(victim)
-                free += 1
-        return self.urgent_tokens
+        for victim in reservation.victims(self.running, waiting, self.config.max_num_seqs):
+            self.preempt(victim)
+        return reservation.tokens
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
