@@ -22,28 +22,8 @@ call are reported at its end, and the slots they free are refilled then: the mea
 is the configured one less at most ``MIN_CALL_S`` per request. A call costs work per event
 (an admission, a first token, a finish), never per token per sequence.
 
-Admission. At most ``max_num_seqs`` sequences run; the rest wait first come, first served
-(lower ``priority`` first, then arrival, as the real scheduler's "fcfs" admission), with
-preempted and resumed sequences first in line. ``Scheduler.reserve_for_urgent`` is honoured
-like the real scheduler's: urgent work (``priority < 0``) that waits preempts the newest
-non-urgent sequences, up to the reservation. A preempted, suspended and then resumed sequence
-keeps its tokens and waits the first-token latency again (it recomputes its context).
-``n > 1`` requests run ``n`` sequences; ``completion_index`` works as in the real engine.
-
-What a completion is, a pure function of the request (never of the batch it ran in):
-
-- its length: ``max_tokens`` (finish_reason "length"), clamped so prompt + output fits
-  ``max_model_len``. With ``lengths="hash"``, a length drawn from ``[1, max_tokens]`` by a hash
-  of the prompt ids and the completion index, finish_reason "stop" when it ends before
-  ``max_tokens`` (``ignore_eos`` keeps ``max_tokens``);
-- its token ids: position ``j`` of completion ``i`` is entry ``(h + i * 7919 + j) mod P`` of a
-  fixed pseudo-random stream of ``P`` ordinary word tokens of the tokenizer (``h`` a hash of
-  the prompt ids); its text is the tokenizer's decoding of those ids;
-- with ``logprobs``: each token at logprob 0, with ``top_logprobs`` alternatives below it.
-
-Stop strings, stop token ids, sampling values, penalties and ``json_schema`` are accepted
-and ignored. The prompt is checked as the real engine checks it (empty, a token id outside
-the tokenizer's vocabulary, no room under ``max_model_len``: ``RequestError``).
+Who waits and who runs is ``engine.sim.scheduler``; what each completion is, a pure function
+of its request, is ``engine.sim.requests``.
 
 Statistics (``EngineStats``) and metrics (``engine.core.stats.EngineMetrics``) have the real
 engine's fields and meanings: prompt tokens counted once per request at its first admission,
@@ -57,31 +37,26 @@ engine (``dtype``, ``device``, ``kv_cache_memory``, …) are accepted and have n
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import heapq
 import itertools
 import logging
 import math
-import random
 import time
-from array import array
 from collections import deque
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from engine.admission.step_cost import StepCostCurve
 from engine.core.config import DEFAULT_MAX_NUM_SEQS_ACCELERATOR, EngineConfig
 from engine.core.outputs import (
-    CompletionOutput,
     EngineStats,
     RequestError,
     RequestMetrics,
     RequestOutput,
-    TokenLogprob,
 )
 from engine.core.sampling_params import SamplingParams, check_new_request
 from engine.core.stats import EngineMetrics
+from engine.sim.requests import Completions, SimRequest, SimSeq, prompt_hash
+from engine.sim.scheduler import SimScheduler
 
 log = logging.getLogger("engine.sim")
 
@@ -90,156 +65,6 @@ LENGTHS = ("max", "hash")
 MIN_CALL_S = 0.002  # a step() call covers at least this much virtual time...
 MAX_CALL_S = 0.02  # ...and at most this much, so new work and aborts wait no longer
 MAX_LAG_S = 0.05  # a call that starts later than this after the clock's due time restarts it
-STREAM_LEN = 65521  # P: the token stream's period (a prime)
-STREAM_SEED = 20240601
-INDEX_STRIDE = 7919  # completion i starts i * 7919 tokens further along the stream
-_M64 = (1 << 64) - 1
-
-
-@dataclass(slots=True, eq=False)
-class SimRequest:
-    """A request in the simulated engine (the handle ``suspend_request`` returns)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    metrics: RequestMetrics
-    prompt_hash: int
-    seqs: list[SimSeq] = field(default_factory=list)
-    num_unfinished: int = 0
-    admitted: bool = False  # its prompt was counted in the engine's prompt totals
-
-
-@dataclass(slots=True, eq=False)
-class SimSeq:
-    """One completion. Its tokens in the current run are a range of virtual steps."""
-
-    seq_id: int
-    request: SimRequest
-    index: int  # the completion's index in its request
-    priority: int
-    length: int  # the tokens it produces in all
-    reason: str  # its finish_reason once it has them
-    done: int = 0  # tokens produced before its current run (preemption, suspension)
-    first: int = 0  # the virtual step of the current run's first token
-    last: int = 0  # the virtual step of its final token
-    epoch: int = 0  # bumped whenever it stops running: older index entries are stale
-    status: str = "waiting"  # waiting, running, suspended, finished
-    finish_reason: str | None = None
-    num_tokens: int = 0  # tokens produced, once finished or aborted
-
-
-class SimScheduler:
-    """Who runs: at most ``max_num_seqs`` sequences, the rest waiting in line (see the module
-    docstring). Owns the running set and the waiting line; the engine owns the clock."""
-
-    def __init__(self, max_num_seqs: int) -> None:
-        self.max_num_seqs = max_num_seqs
-        self.running: dict[int, SimSeq] = {}  # by seq id, oldest admission first
-        self.waiting = SimWaiting()
-        self.urgent_seqs = 0
-        self.urgent_tokens = 0
-        self.num_preemptions = 0
-        self.num_chunked_prefills = 0  # never: kept for the real scheduler's readers
-
-    def reserve_for_urgent(self, seqs: int, tokens: int) -> None:
-        """Keep up to ``seqs`` slots for urgent work (``Scheduler.reserve_for_urgent``); a
-        simulated step has no token budget, so ``tokens`` only is checked."""
-        if seqs < 0 or tokens < 0:
-            raise ValueError(f"reserved seqs and tokens must be >= 0, got {seqs}, {tokens}")
-        self.urgent_seqs = min(seqs, self.max_num_seqs)
-        self.urgent_tokens = tokens
-
-    def to_preempt(self) -> list[SimSeq]:
-        """The newest non-urgent running sequences to preempt so that waiting urgent work gets
-        its reserved slots (none when no urgent work waits)."""
-        waiting = self.waiting.urgent
-        if not self.urgent_seqs or not waiting:
-            return []
-        urgent_running = sum(1 for s in self.running.values() if s.priority < 0)
-        want = min(waiting, self.urgent_seqs - urgent_running)
-        free = self.max_num_seqs - len(self.running)
-        victims: list[SimSeq] = []
-        for seq in reversed(self.running.values()):
-            if free >= want:
-                break
-            if seq.priority >= 0:
-                victims.append(seq)
-                free += 1
-        return victims
-
-    def admit(self) -> list[SimSeq]:
-        """Take waiting sequences into the free slots, in line order; only urgent ones while
-        urgent work waits. Returns them (now running)."""
-        room = self.max_num_seqs - len(self.running)
-        if room <= 0 or not self.waiting:
-            return []
-        taken = self.waiting.take(
-            room, urgent_only=self.urgent_seqs > 0 and self.waiting.urgent > 0
-        )
-        for seq in taken:
-            seq.status = "running"
-            self.running[seq.seq_id] = seq
-        return taken
-
-
-class SimWaiting:
-    """The waiting line: preempted and resumed sequences first, then by priority (lower
-    first), then arrival."""
-
-    def __init__(self) -> None:
-        self.front: deque[SimSeq] = deque()
-        self.by_priority: dict[int, deque[SimSeq]] = {}
-        self.size = 0
-        self.urgent = 0  # waiting sequences with priority < 0
-
-    def __len__(self) -> int:
-        return self.size
-
-    def push(self, seq: SimSeq, front: bool = False) -> None:
-        if front:
-            self.front.appendleft(seq)
-        else:
-            self.by_priority.setdefault(seq.priority, deque()).append(seq)
-        self._count(seq, +1)
-        seq.status = "waiting"
-
-    def remove(self, seq: SimSeq) -> None:
-        queue = self.by_priority.get(seq.priority)
-        if queue is not None and seq in queue:
-            queue.remove(seq)
-            if not queue:
-                del self.by_priority[seq.priority]
-        else:
-            self.front.remove(seq)
-        self._count(seq, -1)
-
-    def take(self, room: int, urgent_only: bool) -> list[SimSeq]:
-        taken: list[SimSeq] = []
-        for queue in self._queues():
-            kept: list[SimSeq] = []
-            while queue and len(taken) < room:
-                seq = queue.popleft()
-                if urgent_only and seq.priority >= 0:
-                    kept.append(seq)
-                else:
-                    taken.append(seq)
-                    self._count(seq, -1)
-            queue.extendleft(reversed(kept))
-            if len(taken) >= room:
-                break
-        self.by_priority = {p: q for p, q in self.by_priority.items() if q}
-        return taken
-
-    def _queues(self) -> Iterator[deque[SimSeq]]:
-        yield self.front
-        for priority in sorted(self.by_priority):
-            yield self.by_priority[priority]
-
-    def _count(self, seq: SimSeq, delta: int) -> None:
-        self.size += delta
-        if seq.priority < 0:
-            self.urgent += delta
 
 
 class SimEngine:
@@ -296,7 +121,7 @@ class SimEngine:
         self._ttft_steps = max(1, math.ceil(self.ttft_ms * self.tokens_per_s / 1000 - 1e-9))
         self._min_steps = max(1, round(MIN_CALL_S * self.tokens_per_s))
         self._max_steps = max(self._min_steps, round(MAX_CALL_S * self.tokens_per_s))
-        self._stream, self._text_of = _token_stream(tokenizer, self.max_model_len)
+        self.completions = Completions(tokenizer, self.max_model_len, lengths)
         self._seq_ids = itertools.count()
         self._step = 0  # virtual steps done
         self._due: float | None = None  # when (perf_counter) the last virtual step is due
@@ -338,7 +163,7 @@ class SimEngine:
                 f"{self.max_model_len} and at least one token must be generated",
                 "context_length_exceeded",
             )
-        h = _prompt_hash(prompt)
+        h = prompt_hash(prompt)
         request = SimRequest(
             request_id, prompt, params, RequestMetrics(arrival_time=time.time()), h
         )
@@ -346,7 +171,7 @@ class SimEngine:
         room = self.max_model_len - len(prompt)
         indexes = range(params.n) if params.n > 1 else (completion_index,)
         for index in indexes:
-            length, reason = self._length(h, index, params, room)
+            length, reason = self.completions.length(h, index, params, room)
             seq = SimSeq(next(self._seq_ids), request, index, int(priority), length, reason)
             request.seqs.append(seq)
             self.scheduler.waiting.push(seq)
@@ -363,7 +188,7 @@ class SimEngine:
                 seq.num_tokens = self._leave(seq)
                 seq.status, seq.finish_reason = "finished", "abort"
         request.metrics.finished_time = time.time()
-        self._aborted.append(self._output(request))
+        self._aborted.append(self.completions.output(request))
         request.seqs = []
         return True
 
@@ -483,7 +308,7 @@ class SimEngine:
             request.num_unfinished -= 1
             if request.num_unfinished == 0:
                 self.requests.pop(request.request_id, None)
-                done.append(self._output(request))
+                done.append(self.completions.output(request))
                 request.seqs = []
         self._step = s1
         if not running:  # whatever is left in the indexes is stale
@@ -569,66 +394,6 @@ class SimEngine:
             reason = first.finish_reason or "unknown"
             metrics.finished[reason] = metrics.finished.get(reason, 0) + 1
 
-    # -- what a completion is -----------------------------------------------------------------
-
-    def _length(self, h: int, index: int, params: SamplingParams, room: int) -> tuple[int, str]:
-        want = params.max_tokens
-        reason = "length"
-        if self.lengths == "hash" and not params.ignore_eos:
-            drawn = 1 + _mix(h ^ (index * 0x9E3779B97F4A7C15)) % want
-            if drawn < want:
-                want, reason = drawn, "stop"
-        if want > room:
-            return room, "length"
-        return want, reason
-
-    def _output(self, request: SimRequest) -> RequestOutput:
-        outputs = []
-        for seq in sorted(request.seqs, key=lambda s: s.index):
-            ids = self.token_ids(request.prompt_hash, seq.index, seq.num_tokens)
-            outputs.append(
-                CompletionOutput(
-                    index=seq.index,
-                    text=self._text(ids),
-                    token_ids=ids,
-                    finish_reason=seq.finish_reason,  # type: ignore[arg-type]
-                    stop_reason=None,
-                    logprobs=self._logprobs(ids, request.params),
-                )
-            )
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=outputs,
-            finished=True,
-            metrics=request.metrics,
-        )
-
-    def token_ids(self, prompt_hash: int, index: int, count: int) -> list[int]:
-        """The first ``count`` output token ids of completion ``index`` of a prompt."""
-        offset = (prompt_hash + index * INDEX_STRIDE) % STREAM_LEN
-        return self._stream[offset : offset + count]
-
-    def _text(self, ids: list[int]) -> str:
-        if self._text_of is not None:
-            return "".join(map(self._text_of.__getitem__, ids))
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def _logprobs(self, ids: list[int], params: SamplingParams) -> list[TokenLogprob] | None:
-        if not params.logprobs:
-            return None
-        k, stream = params.top_logprobs, self._stream
-        return [
-            TokenLogprob(
-                t,
-                0.0,
-                [(t, 0.0)] + [(stream[(t + 31 * i) % STREAM_LEN], -10.0 * i) for i in range(1, k)]
-                if k
-                else [],
-            )
-            for t in ids
-        ]
-
     def _check_ids(self, request_id: str, prompt: list[int]) -> None:
         try:
             ok = min(prompt) >= 0 and max(prompt) < self.vocab_size
@@ -666,42 +431,3 @@ class SimEngine:
 def _stale(entry: tuple[int, int, int], running: dict[int, SimSeq]) -> bool:
     seq = running.get(entry[1])
     return seq is None or seq.epoch != entry[2]
-
-
-def _mix(x: int) -> int:
-    """splitmix64's finaliser: a well-spread 64-bit hash of ``x``."""
-    x = (x + 0x9E3779B97F4A7C15) & _M64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
-    return x ^ (x >> 31)
-
-
-def _prompt_hash(prompt: list[int]) -> int:
-    data = array("q", prompt).tobytes()
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
-
-
-def _token_stream(tokenizer: Any, max_len: int) -> tuple[list[int], dict[int, str] | None]:
-    """A fixed pseudo-random stream of word tokens (``STREAM_LEN`` long, extended by
-    ``max_len`` so that any window is one slice), and each token's text when the tokenizer
-    decodes a run of them as the concatenation of their texts (else None: decode each
-    output)."""
-    special = set(getattr(tokenizer, "all_special_ids", ()) or ())
-    texts = {}
-    for token_id in range(len(tokenizer)):
-        if token_id in special:
-            continue
-        text = tokenizer.decode([token_id])
-        if len(text) > 2 and text[0] == " " and text[1:].isascii() and text[1:].isalpha():
-            texts[token_id] = text
-    pool = sorted(texts) or [t for t in range(len(tokenizer)) if t not in special]
-    rng = random.Random(STREAM_SEED)
-    base = [rng.choice(pool) for _ in range(STREAM_LEN)]
-    stream = (base * (1 + max_len // STREAM_LEN + 1))[: STREAM_LEN + max_len]
-    probe = base[:64]
-    table = texts if texts else None
-    if table is not None and tokenizer.decode(probe, skip_special_tokens=True) != "".join(
-        table[t] for t in probe
-    ):
-        table = None
-    return stream, table
