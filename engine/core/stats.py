@@ -1,5 +1,7 @@
-"""Engine metrics cheap enough to leave on: counters and fixed-bucket histograms, recorded by
-the engine's loop thread and read by anyone (a metrics exporter, a benchmark).
+"""Engine metrics cheap enough to leave on: counters and fixed-bucket histograms.
+
+They are recorded by the engine's loop thread and read by anyone (a metrics exporter, a
+benchmark).
 
 The engine stays a leaf: nothing here knows Prometheus. A histogram is a list of bucket
 counts and a sum, so recording one value is a bisect and two additions; a reader copies the

@@ -1,5 +1,4 @@
-"""The packed inputs of one engine step, as the model runner builds them and runs them (eagerly
-or through a captured CUDA graph)."""
+"""The packed inputs of one engine step, run eagerly or through a captured CUDA graph."""
 
 from __future__ import annotations
 
