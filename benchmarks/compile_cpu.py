@@ -22,8 +22,8 @@ from collections.abc import Callable
 
 import torch
 
+from core.demo_models import build
 from engine import Engine, SamplingParams
-from engine.demo_models import build
 
 
 def _time(fn: Callable[[], object], repeats: int) -> float:

@@ -260,8 +260,8 @@ def _time_metrics(engine: Any) -> list[float]:
 
 def engine_device_dtype(engine_config: dict[str, Any]) -> tuple[str, str]:
     """The device and dtype the engine resolves ``engine_config`` to: every system runs there."""
-    from engine.config import EngineConfig
-    from engine.model_runner import resolve_device, resolve_dtype
+    from engine.core.config import EngineConfig
+    from engine.core.model_runner import resolve_device, resolve_dtype
 
     cfg = EngineConfig.from_kwargs(**engine_config)
     device = resolve_device(cfg.device)
@@ -356,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--compare-metrics",
         action="store_true",
-        help="run the engine with its metrics (engine/stats.py) off and on, --repeats rounds "
+        help="run the engine with its metrics (engine/core/stats.py) off and on, --repeats rounds "
         "in alternating order, instead; also reports the CPU time inside the metrics hooks",
     )
     p.add_argument("--repeats", type=int, default=3, help="rounds of --compare-metrics (default 3)")
@@ -544,7 +544,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
         model_dir = local_model_dir(str(args.model))
     else:
-        from engine.demo_models import build
+        from core.demo_models import build
 
         model_dir = str(build("llama-25m"))
     engine_config = _parse_engine_args(args.engine_arg)

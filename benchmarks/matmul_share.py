@@ -40,7 +40,7 @@ def matmul_rate(
 
 def model_weights(runner: Any) -> tuple[int, int]:
     """Weights of the decoder's linear layers (plain or packed), and of the output layer."""
-    from engine.cpu_linear import PackedLinear
+    from engine.cpu.linear import PackedLinear
 
     def size(m: Any) -> int:
         return m.in_features * m.out_features

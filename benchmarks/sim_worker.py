@@ -1,4 +1,4 @@
-"""One model worker serving a simulated model (``engine.sim``): its CPU seconds per result line
+"""One model worker serving a simulated model (``engine.sim.engine``): its CPU seconds per result line
 and its result lines per second, on one chat batch.
 
 A fresh Postgres database, a private Redis, the API, a control worker, beat and one model

@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
     args = p.parse_args(argv)
 
-    from engine.demo_models import build
+    from core.demo_models import build
 
     build(args.model_preset)  # once, before two processes race to build it
     work = Path(tempfile.mkdtemp(prefix="batchd-bench-upload-"))

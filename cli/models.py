@@ -15,7 +15,7 @@ def resolve_models(
     returned as they are. A model whose files cannot be served (or whose package is not
     installed) raises ``ModelSourceError`` naming it; ``say`` reports a conversion (slow)."""
     from core import gguf_models, served_models
-    from engine.demo_models import build
+    from core.demo_models import build
 
     resolved = {}
     for name, spec in models.items():

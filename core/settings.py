@@ -163,19 +163,19 @@ class Settings(BaseSettings):
     # cache for all, for single-tenant deployments.
     share_prefix_cache_across_tenants: bool = False
 
-    # Fair admission inside the engine host (see engine.host): the share of the engine's
+    # Fair admission inside the engine host (see engine.admission.host): the share of the engine's
     # max_num_seqs and token budget kept for "high" priority batches (lent to other work while
     # no high work waits); how much slower a step of "high" work may get for the other work
     # beside it (on a CPU, where a step's cost grows with its sequences, the rest is held to a
     # few slots while high work runs; on a GPU nothing is held back; "inf" turns it off); and
     # how long a "low" batch may wait for an admission before it shares the "normal" tier.
     high_priority_reserved_share: float = Field(default=0.125, ge=0.0, lt=1.0)
-    # How many requests an idle engine runs on their own before it fills (engine.host's
+    # How many requests an idle engine runs on their own before it fills (engine.admission.host's
     # lead_requests): a new batch's first results come back after a few cheap steps instead
     # of a full first wave (0: fill at once).
     first_results_lead: int = Field(default=4, ge=0)
     # On a CPU, a model worker sizes its engine's intra-op threads to the cores the other
-    # processes of the machine leave free (engine.cpu_threads; off: the threads torch chose).
+    # processes of the machine leave free (engine.cpu.threads; off: the threads torch chose).
     adapt_cpu_threads: bool = True
     high_priority_max_slowdown: float = Field(default=1.25, ge=1.0)
     low_priority_aging_s: float = Field(default=60.0, gt=0.0)

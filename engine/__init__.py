@@ -3,11 +3,10 @@
 A leaf package: it imports torch and transformers only.
 """
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.host import EngineHost
-from engine.llm import LLM
-from engine.outputs import (
+from engine.admission.host import EngineHost
+from engine.core.config import EngineConfig
+from engine.core.engine import Engine
+from engine.core.outputs import (
     CompletionOutput,
     EngineStats,
     RequestError,
@@ -15,7 +14,8 @@ from engine.outputs import (
     RequestOutput,
     TokenLogprob,
 )
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
+from engine.llm import LLM
 
 __all__ = [
     "LLM",

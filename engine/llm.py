@@ -6,10 +6,10 @@ import itertools
 import time
 from typing import Any
 
-from engine.engine import Engine
-from engine.outputs import RequestError, RequestMetrics, RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import chat_prompt_ids
+from engine.core.engine import Engine
+from engine.core.outputs import RequestError, RequestMetrics, RequestOutput
+from engine.core.sampling_params import SamplingParams
+from engine.text.tokenizer import chat_prompt_ids
 
 Prompt = str | list[int]
 

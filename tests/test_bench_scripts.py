@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.model_runner import resolve_device
+from engine.core.config import EngineConfig
+from engine.core.model_runner import resolve_device
 
 REPO = Path(__file__).resolve().parents[1]
 PG_HOST = os.environ.get("BATCHD_TEST_PG_HOST", "127.0.0.1")

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.model_runner import resolve_dtype
+from engine.core.model_runner import resolve_dtype
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -277,9 +277,9 @@ def create_app() -> Celery:
 # not safe for concurrent first imports: two task threads importing ``AutoTokenizer`` and
 # ``AutoModelForCausalLM`` at once (a validate beside the engine load) can fail with
 # ``ImportError: cannot import name 'AutoTokenizer' from 'transformers'``. ``AutoModel`` loads
-# the embedding models (engine.embedding).
+# the embedding models (engine.embedding.engine).
 TRANSFORMERS_NAMES = ("AutoConfig", "AutoTokenizer", "AutoModelForCausalLM", "AutoModel")
-TASK_DEPENDENCIES = ("engine", "engine.host", "engine.tokenizer")
+TASK_DEPENDENCIES = ("engine", "engine.admission.host", "engine.text.tokenizer")
 
 
 def import_task_dependencies() -> None:

@@ -12,7 +12,7 @@ multiprocess mode); the threads pool, which every model worker uses, needs nothi
 
 Engine figures are read at scrape time, never pushed: :class:`EngineCollector` asks each
 loaded engine host for a stats snapshot (taken by the host's loop between two steps) and
-copies the engine's histograms (engine/stats.py). Names follow vLLM's where the meaning is
+copies the engine's histograms (engine/core/stats.py). Names follow vLLM's where the meaning is
 the same, prefixed ``batchd_engine_`` (vLLM's ``vllm:num_requests_running`` is
 ``batchd_engine_num_requests_running`` here), each labelled with the served model.
 """

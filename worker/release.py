@@ -17,7 +17,7 @@ When a slot frees, the next shard is chosen by :func:`choose`, in this order:
    release, competes as ``normal`` (so steady ``normal`` load cannot starve it until it
    expires: it gets a shard at least once per aging time);
 2. tenant, within the tier: deficit round-robin on tokens, as in the engine host
-   (``engine.fair_queue``), with each shard costing its estimated tokens. The release layer
+   (``engine.admission.fair_queue``), with each shard costing its estimated tokens. The release layer
    keeps no state between calls (many processes release), so a tenant's deficit is read from
    the database: the tokens of its released-and-unfinished shards of this model. The tenant
    holding the fewest goes next, and among equals the one served longest ago (round-robin);

@@ -102,7 +102,7 @@ def model_dir(model: str) -> Path:
         logger.error("%s", message)
         raise ModelSourceError(message) from exc
     if path is None:
-        from engine.demo_models import build
+        from core.demo_models import build
 
         return build(source.split(":", 1)[1])
     return path
@@ -117,7 +117,7 @@ def tokenizer(model: str) -> Any:
         tok = _tokenizers.get(model)
         if tok is not None:
             return tok
-    from engine.tokenizer import load_tokenizer
+    from engine.text.tokenizer import load_tokenizer
 
     path = model_dir(model)  # outside the lock: a GGUF file's first conversion takes a while
     tok = load_tokenizer(str(path))
@@ -133,7 +133,7 @@ def context_length(model: str) -> int:
     limit = get_settings().engine_options.get("max_model_len")
     spec = model_spec(model)
     if served_models.is_sim(spec):
-        from engine.sim import DEFAULT_MAX_MODEL_LEN
+        from engine.sim.engine import DEFAULT_MAX_MODEL_LEN
 
         model_dir(model)  # a bad spec is refused here as at load
         limit = served_models.sim_spec(spec).max_model_len or limit or DEFAULT_MAX_MODEL_LEN
@@ -215,10 +215,10 @@ def _start_sim_host(
     host_options: dict[str, Any],
     started_at: float,
 ) -> EngineHost:
-    """A simulated model's host (``engine.sim``): the engine options, with the spec's own
+    """A simulated model's host (``engine.sim.engine``): the engine options, with the spec's own
     options over them, and the host options every generation model gets."""
     from engine import EngineHost
-    from engine.sim import SimEngine
+    from engine.sim.engine import SimEngine
 
     options.update(served_models.sim_spec(spec).engine_kwargs())
     engine = SimEngine(str(path), **options)
@@ -247,8 +247,8 @@ def _start_embedding_host(
 ) -> Any:
     """An embedding model's host: its device and dtype from the engine options; its batches
     sized by ``embedding_max_batch_tokens`` (default 16,384 padded tokens)."""
-    from engine.embedding import EmbeddingEngine
-    from engine.embedding_host import EmbeddingHost
+    from engine.embedding.engine import EmbeddingEngine
+    from engine.embedding.host import EmbeddingHost
 
     engine = EmbeddingEngine(
         path,

@@ -188,7 +188,7 @@ class ShardRun:
         self, req: BatchRequest, ids: list[int], params: Any, future: Future, alone: bool
     ) -> None:
         from engine import RequestError
-        from engine.host import HostError
+        from engine.admission.host import HostError
 
         self.in_flight -= 1
         if alone:
@@ -258,7 +258,7 @@ class ShardRun:
             self.pending.add_ok(req.line, record, result, finished)
 
     def _handle_embedding(self, req: BatchRequest, inputs: Any, dims: Any, future: Future) -> None:
-        from engine.embedding_host import EmbeddingAborted, EmbeddingHostClosed
+        from engine.embedding.host import EmbeddingAborted, EmbeddingHostClosed
 
         self.in_flight -= 1
         exc = future.exception()
@@ -290,7 +290,7 @@ class ShardRun:
     def _submit(self, req: BatchRequest, ids: list[int], params: Any, alone: bool = False) -> bool:
         """Hand one request to the host; False if the shard stopped first. Ordinary
         submissions wait while another shard isolates its suspects."""
-        from engine.host import HostError
+        from engine.admission.host import HostError
 
         def done(fut: Future, req: BatchRequest = req) -> None:
             self.done_q.put((req, ids, params, fut, alone))
@@ -358,7 +358,7 @@ class ShardRun:
         """The inputs as the model's token ids and the output size, or the request's error
         line (an input over the model's length, a token outside its vocabulary, a size it
         cannot cut to), naming the field."""
-        from engine.embedding import EmbeddingError
+        from engine.embedding.engine import EmbeddingError
 
         engine = self.host.engine
         single = not isinstance(req.body.get("input"), list) or not isinstance(
@@ -381,7 +381,7 @@ class ShardRun:
         """Whether the engine has drained. A host that does not answer for
         ``STATS_PATIENCE`` asks in a row is taken for dead (the attempt fails, the shard is
         reclaimed); until then a slow answer only means not yet."""
-        from engine.host import HostError
+        from engine.admission.host import HostError
 
         try:
             stats = self.host.stats(timeout=STATS_TIMEOUT_S)

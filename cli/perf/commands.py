@@ -31,7 +31,7 @@ def resolve_model(model: str | None) -> tuple[str, str]:
     spec = served.get(model, model)
     path = served_models.spec_dir(spec)
     if path is None:
-        from engine.demo_models import build
+        from core.demo_models import build
 
         path = build(spec.split(":", 1)[1])
     if not Path(path).is_dir():
@@ -240,7 +240,7 @@ def tune(
 
     from transformers import AutoConfig
 
-    from engine.tokenizer import load_tokenizer
+    from engine.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model_dir)
     config = AutoConfig.from_pretrained(model_dir)

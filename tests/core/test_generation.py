@@ -97,8 +97,8 @@ TEXTS = [
 
 def _tokenizers() -> list:
     from cli.models import local_model_dir
-    from engine.demo_models import build
-    from engine.tokenizer import load_tokenizer
+    from core.demo_models import build
+    from engine.text.tokenizer import load_tokenizer
 
     return [
         pytest.param(lambda: load_tokenizer(str(build("llama-tiny"))), id="demo"),

@@ -43,7 +43,7 @@ def stack(pg_url: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory)
     import redis
     from openai import OpenAI
 
-    from engine.demo_models import build
+    from core.demo_models import build
 
     build("llama-tiny")  # once, before two processes race to build it
     root = tmp_path_factory.mktemp("e2e")
@@ -102,7 +102,7 @@ def stack(pg_url: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory)
 
 @pytest.fixture
 def procs(tmp_path: Path) -> Iterator[Procs]:
-    from engine.demo_models import build
+    from core.demo_models import build
 
     build("llama-tiny")  # once, before several processes race to build it
     manager = Procs(tmp_path)

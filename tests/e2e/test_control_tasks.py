@@ -68,8 +68,8 @@ class Service:
 def service(
     pg_url: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Service]:
+    from core.demo_models import build
     from core.settings import get_settings
-    from engine.demo_models import build
 
     build("llama-tiny")  # once, before two processes race to build it
     root = tmp_path_factory.mktemp("control-tasks")

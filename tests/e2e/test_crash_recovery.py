@@ -137,8 +137,8 @@ def test_sigkilled_model_worker_loses_nothing_and_repeats_nothing(
     assert (batch.request_completed, batch.request_failed) == (len(texts), 0)
 
     # Same text as an uninterrupted greedy run.
+    from core.demo_models import build
     from engine import LLM, SamplingParams
-    from engine.demo_models import build
 
     llm = LLM(str(build("llama-tiny")), max_num_seqs=8, dtype="float32")  # as the stack
     want = llm.chat(

@@ -55,7 +55,7 @@ def test_embeddings_batch_through_the_service(
     from openai import OpenAI
     from openai.types import CreateEmbeddingResponse
 
-    from engine.embedding import EmbeddingEngine
+    from engine.embedding.engine import EmbeddingEngine
 
     broker = private_broker
     env = stack_env(

@@ -107,8 +107,8 @@ def service(
     import httpx
     from openai import OpenAI
 
+    from core.demo_models import build
     from core.settings import get_settings
-    from engine.demo_models import build
 
     build("llama-tiny")  # once, before two processes race to build it
     root = tmp_path_factory.mktemp("streamed-validation")

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from engine.config import EngineConfig
+from engine.core.config import EngineConfig
 
 TEST_DEVICE = os.environ.get("BATCHD_TEST_DEVICE", "cpu")
 
@@ -35,7 +35,7 @@ def engine_test_device() -> Iterator[str]:
 @pytest.fixture(scope="module")
 def path() -> str:
     """The tiny demo Llama (built on first use), shared by a module's tests."""
-    from engine.demo_models import build
+    from core.demo_models import build
 
     return str(build("llama-tiny"))
 

@@ -12,7 +12,7 @@ import torch
 
 from benchmarks.attention_ops import decode_step_ops
 from engine import Engine, SamplingParams
-from engine.cuda_graph import DecodeGraphs, bucket_for, graph_buckets
+from engine.attention.cuda_graph import DecodeGraphs, bucket_for, graph_buckets
 
 
 @pytest.mark.parametrize("backend, dtype", [("flex", "float32"), ("sdpa", "bfloat16")])
@@ -33,7 +33,7 @@ def test_the_counter_sees_a_call_per_sequence(path: str) -> None:
 def test_decode_groups_bound_the_padding() -> None:
     """Sorted by blocks, a group ends where a sequence needs over 1.5x and over 8 more blocks
     than the group's first: short contexts of any mix share one group."""
-    from engine.model_runner import _decode_groups
+    from engine.core.model_runner import _decode_groups
 
     assert _decode_groups([]) == []
     assert _decode_groups([1, 2, 5, 9]) == [4]

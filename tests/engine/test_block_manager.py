@@ -7,11 +7,11 @@ import struct
 
 import pytest
 
-from engine import sequence as sequence_module
-from engine.block_manager import BlockManager
-from engine.outputs import RequestMetrics
-from engine.sampling_params import SamplingParams
-from engine.sequence import Request, Sequence
+from engine.core import sequence as sequence_module
+from engine.core.block_manager import BlockManager
+from engine.core.outputs import RequestMetrics
+from engine.core.sampling_params import SamplingParams
+from engine.core.sequence import Request, Sequence
 
 BS = 4
 

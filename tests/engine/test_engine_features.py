@@ -7,11 +7,11 @@ import random
 import pytest
 import torch
 
+from core.demo_models import build
 from engine import LLM, Engine, EngineConfig, RequestError, SamplingParams
-from engine.demo_models import build
-from engine.outputs import RequestMetrics
-from engine.sampler import Sampler
-from engine.sequence import Request, Sequence
+from engine.core.outputs import RequestMetrics
+from engine.core.sampler import Sampler
+from engine.core.sequence import Request, Sequence
 
 
 def _prompt(seed: int, n: int) -> list[int]:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.fair_queue import FairQueue
-from engine.fair_share import GuardPlan, guard_urgent, plan_shares
+from engine.admission.fair_queue import FairQueue
+from engine.admission.fair_share import plan_shares
+from engine.admission.policy import GuardPlan, guard_urgent
 
 
 @dataclass(eq=False)

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from core.demo_models import build
 from engine import Engine, SamplingParams
-from engine.demo_models import build
 
 NUM_REQUESTS = 32
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from core.demo_models import build
 from engine import LLM, Engine, RequestError, SamplingParams
-from engine.demo_models import build
-from engine.host import EngineHost, EngineStepError, HostError, HostQueueFull
-from engine.step_cost import StepCostCurve
+from engine.admission.host import EngineHost, EngineStepError, HostError, HostQueueFull
+from engine.admission.step_cost import StepCostCurve
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 

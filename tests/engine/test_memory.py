@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, Engine, SamplingParams, memory
-from engine.config import DEFAULT_CPU_KV_BYTES
-from engine.demo_models import build
+from core.demo_models import build
+from engine import LLM, Engine, SamplingParams
+from engine.core import memory
+from engine.core.config import DEFAULT_CPU_KV_BYTES
 
 MiB = 1 << 20
 

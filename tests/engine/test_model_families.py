@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from core.demo_models import FAMILY_MODELS, build
 from engine import Engine, SamplingParams
-from engine.attention import check_kwargs, paged_attention
-from engine.demo_models import FAMILY_MODELS, build
+from engine.attention.paged import check_kwargs, paged_attention
 
 PROMPT_LENGTHS = [20, 45, 70, 100, 33, 130]
 MAX_TOKENS = [16, 24, 8, 12, 20, 6]
@@ -178,8 +178,8 @@ def test_unknown_attention_kwarg_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="'attention_sinks'"):
         layer = torch.nn.Module()
         layer.layer_idx = 0
-        from engine.attention import AttentionContext
-        from engine.attention_sdpa import SdpaBackend
+        from engine.attention.paged import AttentionContext
+        from engine.attention.sdpa import SdpaBackend
 
         cache = [torch.zeros(1, 4, 2, 8)]
         ctx = AttentionContext(cache, cache, torch.zeros(1, dtype=torch.long), SdpaBackend())
@@ -198,7 +198,7 @@ def test_a_model_with_an_unsupported_attention_feature_is_refused_at_load(tmp_pa
 
 
 def test_backend_is_chosen_by_device_and_validated() -> None:
-    from engine.attention import resolve_backend
+    from engine.attention.paged import resolve_backend
 
     assert resolve_backend("auto", torch.device("cpu")) == "sdpa"
     assert resolve_backend("auto", torch.device("cuda")) == "flex"

@@ -1,4 +1,4 @@
-"""The simulated engine (``engine.sim``): what it produces is a pure function of each request,
+"""The simulated engine (``engine.sim.engine``): what it produces is a pure function of each request,
 it admits like the real scheduler, and its statistics agree with its outputs.
 
 Every test counts engine work (virtual steps, tokens), never wall time: a call of
@@ -13,8 +13,8 @@ import pytest
 
 from core import served_models
 from engine import EngineHost, RequestError, RequestOutput, SamplingParams
-from engine.sim import MAX_CALL_S, SimEngine
-from engine.tokenizer import load_tokenizer
+from engine.sim.engine import MAX_CALL_S, SimEngine
+from engine.text.tokenizer import load_tokenizer
 
 RATE = 1000.0  # virtual steps per second: a call covers 2 to 20 of them
 CALL_MAX = round(MAX_CALL_S * RATE)

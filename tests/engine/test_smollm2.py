@@ -79,7 +79,7 @@ def engine(path: str) -> Engine:
 
 @pytest.fixture(scope="module")
 def prompts(engine: Engine) -> list[list[int]]:
-    from engine.tokenizer import chat_prompt_ids
+    from engine.text.tokenizer import chat_prompt_ids
 
     return [
         chat_prompt_ids(
@@ -201,7 +201,7 @@ NEAR_TIE_GAP = 0.5
 
 
 def test_auto_dtype_is_bf16_where_the_cpu_multiplies_it() -> None:
-    from engine.model_runner import cpu_supports_bf16, resolve_dtype
+    from engine.core.model_runner import cpu_supports_bf16, resolve_dtype
 
     cpu = torch.device("cpu")
     want = torch.bfloat16 if cpu_supports_bf16() else torch.float32

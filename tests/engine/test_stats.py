@@ -1,12 +1,12 @@
-"""The engine's metrics (engine/stats.py): what one run of known requests records."""
+"""The engine's metrics (engine/core/stats.py): what one run of known requests records."""
 
 from __future__ import annotations
 
 import pytest
 
+from core.demo_models import build
 from engine import Engine, SamplingParams
-from engine.demo_models import build
-from engine.stats import Histogram
+from engine.core.stats import Histogram
 
 
 def test_histogram_buckets_follow_prometheus_le() -> None:

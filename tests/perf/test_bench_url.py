@@ -25,7 +25,7 @@ JOBS, PER_JOB, OUTPUT_TOKENS = 2, 2, 3
 def running(pg_url: str, redis_url: str, tmp_path: Path) -> Iterator[tuple[str, str]]:
     """(the API's base URL, the broker URL) of a service started here."""
     from cli.perf.service import api_up
-    from engine.demo_models import build
+    from core.demo_models import build
 
     build("llama-tiny")  # once, before two processes race to build it
     root = tmp_path / "service"

@@ -7,7 +7,7 @@ import random
 
 from cli.perf.bench import Shapes, percentile, poisson_jobs, summary
 from cli.perf.tune import spread_order
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from worker import timings
 
 

@@ -18,7 +18,7 @@ def test_tune_writes_the_best_measured_point_as_engine_options(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from core.settings import Settings, get_settings
-    from engine.config import EngineConfig
+    from engine.core.config import EngineConfig
 
     out = tmp_path / "engine-options.json"
     result = CliRunner().invoke(

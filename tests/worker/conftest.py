@@ -45,8 +45,8 @@ def worker_env(
 @pytest.fixture(scope="session")
 def host() -> Iterator[Any]:
     """One engine host on the tiny model for the whole session (as in a model worker)."""
+    from core.demo_models import build
     from engine import Engine, EngineHost
-    from engine.demo_models import build
 
     h = EngineHost(Engine(str(build("llama-tiny")))).start()
     yield h

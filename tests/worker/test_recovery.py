@@ -73,8 +73,8 @@ def _contents(lines: list[dict]) -> dict[str, str]:
 def fault_host() -> Iterator[Any]:
     """A host whose engine fails every step while a prompt containing POISONPILL is in it, and
     refuses prompts containing REFUSEME (tests.worker.engine_faults)."""
+    from core.demo_models import build
     from engine import Engine, EngineHost
-    from engine.demo_models import build
     from tests.worker.engine_faults import install_test_fault
 
     engine = Engine(str(build("llama-tiny")), max_num_seqs=4)

@@ -1,0 +1,1 @@
+"""Paged attention over the packed step, with its CPU (SDPA) and CUDA (FlexAttention) backends."""

@@ -1,0 +1,161 @@
+"""The CPU attention backend: the decode rows of a step in groups, each prefill chunk on its own.
+
+1. Decode rows (one query per sequence) come in groups of sequences of similar length (the
+   runner sorts them and cuts the groups, :class:`engine.attention.paged.DecodeGroup`). Query heads
+   are folded onto their KV head (``[kv_heads, n, group, head_dim]``: a sequence's query heads
+   are the "queries" of its KV head) so GQA needs no K/V repeat. In bf16 (the default on a CPU
+   that multiplies it natively) one ``index_select`` of the group's blocks per layer gives
+   ``[kv_heads, n, keys, head_dim]`` padded to the longest, and one SDPA call with the
+   group's length mask (and sliding window) attends every row: a fixed number of operators
+   per layer whatever the number of sequences, 2-2.5x faster than a call per sequence. In
+   float32 one SDPA call per sequence over exactly its keys is the faster (twice, at
+   1,000-2,000 keys), so float32 keeps it.
+2. Each prefill chunk attends on its own: a chunk that starts the sequence uses the fresh K/V
+   with a causal SDPA; a chunk that continues one (chunked prefill, prefix-cache hit) gathers
+   the sequence's cached K/V and uses a causal mask offset by the context already computed.
+   A sliding window adds its lower bound to the mask.
+
+SDPA has no soft-capping, so a layer with ``softcap`` runs the same shapes through explicit
+matmul -> softcap -> mask -> float32 softmax -> matmul (transformers' eager order).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.paged import AttentionContext, DecodeGroup, PrefillChunk, softcapped
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float | None,
+    mask: torch.Tensor | None,
+    causal: bool,
+    softcap: float | None,
+) -> torch.Tensor:
+    """``q`` [1, H, q, D] against ``k``/``v`` [1, KV, n, D]; H a multiple of KV (GQA)."""
+    _, num_heads, n_q, head_dim = q.shape
+    kv_heads = k.shape[1]
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=num_heads > kv_heads
+        )
+    # Fold the query heads of a group onto their KV head: no K/V repeat.
+    q = q.view(1, kv_heads, num_heads // kv_heads, n_q, head_dim)
+    k, v = k.unsqueeze(2), v.unsqueeze(2)
+    scale = head_dim**-0.5 if scale is None else scale
+    scores = softcapped(torch.matmul(q, k.transpose(-1, -2)) * scale, softcap)
+    if causal:
+        n_q, n_k = scores.shape[-2:]
+        mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(n_k - n_q)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v).view(1, num_heads, n_q, head_dim)
+
+
+def _chunk_mask(
+    chunk: PrefillChunk, key_start: int, window: int | None, device: torch.device
+) -> torch.Tensor | None:
+    """[q, keys] bool, True = attend, for keys at positions ``key_start .. context_len - 1``."""
+    if window not in chunk.masks:
+        end = chunk.first_pos + (chunk.end - chunk.start)
+        qpos = torch.arange(chunk.first_pos, end, device=device).unsqueeze(1)
+        kpos = torch.arange(key_start, end, device=device).unsqueeze(0)
+        mask = kpos <= qpos
+        if window is not None:
+            mask &= kpos > qpos - window
+        chunk.masks[window] = mask
+    return chunk.masks[window]
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """The tokens of ``blocks`` (1-D, in order) of one layer's cache: ``[kv_heads, tokens, D]``."""
+    kv_heads, _, _, head_dim = cache.shape
+    return cache.index_select(1, blocks).view(kv_heads, -1, head_dim)
+
+
+def _attend_decodes(
+    g: DecodeGroup,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float | None,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """``q`` [KV, group, n, D] (one query per sequence) -> [KV, n, group, D]."""
+    kv_heads, _, n, head_dim = q.shape
+    q = q.transpose(1, 2)  # [KV, n, group, D]: a sequence's query heads are its "queries"
+    if softcap is None and q.dtype == torch.float32:
+        # float32: one SDPA call per sequence over exactly its keys beats the padded group
+        # (2x at 1,000-2,000 keys, even at 60-140); reduced precision the other way round.
+        out = torch.empty_like(q)
+        for i, length in enumerate(g.context_lens):
+            lo = max(0, length - window) if window is not None else 0
+            blocks = g.blocks[i, : (length - 1) // g.block_size + 1]
+            k = _gather(k_cache, blocks)[:, lo:length].unsqueeze(0)
+            v = _gather(v_cache, blocks)[:, lo:length].unsqueeze(0)
+            out[:, i] = F.scaled_dot_product_attention(q[:, i].unsqueeze(0), k, v, scale=scale)[0]
+        return out
+    k = _gather(k_cache, g.blocks.view(-1)).view(kv_heads, n, -1, head_dim)
+    v = _gather(v_cache, g.blocks.view(-1)).view(kv_heads, n, -1, head_dim)
+    mask = g.mask(window)[None, :, None, :]
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scale = head_dim**-0.5 if scale is None else scale
+    scores = softcapped(torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale, softcap)
+    scores.masked_fill_(~mask, float("-inf"))  # [KV, n, group, keys]
+    return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+
+
+class SdpaBackend:
+    name = "sdpa"
+
+    def attend(
+        self,
+        ctx: AttentionContext,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float | None,
+        window: int | None,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
+        _, num_heads, num_tokens, head_dim = query.shape
+        kv_heads = key.shape[1]
+        group = num_heads // kv_heads
+        q = query[0]  # [H, T, D]
+        out = query.new_empty(num_tokens, num_heads, head_dim)
+        if ctx.decodes:
+            qd = q.view(kv_heads, group, num_tokens, head_dim)
+            for g in ctx.decodes:
+                o = _attend_decodes(
+                    g, qd[:, :, g.start : g.end], k_cache, v_cache, scaling, window, softcap
+                )  # [KV, n, group, D]
+                out[g.start : g.end].view(-1, kv_heads, group, head_dim).copy_(o.transpose(0, 1))
+        for chunk in ctx.prefills:
+            n_q = chunk.end - chunk.start
+            qp = q[:, chunk.start : chunk.end].unsqueeze(0)  # [1, H, q, D]
+            if chunk.blocks is None:
+                kp = key[:, :, chunk.start : chunk.end]
+                vp = value[:, :, chunk.start : chunk.end]
+                key_start = 0
+            else:
+                n = chunk.context_len
+                # Keys before the first query's window are never attended: leave them out.
+                key_start = max(0, chunk.first_pos - window + 1) if window is not None else 0
+                kp = _gather(k_cache, chunk.blocks)[:, key_start:n].unsqueeze(0)  # [1, KV, ctx, D]
+                vp = _gather(v_cache, chunk.blocks)[:, key_start:n].unsqueeze(0)
+            if chunk.blocks is None and (window is None or window >= n_q):
+                op = _attend(qp, kp, vp, scaling, None, True, softcap)
+            else:
+                mask = _chunk_mask(chunk, key_start, window, q.device)
+                op = _attend(qp, kp, vp, scaling, mask, False, softcap)
+            out[chunk.start : chunk.end] = op[0].transpose(0, 1)
+        return out

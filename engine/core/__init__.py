@@ -1,0 +1,1 @@
+"""The continuous-batching step: config, sequences, KV blocks, scheduler, model runner, sampler."""

@@ -1,0 +1,127 @@
+"""Engine configuration: one slotted dataclass, validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB on CPU unless told otherwise
+
+# The running-set cap when ``max_num_seqs`` is not given, by device type. On an accelerator a
+# decode step is bound by reading the weights, so 128 sequences cost little more than one. On
+# a CPU too a decode step is mostly matmul (the decode rows attend together) and partly bound
+# by streaming the weights from memory (SmolLM2's 270 MB in bf16, past the caches, every
+# step), so more rows per step pay: SmolLM2 in bf16 makes 12-15% more tokens per CPU-second
+# at 64 than at 32 sequences (64 chat requests) and 14% more at 128 than at 64 (200 requests;
+# ``benchmarks.engine --workload chat``). More only lengthens every step, and the wait of any
+# small job that shares the engine.
+DEFAULT_MAX_NUM_SEQS = {"cpu": 128}
+DEFAULT_MAX_NUM_SEQS_ACCELERATOR = 128
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """How the engine runs a model.
+
+    ``kv_cache_memory`` is bytes (int) or a fraction (float in (0, 1]) of the accelerator
+    memory left free by the weights and by the activation peak of a profiling forward at
+    ``max_num_batched_tokens`` (engine/core/memory.py); on CPU a fraction applies to 1 GiB. ``num_kv_blocks``,
+    when set, overrides the memory budget. ``admission`` orders waiting requests: "batch"
+    groups shared prefixes and starts long work first, "fcfs" keeps arrival order.
+    ``attention_backend``: "sdpa" (one call per sequence, fastest on CPU), "flex" (one
+    FlexAttention call per layer per step over the paged cache, for CUDA) or "auto" (sdpa on
+    CPU, flex on CUDA). ``cuda_graphs``: capture decode-only steps as CUDA graphs at bucketed
+    batch sizes up to ``cuda_graph_max_batch`` (flex backend on CUDA only; ignored elsewhere).
+    ``max_num_seqs`` left as None is chosen by the device (:meth:`for_device`): 128 on a
+    CPU and on an accelerator. ``dtype`` "auto" is bf16 on an accelerator and on a CPU that
+    multiplies bf16 natively (AMX or AVX-512 BF16), float32 on other CPUs.
+    """
+
+    dtype: str = "auto"
+    device: str = "auto"
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_memory: int | float = 0.85
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None
+    admission: str = "batch"
+    seed: int = 0
+    attention_backend: str = "auto"
+    cuda_graphs: bool = True
+    cuda_graph_max_batch: int = 256
+    enable_metrics: bool = True  # per-step and per-request histograms (engine/core/stats.py)
+    # On a CPU, size torch's intra-op threads to the cores other processes leave free
+    # (engine/cpu/threads.py); off keeps the threads torch was given.
+    adapt_cpu_threads: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(
+                f"dtype must be one of 'auto', 'float32', 'float16', 'bfloat16', got {self.dtype!r}"
+            )
+        if not isinstance(self.device, str) or not self.device:
+            raise ValueError(
+                f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}"
+            )
+        if self.max_num_seqs is not None:
+            _positive_int("max_num_seqs", self.max_num_seqs)
+        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive_int("block_size", self.block_size)
+        if self.block_size > 1024:
+            raise ValueError(f"block_size must be at most 1024, got {self.block_size}")
+        kv = self.kv_cache_memory
+        if isinstance(kv, bool) or not isinstance(kv, int | float):
+            raise ValueError(
+                f"kv_cache_memory must be bytes (int) or a fraction (float), got {kv!r}"
+            )
+        if isinstance(kv, float) and not 0.0 < kv <= 1.0:
+            raise ValueError(f"kv_cache_memory as a fraction must be in (0, 1], got {kv}")
+        if isinstance(kv, int) and kv < 1:
+            raise ValueError(f"kv_cache_memory in bytes must be >= 1, got {kv}")
+        if self.num_kv_blocks is not None:
+            _positive_int("num_kv_blocks", self.num_kv_blocks)
+        if self.max_model_len is not None:
+            _positive_int("max_model_len", self.max_model_len)
+        if self.admission not in ("batch", "fcfs"):
+            raise ValueError(f"admission must be 'batch' or 'fcfs', got {self.admission!r}")
+        if self.attention_backend not in ("auto", "sdpa", "flex"):
+            raise ValueError(
+                f"attention_backend must be 'auto', 'sdpa' or 'flex', got {self.attention_backend!r}"
+            )
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be true or false, got {self.cuda_graphs!r}")
+        _positive_int("cuda_graph_max_batch", self.cuda_graph_max_batch)
+        if not isinstance(self.enable_metrics, bool):
+            raise ValueError(f"enable_metrics must be true or false, got {self.enable_metrics!r}")
+        if not isinstance(self.adapt_cpu_threads, bool):
+            raise ValueError(
+                f"adapt_cpu_threads must be true or false, got {self.adapt_cpu_threads!r}"
+            )
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+
+    def for_device(self, device_type: str) -> EngineConfig:
+        """This config with the choices left to the device made (``max_num_seqs``)."""
+        if self.max_num_seqs is not None:
+            return self
+        seqs = DEFAULT_MAX_NUM_SEQS.get(device_type, DEFAULT_MAX_NUM_SEQS_ACCELERATOR)
+        return dataclasses.replace(self, max_num_seqs=seqs)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from keyword arguments; an unknown name is an error that lists the known ones."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ValueError(
+                f"unknown engine config field(s) {unknown}; known fields: {sorted(names)}"
+            )
+        return cls(**kwargs)
+
+
+def _positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

@@ -1,0 +1,107 @@
+"""How many KV blocks fit: the memory budget, from the device when there is one.
+
+On an accelerator the budget follows vLLM's recipe: load the weights, run one profiling
+forward at the largest step the scheduler can build (``max_num_batched_tokens`` tokens) and
+record its activation peak, then give the KV cache ``kv_cache_memory`` (a fraction) of the
+device memory still free once that peak is set aside. Without that step a fraction of free
+memory would leave no room for the activations of a full step, and the first long prefill
+would run out of memory mid-batch. On CPU there is no device pool to read, so a fraction
+applies to a fixed 1 GiB (``DEFAULT_CPU_KV_BYTES``); an integer is bytes everywhere.
+
+The arithmetic is kept apart from the measurement so it can be tested without a GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from engine.core.config import DEFAULT_CPU_KV_BYTES
+
+
+def blocks_per_sequence(max_model_len: int, block_size: int) -> int:
+    return -(-max_model_len // block_size)
+
+
+def kv_budget_bytes(
+    kv_cache_memory: int | float, *, free_bytes: int | None, activation_peak_bytes: int = 0
+) -> int:
+    """Bytes the KV cache may take.
+
+    ``kv_cache_memory`` as an int is bytes, used as is. As a float it is a fraction of
+    ``free_bytes`` (device memory free after the weights are loaded) less the activation peak
+    of a profiling forward; ``free_bytes=None`` means no device pool (CPU), where the fraction
+    applies to ``DEFAULT_CPU_KV_BYTES``.
+    """
+    if not isinstance(kv_cache_memory, float):
+        return int(kv_cache_memory)
+    if free_bytes is None:
+        return int(DEFAULT_CPU_KV_BYTES * kv_cache_memory)
+    return int(max(0, free_bytes - activation_peak_bytes) * kv_cache_memory)
+
+
+def num_kv_blocks(
+    budget_bytes: int,
+    *,
+    bytes_per_block: int,
+    block_size: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    describe: str = "",
+) -> int:
+    """Blocks that fit in ``budget_bytes``, capped at every sequence at full length (more
+    would never be used). A budget that cannot hold one sequence of ``max_model_len`` is an
+    error naming both figures: such an engine would refuse or endlessly preempt its longest
+    requests."""
+    per_seq = blocks_per_sequence(max_model_len, block_size)
+    fits = budget_bytes // bytes_per_block
+    if fits < per_seq:
+        need = per_seq * bytes_per_block
+        raise ValueError(
+            f"the KV cache budget{describe} is {budget_bytes / 2**20:.1f} MiB "
+            f"({fits} blocks of {block_size} tokens, {bytes_per_block} bytes each), but one "
+            f"sequence of max_model_len {max_model_len} needs {per_seq} blocks "
+            f"({need / 2**20:.1f} MiB): raise kv_cache_memory or lower max_model_len"
+        )
+    return int(min(fits, max_num_seqs * per_seq))
+
+
+@torch.inference_mode()
+def profile_activation_peak(
+    model: Any, *, num_tokens: int, max_model_len: int, num_sampled: int, device: torch.device
+) -> int:
+    """Peak bytes above the resident weights of one forward over ``num_tokens`` packed tokens
+    (positions restart every ``max_model_len``), logits for ``num_sampled`` rows included.
+
+    The forward runs with transformers' "sdpa" attention ("eager" for a model without it),
+    because the paged attention needs the cache this measurement sizes; the other activations
+    (MLP, norms, logits) are those of the engine's step, and they dominate. Returns 0 where the device keeps no allocator
+    statistics (CPU)."""
+    previous = model.config._attn_implementation
+    ids = torch.zeros((1, num_tokens), dtype=torch.long, device=device)
+    positions = (torch.arange(num_tokens, device=device) % max_model_len).unsqueeze(0)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        resident = torch.cuda.memory_allocated(device)
+    base = getattr(model, model.base_model_prefix)
+    try:
+        model.set_attn_implementation("sdpa")
+    except ValueError:  # a model without an sdpa path: its eager attention (a larger peak)
+        model.set_attn_implementation("eager")
+    try:
+        hidden = base(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
+        rows = hidden[0, -max(1, min(num_sampled, num_tokens)) :]
+        model.get_output_embeddings()(rows).float()
+        del hidden, rows
+    finally:
+        model.set_attn_implementation(previous)
+    if not cuda:
+        return 0
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - resident
+    torch.cuda.empty_cache()
+    return int(max(0, peak))

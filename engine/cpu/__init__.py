@@ -1,0 +1,1 @@
+"""CPU specifics: packed linear layers and the intra-op thread count that follows free cores."""

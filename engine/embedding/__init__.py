@@ -1,0 +1,1 @@
+"""Embedding models: a padded-batch engine and the thread-safe host the worker feeds."""

@@ -1,0 +1,1 @@
+"""A simulated engine: deterministic tokens at a configured rate, no weights, for service tests."""

@@ -1,0 +1,1 @@
+"""Tokens and text: tokenizer loading, chat prompts, detokenization, grammar-constrained output."""
