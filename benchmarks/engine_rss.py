@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import threading
@@ -39,13 +40,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from cli.perf.service import memory_kb
+
 
 def rss_mb() -> float:
     """The process's resident set size in MB (``VmRSS`` of /proc/self/status)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
+    memory = memory_kb(os.getpid())
+    if memory is None:
+        raise RuntimeError("no VmRSS in /proc/self/status")
+    return memory[0] / 1024
 
 
 def build_parser() -> argparse.ArgumentParser:

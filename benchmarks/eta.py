@@ -32,23 +32,22 @@ from benchmarks.harness.revisions import REPO
 from benchmarks.harness.stack import CELERY, MODEL, QUIET, Database, RedisServer
 from benchmarks.soak_stack import create_key
 from cli.perf.service import Procs, api_command, api_up, free_port, wait_for
+from cli.perf.workload import request_line
 
 MARKS = (0.10, 0.50, 0.90)
 
 
 def chat(custom_id: str, text: str, max_tokens: int) -> dict[str, Any]:
-    return {
-        "custom_id": custom_id,
-        "method": "POST",
-        "url": "/v1/chat/completions",
-        "body": {
+    return request_line(
+        custom_id,
+        {
             "model": MODEL,
             "messages": [{"role": "user", "content": text}],
             "max_tokens": max_tokens,
             "temperature": 0,
             "ignore_eos": True,
         },
-    }
+    )
 
 
 def job_lines(prefix: str, n: int, rng: random.Random, tokens: tuple[int, int]) -> bytes:

@@ -1,4 +1,6 @@
-"""What ``benchmarks.eta`` records while its job runs, so that a reader can see the projection's
+"""What ``benchmarks.eta`` records while its job runs, to show why the projection moves.
+
+What ``benchmarks.eta`` records while its job runs, so that a reader can see the projection's
 curve and why it moves: every half second the job's projected completion and progress (by
 requests, and by estimated tokens as ``core.eta_store`` reads the shards), each tenant's work
 retired so far on the model (its share of the engine), the machine's load, and every result

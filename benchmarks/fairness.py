@@ -47,6 +47,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cli.perf.workload import request_line
+
 MODEL = "batchd-demo"
 TERMINAL = {"completed", "failed", "expired", "cancelled"}
 
@@ -57,18 +59,16 @@ TERMINAL = {"completed", "failed", "expired", "cancelled"}
 
 def chat_lines(prefix: str, n: int, max_tokens: int) -> list[dict[str, Any]]:
     return [
-        {
-            "custom_id": f"{prefix}-{i}",
-            "method": "POST",
-            "url": "/v1/chat/completions",
-            "body": {
+        request_line(
+            f"{prefix}-{i}",
+            {
                 "model": MODEL,
                 "messages": [{"role": "user", "content": f"{prefix} request number {i}"}],
                 "max_tokens": max_tokens,
                 "temperature": 0,
                 "ignore_eos": True,
             },
-        }
+        )
         for i in range(n)
     ]
 

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness.revisions import REPO, run_json
+from cli.perf import workload
 
 # The finalize in a fresh process: the batch id on stdin, one JSON line of measurements out.
 _CHILD = r"""
@@ -82,8 +83,7 @@ def request_line(line: int, model: str, rng: random.Random) -> bytes:
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": 128,
     }
-    obj = {"custom_id": f"req-{line:07d}", "method": "POST", "url": "/v1/chat/completions",
-           "body": body}  # fmt: skip
+    obj = workload.request_line(f"req-{line:07d}", body)
     return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
 
 

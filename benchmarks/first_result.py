@@ -49,7 +49,7 @@ from typing import Any
 from benchmarks.harness import stack as bs
 from benchmarks.harness.revisions import REPO, remove_worktree, worktree
 from cli.perf.service import Procs, process_cpu_s
-from cli.perf.workload import chat_bodies
+from cli.perf.workload import chat_bodies, request_line
 
 ENDPOINT = "/v1/chat/completions"
 SERVED = bs.MODEL  # the served name the stack helpers give the model queue
@@ -75,12 +75,7 @@ class TreeRun:
 def write_file(path: Path, n: int, max_tokens: int, seed: int) -> None:
     with path.open("w") as fh:
         for i, body in enumerate(chat_bodies(n, max_tokens, seed)):
-            line = {
-                "custom_id": f"req-{i}",
-                "method": "POST",
-                "url": ENDPOINT,
-                "body": {"model": SERVED, "temperature": 0, **body},
-            }
+            line = request_line(f"req-{i}", {"model": SERVED, "temperature": 0, **body}, ENDPOINT)
             fh.write(json.dumps(line, separators=(",", ":")) + "\n")
 
 
@@ -148,8 +143,7 @@ def _start(tree: Path, work: Path, env: dict[str, str], port: int) -> Procs:
 def _warm_up(client: Any, db: _Db) -> None:
     data = b"".join(
         json.dumps(
-            {"custom_id": f"w{i}", "method": "POST", "url": ENDPOINT,
-             "body": {"model": SERVED, "temperature": 0, **body}}
+            request_line(f"w{i}", {"model": SERVED, "temperature": 0, **body}, ENDPOINT)
         ).encode() + b"\n"
         for i, body in enumerate(chat_bodies(4, 4, seed=99))
     )  # fmt: skip

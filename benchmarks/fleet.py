@@ -1,4 +1,6 @@
-"""The control plane under a simulated fleet: how many result lines per second one API, one
+"""The control plane's result lines per second under a simulated fleet of 1 to 8 model workers.
+
+The control plane under a simulated fleet: how many result lines per second one API, one
 control worker, one Postgres and one Redis commit for 1, 2, 4 and 8 model workers.
 
 The model workers serve the ``sim`` model (:mod:`engine.sim.engine`: no network, deterministic tokens
@@ -50,7 +52,7 @@ from cli.perf.service import (
     free_port,
     wait_for,
 )
-from cli.perf.workload import chat_bodies
+from cli.perf.workload import chat_bodies, request_line
 
 MODEL = "sim-8b"
 DEFAULT_SIM = "tokens_per_s=4000,max_num_seqs=256,ttft_ms=50"
@@ -96,8 +98,7 @@ def write_batches(work: Path, lines: int, batches: int, max_tokens: int) -> list
         path = work / f"fleet-{b}.jsonl"
         with path.open("w") as out:
             for i, body in enumerate(bodies[b * per : (b + 1) * per]):
-                line = {"custom_id": f"b{b}-r{i}", "method": "POST", "url": "/v1/chat/completions",
-                        "body": {"model": MODEL, **body}}  # fmt: skip
+                line = request_line(f"b{b}-r{i}", {"model": MODEL, **body})
                 out.write(json.dumps(line) + "\n")
         paths.append(path)
     return paths

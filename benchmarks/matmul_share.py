@@ -1,4 +1,6 @@
-"""How much of the machine's matmul rate a run's steps reach: the model work of each phase
+"""How much of the machine's matmul rate a run's steps reach, phase by phase.
+
+How much of the machine's matmul rate a run's steps reach: the model work of each phase
 (2 FLOPs per weight of every decoder linear layer per token, and of the output layer per
 sampled row) over the phase's CPU time, against a plain matmul measured in the same process,
 dtype and thread count.

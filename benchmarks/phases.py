@@ -1,4 +1,6 @@
-"""Where a system's time goes: a per-step trace, recorded from outside the system, summarised
+"""Where a system's time goes: a per-step trace summarised by phase.
+
+Where a system's time goes: a per-step trace, recorded from outside the system, summarised
 by phase.
 
 A step is classed by what it computes: "prefill" when most of its tokens are prompt tokens

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from cli.perf.service import Ticker, memory_kb
+from cli.perf.workload import request_line
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TARGET_MB = 200.0
@@ -54,7 +55,7 @@ def write_batch(path: Path, n: int, max_tokens: int) -> None:
                 "max_tokens": 1 if max_tokens == 1 else 1 + i % max_tokens,
                 "temperature": 0,
             }
-            line = {"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": body}
+            line = request_line(f"r{i}", body, "/v1/completions")
             fh.write(json.dumps(line, separators=(",", ":")) + "\n")
 
 

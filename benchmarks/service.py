@@ -51,6 +51,7 @@ from typing import Any
 
 from benchmarks.harness import stack as bs
 from cli.perf.service import Ticker
+from cli.perf.workload import request_line
 
 ENDPOINT = "/v1/chat/completions"
 THROUGHPUT_TARGET = 0.85
@@ -82,19 +83,8 @@ def workload(
         messages = [{"role": "user", "content": f"{i}: {text}"}]
         if rng.random() < 0.3:
             messages.insert(0, {"role": "system", "content": "Answer briefly."})
-        lines.append(
-            {
-                "custom_id": f"req-{i}",
-                "method": "POST",
-                "url": ENDPOINT,
-                "body": {
-                    "model": bs.MODEL,
-                    "messages": messages,
-                    "max_tokens": tokens,
-                    "temperature": 0,
-                },
-            }
-        )
+        body = {"model": bs.MODEL, "messages": messages, "max_tokens": tokens, "temperature": 0}
+        lines.append(request_line(f"req-{i}", body, ENDPOINT))
     return lines
 
 

@@ -1,5 +1,7 @@
-"""One model worker serving a simulated model (``engine.sim.engine``): its CPU seconds per result line
-and its result lines per second, on one chat batch.
+"""CPU seconds and time per result line of one model worker serving a simulated model.
+
+One model worker serving a simulated model (``engine.sim.engine``): its CPU seconds per result
+line and its result lines per second, on one chat batch.
 
 A fresh Postgres database, a private Redis, the API, a control worker, beat and one model
 worker (threads pool, ``BATCHD_WORKER_SHARD_CONCURRENCY`` shard threads) serving ``sim-8b``
@@ -28,6 +30,7 @@ from benchmarks.harness import stack as bs
 from benchmarks.harness.stack import CELERY, QUIET
 from cli.perf.service import process_cpu_s as cpu_s
 from cli.perf.service import wait_for
+from cli.perf.workload import request_line
 from core.queue import model_queue
 from core.served_models import sim_spec
 
@@ -65,8 +68,7 @@ def main() -> None:
                     "temperature": 0,
                     "ignore_eos": True,
                 }
-                line = {"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
-                        "body": body}  # fmt: skip
+                line = request_line(f"r{i}", body)
                 out.write(json.dumps(line) + "\n")
         client = stack.client()
         batch, _ = bs.upload_and_create(client, data, "/v1/chat/completions")

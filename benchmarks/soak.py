@@ -1,4 +1,6 @@
-"""Soak and chaos: the whole service under mixed traffic for a set time, with faults on a
+"""Soak and chaos: the whole service under mixed traffic and scheduled faults, invariants checked.
+
+Soak and chaos: the whole service under mixed traffic for a set time, with faults on a
 schedule, its invariants checked all along and printed at the end.
 
     python -m benchmarks.soak --duration 1800              # 30 minutes, 3 rounds of faults
@@ -83,6 +85,7 @@ from benchmarks.soak_stack import (
     service_env,
 )
 from cli.perf.service import Ticker
+from cli.perf.workload import request_line
 
 FAULTS = ("kill-model", "redis-cut", "kill-control", "pg-cut", "api-restart")
 OUTAGES = ("redis-cut", "pg-cut")
@@ -133,7 +136,7 @@ def _chat(rng: random.Random, cid: str, short_window: bool) -> dict[str, Any]:
         body.update(temperature=0.8, seed=rng.randint(0, 2**31))
     else:
         body["temperature"] = 0
-    return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": body}
+    return request_line(cid, body)
 
 
 def _structured(rng: random.Random, cid: str) -> dict[str, Any]:
@@ -143,30 +146,23 @@ def _structured(rng: random.Random, cid: str) -> dict[str, Any]:
     }
     if rng.random() < 0.3:
         fmt = {"type": "json_object"}
-    return {
-        "custom_id": cid,
-        "method": "POST",
-        "url": "/v1/chat/completions",
-        "body": {
+    return request_line(
+        cid,
+        {
             "model": CHAT_MODEL,
             "messages": [{"role": "user", "content": f"Classify: {_text(rng, 8)}"}],
             "max_tokens": 40,
             "temperature": 0,
             "response_format": fmt,
         },
-    }
+    )
 
 
 def _embedding(rng: random.Random, cid: str) -> dict[str, Any]:
     inputs: Any = _text(rng, rng.randint(2, 40))
     if rng.random() < 0.3:
         inputs = [_text(rng, rng.randint(2, 12)) for _ in range(rng.randint(2, 4))]
-    return {
-        "custom_id": cid,
-        "method": "POST",
-        "url": "/v1/embeddings",
-        "body": {"model": EMBED_MODEL, "input": inputs},
-    }
+    return request_line(cid, {"model": EMBED_MODEL, "input": inputs}, "/v1/embeddings")
 
 
 def make_spec(rng: random.Random, opts: Options, tenant: str, seq: int) -> Spec:

@@ -1,4 +1,6 @@
-"""What ``benchmarks.soak`` watches and judges: every API answer (:class:`HttpLog`), every
+"""What ``benchmarks.soak`` watches and judges: API answers, batches and invariants.
+
+What ``benchmarks.soak`` watches and judges: every API answer (:class:`HttpLog`), every
 batch it submitted (:class:`Tracker`, which polls them, and when one ends downloads its output
 and error files and compares their ``custom_id``s with the input), and the invariants
 evaluated from those records, the webhook receiver's and the RSS samples."""

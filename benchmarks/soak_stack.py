@@ -1,4 +1,6 @@
-"""The service that ``benchmarks.soak`` runs and breaks: a fresh Postgres database, Redis, a
+"""The service that ``benchmarks.soak`` runs and breaks, behind proxies it can cut.
+
+The service that ``benchmarks.soak`` runs and breaks: a fresh Postgres database, Redis, a
 loopback TCP proxy in front of each (every service process connects through them, so a cut
 closes their connections and refuses new ones), the processes as ``python -m worker`` and
 uvicorn start them (API, control worker, beat, model workers), restarted as a supervisor

@@ -1,4 +1,6 @@
-"""Where the time of a decode step goes, by kind of operator, in this tree and (``--base``)
+"""Where the time of a decode step goes, by kind of operator, here and at another revision.
+
+Where the time of a decode step goes, by kind of operator, in this tree and (``--base``)
 in another revision's engine, on the same model and chat requests.
 
     python -m benchmarks.step_profile --base 6ca77d8                 # SmolLM2, bf16, 64 seqs

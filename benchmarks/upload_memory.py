@@ -1,4 +1,6 @@
-"""Resident memory of the API and the control worker while a ~200 MB batch file is uploaded
+"""Resident memory of the API and the control worker while a ~200 MB batch file uploads.
+
+Resident memory of the API and the control worker while a ~200 MB batch file is uploaded
 and validated: each must grow by less than 150 MB.
 
 Writes a valid chat JSONL of ``--requests`` lines (default 50,000, the default per-batch
@@ -33,6 +35,7 @@ from typing import Any
 
 from benchmarks.harness import stack as bs
 from cli.perf.service import Ticker, memory_kb
+from cli.perf.workload import request_line
 
 TARGET_MB = 150.0
 ENDPOINT = "/v1/chat/completions"
@@ -48,17 +51,16 @@ def write_batch(path: Path, n: int, line_bytes: int, seed: int = 0) -> int:
     pool = " ".join(rng.choice(WORDS) for _ in range(4 * line_bytes))
     with path.open("w") as fh:
         for i in range(n):
-            head = {
-                "custom_id": f"r{i}",
-                "method": "POST",
-                "url": ENDPOINT,
-                "body": {
+            head = request_line(
+                f"r{i}",
+                {
                     "model": bs.MODEL,
                     "messages": [{"role": "user", "content": ""}],
                     "max_tokens": 16,
                     "temperature": 0,
                 },
-            }
+                ENDPOINT,
+            )
             room = max(1, line_bytes - len(json.dumps(head, separators=(",", ":"))) - 1)
             start = rng.randrange(0, len(pool) - room)
             head["body"]["messages"][0]["content"] = pool[start : start + room]

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def worktree(rev: str, dest: Path) -> Path:
-    """A detached ``git worktree`` of ``rev`` at ``dest`` (remove it with :func:`remove_worktree`)."""
+    """A detached ``git worktree`` of ``rev`` at ``dest`` (:func:`remove_worktree` removes it)."""
     subprocess.run(
         ["git", "-C", str(REPO), "worktree", "add", "--detach", str(dest), rev],
         check=True,

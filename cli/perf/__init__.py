@@ -1,2 +1,1 @@
-"""Measuring batchd: ``batchd bench`` (the service under a workload) and ``batchd tune`` (the
-engine's operating point)."""
+"""Measuring batchd: ``batchd bench`` (the service) and ``batchd tune`` (the engine alone)."""

@@ -47,6 +47,7 @@ from cli.perf.workload import (
     DEFAULT_OUTPUT_LEN,
     LengthDist,
     iter_request_bodies,
+    request_line,
 )
 
 TERMINAL = {"completed", "failed", "expired", "cancelled"}
@@ -161,7 +162,7 @@ class Shapes:
                     "ignore_eos": True,
                 }
                 url = COMPLETIONS
-            out.append({"custom_id": f"job{job}-{i}", "method": "POST", "url": url, "body": body})
+            out.append(request_line(f"job{job}-{i}", body, url))
         return out
 
 

@@ -1,5 +1,4 @@
-"""What ``batchd bench`` shows of its report (:func:`cli.perf.bench.report`): the table it
-prints and the two plots it writes, latency.png and timeline.png."""
+"""The table and the two plots (latency.png, timeline.png) of ``batchd bench``'s report."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The ``batchd tune`` and ``batchd bench`` commands (see :mod:`cli.perf.tune` and
-:mod:`cli.perf.bench`)."""
+"""The ``batchd tune`` and ``batchd bench`` commands (see :mod:`cli.perf.tune`, ``.bench``)."""
 
 from __future__ import annotations
 

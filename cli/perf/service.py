@@ -1,4 +1,6 @@
-"""An embedded service for ``batchd bench``: the API (uvicorn), a control worker with beat and
+"""The service ``batchd bench`` starts for itself, and the probes that read a running one.
+
+An embedded service for ``batchd bench``: the API (uvicorn), a control worker with beat and
 one model worker as subprocesses on the given database and Redis broker, a storage directory
 of its own, one API key per tenant; and the probes that read a running service's engine
 stats, per-request timings and process memory, and the helpers the e2e tests and the service

@@ -1,4 +1,6 @@
-"""``batchd tune``: find the engine's operating point for a model, a workload and a KV memory
+"""``batchd tune``: the engine's operating point for a model, a workload and a memory budget.
+
+``batchd tune``: find the engine's operating point for a model, a workload and a KV memory
 budget, with the engine alone (no service).
 
 Each point of the sweep is one engine built with those options (``max_num_seqs``,

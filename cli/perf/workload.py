@@ -21,6 +21,7 @@ from typing import Any
 # The synthetic workload's lengths unless told otherwise (a long tail, as real traffic has).
 DEFAULT_INPUT_LEN = "lognormal:128:0.8"
 DEFAULT_OUTPUT_LEN = "lognormal:64:0.8"
+CHAT_URL = "/v1/chat/completions"
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,11 @@ class Workload:
     @property
     def mean_output(self) -> float:
         return self.output_tokens / max(1, len(self.max_tokens))
+
+
+def request_line(custom_id: str, body: dict[str, Any], url: str = CHAT_URL) -> dict[str, Any]:
+    """One line of an OpenAI batch input file."""
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
 
 
 def usable_token_ids(tokenizer: Any, vocab_size: int) -> list[int]:
