@@ -1,4 +1,4 @@
-"""The FastAPI application: ``create_app(settings)`` for tests, ``app`` for ``uvicorn api.app:app``."""
+"""The FastAPI application: ``create_app(settings)``, and ``app`` for ``uvicorn api.app:app``."""
 
 from __future__ import annotations
 

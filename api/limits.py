@@ -1,10 +1,8 @@
-"""Backpressure at the door: a token bucket per API key (and per client address for the
-dashboard's sign-in), and the settings that govern it.
+"""Backpressure at the door: token buckets per API key (and per sign-in address), and limits.
 
-The bucket lives in Redis when the broker is Redis, so every API process behind a load balancer
-draws from the same one; otherwise (embedded mode, one process) it lives in this process. If
-Redis stops answering, the limiter keeps working from in-process buckets for a while rather
-than failing requests: rate limiting must never be the reason the API is down.
+The buckets live in Redis when the broker is Redis, so every API process draws from the same
+ones; otherwise in this process. If Redis stops answering, in-process buckets take over for a
+while: rate limiting must never be the reason the API is down.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from api.routes.common import could_be_id
+from api.services.common import could_be_id
 from core.logs import bind_log_context, log_context
 
 BATCHES_PREFIX = "/v1/batches/"

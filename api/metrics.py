@@ -1,21 +1,10 @@
-"""``GET /metrics``: the API's Prometheus metrics.
+"""``GET /metrics``: the API's Prometheus metrics (HTTP, refusals, uploads, service gauges).
 
-HTTP requests by route template, method and status, and their latency
-(prometheus-fastapi-instrumentator, ``batchd_http_*``); refusals by reason
-(``batchd_rejections_total``); upload bytes; and the service gauges read from the database
-(``core.metrics.ServiceCollector``: batches by status, shards by model and status, each model's
-pending work). Those gauges cost three queries, so they are read at most once per
-``metrics_cache_s`` whatever the scrape rate (scrapes in between get the last reading).
-
-Several API processes (``batchd up --api-workers``, uvicorn's ``--workers``) run in
-prometheus-client's multiprocess mode: with ``PROMETHEUS_MULTIPROC_DIR`` pointing at an empty
-directory of their own, each process writes its counters there and whichever process answers
-``/metrics`` serves their sum (without the per-process ``process_*`` and ``python_*`` figures,
-which do not add up). The database gauges read the same rows from any process.
-
-With ``BATCHD_METRICS_TOKEN`` set, a scrape must send ``Authorization: Bearer <token>`` (401
-otherwise); without it the route is open, as exporters are: keep it on the internal network
-that Prometheus scrapes from.
+Invariants: the database gauges (``core.metrics.ServiceCollector``) are read at most once per
+``metrics_cache_s`` whatever the scrape rate; several API processes share counters through
+prometheus-client's multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``, one empty directory per
+deployment), so any process answers with their sum; with ``BATCHD_METRICS_TOKEN`` set a scrape
+must send it as a bearer token (401 otherwise), without it the route is open.
 """
 
 from __future__ import annotations

@@ -355,6 +355,95 @@ class BatchList(BaseModel):
     has_more: bool = False
 
 
+# ---- batchd extensions: results so far, retry, estimate ----------------------------------------
+
+
+class ResultPage(BaseModel):
+    """Result lines in the order they were committed, each exactly as it appears (or will) in
+    the batch's output or error file."""
+
+    object: Literal["list"] = "list"
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+RetryKind = Literal["expired", "cancelled", "failed"]
+
+
+class RetryCreate(BaseModel):
+    """What to retry, and how to run it (by default as the parent ran)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    include: list[RetryKind] | None = Field(
+        default=None,
+        min_length=1,
+        description="Which lines to retry: 'expired', 'cancelled' (never ran) and 'failed' "
+        "(failed with a retryable error: 5xx or 429; a request's own 4xx error never is). "
+        "Default: all three.",
+    )
+    completion_window: str | None = Field(
+        default=None,
+        description="Default: the parent's completion window.",
+        min_length=2,
+        max_length=16,
+        # Documented, and checked by the validator below with a clearer message.
+        json_schema_extra={"pattern": WINDOW.pattern},
+    )
+    priority: Literal["high", "normal", "low"] | None = Field(
+        default=None, description="Default: the parent's priority (if this key may use it)."
+    )
+
+    @field_validator("completion_window")
+    @classmethod
+    def _window_shape(cls, value: str | None) -> str | None:
+        if value is not None and window_seconds(value) is None:
+            raise ValueError('expected "24h" or a duration like "1h", "90m", "7d"')
+        return value
+
+
+class ModelEstimate(BaseModel):
+    requests: int
+    prompt_tokens: int
+    max_completion_tokens: int
+    throughput_tokens_per_s: float | None = Field(
+        default=None,
+        description="Estimated tokens (prompt + output bound) per second the model's batches "
+        "retired over the recent window; null when none ran.",
+    )
+
+
+class BatchEstimate(BaseModel):
+    object: Literal["batch.estimate"] = "batch.estimate"
+    endpoint: str
+    completion_window: str
+    priority: BatchPriority
+    model: str | None = None
+    total_requests: int
+    valid_requests: int
+    errors: list[BatchErrorItem] = Field(
+        description="The line errors a create would fail with (the first 100, as validation "
+        "reports them); empty when the file is valid."
+    )
+    prompt_tokens: int = Field(description="Exact, by the model's tokenizer.")
+    max_completion_tokens: int = Field(description="The sum of the requests' output bounds.")
+    per_model: dict[str, ModelEstimate]
+    queue_ahead_tokens: int = Field(
+        description="Estimated tokens that run before or beside this batch until it ends: "
+        "higher priorities, this tenant's batches with earlier deadlines, and other tenants' "
+        "fair share at the same priority."
+    )
+    estimated_start_at: int | None = None
+    estimated_completion_at: int | None = None
+    expires_at: int = Field(description="The deadline a batch created now would get.")
+    fits_window: bool | None = Field(
+        default=None, description="estimated_completion_at <= expires_at; null without times."
+    )
+    reason: str | None = Field(default=None, description="Why the times are null.")
+
+
 # ---- models ----------------------------------------------------------------------------------
 
 

@@ -1,53 +1,30 @@
 """The dashboard: ``/ui``, a server-rendered page behind the same API keys as the API.
 
-A tenant's key shows that tenant's batches; an admin key (``BATCHD_ADMIN_API_KEYS``) shows
-every tenant's. A browser cannot send a bearer header when it opens a page, so ``/ui`` asks
-for the key once (``POST /ui/login``) and starts a session: the browser's cookie holds a
-random session token (never the key), the database only the token's SHA-256, the SHA-256 of
-the key and an expiry (``ui_session_ttl_s``), and every request checks the key again, so a
-revoked key ends its sessions at once. The cookie is HttpOnly, SameSite=Strict, scoped to
-``/ui`` and Secure unless the API is reachable from this machine only (:mod:`api.local`; a
-TLS proxy in front makes the request's scheme useless for that); the rest of the API never
-reads it. Every POST form carries a CSRF token: the sign-in form a random token that must
-match a cookie of its own (a page of another site can read neither), the sign-out form one
-derived from the session token. Sign-in attempts are rate-limited per client address
-(``ui_login_attempts_per_minute``) with the API's token buckets. Scripts may send
-``Authorization: Bearer`` to ``/ui`` and ``/ui/data`` instead.
-
-The page is plain HTML rendered here, with a small script (``static/ui.js``) that polls
-``/ui/data`` every few seconds, moves the progress bars and draws the charts with uPlot
-(vendored under ``static/vendor/uplot``, MIT): no build step. What it shows:
-
-- batches: status, a progress bar, requests done, throughput (requests/s over the last
-  minute) and an ETA at that rate, and a chart of throughput over time;
-- per served model: workers answering, engine occupancy (running sequences / max_num_seqs),
-  KV-cache usage and generated tokens/s over the last minutes.
-
-The time series come from a :class:`Sampler` in the API process: while someone watches (a
-request in the last minute), a thread records every ``ui_sample_interval_s`` the progress of
-unfinished batches (Postgres) and the engine figures of every model worker (the workers'
-``engine_stats`` control command over the broker), keeping the last ten minutes.
+A browser cannot send a bearer header when it opens a page, so ``/ui`` asks for the key once
+(``POST /ui/login``) and starts a session. Invariants: the cookie holds a random session token,
+never the key; the database keeps only SHA-256s and an expiry, and every request checks the key
+again (a revoked key ends its sessions at once); cookies are HttpOnly, SameSite=Strict, scoped
+to ``/ui`` and Secure unless the API is local only (:mod:`api.local`); every POST form carries
+a CSRF token (sign-in: a random token matching its own cookie; sign-out: one derived from the
+session token); sign-in attempts are rate-limited per client address. Scripts may send
+``Authorization: Bearer`` to ``/ui`` and ``/ui/data`` instead. The page is plain HTML with a
+small script (``static/ui.js``, uPlot vendored) polling ``/ui/data``: no build step. Its data:
+:mod:`api.services.dashboard`.
 """
 
 from __future__ import annotations
 
-import collections
 import hashlib
 import hmac
 import html
-import logging
 import secrets
 import string
-import threading
-import time
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Form, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
-from sqlalchemy import or_, select
 
 from api.deps import (
     Caller,
@@ -61,14 +38,9 @@ from api.deps import (
 from api.errors import APIError
 from api.limits import auth_enabled, retry_after_header
 from api.local import local_only
-from core.auth import create_ui_session, end_ui_session, hash_key, ui_session_key
-from core.db import session_scope
-from core.lifecycle import TERMINAL, BatchStatus, now
-from core.models import Batch
-from core.queue import engine_stats
+from api.services.dashboard import Sampler, dashboard_data, end_session, start_session
+from core.auth import ui_session_key
 from core.settings import Settings
-
-logger = logging.getLogger(__name__)
 
 SESSION_COOKIE = "batchd_ui_session"
 CSRF_COOKIE = "batchd_ui_csrf"
@@ -78,11 +50,6 @@ LOGIN_BUCKET = "ui-login:"
 HERE = Path(__file__).resolve().parent
 TEMPLATE = string.Template((HERE / "templates" / "ui.html").read_text())
 LOGIN_TEMPLATE = string.Template((HERE / "templates" / "ui_login.html").read_text())
-HISTORY_S = 600.0  # how much of the past the charts show
-WATCH_S = 60.0  # the sampler stops this long after the last dashboard request
-RATE_WINDOW_S = 60.0  # throughput and ETA: over this much of the recent past
-SMOOTH_S = 10.0  # the throughput chart: each point over this much of the past
-MAX_BATCHES = 50
 
 router = APIRouter(prefix="/ui", include_in_schema=False)
 
@@ -145,219 +112,12 @@ def _csrf_cookie(request: Request) -> str | None:
 UiCaller = Annotated[Caller | None, Depends(ui_caller)]
 
 
-# -- the sampler
-
-
-class Sampler:
-    """Samples batch progress and engine figures while the dashboard is watched."""
-
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        self.interval = settings.ui_sample_interval_s
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._watched = 0.0
-        # (time, {batch id: requests done}, {model: figures summed over workers})
-        self.samples: collections.deque[tuple[float, dict[str, int], dict[str, Any]]] = (
-            collections.deque(maxlen=int(HISTORY_S / self.interval) + 2)
-        )
-        self.latest_models: dict[str, Any] = {}
-
-    def watch(self) -> None:
-        with self._lock:
-            self._watched = time.monotonic()
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="batchd-ui", daemon=True)
-                self._thread.start()
-
-    def _run(self) -> None:
-        while time.monotonic() - self._watched < WATCH_S:
-            started = time.monotonic()
-            try:
-                self.sample()
-            except Exception:
-                logger.exception("dashboard sample failed")
-            time.sleep(max(0.05, self.interval - (time.monotonic() - started)))
-
-    def sample(self) -> None:
-        now = time.time()
-        with session_scope(self.settings.database_url) as session:
-            rows = session.execute(
-                select(Batch.id, Batch.request_completed, Batch.request_failed).where(
-                    Batch.status.not_in(TERMINAL)
-                )
-            ).all()
-        done = {r.id: int(r.request_completed or 0) + int(r.request_failed or 0) for r in rows}
-        models = self._engines()
-        with self._lock:
-            self.samples.append((now, done, models))
-            self.latest_models = models
-
-    def _engines(self) -> dict[str, Any]:
-        """Per model: workers, running, max_num_seqs, KV blocks used/total, generated tokens
-        (per worker, for rates), summed over the workers that answered."""
-        try:
-            replies = engine_stats(self.settings.broker_url, timeout=min(1.0, self.interval))
-        except Exception as exc:
-            logger.warning("engine figures unavailable: %r", exc)
-            return {}
-        models: dict[str, Any] = {}
-        for reply in replies:
-            for worker, answer in reply.items():
-                for model, s in (answer or {}).get("models", {}).items():
-                    if not isinstance(s, dict) or "num_running" not in s:
-                        continue  # an embedding model or an error: no engine figures
-                    m = models.setdefault(
-                        model,
-                        {"workers": 0, "running": 0, "max_num_seqs": 0, "kv_used": 0,
-                         "kv_total": 0, "tokens": {}},
-                    )  # fmt: skip
-                    m["workers"] += 1
-                    m["running"] += int(s.get("num_running") or 0)
-                    m["max_num_seqs"] += int(s.get("max_num_seqs") or 0)
-                    m["kv_used"] += int(s.get("kv_blocks_used") or 0)
-                    m["kv_total"] += int(s.get("kv_blocks_total") or 0)
-                    m["tokens"][worker] = int(s.get("total_output_tokens") or 0)
-        return models
-
-    def history(self) -> list[tuple[float, dict[str, int], dict[str, Any]]]:
-        with self._lock:
-            return list(self.samples)
-
-
 def _sampler(request: Request) -> Sampler:
     state = request.app.state
     sampler = getattr(state, "ui_sampler", None)
     if sampler is None:
         sampler = state.ui_sampler = Sampler(state.settings)
     return sampler
-
-
-# -- figures
-
-
-def _rate(points: list[tuple[float, int]]) -> float | None:
-    """Requests per second over the last RATE_WINDOW_S of ``(time, done)`` points."""
-    if len(points) < 2:
-        return None
-    end_t, end_v = points[-1]
-    start_t, start_v = next((p for p in points if end_t - p[0] <= RATE_WINDOW_S), points[0])
-    if end_t - start_t <= 0:
-        return None
-    return max(0.0, (end_v - start_v) / (end_t - start_t))
-
-
-def _iso(value: datetime | None) -> str | None:
-    if value is None:
-        return None
-    if value.tzinfo is None:
-        value = value.replace(tzinfo=UTC)
-    return value.isoformat()
-
-
-def _visible_batches(session: Any, caller: Caller) -> list[Batch]:
-    query = select(Batch)
-    if not caller.admin:
-        query = query.where(Batch.tenant == caller.tenant)
-    unfinished = list(
-        session.scalars(query.where(Batch.status.not_in(TERMINAL)).order_by(Batch.created_at))
-    )
-    recent = list(
-        session.scalars(
-            query.where(or_(Batch.status.in_(TERMINAL)))
-            .order_by(Batch.created_at.desc())
-            .limit(max(0, MAX_BATCHES - len(unfinished)))
-        )
-    )
-    return (unfinished + recent)[:MAX_BATCHES]
-
-
-def dashboard_data(session: Any, caller: Caller, sampler: Sampler) -> dict[str, Any]:
-    history = sampler.history()
-    batches = []
-    visible = _visible_batches(session, caller)
-    ids = {b.id for b in visible}
-    for b in visible:
-        total = int(b.request_total or 0)
-        done = int(b.request_completed or 0) + int(b.request_failed or 0)
-        points = [(t, d[b.id]) for t, d, _ in history if b.id in d]
-        rate = _rate(points) if b.status not in TERMINAL else None
-        eta = (total - done) / rate if rate and total > done else None
-        running = b.status in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS)
-        if running and b.estimated_completion_at is not None:
-            # The service's projection (core.eta_store), beside the deadline it is held to.
-            eta = max(0.0, (b.estimated_completion_at - now()).total_seconds())
-        batches.append(
-            {
-                "id": b.id,
-                "tenant": b.tenant,
-                "model": b.model,
-                "status": b.status,
-                "total": total,
-                "completed": int(b.request_completed or 0),
-                "failed": int(b.request_failed or 0),
-                "progress": done / total if total else (1.0 if b.status == "completed" else 0.0),
-                "throughput": rate,
-                "eta_s": eta,
-                "at_risk": bool(running and b.at_risk),
-                "created_at": _iso(b.created_at),
-            }
-        )
-    # Throughput of the caller's batches over time: requests finished per second over the
-    # SMOOTH_S before each sample (checkpoints land in bursts), summed over visible batches.
-    throughput: list[list[float]] = [[], []]
-    start = 0
-    for t1, d1, _ in history[1:]:
-        while start < len(history) - 1 and t1 - history[start][0] > SMOOTH_S:
-            start += 1
-        t0, d0, _ = history[start]
-        if t1 <= t0:
-            continue
-        moved = sum(max(0, n - d0.get(bid, n)) for bid, n in d1.items() if bid in ids)
-        throughput[0].append(t1)
-        throughput[1].append(moved / (t1 - t0))
-    models: dict[str, Any] = {}
-    for name, m in sampler.latest_models.items():
-        models[name] = {
-            "workers": m["workers"],
-            "running": m["running"],
-            "max_num_seqs": m["max_num_seqs"],
-            "occupancy": m["running"] / m["max_num_seqs"] if m["max_num_seqs"] else 0.0,
-            "kv_usage": m["kv_used"] / m["kv_total"] if m["kv_total"] else 0.0,
-            "series": _model_series(name, history),
-        }
-    return {
-        "time": time.time(),
-        "admin": caller.admin,
-        "tenant": caller.tenant,
-        "batches": batches,
-        "throughput": throughput,
-        "models": models,
-    }
-
-
-def _model_series(model: str, history: list[Any]) -> list[list[float]]:
-    """``[times, occupancy %, KV usage %, generated tokens/s]`` for uPlot."""
-    out: list[list[float]] = [[], [], [], []]
-    previous: dict[str, int] | None = None
-    previous_t = 0.0
-    for t, _, models in history:
-        m = models.get(model)
-        if m is None:
-            previous = None
-            continue
-        rate = 0.0
-        if previous is not None and t > previous_t:
-            # Per worker, so a worker that joins or restarts never counts as a burst.
-            rate = sum(max(0, n - previous.get(w, n)) for w, n in m["tokens"].items()) / (
-                t - previous_t
-            )
-        out[0].append(t)
-        out[1].append(100.0 * m["running"] / m["max_num_seqs"] if m["max_num_seqs"] else 0.0)
-        out[2].append(100.0 * m["kv_used"] / m["kv_total"] if m["kv_total"] else 0.0)
-        out[3].append(rate)
-        previous, previous_t = m["tokens"], t
-    return out
 
 
 # -- pages
@@ -486,12 +246,8 @@ def login(
         identify_key(settings, session, key)
     except APIError:
         return _login_page(request, settings, "That key is not valid.", status_code=401)
-    previous = request.cookies.get(SESSION_COOKIE)
-    if previous:
-        end_ui_session(session, previous)
     ttl = settings.ui_session_ttl_s
-    token = create_ui_session(session, hash_key(key), timedelta(seconds=ttl))
-    session.commit()
+    token = start_session(session, key, request.cookies.get(SESSION_COOKIE), ttl)
     response = RedirectResponse("/ui", status_code=303)
     _set_cookie(response, settings, request, SESSION_COOKIE, token, max_age=int(ttl))
     response.delete_cookie(LEGACY_COOKIE, path="/ui")
@@ -511,8 +267,7 @@ def logout(
             raise APIError(
                 403, "The sign-out form had expired; reload the page.", code="csrf_token_invalid"
             )
-        end_ui_session(session, token)
-        session.commit()
+        end_session(session, token)
     response = RedirectResponse("/ui", status_code=303)
     response.delete_cookie(SESSION_COOKIE, path="/ui")
     response.delete_cookie(LEGACY_COOKIE, path="/ui")

@@ -3,27 +3,21 @@
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
 from typing import Annotated, Literal
 from urllib.parse import quote
 
 from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
-from sqlalchemy import false, or_, select
-from sqlalchemy.orm import Session
 
 from api.deps import CurrentKey, SessionDep, SettingsDep, StorageDep
-from api.errors import APIError, invalid_request, not_found
+from api.errors import APIError, invalid_request
 from api.log_context import bind_batch
-from api.routes.common import could_be_id, error_responses, keyset_page, list_page
+from api.routes.common import error_responses, list_page
 from api.schemas import MAX_EXPIRY_S, MIN_EXPIRY_S, FileDeleted, FileList, FilePublic
+from api.services import files
 from api.uploads import Upload, receive_upload
-from core import metrics
-from core.db import session_scope
 from core.ids import file_id
-from core.lifecycle import TERMINAL, now
-from core.models import Batch, File
 from core.storage import ObjectNotFound
 
 log = logging.getLogger("batchd.api")
@@ -60,22 +54,6 @@ _UPLOAD_SCHEMA = {
         },
     }
 }
-
-
-def is_expired(row: File) -> bool:
-    expires_at = row.expires_at
-    if expires_at is None:
-        return False
-    return expires_at <= now()
-
-
-def get_file_row(session: Session, tenant: str, file_id: str, param: str | None = None) -> File:
-    """The caller's live file. Another tenant's file and an expired one (whose bytes the
-    retention sweep deletes) answer exactly like a missing one."""
-    row = session.get(File, file_id) if could_be_id(file_id) else None
-    if row is None or row.tenant != tenant or is_expired(row):
-        raise not_found("File", file_id, param=param)
-    return row
 
 
 def _expiry_seconds(fields: dict[str, str], default: int) -> int:
@@ -134,33 +112,18 @@ async def create_file(
         expiry_s = _validate_fields(upload, settings.file_expiry_s)
 
     upload = await receive_upload(request, storage, key, settings.max_upload_bytes, finish)
-
-    def record() -> File:
-        created = now()
-        row = File(
-            id=new_id,
-            tenant=caller.tenant,
-            purpose=upload.fields["purpose"],
-            filename=upload.filename or "upload.jsonl",
-            bytes=upload.bytes,
-            storage_key=key,
-            created_at=created,
-            expires_at=created + timedelta(seconds=expiry_s),
-        )
-        try:
-            with session_scope(settings.database_url) as session:
-                session.add(row)
-        except BaseException:
-            try:  # the row never committed: drop the bytes it would have pointed at
-                storage.delete(key)
-            except Exception:
-                log.exception("could not delete %s after its file row failed to commit", key)
-            raise
-        metrics.UPLOADS.inc()
-        metrics.UPLOAD_BYTES.inc(upload.bytes)
-        return row
-
-    return FilePublic.of(await run_in_threadpool(record))
+    row = files.new_file_row(
+        caller.tenant,
+        new_id,
+        upload.fields["purpose"],
+        upload.filename or "upload.jsonl",
+        upload.bytes,
+        key,
+        expiry_s,
+    )
+    return FilePublic.of(
+        await run_in_threadpool(files.record_upload, settings.database_url, storage, row)
+    )
 
 
 @router.get("", response_model=FileList, responses=error_responses(400), summary="List files")
@@ -172,19 +135,8 @@ def list_files(
     after: Annotated[str | None, Query(max_length=64)] = None,
     order: Annotated[Literal["asc", "desc"], Query()] = "desc",
 ) -> FileList:
-    query = select(File).where(
-        File.tenant == caller.tenant, or_(File.expires_at.is_(None), File.expires_at > now())
-    )
-    if purpose is not None:
-        # No purpose holds a NUL (which the database would refuse): nothing matches it.
-        query = query.where(File.purpose == purpose if "\x00" not in purpose else false())
-    cursor = None
-    if after is not None:
-        cursor = session.get(File, after) if could_be_id(after) else None
-        if cursor is None or cursor.tenant != caller.tenant or is_expired(cursor):
-            raise invalid_request(f"No such File object for 'after': {after}", param="after")
-    rows, has_more = keyset_page(
-        session, query, File, cursor, descending=order == "desc", limit=limit
+    rows, has_more = files.list_files(
+        session, caller.tenant, purpose, after, descending=order == "desc", limit=limit
     )
     return list_page(FileList, [FilePublic.of(row) for row in rows], has_more)
 
@@ -196,7 +148,7 @@ def list_files(
     summary="Retrieve a file",
 )
 def retrieve_file(file_id: str, caller: CurrentKey, session: SessionDep) -> FilePublic:
-    return FilePublic.of(get_file_row(session, caller.tenant, file_id))
+    return FilePublic.of(files.get_file_row(session, caller.tenant, file_id))
 
 
 def _content_disposition(filename: str) -> str:
@@ -224,9 +176,9 @@ def _content_disposition(filename: str) -> str:
 def file_content(
     file_id: str, caller: CurrentKey, session: SessionDep, storage: StorageDep
 ) -> StreamingResponse:
-    row = get_file_row(session, caller.tenant, file_id)
-    if row.purpose == "batch_output":
-        _bind_producing_batch(session, row)
+    row = files.get_file_row(session, caller.tenant, file_id)
+    if row.purpose == "batch_output" and (batch := files.producing_batch(session, row)):
+        bind_batch(batch)  # the download's log lines carry the batch that produced the file
     try:
         size = storage.size(row.storage_key)
         chunks = storage.read_range(row.storage_key, 0, size)
@@ -247,20 +199,6 @@ def file_content(
     )
 
 
-def _bind_producing_batch(session: Session, row: File) -> None:
-    """The download's log lines carry the batch whose output or error file this is."""
-    produced_by = session.scalar(
-        select(Batch.id)
-        .where(
-            Batch.tenant == row.tenant,
-            or_(Batch.output_file_id == row.id, Batch.error_file_id == row.id),
-        )
-        .limit(1)
-    )
-    if produced_by is not None:
-        bind_batch(produced_by)
-
-
 @router.delete(
     "/{file_id}",
     response_model=FileDeleted,
@@ -270,23 +208,5 @@ def _bind_producing_batch(session: Session, row: File) -> None:
 def delete_file(
     file_id: str, caller: CurrentKey, session: SessionDep, storage: StorageDep
 ) -> FileDeleted:
-    row = get_file_row(session, caller.tenant, file_id)
-    key = row.storage_key
-    in_use = session.scalar(
-        select(Batch.id)
-        .where(Batch.input_file_id == row.id, Batch.status.not_in(TERMINAL))
-        .limit(1)
-    )
-    if in_use is not None:
-        # A batch that has not ended still reads this file: hide it now (expired files answer
-        # 404 everywhere) and let the retention sweep delete it once the batch ends.
-        row.expires_at = now()
-        session.commit()
-        return FileDeleted(id=file_id)
-    session.delete(row)
-    session.commit()
-    try:
-        storage.delete(key)
-    except Exception:  # the row is gone; an orphaned object is only wasted space
-        log.exception("could not delete the stored object %s of file %s", key, file_id)
+    files.delete_file(session, storage, caller.tenant, file_id)
     return FileDeleted(id=file_id)

@@ -229,7 +229,7 @@ def test_a_head_error_counts_every_line_as_before(small_shards):
 
 
 def _failed_late(batch_id: str) -> dict:
-    from api.routes.batch_results import results_visible
+    from api.services.results import results_visible
     from core.results_log import batch_log_prefix
     from worker.common import storage
 

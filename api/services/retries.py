@@ -1,75 +1,31 @@
-"""``POST /v1/batches/{id}/retry``: a new batch from exactly the parent's input lines that did
-not succeed (see :mod:`core.retry` for which), with the same ``custom_id``s and bodies.
+"""A retry: a new batch from exactly the parent's input lines that did not succeed.
 
-The lines are copied byte for byte from the parent's input file into a new input file of the
-caller's, and the batch is created through the ordinary create (quotas, entitlements, the
-validate task), with ``metadata.retry_of`` naming the parent.
+Which lines: :mod:`core.retry`. They are copied byte for byte (same ``custom_id``s and bodies)
+into a new input file of the caller's, and the batch is made by the ordinary create (quotas,
+entitlements, the validate task), with ``metadata.retry_of`` naming the parent.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from datetime import timedelta
-from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sqlalchemy.orm import Session
 
 from api.deps import Caller
 from api.errors import APIError, invalid_request
-from api.routes.batches import create_batch, get_batch_row
-from api.routes.files import is_expired
-from api.schemas import (
-    MAX_METADATA_PAIRS,
-    BatchCreate,
-    BatchPublic,
-    ExpiresAfter,
-)
+from api.schemas import MAX_METADATA_PAIRS, BatchCreate, ExpiresAfter, RetryCreate
+from api.services.batches import create_batch, get_batch_row
+from api.services.files import is_expired, new_file_row
 from core.auth import priority_allowed
 from core.ids import file_id
-from core.lifecycle import TERMINAL, now
+from core.lifecycle import TERMINAL
 from core.models import Batch, File
 from core.retry import RETRY_KINDS, RETRY_OF, retry_kind
 from core.settings import Settings
 from core.storage import Storage
-from core.windows import WINDOW, window_seconds
 
 log = logging.getLogger("batchd.api")
-
-RetryKind = Literal["expired", "cancelled", "failed"]
-
-
-class RetryCreate(BaseModel):
-    """What to retry, and how to run it (by default as the parent ran)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    include: list[RetryKind] | None = Field(
-        default=None,
-        min_length=1,
-        description="Which lines to retry: 'expired', 'cancelled' (never ran) and 'failed' "
-        "(failed with a retryable error: 5xx or 429; a request's own 4xx error never is). "
-        "Default: all three.",
-    )
-    completion_window: str | None = Field(
-        default=None,
-        description="Default: the parent's completion window.",
-        min_length=2,
-        max_length=16,
-        # Documented, and checked by the validator below with a clearer message.
-        json_schema_extra={"pattern": WINDOW.pattern},
-    )
-    priority: Literal["high", "normal", "low"] | None = Field(
-        default=None, description="Default: the parent's priority (if this key may use it)."
-    )
-
-    @field_validator("completion_window")
-    @classmethod
-    def _window_shape(cls, value: str | None) -> str | None:
-        if value is not None and window_seconds(value) is None:
-            raise ValueError('expected "24h" or a duration like "1h", "90m", "7d"')
-        return value
 
 
 def _conflict(message: str, code: str) -> APIError:
@@ -134,7 +90,9 @@ def retry_batch(
     settings: Settings,
     batch_id: str,
     body: RetryCreate,
-) -> BatchPublic:
+) -> Batch:
+    """The retry of the caller's ended batch ``batch_id``: 409 while it runs or once the files
+    it needs have expired, 400 when nothing of the kinds asked for failed."""
     parent = get_batch_row(session, caller.tenant, batch_id)
     if parent.status not in TERMINAL:
         raise _conflict(
@@ -174,18 +132,9 @@ def retry_batch(
     new_id = file_id()
     key = f"files/{new_id}"
     lines, size = _copy_lines(storage, source, key, custom_ids)
-    created = now()
+    filename = f"{parent.id}_retry.jsonl"
     session.add(
-        File(
-            id=new_id,
-            tenant=caller.tenant,
-            purpose="batch",
-            filename=f"{parent.id}_retry.jsonl",
-            bytes=size,
-            storage_key=key,
-            created_at=created,
-            expires_at=created + timedelta(seconds=settings.file_expiry_s),
-        )
+        new_file_row(caller.tenant, new_id, "batch", filename, size, key, settings.file_expiry_s)
     )
     session.commit()
     priority = body.priority or parent.priority
@@ -203,6 +152,6 @@ def retry_batch(
             else None
         ),
     )
-    retry = create_batch(create, caller, session, settings, idempotency_key=None)
+    retry = create_batch(session, settings, caller, create, key=None)
     log.info("batch %s retries %s lines of %s (%s)", retry.id, lines, batch_id, kinds)
     return retry

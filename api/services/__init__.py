@@ -1,0 +1,1 @@
+"""The work behind the routes (rules, rows, enqueueing), callable without HTTP."""

@@ -1,0 +1,120 @@
+"""A batch's estimate: what a create would make of its file, and when it would be done.
+
+The control worker reads the file as validation would (``worker.estimate``, over the broker:
+``core.rpc``); the times come from the work queued ahead and the model's recent throughput
+(``core.eta_store``). Without recent throughput the times are null and ``reason`` says why:
+nothing is guessed, and nothing is created.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from api.deps import Caller
+from api.errors import APIError
+from api.schemas import BatchCreate, BatchErrorItem, BatchEstimate, ModelEstimate, unix
+from api.services.batches import batch_input_file, checked_priority, checked_window_s
+from core import eta_store, rpc
+from core.lifecycle import now
+from core.queue import TASK_ESTIMATE
+from core.settings import Settings
+
+log = logging.getLogger("batchd.api")
+
+
+def estimate_batch(
+    session: Session, settings: Settings, caller: Caller, body: BatchCreate
+) -> BatchEstimate:
+    """The estimate of a create with ``body``, checked as that create would be."""
+    priority = checked_priority(body, caller)
+    seconds = checked_window_s(body.completion_window, caller, settings)
+    input_file = batch_input_file(session, caller.tenant, body.input_file_id)
+    key = input_file.storage_key
+    session.commit()  # no connection held while the control worker reads the file
+    scan = _scan(key, body.endpoint, settings)
+    return build_estimate(session, settings, body, caller.tenant, priority, seconds, scan)
+
+
+def _scan(key: str, endpoint: str, settings: Settings) -> dict[str, Any]:
+    try:
+        answer = rpc.call(TASK_ESTIMATE, key, endpoint, timeout=settings.estimate_timeout_s)
+    except rpc.NoAnswer as error:
+        raise APIError(
+            503,
+            f"No control worker read the file within {settings.estimate_timeout_s:g} seconds "
+            "(estimate_timeout_s); the service may be busy or its control worker down. "
+            "Retry shortly.",
+            code="estimate_unavailable",
+        ) from error
+    except Exception as error:
+        log.error("could not ask for an estimate: %s", error)
+        raise APIError(
+            503,
+            "The task broker is unavailable; please retry shortly.",
+            code="broker_unavailable",
+        ) from error
+    if not answer.get("ok"):
+        raise APIError(500, f"The file could not be read: {answer.get('error')}")
+    return answer
+
+
+def build_estimate(
+    session: Session,
+    settings: Settings,
+    body: BatchCreate,
+    tenant: str,
+    priority: str,
+    window_s: int,
+    scan: dict[str, Any],
+) -> BatchEstimate:
+    """The answer, from the control worker's scan and the queue as it is now."""
+    created = now()
+    deadline = created + timedelta(seconds=window_s)
+    model = scan.get("model")
+    valid = int(scan["valid_requests"])
+    work = float(scan["est_tokens"])
+    times = None
+    reason = "The file holds no valid request: there is nothing to run."
+    if model and valid:
+        times = eta_store.times_for_new_batch(
+            session,
+            model,
+            tenant=tenant,
+            priority=priority,
+            deadline=deadline.timestamp(),
+            work=work,
+            now=created,
+            window_s=settings.throughput_window_s,
+        )
+        reason = times.reason
+    projection = times.projection if times is not None else None
+    per_model = {}
+    if model and valid:
+        per_model[model] = ModelEstimate(
+            requests=valid,
+            prompt_tokens=int(scan["prompt_tokens"]),
+            max_completion_tokens=int(scan["max_completion_tokens"]),
+            throughput_tokens_per_s=None if times is None else times.rate,
+        )
+    return BatchEstimate(
+        endpoint=body.endpoint,
+        completion_window=body.completion_window,
+        priority=priority,  # type: ignore[arg-type]
+        model=model,
+        total_requests=int(scan["total_requests"]),
+        valid_requests=valid,
+        errors=[BatchErrorItem(**e) for e in scan["errors"]],
+        prompt_tokens=int(scan["prompt_tokens"]),
+        max_completion_tokens=int(scan["max_completion_tokens"]),
+        per_model=per_model,
+        queue_ahead_tokens=0 if times is None else round(times.ahead.total),
+        estimated_start_at=None if projection is None else int(projection.start),
+        estimated_completion_at=None if projection is None else int(projection.finish),
+        expires_at=unix(deadline) or 0,
+        fits_window=None if projection is None else projection.finish <= deadline.timestamp(),
+        reason=None if projection is not None else reason,
+    )
