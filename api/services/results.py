@@ -23,13 +23,15 @@ def result_page(
     session: Session, storage: Storage, tenant: str, batch_id: str, after: str | None, limit: int
 ) -> Page:
     """Up to ``limit`` result lines of the tenant's batch after the line ``after`` (None: from
-    the first); none while the batch does not show results."""
+    the first); none while the batch does not show results. An ``after`` that is not a line
+    the batch shows is refused whether or not it shows any yet, so the answer to a bad cursor
+    does not depend on how far the batch got."""
     batch = get_batch_row(session, tenant, batch_id)
-    if not results_visible(batch.status, batch.validation_done):
-        return Page(data=[], has_more=False)
+    visible = results_visible(batch.status, batch.validation_done)
     start = 0
     if after is not None:
-        seq = cursor_seq(session, batch.id, after) if could_be_id(after) else None
+        known = visible and could_be_id(after)
+        seq = cursor_seq(session, batch.id, after) if known else None
         if seq is None:
             raise invalid_request(
                 f"Invalid value for 'after': {after!r} is not the id of a result line of batch "
@@ -37,4 +39,6 @@ def result_page(
                 param="after",
             )
         start = seq + 1
+    if not visible:
+        return Page(data=[], has_more=False)
     return read_page(session, storage, batch.id, start=start, limit=limit)

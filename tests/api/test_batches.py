@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 
@@ -189,3 +190,20 @@ def test_deleting_the_input_of_an_unfinished_batch_hides_it_but_keeps_its_bytes(
     unused = client.files.create(file=("other.jsonl", LINES), purpose="batch").id
     assert client.files.delete(unused).deleted is True
     assert not open_storage(server.storage_url).exists(f"files/{unused}")
+
+
+def test_a_bad_results_cursor_is_refused_before_the_batch_shows_results(client, input_file):
+    """No worker runs here: the batch stays ``validating`` and shows no results. A cursor it
+    cannot show is still a 400 naming ``after`` (not an empty 200 that turns into a 400 once
+    validation is done); without one the page is empty."""
+    batch = _create(client, input_file)
+    assert client.batches.retrieve(batch.id).status == "validating"
+    page = client.get(f"/batches/{batch.id}/results", cast_to=httpx.Response)
+    assert (page.json()["data"], page.json()["has_more"]) == ([], False)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.get(
+            f"/batches/{batch.id}/results",
+            cast_to=httpx.Response,
+            options={"params": {"after": "batch_req_000000000000000000000000"}},
+        )
+    assert caught.value.body["param"] == "after"
