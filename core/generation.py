@@ -121,10 +121,7 @@ def check_prompt(
         # OpenAI answers 400 "max_tokens is too large" for more output than the model can
         # produce; a limit that merely exceeds what this prompt leaves is clamped (the
         # completion then ends with finish_reason "length").
-        chat_mct = req.kind == "chat" and req.body.get("max_completion_tokens") is not None
-        name = "max_completion_tokens" if chat_mct else "max_tokens"
-        if req.kind == "response":
-            name = "max_output_tokens"
+        name = req.max_tokens_from
         raise PromptError(
             "invalid_value",
             f"{name} is too large: {_short(req.max_tokens)}. This model's maximum context "
