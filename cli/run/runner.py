@@ -112,8 +112,10 @@ class BatchRunner:
             return slot
         slot.req = req
         try:
-            ids, kwargs = prepare_request(self.tok, req, self.context, self.vocab_size)
-            params = SamplingParams(**kwargs)  # may refuse a value: an error line too
+            # SamplingParams may refuse a value: an error line too
+            ids, params = prepare_request(
+                self.tok, req, self.context, self.vocab_size, make_params=SamplingParams
+            )
             slot.request_id = f"line-{raw.line}"
             self.engine.add_request(slot.request_id, ids, params)
         except Exception as exc:
