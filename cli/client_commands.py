@@ -25,7 +25,8 @@ from cli import estimate_commands
 from cli.client import BatchdClient, ClientError, ServerUnreachable
 from cli.exit_codes import TERMINAL_STATUSES, ExitCode, exit_code_for_batch, exit_codes_help
 from cli.progress import requests_progress
-from core.batchfile import CHAT_URL, LineError, file_endpoint
+from core.batch_request import CHAT_URL, LineError
+from core.batchfile import file_endpoint
 from core.lifecycle import BatchStatus
 
 # How long polling tolerates a server that stopped answering after it answered once (an API

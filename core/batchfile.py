@@ -24,14 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 from core.batch_request import (
-    CHAT_URL,
-    COMPLETIONS_DEFAULT_MAX_TOKENS,
-    COMPLETIONS_URL,
     DEFAULT_MAX_LINE_BYTES,
-    EMBEDDINGS_URL,
-    GENERATION_URLS,
     MAX_CUSTOM_ID_CHARS,
-    RESPONSES_URL,
     SUPPORTED_URLS,
     BatchRequest,
     LineError,
@@ -42,18 +36,7 @@ from core.bodies import KINDS, check_body
 from core.results import request_error_line
 
 __all__ = [
-    "CHAT_URL",
-    "COMPLETIONS_DEFAULT_MAX_TOKENS",
-    "COMPLETIONS_URL",
-    "EMBEDDINGS_URL",
-    "GENERATION_URLS",
-    "DEFAULT_MAX_LINE_BYTES",
-    "MAX_CUSTOM_ID_CHARS",
-    "RESPONSES_URL",
-    "SUPPORTED_URLS",
     "FILE_ERRORS",
-    "BatchRequest",
-    "LineError",
     "LineValidator",
     "RawLine",
     "ValidationReport",

@@ -12,7 +12,8 @@ from concurrent.futures import Future
 from typing import Any
 
 from core import metrics
-from core.batchfile import BatchRequest, LineError, RawLine, iter_lines, parse_request
+from core.batch_request import BatchRequest, LineError
+from core.batchfile import RawLine, iter_lines, parse_request
 from core.generation import error_for_exception, error_record
 from core.lifecycle import ShardStatus
 from core.logs import log_context

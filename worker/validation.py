@@ -66,10 +66,9 @@ from sqlalchemy import func, select, text, update
 from sqlalchemy.orm import Session
 
 from core import generation, metrics, results_log, served_models
+from core.batch_request import BatchRequest, LineError
 from core.batchfile import (
     FILE_ERRORS,
-    BatchRequest,
-    LineError,
     LineValidator,
     RawLine,
     ValidationReport,

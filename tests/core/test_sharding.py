@@ -7,13 +7,8 @@ import json
 
 import pytest
 
-from core.batch_request import BatchRequest
-from core.batchfile import (
-    CHAT_URL,
-    iter_lines,
-    parse_request,
-    validate_file,
-)
+from core.batch_request import CHAT_URL, BatchRequest
+from core.batchfile import iter_lines, parse_request, validate_file
 from core.generation import estimate_tokens
 from core.sharding import ShardPlanner, ShardSpec
 
