@@ -29,7 +29,8 @@ from cli.downloads import download_results, download_with_retries
 from cli.exit_codes import TERMINAL_STATUSES, ExitCode, exit_codes_help
 from cli.options import ApiKeyOpt, BaseUrlOpt, BatchIdArg, JsonOpt, PollOpt, TimeoutOpt
 from cli.waiting import finish_wait, wait_for_batch
-from core.batchfile import CHAT_URL, LineError, file_endpoint
+from core.batch_request import CHAT_URL, LineError
+from core.batchfile import file_endpoint
 from core.lifecycle import BatchStatus
 
 

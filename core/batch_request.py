@@ -5,6 +5,7 @@ both refer to (``core.batchfile`` reads the lines, ``core.bodies`` checks each e
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -64,6 +65,7 @@ class BatchRequest:
     messages: list[dict[str, str]] | None = None  # chat, responses: role/content(/name), flattened
     prompt: str | list[int] | None = None  # completion: text or token ids
     max_tokens: int | None = None  # None: the caller applies its default
+    max_tokens_from: str = "max_tokens"  # the body field it came from: max_tokens_field()
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: disabled
@@ -82,6 +84,17 @@ class BatchRequest:
     # structured output: the JSON Schema the output must match (``{"type": "object"}`` for
     # any JSON object); None for free text
     json_schema: dict[str, Any] | None = None
+
+
+def max_tokens_field(kind: RequestKind, body: Mapping[str, Any]) -> str:
+    """The body field that limits a request's output: ``max_output_tokens`` for responses,
+    ``max_tokens`` for completions, and for chat ``max_completion_tokens``, which wins over
+    the older ``max_tokens`` when both are given."""
+    if kind == "response":
+        return "max_output_tokens"
+    if kind == "chat" and body.get("max_completion_tokens") is not None:
+        return "max_completion_tokens"
+    return "max_tokens"
 
 
 # JSON's name for each Python type a parsed line holds (bool before int: it is one).

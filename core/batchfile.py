@@ -1,95 +1,18 @@
-"""The OpenAI batch input format: streaming line reader, per-line request validation and
-normalisation, and whole-file validation.
+"""The OpenAI batch input format: the streaming line reader (:func:`iter_lines`), one line's
+check and normalisation (:func:`parse_request`) and whole-file validation (:class:`LineValidator`,
+:func:`validate_file`). ``docs/batch-files.md`` gives the line rules, the error codes and how
+the validate and shard tasks use this module.
 
-An input file is JSONL; each non-blank line is one request::
+Invariants a change must keep:
 
-    {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions",
-     "body": {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16}}
-
-How the worker uses this module
--------------------------------
-*Validate task* (``worker.validation``): stream the uploaded object through a
-:class:`LineValidator`, one line at a time; count each valid request's tokens (the tokenizer
-lives in the worker) and feed a :class:`core.sharding.ShardPlanner` with
-``(req.line, req.offset, req.length, tokens)``; create and release each shard as soon as the
-planner closes it. *An estimate* (and tests) read a whole file through :func:`validate_file`,
-which runs the same :class:`LineValidator` and reports every error.
-
-Validation streamed into execution
-----------------------------------
-Which errors fail a batch depends on where they are:
-
-* in the **head** — the first shard's lines (up to ``shard_max_requests`` requests or
-  ``shard_max_tokens`` estimated tokens), or the whole file when it is smaller — any error
-  fails the batch as a whole-file validation does: ``errors.data`` lists the first
-  ``max_errors_reported`` errors of the file, and nothing runs;
-* after the head, a line error (any code of the table below but ``empty_file`` and
-  ``too_many_requests``) fails only its line: it gets one line in the batch's error file,
-  :func:`line_error_record`, and the other lines run;
-* after the head, a whole-file error (:data:`FILE_ERRORS`: more than ``max_requests`` request
-  lines; the worker adds the tenant's enqueued-token limit) fails the batch, with nothing of
-  it shown and no file written, ``errors.data`` naming the rule, the line and the limit.
-
-*Shard task*: re-read exactly the shard's bytes and parse each line again::
-
-    chunks = storage.read_range(key, spec.start_offset, spec.end_offset)
-    for raw in iter_lines(chunks, max_line_bytes=..., first_line=spec.start_line,
-                          base_offset=spec.start_offset):
-        req = parse_request(raw, endpoint=batch.endpoint, served_models=None)
-
-Line numbers and byte offsets reported by :func:`iter_lines` are absolute (1-based physical line
-numbers in the uploaded file, byte offsets from the start of the object), so both passes agree.
-
-Line rules
-----------
-* Lines end with ``\\n``; a ``\\r`` before it (CRLF) is not part of the data. The last line may
-  lack a line ending.
-* A UTF-8 byte order mark at the start of the file is skipped (line 1 then starts at offset 3).
-* Blank lines (only ASCII whitespace) are skipped wherever they are, but still count as lines,
-  so line numbers match what an editor shows. They never become requests or errors.
-* A line whose data exceeds ``max_line_bytes`` is never held whole in memory: the reader skips
-  to the next newline and yields a ``RawLine`` with ``too_long=True`` and empty ``data``;
-  :func:`parse_request` reports it as ``line_too_long``.
-
-Error codes (``LineError.code``; stable, snake_case)
----------------------------------------------------
-==========================  ==========================================================
-``empty_file``              the file has no request lines (``line`` is ``None``)
-``too_many_requests``       more request lines than the batch limit (validation stops)
-``line_too_long``           a line longer than ``max_line_bytes``
-``invalid_encoding``        the line is not valid UTF-8, or a string escapes a lone surrogate
-``invalid_json_line``       not JSON, NaN/Infinity, nested too deeply, or not an object
-``missing_custom_id``       ``custom_id`` absent or null
-``invalid_custom_id``       ``custom_id`` not a string, empty, or over 512 characters
-``duplicate_custom_id``     a ``custom_id`` already used on an earlier line
-``invalid_method``          ``method`` absent or not ``"POST"``
-``invalid_url``             ``url`` absent, not a string, or not a supported endpoint
-``mismatched_url``          ``url`` is supported but differs from the batch's endpoint
-``missing_required_param``  ``body``, ``body.model``, ``body.messages``/``body.prompt``
-``invalid_type``            a field has the wrong JSON type
-``invalid_value``           a field has the right type but an out-of-range/unknown value
-``unsupported_parameter``   a field this service cannot honour (``tools``, ``suffix``, …)
-``unsupported_value``       a value this service cannot honour (``stream: true``, …)
-``model_not_found``         ``body.model`` is not served here
-``mismatched_model``        a request's model differs from the batch's first request
-==========================  ==========================================================
-
-``LineError.param`` names the field path (``custom_id``, ``body.temperature``,
-``body.messages[2].role``); messages name the limit and the offending value.
-
-Parameters: ``null`` for an optional body parameter means "use the default". Unknown body
-fields are ignored, except those that would change the result in a way this service does not
-support, which are rejected (``stream``, ``tools``, ``functions``, ``logit_bias``,
-a ``response_format`` schema using a keyword that cannot be enforced, non-text content parts,
-``n``>1 ``best_of``, ``echo``, ``suffix``, multiple prompts). Extensions accepted beyond
-OpenAI's API: ``top_k`` (int ≥ -1; -1 and 0 disable it), ``ignore_eos`` (bool), and
-``response_format`` on completions. Each endpoint's body is checked in ``core.bodies``.
-
-Chat message ``content`` given as a list of text parts is flattened to one string, the parts
-joined with ``"\\n"``. ``max_completion_tokens`` wins over ``max_tokens`` when both are given.
-For completions, ``logprobs: k`` (0..5) maps to ``logprobs=True, top_logprobs=k``.
-``BatchRequest.max_tokens`` is ``None`` when the request gives no limit: the caller applies its
-default (OpenAI's completions default is 16; see ``COMPLETIONS_DEFAULT_MAX_TOKENS``).
+* Line numbers (1-based, blank lines counted) and byte offsets are absolute in the uploaded
+  object, so a shard that re-reads its byte range (``first_line``/``base_offset``) and parses
+  each line again sees the lines, numbers and requests validation saw.
+* Memory stays bounded: a line over ``max_line_bytes`` is never held whole (it comes back
+  ``too_long``), and whole-file validation holds only the ``custom_id`` set.
+* Blank lines never become requests or errors; a UTF-8 BOM is skipped; ``\r\n`` is a newline.
+* ``LineError`` codes and ``param`` paths are part of the API (``errors.data`` and error
+  lines): keep them stable.
 """
 
 from __future__ import annotations
@@ -101,14 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 from core.batch_request import (
-    CHAT_URL,
-    COMPLETIONS_DEFAULT_MAX_TOKENS,
-    COMPLETIONS_URL,
     DEFAULT_MAX_LINE_BYTES,
-    EMBEDDINGS_URL,
-    GENERATION_URLS,
     MAX_CUSTOM_ID_CHARS,
-    RESPONSES_URL,
     SUPPORTED_URLS,
     BatchRequest,
     LineError,
@@ -119,18 +36,7 @@ from core.bodies import KINDS, check_body
 from core.results import request_error_line
 
 __all__ = [
-    "CHAT_URL",
-    "COMPLETIONS_DEFAULT_MAX_TOKENS",
-    "COMPLETIONS_URL",
-    "EMBEDDINGS_URL",
-    "GENERATION_URLS",
-    "DEFAULT_MAX_LINE_BYTES",
-    "MAX_CUSTOM_ID_CHARS",
-    "RESPONSES_URL",
-    "SUPPORTED_URLS",
     "FILE_ERRORS",
-    "BatchRequest",
-    "LineError",
     "LineValidator",
     "RawLine",
     "ValidationReport",
@@ -503,7 +409,7 @@ class LineValidator:
     ``custom_id``, one model per batch (the first valid request's), at most ``max_requests``
     request lines. :func:`validate_file` runs a whole file through it; the validate task runs
     it line by line and plans shards as it goes (see "Validation streamed into execution" in
-    the module docstring).
+    ``docs/batch-files.md``).
 
     Memory is bounded by the ``custom_id`` set (at most ``max_requests`` entries).
     """

@@ -3,16 +3,16 @@
 Shared by the model worker (``worker/``) and the offline runner (``batchd run``), so both
 produce the same tokens, sampling parameters, response bodies and error lines. ``core`` does
 not import the engine: the tokenizer (a Hugging Face tokenizer) and the engine's outputs are
-used through their attributes, and sampling parameters are returned as keyword arguments for
-``engine.SamplingParams``.
+used through their attributes, and sampling parameters are built by the constructor the caller
+passes (``engine.SamplingParams``) from keyword arguments.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from core.batchfile import COMPLETIONS_DEFAULT_MAX_TOKENS, BatchRequest
+from core.batch_request import COMPLETIONS_DEFAULT_MAX_TOKENS, BatchRequest
 from core.results import (
     ChoiceResult,
     GenerationResult,
@@ -121,10 +121,7 @@ def check_prompt(
         # OpenAI answers 400 "max_tokens is too large" for more output than the model can
         # produce; a limit that merely exceeds what this prompt leaves is clamped (the
         # completion then ends with finish_reason "length").
-        chat_mct = req.kind == "chat" and req.body.get("max_completion_tokens") is not None
-        name = "max_completion_tokens" if chat_mct else "max_tokens"
-        if req.kind == "response":
-            name = "max_output_tokens"
+        name = req.max_tokens_from
         raise PromptError(
             "invalid_value",
             f"{name} is too large: {_short(req.max_tokens)}. This model's maximum context "
@@ -195,15 +192,20 @@ def prepare_request(
     context: int,
     vocab_size: int | None,
     ids: list[int] | None = None,
-) -> tuple[list[int], dict[str, Any]]:
-    """A request as engine input: its prompt token ids (``ids`` when the caller has them from
-    the same tokenizer) and its sampling parameters (keyword arguments for
-    ``engine.SamplingParams``). Raises :class:`PromptError` or ``ValueError`` for a request
-    this model can never run; :func:`error_for_exception` makes its line."""
+    *,
+    make_params: Callable[..., Any] = dict,
+) -> tuple[list[int], Any]:
+    """A request as engine input, the one road from a parsed line to the engine: its prompt
+    token ids (``ids`` when the caller has them from the same tokenizer) and its sampling
+    parameters, ``make_params(**sampling_kwargs(...))``: the worker and ``batchd run`` pass
+    ``engine.SamplingParams`` (which ``core`` does not import); the default is the plain
+    keyword arguments. Raises :class:`PromptError` or ``ValueError`` (a value the parameters
+    refuse) for a request this model can never run; :func:`error_for_exception` makes its
+    line."""
     if ids is None:
         ids = prompt_token_ids(tok, req)
     check_prompt(req, len(ids), context, vocab_size)
-    return ids, sampling_kwargs(req, len(ids), context)
+    return ids, make_params(**sampling_kwargs(req, len(ids), context))
 
 
 def is_aborted(output: Any) -> bool:

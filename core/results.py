@@ -45,7 +45,7 @@ from core.ids import completion_id as new_completion_id
 from core.ids import request_id as new_request_id
 
 if TYPE_CHECKING:
-    from core.batchfile import BatchRequest
+    from core.batch_request import BatchRequest
 
 __all__ = [
     "BATCH_ERROR_MESSAGES",

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from core import gguf_models
-from core.batchfile import EMBEDDINGS_URL, GENERATION_URLS
+from core.batch_request import EMBEDDINGS_URL, GENERATION_URLS
 
 ModelKind = Literal["generate", "embedding"]
 

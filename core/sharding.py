@@ -28,16 +28,8 @@ shard: ``first_index`` is that shard's index + 1, ``after_line`` its ``end_line 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from core.batchfile import BatchRequest
-
-__all__ = ["DEFAULT_MAX_OUTPUT_TOKENS", "ShardPlanner", "ShardSpec", "estimate_tokens_fallback"]
-
-DEFAULT_MAX_OUTPUT_TOKENS = 256  # assumed output length when a request sets no max_tokens
-_CHARS_PER_TOKEN = 4
-_MESSAGE_OVERHEAD_TOKENS = 4  # role and template tokens around each chat message
+__all__ = ["ShardPlanner", "ShardSpec"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,24 +128,3 @@ class ShardPlanner:
             if self._count:
                 self._close(self._last_line + 1, self._last_end)
         return list(self._done)
-
-
-def estimate_tokens_fallback(
-    req: BatchRequest, *, default_max_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS
-) -> int:
-    """A tokenizer-free estimate of a request's cost: prompt characters / 4 (token ids count
-    one each), plus the output budget ``max_tokens × n``."""
-    if req.messages is not None:
-        prompt = sum(
-            (len(m.get("content", "")) + _CHARS_PER_TOKEN - 1) // _CHARS_PER_TOKEN
-            + _MESSAGE_OVERHEAD_TOKENS
-            for m in req.messages
-        )
-    elif isinstance(req.prompt, list):
-        prompt = len(req.prompt)
-    elif isinstance(req.prompt, str):
-        prompt = (len(req.prompt) + _CHARS_PER_TOKEN - 1) // _CHARS_PER_TOKEN
-    else:
-        prompt = 0
-    max_tokens = req.max_tokens if req.max_tokens is not None else default_max_tokens
-    return prompt + max_tokens * req.n

@@ -11,42 +11,33 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from core import generation, metrics
-from core.batchfile import (
-    EMBEDDINGS_URL,
-    BatchRequest,
-    LineError,
-    RawLine,
-    iter_lines,
-    parse_request,
-)
+from core import metrics
+from core.batch_request import BatchRequest, LineError
+from core.batchfile import RawLine, iter_lines, parse_request
 from core.generation import error_for_exception, error_record
 from core.lifecycle import ShardStatus
 from core.logs import log_context
 from core.models import Batch, Shard
-from core.results import GenerationResult, embedding_body, output_line
 from core.settings import get_settings
 from worker import runtime, timings
-from worker.common import REQUEST_ERRORS, storage
-from worker.prepared import read_prepared
+from worker.common import storage
+from worker.shard_handlers import (
+    Aborted,
+    EngineUnavailable,
+    Failed,
+    Line,
+    Refused,
+    handler_for,
+)
 from worker.shard_state import Heartbeat, Pending, ShardLost, batch_stopping, commit_chunk
 
 logger = logging.getLogger(__name__)
 
 
 STATUS_POLL_S = 1.0
-SUBMIT_WAIT_S = 0.25
 MAX_ABORT_RETRIES = 3  # a request aborted while its batch is still running is run again
 STATS_TIMEOUT_S = 10.0
 STATS_PATIENCE = 3  # stats asks that time out in a row before the host is taken for dead
-
-
-ENGINE_PRIORITY = {"high": -1, "normal": 0, "low": 1}
-
-
-class EngineUnavailable(RuntimeError):
-    """The engine host of this process is dead: the attempt fails and the shard is reclaimed
-    (by a healthy worker) once its heartbeat goes stale."""
 
 
 class ShardRun:
@@ -77,15 +68,7 @@ class ShardRun:
         settings = get_settings()
         self.shard = shard
         self.batch_id = batch.id
-        # The engine admits lower values first: a "high" batch overtakes the nightly bulk.
-        self.priority = ENGINE_PRIORITY.get(batch.priority or "normal", 0)
-        # Each tenant its own prefix cache (see Settings.share_prefix_cache_across_tenants).
-        self.cache_salt = (
-            None if settings.share_prefix_cache_across_tenants else f"tenant:{batch.tenant}"
-        )
-        self.tenant = batch.tenant  # the host shares each tier fairly across tenants
-        # ... and runs a tenant's batches earliest deadline first.
-        self.deadline = batch.expires_at.timestamp() if batch.expires_at is not None else None
+        self.tenant = batch.tenant
         self.endpoint = batch.endpoint
         self.model = batch.model or ""
         self.key = key
@@ -93,20 +76,13 @@ class ShardRun:
         self.chunk = num_chunks
         self.done_lines = done_lines
         self.host = host
-        self.tok = host.tokenizer
-        # An embeddings batch runs on the model's embedding host (``runtime.host``): its
-        # requests are prepared, submitted and turned into lines by the ``_*_embedding``
-        # methods; everything else (checkpoints, cancel, retries) is the same.
-        self.embedding = self.endpoint == EMBEDDINGS_URL
-        self.context = 0 if self.embedding else runtime.context_length(self.model)
-        # The prompt ids validation stored for this shard (worker.prepared), by input line.
-        self.prepared = {} if self.embedding else read_prepared(storage(), batch.id, shard.index)
-        self.vocab_size = len(self.tok)
+        # What differs between generation and embeddings (prepare, submit, read the outcome).
+        self.handler = handler_for(shard, batch, host)
         self.every = max(1, settings.checkpoint_every)
         self.interval = settings.checkpoint_interval_s
         self.max_request_attempts = max(1, settings.max_request_attempts)
         self.after_commit = after_commit
-        self.done_q: queue.SimpleQueue[tuple[BatchRequest, list[int], Any, Future, bool]] = (
+        self.done_q: queue.SimpleQueue[tuple[BatchRequest, Any, Any, Future, bool]] = (
             queue.SimpleQueue()
         )
         self.pending = Pending()
@@ -114,10 +90,12 @@ class ShardRun:
         self.ran = 0
         self.stopping = False
         self.retries: dict[int, int] = {}
-        self.to_retry: list[tuple[BatchRequest, list[int], Any]] = []
+        self.to_retry: list[tuple[BatchRequest, Any, Any]] = []
         self.refusals: dict[int, int] = {}  # RequestError count per line
-        self.failures: dict[int, int] = {}  # failed engine steps while running alone, per line
-        self.suspects: list[tuple[BatchRequest, list[int], Any]] = []
+        # failed runs per line that count toward max_request_attempts (for generation, those
+        # of a request run alone)
+        self.failures: dict[int, int] = {}
+        self.suspects: list[tuple[BatchRequest, Any, Any]] = []
         self.stats_timeouts = 0
         self.suspect_line: int | None = None
         self.submitted_at: dict[int, float] = {}  # line -> handed to the host (worker.timings)
@@ -176,124 +154,61 @@ class ShardRun:
                 return
 
     def _handle(
-        self, req: BatchRequest, ids: list[int], params: Any, future: Future, alone: bool
+        self, req: BatchRequest, prompt: Any, params: Any, future: Future, alone: bool
     ) -> None:
-        if self.embedding:
-            self._handle_embedding(req, ids, params, future)
-            return
-        with log_context(request_id=req.custom_id):
-            self._handle_generation(req, ids, params, future, alone)
-
-    def _handle_generation(
-        self, req: BatchRequest, ids: list[int], params: Any, future: Future, alone: bool
-    ) -> None:
-        from engine import RequestError
-        from engine.admission.host import HostError
-
+        """Turn a request the host is done with into its line, or run it again (see the
+        class docstring)."""
         self.in_flight -= 1
         if alone:
             self.suspect_line = None
-        exc = future.exception()
-        if exc is not None:
-            if isinstance(exc, HostError):
-                raise EngineUnavailable(str(exc)) from exc
-            if isinstance(exc, RequestError):
-                tries = self.refusals.get(req.line, 0) + 1
-                self.refusals[req.line] = tries
-                if tries < self.max_request_attempts:
-                    self.to_retry.append((req, ids, params))
-                else:
-                    self.pending.add_error(req.line, error_for_exception(req, exc))
-                return
-            if isinstance(exc, ValueError):  # a parameter the engine cannot honour
-                self.pending.add_error(req.line, error_for_exception(req, exc))
-                return
-            # A failed engine step (or another engine failure): this request may be the
-            # culprit or a bystander; only a run alone tells.
-            if alone:
-                tries = self.failures.get(req.line, 0) + 1
-                self.failures[req.line] = tries
-                if tries >= self.max_request_attempts:
-                    cause = exc.__cause__ or exc
-                    logger.warning(
-                        "shard %s line %s failed the engine %s times alone: %r",
-                        self.shard.id,
-                        req.line,
-                        tries,
-                        cause,
-                    )
-                    self.pending.add_error(
-                        req.line,
-                        error_record(
-                            req.custom_id,
-                            "server_error",
-                            f"The engine failed on this request ({tries} attempts, the last "
-                            f"ones run alone): {cause!r}",
-                            status_code=500,
-                            type="server_error",
-                        ),
-                    )
-                    return
-            self.suspects.append((req, ids, params))
-            return
-        output = future.result()
-        if generation.is_aborted(output):
-            # Aborted: part of a cancel or expiry (the finalize writes its error line), or,
-            # if the batch is still running, something else aborted it: run it again.
+        with log_context(request_id=req.custom_id):
+            self._settle(req, prompt, params, future, alone)
+
+    def _settle(
+        self, req: BatchRequest, prompt: Any, params: Any, future: Future, alone: bool
+    ) -> None:
+        outcome = self.handler.outcome(req, future, self.submitted_at.pop(req.line, None))
+        work = (req, prompt, params)
+        if isinstance(outcome, Line):
+            if outcome.result is None:
+                self.pending.add_error(req.line, outcome.record)
+            else:
+                self.pending.add_ok(req.line, outcome.record, outcome.result, outcome.finished)
+        elif isinstance(outcome, Aborted):
+            # Part of a cancel or expiry (the finalize writes its error line), or, if the
+            # batch is still running, something else aborted it: run it again.
             tries = self.retries.get(req.line, 0) + 1
             self.retries[req.line] = tries
             if tries <= MAX_ABORT_RETRIES:
-                self.to_retry.append((req, ids, params))
+                self.to_retry.append(work)
             else:
-                self.pending.add_error(req.line, generation.aborted_record(req))
-            return
-        record, result = generation.finished_record(self.tok, req, output)
-        submitted = self.submitted_at.pop(req.line, None)
-        if result is not None:
-            timings.record(self.batch_id, self.shard.index, req.custom_id, submitted, output)
-        if result is None:
-            self.pending.add_error(req.line, record)
-        else:
-            finished = getattr(getattr(output, "metrics", None), "finished_time", None)
-            self.pending.add_ok(req.line, record, result, finished)
-
-    def _handle_embedding(self, req: BatchRequest, inputs: Any, dims: Any, future: Future) -> None:
-        from engine.embedding.host import EmbeddingAborted, EmbeddingHostClosed
-
-        self.in_flight -= 1
-        exc = future.exception()
-        if isinstance(exc, EmbeddingHostClosed):
-            raise EngineUnavailable(str(exc)) from exc
-        if exc is not None:
-            # Aborted (a cancel, or something else: run it again), or its round failed.
-            counts = self.retries if isinstance(exc, EmbeddingAborted) else self.failures
-            limit = (
-                MAX_ABORT_RETRIES + 1
-                if isinstance(exc, EmbeddingAborted)
-                else self.max_request_attempts
-            )
-            tries = counts.get(req.line, 0) + 1
-            counts[req.line] = tries
-            if tries < limit:
-                self.to_retry.append((req, inputs, dims))
-            elif isinstance(exc, EmbeddingAborted):
-                self.pending.add_error(req.line, generation.aborted_record(req))
+                self.pending.add_error(req.line, outcome.record)
+        elif isinstance(outcome, Refused):
+            tries = self.refusals.get(req.line, 0) + 1
+            self.refusals[req.line] = tries
+            if tries < self.max_request_attempts:
+                self.to_retry.append(work)
             else:
-                self.pending.add_error(req.line, error_for_exception(req, exc))
-            return
-        outputs = future.result()
-        tokens = sum(o.num_tokens for o in outputs)
-        body = embedding_body(req, [o.embedding for o in outputs], tokens)
-        usage = GenerationResult(prompt_tokens=tokens, cached_tokens=0, choices=[])
-        self.pending.add_ok(req.line, output_line(req.custom_id, body), usage)
+                self.pending.add_error(req.line, error_for_exception(req, outcome.exc))
+        elif isinstance(outcome, Failed):
+            isolate = self.handler.isolates_failures
+            if isolate and not alone:
+                self.suspects.append(work)
+                return
+            tries = self.failures.get(req.line, 0) + 1
+            self.failures[req.line] = tries
+            if tries < self.max_request_attempts:
+                (self.suspects if isolate else self.to_retry).append(work)
+            else:
+                self.pending.add_error(req.line, self.handler.failed_line(req, outcome.exc, tries))
 
-    def _submit(self, req: BatchRequest, ids: list[int], params: Any, alone: bool = False) -> bool:
+    def _submit(self, req: BatchRequest, prompt: Any, params: Any, alone: bool = False) -> bool:
         """Hand one request to the host; False if the shard stopped first. Ordinary
         submissions wait while another shard isolates its suspects."""
         from engine.admission.host import HostError
 
         def done(fut: Future, req: BatchRequest = req) -> None:
-            self.done_q.put((req, ids, params, fut, alone))
+            self.done_q.put((req, prompt, params, fut, alone))
 
         while not self.stopping:
             if not alone and self.gate.held_by_other(self):
@@ -303,23 +218,7 @@ class ShardRun:
                 continue
             self.submitted_at[req.line] = time.time()
             try:
-                if self.embedding:
-                    self.host.submit(
-                        ids, dimensions=params, group=self.batch_id, timeout=SUBMIT_WAIT_S
-                    ).add_done_callback(done)
-                    self.in_flight += 1
-                    return True
-                self.host.submit(
-                    ids,
-                    params,
-                    group=self.batch_id,
-                    callback=done,
-                    timeout=SUBMIT_WAIT_S,
-                    priority=self.priority,
-                    cache_salt=self.cache_salt,
-                    tenant=self.tenant,
-                    deadline=self.deadline,
-                )
+                self.handler.submit(prompt, params, done)
             except TimeoutError:  # HostQueueFull, or the embedding host's full queue
                 self._collect()
                 self._checkpoint()
@@ -333,49 +232,6 @@ class ShardRun:
             self.in_flight += 1
             return True
         return False
-
-    def _prepare(self, req: BatchRequest) -> tuple[Any, Any] | None:
-        from engine import SamplingParams
-
-        if self.embedding:
-            return self._prepare_embedding(req)
-        try:
-            ids, kwargs = generation.prepare_request(
-                self.tok, req, self.context, self.vocab_size, self.prepared.pop(req.line, None)
-            )
-            params = SamplingParams(**kwargs)
-        except REQUEST_ERRORS as exc:
-            self.pending.add_error(req.line, error_for_exception(req, exc))
-            return None
-        except Exception:
-            logger.exception(
-                "shard %s line %s: preparing the request failed", self.shard.id, req.line
-            )
-            raise
-        return ids, params
-
-    def _prepare_embedding(self, req: BatchRequest) -> tuple[list[list[int]], int] | None:
-        """The inputs as the model's token ids and the output size, or the request's error
-        line (an input over the model's length, a token outside its vocabulary, a size it
-        cannot cut to), naming the field."""
-        from engine.embedding.engine import EmbeddingError
-
-        engine = self.host.engine
-        single = not isinstance(req.body.get("input"), list) or not isinstance(
-            req.body["input"][0], str | list
-        )
-        try:
-            dims = engine.check_dimensions(req.dimensions)
-            inputs = [engine.token_ids(item, i) for i, item in enumerate(req.inputs or ())]
-        except EmbeddingError as exc:
-            param, message = f"body.{exc.param}", str(exc)
-            if exc.param.startswith("input") and single:  # one input: no index to name
-                param, message = "body.input", message.replace("input[0]", "input", 1)
-            self.pending.add_error(
-                req.line, error_record(req.custom_id, exc.code, message, param=param)
-            )
-            return None
-        return inputs, dims
 
     def _host_idle(self) -> bool:
         """Whether the engine has drained. A host that does not answer for
@@ -467,8 +323,10 @@ class ShardRun:
                 logger.error("shard %s line %s no longer parses: %s", self.shard.id, raw.line, err)
                 self.pending.add_error(raw.line, unparsable_line_error(raw, err))
             else:
-                prepared = self._prepare(req)
-                if prepared is not None:
+                prepared = self.handler.prepare(req)
+                if isinstance(prepared, Line):
+                    self.pending.add_error(req.line, prepared.record)
+                else:
                     self._submit(req, *prepared)
             self._collect()
             self._checkpoint()

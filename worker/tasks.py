@@ -25,7 +25,8 @@ from typing import Any
 from sqlalchemy import select
 
 from core import served_models
-from core.batchfile import BatchRequest, ValidationReport, validate_file
+from core.batch_request import BatchRequest
+from core.batchfile import ValidationReport, validate_file
 from core.db import session_scope
 from core.lifecycle import UNFINISHED, BatchStatus, now, transition
 from core.logs import log_context

@@ -28,9 +28,9 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from core import metrics, served_models
+from core.batch_request import LineError
 from core.batchfile import (
     FILE_ERRORS,
-    LineError,
     LineValidator,
     RawLine,
     ValidationReport,

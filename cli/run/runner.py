@@ -14,13 +14,8 @@ from typing import TYPE_CHECKING, Any
 from cli.run.files import Progress, ResultFiles
 from cli.run.options import ModelLoadError, RunError, RunOptions, RunSummary
 from cli.run.scan import ScanReport, duplicate_error, line_error_record, parse_line, scan_input
-from core.batchfile import (
-    GENERATION_URLS,
-    BatchRequest,
-    LineError,
-    RawLine,
-    iter_lines,
-)
+from core.batch_request import GENERATION_URLS, BatchRequest, LineError
+from core.batchfile import RawLine, iter_lines
 from core.generation import (
     aborted_record,
     error_for_exception,
@@ -112,8 +107,10 @@ class BatchRunner:
             return slot
         slot.req = req
         try:
-            ids, kwargs = prepare_request(self.tok, req, self.context, self.vocab_size)
-            params = SamplingParams(**kwargs)  # may refuse a value: an error line too
+            # SamplingParams may refuse a value: an error line too
+            ids, params = prepare_request(
+                self.tok, req, self.context, self.vocab_size, make_params=SamplingParams
+            )
             slot.request_id = f"line-{raw.line}"
             self.engine.add_request(slot.request_id, ids, params)
         except Exception as exc:

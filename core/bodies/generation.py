@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from core.batch_request import CHAT_ROLES, BatchRequest, show
+from core.batch_request import CHAT_ROLES, BatchRequest, max_tokens_field, show
 from core.bodies.checker import Checker
 from core.bodies.structured import json_schema
 
@@ -86,9 +86,12 @@ def check_chat(c: Checker, req: BatchRequest) -> None:
         )
     c.reject_if_set("audio")
 
-    mct = c.integer("max_completion_tokens", 1, None, None)
-    mt = c.integer("max_tokens", 1, None, None)
-    req.max_tokens = mct if mct is not None else mt
+    # both limits are checked; the one max_tokens_field names is the request's
+    limits = {
+        name: c.integer(name, 1, None, None) for name in ("max_completion_tokens", "max_tokens")
+    }
+    req.max_tokens_from = max_tokens_field(req.kind, body)
+    req.max_tokens = limits[req.max_tokens_from]
     req.logprobs = c.boolean("logprobs", False)
     top = c.integer("top_logprobs", 0, 20, 0)
     if top and not req.logprobs:
@@ -148,7 +151,8 @@ def check_completion(c: Checker, req: BatchRequest) -> None:
             "body.best_of",
             f"body.best_of must equal body.n ({req.n}), got {best_of}",
         )
-    req.max_tokens = c.integer("max_tokens", 1, None, None)
+    req.max_tokens_from = max_tokens_field(req.kind, body)
+    req.max_tokens = c.integer(req.max_tokens_from, 1, None, None)
     # an extension: OpenAI's completions take no response_format; vLLM's do, as here
     req.json_schema = json_schema(c, c.get("response_format"), "body.response_format", flat=False)
     lp = c.integer("logprobs", 0, 5, None)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from core.batch_request import BatchRequest, show
+from core.batch_request import BatchRequest, max_tokens_field, show
 from core.bodies.checker import Checker
 from core.bodies.structured import json_schema
 
@@ -53,7 +53,8 @@ def check_response(c: Checker, req: BatchRequest) -> None:
     _refuse_unsupported(c)
     req.temperature = c.number("temperature", 0.0, 2.0, 1.0)
     req.top_p = c.number("top_p", 0.0, 1.0, 1.0, lo_open=True)
-    req.max_tokens = c.integer("max_output_tokens", 1, None, None)
+    req.max_tokens_from = max_tokens_field(req.kind, body)
+    req.max_tokens = c.integer(req.max_tokens_from, 1, None, None)
     text = body.get("text")
     if text is not None:
         if not isinstance(text, dict):

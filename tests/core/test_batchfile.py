@@ -8,16 +8,8 @@ from typing import Any
 
 import pytest
 
-from core.batchfile import (
-    CHAT_URL,
-    COMPLETIONS_URL,
-    BatchRequest,
-    LineError,
-    RawLine,
-    iter_lines,
-    parse_request,
-    validate_file,
-)
+from core.batch_request import CHAT_URL, COMPLETIONS_URL, BatchRequest, LineError
+from core.batchfile import RawLine, iter_lines, parse_request, validate_file
 
 MODELS = ["m1", "m2"]
 

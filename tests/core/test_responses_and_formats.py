@@ -11,15 +11,8 @@ import pytest
 from openai.types.chat import ChatCompletion
 from openai.types.responses import Response
 
-from core.batchfile import (
-    CHAT_URL,
-    COMPLETIONS_URL,
-    RESPONSES_URL,
-    BatchRequest,
-    LineError,
-    RawLine,
-    parse_request,
-)
+from core.batch_request import CHAT_URL, COMPLETIONS_URL, RESPONSES_URL, BatchRequest, LineError
+from core.batchfile import RawLine, parse_request
 from core.generation import check_prompt, sampling_kwargs
 from core.results import ChoiceResult, GenerationResult, response_body
 

@@ -10,7 +10,8 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
-from core.batchfile import CHAT_URL, COMPLETIONS_URL, BatchRequest, RawLine, parse_request
+from core.batch_request import CHAT_URL, COMPLETIONS_URL, BatchRequest
+from core.batchfile import RawLine, parse_request
 from core.results import (
     ChoiceResult,
     GenerationResult,

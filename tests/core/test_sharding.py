@@ -7,15 +7,10 @@ import json
 
 import pytest
 
-from core.batchfile import (
-    CHAT_URL,
-    COMPLETIONS_URL,
-    RawLine,
-    iter_lines,
-    parse_request,
-    validate_file,
-)
-from core.sharding import ShardPlanner, ShardSpec, estimate_tokens_fallback
+from core.batch_request import CHAT_URL, BatchRequest
+from core.batchfile import iter_lines, parse_request, validate_file
+from core.generation import estimate_tokens
+from core.sharding import ShardPlanner, ShardSpec
 
 
 def plan(
@@ -111,22 +106,10 @@ def _chat(custom_id: str, content: str, **body: object) -> bytes:
     ).encode()
 
 
-def test_estimate_tokens_fallback() -> None:
-    def req(data: bytes, url: str = CHAT_URL):
-        return parse_request(RawLine(1, 0, len(data), data), endpoint=url, served_models=None)
-
-    assert estimate_tokens_fallback(req(_chat("a", "x" * 40, max_tokens=10))) == 10 + 4 + 10
-    assert estimate_tokens_fallback(req(_chat("a", "x" * 41, max_tokens=10, n=3))) == 11 + 4 + 30
-    assert estimate_tokens_fallback(req(_chat("a", "")), default_max_tokens=7) == 4 + 7
-
-    def comp(prompt: object) -> bytes:
-        body = {"model": "m", "prompt": prompt, "max_tokens": 2}
-        return json.dumps(
-            {"custom_id": "c", "method": "POST", "url": COMPLETIONS_URL, "body": body}
-        ).encode()
-
-    assert estimate_tokens_fallback(req(comp("abcdefgh"), COMPLETIONS_URL)) == 2 + 2
-    assert estimate_tokens_fallback(req(comp([1, 2, 3, 4, 5]), COMPLETIONS_URL)) == 5 + 2
+def _weight(req: BatchRequest) -> int:
+    """A request's planned tokens, its prompt counted at 4 characters a token."""
+    prompt_len = sum(len(m["content"]) for m in req.messages or ()) // 4 + 1
+    return estimate_tokens(req, prompt_len, context=4096)
 
 
 def test_planned_ranges_reread_every_request_once() -> None:
@@ -144,7 +127,7 @@ def test_planned_ranges_reread_every_request_once() -> None:
         served_models=["m"],
         max_requests=100,
         max_line_bytes=10_000,
-        on_request=lambda r: planner.add(r.line, r.offset, r.length, estimate_tokens_fallback(r)),
+        on_request=lambda r: planner.add(r.line, r.offset, r.length, _weight(r)),
     )
     assert report.ok
     specs = planner.finish()
@@ -164,7 +147,7 @@ def test_planned_ranges_reread_every_request_once() -> None:
         ]
         assert len(got) == s.num_requests
         assert all(s.start_line <= r.line < s.end_line for r in got)
-        assert sum(estimate_tokens_fallback(r) for r in got) == s.est_tokens
+        assert sum(_weight(r) for r in got) == s.est_tokens
         ids += [r.custom_id for r in got]
     assert ids == [f"r{i}" for i in range(40)]
     assert specs[0].start_offset == 3

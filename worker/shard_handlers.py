@@ -1,0 +1,256 @@
+"""How each kind of request runs in a shard: a handler prepares a parsed request, submits it to
+its host and reads what came back as an :data:`Outcome`.
+
+:class:`GenerationHandler` runs chat, completions and responses on the engine host;
+:class:`EmbeddingHandler` runs embeddings on the embedding host. :class:`worker.shard_run.ShardRun`
+keeps what both share (checkpoints, cancel, retries, suspects) and asks its handler the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from core import generation
+from core.batch_request import EMBEDDINGS_URL, BatchRequest
+from core.generation import error_for_exception, error_record
+from core.models import Batch, Shard
+from core.results import GenerationResult, embedding_body, output_line
+from core.settings import get_settings
+from worker import runtime, timings
+from worker.common import REQUEST_ERRORS, storage
+from worker.prepared import read_prepared
+
+logger = logging.getLogger(__name__)
+
+SUBMIT_WAIT_S = 0.25
+# The engine admits lower values first: a "high" batch overtakes the nightly bulk.
+ENGINE_PRIORITY = {"high": -1, "normal": 0, "low": 1}
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine host of this process is dead: the attempt fails and the shard is reclaimed
+    (by a healthy worker) once its heartbeat goes stale."""
+
+
+@dataclass(frozen=True, slots=True)
+class Line:
+    """The request's line: an output line with its ``result`` (for usage) and the time the
+    engine finished it, or an error line (``result`` None)."""
+
+    record: dict[str, Any]
+    result: GenerationResult | None = None
+    finished: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Aborted:
+    """The host stopped the request before it finished: a cancel, or something to run again;
+    ``record`` is its error line if nobody runs it again."""
+
+    record: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """The engine refused the request (its ``RequestError``): worth submitting again."""
+
+    exc: BaseException
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """The host's run of the request failed (a failed engine step or embedding round)."""
+
+    exc: BaseException
+
+
+Outcome = Line | Aborted | Refused | Failed
+
+
+class Handler(Protocol):
+    # Whether a failure may be a bystander's, to be run again alone (ShardRun's suspects),
+    # rather than run again among the others.
+    isolates_failures: bool
+
+    def prepare(self, req: BatchRequest) -> tuple[Any, Any] | Line:
+        """The request's engine input ``(prompt, params)``, or its error line."""
+        ...
+
+    def submit(self, prompt: Any, params: Any, done: Callable[[Future], None]) -> None:
+        """Hand one request to the host (``done`` gets its future); ``TimeoutError`` when
+        the host's queue stays full, ``ValueError`` when it refuses the request."""
+        ...
+
+    def outcome(self, req: BatchRequest, future: Future, submitted: float | None) -> Outcome:
+        """What the host made of the request; raises :class:`EngineUnavailable` when the
+        host is dead."""
+        ...
+
+    def failed_line(self, req: BatchRequest, exc: BaseException, tries: int) -> dict[str, Any]:
+        """The error line of a request that failed every try."""
+        ...
+
+
+def handler_for(shard: Shard, batch: Batch, host: Any) -> Handler:
+    if batch.endpoint == EMBEDDINGS_URL:
+        return EmbeddingHandler(batch, host)
+    return GenerationHandler(shard, batch, host)
+
+
+class GenerationHandler:
+    """Chat, completions and responses on the engine host."""
+
+    isolates_failures = True
+
+    def __init__(self, shard: Shard, batch: Batch, host: Any):
+        settings = get_settings()
+        self.shard = shard
+        self.batch_id = batch.id
+        self.host = host
+        self.priority = ENGINE_PRIORITY.get(batch.priority or "normal", 0)
+        # Each tenant its own prefix cache (see Settings.share_prefix_cache_across_tenants).
+        self.cache_salt = (
+            None if settings.share_prefix_cache_across_tenants else f"tenant:{batch.tenant}"
+        )
+        self.tenant = batch.tenant  # the host shares each tier fairly across tenants
+        # ... and runs a tenant's batches earliest deadline first.
+        self.deadline = batch.expires_at.timestamp() if batch.expires_at is not None else None
+        self.tok = host.tokenizer
+        self.context = runtime.context_length(batch.model or "")
+        self.vocab_size = len(self.tok)
+        # The prompt ids validation stored for this shard (worker.prepared), by input line.
+        self.prepared = read_prepared(storage(), batch.id, shard.index)
+
+    def prepare(self, req: BatchRequest) -> tuple[Any, Any] | Line:
+        from engine import SamplingParams
+
+        try:
+            return generation.prepare_request(
+                self.tok,
+                req,
+                self.context,
+                self.vocab_size,
+                self.prepared.pop(req.line, None),
+                make_params=SamplingParams,
+            )
+        except REQUEST_ERRORS as exc:
+            return Line(error_for_exception(req, exc))
+        except Exception:
+            logger.exception(
+                "shard %s line %s: preparing the request failed", self.shard.id, req.line
+            )
+            raise
+
+    def submit(self, prompt: Any, params: Any, done: Callable[[Future], None]) -> None:
+        self.host.submit(
+            prompt,
+            params,
+            group=self.batch_id,
+            callback=done,
+            timeout=SUBMIT_WAIT_S,
+            priority=self.priority,
+            cache_salt=self.cache_salt,
+            tenant=self.tenant,
+            deadline=self.deadline,
+        )
+
+    def outcome(self, req: BatchRequest, future: Future, submitted: float | None) -> Outcome:
+        from engine import RequestError
+        from engine.admission.host import HostError
+
+        exc = future.exception()
+        if exc is not None:
+            if isinstance(exc, HostError):
+                raise EngineUnavailable(str(exc)) from exc
+            if isinstance(exc, RequestError):
+                return Refused(exc)
+            if isinstance(exc, ValueError):  # a parameter the engine cannot honour
+                return Line(error_for_exception(req, exc))
+            # A failed engine step (or another engine failure): this request may be the
+            # culprit or a bystander; only a run alone tells.
+            return Failed(exc)
+        output = future.result()
+        if generation.is_aborted(output):
+            return Aborted(generation.aborted_record(req))
+        record, result = generation.finished_record(self.tok, req, output)
+        if result is None:
+            return Line(record)
+        timings.record(self.batch_id, self.shard.index, req.custom_id, submitted, output)
+        finished = getattr(getattr(output, "metrics", None), "finished_time", None)
+        return Line(record, result, finished)
+
+    def failed_line(self, req: BatchRequest, exc: BaseException, tries: int) -> dict[str, Any]:
+        cause = exc.__cause__ or exc
+        logger.warning(
+            "shard %s line %s failed the engine %s times alone: %r",
+            self.shard.id,
+            req.line,
+            tries,
+            cause,
+        )
+        return error_record(
+            req.custom_id,
+            "server_error",
+            f"The engine failed on this request ({tries} attempts, the last "
+            f"ones run alone): {cause!r}",
+            status_code=500,
+            type="server_error",
+        )
+
+
+class EmbeddingHandler:
+    """Embeddings on the model's embedding host (``runtime.host``)."""
+
+    isolates_failures = False
+
+    def __init__(self, batch: Batch, host: Any):
+        self.batch_id = batch.id
+        self.host = host
+
+    def prepare(self, req: BatchRequest) -> tuple[list[list[int]], int] | Line:
+        """The inputs as the model's token ids and the output size, or the request's error
+        line (an input over the model's length, a token outside its vocabulary, a size it
+        cannot cut to), naming the field."""
+        from engine.embedding.engine import EmbeddingError
+
+        engine = self.host.engine
+        single = not isinstance(req.body.get("input"), list) or not isinstance(
+            req.body["input"][0], str | list
+        )
+        try:
+            dims = engine.check_dimensions(req.dimensions)
+            inputs = [engine.token_ids(item, i) for i, item in enumerate(req.inputs or ())]
+        except EmbeddingError as exc:
+            param, message = f"body.{exc.param}", str(exc)
+            if exc.param.startswith("input") and single:  # one input: no index to name
+                param, message = "body.input", message.replace("input[0]", "input", 1)
+            return Line(error_record(req.custom_id, exc.code, message, param=param))
+        return inputs, dims
+
+    def submit(self, prompt: Any, params: Any, done: Callable[[Future], None]) -> None:
+        self.host.submit(
+            prompt, dimensions=params, group=self.batch_id, timeout=SUBMIT_WAIT_S
+        ).add_done_callback(done)
+
+    def outcome(self, req: BatchRequest, future: Future, submitted: float | None) -> Outcome:
+        from engine.embedding.host import EmbeddingAborted, EmbeddingHostClosed
+
+        exc = future.exception()
+        if isinstance(exc, EmbeddingHostClosed):
+            raise EngineUnavailable(str(exc)) from exc
+        if isinstance(exc, EmbeddingAborted):  # a cancel, or something else: run it again
+            return Aborted(generation.aborted_record(req))
+        if exc is not None:  # its round failed
+            return Failed(exc)
+        outputs = future.result()
+        tokens = sum(o.num_tokens for o in outputs)
+        body = embedding_body(req, [o.embedding for o in outputs], tokens)
+        usage = GenerationResult(prompt_tokens=tokens, cached_tokens=0, choices=[])
+        return Line(output_line(req.custom_id, body), usage)
+
+    def failed_line(self, req: BatchRequest, exc: BaseException, tries: int) -> dict[str, Any]:
+        return error_for_exception(req, exc)
