@@ -169,7 +169,8 @@ def build_job(
                           model=model, input_file_id=file_id, completion_window="24h",
                           status=status, created_at=created,
                           expires_at=created + timedelta(hours=24), in_progress_at=created,
-                          finalizing_at=created, request_total=lines))  # fmt: skip
+                          finalizing_at=created, request_total=lines,
+                          validation_done=True, validated_at=created))  # fmt: skip
     for index, start in enumerate(range(1, lines + 1, args.shard_lines)):
         end = min(start + args.shard_lines, lines + 1)
         order = list(range(start, end))

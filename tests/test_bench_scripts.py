@@ -86,3 +86,19 @@ def test_bench_upload_memory_reports_both_processes(tmp_path: Path) -> None:
         assert figures["base_rss_mb"] > 0 and figures["end_hwm_mb"] >= figures["peak_rss_mb"] > 0
         assert figures["pass"]
     assert data["pass"] and "PASS" in proc.stdout
+
+
+@pytest.mark.parametrize("unfinished", ["0", "0.5"])
+def test_finalize_scale_finalizes_what_it_builds(tmp_path: Path, unfinished: str) -> None:
+    out = tmp_path / "finalize.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHD_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.finalize_scale", "--sizes", "200,400",
+         "--unfinished", unfinished, "--json", str(out), *SERVERS[:2]],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    figures = json.loads(out.read_text())
+    rows = figures["sizes"]
+    assert [r["lines"] for r in rows] == [200, 400]
+    assert {r["status"] for r in rows} == {"cancelled" if unfinished != "0" else "completed"}
