@@ -138,8 +138,9 @@ def run_engine(path: Path, model_dir: Path, warmup: int) -> EngineRun:
         for raw in iter_lines(fh, max_line_bytes=settings.max_line_bytes):
             req = parse_request(raw, endpoint=ENDPOINT, served_models=None)
             try:
-                ids, kwargs = generation.prepare_request(tok, req, context, len(tok))
-                params = SamplingParams(**kwargs)
+                ids, params = generation.prepare_request(
+                    tok, req, context, len(tok), make_params=SamplingParams
+                )
             except ValueError:
                 errors += 1
                 continue

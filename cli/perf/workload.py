@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from core.batch_request import max_tokens_field
+
 # The synthetic workload's lengths unless told otherwise (a long tail, as real traffic has).
 DEFAULT_INPUT_LEN = "lognormal:128:0.8"
 DEFAULT_OUTPUT_LEN = "lognormal:64:0.8"
@@ -257,7 +259,8 @@ def request_shape(
             ids = tokenizer.encode(prompt if isinstance(prompt, str) else prompt[0])
     else:
         return None
-    out = body.get("max_completion_tokens") or body.get("max_tokens") or default_max_tokens
+    kind = "chat" if "messages" in body else "completion"
+    out = body.get(max_tokens_field(kind, body)) or default_max_tokens
     out = max(1, min(int(out), max_model_len - 1))
     return list(ids)[-(max_model_len - out) :] or [0], out
 

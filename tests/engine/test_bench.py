@@ -161,13 +161,18 @@ def test_length_distributions_and_jsonl_workload(tmp_path: Path, model_dir: Path
                     },
                 },
                 {"prompt": "the quick brown fox", "max_tokens": 3},
+                {  # the service's rule: max_completion_tokens wins over max_tokens
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 2,
+                    "max_completion_tokens": 7,
+                },
             ]
         )
         + "\n"
     )
     tok = AutoTokenizer.from_pretrained(model_dir)
     work = bench.jsonl_workload(path, tok, max_model_len=1024, default_max_tokens=16, limit=None)
-    assert work.max_tokens == [5, 3]
+    assert work.max_tokens == [5, 3, 7]
     assert work.prompts[1] == tok.encode("the quick brown fox")
 
 
