@@ -88,8 +88,10 @@ class Admission:
         return held, max(1, min(self.group_window, share))
 
     def idle(self) -> None:
-        """Nothing pending or in flight: no urgent episode goes on."""
+        """Nothing pending or in flight: no urgent episode goes on, and the next work to come
+        starts a lead episode."""
         self._guard = None
+        self.lead.arm()
 
     def choose(
         self,

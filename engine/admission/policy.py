@@ -144,13 +144,17 @@ class LeadEpisode:
     leaves the engine (finished, aborted or suspended) or ``steps`` steps have passed; then
     the engine fills as usual. 0 requests: no lead, the engine fills at once.
 
+    Idle means the host's loop found nothing to do and waited (:meth:`arm`), not merely that
+    nothing is in flight: a lead that finishes all at once leaves the engine empty with work
+    pending, and that work must fill the engine, not start another lead of a few.
+
     A full first wave finishes together after the whole wave's prefill and decode (on a CPU,
     seconds to tens of seconds); a lead of a few requests runs at the cost of a few sequences
     per step, so a new batch on an idle worker shows results, or its mistakes, within
     seconds. The price is bounded: ``steps`` steps at a low occupancy per idle spell.
     """
 
-    __slots__ = ("requests", "steps", "_ids", "_steps_left", "_on")
+    __slots__ = ("requests", "steps", "_ids", "_steps_left", "_on", "_armed")
 
     def __init__(self, requests: int, steps: int) -> None:
         if requests < 0 or steps < 1:
@@ -163,6 +167,11 @@ class LeadEpisode:
         self._on = False  # an episode goes on
         self._ids: frozenset[str] = frozenset()  # the requests it admitted
         self._steps_left = 0
+        self._armed = True  # a new host is idle
+
+    def arm(self) -> None:
+        """The engine went idle: the next work to arrive starts an episode."""
+        self._armed = True
 
     def room(self, in_flight: Collection[str], has_pending: bool) -> int | None:
         """How many requests the episode lets in now (None: no episode, no bound). An episode
@@ -176,8 +185,9 @@ class LeadEpisode:
             self._on = False
         if self._on:
             return 0
-        if self.requests and not in_flight and has_pending:
+        if self.requests and self._armed and not in_flight and has_pending:
             self._on, self._ids, self._steps_left = True, frozenset(), self.steps
+            self._armed = False
             return self.requests
         return None
 

@@ -670,7 +670,7 @@ def test_abort_cancel_and_refusal_of_a_split_request(model_dir: Path) -> None:
 def test_an_idle_engine_runs_its_lead_alone_then_fills(model_dir: Path) -> None:
     """Eight requests reach an idle engine with room for all: with ``lead_requests=2`` the
     first two run alone and finish about ten steps before the rest, which are admitted only
-    then; with ``lead_steps=3`` the rest join after three steps and all finish within a few
+    then, all at once (the engine is empty then, but not idle: no new lead starts); with ``lead_steps=3`` the rest join after three steps and all finish within a few
     steps of each other. Greedy outputs are the same either way."""
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     prompts = _prompts(8, seed=31)
@@ -689,6 +689,9 @@ def test_an_idle_engine_runs_its_lead_alone_then_fills(model_dir: Path) -> None:
     led = run(lead_requests=2)
     first, rest = led[:2], led[2:]
     assert max(first) <= 11 and min(rest) >= max(first) + 9, (first, rest)
+    # The lead ended with the engine empty and work pending: the rest fill it in one wave,
+    # they do not start another lead of two.
+    assert rest[-1] - rest[0] <= 1, rest
     capped = run(lead_requests=2, lead_steps=3)
     assert capped[-1] - capped[0] <= 4 and capped[-1] <= 15, capped
     filled = run()  # no lead: one wave
