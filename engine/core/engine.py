@@ -108,22 +108,15 @@ class Engine:
         admitted together read the prompt's blocks from the prefix cache after the first
         computes them."""
         params, prompt = check_new_request(
-            request_id, prompt_token_ids, params, cache_salt, completion_index, self.requests
+            request_id,
+            prompt_token_ids,
+            params,
+            cache_salt,
+            completion_index,
+            self.requests,
+            self.vocab_size,
+            self.max_model_len,
         )
-        bad = next(
-            (t for t in prompt if not isinstance(t, int) or not 0 <= t < self.vocab_size), None
-        )
-        if bad is not None:
-            raise RequestError(
-                f"request {request_id!r}: prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})",
-                "invalid_prompt",
-            )
-        if len(prompt) >= self.max_model_len:
-            raise RequestError(
-                f"request {request_id!r}: the prompt has {len(prompt)} tokens; max_model_len is "
-                f"{self.max_model_len} and at least one token must be generated",
-                "context_length_exceeded",
-            )
         max_len = min(len(prompt) + params.max_tokens, self.max_model_len)
         bm = self.block_manager
         if bm.blocks_needed(max_len) > bm.num_blocks:

@@ -96,10 +96,14 @@ def check_new_request(
     cache_salt: str | None,
     completion_index: int,
     live: Container[str],
+    vocab_size: int,
+    max_model_len: int,
 ) -> tuple[SamplingParams, list[int]]:
-    """The refusals every engine makes before it looks at a request's tokens (``RequestError``
-    naming the field): a bad completion index or cache salt, a request id already ``live``,
-    an empty prompt. Returns the parameters (defaults when None) and the prompt as a list."""
+    """The refusals every engine makes before it runs a request (``RequestError`` naming the
+    field): a bad completion index or cache salt, a request id already ``live``, an empty
+    prompt, a token id outside ``[0, vocab_size)``, a prompt that leaves no room for output
+    in ``max_model_len``. Returns the parameters (defaults when None) and the prompt as a
+    list."""
     params = params or SamplingParams()
     if (
         isinstance(completion_index, bool)
@@ -127,4 +131,24 @@ def check_new_request(
             f"request {request_id!r}: the prompt is empty; it needs at least 1 token",
             "invalid_prompt",
         )
+    if not _token_ids_in(prompt, vocab_size):
+        bad = next(t for t in prompt if type(t) is not int or not 0 <= t < vocab_size)
+        raise RequestError(
+            f"request {request_id!r}: prompt token id {bad!r} is outside the vocabulary [0, {vocab_size})",
+            "invalid_prompt",
+        )
+    if len(prompt) >= max_model_len:
+        raise RequestError(
+            f"request {request_id!r}: the prompt has {len(prompt)} tokens; max_model_len is "
+            f"{max_model_len} and at least one token must be generated",
+            "context_length_exceeded",
+        )
     return params, prompt
+
+
+def _token_ids_in(prompt: list[int], vocab_size: int) -> bool:
+    """Whether every item is an int in ``[0, vocab_size)`` (min/max in C, not a loop here)."""
+    try:
+        return min(prompt) >= 0 and max(prompt) < vocab_size and set(map(type, prompt)) == {int}
+    except TypeError:
+        return False

@@ -154,15 +154,15 @@ class SimEngine:
     ) -> None:
         """Queue a request (``Engine.add_request``: same arguments, same refusals)."""
         params, prompt = check_new_request(
-            request_id, prompt_token_ids, params, cache_salt, completion_index, self.requests
+            request_id,
+            prompt_token_ids,
+            params,
+            cache_salt,
+            completion_index,
+            self.requests,
+            self.vocab_size,
+            self.max_model_len,
         )
-        self._check_ids(request_id, prompt)
-        if len(prompt) >= self.max_model_len:
-            raise RequestError(
-                f"request {request_id!r}: the prompt has {len(prompt)} tokens; max_model_len is "
-                f"{self.max_model_len} and at least one token must be generated",
-                "context_length_exceeded",
-            )
         h = prompt_hash(prompt)
         request = SimRequest(
             request_id, prompt, params, RequestMetrics(arrival_time=time.time()), h
@@ -393,20 +393,6 @@ class SimEngine:
             metrics.e2e_request_latency_s.observe(end - output.metrics.arrival_time)
             reason = first.finish_reason or "unknown"
             metrics.finished[reason] = metrics.finished.get(reason, 0) + 1
-
-    def _check_ids(self, request_id: str, prompt: list[int]) -> None:
-        try:
-            ok = min(prompt) >= 0 and max(prompt) < self.vocab_size
-            ok = ok and set(map(type, prompt)) == {int}
-        except TypeError:
-            ok = False
-        if ok:
-            return
-        bad = next(t for t in prompt if not isinstance(t, int) or not 0 <= t < self.vocab_size)
-        raise RequestError(
-            f"request {request_id!r}: prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})",
-            "invalid_prompt",
-        )
 
     # -- introspection --------------------------------------------------------------------------
 

@@ -101,6 +101,7 @@ def test_context_clamps_the_output_and_refusals_match_the_engine(tok: Any) -> No
     refusals = {
         "empty": ([], "invalid_prompt"),
         "vocab": ([5, len(tok)], "invalid_prompt"),
+        "bool": ([5, True], "invalid_prompt"),  # an int by isinstance, not a token id
         "full": (list(range(10, 26)), "context_length_exceeded"),
     }
     for name, (prompt, code) in refusals.items():
