@@ -145,22 +145,29 @@ class Supervisor:
         """Wait for what the children started and left behind: multiprocessing's resource
         tracker under uvicorn's worker processes, say, exits only once they are gone. As a
         child subreaper (:meth:`start`) this process inherits such orphans; none may outlive
-        ``batchd up``. SIGKILL for what is left after ``deadline``; True if none was killed."""
+        ``batchd up``. SIGKILL for what is left after ``deadline``; True if none was killed.
+
+        Done when the kernel says no child is left (``waitpid`` fails with ECHILD), not when a
+        scan of /proc finds none: an orphan handed over while the scan runs can be missed by
+        it (its entry read before its parent ended)."""
         if not self._subreaper:
             return True
+        killed = False
+        give_up = deadline + 10.0
         while True:
-            with contextlib.suppress(ChildProcessError):
+            try:
                 while os.waitpid(-1, os.WNOHANG)[0] > 0:  # reap the orphans that ended
                     pass
-            left = _children(os.getpid())
-            if not left:
-                return True
-            if time.monotonic() >= deadline:
-                for pid in left:
-                    with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            except ChildProcessError:
+                return not killed  # no child of any kind is left
+            now = time.monotonic()
+            if now >= deadline:
+                for pid in _children(os.getpid()):
+                    with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
-                        os.waitpid(pid, 0)
-                return False
+                        killed = True
+                if now >= give_up:  # a child that does not die even so: stop waiting
+                    return False
             time.sleep(0.05)
 
 
