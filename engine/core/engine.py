@@ -40,7 +40,7 @@ from engine.core.outputs import (
     RequestOutput,
 )
 from engine.core.sampler import Sampler
-from engine.core.sampling_params import SamplingParams, check_new_request
+from engine.core.sampling_params import SamplingParams, check_new_request, check_resume
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Request, Sequence, Status
 from engine.core.stats import EngineMetrics
@@ -188,16 +188,8 @@ class Engine:
 
     def resume_request(self, request: Request) -> None:
         """Put back a request that :meth:`suspend_request` took out."""
-        if request.request_id in self.requests:
-            raise RequestError(
-                f"request_id {request.request_id!r} is already in the engine",
-                "duplicate_request_id",
-            )
         (seq,) = request.seqs
-        if seq.status is not Status.SUSPENDED:
-            raise RequestError(
-                f"request {request.request_id!r} is not suspended", "invalid_request"
-            )
+        check_resume(request.request_id, self.requests, seq.status is Status.SUSPENDED)
         self.requests[request.request_id] = request
         self.scheduler.resume(seq)
 

@@ -146,6 +146,17 @@ def check_new_request(
     return params, prompt
 
 
+def check_resume(request_id: str, live: Container[str], suspended: bool) -> None:
+    """The refusals of putting back a suspended request (``RequestError``): its id is live
+    again, or it was not suspended."""
+    if request_id in live:
+        raise RequestError(
+            f"request_id {request_id!r} is already in the engine", "duplicate_request_id"
+        )
+    if not suspended:
+        raise RequestError(f"request {request_id!r} is not suspended", "invalid_request")
+
+
 def _token_ids_in(prompt: list[int], vocab_size: int) -> bool:
     """Whether every item is an int in ``[0, vocab_size)`` (min/max in C, not a loop here)."""
     try:

@@ -49,11 +49,10 @@ from engine.admission.step_cost import StepCostCurve
 from engine.core.config import DEFAULT_MAX_NUM_SEQS_ACCELERATOR, EngineConfig
 from engine.core.outputs import (
     EngineStats,
-    RequestError,
     RequestMetrics,
     RequestOutput,
 )
-from engine.core.sampling_params import SamplingParams, check_new_request
+from engine.core.sampling_params import SamplingParams, check_new_request, check_resume
 from engine.core.stats import EngineMetrics
 from engine.sim.requests import Completions, SimRequest, SimSeq, prompt_hash
 from engine.sim.scheduler import SimScheduler
@@ -209,16 +208,8 @@ class SimEngine:
 
     def resume_request(self, request: SimRequest) -> None:
         """Put back a request that :meth:`suspend_request` took out: first in line."""
-        if request.request_id in self.requests:
-            raise RequestError(
-                f"request_id {request.request_id!r} is already in the engine",
-                "duplicate_request_id",
-            )
         (seq,) = request.seqs
-        if seq.status != "suspended":
-            raise RequestError(
-                f"request {request.request_id!r} is not suspended", "invalid_request"
-            )
+        check_resume(request.request_id, self.requests, seq.status == "suspended")
         self.requests[request.request_id] = request
         self.scheduler.waiting.push(seq, front=True)
 
