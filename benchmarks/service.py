@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import sys
 import tempfile
 import time
@@ -51,47 +50,30 @@ from typing import Any
 
 from benchmarks.harness import stack as bs
 from cli.perf.service import Ticker
-from cli.perf.workload import request_line
+from cli.perf.workload import CHAT_URL, LengthDist, chat_bodies, request_line
 
-ENDPOINT = "/v1/chat/completions"
+ENDPOINT = CHAT_URL
 THROUGHPUT_TARGET = 0.85
 OCCUPANCY_TARGET = 0.90
-WORDS = (
-    "the quick brown fox jumps over a lazy dog while batch requests stream through one model "
-    "token by token and every shard keeps the engine busy until nothing is left to run"
-).split()
-
-
 # ---------------------------------------------------------------------------------------------
 # The workload
 
 
-def workload(
-    n: int, seed: int, *, prompt_words: float, max_tokens: float, max_tokens_cap: int
-) -> list[dict[str, Any]]:
-    """``n`` chat requests; prompt words and ``max_tokens`` log-normal around the given means
-    (sigma 0.7), so a few requests are several times longer than most."""
-    rng = random.Random(seed)
-    sigma = 0.7
-    lines = []
-    for i in range(n):
-        words = max(2, round(rng.lognormvariate(_mu(prompt_words, sigma), sigma)))
-        tokens = max(
-            1, min(max_tokens_cap, round(rng.lognormvariate(_mu(max_tokens, sigma), sigma)))
-        )
-        text = " ".join(rng.choice(WORDS) for _ in range(words))
-        messages = [{"role": "user", "content": f"{i}: {text}"}]
-        if rng.random() < 0.3:
-            messages.insert(0, {"role": "system", "content": "Answer briefly."})
-        body = {"model": bs.MODEL, "messages": messages, "max_tokens": tokens, "temperature": 0}
-        lines.append(request_line(f"req-{i}", body, ENDPOINT))
-    return lines
-
-
-def _mu(mean: float, sigma: float) -> float:
-    import math
-
-    return math.log(max(mean, 1.0)) - sigma * sigma / 2
+def workload(n: int, seed: int, *, prompt_words: str, max_tokens: str) -> list[dict[str, Any]]:
+    """``n`` chat request lines of filler words, prompt words and ``max_tokens`` drawn from the
+    two length distributions (log-normal by default, so a few requests are several times
+    longer than most): ``cli.perf.workload.chat_bodies``."""
+    bodies = chat_bodies(
+        n,
+        LengthDist.parse(max_tokens),
+        seed,
+        words=LengthDist.parse(prompt_words),
+        model=bs.MODEL,
+    )
+    return [
+        request_line(f"req-{i}", {**body, "temperature": 0}, CHAT_URL)
+        for i, body in enumerate(bodies)
+    ]
 
 
 def write_jsonl(path: Path, lines: list[dict[str, Any]]) -> None:
@@ -370,9 +352,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=500)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prompt-words", type=float, default=40.0, help="mean prompt words")
-    p.add_argument("--max-tokens", type=float, default=40.0, help="mean max_tokens")
-    p.add_argument("--max-tokens-cap", type=int, default=256)
+    p.add_argument(
+        "--prompt-words", default="lognormal:40:0.7", help="prompt words, a length distribution"
+    )
+    p.add_argument(
+        "--max-tokens", default="lognormal:40:0.7", help="max_tokens, a length distribution"
+    )
     p.add_argument("--model-preset", default="llama-25m", help="a demo model preset")
     p.add_argument("--model", help="a local HF model directory (instead of a preset)")
     p.add_argument("--engine-options", default="{}", help="BATCHD_ENGINE_OPTIONS (JSON)")
@@ -458,7 +443,6 @@ def measure(args: argparse.Namespace) -> Measured:
             args.seed,
             prompt_words=args.prompt_words,
             max_tokens=args.max_tokens,
-            max_tokens_cap=args.max_tokens_cap,
         )
         path = work / "batch.jsonl"
         write_jsonl(path, lines)

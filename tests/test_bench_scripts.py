@@ -50,7 +50,8 @@ def test_bench_service_runs_the_same_batch_both_ways(tmp_path: Path) -> None:
     out = tmp_path / "service.json"
     proc = _run(
         "service", "--model-preset", "llama-tiny", "--requests", "24",
-        "--shard-requests", "6", "--max-tokens", "6", "--prompt-words", "8", "--warmup", "2",
+        "--shard-requests", "6", "--max-tokens", "lognormal:6:0.7",
+        "--prompt-words", "lognormal:8:0.7", "--warmup", "2",
         "--stats-interval", "0.1", "--json", str(out),
     )  # fmt: skip
     data = json.loads(out.read_text())

@@ -4,7 +4,8 @@ A workload is a list of **jobs** (batches), each arriving at its own time (a Poi
 of ``rate`` jobs per second, or a schedule file), belonging to a tenant and a priority, made
 of requests whose shapes come from a real JSONL batch file (lines drawn at random, the model
 name replaced) or from named length distributions (``/v1/completions`` requests whose prompts
-are token ids, ``ignore_eos``, so each request has exactly its prompt and output lengths).
+are token ids, ``ignore_eos``, so each request has exactly its prompt and output lengths),
+both made by ``cli.perf.workload`` (:func:`job_lines`).
 
 Each job runs in its own client thread: upload, create, poll until the batch ends, download
 its output and error files. Meanwhile a sampler asks the model workers for ``engine_stats``
@@ -37,21 +38,25 @@ import random
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from cli.perf.service import Ticker, WorkerProbe, children, memory_kb
 from cli.perf.workload import (
+    COMPLETIONS_URL,
     DEFAULT_INPUT_LEN,
     DEFAULT_OUTPUT_LEN,
     LengthDist,
+    completion_lines,
     iter_request_bodies,
-    request_line,
+    sampled_lines,
+    synthetic_workload,
 )
 
 TERMINAL = {"completed", "failed", "expired", "cancelled"}
-COMPLETIONS = "/v1/completions"
+_NO_LIMIT = 1 << 30  # a synthetic job's lengths are not clamped to a context
 DISTRIBUTIONS = (
     "ttft_s",
     "itl_s",
@@ -104,7 +109,7 @@ class Job:
 
     @property
     def endpoint(self) -> str:
-        return self.lines[0].get("url", COMPLETIONS)
+        return self.lines[0].get("url", COMPLETIONS_URL)
 
 
 def _weighted(spec: str) -> list[tuple[str, float]]:
@@ -123,51 +128,42 @@ def _pick(rng: random.Random, choices: list[tuple[str, float]]) -> str:
     return rng.choices([c for c, _ in choices], weights=[w for _, w in choices])[0]
 
 
-class Shapes:
-    """Request lines for a job: drawn from a file's lines, or built from distributions."""
+# (rng, n, custom_id prefix) -> n request lines of one job
+LineMaker = Callable[[random.Random, int, str], list[dict[str, Any]]]
 
-    def __init__(
-        self,
-        model: str,
-        *,
-        workload: Path | None = None,
-        input_len: str = DEFAULT_INPUT_LEN,
-        output_len: str = DEFAULT_OUTPUT_LEN,
-        vocab: tuple[int, int] = (100, 1000),
-    ):
-        self.model = model
-        self.rows = iter_request_bodies(workload) if workload is not None else None
-        self.input_len = LengthDist.parse(input_len)
-        self.output_len = LengthDist.parse(output_len)
-        self.vocab = vocab
-        self.source = str(workload) if workload else f"input {input_len}, output {output_len}"
 
-    def lines(self, rng: random.Random, n: int, job: int) -> list[dict[str, Any]]:
-        out = []
-        for i in range(n):
-            if self.rows is not None:
-                row = json.loads(json.dumps(rng.choice(self.rows)))
-                body = row.get("body", row)
-                body["model"] = self.model
-                url = row.get("url") or (
-                    "/v1/chat/completions" if "messages" in body else COMPLETIONS
-                )
-            else:
-                prompt = [rng.randrange(*self.vocab) for _ in range(self.input_len.sample(rng))]
-                body = {
-                    "model": self.model,
-                    "prompt": prompt,
-                    "max_tokens": self.output_len.sample(rng),
-                    "temperature": 0,
-                    "ignore_eos": True,
-                }
-                url = COMPLETIONS
-            out.append(request_line(f"job{job}-{i}", body, url))
-        return out
+def job_lines(
+    model: str,
+    *,
+    workload: Path | None = None,
+    input_len: str = DEFAULT_INPUT_LEN,
+    output_len: str = DEFAULT_OUTPUT_LEN,
+    vocab: tuple[int, int] = (100, 1000),
+) -> tuple[LineMaker, str]:
+    """How a job's request lines are made, and that in a few words: drawn from a real batch
+    file's lines, or ``/v1/completions`` lines of a synthetic workload (token-id prompts from
+    ``vocab``, lengths from the two distributions)."""
+    if workload is not None:
+        rows = iter_request_bodies(workload)
+        return (lambda rng, n, prefix: sampled_lines(rows, rng, n, model, prefix)), str(workload)
+    inputs, outputs = LengthDist.parse(input_len), LengthDist.parse(output_len)
+
+    def synthetic(rng: random.Random, n: int, prefix: str) -> list[dict[str, Any]]:
+        drawn = synthetic_workload(
+            num_requests=n,
+            input_len=inputs,
+            output_len=outputs,
+            vocab=range(*vocab),
+            max_model_len=_NO_LIMIT,
+            seed=rng.getrandbits(32),
+        )
+        return completion_lines(drawn, model, prefix)
+
+    return synthetic, f"input {input_len}, output {output_len}"
 
 
 def poisson_jobs(
-    shapes: Shapes,
+    make_lines: LineMaker,
     *,
     jobs: int,
     rate: float,
@@ -185,11 +181,13 @@ def poisson_jobs(
         if i:
             t += rng.expovariate(rate) if rate > 0 else 0.0
         n = sizes.sample(rng)
-        out.append(Job(i, t, _pick(rng, tenant_w), _pick(rng, prio_w), shapes.lines(rng, n, i)))
+        out.append(
+            Job(i, t, _pick(rng, tenant_w), _pick(rng, prio_w), make_lines(rng, n, f"job{i}-"))
+        )
     return out
 
 
-def schedule_jobs(shapes: Shapes, path: Path, *, seed: int) -> list[Job]:
+def schedule_jobs(make_lines: LineMaker, path: Path, *, seed: int) -> list[Job]:
     """A JSONL schedule: one job a line, ``{"at": seconds, "requests": n, "tenant": …,
     "priority": …}`` (tenant ``default``, priority ``normal`` unless given)."""
     rng = random.Random(seed)
@@ -200,7 +198,7 @@ def schedule_jobs(shapes: Shapes, path: Path, *, seed: int) -> list[Job]:
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"{path}: line {i + 1} needs 'at' (seconds) and 'requests'") from None
         tenant, priority = str(row.get("tenant", "default")), str(row.get("priority", "normal"))
-        out.append(Job(i, at, tenant, priority, shapes.lines(rng, n, i)))
+        out.append(Job(i, at, tenant, priority, make_lines(rng, n, f"job{i}-")))
     return sorted(out, key=lambda j: j.at)
 
 

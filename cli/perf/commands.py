@@ -398,14 +398,14 @@ def bench(
             f"{name!r} is not served (BATCHD_MODELS: {', '.join(served)})", param_hint="--model"
         )
     try:
-        shapes = benching.Shapes(
+        make_lines, source = benching.job_lines(
             name, workload=workload, input_len=input_len, output_len=output_len
         )
         if schedule is not None:
-            job_list = benching.schedule_jobs(shapes, schedule, seed=seed)
+            job_list = benching.schedule_jobs(make_lines, schedule, seed=seed)
         else:
             job_list = benching.poisson_jobs(
-                shapes, jobs=jobs, rate=rate, requests=requests_per_job, tenants=tenants,
+                make_lines, jobs=jobs, rate=rate, requests=requests_per_job, tenants=tenants,
                 priorities=priorities, seed=seed,
             )  # fmt: skip
     except ValueError as exc:
@@ -446,12 +446,12 @@ def bench(
             probe = WorkerProbe(broker_url) if broker_url else None
             pids = {}
         n_requests = sum(len(j.lines) for j in job_list)
-        say(f"running {len(job_list)} jobs, {n_requests} requests ({shapes.source}) …")
+        say(f"running {len(job_list)} jobs, {n_requests} requests ({source}) …")
         data = benching.run_workload(
             job_list, base_url=base_url, keys=keys, probe=probe, pids=pids, work=work,
             interval=interval, poll_s=poll,
             settings={
-                "service": url or "embedded", "model": name, "workload": shapes.source,
+                "service": url or "embedded", "model": name, "workload": source,
                 "jobs": len(job_list), "requests": n_requests,
                 "arrival": f"schedule {schedule}" if schedule else f"poisson {rate}/s",
                 "tenants": tenants, "priorities": priorities, "seed": seed,
@@ -466,7 +466,7 @@ def bench(
             service.stop()
     report_path = out / "bench.json"
     report_path.write_text(json.dumps(data, indent=2) + "\n")
-    title = f"batchd bench: {len(job_list)} jobs, {n_requests} requests, {shapes.source}"
+    title = f"batchd bench: {len(job_list)} jobs, {n_requests} requests, {source}"
     pngs = bench_output.plots(data, out, title)
     typer.echo(bench_output.table(data))
     say(f"wrote {report_path}, {', '.join(str(p) for p in pngs)}")

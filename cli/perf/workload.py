@@ -1,8 +1,10 @@
 """The workloads every benchmark, ``batchd bench`` and ``batchd tune`` run.
 
 One type (:class:`Workload`, prompt token ids and output lengths) made from a real JSONL batch
-file, from chat questions through the model's template, or from named length distributions; and
-the request bodies ``batchd bench`` and the service benchmarks send.
+file, from chat questions through the model's template, or from named length distributions;
+and, from the same generators, the request lines the service benchmarks send: a
+:class:`Workload` as ``/v1/completions`` lines (:func:`completion_lines`), chat bodies
+(:func:`chat_bodies`), or lines drawn from a real batch file (:func:`sampled_lines`).
 
 A length distribution is ``fixed:N``, ``uniform:LO:HI`` or ``lognormal:MEAN:SIGMA`` (MEAN is
 the mean; samples are clipped to [1, 4 * MEAN]).
@@ -24,6 +26,7 @@ from core.batch_request import max_tokens_field
 DEFAULT_INPUT_LEN = "lognormal:128:0.8"
 DEFAULT_OUTPUT_LEN = "lognormal:64:0.8"
 CHAT_URL = "/v1/chat/completions"
+COMPLETIONS_URL = "/v1/completions"
 
 
 @dataclass(frozen=True)
@@ -203,18 +206,82 @@ _TOPICS = (
 )
 
 
-def chat_bodies(n: int, max_tokens: int, seed: int = 0) -> list[dict[str, Any]]:
-    """``n`` chat request bodies (``messages``, ``max_tokens``), the same for the same seed."""
+# Filler words for chat prompts of a drawn length (``chat_bodies(words=…)``).
+FILLER_WORDS = (
+    "the quick brown fox jumps over a lazy dog while batch requests stream through one model "
+    "token by token and every shard keeps the engine busy until nothing is left to run"
+).split()
+
+
+def chat_bodies(
+    n: int,
+    max_tokens: int | LengthDist,
+    seed: int = 0,
+    *,
+    words: LengthDist | None = None,
+    model: str | None = None,
+) -> list[dict[str, Any]]:
+    """``n`` chat request bodies (``messages``, ``max_tokens``), the same for the same seed.
+
+    Without ``words`` each asks an ordinary question (a few system prompts shared between
+    requests). With ``words`` the user message is that many filler words drawn from the
+    distribution, numbered so no two prompts are alike, and three in ten have a short system
+    prompt. ``max_tokens`` is a number or a distribution drawn per request; ``model`` is set
+    when given."""
     rng = random.Random(seed)
     bodies = []
-    for _ in range(n):
-        system = rng.choice(_SYSTEMS)
-        user = f"{rng.choice(_ASKS)} {rng.choice(_TOPICS)}."
+    for i in range(n):
+        if words is None:
+            system = rng.choice(_SYSTEMS)
+            user = f"{rng.choice(_ASKS)} {rng.choice(_TOPICS)}."
+            out = max_tokens if isinstance(max_tokens, int) else max_tokens.sample(rng)
+        else:
+            count = words.sample(rng)
+            out = max_tokens if isinstance(max_tokens, int) else max_tokens.sample(rng)
+            user = f"{i}: " + " ".join(rng.choice(FILLER_WORDS) for _ in range(count))
+            system = "Answer briefly." if rng.random() < 0.3 else None
         messages = [{"role": "user", "content": user}]
         if system is not None:
             messages.insert(0, {"role": "system", "content": system})
-        bodies.append({"messages": messages, "max_tokens": max_tokens})
+        body: dict[str, Any] = {"messages": messages, "max_tokens": out}
+        if model is not None:
+            body = {"model": model, **body}
+        bodies.append(body)
     return bodies
+
+
+def completion_lines(workload: Workload, model: str, id_prefix: str) -> list[dict[str, Any]]:
+    """``workload`` as ``/v1/completions`` request lines: token-id prompts, greedy,
+    ``ignore_eos``, so each request has exactly its prompt and output lengths."""
+    return [
+        request_line(
+            f"{id_prefix}{i}",
+            {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": out,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+            COMPLETIONS_URL,
+        )
+        for i, (prompt, out) in enumerate(zip(workload.prompts, workload.max_tokens, strict=True))
+    ]
+
+
+def sampled_lines(
+    rows: Sequence[dict[str, Any]], rng: random.Random, n: int, model: str, id_prefix: str
+) -> list[dict[str, Any]]:
+    """``n`` request lines drawn at random from a real batch file's rows
+    (:func:`iter_request_bodies`), each a copy with ``model`` set: the file's shapes."""
+    out = []
+    for i in range(n):
+        row = json.loads(json.dumps(rng.choice(rows)))
+        body = row.get("body", row)
+        body["model"] = model
+        url = row.get("url") or (CHAT_URL if "messages" in body else COMPLETIONS_URL)
+        out.append(request_line(f"{id_prefix}{i}", body, url))
+    return out
 
 
 def iter_request_bodies(path: Path) -> list[dict[str, Any]]:

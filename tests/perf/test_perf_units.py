@@ -3,10 +3,13 @@ request-timings buffer, workloads and the spread order."""
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
-from cli.perf.bench import Shapes, percentile, poisson_jobs, summary
+from cli.perf.bench import job_lines, percentile, poisson_jobs, summary
 from cli.perf.tune import spread_order
+from cli.perf.workload import LengthDist, chat_bodies
 from engine.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from worker import timings
 
@@ -52,13 +55,13 @@ def test_timings_keeps_finished_requests_per_batch() -> None:
 
 
 def test_poisson_jobs_are_seeded_and_shaped() -> None:
-    shapes = Shapes("m", input_len="fixed:5", output_len="uniform:2:3")
+    make_lines, _ = job_lines("m", input_len="fixed:5", output_len="uniform:2:3")
     jobs = poisson_jobs(
-        shapes, jobs=6, rate=2.0, requests="fixed:4", tenants="a:1,b:1",
+        make_lines, jobs=6, rate=2.0, requests="fixed:4", tenants="a:1,b:1",
         priorities="normal,high", seed=7,
     )  # fmt: skip
     again = poisson_jobs(
-        shapes, jobs=6, rate=2.0, requests="fixed:4", tenants="a:1,b:1",
+        make_lines, jobs=6, rate=2.0, requests="fixed:4", tenants="a:1,b:1",
         priorities="normal,high", seed=7,
     )  # fmt: skip
     assert [(j.at, j.tenant, j.priority) for j in jobs] == [
@@ -70,8 +73,48 @@ def test_poisson_jobs_are_seeded_and_shaped() -> None:
         for line in job.lines:
             assert len(line["body"]["prompt"]) == 5 and 2 <= line["body"]["max_tokens"] <= 3
             assert line["body"]["ignore_eos"] is True
+    assert [j.lines for j in jobs] == [j.lines for j in again]  # the lines are seeded too
     ids = [line["custom_id"] for job in jobs for line in job.lines]
     assert len(set(ids)) == len(ids)
+
+
+def test_job_lines_from_a_file_copy_its_rows_with_the_model_set(tmp_path: Path) -> None:
+    path = tmp_path / "real.jsonl"
+    rows = [
+        {"custom_id": "x", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "old", "messages": [{"role": "user", "content": "hi"}]}},
+        {"prompt": "bare completion body", "max_tokens": 3},
+    ]  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    make_lines, source = job_lines("m", workload=path)
+    lines = make_lines(random.Random(3), 20, "job0-")
+    assert source == str(path)
+    assert [line["custom_id"] for line in lines] == [f"job0-{i}" for i in range(20)]
+    urls = {line["url"] for line in lines}
+    assert urls == {"/v1/chat/completions", "/v1/completions"}  # both rows drawn in 20
+    assert all(line["body"]["model"] == "m" for line in lines)
+    assert json.loads(path.read_text().splitlines()[0])["body"]["model"] == "old"
+
+
+def test_chat_bodies_of_drawn_lengths_are_seeded_and_distinct() -> None:
+    words, outs = LengthDist.parse("lognormal:40:0.7"), LengthDist.parse("uniform:4:9")
+    bodies = chat_bodies(200, outs, seed=5, words=words, model="m")
+    assert bodies == chat_bodies(200, outs, seed=5, words=words, model="m")
+    users = [b["messages"][-1]["content"] for b in bodies]
+    assert len(set(users)) == len(users)
+    counts = [len(u.split()) - 1 for u in users]  # "<i>:" then the words
+    assert min(counts) >= 1 and max(counts) <= 160 and 30 <= sum(counts) / len(counts) <= 50
+    assert all(4 <= b["max_tokens"] <= 9 and b["model"] == "m" for b in bodies)
+    systems = sum(1 for b in bodies if b["messages"][0]["role"] == "system")
+    assert 30 <= systems <= 90  # three in ten
+    # Without words: ordinary questions, the draw the engine benchmarks' figures were made of.
+    plain = chat_bodies(3, 16, seed=0)
+    assert [b["messages"][-1]["content"] for b in plain] == [
+        "Describe a CPU.",
+        "What are common mistakes people make with trains.",
+        "Tell a short story about trains.",
+    ]
+    assert all(b["max_tokens"] == 16 and "model" not in b for b in plain)
 
 
 def test_spread_order_is_a_permutation_that_mixes_sizes() -> None:
