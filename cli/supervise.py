@@ -17,7 +17,8 @@ import subprocess
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
+
+from cli.procfs import scan_children
 
 
 @dataclass
@@ -79,7 +80,7 @@ class Supervisor:
         handed to this process that ended."""
         if self._subreaper:
             ours = {c.proc.pid for c in self.children.values() if c.proc is not None}
-            for pid in _children(os.getpid(), zombies=True):
+            for pid in scan_children(os.getpid(), zombies=True):
                 if pid not in ours:  # the children's own exits are their Popen's to read
                     with contextlib.suppress(ChildProcessError):
                         os.waitpid(pid, os.WNOHANG)
@@ -162,7 +163,7 @@ class Supervisor:
                 return not killed  # no child of any kind is left
             now = time.monotonic()
             if now >= deadline:
-                for pid in _children(os.getpid()):
+                for pid in scan_children(os.getpid()):
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
                         killed = True
@@ -184,20 +185,6 @@ def _become_subreaper() -> bool:
         return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
-
-
-def _children(pid: int, *, zombies: bool = False) -> list[int]:
-    """The child processes of ``pid`` from /proc: the live ones, or the ended ones not yet
-    reaped (``zombies``)."""
-    found = []
-    for entry in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = entry.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if len(fields) > 1 and (fields[0] == "Z") == zombies and int(fields[1]) == pid:
-            found.append(int(entry.parent.name))
-    return found
 
 
 def _describe(code: int) -> str:

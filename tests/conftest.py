@@ -102,7 +102,12 @@ def redis_index() -> int:
     one server stay apart; otherwise it is random. Under pytest-xdist every worker of a run
     takes its own: the run's index (pinned, or drawn from the run's id) plus three per worker,
     since a session also uses the next two indices (the e2e stack's broker, and a private
-    broker's fallback without ``redis-server``). Five workers fit in the 15 indices."""
+    broker's fallback without ``redis-server``). Five workers fit in the 15 indices.
+
+    So a run pinned to P with W workers (W = 1 without xdist) uses the indices P to
+    P + 3W - 1, wrapping from 15 back to 1: worker N takes P + 3N, P + 3N + 1 and P + 3N + 2.
+    Two runs side by side stay apart only if their ranges do not overlap: pinned 1 and 4 with
+    two workers each collide (the first run's worker 1 is the second run's worker 0)."""
     pinned = os.environ.get("BATCHD_TEST_REDIS_DB")
     worker = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ...
     if worker is None:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cli.procfs import children_with_cmdlines
 from engine.core.model_runner import resolve_dtype
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,16 +87,6 @@ def test_supervisor_stops_on_sigterm_and_kills_what_ignores_it(tmp_path: Path) -
     assert signal.getsignal(signal.SIGTERM) is not sup.request_stop  # handler given back
 
 
-def _children(pid: int) -> dict[int, str]:
-    """The direct children of ``pid``: {pid: command line}."""
-    found = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
-            found[int(child)] = cmdline.decode(errors="replace")
-    return found
-
-
 @pytest.mark.slow
 def test_batchd_up_embedded_mode_serves_a_batch(tmp_path: Path) -> None:
     import httpx
@@ -134,7 +125,7 @@ def test_batchd_up_embedded_mode_serves_a_batch(tmp_path: Path) -> None:
 
         # The worker dies (SIGKILL: no cleanup): `batchd up` starts it again, and the batch
         # below is served by the new one.
-        children = _children(proc.pid)
+        children = children_with_cmdlines(proc.pid)
         (worker_pid,) = [p for p, cmd in children.items() if " worker " in cmd]
         assert [cmd for cmd in children.values() if " beat " in cmd]  # a child of its own
         os.kill(worker_pid, signal.SIGKILL)
@@ -198,7 +189,7 @@ def _descendants(pid: int) -> dict[int, str]:
     todo = [pid]
     while todo:
         try:
-            children = _children(todo.pop())
+            children = children_with_cmdlines(todo.pop())
         except FileNotFoundError:  # gone meanwhile
             continue
         found.update(children)

@@ -13,7 +13,8 @@ from core.lifecycle import now
 from core.queue import TASK_ESTIMATE, TASK_REFRESH_ETAS
 from core.settings import get_settings
 from worker.celery_app import app
-from worker.tasks import scan_input, validation_errors
+from worker.tasks import scan_input
+from worker.validation_failures import validation_errors
 
 logger = logging.getLogger(__name__)
 

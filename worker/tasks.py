@@ -50,7 +50,6 @@ from worker.validation_failures import (
     enqueued_tokens,
     fail_running,
     quota_error,
-    validation_errors,
 )
 from worker.webhooks import notify
 
@@ -62,7 +61,6 @@ __all__ = [
     "scan_input",
     "sweep_expired",
     "validate",
-    "validation_errors",
 ]
 
 logger = logging.getLogger(__name__)

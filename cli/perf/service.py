@@ -21,6 +21,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+# /proc's readers live in cli.procfs; the benchmarks and tests import them from here too.
+from cli.procfs import children as children
+from cli.procfs import process_cpu_s as process_cpu_s
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -283,18 +287,3 @@ def memory_kb(pid: int) -> tuple[int, int] | None:
     if len(values) != 2:
         return None
     return values["VmRSS"], values["VmHWM"]
-
-
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds ``pid`` has used (all its threads), from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def children(pid: int) -> list[int]:
-    """Direct children of ``pid`` (uvicorn's reloader-free worker, a celery pool's forks)."""
-    try:
-        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
-    except OSError:
-        return []
-    return [int(p) for p in text.split()]

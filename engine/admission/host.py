@@ -121,7 +121,7 @@ class EngineHost:
         )
         reserve = getattr(getattr(engine, "scheduler", None), "reserve_for_urgent", None)
         if reserve is not None:
-            reserve(reservation.seqs, reservation.tokens)
+            reserve(reservation)
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # the loop waits here when idle
         self._space = threading.Condition(self._lock)  # producers wait here while full

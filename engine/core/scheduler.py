@@ -26,7 +26,7 @@ import heapq
 from collections import deque
 from collections.abc import Iterator
 
-from engine.admission.policy import UrgentReservation
+from engine.admission.policy import UrgentReservation, is_urgent
 from engine.core.block_manager import BlockManager
 from engine.core.config import EngineConfig
 from engine.core.sequence import Sequence, Status
@@ -129,11 +129,11 @@ class WaitingQueue:
     def num_urgent(self) -> int:
         """Waiting sequences with a negative (urgent) priority."""
         if self.policy == "fcfs":
-            queues = [q for priority, q in self.fifo.items() if priority < 0]
+            queues = [q for priority, q in self.fifo.items() if is_urgent(priority)]
             items = [(seq, epoch) for q in queues for seq, epoch in q]
         else:
-            items = [(item[3], item[4]) for item in self.heap if item[0] < 0]
-        items += [(seq, epoch) for seq, epoch in self.preempted if seq.priority < 0]
+            items = [(item[3], item[4]) for item in self.heap if is_urgent(item[0])]
+        items += [(seq, epoch) for seq, epoch in self.preempted if is_urgent(seq.priority)]
         return sum(1 for seq, epoch in items if _valid(seq, epoch))
 
     def candidates(self, hot_buckets: dict[object, int]) -> Iterator[tuple[Sequence, bool]]:
@@ -246,7 +246,7 @@ class Scheduler:
         while i < len(running) and budget > 0:
             seq = running[i]
             remaining = len(seq) - seq.num_computed_tokens
-            n = min(remaining, budget if seq.priority < 0 else budget - held)
+            n = min(remaining, budget if is_urgent(seq.priority) else budget - held)
             if n <= 0:  # the rest of the budget is held for waiting urgent work
                 i += 1
                 continue
@@ -282,7 +282,7 @@ class Scheduler:
             for seq, was_preempted in candidates:
                 if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                     break
-                if self.urgent_waiting and seq.priority >= 0:
+                if self.urgent_waiting and not is_urgent(seq.priority):
                     continue  # urgent work first, preempted bulk included
                 cached = bm.match_prefix(seq)
                 nxt = len(cached)
@@ -327,11 +327,11 @@ class Scheduler:
         self.total_cached_tokens += num_cached
         request.metrics.num_cached_tokens = num_cached
 
-    def reserve_for_urgent(self, seqs: int, tokens: int) -> None:
-        """Keep up to ``seqs`` sequence slots and ``tokens`` of each step's budget for urgent
-        work (``priority < 0``): the rule, lent while no urgent work waits, is
+    def reserve_for_urgent(self, reservation: UrgentReservation) -> None:
+        """Keep ``reservation``'s sequence slots and tokens of each step's budget for urgent
+        work, capped to what this engine has: the rule, lent while no urgent work waits, is
         ``engine.admission.policy.UrgentReservation``; this scheduler carries it out."""
-        self.reservation = UrgentReservation(seqs, tokens).capped(
+        self.reservation = reservation.capped(
             self.config.max_num_seqs, self.config.max_num_batched_tokens
         )
 

@@ -4,10 +4,11 @@ At most ``max_num_seqs`` sequences run; the rest wait first come, first served (
 ``priority`` first, then arrival, as the real scheduler's "fcfs" admission), with preempted
 and resumed sequences first in line. The urgent reservation
 (``engine.admission.policy.UrgentReservation``) is kept as the real scheduler keeps it:
-urgent work (``priority < 0``) that waits preempts the newest non-urgent sequences, up to the
-reservation. A preempted, suspended and then resumed sequence keeps its tokens and waits the
-first-token latency again (it recomputes its context). ``n > 1`` requests run ``n``
-sequences; ``completion_index`` works as in the real engine.
+urgent work (``engine.admission.policy.is_urgent``) that waits preempts the newest
+non-urgent sequences, up to the reservation. A preempted, suspended and then resumed
+sequence keeps its tokens and waits the first-token latency again (it recomputes its
+context). ``n > 1`` requests run ``n`` sequences; ``completion_index`` works as in the real
+engine.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator
 
-from engine.admission.policy import UrgentReservation
+from engine.admission.policy import UrgentReservation, is_urgent
 from engine.sim.requests import SimSeq
 
 
@@ -31,10 +32,11 @@ class SimScheduler:
         self.num_preemptions = 0
         self.num_chunked_prefills = 0  # never: kept for the real scheduler's readers
 
-    def reserve_for_urgent(self, seqs: int, tokens: int) -> None:
-        """Keep up to ``seqs`` slots for urgent work (``Scheduler.reserve_for_urgent``); a
-        simulated step has no token budget, so ``tokens`` only is checked."""
-        self.reservation = UrgentReservation(seqs, tokens).capped(self.max_num_seqs, None)
+    def reserve_for_urgent(self, reservation: UrgentReservation) -> None:
+        """Keep ``reservation``'s slots for urgent work (``Scheduler.reserve_for_urgent``),
+        capped to ``max_num_seqs``; a simulated step has no token budget, so its tokens go
+        unused."""
+        self.reservation = reservation.capped(self.max_num_seqs, None)
 
     def to_preempt(self) -> list[SimSeq]:
         """The newest non-urgent running sequences to preempt so that waiting urgent work gets
@@ -63,7 +65,7 @@ class SimWaiting:
         self.front: deque[SimSeq] = deque()
         self.by_priority: dict[int, deque[SimSeq]] = {}
         self.size = 0
-        self.urgent = 0  # waiting sequences with priority < 0
+        self.urgent = 0  # waiting urgent sequences
 
     def __len__(self) -> int:
         return self.size
@@ -92,7 +94,7 @@ class SimWaiting:
             kept: list[SimSeq] = []
             while queue and len(taken) < room:
                 seq = queue.popleft()
-                if urgent_only and seq.priority >= 0:
+                if urgent_only and not is_urgent(seq.priority):
                     kept.append(seq)
                 else:
                     taken.append(seq)
@@ -110,5 +112,5 @@ class SimWaiting:
 
     def _count(self, seq: SimSeq, delta: int) -> None:
         self.size += delta
-        if seq.priority < 0:
+        if is_urgent(seq.priority):
             self.urgent += delta

@@ -13,6 +13,7 @@ import pytest
 
 from core import served_models
 from engine import EngineHost, RequestError, RequestOutput, SamplingParams
+from engine.admission.policy import UrgentReservation
 from engine.sim.engine import MAX_CALL_S, SimEngine
 from engine.text.tokenizer import load_tokenizer
 
@@ -137,7 +138,7 @@ def test_admission_is_capped_and_first_come_first_served(tok: Any) -> None:
 
 def test_urgent_reservation_preempts_the_newest_and_loses_nothing(tok: Any) -> None:
     engine = sim(tok, max_num_seqs=2)
-    engine.scheduler.reserve_for_urgent(1, 0)
+    engine.scheduler.reserve_for_urgent(UrgentReservation(1, 0))
     long = SamplingParams(max_tokens=CALL_MAX * 4)
     engine.add_request("old", [5, 6], long)
     engine.add_request("new", [6, 7], long)
