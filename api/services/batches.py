@@ -238,7 +238,7 @@ def _enqueue_validation(session: Session, row: Batch) -> None:
     try:
         enqueue(TASK_VALIDATE, row.id)
     except Exception as error:
-        log.error("could not enqueue validation of %s: %s", row.id, error)
+        log.error("could not enqueue validation of %s: %r", row.id, error, exc_info=True)
         transition(
             session,
             row.id,

@@ -22,8 +22,8 @@ JOBS, PER_JOB, OUTPUT_TOKENS = 2, 2, 3
 
 
 @pytest.fixture
-def running(pg_url: str, redis_url: str, tmp_path: Path) -> Iterator[tuple[str, str]]:
-    """(the API's base URL, the broker URL) of a service started here."""
+def running(pg_url: str, redis_url: str, tmp_path: Path) -> Iterator[tuple[str, str, Procs]]:
+    """(the API's base URL, the broker URL, its processes) of a service started here."""
     from cli.perf.service import api_up
     from core.demo_models import build
 
@@ -48,17 +48,17 @@ def running(pg_url: str, redis_url: str, tmp_path: Path) -> Iterator[tuple[str, 
                 )
 
             wait_for(ready, 120, "the API, the workers and the model", procs.logs)
-            yield f"http://127.0.0.1:{port}/v1", broker
+            yield f"http://127.0.0.1:{port}/v1", broker, procs
         finally:
             procs.stop_all(grace_s=10)
 
 
 def test_bench_a_running_service(
-    running: tuple[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    running: tuple[str, str, Procs], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from core.settings import get_settings
 
-    base_url, broker = running
+    base_url, broker, procs = running
     # The client's own settings name no model: the service's /v1/models does.
     monkeypatch.setenv("BATCHD_MODELS", json.dumps({"not-served-here": "demo:llama-tiny"}))
     get_settings.cache_clear()
@@ -82,6 +82,7 @@ def test_bench_a_running_service(
     sent = JOBS * PER_JOB
     counts = data["counts"]
     why = [(job["status"], job["rejected"]) for job in data["jobs"]]  # named if it fails
+    why += [line for line in procs.log("api").splitlines() if "ERROR" in line or "Error" in line]
     assert counts["jobs"] == {"submitted": JOBS, "completed": JOBS, "rejected": 0, "other": {}}, why
     assert counts["requests"] == {
         "submitted": sent,
