@@ -155,7 +155,7 @@ def http_get(path: str, key: str) -> bytes:
 
 def tree_cpu_s(pid: int) -> float:
     """CPU seconds of ``pid`` and every process under it (uvicorn's manager and workers)."""
-    from cli.perf.service import children, process_cpu_s
+    from cli.procfs import children, process_cpu_s
 
     total, todo = 0.0, [pid]
     while todo:
@@ -190,7 +190,8 @@ class Api:
         self.processes = processes
 
     def wait_ready(self, timeout: float = 60.0) -> None:
-        from cli.perf.service import api_up, children
+        from cli.perf.service import api_up
+        from cli.procfs import children
 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -352,7 +352,7 @@ def _measure(args: argparse.Namespace, a: Any, b: Any, probe: Any, model_pid: in
     the alone runs of its own round: the machine's speed drifts between rounds."""
     timeout = 3600.0
 
-    from cli.perf.service import process_cpu_s
+    from cli.procfs import process_cpu_s
 
     def cpu() -> float:
         return process_cpu_s(model_pid)

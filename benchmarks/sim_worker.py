@@ -28,9 +28,9 @@ from typing import Any
 
 from benchmarks.harness import stack as bs
 from benchmarks.harness.stack import CELERY, QUIET
-from cli.perf.service import process_cpu_s as cpu_s
 from cli.perf.service import wait_for
 from cli.perf.workload import request_line
+from cli.procfs import process_cpu_s as cpu_s
 from core.queue import model_queue
 from core.served_models import sim_spec
 

@@ -420,7 +420,7 @@ def test_api_command_starts_min_4_cpus_processes(
 
 def _spawned(pid: int) -> list[int]:
     """The worker processes uvicorn's manager ``pid`` spawned (not its resource tracker)."""
-    from cli.perf.service import children
+    from cli.procfs import children
 
     found = []
     for child in children(pid):

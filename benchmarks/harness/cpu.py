@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 
-from cli.perf.service import process_cpu_s
+from cli.procfs import process_cpu_s
 
 
 class CpuMeter:

@@ -11,7 +11,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from cli.perf.service import children, free_port, wait_for
+from cli.perf.service import free_port, wait_for
+from cli.procfs import children
 
 PG_BIN = Path("/usr/lib/postgresql")
 BENCH_ROLE = "fleet_bench"  # the benchmark's own reads, left out of the counts

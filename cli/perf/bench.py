@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cli.perf.service import Ticker, WorkerProbe, children, memory_kb
+from cli.perf.service import Ticker, WorkerProbe, memory_kb
 from cli.perf.workload import (
     COMPLETIONS_URL,
     DEFAULT_INPUT_LEN,
@@ -54,6 +54,7 @@ from cli.perf.workload import (
     sampled_lines,
     synthetic_workload,
 )
+from cli.procfs import children
 
 TERMINAL = {"completed", "failed", "expired", "cancelled"}
 _NO_LIMIT = 1 << 30  # a synthetic job's lengths are not clamped to a context

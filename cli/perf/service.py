@@ -21,10 +21,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-# /proc's readers live in cli.procfs; the benchmarks and tests import them from here too.
-from cli.procfs import children as children
-from cli.procfs import process_cpu_s as process_cpu_s
-
 
 def free_port() -> int:
     with socket.socket() as s:
