@@ -32,28 +32,24 @@ from benchmarks.harness.revisions import REPO
 from benchmarks.harness.stack import CELERY, MODEL, QUIET, Database, RedisServer
 from benchmarks.soak_stack import create_key
 from cli.perf.service import Procs, api_command, api_up, free_port, wait_for
-from cli.perf.workload import request_line
+from cli.perf.workload import LengthDist, chat_bodies, request_line
 
 MARKS = (0.10, 0.50, 0.90)
 
 
-def chat(custom_id: str, text: str, max_tokens: int) -> dict[str, Any]:
-    return request_line(
-        custom_id,
-        {
-            "model": MODEL,
-            "messages": [{"role": "user", "content": text}],
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-        },
-    )
-
-
 def job_lines(prefix: str, n: int, rng: random.Random, tokens: tuple[int, int]) -> bytes:
+    """``n`` chat requests of 3 to 24 filler words, each generating exactly a number of tokens
+    drawn from ``tokens`` (``ignore_eos``): ``cli.perf.workload.chat_bodies``."""
+    bodies = chat_bodies(
+        n,
+        LengthDist("uniform", *tokens),
+        rng.getrandbits(32),
+        words=LengthDist("uniform", 3, 24),
+        model=MODEL,
+    )
     rows = [
-        chat(f"{prefix}-{i}", f"{prefix} item {i} " * rng.randint(1, 8), rng.randint(*tokens))
-        for i in range(n)
+        request_line(f"{prefix}-{i}", {**body, "temperature": 0, "ignore_eos": True})
+        for i, body in enumerate(bodies)
     ]
     return b"".join(json.dumps(r).encode() + b"\n" for r in rows)
 
