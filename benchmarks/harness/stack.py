@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -112,7 +113,15 @@ class Procs(service.Procs):
 
 class RedisServer:
     """A private ``redis-server`` on a free port (no queue shared with anyone); without the
-    binary, ``fallback_url`` (a database of a shared server), emptied. ``stop()`` ends it."""
+    binary, ``fallback_url`` (a database of a shared server), emptied. ``stop()`` ends it.
+
+    A free port is free only until someone binds it: a server started beside another run's
+    could lose the port to it, and a check that merely found the port open would then hand
+    out the other run's server (two stacks sharing one broker, until that run stops it). So
+    the server counts as up only when the one answering on the port is this process's child;
+    otherwise it is started again on another port."""
+
+    ATTEMPTS = 5
 
     def __init__(self, directory: Path, fallback_url: str):
         self._proc: subprocess.Popen | None = None
@@ -123,25 +132,53 @@ class RedisServer:
             redis.Redis.from_url(fallback_url).flushdb()
             self.url = fallback_url
             return
-        port = free_port()
-        self._proc = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(directory)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
-        self.url = f"redis://127.0.0.1:{port}/0"
+        for attempt in range(1, self.ATTEMPTS + 1):
+            port = free_port()
+            self._proc = subprocess.Popen(
+                [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                 "--appendonly", "no", "--dir", str(directory)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
+            self.url = f"redis://127.0.0.1:{port}/0"
+            try:
+                wait_for(partial(self._answering, port), 15, "the private redis-server")
+                return
+            except _LostPort:
+                self.stop()
+                if attempt == self.ATTEMPTS:
+                    raise RuntimeError(
+                        "the private redis-server did not come up on a port of its own in "
+                        f"{self.ATTEMPTS} tries (it exited, or another process held the port)"
+                    ) from None
+            except BaseException:
+                self.stop()
+                raise
+
+    def _answering(self, port: int) -> bool:
+        """Whether this server answers on ``port``; :class:`_LostPort` if it exited or
+        another process answers there."""
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
         proc = self._proc
-
-        def up() -> bool:
+        assert proc is not None
+        if not port_open(port):
             if proc.poll() is not None:
-                raise RuntimeError("the private redis-server exited")
-            return port_open(port)
-
+                raise _LostPort
+            return False
         try:
-            wait_for(up, 15, "the private redis-server")
-        except BaseException:
-            self.stop()
-            raise
+            with redis.Redis(
+                host="127.0.0.1", port=port, socket_timeout=2, retry=Retry(NoBackoff(), 0)
+            ) as client:
+                pid = int(client.info("server")["process_id"])
+        except Exception:
+            if proc.poll() is not None:
+                raise _LostPort from None
+            return False  # still starting, or not a Redis at all yet
+        if pid != proc.pid:
+            raise _LostPort
+        return True
 
     @property
     def pid(self) -> int | None:
@@ -152,6 +189,10 @@ class RedisServer:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.terminate()
             self._proc.wait(10)
+
+
+class _LostPort(Exception):
+    """Another process holds the port a private server was started on."""
 
 
 @contextmanager
