@@ -2,7 +2,10 @@
 
 The tests and ``benchmarks.soak`` put it between the service's processes and Postgres or Redis
 to simulate outages: ``cut()`` closes every proxied connection and refuses new ones (accepted,
-then closed at once) until ``resume()``. Standard library only."""
+then closed at once) until ``resume()``; ``stall()`` is the silent kind (a lost route, a host
+gone without closing anything): every connection stays open and nothing reaches the other end,
+new ones are accepted and never answered, until ``resume()``, which closes what was held.
+Standard library only."""
 
 from __future__ import annotations
 
@@ -23,6 +26,9 @@ class TcpProxy:
         self._lock = threading.Lock()
         self._socks: set[socket.socket] = set()
         self._refusing = False
+        self._flowing = threading.Event()  # cleared while stalled
+        self._flowing.set()
+        self._held: list[socket.socket] = []  # connections accepted while stalled
         self._closed = False
         self.refused = 0  # connections refused while cut
         self.accepted = 0
@@ -43,9 +49,22 @@ class TcpProxy:
         for s in socks:
             _close(s)
 
+    def stall(self) -> None:
+        """Forward nothing, close nothing: what is sent is held, and what connects waits."""
+        self._flowing.clear()
+
     def resume(self) -> None:
         with self._lock:
             self._refusing = False
+            held, self._held = self._held, []
+            stalled = not self._flowing.is_set()
+            socks = list(self._socks) if stalled else []
+            if stalled:
+                self._socks = set()
+        # A stall ends as a lost route does: the connections it held are gone.
+        for s in held + socks:
+            _close(s)
+        self._flowing.set()
 
     def outage(self, seconds: float) -> threading.Thread:
         """Cut now and resume after ``seconds``, in the background."""
@@ -61,6 +80,7 @@ class TcpProxy:
 
     def close(self) -> None:
         self._closed = True
+        self.resume()
         self.cut()
         _close(self._listener)
 
@@ -72,6 +92,9 @@ class TcpProxy:
                 return
             with self._lock:
                 refusing = self._refusing
+                if not refusing and not self._flowing.is_set():
+                    self._held.append(client)
+                    continue
             if refusing:
                 self.refused += 1
                 _close(client)
@@ -98,6 +121,7 @@ class TcpProxy:
                 data = src.recv(65536)
                 if not data:
                     break
+                self._flowing.wait()
                 dst.sendall(data)
         except OSError:
             pass
