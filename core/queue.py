@@ -22,6 +22,25 @@ TASK_REFRESH_ETAS = "batchd.refresh_etas"
 
 CONTROL_QUEUE = "batchd.control"
 
+# Every Redis socket is bounded, so that a broker that vanishes without closing its
+# connections (a lost host, a dropped route) costs a reconnect or a failed publish instead of
+# a thread blocked in a read or a connect for the kernel's TCP timeouts. A producer (the API's
+# enqueue, a reply to the API) waits at most PRODUCER_SOCKET_TIMEOUT_S for one answer; the
+# workers' consumers allow more (worker.celery_app).
+SOCKET_CONNECT_TIMEOUT_S = 5.0
+PRODUCER_SOCKET_TIMEOUT_S = 5.0
+
+
+def redis_socket_options(broker_url: str, socket_timeout: float) -> dict[str, Any]:
+    """The transport options that bound a Redis broker's sockets (none for other brokers)."""
+    if not broker_url.startswith(("redis://", "rediss://")):
+        return {}
+    return {
+        "socket_connect_timeout": SOCKET_CONNECT_TIMEOUT_S,
+        "socket_timeout": socket_timeout,
+        "socket_keepalive": True,
+    }
+
 
 def model_queue(model: str) -> str:
     """The queue that the workers serving ``model`` consume."""
@@ -34,6 +53,7 @@ def _producer(broker_url: str):
 
     app = Celery("batchd-producer", broker=broker_url)
     app.conf.broker_connection_retry_on_startup = True
+    app.conf.broker_transport_options = redis_socket_options(broker_url, PRODUCER_SOCKET_TIMEOUT_S)
     return app
 
 

@@ -60,6 +60,7 @@ from core.queue import (
     TASK_SWEEP_FILES,
     TASK_SWEEP_WEBHOOKS,
     TASK_VALIDATE,
+    redis_socket_options,
 )
 from core.settings import get_settings
 
@@ -127,27 +128,21 @@ def transport_options(broker_url: str) -> dict:
     """Redis (and SQS) redeliver an unacknowledged task after the visibility timeout; the
     SQLAlchemy transport of embedded mode has none and hands every option to create_engine.
 
-    On Redis every socket is bounded, so that a broker that vanishes without closing its
-    connections (a lost host, a dropped route) costs a reconnect instead of a worker blocked
-    in a read or a connect for the kernel's TCP timeouts. The consumer's BRPOP blocks on the
+    On Redis every socket is bounded (``core.queue.redis_socket_options``), so that a broker
+    that vanishes without closing its connections (a lost host, a dropped route) costs a
+    reconnect instead of a worker blocked in a read or a connect for the kernel's TCP
+    timeouts. The consumer's BRPOP blocks on the
     server for a second at most (kombu's ``brpop_timeout``): a reply slower than
     ``SOCKET_TIMEOUT_S`` means a dead link."""
     if broker_url.startswith(("sqla+", "sqlalchemy+")):
         return {}
     options: dict[str, Any] = {"visibility_timeout": get_settings().visibility_timeout_s}
-    if broker_url.startswith(REDIS_SCHEMES):
-        options.update(
-            socket_connect_timeout=SOCKET_CONNECT_TIMEOUT_S,
-            socket_timeout=SOCKET_TIMEOUT_S,
-            socket_keepalive=True,
-        )
+    options.update(redis_socket_options(broker_url, SOCKET_TIMEOUT_S))
     return options
 
 
-REDIS_SCHEMES = ("redis://", "rediss://")
 REDIS_TRANSPORT = "redis-batchd"
-SOCKET_CONNECT_TIMEOUT_S = 5.0
-SOCKET_TIMEOUT_S = 30.0
+SOCKET_TIMEOUT_S = 30.0  # a consumer's read (BRPOP blocks on the server for a second at most)
 
 
 class RedisChannel(kombu_redis.Channel):

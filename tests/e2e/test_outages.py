@@ -27,7 +27,7 @@ import pytest
 
 from benchmarks.harness.stack import API_KEY, Procs, celery_command, stack_env
 from benchmarks.harness.tcp_proxy import TcpProxy
-from cli.perf.service import api_command, free_port, wait_for
+from cli.perf.service import api_command, api_up, free_port, wait_for
 from tests.helpers.lines import MODEL, chat_line
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
@@ -291,3 +291,63 @@ def _wait_until_done(client: Any, batch_id: str, procs: Procs) -> dict[str, Any]
 
     wait_for(finished, 150, "the batch to finish", procs.logs)
     return last
+
+
+def test_a_silent_broker_costs_a_create_a_503_not_a_hung_thread(
+    pg_url, private_broker, tmp_path, procs: Procs
+):
+    """The broker's route is lost without a reset (every connection open, nothing answered):
+    a create waits out the producer's bounded sockets and answers 503 ``broker_unavailable``
+    within half a minute instead of hanging, its batch failed and saying why; what needs no
+    broker stays served; once the route is back the next create goes through."""
+    import httpx
+
+    from core.queue import PRODUCER_SOCKET_TIMEOUT_S
+
+    redis_port = int(private_broker.rsplit(":", 1)[1].split("/")[0])
+    rd = TcpProxy("127.0.0.1", redis_port).start()
+    try:
+        env = stack_env(pg_url, rd.url_for(private_broker, redis_port), tmp_path)
+        port = free_port()
+        client = httpx.Client(
+            base_url=f"http://127.0.0.1:{port}",
+            headers={"Authorization": f"Bearer {API_KEY}"},
+            timeout=120,
+        )
+        procs.start("api", api_command(port), env)
+        wait_for(lambda: api_up(port), 60, "the API", procs.logs)
+        first = _create_batch(client, ["a-1"])  # the producer is connected before the stall
+
+        rd.stall()
+        start = time.monotonic()
+        data = json.dumps(chat_line("b-1", "hello")).encode() + b"\n"
+        f = client.post(
+            "/v1/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", io.BytesIO(data))}
+        )
+        assert f.status_code == 200, f.text  # an upload needs no broker
+        refused = client.post(
+            "/v1/batches",
+            json={
+                "input_file_id": f.json()["id"],
+                "endpoint": "/v1/chat/completions",
+                "completion_window": "24h",
+            },
+        )
+        waited = time.monotonic() - start
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"]["code"] == "broker_unavailable"
+        # Celery's default publish policy: four attempts, each bounded by the socket timeout.
+        assert waited < 4 * PRODUCER_SOCKET_TIMEOUT_S + 20, waited  # 26 s here
+        failed_id = refused.json()["error"]["message"].split("Batch ")[1].split()[0]
+        failed = client.get(f"/v1/batches/{failed_id}").json()
+        assert failed["status"] == "failed"
+        assert failed["errors"]["data"][0]["code"] == "broker_unavailable"
+        assert client.get(f"/v1/batches/{first}").status_code == 200
+        procs.check_alive()
+
+        rd.resume()
+        again = _create_batch(client, ["c-1"])
+        assert client.get(f"/v1/batches/{again}").json()["status"] == "validating"
+        assert rd.accepted >= 2  # the producer reconnected after the stall
+    finally:
+        rd.close()
