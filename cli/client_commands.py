@@ -28,7 +28,7 @@ from cli.console import (
 from cli.downloads import download_results, download_with_retries
 from cli.exit_codes import TERMINAL_STATUSES, ExitCode, exit_codes_help
 from cli.options import ApiKeyOpt, BaseUrlOpt, BatchIdArg, JsonOpt, PollOpt, TimeoutOpt
-from cli.waiting import finish_wait, wait_for_batch
+from cli.waiting import announce_and_wait, finish_wait, wait_for_batch
 from core.batch_request import CHAT_URL, LineError
 from core.batchfile import file_endpoint
 from core.lifecycle import BatchStatus
@@ -111,18 +111,14 @@ def submit(
             metadata=meta,
             idempotency_key=idempotency_key,
         )
-        if not wait:
-            if as_json:
-                print_json(batch)
-            else:
-                typer.echo(batch["id"])
+        waited = announce_and_wait(
+            client, batch, wait=wait, as_json=as_json,
+            note=f"submitted {batch['id']} (input {uploaded['id']})",
+            poll_interval=poll_interval, timeout=timeout,
+        )  # fmt: skip
+        if waited is None:
             return
-        if not as_json:
-            typer.echo(batch["id"])
-        stderr().print(f"submitted {batch['id']} (input {uploaded['id']}); waiting …")
-        batch, timed_out = wait_for_batch(
-            client, batch["id"], poll_interval=poll_interval, timeout=timeout
-        )
+        batch, timed_out = waited
         code = finish_wait(batch, timed_out, as_json=as_json)
         wanted = output is not None or errors is not None
         if wanted and not timed_out and _has_results(batch):

@@ -15,10 +15,10 @@ from typing import IO, Annotated, Any
 import typer
 
 from cli.client import BatchdClient
-from cli.console import api_client, exit_with, print_json, stderr
+from cli.console import api_client, exit_with, stderr
 from cli.exit_codes import exit_codes_help
 from cli.options import ApiKeyOpt, BaseUrlOpt, BatchIdArg, JsonOpt, PollOpt, TimeoutOpt
-from cli.waiting import finish_wait, wait_for_batch
+from cli.waiting import announce_and_wait, finish_wait, wait_for_batch
 from core.results_log import MAX_PAGE
 from core.retry import RETRY_KINDS
 
@@ -160,19 +160,14 @@ def retry(
         batch = client.retry_batch(
             batch_id, include=include or None, completion_window=window, priority=priority
         )
-        if not wait:
-            if as_json:
-                print_json(batch)
-            else:
-                typer.echo(batch["id"])
-            return
-        if not as_json:
-            typer.echo(batch["id"])
-        stderr().print(f"retrying {batch_id} as {batch['id']}; waiting …")
-        batch, timed_out = wait_for_batch(
-            client, batch["id"], poll_interval=poll_interval, timeout=timeout
-        )
-    raise exit_with(finish_wait(batch, timed_out, as_json=as_json))
+        waited = announce_and_wait(
+            client, batch, wait=wait, as_json=as_json,
+            note=f"retrying {batch_id} as {batch['id']}",
+            poll_interval=poll_interval, timeout=timeout,
+        )  # fmt: skip
+    if waited is None:
+        return
+    raise exit_with(finish_wait(*waited, as_json=as_json))
 
 
 def register(app: typer.Typer) -> None:

@@ -7,6 +7,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import typer
+
 from cli.client import BatchdClient, ServerUnreachable
 from cli.console import batch_errors, counts, error_text, escape, print_json, stderr
 from cli.exit_codes import TERMINAL_STATUSES, ExitCode, exit_code_for_batch
@@ -81,6 +83,31 @@ def wait_for_batch(
             except ServerUnreachable:
                 if time.monotonic() - last_answer > UNREACHABLE_GRACE_S:
                     raise
+
+
+def announce_and_wait(
+    client: BatchdClient,
+    batch: dict[str, Any],
+    *,
+    wait: bool,
+    as_json: bool,
+    note: str,
+    poll_interval: float,
+    timeout: float | None,
+) -> tuple[dict[str, Any], bool] | None:
+    """Print a batch just created: its id (the whole Batch under ``--json`` when not
+    waiting). With ``wait``, say ``note`` on standard error and wait for it to end
+    (:func:`wait_for_batch`'s answer); None when not waiting."""
+    if not wait:
+        if as_json:
+            print_json(batch)
+        else:
+            typer.echo(batch["id"])
+        return None
+    if not as_json:
+        typer.echo(batch["id"])
+    stderr().print(f"{note}; waiting …")
+    return wait_for_batch(client, batch["id"], poll_interval=poll_interval, timeout=timeout)
 
 
 def finish_wait(batch: dict[str, Any], timed_out: bool, *, as_json: bool) -> ExitCode:
