@@ -8,7 +8,6 @@ picture is made that way)."""
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import shutil
@@ -19,7 +18,7 @@ import pytest
 from benchmarks.harness.stack import API_KEY, Procs, stack_env
 from benchmarks.harness.stack import celery_command as celery
 from cli.perf.service import api_command, free_port, wait_for
-from tests.helpers.lines import MODEL, chat_line
+from tests.helpers.lines import MODEL, chat_line, create_batch
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 
@@ -107,20 +106,7 @@ def test_dashboard_in_a_browser(pg_url, private_broker, tmp_path, procs: Procs):
             + b"\n"
             for i in range(32)
         )
-        f = client.post(
-            "/v1/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", io.BytesIO(data))}
-        )
-        assert f.status_code == 200, f.text
-        created = client.post(
-            "/v1/batches",
-            json={
-                "input_file_id": f.json()["id"],
-                "endpoint": "/v1/chat/completions",
-                "completion_window": "24h",
-            },
-        )
-        assert created.status_code == 200, created.text
-        batch_id = created.json()["id"]
+        batch_id = create_batch(client, data)
 
         _sign_in(driver, base, API_KEY)
         wait_for(lambda: _progress(driver, batch_id) is not None, 30, "the batch row", procs.logs)

@@ -6,7 +6,6 @@ by its id across the control and model workers."""
 
 from __future__ import annotations
 
-import io
 import json
 from typing import Any
 
@@ -15,7 +14,7 @@ import pytest
 from benchmarks.harness.stack import API_KEY, Procs, stack_env
 from benchmarks.harness.stack import celery_command as celery
 from cli.perf.service import api_command, free_port, wait_for
-from tests.helpers.lines import MODEL, chat_line
+from tests.helpers.lines import MODEL, chat_line, create_batch
 from tests.helpers.metrics_lint import sample_problems
 from tests.helpers.scrape import Samples, scrape, total, value
 
@@ -76,20 +75,7 @@ def test_counters_move_by_exactly_the_batch(pg_url, private_broker, tmp_path, pr
         + b"\n"
         for i in range(NUM_REQUESTS)
     )
-    f = client.post(
-        "/v1/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", io.BytesIO(data))}
-    )
-    assert f.status_code == 200, f.text
-    created = client.post(
-        "/v1/batches",
-        json={
-            "input_file_id": f.json()["id"],
-            "endpoint": "/v1/chat/completions",
-            "completion_window": "24h",
-        },
-    )
-    assert created.status_code == 200, created.text
-    batch_id = created.json()["id"]
+    batch_id = create_batch(client, data)
 
     def batch() -> dict[str, Any]:
         return client.get(f"/v1/batches/{batch_id}").json()
@@ -171,7 +157,7 @@ def test_counters_move_by_exactly_the_batch(pg_url, private_broker, tmp_path, pr
     # No series names the job: ids never become label values.
     custom_ids = {f"m{i:02d}" for i in range(NUM_REQUESTS)}
     for samples in (*after.values(), during["api"], engine_now):
-        assert sample_problems(samples, {batch_id, f.json()["id"], *custom_ids}) == []
+        assert sample_problems(samples, {batch_id, batch()["input_file_id"], *custom_ids}) == []
 
     # JSON logs: every worker line parses; the batch is followed across both workers.
     for name in ("control", "model"):

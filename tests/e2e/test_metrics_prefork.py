@@ -5,14 +5,13 @@ parent's exporter reports the refusal."""
 
 from __future__ import annotations
 
-import io
 import json
 
 import pytest
 
 from benchmarks.harness.stack import API_KEY, CELERY, Procs, stack_env
 from cli.perf.service import api_command, free_port, wait_for
-from tests.helpers.lines import chat_line
+from tests.helpers.lines import chat_line, create_batch
 from tests.helpers.scrape import scrape, value
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
@@ -47,20 +46,7 @@ def test_prefork_children_are_counted(pg_url, private_broker, tmp_path, procs: P
         base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {API_KEY}"}
     )
     data = json.dumps(chat_line("only", "too many tokens for this tenant")).encode() + b"\n"
-    f = client.post(
-        "/v1/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", io.BytesIO(data))}
-    )
-    assert f.status_code == 200, f.text
-    created = client.post(
-        "/v1/batches",
-        json={
-            "input_file_id": f.json()["id"],
-            "endpoint": "/v1/chat/completions",
-            "completion_window": "24h",
-        },
-    )
-    assert created.status_code == 200, created.text
-    batch_id = created.json()["id"]
+    batch_id = create_batch(client, data)
     wait_for(
         lambda: client.get(f"/v1/batches/{batch_id}").json()["status"] == "failed",
         60,

@@ -28,7 +28,7 @@ import pytest
 from benchmarks.harness.stack import API_KEY, Procs, celery_command, stack_env
 from benchmarks.harness.tcp_proxy import TcpProxy
 from cli.perf.service import api_command, api_up, free_port, wait_for
-from tests.helpers.lines import MODEL, chat_line
+from tests.helpers.lines import MODEL, chat_line, create_batch
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 
@@ -262,20 +262,7 @@ def _create_batch(client: Any, ids: list[str], max_tokens: int = 8) -> str:
         + b"\n"
         for c in ids
     )
-    f = client.post(
-        "/v1/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", io.BytesIO(data))}
-    )
-    assert f.status_code == 200, f.text
-    created = client.post(
-        "/v1/batches",
-        json={
-            "input_file_id": f.json()["id"],
-            "endpoint": "/v1/chat/completions",
-            "completion_window": "24h",
-        },
-    )
-    assert created.status_code == 200, created.text
-    return created.json()["id"]
+    return create_batch(client, data)
 
 
 def _wait_until_done(client: Any, batch_id: str, procs: Procs) -> dict[str, Any]:

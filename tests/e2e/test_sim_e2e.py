@@ -6,7 +6,6 @@ simulated."""
 
 from __future__ import annotations
 
-import io
 import json
 from typing import Any
 
@@ -15,7 +14,7 @@ import pytest
 from benchmarks.harness.stack import API_KEY, CELERY, QUIET, Procs, stack_env
 from benchmarks.harness.stack import celery_command as celery
 from cli.perf.service import api_command, free_port, wait_for
-from tests.helpers.lines import chat_line
+from tests.helpers.lines import chat_line, create_batch
 from tests.helpers.scrape import scrape, value
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
@@ -148,20 +147,7 @@ def _healthy(client: Any) -> bool:
 def _run_batch(client: Any, data: bytes, procs: Procs) -> dict[str, dict[str, Any]]:
     """Upload, create, wait for ``completed``; the output lines by custom_id, after checking
     the batch's usage against them."""
-    f = client.post(
-        "/v1/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", io.BytesIO(data))}
-    )
-    assert f.status_code == 200, f.text
-    created = client.post(
-        "/v1/batches",
-        json={
-            "input_file_id": f.json()["id"],
-            "endpoint": "/v1/chat/completions",
-            "completion_window": "24h",
-        },
-    )
-    assert created.status_code == 200, created.text
-    batch_id = created.json()["id"]
+    batch_id = create_batch(client, data)
 
     def batch() -> dict[str, Any]:
         return client.get(f"/v1/batches/{batch_id}").json()

@@ -45,3 +45,20 @@ def completion_line(
 def jsonl(lines: list[Any]) -> bytes:
     """A JSONL file: dicts as JSON, strings as they are (a broken line on purpose)."""
     return b"".join((x if isinstance(x, str) else json.dumps(x)).encode() + b"\n" for x in lines)
+
+
+def create_batch(client: Any, data: bytes, endpoint: str = CHAT_URL, name: str = "in.jsonl") -> str:
+    """Upload ``data`` through ``client`` (an HTTP client on the service's root) and create a
+    24h batch of it; each answer must be 200. Returns the batch id."""
+    uploaded = client.post("/v1/files", data={"purpose": "batch"}, files={"file": (name, data)})
+    assert uploaded.status_code == 200, uploaded.text
+    created = client.post(
+        "/v1/batches",
+        json={
+            "input_file_id": uploaded.json()["id"],
+            "endpoint": endpoint,
+            "completion_window": "24h",
+        },
+    )
+    assert created.status_code == 200, created.text
+    return created.json()["id"]
