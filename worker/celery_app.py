@@ -131,9 +131,8 @@ def transport_options(broker_url: str) -> dict:
     On Redis every socket is bounded (``core.queue.redis_socket_options``), so that a broker
     that vanishes without closing its connections (a lost host, a dropped route) costs a
     reconnect instead of a worker blocked in a read or a connect for the kernel's TCP
-    timeouts. The consumer's BRPOP blocks on the
-    server for a second at most (kombu's ``brpop_timeout``): a reply slower than
-    ``SOCKET_TIMEOUT_S`` means a dead link."""
+    timeouts. The consumer's BRPOP blocks on the server for a second at most (kombu's
+    ``brpop_timeout``): a reply slower than ``SOCKET_TIMEOUT_S`` means a dead link."""
     if broker_url.startswith(("sqla+", "sqlalchemy+")):
         return {}
     options: dict[str, Any] = {"visibility_timeout": get_settings().visibility_timeout_s}
