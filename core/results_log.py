@@ -26,7 +26,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import delete, exists, insert, select, text, update
+from sqlalchemy import delete, insert, select, text, update
 from sqlalchemy.orm import Session
 
 from core.models import Batch, ResultChunk, ResultLine
@@ -203,14 +203,6 @@ def read_page(session: Session, storage: Storage, batch_id: str, *, start: int, 
             if i >= part.skip:
                 data.append(rec.record)
     return Page(data, has_more)
-
-
-def dropped(session: Session, batch_id: str, logged: int) -> bool:
-    """Whether the batch's log is gone: it logged lines (``logged``, its ``results_logged``)
-    and no chunk of them is left, which only retention does (:func:`drop`)."""
-    if not logged:
-        return False
-    return not session.scalar(select(exists().where(ResultChunk.batch_id == batch_id)))
 
 
 def drop(session: Session, batch_ids: Sequence[str]) -> None:

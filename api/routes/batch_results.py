@@ -24,7 +24,7 @@ router = APIRouter(prefix="/batches", tags=["batches"])
 @router.get(
     "/{batch_id}/results",
     response_model=ResultPage,
-    responses=error_responses(400, 404, 410),
+    responses=error_responses(400, 404),
     summary="List a batch's results committed so far (batchd extension)",
 )
 def list_results(

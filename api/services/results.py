@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from sqlalchemy.orm import Session
 
-from api.errors import APIError, invalid_request
+from api.errors import invalid_request
 from api.services.batches import get_batch_row
 from api.services.common import could_be_id
 from core.lifecycle import BatchStatus
-from core.results_log import Page, cursor_seq, dropped, read_page
+from core.results_log import Page, cursor_seq, read_page
 from core.storage import Storage
 
 
@@ -25,16 +25,8 @@ def result_page(
     """Up to ``limit`` result lines of the tenant's batch after the line ``after`` (None: from
     the first); none while the batch does not show results. An ``after`` that is not a line
     the batch shows is refused whether or not it shows any yet, so the answer to a bad cursor
-    does not depend on how far the batch got. Once retention has deleted the batch's output
-    and error files its log is gone with them: 410 ``results_expired``, not an empty page."""
+    does not depend on how far the batch got."""
     batch = get_batch_row(session, tenant, batch_id)
-    if dropped(session, batch.id, batch.results_logged):
-        raise APIError(
-            410,
-            f"The results of batch {batch_id} are gone: they were deleted with its output and "
-            "error files when those expired.",
-            code="results_expired",
-        )
     visible = results_visible(batch.status, batch.validation_done)
     start = 0
     if after is not None:

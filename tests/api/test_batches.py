@@ -207,25 +207,3 @@ def test_a_bad_results_cursor_is_refused_before_the_batch_shows_results(client, 
             options={"params": {"after": "batch_req_000000000000000000000000"}},
         )
     assert caught.value.body["param"] == "after"
-
-
-def test_results_whose_log_retention_dropped_are_gone_not_empty(client, input_file, pg_url):
-    """A batch whose output and error files expired has lost its results log with them: the
-    results route answers 410 ``results_expired`` instead of an empty page that reads as "no
-    results yet"."""
-    from sqlalchemy import update
-
-    from core.db import session_scope
-    from core.models import Batch
-
-    batch = _create(client, input_file)
-    _force_status(pg_url, batch.id, "in_progress", "finalizing", "completed")
-    with session_scope(pg_url) as session:  # it showed lines; retention then dropped them
-        session.execute(
-            update(Batch).where(Batch.id == batch.id).values(validation_done=True, results_logged=3)
-        )
-    with pytest.raises(openai.APIStatusError) as caught:
-        client.get(f"/batches/{batch.id}/results", cast_to=httpx.Response)
-    assert caught.value.status_code == 410
-    assert caught.value.body["code"] == "results_expired"
-    assert batch.id in caught.value.body["message"]
