@@ -99,12 +99,15 @@ def test_dashboard_in_a_browser(pg_url, private_broker, tmp_path, procs: Procs):
         assert httpx.get(f"{base}/ui/data").status_code == 401
 
         client = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {API_KEY}"})
+        # Sized in engine work, not wall time: a batch that ends within a second or two
+        # (32 x 40 tokens did on a fast machine) leaves the polling page no time to see the
+        # bar move.
         data = b"".join(
             json.dumps(
-                chat_line(f"d{i:02d}", f"a long dashboard story {i}", 40, ignore_eos=True)
+                chat_line(f"d{i:02d}", f"a long dashboard story {i}", 160, ignore_eos=True)
             ).encode()
             + b"\n"
-            for i in range(32)
+            for i in range(64)
         )
         batch_id = create_batch(client, data)
 
