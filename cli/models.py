@@ -3,6 +3,7 @@ converted ahead of use."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 
@@ -19,6 +20,17 @@ def resolve_models(
 
     resolved = {}
     for name, spec in models.items():
+        if served_models.is_upstream(spec):
+            try:
+                upstream = served_models.upstream_spec(spec, name)
+            except ValueError as exc:
+                raise gguf_models.ModelSourceError(f"model {name!r}: {exc}") from None
+            if upstream.key_env and upstream.key_env not in os.environ:
+                raise gguf_models.ModelSourceError(
+                    f"model {name!r}: its key_env {upstream.key_env} is not set in the environment"
+                )
+            resolved[name] = spec
+            continue
         if spec.startswith("demo:"):
             resolved[name] = str(build(spec.split(":", 1)[1]))
             continue
@@ -37,8 +49,10 @@ def resolve_models(
 
 def describe(name: str, spec: str, path: str) -> str:
     """One line for ``batchd up``: the served name, its spec and where it loads from."""
-    from core import gguf_models
+    from core import gguf_models, served_models
 
+    if served_models.is_upstream(spec):
+        return f"model {name!r}: {served_models.upstream_spec(spec, name).describe()}"
     if path == spec:
         return f"model {name!r}: {spec}"
     info = gguf_models.conversion_info(path)

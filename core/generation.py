@@ -85,6 +85,25 @@ def default_max_tokens(req: BatchRequest, prompt_len: int, context: int) -> int:
     return max(remaining, 1)
 
 
+BYTES_PER_TOKEN = 4  # what a prompt's size says of its tokens when no tokenizer is at hand
+
+
+def approx_prompt_tokens(req: BatchRequest) -> int:
+    """A prompt's tokens estimated from its size (an upstream model without a local
+    tokenizer): its text's UTF-8 bytes over ``BYTES_PER_TOKEN``, at least one per message."""
+    if req.kind == "embedding":
+        parts = [
+            item if isinstance(item, str) else " " * len(item) * 4 for item in req.inputs or ()
+        ]
+    elif req.kind == "completion":
+        prompt = req.prompt
+        parts = [prompt if isinstance(prompt, str) else " " * len(prompt or ()) * 4]
+    else:
+        parts = [str(m.get("content") or "") for m in req.messages or ()]
+    size = sum(len(p.encode("utf-8", "surrogatepass")) for p in parts)
+    return max(len(parts), -(-size // BYTES_PER_TOKEN))
+
+
 def estimate_tokens(req: BatchRequest, prompt_len: int, context: int) -> int:
     """Prompt plus the most output tokens the request may produce: the shard planner's unit."""
     if req.kind == "embedding":

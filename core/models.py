@@ -1,4 +1,4 @@
-"""The database schema: files, batches and the shards a batch is split into.
+"""The database schema: files, batches, the shards a batch is split into, upstream limits.
 
 Timestamps are stored as timezone-aware datetimes and exposed by the API as unix seconds.
 Every status change goes through :mod:`core.lifecycle` as one conditional UPDATE.
@@ -14,6 +14,7 @@ from sqlalchemy import (
     BigInteger,
     Boolean,
     DateTime,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -275,3 +276,34 @@ class ResultLine(Base):
     )
     line_id: Mapped[str] = mapped_column(String(64), primary_key=True)
     seq: Mapped[int] = mapped_column(Integer)
+
+
+class UpstreamLimit(Base):
+    """The in-flight limit every dispatch worker of one upstream shares, and who sets it: the
+    member holding the lease (``leader`` until ``leader_until``) finds the limit from what all
+    members report (see :mod:`worker.upstream.shared`)."""
+
+    __tablename__ = "upstream_limits"
+
+    upstream: Mapped[str] = mapped_column(String(255), primary_key=True)
+    limit: Mapped[int] = mapped_column(Integer)
+    leader: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    leader_until: Mapped[datetime | None] = mapped_column(Timestamp, nullable=True)
+    updated_at: Mapped[datetime] = mapped_column(Timestamp)
+
+
+class UpstreamMember(Base):
+    """One dispatch worker's report for one upstream: its demand (requests pending and in
+    flight) and its cumulative counters, refreshed every second while it runs."""
+
+    __tablename__ = "upstream_members"
+
+    upstream: Mapped[str] = mapped_column(String(255), primary_key=True)
+    member: Mapped[str] = mapped_column(String(255), primary_key=True)
+    seen_at: Mapped[datetime] = mapped_column(Timestamp)
+    demand: Mapped[int] = mapped_column(Integer, default=0)
+    completed: Mapped[int] = mapped_column(BigInteger, default=0)
+    output_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    latency_s: Mapped[float] = mapped_column(Float, default=0.0)
+    busy_s: Mapped[float] = mapped_column(Float, default=0.0)
+    overloads: Mapped[int] = mapped_column(BigInteger, default=0)

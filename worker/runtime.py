@@ -1,5 +1,6 @@
 """Per-process model state: tokenizers for the control worker, one engine host per served
-model for the model workers, and the translation of a validated request into engine input.
+model for the model workers (a dispatcher, :mod:`worker.upstream.dispatcher`, for an upstream
+model), and the translation of a validated request into engine input.
 
 Everything the worker knows about the engine lives here. Engines load once per process, under
 a lock, on first use or at worker start (``worker_ready``); the threads pool then shares them,
@@ -80,6 +81,11 @@ def model_spec(model: str) -> str:
     return spec
 
 
+def is_upstream(model: str) -> bool:
+    """Whether ``model`` is served by an upstream server (its lines go there as written)."""
+    return served_models.is_upstream(get_settings().models.get(model, ""))
+
+
 def model_dir(model: str) -> Path:
     """The local directory of served model ``model`` (demo presets are built and GGUF files
     converted on first use). A model whose files cannot be served (a missing file, not GGUF,
@@ -109,7 +115,13 @@ def model_dir(model: str) -> Path:
 
 
 def tokenizer(model: str) -> Any:
-    """The model's tokenizer; the engine's own when this process runs the model."""
+    """The model's tokenizer; the engine's own when this process runs the model. An upstream
+    model has the tokenizer its spec names, or none (None: its prompts are counted by their
+    size, :func:`core.generation.approx_prompt_tokens`)."""
+    spec = model_spec(model)
+    if served_models.is_upstream(spec):
+        source = served_models.upstream_spec(spec, model).tokenizer
+        return None if source is None else _spec_tokenizer(model, source)
     with _lock:
         host = _hosts.get(model)
         if host is not None:
@@ -117,9 +129,26 @@ def tokenizer(model: str) -> Any:
         tok = _tokenizers.get(model)
         if tok is not None:
             return tok
+    return _spec_tokenizer(model, None)
+
+
+def _spec_tokenizer(model: str, source: str | None) -> Any:
+    """The tokenizer of ``model`` loaded from its files, or from those of the spec ``source``."""
+    with _lock:
+        tok = _tokenizers.get(model)
+    if tok is not None:
+        return tok
     from engine.text.tokenizer import load_tokenizer
 
-    path = model_dir(model)  # outside the lock: a GGUF file's first conversion takes a while
+    # outside the lock: a GGUF file's first conversion takes a while
+    if source is None:
+        path = model_dir(model)
+    else:
+        path = served_models.spec_dir(source)
+        if path is None:
+            from core.demo_models import build
+
+            path = build(source.split(":", 1)[1])
     tok = load_tokenizer(str(path))
     with _lock:
         return _tokenizers.setdefault(model, tok)
@@ -132,7 +161,9 @@ def context_length(model: str) -> int:
             return _context[model]
     limit = get_settings().engine_options.get("max_model_len")
     spec = model_spec(model)
-    if served_models.is_sim(spec):
+    if served_models.is_upstream(spec):
+        limit = served_models.upstream_spec(spec, model).max_model_len
+    elif served_models.is_sim(spec):
         from engine.sim.engine import DEFAULT_MAX_MODEL_LEN
 
         model_dir(model)  # a bad spec is refused here as at load
@@ -159,6 +190,9 @@ def host(model: str) -> EngineHost:
             existing = _hosts.get(model)
         if existing is not None:
             return existing
+        spec = model_spec(model)
+        if served_models.is_upstream(spec):
+            return _start_dispatcher(model, spec)
         from engine import Engine, EngineHost
 
         settings = get_settings()
@@ -167,7 +201,6 @@ def host(model: str) -> EngineHost:
         started_at = time.monotonic()
         path = model_dir(model)
         logger.info("loading model %s from %s", model, path)
-        spec = model_spec(model)
         if served_models.kind_of(spec) == "embedding":
             return _start_embedding_host(model, path, options, started_at)
         options.setdefault("enable_metrics", settings.metrics_enabled)
@@ -192,6 +225,19 @@ def host(model: str) -> EngineHost:
             time.monotonic() - started_at,
         )
         return started
+
+
+def _start_dispatcher(model: str, spec: str) -> Any:
+    """An upstream model's dispatcher: no weights, no torch; it starts at once."""
+    from worker.upstream.dispatcher import Dispatcher
+
+    upstream = served_models.upstream_spec(spec, model)
+    started = Dispatcher(model, upstream, aging_s=get_settings().low_priority_aging_s).start()
+    with _lock:
+        _hosts[model] = started
+        _context[model] = upstream.max_model_len
+    logger.info("model %s ready: %s", model, upstream.describe())
+    return started
 
 
 def _host_policy(host_options: dict[str, Any]) -> dict[str, Any]:
@@ -304,6 +350,9 @@ def engine_stats_snapshot(timeout: float = 5.0) -> dict[str, dict[str, Any]]:
     """Each loaded host's stats (a host that cannot answer reports ``{"error": …}``)."""
     out: dict[str, dict[str, Any]] = {}
     for model, engine_host in loaded_hosts().items():
+        if hasattr(engine_host, "snapshot"):  # an upstream's dispatcher
+            out[model] = _json_safe(engine_host.snapshot())
+            continue
         if not hasattr(engine_host, "stats"):  # an embedding host: its own few counters
             out[model] = {
                 "kind": "embedding",

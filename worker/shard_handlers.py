@@ -2,8 +2,9 @@
 its host and reads what came back as an :data:`Outcome`.
 
 :class:`GenerationHandler` runs chat, completions and responses on the engine host;
-:class:`EmbeddingHandler` runs embeddings on the embedding host. :class:`worker.shard_run.ShardRun`
-keeps what both share (checkpoints, cancel, retries, suspects) and asks its handler the rest.
+:class:`EmbeddingHandler` runs embeddings on the embedding host;
+:class:`worker.upstream.handler.UpstreamHandler` sends every kind to an upstream server.
+:class:`worker.shard_run.ShardRun` keeps what they share (checkpoints, cancel, retries, suspects) and asks its handler the rest.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from core import generation
+from core import generation, served_models
 from core.batch_request import EMBEDDINGS_URL, BatchRequest
 from core.generation import error_for_exception, error_record
 from core.models import Batch, Shard
@@ -82,7 +83,8 @@ class Handler(Protocol):
 
     def submit(self, prompt: Any, params: Any, done: Callable[[Future], None]) -> None:
         """Hand one request to the host (``done`` gets its future); ``TimeoutError`` when
-        the host's queue stays full, ``ValueError`` when it refuses the request."""
+        the host's queue stays full, ``ValueError`` when it refuses the request,
+        :class:`EngineUnavailable` when the host is dead."""
         ...
 
     def outcome(self, req: BatchRequest, future: Future, submitted: float | None) -> Outcome:
@@ -96,6 +98,11 @@ class Handler(Protocol):
 
 
 def handler_for(shard: Shard, batch: Batch, host: Any) -> Handler:
+    spec = get_settings().models.get(batch.model or "", "")
+    if served_models.is_upstream(spec):
+        from worker.upstream.handler import UpstreamHandler  # it builds on this module's types
+
+        return UpstreamHandler(batch, host, served_models.upstream_spec(spec, batch.model or ""))
     if batch.endpoint == EMBEDDINGS_URL:
         return EmbeddingHandler(batch, host)
     return GenerationHandler(shard, batch, host)
@@ -146,6 +153,14 @@ class GenerationHandler:
             raise
 
     def submit(self, prompt: Any, params: Any, done: Callable[[Future], None]) -> None:
+        from engine.admission.host import HostError
+
+        try:
+            self._submit(prompt, params, done)
+        except HostError as exc:
+            raise EngineUnavailable(str(exc)) from exc
+
+    def _submit(self, prompt: Any, params: Any, done: Callable[[Future], None]) -> None:
         self.host.submit(
             prompt,
             params,

@@ -205,7 +205,6 @@ class ShardRun:
     def _submit(self, req: BatchRequest, prompt: Any, params: Any, alone: bool = False) -> bool:
         """Hand one request to the host; False if the shard stopped first. Ordinary
         submissions wait while another shard isolates its suspects."""
-        from engine.admission.host import HostError
 
         def done(fut: Future, req: BatchRequest = req) -> None:
             self.done_q.put((req, prompt, params, fut, alone))
@@ -219,13 +218,11 @@ class ShardRun:
             self.submitted_at[req.line] = time.time()
             try:
                 self.handler.submit(prompt, params, done)
-            except TimeoutError:  # HostQueueFull, or the embedding host's full queue
+            except TimeoutError:  # HostQueueFull, the embedding host's or the dispatcher's
                 self._collect()
                 self._checkpoint()
                 self._poll()
                 continue
-            except HostError as exc:
-                raise EngineUnavailable(str(exc)) from exc
             except ValueError as exc:  # refused at submission
                 self.pending.add_error(req.line, error_for_exception(req, exc))
                 return True

@@ -33,6 +33,11 @@ class TokenCounter:
         tok = runtime.tokenizer(req.model)
         context = runtime.context_length(req.model)
         self.last_ids = None
+        if tok is None:  # an upstream model without a local tokenizer: counted by size
+            prompt_len = generation.approx_prompt_tokens(req)
+            self.prompt_tokens += prompt_len
+            self.last_prompt = prompt_len
+            return generation.estimate_tokens(req, prompt_len, context)
         try:
             ids = generation.prompt_token_ids(tok, req)
         except REQUEST_ERRORS as exc:
@@ -40,8 +45,8 @@ class TokenCounter:
             logger.warning("line %s cannot be tokenized (%s); counted as 0 tokens", req.line, exc)
             ids = []
         else:
-            if req.kind != "embedding":  # the embedding engine frames each input itself
-                self.last_ids = ids
+            if req.kind != "embedding" and not runtime.is_upstream(req.model):
+                self.last_ids = ids  # the embedding engine frames each input itself
         prompt_len = len(ids)
         self.prompt_tokens += prompt_len
         self.last_prompt = prompt_len

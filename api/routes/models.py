@@ -18,11 +18,20 @@ def _model(request: Request, name: str, spec: str) -> ModelPublic:
     return ModelPublic(
         id=name,
         created=request.app.state.started_at,
-        # A simulated model (load tests) says so: it generates filler, not answers.
-        owned_by=served_models.SIM_OWNER if served_models.is_sim(spec) else "batchd",
+        # A simulated model (load tests) says so: it generates filler, not answers; an upstream
+        # model is served by another server.
+        owned_by=_owner(spec),
         kind=kind,
-        endpoints=list(served_models.ENDPOINTS[kind]),
+        endpoints=list(served_models.endpoints(spec)),
     )
+
+
+def _owner(spec: str) -> str:
+    if served_models.is_sim(spec):
+        return served_models.SIM_OWNER
+    if served_models.is_upstream(spec):
+        return served_models.UPSTREAM_OWNER
+    return "batchd"
 
 
 @router.get("", response_model=ModelList, responses=error_responses(), summary="List models")

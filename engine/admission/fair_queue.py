@@ -80,10 +80,10 @@ class FairQueue(Generic[E]):
     goes to its batch with the earliest deadline (an entry's ``deadline``; batches with equal
     deadlines take turns request by request; a batch aged into a more urgent tier counts as
     due before every deadline); batches without a deadline come after those
-    with one and share the turn the same way as tenants do. A batch's own order is longest
-    work first, as
-    the engine's batch admission does (with few requests in the engine at a time, that order
-    has to be applied here). The quantum is the largest request cost pending, the smallest
+    with one and share the turn the same way as tenants do. A batch's own order is its
+    entries' ``rank`` where they carry one (lowest first: the upstream dispatcher's prefix
+    clusters), else longest work first, as the engine's batch admission does (with few
+    requests in the engine at a time, that order has to be applied here). The quantum is the largest request cost pending, the smallest
     that lets every turn serve at least one request (DRR's O(1) condition), so turns stay
     short: a batch that arrives joins the rotation at the back and is served after at most one
     turn of every other flow, never behind everything already queued. A flow that empties
@@ -129,10 +129,12 @@ class FairQueue(Generic[E]):
             bq = self._batches[entry.flow] = _BatchQueue(entry.flow, tier, self._clock(), deadline)
             self._activate(bq)
         bq.max_cost = max(bq.max_cost, entry.cost)
-        longest_first = -entry.cost if entry.group is not None else 0
+        rank = getattr(entry, "rank", None)
         if front:
-            longest_first = -(1 << 62)
-        heapq.heappush(bq.heap, (longest_first, next(self._order), entry))
+            rank = -(1 << 62)
+        elif rank is None:
+            rank = -entry.cost if entry.group is not None else 0  # longest work first
+        heapq.heappush(bq.heap, (rank, next(self._order), entry))
         self._count(entry, +1)
 
     def pop(

@@ -1,0 +1,144 @@
+"""How many requests to keep in flight at an upstream: found by climbing its throughput.
+
+An OpenAI-compatible server batches what it has in flight, so its output tokens/s grows with
+the requests in flight until its batch (or its KV cache) is full; past that, more in flight
+only queues and adds latency. :class:`ConcurrencyController` looks for the knee without being
+told where it is:
+
+* **Slow start**: from ``initial`` the limit doubles while each step buys at least
+  ``grow_gain`` more throughput.
+* **Probing**: after that, every ``probe_every`` windows it tries one step up (``step`` times
+  the limit); it keeps the step only when throughput grew by ``keep_gain`` and the latency per
+  request did not run away (``latency_runaway`` times the best window's at the same output).
+* **Back-off**: an overload (429, 503, a timeout, a refused connection) halves the limit at
+  once and ends slow start; ``Retry-After`` is the dispatcher's to honour.
+
+A window is judged only when the upstream was kept busy for most of it (``busy`` >= 0.8 of
+the limit on average): throughput measured while the dispatcher had too little work says
+nothing about the limit. The controller is pure: it is given windows and returns limits, so
+the same object drives one worker or the leader of many (:mod:`worker.upstream.shared`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """What the upstream did over ``seconds``: requests completed, their output tokens and
+    summed latency, the mean requests in flight (``busy``), and overloads seen."""
+
+    seconds: float
+    completed: int
+    output_tokens: int
+    latency_s: float
+    busy: float
+    overloads: int = 0
+
+    @property
+    def throughput(self) -> float:
+        return self.output_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def mean_latency(self) -> float:
+        return self.latency_s / self.completed if self.completed else 0.0
+
+
+class ConcurrencyController:
+    def __init__(
+        self,
+        *,
+        initial: int = 8,
+        maximum: int = 256,
+        minimum: int = 1,
+        grow_gain: float = 0.10,
+        keep_gain: float = 0.03,
+        step: float = 1.25,
+        probe_every: int = 4,
+        latency_runaway: float = 3.0,
+    ) -> None:
+        self.maximum = max(1, maximum)
+        self.minimum = max(1, min(minimum, self.maximum))
+        self.limit = max(self.minimum, min(initial, self.maximum))
+        self.grow_gain = grow_gain
+        self.keep_gain = keep_gain
+        self.step = step
+        self.probe_every = probe_every
+        self.latency_runaway = latency_runaway
+        self.slow_start = True
+        self.backoffs = 0
+        # The best limit measured and its window; the step being tried (from, window before).
+        self.best_limit = self.limit
+        self.best: Window | None = None
+        self._trying: tuple[int, Window] | None = None
+        self._steady = 0
+
+    def window_is_full(self, window: Window) -> bool:
+        """Whether ``window`` measured the limit: the upstream was kept busy enough."""
+        return window.completed > 0 and window.busy >= 0.8 * self.limit
+
+    def observe(self, window: Window) -> int:
+        """Take one window's measurements; return the limit to use next."""
+        if window.overloads:
+            return self.overloaded()
+        if not self.window_is_full(window):
+            return self.limit
+        if self._trying is not None:
+            before_limit, before = self._trying
+            self._trying = None
+            if self._better(window, before):
+                self._record(window)
+                if self.slow_start:
+                    return self._try(self.limit * 2, window)
+                return self.limit
+            # The step bought nothing: back to where it came from; slow start ends.
+            self.slow_start = False
+            self._steady = 0
+            return self._set(before_limit)
+        if self.best is None or self.limit == self.best_limit:
+            self._record(window)
+        if self.slow_start:
+            return self._try(self.limit * 2, window)
+        self._steady += 1
+        if self._steady >= self.probe_every:
+            self._steady = 0
+            return self._try(math.ceil(self.limit * self.step), window)
+        return self.limit
+
+    def overloaded(self) -> int:
+        """The upstream refused work or failed to answer: halve the limit now."""
+        self.backoffs += 1
+        self.slow_start = False
+        self._trying = None
+        self._steady = 0
+        limit = self._set(self.limit // 2)
+        self.best_limit = min(self.best_limit, limit)
+        return limit
+
+    # -- internals
+
+    def _better(self, window: Window, before: Window) -> bool:
+        gain = self.grow_gain if self.slow_start else self.keep_gain
+        if window.throughput < before.throughput * (1 + gain):
+            return False
+        baseline = (self.best or before).mean_latency
+        return not baseline or window.mean_latency <= baseline * self.latency_runaway * (
+            window.throughput / max(before.throughput, 1e-9)
+        )
+
+    def _record(self, window: Window) -> None:
+        self.best, self.best_limit = window, self.limit
+
+    def _try(self, limit: int, window: Window) -> int:
+        before = self.limit
+        if self._set(limit) == before:  # at the maximum: nothing left to try
+            self.slow_start = False
+        else:
+            self._trying = (before, window)
+        return self.limit
+
+    def _set(self, limit: int) -> int:
+        self.limit = max(self.minimum, min(int(limit), self.maximum))
+        return self.limit

@@ -1,0 +1,177 @@
+"""Live traffic first: on an upstream shared with interactive users, bulk work is what waits.
+
+An upstream spec with ``ttft_p99_ms`` is shared with live traffic. :class:`LiveGuard` watches
+what that traffic feels, every ``INTERVAL_S``:
+
+* from the server's Prometheus metrics where it exposes them: the time-to-first-token
+  histogram (vLLM's ``vllm:time_to_first_token_seconds``, SGLang's
+  ``sglang:time_to_first_token_seconds``), its p99 over the last interval, and the requests
+  waiting for a slot (``vllm:num_requests_waiting``, ``sglang:num_queue_reqs``);
+* otherwise from a probe: one small streamed chat request whose first token it times (a live
+  request's experience, queueing included).
+
+It keeps a cap on the bulk requests in flight: halved whenever the p99 passes
+``PRESSURE`` of the objective or requests queue in the server, grown by a quarter when the p99
+is under ``RELIEF`` of it with nothing queued. The dispatcher sends no more than the cap;
+the batches' ETAs see the slower progress.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from core.served_models import UpstreamSpec
+
+logger = logging.getLogger(__name__)
+
+INTERVAL_S = 1.0
+PRESSURE = 0.8
+RELIEF = 0.5
+START_CAP = 4
+MIN_SAMPLES = 10  # histogram samples in an interval before its p99 counts
+TTFT_HISTOGRAMS = ("vllm:time_to_first_token_seconds", "sglang:time_to_first_token_seconds")
+WAITING_GAUGES = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
+
+
+def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
+    """The ``q`` quantile of a cumulative histogram ``[(upper bound, count)]`` (the upper
+    bound of the bucket it falls in, as a conservative reading); None without samples."""
+    if not buckets:
+        return None
+    buckets = sorted(buckets)
+    total = buckets[-1][1]
+    if total <= 0:
+        return None
+    for bound, count in buckets:
+        if count >= q * total:
+            return bound if math.isfinite(bound) else buckets[-2][0] if len(buckets) > 1 else None
+    return None
+
+
+def read_metrics(text: str) -> tuple[dict[float, float], float | None]:
+    """The TTFT histogram's cumulative buckets (summed over label sets) and the requests
+    waiting, from a Prometheus exposition; empty/None for what the server does not export."""
+    buckets: dict[float, float] = {}
+    waiting: float | None = None
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if (
+                sample.name.endswith("_bucket")
+                and sample.name[: -len("_bucket")] in TTFT_HISTOGRAMS
+            ):
+                bound = float(sample.labels.get("le", "inf"))
+                buckets[bound] = buckets.get(bound, 0.0) + sample.value
+            elif sample.name in WAITING_GAUGES:
+                waiting = (waiting or 0.0) + sample.value
+    return buckets, waiting
+
+
+class LiveGuard:
+    def __init__(self, spec: UpstreamSpec) -> None:
+        self.spec = spec
+        self.objective_s = (spec.ttft_p99_ms or 0.0) / 1000.0
+        self.cap = min(START_CAP, spec.max_concurrency)
+        self.ttft_p99_s: float | None = None
+        self.source = "none"  # "metrics" or "probe" once it has read one
+        self.cuts = 0
+        self._last_buckets: dict[float, float] | None = None
+
+    def decide(self, ttft_p99_s: float | None, waiting: float | None) -> int:
+        """Move the cap after one interval's reading; return it."""
+        self.ttft_p99_s = ttft_p99_s
+        queued = bool(waiting and waiting > 0)
+        if (ttft_p99_s is not None and ttft_p99_s > PRESSURE * self.objective_s) or queued:
+            if self.cap > 1:
+                self.cuts += 1
+            self.cap = max(1, self.cap // 2)
+        elif ttft_p99_s is not None and ttft_p99_s < RELIEF * self.objective_s:
+            self.cap = min(self.spec.max_concurrency, self.cap + max(1, self.cap // 4))
+        return self.cap
+
+    async def run(self, client: httpx.AsyncClient, headers: dict[str, str]) -> None:
+        while True:
+            started = time.monotonic()
+            try:
+                reading = await self._scrape(client, headers)
+                if reading is None:
+                    reading = await self._probe(client, headers)
+                if reading is not None:
+                    before = self.cap
+                    self.decide(*reading)
+                    if self.cap != before:
+                        logger.info(
+                            "upstream %s: live traffic TTFT p99 %s, bulk cap %s -> %s",
+                            self.spec.base_url,
+                            f"{reading[0] * 1000:.0f} ms" if reading[0] is not None else "?",
+                            before,
+                            self.cap,
+                        )
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.warning("live traffic guard of %s failed", self.spec.base_url, exc_info=True)
+            await asyncio.sleep(max(0.0, INTERVAL_S - (time.monotonic() - started)))
+
+    async def _scrape(
+        self, client: httpx.AsyncClient, headers: dict[str, str]
+    ) -> tuple[float | None, float | None] | None:
+        if self.source == "probe":
+            return None
+        try:
+            response = await client.get(self.spec.scrape_url(), headers=headers, timeout=5.0)
+        except httpx.HTTPError:
+            response = None
+        if response is None or response.status_code != 200:
+            self.source = "probe"
+            return None
+        buckets, waiting = read_metrics(response.text)
+        if not buckets:
+            self.source = "probe"
+            return None
+        self.source = "metrics"
+        last, self._last_buckets = self._last_buckets, buckets
+        if last is None:
+            return None, waiting
+        delta = [(bound, count - last.get(bound, 0.0)) for bound, count in buckets.items()]
+        total = max((count for _, count in delta), default=0.0)
+        p99 = histogram_quantile(0.99, delta) if total >= MIN_SAMPLES else None
+        return p99, waiting
+
+    async def _probe(
+        self, client: httpx.AsyncClient, headers: dict[str, str]
+    ) -> tuple[float | None, None] | None:
+        body: dict[str, Any] = {
+            "model": self.spec.model,
+            "messages": [{"role": "user", "content": "Say OK."}],
+            "max_tokens": 1,
+            "temperature": 0,
+            "stream": True,
+        }
+        started = time.monotonic()
+        ttft: float | None = None
+        try:
+            async with client.stream(
+                "POST",
+                self.spec.base_url + "/chat/completions",
+                json=body,
+                headers=headers,
+                timeout=max(5.0, 4 * self.objective_s),
+            ) as response:
+                if response.status_code != 200:
+                    return None
+                async for line in response.aiter_lines():
+                    if line.startswith("data:") and line[5:].strip() not in ("", "[DONE]"):
+                        ttft = time.monotonic() - started
+                        break
+        except httpx.TimeoutException:
+            ttft = time.monotonic() - started
+        except httpx.HTTPError:
+            return None
+        return None if ttft is None else (ttft, None)
