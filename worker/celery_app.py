@@ -47,6 +47,7 @@ from kombu.transport import TRANSPORT_ALIASES
 from kombu.transport import redis as kombu_redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from core import served_models
 from core.queue import (
     CONTROL_QUEUE,
     TASK_CANCEL,
@@ -60,6 +61,7 @@ from core.queue import (
     TASK_SWEEP_FILES,
     TASK_SWEEP_WEBHOOKS,
     TASK_VALIDATE,
+    model_queue,
     redis_socket_options,
 )
 from core.settings import get_settings
@@ -288,8 +290,23 @@ def import_task_dependencies() -> None:
 
 
 @worker_init.connect
-def _import_before_tasks(**_: Any) -> None:
-    import_task_dependencies()
+def _import_before_tasks(sender: Any = None, **_: Any) -> None:
+    if not _dispatch_only(sender):  # a dispatch worker never loads torch or transformers
+        import_task_dependencies()
+
+
+def _dispatch_only(worker: Any) -> bool:
+    """Whether ``worker`` consumes the queues of upstream models and nothing else."""
+    try:
+        consumed = set(worker.app.amqp.queues.consume_from or ())
+    except Exception:
+        return False
+    upstream = {
+        model_queue(name)
+        for name, spec in get_settings().models.items()
+        if served_models.is_upstream(spec)
+    }
+    return bool(consumed) and consumed <= upstream
 
 
 @worker_ready.connect

@@ -53,10 +53,14 @@ def _count(value: Any) -> int:
 
 def reply_error(req: BatchRequest, reply: Reply) -> dict[str, Any]:
     """The error line of a request the server refused: its status, and its message and code
-    where its body has them (OpenAI's ``{"error": {…}}`` or vLLM's ``{"message": …}``)."""
+    where its body has them (OpenAI's ``{"error": {…}}``, vLLM's ``{"message": …}``,
+    FastAPI's ``{"detail": …}``)."""
     body = reply.body if isinstance(reply.body, dict) else {}
     error = body.get("error") if isinstance(body.get("error"), dict) else body
     message = error.get("message") if isinstance(error, dict) else None
+    if not isinstance(message, str) or not message:  # FastAPI's {"detail": …}
+        detail = body.get("detail")
+        message = detail if isinstance(detail, str) else json.dumps(detail) if detail else None
     if not isinstance(message, str) or not message:
         message = (reply.text or "").strip()[:500] or "no message"
     code = error.get("code") if isinstance(error, dict) else None
