@@ -99,7 +99,7 @@ def fleet(pg_url: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory)
 
     root = tmp_path_factory.mktemp("upstream")
     base, _, index = redis_url.rpartition("/")
-    broker = f"{base}/{(int(index) + 7) % 15 + 1}"
+    broker = f"{base}/{int(index) % 15 + 1}"  # the session's e2e broker index
     redis.Redis.from_url(broker).flushdb()
     procs = Procs(root)
     with UpstreamServer(root) as server:

@@ -7,9 +7,11 @@ told where it is:
 
 * **Slow start**: from ``initial`` the limit doubles while each step buys at least
   ``grow_gain`` more throughput.
-* **Probing**: after that, every ``probe_every`` windows it tries one step up (``step`` times
-  the limit); it keeps the step only when throughput grew by ``keep_gain`` and the latency per
-  request did not run away (``latency_runaway`` times the best window's at the same output).
+* **Probing**: after that, every ``probe_every`` windows it tries one step (``step`` times the
+  limit), up and down in turn. A step up is kept only when throughput grew by ``keep_gain``
+  and the latency per request did not run away (``latency_runaway`` times the best window's at
+  the same output); a step down is kept when it costs less than ``keep_gain`` of throughput
+  (the same output with less queueing in the server).
 * **Back-off**: an overload (429, 503, a timeout, a refused connection) halves the limit at
   once and ends slow start; ``Retry-After`` is the dispatcher's to honour.
 
@@ -74,6 +76,7 @@ class ConcurrencyController:
         self.best: Window | None = None
         self._trying: tuple[int, Window] | None = None
         self._steady = 0
+        self._up = False  # the direction of the last probe
 
     def window_is_full(self, window: Window) -> bool:
         """Whether ``window`` measured the limit: the upstream was kept busy enough."""
@@ -88,6 +91,11 @@ class ConcurrencyController:
         if self._trying is not None:
             before_limit, before = self._trying
             self._trying = None
+            if self.limit < before_limit:  # a step down: kept if it costs no throughput
+                if window.throughput >= before.throughput * (1 - self.keep_gain):
+                    self._record(window)
+                    return self.limit
+                return self._set(before_limit)
             if self._better(window, before):
                 self._record(window)
                 if self.slow_start:
@@ -104,7 +112,10 @@ class ConcurrencyController:
         self._steady += 1
         if self._steady >= self.probe_every:
             self._steady = 0
-            return self._try(math.ceil(self.limit * self.step), window)
+            self._up = not self._up
+            if self._up:
+                return self._try(math.ceil(self.limit * self.step), window)
+            return self._try(math.floor(self.limit / self.step), window)
         return self.limit
 
     def overloaded(self) -> int:

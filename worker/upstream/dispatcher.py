@@ -393,9 +393,12 @@ class Dispatcher:
             return
         except httpx.TransportError as exc:
             logger.warning("%s: %s unreachable: %r", self.name, self.spec.base_url, exc)
-            self._unreachable += 1
+            if time.monotonic() >= self._paused_until:  # one step per try, not per request
+                self._unreachable += 1
             first, longest = UNREACHABLE_BACKOFF_S
-            self._overloaded("connection", min(longest, first * 2 ** (self._unreachable - 1)))
+            pause = min(longest, first * 2 ** (self._unreachable - 1))
+            # A server that is down says nothing about how much it can take: pause, keep the limit.
+            self._overloaded("connection", pause, halve=False)
             self._requeue(job)
             return
         latency = time.monotonic() - started
@@ -440,10 +443,11 @@ class Dispatcher:
         if aborted:
             _settle(job, Reply(aborted=True))
 
-    def _overloaded(self, reason: str, pause_s: float | None) -> None:
+    def _overloaded(self, reason: str, pause_s: float | None, halve: bool = True) -> None:
         self.backoffs[reason] += 1
-        self.counters.overloads += 1
-        self._cut = max(1, min(self._share, self._cut or self._share) // 2)
+        if halve:
+            self.counters.overloads += 1
+            self._cut = max(1, min(self._share, self._cut or self._share) // 2)
         if pause_s:
             self._paused_until = max(self._paused_until, time.monotonic() + pause_s)
         logger.info(

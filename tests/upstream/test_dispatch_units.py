@@ -1,0 +1,271 @@
+"""The dispatcher's parts, each on its own: the concurrency controller on known throughput
+curves, shares of one limit, the shared limit between two members on Postgres, the live
+traffic guard's readings, and the dispatcher's order and back-off against a small loopback
+server whose answers the test scripts."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from core.served_models import upstream_spec
+from worker.upstream.concurrency import ConcurrencyController, Window
+from worker.upstream.dispatcher import Dispatcher, _retry_after
+from worker.upstream.guard import LiveGuard, histogram_quantile, read_metrics
+from worker.upstream.shared import Counters, SharedLimit, share_of
+
+# -- the controller
+
+
+def _window(limit: int, knee: int, per_request_tps: float = 10.0) -> Window:
+    """What a server whose batch fills at ``knee`` requests does in 5 s at ``limit``."""
+    running = min(limit, knee)
+    throughput = running * per_request_tps
+    latency = 10.0 * max(1.0, limit / knee)  # past the knee, requests queue
+    completed = max(1, int(limit * 5 / latency))
+    return Window(5.0, completed, int(throughput * 5), completed * latency, busy=limit)
+
+
+@pytest.mark.parametrize("knee", [6, 24, 100])
+def test_the_controller_finds_the_knee_and_holds_near_it(knee: int) -> None:
+    controller = ConcurrencyController(initial=8, maximum=256)
+    seen = []
+    for _ in range(40):
+        seen.append(controller.observe(_window(controller.limit, knee)))
+    settled = sorted(seen[-10:])
+    assert knee <= settled[5] <= 1.5 * knee, seen  # held just above the knee
+    assert settled[0] >= 0.66 * knee and settled[-1] <= 2 * knee, seen  # probes, taken back
+
+
+def test_the_controller_halves_on_overload_and_respects_its_cap() -> None:
+    controller = ConcurrencyController(initial=8, maximum=12)
+    assert controller.observe(_window(8, 100)) == 12  # doubling stops at the operator's cap
+    assert controller.overloaded() == 6
+    assert controller.backoffs == 1
+    for _ in range(30):
+        controller.observe(_window(controller.limit, 100))
+    assert controller.limit <= 12
+
+
+def test_an_idle_window_says_nothing_about_the_limit() -> None:
+    controller = ConcurrencyController(initial=8)
+    idle = Window(5.0, 3, 300, 3.0, busy=2.0)  # only two requests in flight on average
+    assert controller.observe(idle) == 8
+
+
+def test_shares_follow_demand() -> None:
+    assert share_of(32, 10, 10) == 32  # alone: all of it
+    assert share_of(32, 0, 10) == 0
+    assert share_of(32, 30, 40) == 24
+    assert share_of(32, 10, 40) == 8
+    assert share_of(4, 1, 1000) == 1  # never starved while it has work
+
+
+def test_retry_after_is_read_in_seconds_or_as_a_date() -> None:
+    assert _retry_after("2") == 2.0
+    assert _retry_after(None) == 1.0
+    assert _retry_after("3600") == 60.0  # capped
+    assert 0.0 <= _retry_after("Thu, 01 Jan 2026 00:00:00 GMT") <= 0.0 + 1e-9
+    assert _retry_after("soon") == 1.0
+
+
+@pytest.mark.services
+def test_two_members_share_one_limit(
+    service_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two dispatch workers of one upstream: one leads, each gets a share in proportion to
+    its demand, the leader's windows sum both members' progress, the follower sends by the
+    leader's limit, and when the leader leaves the other takes over."""
+    monkeypatch.setattr("worker.upstream.shared.MIN_WINDOW_S", 0.0)
+    name = f"up-{time.monotonic_ns()}"
+    a = SharedLimit(name, "a", ConcurrencyController(initial=16))
+    b = SharedLimit(name, "b", ConcurrencyController(initial=16))
+    assert a.sync(30, Counters()) == 16  # alone
+    share_b = b.sync(10, Counters())
+    share_a = a.sync(30, Counters())
+    assert (a.leader, b.leader) == (True, False)
+    assert (share_a, share_b) == (12, 4)
+    for step in range(1, 4):
+        time.sleep(0.05)
+        progress = Counters(completed=8 * step, output_tokens=800 * step, latency_s=8.0 * step,
+                            busy_s=100.0 * step)  # fmt: skip
+        b.sync(10, progress)
+        a.sync(30, progress)
+    assert a.controller.best is not None
+    assert a.controller.best.completed == 16  # 8 from each member in the window
+    assert a.limit != 16  # the leader moved the limit (slow start) ...
+    b.sync(10, Counters(completed=24))
+    assert b.limit == a.limit  # ... and the follower uses it
+    assert b.controller.best is None  # the follower's own controller never ran
+    a.leave()
+    b.sync(10, Counters(completed=24))
+    assert b.leader
+
+
+# -- the live traffic guard
+
+VLLM_METRICS = """
+# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="m"} %d
+vllm:time_to_first_token_seconds_bucket{le="0.5",model_name="m"} %d
+vllm:time_to_first_token_seconds_bucket{le="2.5",model_name="m"} %d
+vllm:time_to_first_token_seconds_bucket{le="+Inf",model_name="m"} %d
+vllm:time_to_first_token_seconds_count{model_name="m"} %d
+vllm:time_to_first_token_seconds_sum{model_name="m"} 1.0
+# HELP vllm:num_requests_waiting Number of requests waiting.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{model_name="m"} %d
+"""
+
+
+def test_the_guard_reads_vllms_metrics() -> None:
+    buckets, waiting = read_metrics(VLLM_METRICS % (90, 99, 100, 100, 100, 3))
+    assert waiting == 3
+    assert histogram_quantile(0.99, list(buckets.items())) == 0.5
+    assert histogram_quantile(0.5, list(buckets.items())) == 0.1
+
+
+def test_the_guard_cuts_bulk_when_the_objective_is_threatened() -> None:
+    guard = LiveGuard(upstream_spec("upstream:http://127.0.0.1:1/v1?ttft_p99_ms=500", "m"))
+    cap = guard.cap
+    assert guard.decide(0.45, 0) == cap // 2  # past 80% of the objective
+    assert guard.decide(0.1, 2) == max(1, cap // 4)  # requests queue in the server
+    low = guard.cap
+    assert guard.decide(0.1, 0) > low  # well under the objective: bulk gets room back
+    for _ in range(50):
+        guard.decide(0.1, 0)
+    assert guard.cap == 256  # never above the upstream's cap
+
+
+# -- the dispatcher against a scripted loopback server
+
+
+class Script(BaseHTTPRequestHandler):
+    """Answers each POST with the next scripted reply (status, headers), else 200; records
+    what it was sent and when."""
+
+    def do_POST(self) -> None:
+        server: Any = self.server
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        with server.lock:
+            server.seen.append((time.monotonic(), self.path, body))
+            status, headers = server.replies.pop(0) if server.replies else (200, {})
+        time.sleep(server.delay)
+        answer = {"error": {"message": "busy"}} if status != 200 else {
+            "choices": [{"message": {"content": body["messages"][0]["content"]}}],
+            "usage": {"prompt_tokens": 5, "completion_tokens": 3},
+        }  # fmt: skip
+        data = json.dumps(answer).encode()
+        self.send_response(status)
+        for key, value in headers.items():
+            self.send_header(key, value)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def scripted() -> Iterator[Any]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Script)
+    server.lock, server.seen, server.replies, server.delay = threading.Lock(), [], [], 0.02
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server
+    server.shutdown()
+
+
+def _dispatcher(server: Any, options: str = "max_concurrency=1") -> Dispatcher:
+    url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+    return Dispatcher("m", upstream_spec(f"upstream:{url}?{options}", "m"), shared=False).start()
+
+
+def _chat(text: str) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "user", "content": text}]}
+
+
+def test_lines_that_share_a_prefix_go_out_together(scripted: Any) -> None:
+    dispatcher = _dispatcher(scripted)
+    try:
+        scripted.delay = 0.2  # the first request holds the one slot while the rest queue
+        futures = [dispatcher.submit("/chat/completions", _chat("first"), group="g")]
+        time.sleep(0.1)
+        scripted.delay = 0.0
+        for i in range(8):
+            prefix = "A" if i % 2 == 0 else "B"
+            futures.append(dispatcher.submit("/chat/completions", _chat(f"{prefix}{i}"),
+                                             group="g", prefix=prefix))  # fmt: skip
+        assert all(f.result(30).status == 200 for f in futures)
+    finally:
+        dispatcher.shutdown()
+    sent = [body["messages"][0]["content"][0] for _, _, body in scripted.seen[1:]]
+    assert sent == ["A"] * 4 + ["B"] * 4  # not file order: A0 B1 A2 B3 …
+
+
+def test_an_urgent_batch_overtakes_queued_bulk(scripted: Any) -> None:
+    dispatcher = _dispatcher(scripted)
+    try:
+        scripted.delay = 0.2
+        futures = [dispatcher.submit("/chat/completions", _chat("bulk-0"), group="bulk",
+                                     tenant="a", priority=1)]  # fmt: skip
+        time.sleep(0.1)
+        scripted.delay = 0.0
+        futures += [dispatcher.submit("/chat/completions", _chat(f"bulk-{i}"), group="bulk",
+                                      tenant="a", priority=1) for i in range(1, 4)]  # fmt: skip
+        futures += [dispatcher.submit("/chat/completions", _chat(f"high-{i}"), group="high",
+                                      tenant="b", priority=-1) for i in range(3)]  # fmt: skip
+        assert all(f.result(30).status == 200 for f in futures)
+    finally:
+        dispatcher.shutdown()
+    order = [body["messages"][0]["content"] for _, _, body in scripted.seen]
+    assert order[1:4] == ["high-0", "high-1", "high-2"], order
+
+
+def test_a_429_pauses_for_retry_after_and_the_request_runs_again(scripted: Any) -> None:
+    scripted.replies = [(429, {"Retry-After": "1"})]
+    dispatcher = _dispatcher(scripted, "max_concurrency=4")
+    try:
+        reply = dispatcher.submit("/chat/completions", _chat("again"), group="g").result(30)
+        snapshot = dispatcher.snapshot()
+    finally:
+        dispatcher.shutdown()
+    assert reply.status == 200
+    (first, _, _), (second, _, _) = scripted.seen
+    assert second - first >= 0.95
+    assert snapshot["backoffs"] == {"429": 1}
+
+
+def test_a_refused_request_is_answered_not_retried(scripted: Any) -> None:
+    scripted.replies = [(400, {})]
+    dispatcher = _dispatcher(scripted)
+    try:
+        reply = dispatcher.submit("/chat/completions", _chat("bad"), group="g").result(30)
+    finally:
+        dispatcher.shutdown()
+    assert reply.status == 400
+    assert reply.body == {"error": {"message": "busy"}}
+    assert len(scripted.seen) == 1
+
+
+def test_an_aborted_group_gets_aborted_replies(scripted: Any) -> None:
+    dispatcher = _dispatcher(scripted)
+    try:
+        scripted.delay = 1.0
+        futures = [dispatcher.submit("/chat/completions", _chat(f"x{i}"), group="g")
+                   for i in range(4)]  # fmt: skip
+        time.sleep(0.2)
+        dispatcher.abort_group("g")
+        replies = [f.result(5) for f in futures]
+    finally:
+        dispatcher.shutdown()
+    assert all(r.aborted for r in replies)
+    assert len(scripted.seen) == 1  # the three queued ones were never sent
