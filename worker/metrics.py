@@ -160,10 +160,12 @@ def exporter_registry() -> CollectorRegistry:
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)
         registry.register(EngineCollector())
+        registry.register(UpstreamCollector())
         return registry
     registry = REGISTRY
     if not getattr(registry, "_batchd_engines", False):
         registry.register(EngineCollector())
+        registry.register(UpstreamCollector())
         registry._batchd_engines = True  # type: ignore[attr-defined]
     return registry
 
@@ -195,3 +197,74 @@ def start_exporter(port: int | None = None, host: str | None = None) -> int | No
     _exporter = (server, port)
     logger.info("metrics exporter listening on http://%s:%s/metrics", addr, port)
     return port
+
+
+class UpstreamCollector(Collector):
+    """The dispatchers of this process's upstream models (``worker.upstream``), read at each
+    scrape: the limit they share, this worker's share of it, requests in flight and pending,
+    what came back, and the back-offs and live-traffic cap that held them back."""
+
+    def __init__(self, hosts: Any = None) -> None:
+        self._hosts = hosts
+
+    def collect(self) -> Iterator[Any]:
+        if self._hosts is not None:
+            loaded = dict(self._hosts())
+        else:
+            from worker import runtime
+
+            loaded = runtime.loaded_hosts()
+        m = ["model"]
+        limit = GaugeMetricFamily(
+            "batchd_upstream_limit", "In-flight limit shared by an upstream's workers", labels=m
+        )
+        allowed = GaugeMetricFamily(
+            "batchd_upstream_allowed", "Requests this worker may have in flight now", labels=m
+        )
+        in_flight = GaugeMetricFamily(
+            "batchd_upstream_num_requests_running", "Requests in flight at the upstream", labels=m
+        )
+        pending = GaugeMetricFamily(
+            "batchd_upstream_num_requests_waiting", "Requests waiting to be sent", labels=m
+        )
+        cap = GaugeMetricFamily(
+            "batchd_upstream_guard_cap",
+            "Bulk requests allowed in flight while live traffic is protected",
+            labels=m,
+        )
+        ttft = GaugeMetricFamily(
+            "batchd_upstream_live_ttft_p99_seconds",
+            "Time to first token p99 of the live traffic, as last read",
+            labels=m,
+        )
+        tokens = CounterMetricFamily(
+            "batchd_upstream_generation_tokens", "Output tokens the upstream returned", labels=m
+        )
+        answers = CounterMetricFamily(
+            "batchd_upstream_responses",
+            "Requests the upstream answered, by HTTP status (or timeout)",
+            labels=["model", "status"],
+        )
+        backoffs = CounterMetricFamily(
+            "batchd_upstream_backoffs",
+            "Times sending backed off: 429, 502, 503, 504, timeout, connection",
+            labels=["model", "reason"],
+        )
+        for model, host in sorted(loaded.items()):
+            if not hasattr(host, "snapshot"):
+                continue
+            s = host.snapshot()
+            limit.add_metric([model], s["limit"])
+            allowed.add_metric([model], s["allowed"])
+            in_flight.add_metric([model], s["in_flight"])
+            pending.add_metric([model], s["pending"])
+            tokens.add_metric([model], s["output_tokens"])
+            for status, n in sorted(s["requests"].items()):
+                answers.add_metric([model, status], n)
+            for reason, n in sorted(s["backoffs"].items()):
+                backoffs.add_metric([model, reason], n)
+            if s["guard_cap"] is not None:
+                cap.add_metric([model], s["guard_cap"])
+            if s["ttft_p99_s"] is not None:
+                ttft.add_metric([model], s["ttft_p99_s"])
+        yield from (limit, allowed, in_flight, pending, cap, ttft, tokens, answers, backoffs)

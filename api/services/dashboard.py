@@ -92,6 +92,8 @@ class Sampler:
         for reply in replies:
             for worker, answer in reply.items():
                 for model, s in (answer or {}).get("models", {}).items():
+                    if isinstance(s, dict) and s.get("kind") == "upstream":
+                        s = _upstream_figures(s, models.get(model))
                     if not isinstance(s, dict) or "num_running" not in s:
                         continue  # an embedding model or an error: no engine figures
                     m = models.setdefault(
@@ -105,11 +107,31 @@ class Sampler:
                     m["kv_used"] += int(s.get("kv_blocks_used") or 0)
                     m["kv_total"] += int(s.get("kv_blocks_total") or 0)
                     m["tokens"][worker] = int(s.get("total_output_tokens") or 0)
+                    if "upstream" in s:
+                        m["upstream"] = s["upstream"]
         return models
 
     def history(self) -> list[tuple[float, dict[str, int], dict[str, Any]]]:
         with self._lock:
             return list(self.samples)
+
+
+def _upstream_figures(s: dict[str, Any], so_far: dict[str, Any] | None) -> dict[str, Any]:
+    """A dispatch worker's figures in the engines' terms (requests in flight of its share of
+    the limit, tokens it got back), with the upstream's own: the shared limit, back-offs
+    (summed over the workers that answered) and the live traffic guard's cap and TTFT."""
+    earlier = (so_far or {}).get("upstream", {})
+    return {
+        "num_running": int(s.get("in_flight") or 0),
+        "max_num_seqs": int(s.get("allowed") or 0),
+        "total_output_tokens": int(s.get("output_tokens") or 0),
+        "upstream": {
+            "limit": int(s.get("limit") or 0),
+            "backoffs": int(earlier.get("backoffs", 0)) + sum((s.get("backoffs") or {}).values()),
+            "guard_cap": s.get("guard_cap"),
+            "ttft_p99_s": s.get("ttft_p99_s"),
+        },
+    }
 
 
 def _rate(points: list[tuple[float, int]]) -> float | None:
@@ -201,6 +223,7 @@ def dashboard_data(session: Session, caller: Caller, sampler: Sampler) -> dict[s
             "occupancy": m["running"] / m["max_num_seqs"] if m["max_num_seqs"] else 0.0,
             "kv_usage": m["kv_used"] / m["kv_total"] if m["kv_total"] else 0.0,
             "series": _model_series(name, history),
+            "upstream": m.get("upstream"),
         }
     return {
         "time": time.time(),

@@ -127,11 +127,19 @@
       const box = modelBox(name);
       const s = m.series;
       const last = s[3].length ? s[3][s[3].length - 1] : 0;
-      box.querySelector(".figures").innerHTML =
-        figure("workers", m.workers, "workers") +
-        figure("running / max_num_seqs", m.running + " / " + m.max_num_seqs, "occupancy-now") +
-        figure("KV cache used", (100 * m.kv_usage).toFixed(1) + "%", "kv-now") +
-        figure("tokens/s", last.toFixed(1), "tokens-now");
+      const u = m.upstream;
+      box.querySelector(".figures").innerHTML = u
+        ? figure("dispatch workers", m.workers, "workers") +
+          figure("in flight / limit", m.running + " / " + u.limit, "occupancy-now") +
+          figure("back-offs", u.backoffs, "backoffs-now") +
+          (u.guard_cap === null || u.guard_cap === undefined
+            ? ""
+            : figure("bulk cap (live traffic first)", u.guard_cap, "guard-now")) +
+          figure("tokens/s", last.toFixed(1), "tokens-now")
+        : figure("workers", m.workers, "workers") +
+          figure("running / max_num_seqs", m.running + " / " + m.max_num_seqs, "occupancy-now") +
+          figure("KV cache used", (100 * m.kv_usage).toFixed(1) + "%", "kv-now") +
+          figure("tokens/s", last.toFixed(1), "tokens-now");
       chart(
         name + "-occ",
         box.querySelector(".occupancy"),

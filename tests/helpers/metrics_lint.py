@@ -27,6 +27,8 @@ BOUNDED_VALUES = {
         "payload_too_large",
         "rate_limited",
         "token_limit_exceeded",
+        # an upstream's back-offs
+        *("429", "502", "503", "504", "timeout", "connection"),
     },
     "outcome": {
         "delivered",

@@ -29,6 +29,8 @@ from benchmarks.harness.tcp_proxy import TcpProxy
 from cli.perf.service import api_command, free_port, wait_for
 from core.queue import model_queue
 from tests.helpers.lines import chat_line, completion_line, jsonl
+from tests.helpers.metrics_lint import sample_problems
+from tests.helpers.scrape import parse, value
 from tests.helpers.upstream_server import UpstreamServer
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
@@ -119,6 +121,7 @@ def fleet(pg_url: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory)
             BATCHD_SHARD_STALE_AFTER_S="6",
             BATCHD_HEARTBEAT_INTERVAL_S="1",
             BATCHD_RECLAIM_INTERVAL_S="2",
+            BATCHD_WORKER_METRICS_PORT=str(free_port()),
         )
         fleet = Fleet(
             f"http://127.0.0.1:{port}",
@@ -166,6 +169,22 @@ def test_the_dispatch_worker_starts_without_torch(fleet: Fleet) -> None:
     fleet_model = next(m for m in models if m["id"] == MODEL)
     assert fleet_model["owned_by"] == "batchd-upstream"
     assert "/v1/embeddings" in fleet_model["endpoints"]
+
+
+def test_the_dispatch_worker_exports_its_upstream_figures(fleet: Fleet) -> None:
+    fleet.submit([chat_line("m0", "Hi.", 4, model=MODEL)])
+    url = f"http://127.0.0.1:{fleet.env['BATCHD_WORKER_METRICS_PORT']}/metrics"
+
+    def tokens() -> float:
+        samples = parse(httpx.get(url).text)
+        return value(samples, "batchd_upstream_generation_tokens_total", model=MODEL)
+
+    wait_for(lambda: tokens() > 0, 120, "the upstream's figures", fleet.procs.logs)
+    samples = parse(httpx.get(url).text)
+    assert not sample_problems(samples)
+    names = {name for name, _ in samples}
+    assert {"batchd_upstream_limit", "batchd_upstream_allowed",
+            "batchd_upstream_num_requests_running", "batchd_upstream_responses_total"} <= names  # fmt: skip
 
 
 def test_a_batch_carries_the_servers_own_answers(fleet: Fleet) -> None:
