@@ -139,8 +139,11 @@ def test_every_variable_is_in_env_example_and_secrets_are_required() -> None:
         assert used.get(name) == ":?", f"{name} must be required (${{{name}:?…}})"
 
 
-# A release: "16.6", "7.4.2-alpine", "RELEASE.2025-09-07T16-13-09Z" (not "16", "7", "latest").
-_PINNED_TAG = re.compile(r"^(\d+\.\d+(\.\d+)?|RELEASE\.\d{4}-\d\d-\d\dT\d\d-\d\d-\d\dZ)(-[\w.]+)?$")
+# A release: "16.6", "7.4.2-alpine", "v0.11.0", "RELEASE.2025-09-07T16-13-09Z" (not "16", "7",
+# "latest").
+_PINNED_TAG = re.compile(
+    r"^(v?\d+\.\d+(\.\d+)?|RELEASE\.\d{4}-\d\d-\d\dT\d\d-\d\d-\d\dZ)(-[\w.]+)?$"
+)
 
 
 def test_third_party_images_are_pinned_to_a_release() -> None:
@@ -226,12 +229,34 @@ def test_queues_follow_core_queue() -> None:
     consumed: set[str] = set()
     for name, service in all_services.items():
         cmd = argv(service.get("command") or [])
-        if cmd[:4] != [*CELERY, "worker"] or name == "control-worker":
-            continue
+        if cmd[:4] != [*CELERY, "worker"] or name == "control-worker" or "profiles" in service:
+            continue  # an opt-in profile's workers serve models of its own (see below)
         for queue in queues(cmd):
             assert queue in {model_queue(m) for m in models}, f"{name}: {queue} serves no model"
             consumed.add(queue)
     assert consumed == {model_queue(m) for m in models}, "every served model needs a worker"
+
+
+def test_the_fleet_profile_drives_a_vllm_server_from_a_worker_without_a_gpu() -> None:
+    """The opt-in profile "fleet": vLLM on a GPU of its own, and a dispatch worker with no GPU
+    and no model files that consumes the queue of the upstream model .env.example shows."""
+    from core import served_models as specs
+    from core.queue import model_queue
+
+    all_services = services()
+    assert all_services["vllm"]["profiles"] == ["fleet"]
+    devices = all_services["vllm"]["deploy"]["resources"]["reservations"]["devices"]
+    assert any(d.get("driver") == "nvidia" for d in devices)
+    dispatch = all_services["dispatch-worker"]
+    assert dispatch["profiles"] == ["fleet"]
+    assert "deploy" not in dispatch and not dispatch.get("volumes")
+    assert healthcheck_argv(dispatch) == ["python", "-m", "worker", "health"]
+    example = ENV_EXAMPLE.read_text()
+    spec = re.search(r'"fleet": "(upstream:[^"]+)"', example)
+    assert spec, "the example upstream model"
+    upstream = specs.upstream_spec(spec.group(1), "fleet")
+    assert upstream.base_url == "http://vllm:8000/v1" and upstream.key_env == "VLLM_API_KEY"
+    assert queues(argv(dispatch["command"])) == [model_queue("fleet")]
 
 
 def test_migrations_have_one_head() -> None:
