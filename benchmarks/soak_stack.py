@@ -34,6 +34,7 @@ from cli.perf.service import Procs, api_command, api_up, free_port, memory_kb, w
 
 CHAT_MODEL = "batchd-demo"
 EMBED_MODEL = "minilm"
+UPSTREAM_MODEL = "fleet"  # served by a real transformers serve behind a loopback proxy
 
 
 def _host_port(url: str, default_port: int) -> tuple[str, int]:
@@ -169,14 +170,19 @@ class Stack(Procs):
         self.env = env
         self.port = port
         self.clock = clock
-        self.models = list(json.loads(env["BATCHD_MODELS"]))
+        specs = json.loads(env["BATCHD_MODELS"])
+        self.models = [m for m, spec in specs.items() if not spec.startswith("upstream:")]
+        self.upstream = [m for m, spec in specs.items() if spec.startswith("upstream:")]
+        worker = [sys.executable, "-m", "worker"]
         self.commands: dict[str, list[str]] = {
             "api": api_command(port),
-            "control": [sys.executable, "-m", "worker", "control", "--", *QUIET],
-            "beat": [sys.executable, "-m", "worker", "beat", "--", "--loglevel", "INFO"],
+            "control": [*worker, "control", "--", *QUIET],
+            "beat": [*worker, "beat", "--", "--loglevel", "INFO"],
         }
         for i in range(1, model_workers + 1):
-            self.commands[f"model-{i}"] = [sys.executable, "-m", "worker", "model", "--", *QUIET]
+            self.commands[f"model-{i}"] = [*worker, "model", *self.models, "--", *QUIET]
+        if self.upstream:
+            self.commands["dispatch-1"] = [*worker, "dispatch", "--", *QUIET]
         self.incarnations: list[Incarnation] = []
         self.unplanned: list[UnplannedExit] = []
         self._lock = threading.RLock()
@@ -212,6 +218,8 @@ class Stack(Procs):
             return ["beat: Starting"]
         if name.startswith("model-"):
             return ["ready.", *(f"model {m} ready" for m in self.models)]
+        if name.startswith("dispatch-"):
+            return ["ready.", *(f"model {m} ready" for m in self.upstream)]
         return []
 
     def _is_ready(self, name: str) -> bool:

@@ -65,7 +65,7 @@ def test_short_soak_holds_its_invariants(private_broker: str, tmp_path: Path) ->
     assert not report["fault_errors"], report["fault_errors"]
     traffic = report["traffic"]
     assert traffic["batches"] >= 20, traffic
-    assert set(traffic["by_kind"]) >= {"chat", "structured", "embeddings"}, traffic
+    assert set(traffic["by_kind"]) >= {"chat", "structured", "embeddings", "upstream"}, traffic
     assert traffic["by_status"].get("completed", 0) >= 10, traffic
     assert invariants["lines"]["lines_accepted"] > 200, invariants["lines"]
     assert invariants["webhooks"]["events_expected"] >= 10, invariants["webhooks"]
@@ -76,7 +76,7 @@ def test_short_soak_holds_its_invariants(private_broker: str, tmp_path: Path) ->
     assert all(a == b for a, b in (p.split("->") for p in traffic["priorities"])), traffic
     # RSS: every long-lived process was sampled, the restarted ones once per run.
     sampled = {p["name"] for p in invariants["rss"]["processes"] if p["samples"]}
-    assert sampled >= {"api", "control", "beat", "model-1", "model-2"}, sampled
+    assert sampled >= {"api", "control", "beat", "model-1", "model-2", "dispatch-1"}, sampled
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,13 +1,13 @@
 """An upstream model end to end: the whole service (API, control worker, a dispatch worker,
 beat) driving a real OpenAI-compatible server that batchd did not write
 (``transformers serve --continuous-batching`` on SmolLM2-135M-Instruct), through a loopback TCP
-proxy that can cut it off.
+proxy that can cut it off and an HTTP proxy that answers 429 or 503 on demand.
 
 What each test holds: a batch's output lines carry the server's own answers (greedy text equal
 to asking it directly); a line the server refuses is an error line with its status and
-message; the server cut off mid-batch fails no line and the batch completes when it is back; a
+message; 429s and 503s with ``Retry-After`` and the server cut off mid-batch fail no line; a
 dispatch worker SIGKILLed mid-shard loses and doubles no line; a cancel closes the batch's
-requests in flight.
+requests in flight at the server.
 """
 
 from __future__ import annotations
@@ -24,14 +24,15 @@ from typing import Any
 import httpx
 import pytest
 
+from benchmarks.harness.fault_proxy import FaultProxy
 from benchmarks.harness.stack import API_KEY, CELERY, QUIET, Procs, stack_env
 from benchmarks.harness.tcp_proxy import TcpProxy
+from benchmarks.harness.upstream_server import UpstreamServer
 from cli.perf.service import api_command, free_port, wait_for
 from core.queue import model_queue
 from tests.helpers.lines import chat_line, completion_line, jsonl
 from tests.helpers.metrics_lint import sample_problems
 from tests.helpers.scrape import parse, value
-from tests.helpers.upstream_server import UpstreamServer
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 
@@ -46,6 +47,7 @@ class Fleet:
     procs: Procs
     server: UpstreamServer
     proxy: TcpProxy
+    faults: FaultProxy
     http: httpx.Client
 
     def dispatch_command(self, name: str) -> list[str]:
@@ -105,7 +107,8 @@ def fleet(pg_url: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory)
     redis.Redis.from_url(broker).flushdb()
     procs = Procs(root)
     with UpstreamServer(root) as server:
-        proxy = TcpProxy("127.0.0.1", server.port).start()
+        faults = FaultProxy(f"http://127.0.0.1:{server.port}").start()
+        proxy = TcpProxy("127.0.0.1", faults.port).start()
         upstream = f"http://127.0.0.1:{proxy.port}/v1"
         port = free_port()
         env = stack_env(
@@ -130,6 +133,7 @@ def fleet(pg_url: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory)
             procs,
             server,
             proxy,
+            faults,
             httpx.Client(
                 base_url=f"http://127.0.0.1:{port}",
                 headers={"Authorization": f"Bearer {API_KEY}"},
@@ -157,6 +161,7 @@ def fleet(pg_url: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory)
             fleet.http.close()
             procs.stop_all()
             proxy.close()
+            faults.close()
 
 
 def test_the_dispatch_worker_starts_without_torch(fleet: Fleet) -> None:
@@ -266,3 +271,32 @@ def test_a_killed_dispatch_worker_loses_and_doubles_no_line(fleet: Fleet) -> Non
     out = fleet.lines(done["output_file_id"])
     assert sorted(line["custom_id"] for line in out) == sorted(f"k{i}" for i in range(n))
     assert fleet.lines(done["error_file_id"]) == []
+
+
+@pytest.mark.parametrize("status", [429, 503])
+def test_a_busy_server_is_waited_for_not_failed(fleet: Fleet, status: int) -> None:
+    """The server answers 429 or 503 with ``Retry-After``: the dispatcher backs off and sends
+    those requests again; every line succeeds."""
+    fleet.faults.refuse(3, status, retry_after=1)
+    refused = fleet.faults.refused
+    lines = [chat_line(f"b{status}-{i}", f"Say {i}.", 4, model=MODEL) for i in range(5)]
+    done = fleet.wait(fleet.submit(lines), ("completed", "failed"))
+    assert done["request_counts"] == {"total": 5, "completed": 5, "failed": 0}
+    assert fleet.faults.refused - refused == 3
+    assert f"upstream overloaded ({status})" in fleet.procs.log("dispatch")
+
+
+def test_cancel_closes_the_requests_in_flight(fleet: Fleet) -> None:
+    """vLLM and SGLang abort a request when its connection closes: a cancel must close the
+    batch's requests in flight, within about a second (the 2 s promise, polled)."""
+    lines = [chat_line(f"x{i}", "Tell a very long story.", 400, model=MODEL) for i in range(12)]
+    batch_id = fleet.submit(lines)
+    wait_for(lambda: fleet.faults.in_flight >= 2, 120, "requests in flight", fleet.procs.logs)
+    closed = fleet.faults.closed_by_client
+    assert fleet.http.post(f"/v1/batches/{batch_id}/cancel").status_code == 200
+    cancelled = time.monotonic()
+    wait_for(lambda: fleet.faults.in_flight == 0, 10, "the requests to close", fleet.procs.logs)
+    assert time.monotonic() - cancelled < 2.5
+    assert fleet.faults.closed_by_client > closed
+    done = fleet.wait(batch_id, ("cancelled",))
+    assert done["request_counts"]["total"] == 12
