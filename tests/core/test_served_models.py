@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
-from core.served_models import kind_of, serves, spec_dir
+from core.served_models import kind_of, serves, spec_dir, upstream_spec
 
 
 def test_packaged_embedding_model() -> None:
@@ -35,3 +36,52 @@ def test_bad_package_specs() -> None:
         spec_dir("pkg:no_such_pkg")
     with pytest.raises(ValueError, match="has no get_model_path"):
         spec_dir("pkg:json")
+
+
+def test_upstream_specs() -> None:
+    spec = "upstream:http://gpu-1:8000/v1?model=meta-llama/Llama-3.1-8B&key_env=VLLM_API_KEY"
+    parsed = upstream_spec(spec, "llama-8b")
+    assert parsed.base_url == "http://gpu-1:8000/v1"
+    assert (parsed.model, parsed.key_env, parsed.live) == (
+        "meta-llama/Llama-3.1-8B",
+        "VLLM_API_KEY",
+        False,
+    )
+    assert parsed.scrape_url() == "http://gpu-1:8000/metrics"
+    assert upstream_spec("upstream:http://h:1/v1/", "served").model == "served"  # the default
+    live = upstream_spec("upstream:http://h:1/v1?ttft_p99_ms=500&max_concurrency=32", "m")
+    assert live.live and live.ttft_p99_ms == 500 and live.max_concurrency == 32
+    assert kind_of(spec) == "generate"
+    assert all(serves(spec, url) for url in ("/v1/chat/completions", "/v1/completions",
+                                             "/v1/embeddings", "/v1/responses"))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("upstream:gpu-1:8000", "must be http:// or https://"),
+        ("upstream:http://h/v1?modle=x", "unknown option 'modle'; allowed options: model"),
+        ("upstream:http://h/v1?key_env=sk-123", "the name of an environment variable"),
+        ("upstream:http://h/v1?max_concurrency=0", "max_concurrency must be an integer >= 1"),
+        ("upstream:http://h/v1?ttft_p99_ms=-5", "ttft_p99_ms must be a positive number"),
+        ("upstream:http://h/v1?model=a&model=b", "option 'model' is given twice"),
+        ("upstream:http://h/v1?tokenizer=upstream:http://x", "a local model with a tokenizer"),
+    ],
+)
+def test_bad_upstream_specs_name_the_option(spec: str, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        upstream_spec(spec, "m")
+
+
+def test_upstream_prompts_are_counted_without_a_tokenizer() -> None:
+    from core.batchfile import RawLine, parse_request
+    from core.generation import approx_prompt_tokens
+
+    line = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+                       "body": {"model": "m", "messages": [{"role": "user", "content": "x" * 400}]}})  # fmt: skip
+    req = parse_request(
+        RawLine(1, 0, len(line) + 1, line.encode()),
+        endpoint="/v1/chat/completions",
+        served_models=None,
+    )
+    assert approx_prompt_tokens(req) == 100

@@ -269,3 +269,40 @@ def test_an_aborted_group_gets_aborted_replies(scripted: Any) -> None:
         dispatcher.shutdown()
     assert all(r.aborted for r in replies)
     assert len(scripted.seen) == 1  # the three queued ones were never sent
+
+
+def test_an_upstream_models_prompts_are_counted_for_quotas(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """With ``tokenizer=`` the named local model's tokenizer counts the prompt; without, its
+    size does; the ids are never kept for the shard (the server tokenizes its own)."""
+    from core.batchfile import RawLine, parse_request
+    from core.settings import get_settings
+    from worker import runtime
+    from worker.token_count import TokenCounter
+
+    monkeypatch.setenv("BATCHD_HOME", str(tmp_path))
+    monkeypatch.setenv("BATCHD_MODELS", json.dumps({
+        "counted": "upstream:http://127.0.0.1:9/v1?tokenizer=demo:llama-tiny",
+        "sized": "upstream:http://127.0.0.1:9/v1?max_model_len=4096",
+    }))  # fmt: skip
+    get_settings.cache_clear()
+    monkeypatch.setattr(runtime, "_tokenizers", {})
+    monkeypatch.setattr(runtime, "_context", {})
+    try:
+        counter = TokenCounter(["counted", "sized"])
+        for i, model in enumerate(("counted", "sized")):
+            line = json.dumps({"custom_id": model, "method": "POST", "url": "/v1/chat/completions",
+                               "body": {"model": model, "max_tokens": 10,
+                                        "messages": [{"role": "user", "content": "word " * 40}]}})  # fmt: skip
+            raw = RawLine(i + 1, 0, len(line) + 1, line.encode())
+            req = parse_request(raw, endpoint="/v1/chat/completions", served_models=None)
+            assert counter(req) == counter.last_prompt + 10
+            assert counter.last_ids is None
+            if model == "sized":
+                assert counter.last_prompt == 50  # 200 bytes at 4 bytes a token
+        assert runtime.tokenizer("sized") is None
+        assert runtime.tokenizer("counted") is not None
+        assert runtime.context_length("sized") == 4096
+    finally:
+        get_settings.cache_clear()
