@@ -479,10 +479,18 @@ FILE_ERRORS = frozenset({"empty_file", "too_many_requests"})
 def custom_id_of(raw: RawLine) -> str | None:
     """The ``custom_id`` a line names, if it can be read at all (for the error line of a line
     that failed validation)."""
+    return custom_id_in(raw.data)
+
+
+def custom_id_in(data: bytes) -> str | None:
+    """The string ``custom_id`` of a line's bytes; None for anything validation would refuse
+    to read (not JSON, not an object, nested too deeply, a ``custom_id`` that is no string).
+    Every reader of a line that may never have been validated goes through here."""
     try:
-        custom_id = json.loads(raw.data).get("custom_id")
-    except (ValueError, AttributeError, RecursionError):
+        obj = json.loads(data)
+    except (ValueError, RecursionError):
         return None
+    custom_id = obj.get("custom_id") if isinstance(obj, dict) else None
     return custom_id if isinstance(custom_id, str) else None
 
 

@@ -14,14 +14,16 @@ log of committed chunks live in :mod:`core.results_log`.
 
 from __future__ import annotations
 
-import json
+import logging
 from collections.abc import Iterator
 from typing import Any
 
-from core.batchfile import iter_lines
+from core.batchfile import custom_id_of, iter_lines
 from core.results_log import ChunkRecord, read_chunk, write_chunk
 from core.settings import get_settings
 from core.storage import ObjectNotFound, Storage
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "ChunkRecord",
@@ -59,15 +61,16 @@ def committed_chunks(batch_id: str, shard_index: int, num_chunks: int) -> list[s
 
 
 def committed_lines(storage: Storage, batch_id: str, shard_index: int, num_chunks: int) -> set[int]:
-    """Input lines whose results the shard's committed chunks already hold."""
+    """Input lines whose results the shard's committed chunks already hold. A committed chunk
+    missing from storage (lost by the store, deleted by hand) holds nothing: its lines count
+    as not done, so a resumed attempt runs them again and a finalize reports them, instead of
+    the shard failing at every attempt and wedging its batch."""
     done: set[int] = set()
     for key in committed_chunks(batch_id, shard_index, num_chunks):
         try:
             done.update(rec.line for rec in read_chunk(storage, key))
         except ObjectNotFound:
-            raise RuntimeError(
-                f"committed checkpoint chunk {key} is missing from storage"
-            ) from None
+            logger.error("committed checkpoint chunk %s is missing from storage", key)
     return done
 
 
@@ -101,8 +104,4 @@ def lines_without_result(
     ):
         if raw.line in done:
             continue
-        try:
-            custom_id = json.loads(raw.data).get("custom_id")
-        except (ValueError, AttributeError):
-            custom_id = None
-        yield raw.line, custom_id if isinstance(custom_id, str) else None
+        yield raw.line, custom_id_of(raw)

@@ -100,20 +100,28 @@ def target_status(batch: Batch) -> str | None:
     return None
 
 
+RESULT_LOST = (
+    "The result of this request was lost from storage after it was checkpointed (a missing "
+    "chunk of its shard); retry the batch to run it again"
+)
+
+
 def _unfinished(
-    sto: Storage, batch_id: str, key: str, shard: _ShardView, code: str
+    sto: Storage, batch_id: str, key: str, shard: _ShardView, code: str, message: str | None = None
 ) -> Iterator[ChunkRecord]:
     """``batch_<code>`` error records for the shard's lines that have no committed result."""
     for line, custom_id in lines_without_result(sto, key, batch_id, shard, shard.num_chunks):
-        yield ChunkRecord(line, False, batch_error_line(custom_id, code))
+        yield ChunkRecord(line, False, batch_error_line(custom_id, code, message))
 
 
 def _unvalidated(
-    sto: Storage, batch_id: str, key: str, shards: list[_ShardView], code: str
+    sto: Storage, batch_id: str, key: str, shards: list[_ShardView], code: str, room: int
 ) -> Iterator[ChunkRecord]:
     """``batch_<code>`` error records for the lines after the last shard: those a validation
     cut short by a cancel or expiry never reached (none once validation is done: only blank
-    lines may follow the last shard). Streamed, in bounded memory."""
+    lines may follow the last shard). Streamed, in bounded memory, and at most ``room`` of
+    them (what ``max_requests_per_batch`` leaves): a line past that could never have been one
+    of the batch's requests, so the rest is one line naming the limit, and is not read."""
     last = max(shards, key=lambda s: s.index, default=None)
     rest = _ShardView(
         index=-1,
@@ -123,7 +131,16 @@ def _unvalidated(
         num_chunks=0,
         done=False,
     )
-    yield from _unfinished(sto, batch_id, key, rest, code)
+    for n, rec in enumerate(_unfinished(sto, batch_id, key, rest, code)):
+        if n >= room:
+            limit = get_settings().max_requests_per_batch
+            yield ChunkRecord(rec.line, False, batch_error_line(None, code, (
+                f"Line {rec.line} and the lines after it were never validated; a batch holds "
+                f"at most {limit} requests (max_requests_per_batch), so they are reported by "
+                "this one line"
+            )))  # fmt: skip
+            return
+        yield rec
 
 
 def merged_records(
@@ -135,15 +152,22 @@ def merged_records(
     unfinished_code: str | None = None,
 ) -> Iterator[ChunkRecord]:
     """Every result record of the batch in input-line order (see the module docstring)."""
+    emitted = 0
     for shard in sorted(shards, key=lambda s: s.start_line):
-        streams: list[Iterator[ChunkRecord]] = [
-            read_chunk(sto, chunk_key(batch_id, shard.index, c)) for c in range(shard.num_chunks)
-        ]
+        chunks = [chunk_key(batch_id, shard.index, c) for c in range(shard.num_chunks)]
+        present = [k for k in chunks if sto.exists(k)]
+        streams: list[Iterator[ChunkRecord]] = [read_chunk(sto, k) for k in present]
         if unfinished_code is not None and not shard.done and key is not None:
             streams.append(_unfinished(sto, batch_id, key, shard, unfinished_code))
-        yield from heapq.merge(*streams, key=lambda r: r.line)
+        elif len(present) < len(chunks) and key is not None:
+            # A committed chunk lost from storage: its lines are reported, never dropped.
+            streams.append(_unfinished(sto, batch_id, key, shard, "result_lost", RESULT_LOST))
+        for rec in heapq.merge(*streams, key=lambda r: r.line):
+            emitted += 1
+            yield rec
     if unfinished_code is not None and key is not None:
-        yield from _unvalidated(sto, batch_id, key, shards, unfinished_code)
+        room = max(0, get_settings().max_requests_per_batch - emitted)
+        yield from _unvalidated(sto, batch_id, key, shards, unfinished_code, room)
 
 
 class _LazyFile:

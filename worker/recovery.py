@@ -214,8 +214,11 @@ def reclaim_stale_shards() -> SweepReport:
                 f"responding; max_shard_attempts={settings.max_shard_attempts}); its unfinished "
                 "requests are reported as errors"
             )
-            if fail_shard(shard_id, message):
-                report.failed.append(shard_id)
+            try:
+                if fail_shard(shard_id, message):
+                    report.failed.append(shard_id)
+            except Exception:  # one shard's trouble must not keep the sweep from the others
+                logger.exception("giving up shard %s failed; the next sweep tries again", shard_id)
             continue
         requeued = retrying(
             lambda shard_id=shard_id, attempts=attempts: _requeue(shard_id, attempts, cutoff),

@@ -3,7 +3,6 @@ collect results, checkpoint them (see :class:`ShardRun`)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import time
@@ -13,7 +12,7 @@ from typing import Any
 
 from core import metrics
 from core.batch_request import BatchRequest, LineError
-from core.batchfile import RawLine, iter_lines, parse_request
+from core.batchfile import RawLine, custom_id_of, iter_lines, parse_request
 from core.generation import error_for_exception, error_record
 from core.lifecycle import ShardStatus
 from core.logs import log_context
@@ -336,12 +335,8 @@ def unparsable_line_error(raw: RawLine, err: LineError) -> dict[str, Any]:
     """The error line of an input line that passed validation but no longer parses when its
     shard reads it (the stored file changed): still one line per request, under the custom_id
     the line names if any can be read."""
-    try:
-        custom_id = json.loads(raw.data).get("custom_id")
-    except (ValueError, AttributeError):
-        custom_id = None
     return error_record(
-        custom_id if isinstance(custom_id, str) else None,
+        custom_id_of(raw),
         err.code,
         f"This line no longer parses (the input file changed after validation): {err.message}",
         param=err.param,

@@ -286,3 +286,52 @@ def test_each_committed_result_records_its_finish_to_commit_lag(worker_env, host
     assert len(lags) == 10  # one per result the engine finished
     assert all(0.0 <= lag < time.time() - before + 1.0 for lag in lags)
     assert timings.commit_lags(["batch_other"]) == []
+
+
+def test_a_committed_chunk_lost_from_storage_wedges_nothing(worker_env, host):
+    """A committed chunk that vanished from storage: the resumed attempt runs its lines again
+    instead of failing for ever, the reclaim sweep is not stopped by it, and the batch
+    completes with one line per request; a chunk lost after its shard finished is reported as
+    result_lost lines, never dropped."""
+    from worker.checkpoints import chunk_key
+    from worker.common import storage
+    from worker.finalize import finalize
+    from worker.recovery import fail_shard
+    from worker.shard import run_shard
+
+    lines = [chat_line(f"r{i}", f"hello number {i}", max_tokens=4) for i in range(10)]
+    batch_id = _validated(lines)
+    (shard,) = shard_rows(batch_id)
+
+    def stop_after_two(chunk: int) -> None:
+        if chunk == 2:
+            raise Interrupted
+
+    with pytest.raises(Interrupted):
+        run_shard(shard.id, host=host, after_commit=stop_after_two)
+    storage().delete(chunk_key(batch_id, 0, 1))  # the second committed chunk is lost
+    assert run_shard(shard.id, host=host).status == "done"
+    assert finalize(batch_id) == "completed"
+    batch = batch_row(batch_id)
+    out = read_file_lines(batch.output_file_id)
+    assert sorted(r["custom_id"] for r in out) == sorted(f"r{i}" for i in range(10))
+
+    # Lost once the shard is done: the finalize reports the lines it cannot find.
+    batch_id = _validated(lines)
+    (shard,) = shard_rows(batch_id)
+    assert run_shard(shard.id, host=host).status == "done"
+    storage().delete(chunk_key(batch_id, 0, 1))
+    assert finalize(batch_id) == "completed"
+    batch = batch_row(batch_id)
+    out = read_file_lines(batch.output_file_id)
+    err = read_file_lines(batch.error_file_id)
+    assert sorted(r["custom_id"] for r in out + err) == sorted(f"r{i}" for i in range(10))
+    assert err and {r["error"]["code"] for r in err} == {"result_lost"}
+
+    # Giving up a shard with a lost chunk still reports its lines (the sweep's path).
+    batch_id = _validated(lines)
+    (shard,) = shard_rows(batch_id)
+    with pytest.raises(Interrupted):
+        run_shard(shard.id, host=host, after_commit=stop_after_two)
+    storage().delete(chunk_key(batch_id, 0, 0))
+    assert fail_shard(shard.id, "given up")

@@ -411,3 +411,43 @@ def test_expiry_during_validation_reports_every_line(small_shards, host, after_s
     assert [r["custom_id"] for r in out] == [f"r{i}" for i in range(SHARD)]
     assert {r["error"]["code"] for r in err} == {"batch_expired"}
     assert batch.request_total == len(lines)
+
+
+NESTED = '{"custom_id": "deep", "body": ' + "[" * 5000 + "]" * 5000 + "}"  # past json's recursion
+
+
+def test_a_deeply_nested_line_does_not_wedge_a_cancel(small_shards):
+    """A line nested too deeply for the parser, cancelled before validation reached it: the
+    finalize reads it as validation would (a line with no custom_id) and the batch ends
+    cancelled, every line reported once."""
+    from worker.tasks import cancel
+
+    lines = [*_lines(3), NESTED, *_lines(6, start=3)]
+    batch_id = _make(lines)
+    _cancel(batch_id)
+    assert cancel(batch_id) == "cancelled"
+    batch = batch_row(batch_id)
+    assert batch.status == "cancelled"
+    ids = [x["custom_id"] if isinstance(x, dict) else None for x in lines]
+    _, err = _one_line_each(batch, ids)
+    assert {r["error"]["code"] for r in err} == {"batch_cancelled"}
+
+
+def test_cancel_before_validation_reports_at_most_the_request_limit(small_shards, monkeypatch):
+    """An upload of junk lines cancelled before validation: at most max_requests_per_batch
+    batch_cancelled lines, then one line naming the limit; the rest of the file is not read."""
+    from core.settings import get_settings
+    from worker.tasks import cancel
+
+    monkeypatch.setenv("BATCHD_MAX_REQUESTS_PER_BATCH", "20")
+    get_settings.cache_clear()
+    lines = [*_lines(5), *(["a"] * 2000)]
+    batch_id = _make(lines)
+    _cancel(batch_id)
+    assert cancel(batch_id) == "cancelled"
+    batch = batch_row(batch_id)
+    err = read_file_lines(batch.error_file_id)
+    assert len(err) == 21 and batch.request_total == 21
+    assert [r["custom_id"] for r in err[:5]] == [f"r{i}" for i in range(5)]
+    assert "max_requests_per_batch" in err[-1]["error"]["message"]
+    assert "Line 21 and the lines after it" in err[-1]["error"]["message"]
