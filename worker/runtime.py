@@ -32,6 +32,9 @@ _tokenizers: dict[str, Any] = {}
 _context: dict[str, int] = {}
 _hosts: dict[str, EngineHost] = {}
 _load_locks: dict[str, threading.Lock] = {}
+# One model loads at a time in a process: transformers' loading is not thread-safe (its
+# meta-device initialisation is process-global), and two at once corrupt each other.
+_loading = threading.Lock()
 _refused: dict[str, str] = {}  # served model -> why its files cannot be served
 
 # Options in ``engine_options`` that size the host rather than the engine.
@@ -193,38 +196,44 @@ def host(model: str) -> EngineHost:
         spec = model_spec(model)
         if served_models.is_upstream(spec):
             return _start_dispatcher(model, spec)
-        from engine import Engine, EngineHost
+        with _loading:
+            return _load_host(model, spec)
 
-        settings = get_settings()
-        options = dict(settings.engine_options)
-        host_options = {k: options.pop(k) for k in HOST_OPTIONS if k in options}
-        started_at = time.monotonic()
-        path = model_dir(model)
-        logger.info("loading model %s from %s", model, path)
-        if served_models.kind_of(spec) == "embedding":
-            return _start_embedding_host(model, path, options, started_at)
-        options.setdefault("enable_metrics", settings.metrics_enabled)
-        if served_models.is_sim(spec):
-            return _start_sim_host(model, spec, path, options, host_options, started_at)
-        options.setdefault("adapt_cpu_threads", settings.adapt_cpu_threads)
-        engine = Engine(str(path), **options)
-        host = EngineHost(engine, name=f"engine-host-{model}", **_host_policy(host_options))
-        started = host.start()
-        configured = getattr(getattr(engine, "config", None), "max_model_len", None)
-        with _lock:
-            _hosts[model] = started
-            if configured:
-                _context[model] = int(configured)
-        metrics.ENGINE_LOADS.labels(model=model).inc()
-        runner = getattr(engine, "runner", None)
-        logger.info(
-            "model %s ready: %s on %s, loaded in %.1f s",
-            model,
-            str(getattr(runner, "dtype", "?")).removeprefix("torch."),
-            getattr(runner, "device", "?"),
-            time.monotonic() - started_at,
-        )
-        return started
+
+def _load_host(model: str, spec: str) -> EngineHost:
+    """Load ``model``'s engine (or embedding engine) and start its host (under ``_loading``)."""
+    from engine import Engine, EngineHost
+
+    settings = get_settings()
+    options = dict(settings.engine_options)
+    host_options = {k: options.pop(k) for k in HOST_OPTIONS if k in options}
+    started_at = time.monotonic()
+    path = model_dir(model)
+    logger.info("loading model %s from %s", model, path)
+    if served_models.kind_of(spec) == "embedding":
+        return _start_embedding_host(model, path, options, started_at)
+    options.setdefault("enable_metrics", settings.metrics_enabled)
+    if served_models.is_sim(spec):
+        return _start_sim_host(model, spec, path, options, host_options, started_at)
+    options.setdefault("adapt_cpu_threads", settings.adapt_cpu_threads)
+    engine = Engine(str(path), **options)
+    host = EngineHost(engine, name=f"engine-host-{model}", **_host_policy(host_options))
+    started = host.start()
+    configured = getattr(getattr(engine, "config", None), "max_model_len", None)
+    with _lock:
+        _hosts[model] = started
+        if configured:
+            _context[model] = int(configured)
+    metrics.ENGINE_LOADS.labels(model=model).inc()
+    runner = getattr(engine, "runner", None)
+    logger.info(
+        "model %s ready: %s on %s, loaded in %.1f s",
+        model,
+        str(getattr(runner, "dtype", "?")).removeprefix("torch."),
+        getattr(runner, "device", "?"),
+        time.monotonic() - started_at,
+    )
+    return started
 
 
 def _start_dispatcher(model: str, spec: str) -> Any:

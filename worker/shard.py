@@ -138,6 +138,16 @@ def _run_shard(
         release_next(batch.model)
         return ShardOutcome("skipped")
 
+    if host is None:
+        # Before the claim: a model that cannot load here now costs the shard no attempt (it
+        # waits, released, for this or another worker), and never turns its requests into
+        # shard_failed lines.
+        try:
+            host = runtime.host(batch.model or "")
+        except Exception:
+            logger.exception("shard %s: model %s could not load; the shard waits", shard_id,
+                             batch.model)  # fmt: skip
+            raise
     claimed = claim(shard_id, worker)
     if claimed is None:
         finalize_if_idle(batch.id)
@@ -167,8 +177,6 @@ def _run_shard(
             len(done_lines),
             discarded,
         )
-    if host is None:
-        host = runtime.host(batch.model or "")
     run = ShardRun(shard, batch, key, attempt, num_chunks, done_lines, host, after_commit)
     try:
         status = run.run()
