@@ -18,6 +18,7 @@ from api.schemas import MAX_METADATA_PAIRS, BatchCreate, ExpiresAfter, RetryCrea
 from api.services.batches import create_batch, get_batch_row
 from api.services.files import is_expired, new_file_row
 from core.auth import priority_allowed
+from core.batchfile import custom_id_in, iter_lines
 from core.ids import file_id
 from core.lifecycle import TERMINAL
 from core.models import Batch, File
@@ -51,20 +52,18 @@ def _ids_to_retry(storage: Storage, error_file: File, include: set[str]) -> set[
     return wanted
 
 
-def _copy_lines(storage: Storage, source: File, key: str, custom_ids: set[str]) -> tuple[int, int]:
+def _copy_lines(
+    storage: Storage, source: File, key: str, custom_ids: set[str], max_line_bytes: int
+) -> tuple[int, int]:
     """Copy the input lines naming ``custom_ids`` to ``key``, byte for byte, in input order;
-    (lines, bytes) written."""
+    (lines, bytes) written. A line over ``max_line_bytes`` is never held whole: the parent's
+    validation refused it, so it is passed over."""
     lines = size = 0
     with storage.reader(source.storage_key) as stream, storage.writer(key) as out:
-        for raw in stream:
-            if not raw.strip():
-                continue
-            try:
-                custom_id = json.loads(raw).get("custom_id")
-            except (ValueError, AttributeError):
-                continue  # the parent ran it, so it parsed; a changed file has no say here
-            if custom_id in custom_ids:
-                data = raw if raw.endswith(b"\n") else raw + b"\n"
+        for raw in iter_lines(stream, max_line_bytes=max_line_bytes):
+            custom_id = custom_id_in(raw.data)  # None: a line the parent refused has no say
+            if custom_id is not None and custom_id in custom_ids:
+                data = raw.data + b"\n"
                 out.write(data)
                 lines += 1
                 size += len(data)
@@ -131,11 +130,10 @@ def retry_batch(
         )
     new_id = file_id()
     key = f"files/{new_id}"
-    lines, size = _copy_lines(storage, source, key, custom_ids)
+    lines, size = _copy_lines(storage, source, key, custom_ids, settings.max_line_bytes)
     filename = f"{parent.id}_retry.jsonl"
-    session.add(
-        new_file_row(caller.tenant, new_id, "batch", filename, size, key, settings.file_expiry_s)
-    )
+    row = new_file_row(caller.tenant, new_id, "batch", filename, size, key, settings.file_expiry_s)
+    session.add(row)
     session.commit()
     priority = body.priority or parent.priority
     explicit = body.priority is not None or priority_allowed(priority, caller.max_priority)
@@ -152,6 +150,16 @@ def retry_batch(
             else None
         ),
     )
-    retry = create_batch(session, settings, caller, create, key=None)
+    try:
+        retry = create_batch(session, settings, caller, create, key=None)
+    except APIError as refused:
+        if refused.status_code >= 500:
+            raise  # the batch exists (failed): its input stays
+        # Refused (a quota, an entitlement): the copy made for it is not left behind.
+        session.rollback()
+        session.delete(session.merge(row))
+        session.commit()
+        storage.delete(key)
+        raise
     log.info("batch %s retries %s lines of %s (%s)", retry.id, lines, batch_id, kinds)
     return retry
