@@ -5,7 +5,7 @@ proxy that can cut it off and an HTTP proxy that answers 429 or 503 on demand.
 
 What each test holds: a batch's output lines carry the server's own answers (greedy text equal
 to asking it directly); a line the server refuses is an error line with its status and
-message; 429s and 503s with ``Retry-After`` and the server cut off mid-batch fail no line; a
+message; 429s and 503s with ``Retry-After``, the server cut off or stalled mid-batch fail no line; a
 dispatch worker SIGKILLed mid-shard loses and doubles no line; a cancel closes the batch's
 requests in flight at the server.
 """
@@ -251,6 +251,23 @@ def test_a_cut_upstream_fails_no_line(fleet: Fleet) -> None:
         fleet.proxy.resume()
     done = fleet.wait(batch_id, ("completed", "failed"))
     assert done["request_counts"] == {"total": 10, "completed": 10, "failed": 0}
+
+
+def test_a_stalled_upstream_fails_no_line(fleet: Fleet) -> None:
+    """The server's route lost silently (connections held, nothing answered): when it comes
+    back the held requests are sent again and every line succeeds."""
+    lines = [chat_line(f"st{i}", f"Spell {i}.", 6, model=MODEL) for i in range(6)]
+    fleet.proxy.stall()
+    try:
+        batch_id = fleet.submit(lines)
+        wait_for(lambda: fleet.batch(batch_id)["status"] == "in_progress", 60, "the batch",
+                 fleet.procs.logs)  # fmt: skip
+        time.sleep(3)
+        assert fleet.batch(batch_id)["request_counts"]["completed"] == 0
+    finally:
+        fleet.proxy.resume()
+    done = fleet.wait(batch_id, ("completed", "failed"))
+    assert done["request_counts"] == {"total": 6, "completed": 6, "failed": 0}
 
 
 def test_a_killed_dispatch_worker_loses_and_doubles_no_line(fleet: Fleet) -> None:

@@ -61,7 +61,7 @@ def test_an_idle_window_says_nothing_about_the_limit() -> None:
 
 def test_shares_follow_demand() -> None:
     assert share_of(32, 10, 10) == 32  # alone: all of it
-    assert share_of(32, 0, 10) == 0
+    assert share_of(32, 0, 10, members=2) == 16  # idle: an even part, ready for work
     assert share_of(32, 30, 40) == 24
     assert share_of(32, 10, 40) == 8
     assert share_of(4, 1, 1000) == 1  # never starved while it has work
@@ -306,3 +306,15 @@ def test_an_upstream_models_prompts_are_counted_for_quotas(
         assert runtime.context_length("sized") == 4096
     finally:
         get_settings.cache_clear()
+
+
+def test_usage_is_read_in_the_servers_terms() -> None:
+    from worker.upstream.handler import reply_usage
+
+    vllm = {"usage": {"prompt_tokens": 40, "completion_tokens": 7,
+                      "prompt_tokens_details": {"cached_tokens": 32}}}  # fmt: skip
+    usage = reply_usage(vllm)
+    assert (usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens) == (40, 32, 7)
+    responses = reply_usage({"usage": {"input_tokens": 9, "output_tokens": 3}})
+    assert (responses.prompt_tokens, responses.completion_tokens) == (9, 3)
+    assert reply_usage({"data": []}).completion_tokens == 0  # embeddings without usage

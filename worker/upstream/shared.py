@@ -87,11 +87,12 @@ class Windows:
         return self.controller.limit
 
 
-def share_of(limit: int, demand: int, total_demand: int) -> int:
+def share_of(limit: int, demand: int, total_demand: int, members: int = 1) -> int:
     """A member's part of ``limit``: in proportion to its demand, at least 1 while it has
-    any, all of it when it is alone."""
+    any, all of it when it is alone. An idle member keeps an even part of the limit, so the
+    work that arrives before its next report does not go out one request at a time."""
     if demand <= 0:
-        return 0
+        return max(1, limit // max(1, members))
     if total_demand <= demand:
         return limit
     return max(1, math.floor(limit * demand / total_demand))
@@ -107,7 +108,7 @@ class LocalLimit:
 
     def sync(self, demand: int, counters: Counters) -> int:
         self.limit = self.windows.feed(counters, time.monotonic())
-        return self.limit if demand > 0 else 0
+        return self.limit
 
 
 class SharedLimit:
@@ -171,9 +172,10 @@ class SharedLimit:
             else:
                 state = session.get(UpstreamLimit, self.upstream)
                 limit = state.limit if state is not None else self.limit
-            total_demand = sum(m.demand for m in members if m.member != self.member) + demand
+            others = [m for m in members if m.member != self.member]
+            total_demand = sum(m.demand for m in others) + demand
         self.limit = limit
-        return share_of(limit, demand, total_demand)
+        return share_of(limit, demand, total_demand, len(others) + 1)
 
     def _lead(self, members: list[UpstreamMember]) -> int:
         """Sum each member's progress since the last read (a member seen for the first time
