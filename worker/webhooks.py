@@ -46,6 +46,7 @@ attempt).
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import hmac
@@ -200,7 +201,12 @@ def post_pinned(
     (the ``Host`` header and TLS server name stay the URL's host, so virtual hosts and
     certificates work as usual). No redirect is followed and no proxy from the environment is
     used (either would send the request somewhere unchecked). Returns the status code and the
-    start of the answer's body (only that much is read)."""
+    start of the answer's body (only that much is read).
+
+    ``timeout`` bounds the whole attempt, from connecting to the last byte read, not each read:
+    a receiver that trickles its answer a byte at a time is cut off when it is spent
+    (``httpx.TimeoutException``), so no attempt holds a control thread longer, and no attempt
+    is still running when its row says it is overdue."""
     target = httpx.URL(url)
     port = target.port or (443 if target.scheme == "https" else 80)
     address = resolve_checked(target.host, port, allow, resolver)
@@ -208,18 +214,31 @@ def post_pinned(
     if target.scheme == "https" and parse_address(target.host) is None:
         extensions["sni_hostname"] = target.host
     pinned = target.copy_with(host=str(address))
-    with (
-        httpx.Client(trust_env=False, follow_redirects=False, timeout=timeout) as client,
-        client.stream(
-            "POST",
-            pinned,
-            content=body,
-            headers={**headers, "host": target.netloc.decode("ascii")},
-            extensions=extensions,
-        ) as response,
-    ):
-        start = next(response.iter_bytes(ANSWER_BYTES_KEPT), b"")[:ANSWER_BYTES_KEPT]
-        return response.status_code, start.decode("utf-8", "replace")
+    sent = {**headers, "host": target.netloc.decode("ascii")}
+
+    async def post() -> tuple[int, str]:
+        async with (
+            httpx.AsyncClient(trust_env=False, follow_redirects=False, timeout=timeout) as client,
+            client.stream(
+                "POST", pinned, content=body, headers=sent, extensions=extensions
+            ) as response,
+        ):
+            start = b""
+            async for piece in response.aiter_bytes():
+                start += piece
+                if len(start) >= ANSWER_BYTES_KEPT:
+                    break
+            return response.status_code, start[:ANSWER_BYTES_KEPT].decode("utf-8", "replace")
+
+    async def bounded() -> tuple[int, str]:
+        try:
+            return await asyncio.wait_for(post(), timeout)
+        except TimeoutError:
+            raise httpx.TimeoutException(
+                f"no complete answer within {timeout:g} s (webhook_timeout_s)"
+            ) from None
+
+    return asyncio.run(bounded())
 
 
 def attempt(delivery_id: str, *, resolver: Resolver = system_resolver) -> float | None:

@@ -1,0 +1,66 @@
+"""A webhook receiver that trickles its answer a byte at a time cannot hold a control thread:
+an attempt's timeout bounds the whole attempt, not each read."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from core.netcheck import AllowList
+from worker.webhooks import post_pinned
+
+TRICKLE_S = 30.0  # how long the receiver would keep an attempt alive, a byte every 0.2 s
+
+
+@pytest.fixture
+def trickler() -> Iterator[int]:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    stop = threading.Event()
+
+    def serve() -> None:
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                continue
+            with conn:
+                conn.recv(65536)
+                answer = b"HTTP/1.1 200 OK\r\nX-Slow: " + b"a" * 10_000
+                ends = time.monotonic() + TRICKLE_S
+                for byte in answer:
+                    if stop.is_set() or time.monotonic() > ends:
+                        break
+                    try:
+                        conn.sendall(bytes([byte]))
+                    except OSError:
+                        break
+                    time.sleep(0.2)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield listener.getsockname()[1]
+    stop.set()
+    thread.join(5)
+    listener.close()
+
+
+def test_a_trickling_receiver_is_cut_off_at_the_attempts_timeout(trickler: int) -> None:
+    started = time.monotonic()
+    with pytest.raises(httpx.TimeoutException, match="within 1 s"):
+        post_pinned(
+            f"http://127.0.0.1:{trickler}/hook",
+            b"{}",
+            {"content-type": "application/json"},
+            timeout=1.0,
+            allow=AllowList.parse(["127.0.0.1"]),
+        )
+    # Bounded by the attempt's timeout, not by the receiver (which would go on for 30 s).
+    assert time.monotonic() - started < TRICKLE_S / 3
