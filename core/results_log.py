@@ -212,3 +212,23 @@ def drop(session: Session, batch_ids: Sequence[str]) -> None:
         return
     session.execute(delete(ResultLine).where(ResultLine.batch_id.in_(batch_ids)))
     session.execute(delete(ResultChunk).where(ResultChunk.batch_id.in_(batch_ids)))
+
+
+def drop_for_files(session: Session, file_ids: Iterable[str]) -> list[str]:
+    """Forget the logs of the batches whose output or error file is among ``file_ids`` (being
+    deleted: by retention or by their owner); return those batches, whose stored chunks
+    (``batch_log_prefix``) the caller deletes once this commits. A batch's results go with the
+    first of its result files to go: what a client deleted is not served or kept any more."""
+    file_ids = list(file_ids)
+    if not file_ids:
+        return []
+    batch_ids = list(
+        session.scalars(
+            select(Batch.id).where(
+                Batch.output_file_id.in_(file_ids) | Batch.error_file_id.in_(file_ids),
+                select(ResultChunk.batch_id).where(ResultChunk.batch_id == Batch.id).exists(),
+            )
+        )
+    )
+    drop(session, batch_ids)
+    return batch_ids

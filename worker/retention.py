@@ -20,12 +20,11 @@ import logging
 from typing import Any
 
 from sqlalchemy import delete, exists, select
-from sqlalchemy.orm import Session
 
 from core import results_log
 from core.db import session_scope
 from core.lifecycle import TERMINAL, now
-from core.models import Batch, File, ResultChunk
+from core.models import Batch, File
 from core.queue import TASK_SWEEP_FILES
 from core.results_log import batch_log_prefix
 from worker.celery_app import app
@@ -39,23 +38,6 @@ BATCH_SIZE = 500  # rows per transaction
 def _in_use():
     """A correlated condition: a batch that has not ended reads this file."""
     return exists().where(Batch.input_file_id == File.id, Batch.status.not_in(tuple(TERMINAL)))
-
-
-def _drop_results_logs(session: Session, file_ids: set[str]) -> list[str]:
-    """Forget the results logs of the batches whose output or error file is among
-    ``file_ids``; return those batches (their chunks go once this commits)."""
-    if not file_ids:
-        return []
-    batch_ids = list(
-        session.scalars(
-            select(Batch.id).where(
-                Batch.output_file_id.in_(file_ids) | Batch.error_file_id.in_(file_ids),
-                exists().where(ResultChunk.batch_id == Batch.id),
-            )
-        )
-    )
-    results_log.drop(session, batch_ids)
-    return batch_ids
 
 
 def sweep_files(limit: int | None = None) -> int:
@@ -90,7 +72,7 @@ def sweep_files(limit: int | None = None) -> int:
                     .execution_options(synchronize_session=False)
                 ).all()
             )
-            logs = _drop_results_logs(session, gone)
+            logs = results_log.drop_for_files(session, gone)
         for batch_id in logs:
             try:
                 sto.delete_prefix(batch_log_prefix(batch_id))

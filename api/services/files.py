@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session
 
 from api.errors import invalid_request, not_found
 from api.services.common import could_be_id, keyset_page
-from core import metrics
+from core import metrics, results_log
 from core.db import session_scope
 from core.lifecycle import TERMINAL, now
 from core.models import Batch, File
@@ -122,7 +122,13 @@ def delete_file(session: Session, storage: Storage, tenant: str, file_id: str) -
         session.commit()
         return
     session.delete(row)
+    logs = results_log.drop_for_files(session, [row.id])
     session.commit()
+    for batch_id in logs:  # a result file deleted: its batch's results are not served or kept
+        try:
+            storage.delete_prefix(results_log.batch_log_prefix(batch_id))
+        except Exception:
+            log.exception("batch %s: results log forgotten, its chunks were not", batch_id)
     try:
         storage.delete(key)
     except Exception:  # the row is gone; an orphaned object is only wasted space

@@ -335,3 +335,30 @@ def test_a_committed_chunk_lost_from_storage_wedges_nothing(worker_env, host):
         run_shard(shard.id, host=host, after_commit=stop_after_two)
     storage().delete(chunk_key(batch_id, 0, 0))
     assert fail_shard(shard.id, "given up")
+
+
+def test_deleting_a_result_file_drops_the_batchs_results(worker_env, host):
+    """DELETE /v1/files/{id} of a batch's output file: its results log is forgotten (nothing
+    served by the results route) and its stored chunks are deleted, even though no other file
+    of the batch is left for retention to sweep."""
+    from api.services.files import delete_file
+    from core.db import session_scope
+    from core.results_log import batch_log_prefix, read_page
+    from worker.common import storage
+    from worker.finalize import finalize
+    from worker.shard import run_shard
+
+    lines = [chat_line(f"r{i}", f"hello {i}", max_tokens=3) for i in range(5)]
+    batch_id = _validated(lines)
+    (shard,) = shard_rows(batch_id)
+    run_shard(shard.id, host=host)
+    assert finalize(batch_id) == "completed"
+    batch = batch_row(batch_id)
+    sto = storage()
+    assert sto.list(batch_log_prefix(batch_id))
+    with session_scope() as session:
+        assert len(read_page(session, sto, batch_id, start=0, limit=100).data) == 5
+        delete_file(session, sto, batch.tenant, batch.output_file_id)
+    with session_scope() as session:
+        assert read_page(session, sto, batch_id, start=0, limit=100).data == []
+    assert sto.list(batch_log_prefix(batch_id)) == []
