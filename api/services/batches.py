@@ -118,15 +118,32 @@ def _existing(session: Session, tenant: str, key: str) -> Batch | None:
     ).first()
 
 
-def _replay(row: Batch, body: BatchCreate) -> Batch:
+def _replay(row: Batch, body: BatchCreate, priority: str) -> Batch:
     """The answer to a create that repeats an idempotency key: the first create's batch, as it
-    is now; a different request under the same key is a client bug and gets 409."""
+    is now; a different request under the same key (any parameter that shapes the batch) is a
+    client bug and gets 409 naming the first difference."""
     bind_batch(row.id)
-    if (row.input_file_id, row.endpoint) != (body.input_file_id, body.endpoint):
+    expiry = body.output_expires_after
+    asked = {
+        "input_file_id": (body.input_file_id, row.input_file_id),
+        "endpoint": (body.endpoint, row.endpoint),
+        "completion_window": (body.completion_window, row.completion_window),
+        "metadata": (body.metadata or None, row.metadata_ or None),
+        "priority": (priority, row.priority),
+        "output_expires_after": (
+            expiry.seconds if expiry is not None else None,
+            row.output_expires_after_s,
+        ),
+    }
+    if body.webhook_url is not None:
+        asked["webhook_url"] = (body.webhook_url, row.webhook_url)
+    differs = next((name for name, (new, old) in asked.items() if new != old), None)
+    if differs is not None:
         raise APIError(
             409,
             f"The idempotency key was already used for batch {row.id}, created from "
-            f"{row.input_file_id} for {row.endpoint}; use a new key for a different batch.",
+            f"{row.input_file_id} for {row.endpoint} with another {differs}; use a new key "
+            "for a different batch.",
             param="idempotency_key",
             code="idempotency_key_reused",
             headers={"x-should-retry": "false"},
@@ -183,7 +200,7 @@ def create_batch(
     priority = checked_priority(body, caller)
     seconds = checked_window_s(body.completion_window, caller, settings)
     if key is not None and (existing := _existing(session, caller.tenant, key)) is not None:
-        return _replay(existing, body)
+        return _replay(existing, body, priority)
     output_expiry_s = None
     if body.output_expires_after is not None:
         output_expiry_s = body.output_expires_after.checked_seconds("output_expires_after")
@@ -227,14 +244,16 @@ def create_batch(
         existing = _existing(session, caller.tenant, key) if key is not None else None
         if existing is None:
             raise
-        return _replay(existing, body)
+        return _replay(existing, body, priority)
     _enqueue_validation(session, row)
     log.info("batch %s created from %s for %s", row.id, input_file.id, row.endpoint)
     return row
 
 
 def _enqueue_validation(session: Session, row: Batch) -> None:
-    """Send the committed batch to validation; if the broker refuses, fail the batch (503)."""
+    """Send the committed batch to validation; if the broker refuses, fail the batch (503) and
+    release its idempotency key, so that the client's retry of the create (what a 503 asks
+    for) makes a batch that runs instead of replaying the failed one."""
     try:
         enqueue(TASK_VALIDATE, row.id)
     except Exception as error:
@@ -244,6 +263,7 @@ def _enqueue_validation(session: Session, row: Batch) -> None:
             row.id,
             BatchStatus.VALIDATING,
             BatchStatus.FAILED,
+            idempotency_key=None,
             errors=[
                 {
                     "code": "broker_unavailable",

@@ -67,6 +67,13 @@ def test_idempotency_key_returns_the_first_batch(
             extra_headers={"Idempotency-Key": "job-42"},
         )
 
+    # So is the same key with any other parameter that shapes the batch.
+    for changed in ({"completion_window": "48h"}, {"metadata": {"run": "2"}}):
+        with pytest.raises(openai.ConflictError) as caught:
+            client.batches.create(**{"input_file_id": input_file, **CREATE, **changed},
+                                  extra_headers={"Idempotency-Key": "job-42"})  # fmt: skip
+        assert next(iter(changed)) in caught.value.body["message"]
+
     with pytest.raises(openai.BadRequestError) as caught:
         _create(
             client,

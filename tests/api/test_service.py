@@ -153,6 +153,25 @@ def test_broker_unavailable_fails_the_batch_with_503(start_server, closed_port):
     assert batch.errors.data[0].code == "broker_unavailable"
 
 
+def test_a_create_refused_for_the_broker_releases_its_idempotency_key(start_server, closed_port):
+    """A 503 asks the client to retry: the retry under the same key must make a batch that
+    runs, not replay the failed one for good."""
+    down = start_server(BATCHD_BROKER_URL=f"redis://127.0.0.1:{closed_port}/0").client()
+    input_file = down.files.create(file=("a.jsonl", LINES), purpose="batch").id
+    key = {"Idempotency-Key": "nightly-2026-12-03"}
+    with pytest.raises(openai.InternalServerError):
+        down.batches.create(input_file_id=input_file, endpoint="/v1/completions",
+                            completion_window="24h", extra_headers=key)  # fmt: skip
+    failed = down.batches.list().data[0].id
+    up = start_server().client()
+    retried = up.batches.create(input_file_id=input_file, endpoint="/v1/completions",
+                                completion_window="24h", extra_headers=key)  # fmt: skip
+    assert retried.id != failed and retried.status == "validating"
+    again = up.batches.create(input_file_id=input_file, endpoint="/v1/completions",
+                              completion_window="24h", extra_headers=key)  # fmt: skip
+    assert again.id == retried.id  # from now on the key is the running batch's
+
+
 def test_upload_streams_without_buffering_in_memory(server):
     """A 50 MB upload must not raise the server's peak RSS by anything like 50 MB."""
     client = server.client(timeout=120)
