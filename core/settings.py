@@ -110,6 +110,9 @@ class Settings(BaseSettings):
     # Prompt tokens enqueued per tenant and model across unfinished batches (OpenAI's batch
     # queue limit); a batch that would exceed it fails validation with token_limit_exceeded.
     max_enqueued_tokens_per_tenant: int = 2_000_000_000
+    # Estimates (POST /v1/batches/estimate) one tenant may have waiting at once in an API
+    # process; more are refused with 429 (each holds an API thread and a control-worker scan).
+    max_estimates_per_tenant: int = Field(default=2, ge=1)
     # Shards released to a model's broker queue at a time (the rest wait in Postgres and are
     # released round-robin across tenants and batches, by priority).
     max_released_shards_per_model: int = 8

@@ -13,17 +13,18 @@ from core.lifecycle import now
 from core.queue import TASK_ESTIMATE, TASK_REFRESH_ETAS
 from core.settings import get_settings
 from worker.celery_app import app
-from worker.tasks import scan_input
+from worker.tasks import CallerGone, scan_input
 from worker.validation_failures import validation_errors
 
 logger = logging.getLogger(__name__)
 
 
-def scan_file(key: str, endpoint: str) -> dict[str, Any]:
+def scan_file(key: str, endpoint: str, deadline: float | None = None) -> dict[str, Any]:
     """What validation finds in the stored file ``key``: request counts, the errors the
     batch would fail with, its model, and its exact prompt tokens and estimated tokens
-    (prompt + output bounds, the unit of shards and of the projections)."""
-    scan = scan_input(key, endpoint)
+    (prompt + output bounds, the unit of shards and of the projections). Stops with
+    :class:`~worker.tasks.CallerGone` past ``deadline``."""
+    scan = scan_input(key, endpoint, deadline)
     report = scan.report
     est_tokens = sum(spec.est_tokens for spec in scan.planner.finish())
     return {
@@ -41,9 +42,14 @@ def scan_file(key: str, endpoint: str) -> dict[str, Any]:
 @app.task(name=TASK_ESTIMATE, acks_late=False)
 def estimate_task(key: str, endpoint: str, reply_to: str, deadline: float) -> None:
     """Scan the file and answer the caller (``core.rpc.call``). Not redelivered after a
-    worker dies (``acks_late`` off): its caller has stopped waiting by then."""
+    worker dies (``acks_late`` off): its caller has stopped waiting by then. A scan whose
+    caller has gone (its deadline passed, before or while it reads) stops: a flood of
+    estimates nobody waits for does not keep the control worker reading files."""
     try:
-        payload: dict[str, Any] = {"ok": True, **scan_file(key, endpoint)}
+        payload: dict[str, Any] = {"ok": True, **scan_file(key, endpoint, deadline)}
+    except CallerGone as gone:
+        logger.warning("estimate of %s dropped: %s", key, gone)
+        return
     except Exception as exc:
         logger.exception("estimating %s failed", key)
         payload = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,16 +76,23 @@ class _Scan:
     prompt_tokens: int
 
 
-def scan_input(key: str, endpoint: str) -> _Scan:
+class CallerGone(TimeoutError):
+    """The caller of a scan stopped waiting for it: the rest of the file is not read."""
+
+
+def scan_input(key: str, endpoint: str, deadline: float | None = None) -> _Scan:
     """Stream the input file once as a whole: validate every line, count its tokens, plan the
     shards (what an estimate of the file reports; a batch's validation streams shards instead,
-    :mod:`worker.validation`)."""
+    :mod:`worker.validation`). Past ``deadline`` (unix seconds: when its caller stops
+    waiting) it stops with :class:`CallerGone`: nobody reads the rest of a file for nothing."""
     settings = get_settings()
     served = [m for m, spec in settings.models.items() if served_models.serves(spec, endpoint)]
     planner = ShardPlanner(settings.shard_max_tokens, settings.shard_max_requests)
     count = TokenCounter(served)
 
     def on_request(req: BatchRequest) -> None:
+        if deadline is not None and req.line % 256 == 0 and time.time() > deadline:
+            raise CallerGone(f"the caller stopped waiting at line {req.line}")
         planner.add(req.line, req.offset, req.length, count(req))
 
     with storage().reader(key) as stream:

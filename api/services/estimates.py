@@ -8,7 +8,11 @@ nothing is guessed, and nothing is created.
 
 from __future__ import annotations
 
+import collections
 import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -26,6 +30,33 @@ from core.settings import Settings
 log = logging.getLogger("batchd.api")
 
 
+_waiting: collections.Counter[str] = collections.Counter()  # estimates per tenant, now
+_waiting_lock = threading.Lock()
+
+
+@contextmanager
+def _estimate_slot(tenant: str, limit: int) -> Iterator[None]:
+    """One of the tenant's ``limit`` estimates at a time in this process, else 429: one
+    tenant's flood of estimates holds no more API threads or control-worker scans."""
+    with _waiting_lock:
+        if _waiting[tenant] >= limit:
+            raise APIError(
+                429,
+                f"This tenant already has {_waiting[tenant]} estimates waiting, the limit "
+                f"(max_estimates_per_tenant={limit}); wait for one to answer, then retry.",
+                code="too_many_estimates",
+                headers={"retry-after": "1"},
+            )
+        _waiting[tenant] += 1
+    try:
+        yield
+    finally:
+        with _waiting_lock:
+            _waiting[tenant] -= 1
+            if _waiting[tenant] <= 0:
+                del _waiting[tenant]
+
+
 def estimate_batch(
     session: Session, settings: Settings, caller: Caller, body: BatchCreate
 ) -> BatchEstimate:
@@ -35,7 +66,8 @@ def estimate_batch(
     input_file = batch_input_file(session, caller.tenant, body.input_file_id)
     key = input_file.storage_key
     session.commit()  # no connection held while the control worker reads the file
-    scan = _scan(key, body.endpoint, settings)
+    with _estimate_slot(caller.tenant, settings.max_estimates_per_tenant):
+        scan = _scan(key, body.endpoint, settings)
     return build_estimate(session, settings, body, caller.tenant, priority, seconds, scan)
 
 
