@@ -11,8 +11,10 @@ side in one run:
 3. **batchd**: the same requests as one batch through a running batchd (API, control worker,
    a dispatch worker, beat, on a fresh Postgres database and a private Redis) whose upstream
    model is the server, not told any concurrency: output tokens/s over the batch's dispatch
-   (``in_progress_at`` to ``finalizing_at``) and over create-to-completed, and its ratio to the
-   best fixed concurrency and to all at once.
+   (``in_progress_at`` to ``finalizing_at``) and over create-to-completed. On a shared machine
+   the load drifts, so batchd and the best fixed concurrency (the whole workload at the
+   sweep's best level) run in alternation, ``--rounds`` times; each round's ratio and their
+   median are printed, and all at once is run in the same rounds.
 4. **Live traffic**: a client sending one small streamed chat request every ``--live-every``
    seconds, its time to first token (p50, p99): alone; beside the batch sent all at once;
    beside the batch through batchd unguarded; beside it with the live-traffic guard
@@ -222,6 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--ttft-objective-ms", type=float, default=0.0,
                     help="the guard's TTFT p99 objective (default 1.5x the p99 alone)")  # fmt: skip
     ap.add_argument("--threads", type=int, default=2, help="the local server's threads")
+    ap.add_argument("--rounds", type=int, default=2, help="alternations of batchd and fixed")
     ap.add_argument("--no-batchd", action="store_true", help="the sweep and all-at-once only")
     ap.add_argument("--no-live", action="store_true", help="skip the live-traffic part")
     ap.add_argument("--json", help="write the figures here too")
@@ -293,8 +296,20 @@ def run(a: argparse.Namespace, base_url: str, model: str, work: Path) -> dict[st
     (work / "batchd").mkdir(exist_ok=True)
     with Run(work / "batchd") as service:
         batchd = Batchd(service, base_url, model, objective, a.key_env)
-        report["batchd"] = batchd.run_batch(PLAIN, bodies)
-        print(f"batchd: {report['batchd']}", flush=True)
+        rounds = report["rounds"] = []
+        for _ in range(max(1, a.rounds)):
+            fixed = asyncio.run(_send_all(base_url, bodies, best_c, headers))
+            ours = batchd.run_batch(PLAIN, bodies)
+            flood = asyncio.run(_send_all(base_url, bodies, len(bodies), headers))
+            rounds.append({"fixed": fixed, "batchd": ours, "all_at_once": flood,
+                           "ratio": ours["tokens_per_s"] / fixed["tokens_per_s"],
+                           "vs_all_at_once": ours["tokens_per_s"] / flood["tokens_per_s"]})  # fmt: skip
+            print(f"round: fixed {best_c} {fixed['tokens_per_s']:.1f}, batchd "
+                  f"{ours['tokens_per_s']:.1f}, all at once {flood['tokens_per_s']:.1f} tokens/s",
+                  flush=True)  # fmt: skip
+        report["batchd"] = rounds[-1]["batchd"]
+        report["ratio_median"] = statistics.median(r["ratio"] for r in rounds)
+        report["vs_all_at_once_median"] = statistics.median(r["vs_all_at_once"] for r in rounds)
         if not a.no_live:
             client = LiveClient(base_url, model, a.live_every, headers).start()
             report["batchd_beside_live"] = batchd.run_batch(PLAIN, bodies)
@@ -317,12 +332,18 @@ def print_report(r: dict[str, Any]) -> None:
     for c, res in r["sweep"].items():
         print(f"{c:>12} {res['tokens_per_s']:10.1f}", file=out)
     print(f"{'all at once':>12} {r['all_at_once']['tokens_per_s']:10.1f}", file=out)
-    if "batchd" in r:
-        b = r["batchd"]["tokens_per_s"]
-        print(f"{'batchd':>12} {b:10.1f}  = {b / best['tokens_per_s']:.2f}x the best fixed "
-              f"({best['concurrency']} in flight), {b / r['all_at_once']['tokens_per_s']:.2f}x all "
-              f"at once; create to completed {r['batchd']['tokens_per_s_create_to_completed']:.1f}",
-              file=out)  # fmt: skip
+    if "rounds" in r:
+        print(f"\nalternating rounds (the whole workload each; best fixed = {best['concurrency']} "
+              "in flight):", file=out)  # fmt: skip
+        print(f"{'round':>6} {'fixed':>8} {'batchd':>8} {'all-at-once':>12} {'batchd/fixed':>13} "
+              f"{'batchd/all':>11} {'batchd create->done':>20}", file=out)  # fmt: skip
+        for i, rd in enumerate(r["rounds"], 1):
+            print(f"{i:>6} {rd['fixed']['tokens_per_s']:8.1f} {rd['batchd']['tokens_per_s']:8.1f} "
+                  f"{rd['all_at_once']['tokens_per_s']:12.1f} {rd['ratio']:13.2f} "
+                  f"{rd['vs_all_at_once']:11.2f} "
+                  f"{rd['batchd']['tokens_per_s_create_to_completed']:20.1f}", file=out)  # fmt: skip
+        print(f"median batchd / best fixed: {r['ratio_median']:.2f}; batchd / all at once: "
+              f"{r['vs_all_at_once_median']:.2f}", file=out)  # fmt: skip
     live = r.get("live") or {}
     if live:
         print("\nlive traffic, time to first token:", file=out)

@@ -208,6 +208,14 @@ def test_a_batch_carries_the_servers_own_answers(fleet: Fleet) -> None:
         assert (
             body["choices"][0]["message"]["content"] == direct["choices"][0]["message"]["content"]
         )
+    # Results while running (the results route) and estimates serve it as any model.
+    page = fleet.http.get(f"/v1/batches/{batch_id}/results").json()
+    assert sorted(r["custom_id"] for r in page["data"]) == sorted(x["custom_id"] for x in lines)
+    estimate = fleet.http.post("/v1/batches/estimate", json={
+        "input_file_id": done["input_file_id"], "endpoint": "/v1/chat/completions",
+        "completion_window": "24h"})  # fmt: skip
+    assert estimate.status_code == 200, estimate.text
+    assert (estimate.json()["model"], estimate.json()["valid_requests"]) == (MODEL, 7)
     usage = done["usage"]
     assert usage["output_tokens"] == sum(
         line["response"]["body"]["usage"]["completion_tokens"] for line in out
