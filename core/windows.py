@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import re
 
+# Anchored for the OpenAPI schema's pattern; matched with fullmatch (``$`` alone would let a
+# trailing newline through: "24h\n").
 WINDOW = re.compile(r"^([1-9][0-9]{0,9})([smhd])$")
 UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
 def window_seconds(window: str) -> int | None:
     """``"24h"`` -> 86400; None when ``window`` is not ``<n>s|m|h|d``."""
-    match = WINDOW.match(window)
+    match = WINDOW.fullmatch(window)
     if not match:
         return None
     return int(match.group(1)) * UNIT_SECONDS[match.group(2)]
