@@ -9,6 +9,7 @@ passes (``engine.SamplingParams``) from keyword arguments.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -21,6 +22,8 @@ from core.results import (
     request_error_line,
     response_body,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class PromptError(ValueError):
@@ -277,10 +280,14 @@ def error_for_exception(req: BatchRequest, exc: BaseException) -> dict[str, Any]
         return error_record(req.custom_id, exc.code, exc.message, param=exc.param)
     if isinstance(exc, ValueError):
         return error_record(req.custom_id, getattr(exc, "code", None) or "invalid_value", str(exc))
+    # The exception's text stays in the worker's log (it may name paths and internals); the
+    # tenant's line says what kind of failure it was.
+    logger.warning("request %s failed: %r", req.custom_id, exc)
     return error_record(
         req.custom_id,
         "server_error",
-        f"The engine failed on this request: {exc}",
+        f"The engine failed on this request ({type(exc).__name__}); the service's logs have "
+        "the details",
         status_code=500,
         type="server_error",
     )

@@ -210,8 +210,8 @@ class GenerationHandler:
         return error_record(
             req.custom_id,
             "server_error",
-            f"The engine failed on this request ({tries} attempts, the last "
-            f"ones run alone): {cause!r}",
+            f"The engine failed on this request ({tries} attempts, the last ones run alone; "
+            f"{type(cause).__name__}: the worker's log has the details)",
             status_code=500,
             type="server_error",
         )

@@ -89,8 +89,9 @@ def _scan(key: str, endpoint: str, settings: Settings) -> dict[str, Any]:
             "The task broker is unavailable; please retry shortly.",
             code="broker_unavailable",
         ) from error
-    if not answer.get("ok"):
-        raise APIError(500, f"The file could not be read: {answer.get('error')}")
+    if not answer.get("ok"):  # the control worker logged why; internals stay there
+        log.error("estimate of %s failed: %s", key, answer.get("error"))
+        raise APIError(500, "The file could not be read; the service's logs have the details.")
     return answer
 
 

@@ -136,3 +136,19 @@ def test_prompt_ids_equal_the_tokenizers_own_encoding(load) -> None:
             tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         )
         assert prompt_token_ids(tok, chat) == expected, text
+
+
+def test_an_engine_failure_keeps_its_internals_out_of_the_tenants_line() -> None:
+    import json as _json
+
+    from core.batchfile import RawLine, parse_request
+    from core.generation import error_for_exception
+
+    text = _json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                        "body": {"model": "m", "prompt": "hi"}})  # fmt: skip
+    req = parse_request(RawLine(1, 0, len(text) + 1, text.encode()), endpoint="/v1/completions",
+                        served_models=None)  # fmt: skip
+    line = error_for_exception(req, RuntimeError("/srv/models/secret.gguf: CUDA error 700"))
+    message = line["response"]["body"]["error"]["message"]
+    assert "secret" not in message and "CUDA" not in message
+    assert "RuntimeError" in message and line["response"]["status_code"] == 500
