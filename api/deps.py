@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hmac
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Annotated, TypeVar
@@ -139,7 +141,7 @@ def _identify(request: Request, settings: Settings, session: Session) -> Caller:
             "You didn't provide an API key. You need to provide your API key in an "
             "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
         )
-    return identify_key(settings, session, presented)
+    return identify_throttled(request, settings, session, presented)
 
 
 def anonymous_admin(settings: Settings, request: Request) -> Caller:
@@ -187,7 +189,8 @@ def _stored_caller(row: ApiKey) -> Caller:
 
 
 def identify_key(settings: Settings, session: Session, presented: str) -> Caller:
-    """The caller a presented key stands for (static, admin or stored), or a 401."""
+    """The caller a presented key stands for (static, admin or stored), or a 401. Callers
+    with a request use :func:`identify_throttled`."""
     caller = _static_caller(settings, hash_key(presented))
     if caller is not None:
         return caller
@@ -208,6 +211,49 @@ def identify_digest(settings: Settings, session: Session, digest: str) -> Caller
 
 
 _buckets_lock = threading.Lock()
+
+
+_blocked: OrderedDict[str, float] = OrderedDict()  # client address -> blocked until
+_blocked_lock = threading.Lock()
+MAX_BLOCKED = 10_000
+
+
+def _auth_throttled(address: str, per_minute: int, wait: float) -> APIError:
+    return APIError(
+        429,
+        f"Too many wrong API keys from this address ({per_minute} a minute, "
+        f"auth_failures_per_minute). Retry in {retry_after_header(wait)} s.",
+        code="rate_limit_exceeded",
+        headers={"Retry-After": retry_after_header(wait)},
+    )
+
+
+def identify_throttled(
+    request: Request, settings: Settings, session: Session, presented: str
+) -> Caller:
+    """:func:`identify_key`, with each wrong key counted against the client's address: once
+    it has spent ``auth_failures_per_minute``, the address gets 429, without its key being
+    looked at, until its bucket has a token again (no guessing at line rate)."""
+    per_minute = settings.auth_failures_per_minute
+    address = request.client.host if request.client is not None else "unknown"
+    now = time.monotonic()
+    with _blocked_lock:
+        until = _blocked.get(address, 0.0)
+    if per_minute > 0 and until > now:
+        raise _auth_throttled(address, per_minute, until - now)
+    try:
+        return identify_key(settings, session, presented)
+    except APIError as refused:
+        if refused.status_code == 401 and per_minute > 0:
+            wait = rate_buckets(request, settings).take(f"authfail:{address}", per_minute)
+            if wait > 0:
+                with _blocked_lock:
+                    _blocked[address] = now + wait
+                    _blocked.move_to_end(address)
+                    while len(_blocked) > MAX_BLOCKED:
+                        _blocked.popitem(last=False)
+                raise _auth_throttled(address, per_minute, wait) from None
+        raise
 
 
 def rate_buckets(request: Request, settings: Settings) -> Buckets:

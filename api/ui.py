@@ -33,6 +33,7 @@ from api.deps import (
     anonymous_admin,
     identify_digest,
     identify_key,
+    identify_throttled,
     rate_buckets,
 )
 from api.errors import APIError
@@ -72,8 +73,10 @@ def ui_caller(request: Request, settings: SettingsDep, session: SessionDep) -> C
     presented = _bearer(request)
     if presented is not None:
         try:
-            return identify_key(settings, session, presented)
-        except APIError:
+            return identify_throttled(request, settings, session, presented)
+        except APIError as refused:
+            if refused.status_code == 429:
+                raise  # throttled: not a page that asks for another key
             return None
     token = request.cookies.get(SESSION_COOKIE)
     found = ui_session_key(session, token) if token else None

@@ -106,6 +106,9 @@ class Settings(BaseSettings):
 
     # Quotas and backpressure.
     rate_limit_per_minute: int = 600  # API requests per key; 0 disables
+    # Failed authentications (a wrong key) per client address per minute, on every path that
+    # takes a key; past it the address gets 429 until its bucket refills. 0 disables.
+    auth_failures_per_minute: int = Field(default=30, ge=0)
     max_unfinished_batches_per_tenant: int = 100
     # Prompt tokens enqueued per tenant and model across unfinished batches (OpenAI's batch
     # queue limit); a batch that would exceed it fails validation with token_limit_exceeded.

@@ -97,3 +97,17 @@ def test_rate_limit_without_redis_is_in_process(start_server, tmp_path, closed_p
 def test_rate_limit_zero_disables_it(start_server):
     server = start_server(BATCHD_RATE_LIMIT_PER_MINUTE="0")
     assert {_hit(server)[0] for _ in range(20)} == {200}
+
+
+def test_wrong_keys_are_throttled_per_address(start_server, api_key):
+    """Guessing keys at line rate: after auth_failures_per_minute wrong keys an address gets
+    429 on every path that takes a key, even with a right key, until its bucket refills."""
+    server = start_server(BATCHD_AUTH_FAILURES_PER_MINUTE="3", BATCHD_RATE_LIMIT_PER_MINUTE="0")
+    with server.http(api_key="sk-guess-0000") as guess:
+        assert [guess.get("/v1/models").status_code for _ in range(3)] == [401, 401, 401]
+        refused = guess.get("/v1/models")
+        assert refused.status_code == 429
+        assert int(refused.headers["retry-after"]) >= 1
+        assert guess.get("/ui/data").status_code == 429  # the dashboard's bearer path too
+    with server.http(api_key=api_key) as right:
+        assert right.get("/v1/models").status_code == 429  # not looked at while blocked
