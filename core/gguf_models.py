@@ -10,11 +10,14 @@ The first load de-quantises the file through transformers (``from_pretrained(dir
 gguf_file=...)``, which needs the ``gguf`` and ``accelerate`` packages) into float32, which
 holds every de-quantised weight exactly, and writes an ordinary safetensors model directory
 with its tokenizer and chat template to the model cache (``$BATCHD_MODEL_CACHE``, default
-``~/.cache/batchd/models``), named after the file and keyed by its size, modification time and
-the SHA-256 of its first and last MiB. Later loads read that directory like any other (seconds,
-not the ~20 s of de-quantising). The directory is written under a temporary name and renamed
-when complete, under a lock file, so a crash mid-write never leaves half a cache and two
-processes never convert the same file at once.
+``~/.cache/batchd/models``), named after the file and keyed by the SHA-256 of its whole content
+(computed once, then remembered by the file's device, inode, size, modification and change
+times in the cache's ``.digests.json``: a file replaced by another of the same size and times,
+as ``cp -p`` or an image layer leaves it, is another entry). Later loads read that directory
+like any other (seconds, not the ~20 s of de-quantising). The directory is written under a
+temporary name, its files synced to disk, and renamed when complete, under a lock file, so a
+crash mid-write (or a power loss after it) never leaves half a cache and two processes never
+convert the same file at once.
 
 A missing file, a file that is not GGUF, a GGUF of an architecture transformers cannot read,
 or a corrupt one (unreadable, or weights that de-quantise to non-finite values) raises
@@ -47,7 +50,8 @@ GGUF_MAGIC = b"GGUF"
 DTYPE = "float32"  # de-quantised weights are exact in float32; the engine casts on load
 CONVERSION_VERSION = 1  # bump when the conversion changes, so cached directories are redone
 MARKER = "batchd-gguf.json"  # written last: a directory holding it is a complete conversion
-_SAMPLE = 1 << 20
+_READ = 1 << 20
+DIGESTS = ".digests.json"  # file identity -> content digest, in the cache root
 
 
 class ModelSourceError(ValueError):
@@ -98,17 +102,52 @@ def is_gguf(spec: str) -> bool:
         return True  # a package with several files: reported when the model loads
 
 
-def source_key(path: Path) -> str:
-    """A cheap identity of the file: its size, modification time and the SHA-256 of its first
-    and last MiB (reads 2 MiB, whatever the file's size)."""
+def source_key(path: Path, root: Path | None = None) -> str:
+    """The SHA-256 of the file's whole content (16 hex digits), read once per version of the
+    file: remembered in ``root``'s digest index under the file's identity (device, inode,
+    size, modification and change times; the change time cannot be set back by anyone)."""
     st = path.stat()
-    digest = hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}:".encode())
+    identity = f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+    index_path = (Path(root) if root else cache_root()) / DIGESTS
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, ValueError):
+        index = {}
+    entry = index.get(str(path.resolve())) if isinstance(index, dict) else None
+    if isinstance(entry, dict) and entry.get("identity") == identity:
+        return str(entry["digest"])
+    digest = hashlib.sha256()
     with path.open("rb") as fh:
-        digest.update(fh.read(_SAMPLE))
-        if st.st_size > _SAMPLE:
-            fh.seek(max(st.st_size - _SAMPLE, _SAMPLE))
-            digest.update(fh.read(_SAMPLE))
-    return digest.hexdigest()[:16]
+        while block := fh.read(_READ):
+            digest.update(block)
+    key = digest.hexdigest()[:16]
+    index = index if isinstance(index, dict) else {}
+    index[str(path.resolve())] = {"identity": identity, "digest": key}
+    try:  # best effort: a lost entry only means the file is read again
+        index_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = index_path.with_name(f"{DIGESTS}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(index))
+        tmp.replace(index_path)
+    except OSError:
+        logger.warning("could not remember the digest of %s in %s", path, index_path)
+    return key
+
+
+def _sync_tree(directory: Path) -> None:
+    """fsync every file under ``directory`` and the directories themselves."""
+    for sub, _dirs, files in os.walk(directory):
+        for name in files:
+            with open(os.path.join(sub, name), "rb") as fh:
+                os.fsync(fh.fileno())
+        _sync_dir(Path(sub))
+
+
+def _sync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def check_file(path: Path) -> None:
@@ -131,7 +170,7 @@ def cached_dir(path: Path, root: Path | None = None) -> Path:
     root = Path(root) if root else cache_root()
     # The directory is written by this transformers major version (its tokenizer files are).
     transformers_major = importlib.metadata.version("transformers").split(".")[0]
-    name = f"gguf-{path.stem}-{source_key(path)}-v{CONVERSION_VERSION}-tf{transformers_major}"
+    name = f"gguf-{path.stem}-{source_key(path, root)}-v{CONVERSION_VERSION}-tf{transformers_major}"
     return root / name
 
 
@@ -170,7 +209,9 @@ def converted_dir(
                 seconds=round(time.monotonic() - started, 1),
             )
             (tmp / MARKER).write_text(json.dumps(info, indent=2) + "\n")
+            _sync_tree(tmp)  # durable before it is named: a power loss never leaves half
             tmp.rename(target)
+            _sync_dir(target.parent)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         say(

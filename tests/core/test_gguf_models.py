@@ -14,6 +14,11 @@ from core.gguf_models import ModelSourceError
 from core.served_models import kind_of, serves
 
 
+def _bookkeeping(path: Path) -> bool:
+    """The cache's lock files and digest index, not entries."""
+    return path.name.endswith(".lock") or path.name == gguf_models.DIGESTS
+
+
 def _fake_gguf(path: Path, payload: bytes = b"\0" * 64) -> Path:
     path.write_bytes(gguf_models.GGUF_MAGIC + payload)
     return path
@@ -35,7 +40,7 @@ def test_specs_that_name_a_gguf_file(tmp_path: Path) -> None:
 def test_cache_is_written_atomically_and_reused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    source = _fake_gguf(tmp_path / "model.gguf")
+    source = _fake_gguf(tmp_path / "model.gguf", b"\0" * (3 << 20))  # past its first+last MiB
     root = tmp_path / "cache"
     calls = []
 
@@ -47,7 +52,7 @@ def test_cache_is_written_atomically_and_reused(
     monkeypatch.setattr(gguf_models, "_convert", crash)
     with pytest.raises(OSError, match="disk full"):
         gguf_models.converted_dir(source, root=root)
-    assert [p.name for p in root.iterdir() if not p.name.endswith(".lock")] == []
+    assert [p.name for p in root.iterdir() if not _bookkeeping(p)] == []
 
     def convert(path: Path, out: Path) -> dict:
         calls.append(path)
@@ -58,17 +63,28 @@ def test_cache_is_written_atomically_and_reused(
     monkeypatch.setattr(gguf_models, "_convert", convert)
     target = gguf_models.converted_dir(source, root=root, say=said.append)
     assert target.parent == root and (target / "config.json").exists()
-    assert [p for p in root.iterdir() if not p.name.endswith(".lock")] == [target]
+    assert [p for p in root.iterdir() if not _bookkeeping(p)] == [target]
     info = gguf_models.conversion_info(target)
     assert info["source"] == str(source) and info["dtype"] == "float32"
     assert str(target) in said[0] and "float32" in said[0] and len(said) == 2
     assert oct(target.stat().st_mode & 0o777) == oct(0o755)
 
-    # Cached: not converted again; a changed file is another cache entry.
+    # Cached: not converted again, even with new times (the same content); a file replaced by
+    # another of the same size and times (cp -p, an image layer) is another cache entry.
     assert gguf_models.converted_dir(source, root=root) == target
     assert len(calls) == 2
     st = source.stat()
     os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    assert gguf_models.converted_dir(source, root=root) == target
+    assert len(calls) == 2
+    st = source.stat()
+    data = bytearray(source.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # the middle: neither the first nor the last MiB
+    replacement = tmp_path / "replacement.gguf"
+    replacement.write_bytes(bytes(data))
+    os.utime(replacement, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.replace(replacement, source)
+    assert source.stat().st_size == st.st_size and source.stat().st_mtime_ns == st.st_mtime_ns
     assert gguf_models.converted_dir(source, root=root) != target
     assert len(calls) == 3
 
@@ -98,7 +114,7 @@ def test_bad_files_give_one_clear_error(tmp_path: Path) -> None:
     writer.close()
     with pytest.raises(ModelSourceError, match=f"GGUF file {other}: .*rwkv7"):
         gguf_models.converted_dir(other, root=tmp_path / "cache")
-    assert [p for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")] == []
+    assert [p for p in (tmp_path / "cache").iterdir() if not _bookkeeping(p)] == []
 
 
 def test_worker_refuses_a_model_whose_file_is_bad(
