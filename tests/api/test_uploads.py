@@ -185,3 +185,27 @@ def test_cancel_and_expiry_drop_the_parts(server: Server, pg_url: str, make_key)
     other = server.client(api_key=make_key())  # another tenant cannot see it at all
     with pytest.raises(NotFoundError):
         other.uploads.parts.create(expiring.id, data=b"x")
+
+
+def test_the_cli_client_sends_a_file_larger_than_a_part_through_uploads(
+    server: Server, tmp_path: Path, pg_url: str
+) -> None:
+    from sqlalchemy import create_engine, text
+
+    from cli.client import BatchdClient
+
+    data = jsonl([chat_line(f"r{i}", f"hello {i}") for i in range(40)])
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(data)
+    with BatchdClient(f"{server.url}/v1", server.api_key) as client:
+        uploaded = client.upload_file(path, part_bytes=1000)
+        assert uploaded["bytes"] == len(data) and uploaded["filename"] == "in.jsonl"
+        assert client.file_content(uploaded["id"]) == data
+    assert _stored_parts(server) == []
+    engine = create_engine(pg_url)
+    with engine.connect() as connection:
+        status = connection.scalar(
+            text("SELECT status FROM uploads WHERE file_id = :f"), {"f": uploaded["id"]}
+        )
+    engine.dispose()
+    assert status == "completed"  # it went through the Uploads API, not one POST /v1/files
