@@ -36,8 +36,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     configure_process(settings.log_format, UVICORN_LOGGERS)
     app.include_router(health.router)
     routers = (files.router, batches.router, batch_results.router, models.router)
-    for router in (*routers, uploads.router, anthropic.router):
+    for router in (*routers, uploads.router):
         app.include_router(router, prefix=API_PREFIX)
+    # Not in the OpenAPI document, which describes the OpenAI-shaped API and its error
+    # envelope: these routes follow Anthropic's published API instead.
+    app.include_router(anthropic.router, prefix=API_PREFIX, include_in_schema=False)
     app.include_router(estimate_router, prefix=API_PREFIX)
     ui.install(app)
     log_context.install(app)

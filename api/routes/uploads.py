@@ -26,7 +26,7 @@ class UploadCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     filename: str = Field(min_length=1, max_length=1024)
-    purpose: str = Field(max_length=64)
+    purpose: Literal["batch"]
     bytes: int = Field(ge=1, le=uploads.MAX_UPLOAD_BYTES)
     mime_type: str = Field(max_length=128)
 
@@ -98,9 +98,26 @@ def _check_pending(database_url: str, tenant: str, upload: str) -> None:
         uploads.pending_upload(session, tenant, upload)
 
 
+_PART_SCHEMA = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["data"],
+                    "properties": {"data": {"type": "string", "format": "binary"}},
+                }
+            }
+        },
+    }
+}
+
+
 @router.post(
     "/{upload_id}/parts",
     response_model=UploadPartPublic,
+    openapi_extra=_PART_SCHEMA,
     responses=error_responses(400, 404, 413),
     summary="Add a part to an upload (multipart field 'data', at most 64 MB)",
 )
