@@ -10,10 +10,11 @@ from fastapi import FastAPI
 from api import errors, log_context, metrics, ui
 from api.limits import auth_enabled
 from api.local import check_auth_off_is_local
-from api.routes import batch_results, batches, files, health, models
+from api.routes import anthropic, batch_results, batches, files, health, models, uploads
 from api.routes.batch_estimate import router as estimate_router
 from core.logs import configure_process
 from core.settings import Settings, get_settings
+from core.version import version
 
 API_PREFIX = "/v1"
 UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
@@ -24,7 +25,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     check_auth_off_is_local(settings, auth_enabled(settings))
     app = FastAPI(
         title="batchd",
-        version="0.1.0",
+        version=version(),
         description="Self-hosted, OpenAI-compatible batch inference: the Files, Batches and "
         'Models APIs. Errors use OpenAI\'s envelope `{"error": {message, type, param, code}}`.',
     )
@@ -34,8 +35,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     metrics.install(app, settings)
     configure_process(settings.log_format, UVICORN_LOGGERS)
     app.include_router(health.router)
-    for router in (files.router, batches.router, batch_results.router, models.router):
+    routers = (files.router, batches.router, batch_results.router, models.router)
+    for router in (*routers, uploads.router):
         app.include_router(router, prefix=API_PREFIX)
+    # Not in the OpenAPI document, which describes the OpenAI-shaped API and its error
+    # envelope: these routes follow Anthropic's published API instead.
+    app.include_router(anthropic.router, prefix=API_PREFIX, include_in_schema=False)
     app.include_router(estimate_router, prefix=API_PREFIX)
     ui.install(app)
     log_context.install(app)

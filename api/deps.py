@@ -136,6 +136,9 @@ def _identify(request: Request, settings: Settings, session: Session) -> Caller:
     header = request.headers.get("authorization", "")
     scheme, _, presented = header.partition(" ")
     presented = presented.strip()
+    if not header and (api_key := request.headers.get("x-api-key", "").strip()):
+        # Anthropic's SDK sends its key in x-api-key; the key is the same either way.
+        scheme, presented = "bearer", api_key
     if scheme.lower() != "bearer" or not presented:
         raise _unauthorized(
             "You didn't provide an API key. You need to provide your API key in an "

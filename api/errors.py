@@ -85,6 +85,34 @@ def envelope(
     return JSONResponse(body, status_code=status_code, headers=headers)
 
 
+#: Anthropic's ``error.type`` for each status code (the Messages routes answer in its envelope).
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+ANTHROPIC_PATHS = "/v1/messages"
+
+
+def respond(request: Request, status_code: int, message: str, **fields: Any) -> JSONResponse:
+    """The error in the envelope the route's clients read: Anthropic's
+    ``{"type": "error", "error": {"type", "message"}}`` under ``/v1/messages``, else OpenAI's."""
+    if not request.url.path.startswith(ANTHROPIC_PATHS):
+        return envelope(status_code, message, **fields)
+    body = {
+        "type": "error",
+        "error": {
+            "type": ANTHROPIC_ERROR_TYPES.get(status_code, "api_error"),
+            "message": message,
+        },
+    }
+    return JSONResponse(body, status_code=status_code, headers=fields.get("headers"))
+
+
 def _param_from_loc(loc: tuple[Any, ...]) -> str | None:
     """``("body", "metadata", "k")`` -> ``metadata.k``; the request part (body, query…) is dropped."""
     parts = [str(p) for p in loc]
@@ -111,8 +139,9 @@ def is_database_unavailable(error: BaseException) -> bool:
 
 def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_request: Request, error: APIError) -> JSONResponse:
-        return envelope(
+    async def _api_error(request: Request, error: APIError) -> JSONResponse:
+        return respond(
+            request,
             error.status_code,
             error.message,
             type=error.type,
@@ -122,18 +151,19 @@ def install(app: FastAPI) -> None:
         )
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_request: Request, error: RequestValidationError) -> JSONResponse:
+    async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
         errors = list(error.errors())
         first = errors[0] if errors else {}
         param = _param_from_loc(tuple(first.get("loc", ())))
-        return envelope(400, _validation_message(first, param), param=param)
+        return respond(request, 400, _validation_message(first, param), param=param)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_request: Request, error: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         message = error.detail if isinstance(error.detail, str) else "Request failed."
         if error.status_code == 404 and message == "Not Found":
             message = "Unknown request URL. Please check the URL and method."
-        return envelope(error.status_code, message, headers=getattr(error, "headers", None))
+        headers = getattr(error, "headers", None)
+        return respond(request, error.status_code, message, headers=headers)
 
     @app.exception_handler(sa_exc.SQLAlchemyError)
     async def _database_error(request: Request, error: sa_exc.SQLAlchemyError) -> JSONResponse:
@@ -141,11 +171,11 @@ def install(app: FastAPI) -> None:
             log.warning(
                 "database unavailable on %s %s: %s", request.method, request.url.path, error
             )
-            return envelope(503, DATABASE_UNAVAILABLE, code="database_unavailable")
+            return respond(request, 503, DATABASE_UNAVAILABLE, code="database_unavailable")
         log.exception("database error on %s %s", request.method, request.url.path)
-        return envelope(500, "The server had an error while processing your request.")
+        return respond(request, 500, "The server had an error while processing your request.")
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, error: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return envelope(500, "The server had an error while processing your request.")
+        return respond(request, 500, "The server had an error while processing your request.")

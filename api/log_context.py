@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from api.services.common import could_be_id
+from core import request_ids
 from core.logs import bind_log_context, log_context
 
 BATCHES_PREFIX = "/v1/batches/"
@@ -43,9 +44,17 @@ def batch_in_path(path: str) -> str | None:
     return candidate if could_be_id(candidate) else None
 
 
+def _header(scope: dict[str, Any], name: bytes) -> str | None:
+    for key, value in scope.get("headers", []):
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
 class BatchLogContext:
-    """ASGI middleware: the request's batch id (from the path, or bound by the route) in the
-    log context of everything that serves the request."""
+    """ASGI middleware: the request's batch id (from the path, or bound by the route) and its
+    ``x-request-id`` (the caller's, or a new one, returned on the response) in the log
+    context of everything that serves the request and in the tasks it enqueues."""
 
     def __init__(self, app: Any):
         self.app = app
@@ -56,15 +65,20 @@ class BatchLogContext:
             return
         learned: dict[str, str] = {}
         path_batch = batch_in_path(scope.get("path", ""))
+        request_id = request_ids.accepted_or_new(_header(scope, b"x-request-id"))
 
         async def send_with_ids(message: dict[str, Any]) -> None:
             if "batch_id" in learned:
                 bind_log_context(batch_id=learned["batch_id"])  # for uvicorn's access line
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                headers.append((b"x-request-id", request_id.encode("ascii")))
+                message = {**message, "headers": headers}
             await send(message)
 
         token = _learned.set(learned)
         try:
-            with log_context(batch_id=path_batch):
+            with log_context(batch_id=path_batch, http_request_id=request_id):
                 await self.app(scope, receive, send_with_ids)
         finally:
             _learned.reset(token)

@@ -51,11 +51,11 @@ def _slots() -> anyio.CapacityLimiter:
     return _upload_slots
 
 
-def too_large(limit: int) -> APIError:
+def too_large(limit: int, file_field: str = FILE_FIELD) -> APIError:
     return APIError(
         413,
         f"The uploaded file exceeds the maximum size of {limit} bytes.",
-        param=FILE_FIELD,
+        param=file_field,
         code="file_too_large",
     )
 
@@ -93,8 +93,11 @@ class Upload:
 class _Ingest:
     """python-multipart callbacks that route the file part into a storage writer."""
 
-    def __init__(self, stack: ExitStack, storage: Storage, key: str, max_bytes: int) -> None:
+    def __init__(
+        self, stack: ExitStack, storage: Storage, key: str, max_bytes: int, file_field: str
+    ) -> None:
         self.stack = stack
+        self.file_field = file_field
         self.storage = storage
         self.key = key
         self.max_bytes = max_bytes
@@ -147,9 +150,9 @@ class _Ingest:
                 "Each multipart part needs a 'Content-Disposition: form-data; name=...' header."
             )
         name = options[b"name"].decode("utf-8", "replace")
-        if name == FILE_FIELD:
+        if name == self.file_field:
             if self._out is not None:
-                raise invalid_request("Send exactly one 'file' part.", param=FILE_FIELD)
+                raise invalid_request(f"Send exactly one '{name}' part.", param=self.file_field)
             raw_name = options.get(b"filename", b"").decode("utf-8", "replace")
             self.result.filename = sanitize_filename(raw_name)
             self._out = self.stack.enter_context(self.storage.writer(self.key))
@@ -161,7 +164,7 @@ class _Ingest:
         if self._in_file and self._out is not None:
             self.result.bytes += end - start
             if self.result.bytes > self.max_bytes:
-                raise too_large(self.max_bytes)
+                raise too_large(self.max_bytes, self.file_field)
             self._out.write(data[start:end])
         elif self._field_name is not None:
             if len(self._field_value) + (end - start) > MAX_FIELD_BYTES:
@@ -229,8 +232,9 @@ async def receive_upload(
     key: str,
     max_bytes: int,
     finish: Callable[[Upload], None],
+    file_field: str = FILE_FIELD,
 ) -> Upload:
-    """Parse the body and stream its file part to ``key``.
+    """Parse the body and stream its file part (the form field ``file_field``) to ``key``.
 
     ``finish(upload)`` runs (in a worker thread) after the whole body is parsed and before the
     object is committed: raising there (an invalid field) discards the stored bytes.
@@ -249,12 +253,12 @@ async def receive_upload(
             return None
         received += len(chunk)
         if received > body_limit:
-            raise too_large(max_bytes)
+            raise too_large(max_bytes, file_field)
         return chunk
 
     def ingest(receive: Callable[[], Awaitable[bytes | None]]) -> Upload:
         with ExitStack() as stack:
-            sink = _Ingest(stack, storage, key, max_bytes)
+            sink = _Ingest(stack, storage, key, max_bytes, file_field)
             parser = _parser(boundary, sink.callbacks())
             while (chunk := anyio.from_thread.run(receive)) is not None:
                 if chunk:
@@ -267,7 +271,9 @@ async def receive_upload(
             if not sink.ended:
                 raise invalid_request("The multipart body ended before its closing boundary.")
             if sink.result.filename is None:
-                raise invalid_request("Missing required parameter: 'file'.", param=FILE_FIELD)
+                raise invalid_request(
+                    f"Missing required parameter: '{file_field}'.", param=file_field
+                )
             finish(sink.result)
             return sink.result
 

@@ -7,6 +7,7 @@ and no silent retries that would hide a server that is down.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,6 +18,9 @@ import httpx
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
 _DOWNLOAD_CHUNK = 1 << 16
+#: Files larger than this go through the Uploads API, a part of this size at a time (the
+#: largest part the API takes).
+UPLOAD_PART_BYTES = 64 * 1024 * 1024
 
 
 class ClientError(Exception):
@@ -130,8 +134,14 @@ class BatchdClient:
 
     # ------------------------------------------------------------------ files
 
-    def upload_file(self, path: Path, *, purpose: str = "batch") -> dict[str, Any]:
-        """Upload ``path`` (streamed from disk by httpx's multipart encoder)."""
+    def upload_file(
+        self, path: Path, *, purpose: str = "batch", part_bytes: int = UPLOAD_PART_BYTES
+    ) -> dict[str, Any]:
+        """Upload ``path``: in one request (streamed from disk by httpx's multipart encoder),
+        or, when it is larger than one part, through the Uploads API, a part at a time."""
+        size = path.stat().st_size
+        if size > part_bytes:
+            return self._upload_in_parts(path, size, purpose, part_bytes)
         with open(path, "rb") as fh:
             return self._request(
                 "POST",
@@ -139,6 +149,37 @@ class BatchdClient:
                 data={"purpose": purpose},
                 files={"file": (path.name, fh, "application/jsonl")},
             )
+
+    def _upload_in_parts(
+        self, path: Path, size: int, purpose: str, part_bytes: int
+    ) -> dict[str, Any]:
+        """The Uploads API: create, add the parts in order, complete with the file's MD5 (the
+        client holds one part in memory at a time)."""
+        upload = self._request(
+            "POST",
+            "uploads",
+            json={
+                "filename": path.name,
+                "purpose": purpose,
+                "bytes": size,
+                "mime_type": "application/jsonl",
+            },
+        )
+        digest = hashlib.md5(usedforsecurity=False)
+        part_ids: list[str] = []
+        with open(path, "rb") as fh:
+            while chunk := fh.read(part_bytes):
+                digest.update(chunk)
+                part = self._request(
+                    "POST", f"uploads/{upload['id']}/parts", files={"data": ("part", chunk)}
+                )
+                part_ids.append(part["id"])
+        done = self._request(
+            "POST",
+            f"uploads/{upload['id']}/complete",
+            json={"part_ids": part_ids, "md5": digest.hexdigest()},
+        )
+        return done["file"]
 
     def download_file(self, file_id: str, destination: Path) -> int:
         """Stream a file's content to ``destination`` (written whole or not at all); returns

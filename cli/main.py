@@ -27,8 +27,30 @@ app = typer.Typer(
     help="Self-hosted, OpenAI-compatible batch inference.",
     epilog=exit_codes_help(),
     no_args_is_help=True,
-    add_completion=False,
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from core.version import version
+
+        typer.echo(f"batchd {version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    _version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            callback=_print_version,
+            is_eager=True,
+            help="Print batchd's version and exit.",
+        ),
+    ] = False,
+) -> None:
+    """Self-hosted, OpenAI-compatible batch inference."""
 
 
 def development_key(settings) -> str | None:

@@ -2,8 +2,10 @@
 
 Code that works on a batch, a shard or a request wraps that work in :func:`log_context`; a
 :class:`ContextFilter` on the process's handlers copies the ids into every record logged
-meanwhile (``record.batch_id``, ``record.shard_id``, ``record.request_id``), so one batch can
-be followed across the API, the control worker and the model workers by filtering on its id.
+meanwhile (``record.batch_id``, ``record.shard_id``, ``record.request_id`` — the batch line —
+and ``record.http_request_id`` — the API call's ``x-request-id``, see :mod:`core.request_ids`),
+so one batch or one call can be followed across the API, the control worker and the model
+workers by filtering on its id.
 Context variables follow the code, not the process: each thread and each asyncio task has its
 own, so concurrent shards never mix their ids.
 
@@ -22,7 +24,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-CONTEXT_FIELDS = ("batch_id", "shard_id", "request_id")
+CONTEXT_FIELDS = ("batch_id", "shard_id", "request_id", "http_request_id")
 _vars: dict[str, contextvars.ContextVar[Any]] = {
     name: contextvars.ContextVar(name, default=None) for name in CONTEXT_FIELDS
 }

@@ -307,3 +307,54 @@ class UpstreamMember(Base):
     latency_s: Mapped[float] = mapped_column(Float, default=0.0)
     busy_s: Mapped[float] = mapped_column(Float, default=0.0)
     overloads: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class MessageBatch(Base):
+    """An Anthropic Message Batch: the batch (``batch_id``) that runs its servable requests,
+    and what the Messages API shows beyond it. ``custom_ids`` holds every request's id in the
+    order it was sent; ``unservable`` the requests decided ``errored`` at create, as
+    ``{position: {"type", "message"}}``; ``counts`` the final request counts, once ended."""
+
+    __tablename__ = "message_batches"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(64), index=True)
+    batch_id: Mapped[str | None] = mapped_column(
+        ForeignKey("batches.id", ondelete="SET NULL"), nullable=True
+    )
+    custom_ids: Mapped[list[str]] = mapped_column(JSON)
+    unservable: Mapped[dict[str, dict[str, str]]] = mapped_column(JSON)
+    counts: Mapped[dict[str, int] | None] = mapped_column(JSON, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(Timestamp, server_default=func.now())
+    expires_at: Mapped[datetime] = mapped_column(Timestamp)
+    cancel_initiated_at: Mapped[datetime | None] = mapped_column(Timestamp, nullable=True)
+    ended_at: Mapped[datetime | None] = mapped_column(Timestamp, nullable=True)
+
+
+class Upload(Base):
+    """An OpenAI Upload: a file sent in parts, which becomes an ordinary file on complete."""
+
+    __tablename__ = "uploads"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(64), index=True)
+    filename: Mapped[str] = mapped_column(String(512))
+    purpose: Mapped[str] = mapped_column(String(32))
+    mime_type: Mapped[str] = mapped_column(String(128))
+    bytes: Mapped[int] = mapped_column(BigInteger)  # as declared at create
+    status: Mapped[str] = mapped_column(String(16))  # pending | completed | cancelled | expired
+    file_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(Timestamp, server_default=func.now())
+    expires_at: Mapped[datetime] = mapped_column(Timestamp, index=True)
+
+
+class UploadPart(Base):
+    """One part of an upload, stored as its own object until the upload completes."""
+
+    __tablename__ = "upload_parts"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    upload_id: Mapped[str] = mapped_column(ForeignKey("uploads.id", ondelete="CASCADE"), index=True)
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    storage_key: Mapped[str] = mapped_column(String(512))
+    created_at: Mapped[datetime] = mapped_column(Timestamp, server_default=func.now())

@@ -7,6 +7,10 @@ import re
 from functools import lru_cache
 from typing import Any
 
+# Every process that enqueues or runs tasks imports this module; with it come the task
+# signals that carry an API call's x-request-id into the log lines of the tasks it caused.
+from core import request_ids
+
 TASK_VALIDATE = "batchd.validate_batch"
 TASK_RUN_SHARD = "batchd.run_shard"
 TASK_FINALIZE = "batchd.finalize_batch"
@@ -69,7 +73,9 @@ def enqueue(
         from core.settings import get_settings
 
         broker_url = get_settings().broker_url
-    _producer(broker_url).send_task(task, args=list(args), queue=queue, countdown=countdown)
+    _producer(broker_url).send_task(
+        task, args=list(args), queue=queue, countdown=countdown, headers=request_ids.headers()
+    )
 
 
 def engine_stats(broker_url: str, timeout: float = 1.0) -> list[dict[str, Any]]:

@@ -141,3 +141,45 @@ def test_an_unhandled_error_is_logged_with_its_batch(service_env: dict[str, str]
     records = [json.loads(line) for line in stream.getvalue().splitlines()]
     unhandled = [r for r in records if r["message"].startswith("unhandled error")]
     assert [r.get("batch_id") for r in unhandled] == ["batch_x1"], records
+
+
+def test_x_request_id_is_returned_logged_and_sent_with_the_tasks(
+    json_server: Server, redis_url: str
+) -> None:
+    """A caller's x-request-id comes back on the response and is on every line the call
+    logged (uvicorn's access line included) and on the task message it enqueued; a call
+    without one (or with one unfit for a log line) gets a fresh ``req_…``."""
+    import redis
+
+    from core.queue import CONTROL_QUEUE
+
+    http = json_server.http()
+    data = json.dumps(chat_line("a", "hello")).encode() + b"\n"
+    upload = http.post(
+        "/v1/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", io.BytesIO(data))}
+    )
+    generated = upload.headers["x-request-id"]
+    assert generated.startswith("req_") and len(generated) > 20
+    created = http.post(
+        "/v1/batches",
+        headers={"x-request-id": "trace-7f3a"},
+        json={
+            "input_file_id": upload.json()["id"],
+            "endpoint": "/v1/chat/completions",
+            "completion_window": "24h",
+        },
+    )
+    assert created.status_code == 200 and created.headers["x-request-id"] == "trace-7f3a"
+    unfit = http.get("/v1/models", headers={"x-request-id": "two words " + "x" * 200})
+    assert unfit.headers["x-request-id"].startswith("req_")
+
+    records = _records(json_server)
+    batch = created.json()["id"]
+    mine = [r for r in records if r.get("http_request_id") == "trace-7f3a"]
+    assert any(r["message"].startswith(f"batch {batch} created") for r in mine), records
+    assert _access(mine, "POST /v1/batches"), records
+    assert any(r.get("http_request_id") == generated for r in _access(records, "POST /v1/files"))
+
+    messages = [json.loads(m) for m in redis.Redis.from_url(redis_url).lrange(CONTROL_QUEUE, 0, -1)]
+    sent = [m["headers"] for m in messages if batch in str(m["headers"].get("argsrepr"))]
+    assert [h.get("x_request_id") for h in sent] == ["trace-7f3a"], messages

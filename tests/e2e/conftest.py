@@ -38,7 +38,13 @@ def _own_redis_db(redis_url: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def stack(pg_url: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def stack(
+    request: pytest.FixtureRequest,
+    pg_url: str,
+    redis_url: str,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Stack]:
+    """The service, with the module's ``STACK_ENV`` (if any) added to its environment."""
     import httpx
     import redis
     from openai import OpenAI
@@ -62,6 +68,7 @@ def stack(pg_url: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory)
         # A small running batch keeps long workloads long enough to cancel or expire mid-way.
         # Arrival order (not longest-first) so the quick requests at the head finish first.
         BATCHD_ENGINE_OPTIONS=json.dumps({"max_num_seqs": 4, "admission": "fcfs"}),
+        **getattr(request.module, "STACK_ENV", {}),
     )
     procs = Procs(root)
     try:
