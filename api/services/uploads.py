@@ -183,7 +183,7 @@ def complete(
         tenant, new_id, row.purpose, row.filename, total, key, settings.file_expiry_s
     )
     try:
-        _join(storage, key, [parts[p].storage_key for p in part_ids], md5)
+        join_parts(storage, key, [parts[p].storage_key for p in part_ids], md5)
         files.record_upload(settings.database_url, storage, file_row)
     except BaseException:
         session.rollback()
@@ -206,7 +206,7 @@ def _claim(session: Session, upload: str, expected: str, status: str) -> bool:
     return bool(won)
 
 
-def _join(storage: Storage, key: str, sources: list[str], md5: str | None) -> None:
+def join_parts(storage: Storage, key: str, sources: list[str], md5: str | None) -> None:
     """Write the ``sources`` one after another to ``key``, a chunk at a time; if ``md5`` is
     given and differs, leave the writer by an exception, which discards the object."""
     digest = hashlib.md5(usedforsecurity=False)
