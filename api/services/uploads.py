@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import secrets
 from datetime import timedelta
 
 from sqlalchemy import select, update
@@ -22,6 +21,7 @@ from api.errors import APIError, invalid_request, not_found
 from api.services import files
 from api.services.common import could_be_id
 from core.ids import file_id
+from core.ids import upload_id as new_upload_id
 from core.lifecycle import now
 from core.models import File, Upload, UploadPart
 from core.settings import Settings
@@ -38,14 +38,6 @@ SWEEP_BATCH = 16
 
 PENDING, COMPLETED, CANCELLED, EXPIRED = "pending", "completed", "cancelled", "expired"
 COMPLETING = "completing"  # while the parts are joined: no part is added, no second complete
-
-
-def upload_id() -> str:
-    return f"upload_{secrets.token_hex(12)}"
-
-
-def part_id() -> str:
-    return f"part_{secrets.token_hex(12)}"
 
 
 def part_key(upload: str, part: str) -> str:
@@ -101,7 +93,7 @@ def create(
     sweep_expired(session, storage)
     created = now()
     row = Upload(
-        id=upload_id(),
+        id=new_upload_id(),
         tenant=caller.tenant,
         filename=filename,
         purpose=purpose,
