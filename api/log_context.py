@@ -66,6 +66,7 @@ class BatchLogContext:
         learned: dict[str, str] = {}
         path_batch = batch_in_path(scope.get("path", ""))
         request_id = request_ids.accepted_or_new(_header(scope, b"x-request-id"))
+        anthropic_path = scope.get("path", "").startswith("/v1/messages")
 
         async def send_with_ids(message: dict[str, Any]) -> None:
             if "batch_id" in learned:
@@ -73,6 +74,8 @@ class BatchLogContext:
             if message["type"] == "http.response.start":
                 headers = list(message.get("headers", []))
                 headers.append((b"x-request-id", request_id.encode("ascii")))
+                if anthropic_path:  # where the anthropic SDK reads it (``_request_id``)
+                    headers.append((b"request-id", request_id.encode("ascii")))
                 message = {**message, "headers": headers}
             await send(message)
 

@@ -1,4 +1,5 @@
 """Identifiers in OpenAI's shapes: a kind's prefix and random hex, ``file-…``, ``batch_…``,
+``upload_…``, ``part_…``, Anthropic's ``msgbatch_…``,
 ``batch_req_…`` for what the service stores, ``chatcmpl-…``, ``cmpl-…``, ``resp_…``,
 ``msg_…`` and ``req_…`` inside the result lines it writes.
 
@@ -32,6 +33,18 @@ def file_id() -> str:
 
 def batch_id() -> str:
     return f"batch_{_token()}"
+
+
+def message_batch_id() -> str:
+    return f"msgbatch_{_token()}"
+
+
+def upload_id() -> str:
+    return f"upload_{_token()}"
+
+
+def upload_part_id() -> str:
+    return f"part_{_token()}"
 
 
 def batch_request_id() -> str:

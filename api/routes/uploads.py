@@ -16,6 +16,7 @@ from api.schemas import FilePublic, unix
 from api.services import uploads
 from api.uploads import receive_upload, sanitize_filename
 from core.db import session_scope
+from core.ids import upload_part_id
 from core.models import File, Upload
 from core.storage import Storage
 
@@ -125,7 +126,7 @@ async def add_part(
     upload_id: str, request: Request, caller: CurrentKey, settings: SettingsDep, storage: StorageDep
 ) -> UploadPartPublic:
     await run_in_threadpool(_check_pending, settings.database_url, caller.tenant, upload_id)
-    new_part = uploads.part_id()
+    new_part = upload_part_id()
     key = uploads.part_key(upload_id, new_part)
 
     received = await receive_upload(

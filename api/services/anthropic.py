@@ -10,7 +10,6 @@ at create, kept by position so that the results come back in the order they were
 from __future__ import annotations
 
 import json
-import secrets
 from collections.abc import Iterator
 from contextlib import suppress
 from dataclasses import dataclass, field
@@ -29,7 +28,7 @@ from api.services.common import could_be_id, keyset_page
 from core import anthropic, served_models
 from core.batch_request import CHAT_URL, LineError
 from core.batchfile import LineValidator, RawLine, iter_lines
-from core.ids import file_id
+from core.ids import file_id, message_batch_id
 from core.lifecycle import BatchStatus, now
 from core.models import Batch, MessageBatch
 from core.results import dumps_line
@@ -122,7 +121,7 @@ def create(
     data, unservable = _input_lines(settings, requests)
     created = now()
     row = MessageBatch(
-        id=f"msgbatch_{secrets.token_hex(12)}",
+        id=message_batch_id(),
         tenant=caller.tenant,
         custom_ids=[r["custom_id"] for r in requests],
         unservable=unservable,

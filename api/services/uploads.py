@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import secrets
 from datetime import timedelta
 
 from sqlalchemy import select, update
@@ -22,6 +21,7 @@ from api.errors import APIError, invalid_request, not_found
 from api.services import files
 from api.services.common import could_be_id
 from core.ids import file_id
+from core.ids import upload_id as new_upload_id
 from core.lifecycle import now
 from core.models import File, Upload, UploadPart
 from core.settings import Settings
@@ -38,14 +38,6 @@ SWEEP_BATCH = 16
 
 PENDING, COMPLETED, CANCELLED, EXPIRED = "pending", "completed", "cancelled", "expired"
 COMPLETING = "completing"  # while the parts are joined: no part is added, no second complete
-
-
-def upload_id() -> str:
-    return f"upload_{secrets.token_hex(12)}"
-
-
-def part_id() -> str:
-    return f"part_{secrets.token_hex(12)}"
 
 
 def part_key(upload: str, part: str) -> str:
@@ -101,7 +93,7 @@ def create(
     sweep_expired(session, storage)
     created = now()
     row = Upload(
-        id=upload_id(),
+        id=new_upload_id(),
         tenant=caller.tenant,
         filename=filename,
         purpose=purpose,
@@ -183,7 +175,7 @@ def complete(
         tenant, new_id, row.purpose, row.filename, total, key, settings.file_expiry_s
     )
     try:
-        _join(storage, key, [parts[p].storage_key for p in part_ids], md5)
+        join_parts(storage, key, [parts[p].storage_key for p in part_ids], md5)
         files.record_upload(settings.database_url, storage, file_row)
     except BaseException:
         session.rollback()
@@ -206,7 +198,7 @@ def _claim(session: Session, upload: str, expected: str, status: str) -> bool:
     return bool(won)
 
 
-def _join(storage: Storage, key: str, sources: list[str], md5: str | None) -> None:
+def join_parts(storage: Storage, key: str, sources: list[str], md5: str | None) -> None:
     """Write the ``sources`` one after another to ``key``, a chunk at a time; if ``md5`` is
     given and differs, leave the writer by an exception, which discards the object."""
     digest = hashlib.md5(usedforsecurity=False)

@@ -97,6 +97,7 @@ def test_message_batch_runs_like_a_chat_batch_and_names_what_it_cannot_serve(sta
         requests=requests, extra_headers={"x-request-id": "trace-anthropic-create-1"}
     )
     assert raw.headers["x-request-id"] == "trace-anthropic-create-1"
+    assert raw.request_id == "trace-anthropic-create-1"  # the SDK's own accessor
     created = raw.parse()
     assert created.type == "message_batch" and created.id.startswith("msgbatch_")
     assert created.processing_status == "in_progress" and created.results_url is None
