@@ -29,6 +29,9 @@ def api_app(service_env, monkeypatch):
     from core.settings import get_settings
 
     monkeypatch.setenv("BATCHD_RATE_LIMIT_PER_MINUTE", "0")
+    # Its invalid-auth check sends wrong keys by the hundred: a 401 each, not the 429 of the
+    # per-address throttle (tests/api/test_limits.py tests that).
+    monkeypatch.setenv("BATCHD_AUTH_FAILURES_PER_MINUTE", "0")
     monkeypatch.setenv("BATCHD_MAX_UPLOAD_BYTES", str(64 * 1024))
     get_settings.cache_clear()
     return create_app(get_settings())
