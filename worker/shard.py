@@ -81,6 +81,18 @@ from worker.shard_state import (
 logger = logging.getLogger(__name__)
 
 
+class ModelUnavailable(Exception):
+    """This process could not load the model a shard needs; the shard was not claimed."""
+
+    def __init__(self, model: str, cause: BaseException) -> None:
+        super().__init__(f"model {model} could not be loaded here: {cause!r}")
+        self.model = model
+
+
+# How long a shard whose model could not be loaded waits before its task is tried again.
+MODEL_RETRY_S = 30.0
+
+
 @dataclass
 class ShardOutcome:
     status: str  # done | stopped | failed | skipped | lost
@@ -140,14 +152,12 @@ def _run_shard(
 
     if host is None:
         # Before the claim: a model that cannot load here now costs the shard no attempt (it
-        # waits, released, for this or another worker), and never turns its requests into
-        # shard_failed lines.
+        # waits for this or another worker), and never turns its requests into shard_failed
+        # lines.
         try:
             host = runtime.host(batch.model or "")
-        except Exception:
-            logger.exception("shard %s: model %s could not load; the shard waits", shard_id,
-                             batch.model)  # fmt: skip
-            raise
+        except Exception as exc:
+            raise ModelUnavailable(batch.model or "", exc) from exc
     claimed = claim(shard_id, worker)
     if claimed is None:
         finalize_if_idle(batch.id)
@@ -203,7 +213,13 @@ def _run_shard(
 
 @app.task(name=TASK_RUN_SHARD, bind=True)
 def run_shard_task(self: Any, shard_id: int) -> None:
-    run_shard(int(shard_id), worker=f"{self.request.hostname}:{threading.get_ident()}")
+    try:
+        run_shard(int(shard_id), worker=f"{self.request.hostname}:{threading.get_ident()}")
+    except ModelUnavailable as exc:
+        # Tried again later, here or by another worker of the queue, never counted against
+        # the shard: its batch is not ended with every line failed by a worker without it.
+        logger.error("shard %s waits: %s", shard_id, exc)
+        raise self.retry(exc=exc, countdown=MODEL_RETRY_S, max_retries=None) from None
 
 
 @worker_ready.connect
