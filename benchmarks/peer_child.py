@@ -101,6 +101,10 @@ def _timed(work, collect):  # type: ignore[no-untyped-def]
 
 
 def main(argv: list[str]) -> None:
+    # Run by path, the script's own folder leads sys.path, and benchmarks/engine.py would
+    # shadow the engine package.
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
     system, model_dir, requests_path, out_path, threads = argv
     with open(requests_path) as fh:
         requests = json.load(fh)
