@@ -16,8 +16,8 @@ output length, ``--threads`` intra-op threads, prefix caching on. Each run is a 
 (benchmarks/peer_child.py) that loads its model and warms up outside its timed region; the
 order alternates from round to round. Workloads (token ids, the same for both):
 
-- ``chat``: 64 chat requests rendered by the model's chat template (20-300 prompt tokens),
-  outputs 16-256 tokens (uniform).
+- ``chat``: 64 chat requests rendered by the model's chat template (``chat_bodies``: about
+  34 prompt tokens on average, cut at 300), outputs 16-256 tokens (uniform).
 - ``classification``: 256 requests sharing a ~400-token instruction, each with its own 20-60
   token item, outputs 1-8 tokens.
 - ``long``: 16 prompts of 1,500 tokens, 128 tokens out.
