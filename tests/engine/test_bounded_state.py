@@ -51,6 +51,8 @@ FIXED_SIZE = frozenset(
         "DecodeGraphs.buckets",  # one graph per batch-size bucket
         "DecodeGraphs.static",
         "Engine.eos_token_ids",
+        "CpuThreads.cpus",  # the CPUs this process may run on
+        "CpuThreads._last",  # the last sample: four numbers
         "StepCostCurve._mean",  # one slot per running-sequence count
         "StepCostCurve._count",
         "Histogram.bounds",  # fixed buckets

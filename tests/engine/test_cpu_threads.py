@@ -85,13 +85,14 @@ def test_the_team_shrinks_while_others_hold_a_core_and_grows_back(monkeypatch) -
     assert ct.changes == 2
 
 
-def test_an_engine_adapts_only_on_a_cpu_when_asked(tmp_path: Path) -> None:
+def test_an_engine_adapts_on_a_cpu_unless_told_not_to(tmp_path: Path) -> None:
+    """The library adapts as the worker does: two threads on cores that others hold spin at
+    every barrier (a run beside other work was 8x slower), whoever drives the engine."""
     from core.demo_models import build
     from engine import Engine
 
     model = build("llama-tiny")
-    assert Engine(str(model), num_kv_blocks=16).cpu_threads is None
-    adapting = Engine(str(model), num_kv_blocks=16, adapt_cpu_threads=True)
-    assert isinstance(adapting.cpu_threads, CpuThreads)
+    assert isinstance(Engine(str(model), num_kv_blocks=16).cpu_threads, CpuThreads)
+    assert Engine(str(model), num_kv_blocks=16, adapt_cpu_threads=False).cpu_threads is None
     with pytest.raises(ValueError, match="adapt_cpu_threads must be true or false"):
         Engine(str(model), adapt_cpu_threads="yes")
