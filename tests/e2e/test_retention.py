@@ -209,3 +209,34 @@ def test_running_batch_keeps_its_expired_input_until_it_ends(stack):
     )
     with pytest.raises(openai.NotFoundError):
         stack.client.files.content(out_id)
+
+
+def test_deleting_a_batch_output_file_drops_its_results_and_chunks(stack):
+    """``DELETE /v1/files/{output}`` means the results are gone: the results route stops
+    serving them and the batch's checkpoint chunks leave storage, though no retention sweep
+    will ever meet another file of the batch."""
+    import httpx
+
+    from benchmarks.harness.stack import API_KEY
+
+    batch = stack.client.batches.create(
+        input_file_id=_upload(stack, [_chat(f"d{i}", 3) for i in range(6)]),
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+    )
+    batch = _until(
+        lambda: (b := stack.client.batches.retrieve(batch.id)).status in TERMINAL and b,
+        60,
+        "the batch",
+    )
+    assert batch.status == "completed" and batch.error_file_id is None, batch
+    http = httpx.Client(
+        base_url=stack.base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30
+    )
+    assert len(http.get(f"/batches/{batch.id}/results").json()["data"]) == 6
+    chunks = Path(stack.env["BATCHD_STORAGE_URL"]) / "batches" / batch.id
+    assert any(chunks.rglob("*.jsonl"))
+
+    stack.client.files.delete(batch.output_file_id)
+    assert http.get(f"/batches/{batch.id}/results").json()["data"] == []
+    assert not any(chunks.rglob("*.jsonl")) if chunks.exists() else True

@@ -50,12 +50,13 @@ class Service:
     def control_command(self, name: str) -> list[str]:
         return [*celery_command("control", name, self.root), "-I", "validation_faults"]
 
-    def paused_batch(self, n: int, after_shard: int) -> tuple[str, list[str]]:
-        """Upload ``n`` requests, create their batch with its validation to pause after
-        ``after_shard``; wait until it is paused and the first shard's results are
+    def paused_batch(self, n: int, after_shard: int, tail: bytes = b"") -> tuple[str, list[str]]:
+        """Upload ``n`` requests (then ``tail``), create their batch with its validation to
+        pause after ``after_shard``; wait until it is paused and the first shard's results are
         committed. The batch id and its custom_ids."""
         ids = [f"r{i}" for i in range(n)]
         data = b"".join(json.dumps(chat_line(c, f"say {c}", 3)).encode() + b"\n" for c in ids)
+        data += tail
         upload = self.client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
         (self.faults / upload.id).write_text(f"pause:{after_shard}")
         batch = self.client.batches.create(
@@ -211,3 +212,98 @@ def test_control_worker_killed_during_validation_resumes_after_its_last_shard(se
     log = service.procs.log(service.control)
     assert f"resumes at line {2 * SHARD + 1} (shard 2)" in log
     assert sorted(r["custom_id"] for r in service.results(batch_id)) == sorted(ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# Lines no validation has read yet, cut short by a cancel or an expiry.
+
+DEEP = b'{"custom_id": "deep", "body": ' + b'{"a": ' * 10_000 + b"1" + b"}" * 10_001
+LIST_ID = json.dumps({**chat_line("x", "hi", 3), "custom_id": ["x"]}).encode()
+
+
+def _expire_now(batch_id: str) -> None:
+    from datetime import timedelta
+
+    from sqlalchemy import update
+
+    from core.db import session_scope
+    from core.lifecycle import now
+    from core.models import Batch
+
+    with session_scope() as session:
+        session.execute(
+            update(Batch)
+            .where(Batch.id == batch_id)
+            .values(expires_at=now() - timedelta(seconds=1))
+        )
+
+
+def test_cancel_during_validation_with_a_line_nested_too_deeply_ends_and_retries(service):
+    """A never-validated line nested too deeply to parse (and one whose custom_id is a list)
+    gets its batch_cancelled line like any other: the cancel ends, and a retry of the batch
+    copies the lines it can name instead of answering 500."""
+    import httpx
+
+    batch_id, ids = service.paused_batch(8, after_shard=0, tail=DEEP + b"\n" + LIST_ID + b"\n")
+    service.client.batches.cancel(batch_id)
+    service.go(batch_id)
+    batch = service.wait(batch_id, 60)
+    assert batch.status == "cancelled", (batch.status, batch.errors)
+    out = read_file_lines(batch.output_file_id)
+    err = read_file_lines(batch.error_file_id)
+    assert len(out) >= SHARD
+    assert sorted(r["custom_id"] or "" for r in out + err) == sorted([*ids, "", ""])
+    assert {r["error"]["code"] for r in err} == {"batch_cancelled"}
+    assert batch.request_total == len(ids) + 2
+
+    files_before = len(service.client.files.list().data)
+    refused = httpx.post(
+        f"{service.base_url}/batches/{batch_id}/retry",
+        json={"completion_window": "9999d"},  # over the server's longest window
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=30,
+    )
+    assert refused.status_code == 400, refused.text
+    assert len(service.client.files.list().data) == files_before  # checked before copying
+    reply = httpx.post(
+        f"{service.base_url}/batches/{batch_id}/retry",
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=30,
+    )
+    assert reply.status_code == 200, reply.text
+    retry = reply.json()
+    copied = read_file_lines(retry["input_file_id"])
+    assert [r["custom_id"] for r in copied] == [r["custom_id"] for r in err if r["custom_id"]]
+    assert service.wait(retry["id"], 60).status == "completed"
+
+
+def test_expiry_during_validation_with_a_line_nested_too_deeply_keeps_the_results(service):
+    batch_id, ids = service.paused_batch(8, after_shard=0, tail=DEEP + b"\n")
+    _expire_now(batch_id)
+    service.go(batch_id)
+    batch = service.wait(batch_id, 60)
+    assert batch.status == "expired", (batch.status, batch.errors)
+    out = read_file_lines(batch.output_file_id)
+    err = read_file_lines(batch.error_file_id)
+    assert len(out) >= SHARD  # the first shard's results, computed before the window ended
+    assert sorted(r["custom_id"] or "" for r in out + err) == sorted([*ids, ""])
+    assert {r["error"]["code"] for r in err} == {"batch_expired"}
+
+
+def test_cancel_of_an_amplifying_upload_writes_no_more_lines_than_the_request_limit(service):
+    """2,000 two-byte junk lines after the first shard: the cancel reports as many lines as a
+    batch may hold requests, and one line naming the limit for the rest."""
+    batch_id, ids = service.paused_batch(8, after_shard=0, tail=b"a\n" * 2000)
+    service.client.batches.cancel(batch_id)
+    service.go(batch_id)
+    batch = service.wait(batch_id, 60)
+    assert batch.status == "cancelled", (batch.status, batch.errors)
+    out = read_file_lines(batch.output_file_id)
+    err = read_file_lines(batch.error_file_id)
+    assert len(out) + len(err) == MAX_REQUESTS + 1
+    *cancelled, rest = err
+    assert {r["error"]["code"] for r in cancelled} == {"batch_cancelled"}
+    assert rest["custom_id"] is None and rest["error"]["code"] == "batch_cancelled"
+    assert "max_requests_per_batch" in rest["error"]["message"], rest
+    assert batch.request_total == MAX_REQUESTS + 1  # the line that stands for the rest too
+    assert len(service.results(batch_id)) == MAX_REQUESTS + 1  # the files, as the log shows
