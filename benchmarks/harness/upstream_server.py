@@ -35,13 +35,14 @@ class UpstreamServer:
     and ``server.model`` (the name to send)."""
 
     def __init__(
-        self, log_dir: Path, threads: int = 2, start_timeout: float = 180.0, kv_blocks: int = 2048
+        self, log_dir: Path, threads: int = 2, start_timeout: float = 180.0, kv_blocks: int = 512
     ) -> None:
         self.log_path = log_dir / "upstream-server.log"
         self.threads = threads
         self.start_timeout = start_timeout
-        # Its KV cache, in blocks of 32 tokens: 2,048 hold 65,536 tokens (about 3 GB in float32
-        # for SmolLM2-135M); left to itself it takes half the machine's memory.
+        # Its KV cache, in blocks of 32 tokens: 512 hold 16,384 tokens (under 1 GB in float32
+        # for SmolLM2-135M); left to itself it sizes the cache from the machine's memory (one
+        # grew to 10.9 GB here and was killed for it).
         self.kv_blocks = kv_blocks
         self.port = free_port()
         self.model = ""
