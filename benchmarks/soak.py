@@ -181,6 +181,9 @@ def make_spec(rng: random.Random, opts: Options, tenant: str, seq: int) -> Spec:
     if not opts.upstream:
         kinds.pop("upstream")
     kind = rng.choices(list(kinds), weights=list(kinds.values()))[0]
+    if seq == 1:  # each tenant's first batch a different kind: a short run has every kind
+        served = [k for k in kinds if k != "broken"]
+        kind = served[(ord(tenant[-1]) - ord("a")) % len(served)]
     short = kind != "broken" and rng.random() < opts.short_window_share
     window = f"{rng.choice(opts.short_windows)}s" if short else "24h"
     n = rng.randint(16, 40) if short else rng.randint(3, opts.max_lines)
