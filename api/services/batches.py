@@ -263,7 +263,10 @@ def _enqueue_validation(session: Session, row: Batch) -> None:
             row.id,
             BatchStatus.VALIDATING,
             BatchStatus.FAILED,
+            # The 503 tells the client; the batch it never got is no one's to retry or be
+            # told of again: its key goes back to the client, and no webhook event is sent.
             idempotency_key=None,
+            webhook_url=None,
             errors=[
                 {
                     "code": "broker_unavailable",
