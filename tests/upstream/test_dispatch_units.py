@@ -59,6 +59,15 @@ def test_an_idle_window_says_nothing_about_the_limit() -> None:
     assert controller.observe(idle) == 8
 
 
+def test_a_limit_found_before_is_where_a_fresh_controller_starts() -> None:
+    controller = ConcurrencyController(initial=32, maximum=256)
+    assert controller.resume(100) == 100
+    assert controller.observe(_window(100, 100)) == 200  # slow start still looks above it
+    assert controller.observe(_window(200, 100)) == 100  # nothing gained: back
+    assert controller.resume(8) == 100  # once it has judged a window, its own finding wins
+    assert ConcurrencyController(maximum=64).resume(1000) == 64  # the operator's cap holds
+
+
 def test_shares_follow_demand() -> None:
     assert share_of(32, 10, 10) == 32  # alone: all of it
     assert share_of(32, 0, 10, members=2) == 16  # idle: an even part, ready for work
@@ -103,9 +112,11 @@ def test_two_members_share_one_limit(
     b.sync(10, Counters(completed=24))
     assert b.limit == a.limit  # ... and the follower uses it
     assert b.controller.best is None  # the follower's own controller never ran
+    found = a.limit
     a.leave()
     b.sync(10, Counters(completed=24))
     assert b.leader
+    assert b.controller.limit == found  # the new leader starts from what the last one found
 
 
 # -- the live traffic guard
@@ -144,6 +155,15 @@ def test_the_guard_cuts_bulk_when_the_objective_is_threatened() -> None:
     assert guard.cap == 256  # never above the upstream's cap
 
 
+def test_the_guard_grows_the_cap_only_while_it_holds_bulk_back() -> None:
+    guard = LiveGuard(upstream_spec("upstream:http://127.0.0.1:1/v1?ttft_p99_ms=500", "m"))
+    cap = guard.cap
+    for _ in range(10):  # fewer in flight than allowed: a larger cap would be untested room
+        assert guard.decide(0.1, 0, in_flight=cap - 1) == cap
+    assert guard.decide(0.1, 0, in_flight=cap) > cap
+    assert guard.decide(0.45, 0, in_flight=0) < cap + 1  # a threat cuts it whatever is out
+
+
 # -- the dispatcher against a scripted loopback server
 
 
@@ -157,7 +177,8 @@ class Script(BaseHTTPRequestHandler):
         with server.lock:
             server.seen.append((time.monotonic(), self.path, body))
             status, headers = server.replies.pop(0) if server.replies else (200, {})
-        time.sleep(server.delay)
+            delay = server.delay  # read with the record: a test changes it once it sees this
+        time.sleep(delay)
         answer = {"error": {"message": "busy"}} if status != 200 else {
             "choices": [{"message": {"content": body["messages"][0]["content"]}}],
             "usage": {"prompt_tokens": 5, "completion_tokens": 3},
@@ -189,16 +210,36 @@ def _dispatcher(server: Any, options: str = "max_concurrency=1") -> Dispatcher:
     return Dispatcher("m", upstream_spec(f"upstream:{url}?{options}", "m"), shared=False).start()
 
 
+def _wait_until(condition: Any, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
 def _chat(text: str) -> dict[str, Any]:
     return {"model": "m", "messages": [{"role": "user", "content": text}]}
+
+
+def test_the_guard_sends_no_probe_while_there_is_no_bulk_work(scripted: Any) -> None:
+    dispatcher = _dispatcher(scripted, "max_concurrency=4&ttft_p99_ms=500")
+    try:
+        time.sleep(2.5)  # two and a half guard intervals with nothing to send
+        assert scripted.seen == []
+        scripted.delay = 1.5  # one bulk request out for longer than an interval
+        assert dispatcher.submit("/chat/completions", _chat("x"), group="g").result(10).status
+        probes = [body for _, _, body in scripted.seen if body.get("stream")]
+        assert probes, scripted.seen  # with bulk work out, the guard watches
+    finally:
+        dispatcher.shutdown()
 
 
 def test_lines_that_share_a_prefix_go_out_together(scripted: Any) -> None:
     dispatcher = _dispatcher(scripted)
     try:
-        scripted.delay = 0.2  # the first request holds the one slot while the rest queue
+        scripted.delay = 2.0  # the first request holds the one slot while the rest queue
         futures = [dispatcher.submit("/chat/completions", _chat("first"), group="g")]
-        time.sleep(0.1)
+        _wait_until(lambda: scripted.seen)
         scripted.delay = 0.0
         for i in range(8):
             prefix = "A" if i % 2 == 0 else "B"
@@ -214,10 +255,10 @@ def test_lines_that_share_a_prefix_go_out_together(scripted: Any) -> None:
 def test_an_urgent_batch_overtakes_queued_bulk(scripted: Any) -> None:
     dispatcher = _dispatcher(scripted)
     try:
-        scripted.delay = 0.2
+        scripted.delay = 2.0  # bulk-0 holds the one slot while the rest queue
         futures = [dispatcher.submit("/chat/completions", _chat("bulk-0"), group="bulk",
                                      tenant="a", priority=1)]  # fmt: skip
-        time.sleep(0.1)
+        _wait_until(lambda: scripted.seen)
         scripted.delay = 0.0
         futures += [dispatcher.submit("/chat/completions", _chat(f"bulk-{i}"), group="bulk",
                                       tenant="a", priority=1) for i in range(1, 4)]  # fmt: skip
@@ -262,7 +303,7 @@ def test_an_aborted_group_gets_aborted_replies(scripted: Any) -> None:
         scripted.delay = 1.0
         futures = [dispatcher.submit("/chat/completions", _chat(f"x{i}"), group="g")
                    for i in range(4)]  # fmt: skip
-        time.sleep(0.2)
+        _wait_until(lambda: scripted.seen)
         dispatcher.abort_group("g")
         replies = [f.result(5) for f in futures]
     finally:

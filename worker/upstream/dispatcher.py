@@ -104,7 +104,7 @@ class Dispatcher:
         member: str | None = None,
         shared: bool = True,
         aging_s: float | None = None,
-        initial_limit: int = 8,
+        initial_limit: int = 32,
         headers: dict[str, str] | None = None,
     ) -> None:
         self.name = name
@@ -239,6 +239,11 @@ class Dispatcher:
         with self._lock:
             return len(self._queue)
 
+    def _load(self) -> tuple[int, int]:
+        """Requests pending and in flight."""
+        with self._lock:
+            return len(self._queue), self._in_flight
+
     @property
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -293,7 +298,9 @@ class Dispatcher:
             self._client = client
             helpers = [asyncio.create_task(self._sync_loop())]
             if self.guard is not None:
-                helpers.append(asyncio.create_task(self.guard.run(client, self.headers)))
+                helpers.append(
+                    asyncio.create_task(self.guard.run(client, self.headers, self._load))
+                )
             assert self._wake is not None
             while not self._closing:
                 self._dispatch()

@@ -12,8 +12,11 @@ what that traffic feels, every ``INTERVAL_S``:
 
 It keeps a cap on the bulk requests in flight: halved whenever the p99 passes
 ``PRESSURE`` of the objective or requests queue in the server, grown by a quarter when the p99
-is under ``RELIEF`` of it with nothing queued. The dispatcher sends no more than the cap;
-the batches' ETAs see the slower progress.
+is under ``RELIEF`` of it with nothing queued and the cap is what holds bulk work back (as
+many bulk requests in flight as it allows: a cap grown while nothing used it would let a whole
+batch in at once when one arrives). The dispatcher sends no more than the cap; the batches'
+ETAs see the slower progress. While the dispatcher has no bulk work for the upstream the guard
+neither probes nor moves the cap: there is nothing to protect the live traffic from.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -83,28 +87,42 @@ class LiveGuard:
         self.cuts = 0
         self._last_buckets: dict[float, float] | None = None
 
-    def decide(self, ttft_p99_s: float | None, waiting: float | None) -> int:
-        """Move the cap after one interval's reading; return it."""
+    def decide(
+        self, ttft_p99_s: float | None, waiting: float | None, in_flight: int | None = None
+    ) -> int:
+        """Move the cap after one interval's reading, with ``in_flight`` bulk requests out
+        (None: as many as the cap allows); return it."""
         self.ttft_p99_s = ttft_p99_s
         queued = bool(waiting and waiting > 0)
+        binding = in_flight is None or in_flight >= self.cap
         if (ttft_p99_s is not None and ttft_p99_s > PRESSURE * self.objective_s) or queued:
             if self.cap > 1:
                 self.cuts += 1
             self.cap = max(1, self.cap // 2)
-        elif ttft_p99_s is not None and ttft_p99_s < RELIEF * self.objective_s:
+        elif ttft_p99_s is not None and ttft_p99_s < RELIEF * self.objective_s and binding:
             self.cap = min(self.spec.max_concurrency, self.cap + max(1, self.cap // 4))
         return self.cap
 
-    async def run(self, client: httpx.AsyncClient, headers: dict[str, str]) -> None:
+    async def run(
+        self,
+        client: httpx.AsyncClient,
+        headers: dict[str, str],
+        load: Callable[[], tuple[int, int]],
+    ) -> None:
+        """Watch while ``load()`` (bulk requests pending, in flight) says there is bulk work."""
         while True:
             started = time.monotonic()
+            if not sum(load()):
+                self._last_buckets = None  # an idle stretch is not one interval
+                await asyncio.sleep(INTERVAL_S)
+                continue
             try:
                 reading = await self._scrape(client, headers)
                 if reading is None:
                     reading = await self._probe(client, headers)
                 if reading is not None:
                     before = self.cap
-                    self.decide(*reading)
+                    self.decide(*reading, in_flight=load()[1])
                     if self.cap != before:
                         logger.info(
                             "upstream %s: live traffic TTFT p99 %s, bulk cap %s -> %s",

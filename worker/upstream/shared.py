@@ -155,6 +155,11 @@ class SharedLimit:
             if not took and self.leader:
                 self.windows = Windows(self.controller)  # another member leads now
                 self._last.clear()
+            if took and not self.leader:
+                state = session.get(UpstreamLimit, self.upstream)
+                if state is not None and state.updated_at is not None:
+                    # What the last leader found is a better start than a guess.
+                    self.controller.resume(state.limit)
             self.leader = bool(took)
             members = session.scalars(
                 select(UpstreamMember).where(
