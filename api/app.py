@@ -12,6 +12,7 @@ from api.limits import auth_enabled
 from api.local import check_auth_off_is_local
 from api.routes import anthropic, batch_results, batches, files, health, models, uploads
 from api.routes.batch_estimate import router as estimate_router
+from core import tracing
 from core.logs import configure_process
 from core.settings import Settings, get_settings
 from core.version import version
@@ -23,6 +24,7 @@ UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
     check_auth_off_is_local(settings, auth_enabled(settings))
+    tracing.setup("api")  # before the first database engine or Redis client is made
     app = FastAPI(
         title="batchd",
         version=version(),
@@ -44,6 +46,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(estimate_router, prefix=API_PREFIX)
     ui.install(app)
     log_context.install(app)
+    tracing.instrument_app(app)  # after: its span is current while the log context is bound
     _document_validation_as_400(app)
     return app
 

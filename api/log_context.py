@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from api.services.common import could_be_id
-from core import request_ids
+from core import request_ids, tracing
 from core.logs import bind_log_context, log_context
 
 BATCHES_PREFIX = "/v1/batches/"
@@ -66,6 +66,7 @@ class BatchLogContext:
         learned: dict[str, str] = {}
         path_batch = batch_in_path(scope.get("path", ""))
         request_id = request_ids.accepted_or_new(_header(scope, b"x-request-id"))
+        tracing.tag_request_id(request_id)
         anthropic_path = scope.get("path", "").startswith("/v1/messages")
 
         async def send_with_ids(message: dict[str, Any]) -> None:

@@ -1,4 +1,7 @@
-"""Engines and sessions. One engine per process and URL; sessions are short-lived."""
+"""Engines and sessions. One engine per process and URL; sessions are short-lived.
+
+Engines are made through ``sqlalchemy.create_engine`` looked up at call time, so that traces
+(:mod:`core.tracing`, which wraps it) see the statements."""
 
 from __future__ import annotations
 
@@ -6,7 +9,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 
-from sqlalchemy import Engine, create_engine, event
+import sqlalchemy
+from sqlalchemy import Engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.settings import get_settings
@@ -21,7 +25,9 @@ def get_engine(url: str | None = None) -> Engine:
         path = url.split("///", 1)[-1]
         if path and path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        engine = sqlalchemy.create_engine(
+            url, connect_args={"check_same_thread": False, "timeout": 30}
+        )
 
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_conn, _record):  # WAL: readers never block the writer
@@ -31,7 +37,7 @@ def get_engine(url: str | None = None) -> Engine:
             cur.close()
 
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=10)
+    return sqlalchemy.create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=10)
 
 
 @lru_cache

@@ -290,6 +290,13 @@ def import_task_dependencies() -> None:
 
 
 @worker_init.connect
+def _start_tracing(sender: Any = None, **_: Any) -> None:
+    from core import tracing
+
+    tracing.setup(str(getattr(sender, "hostname", "") or "worker").partition("@")[0])
+
+
+@worker_init.connect
 def _import_before_tasks(sender: Any = None, **_: Any) -> None:
     if not _dispatch_only(sender):  # a dispatch worker never loads torch or transformers
         import_task_dependencies()
@@ -330,9 +337,11 @@ def _start_liveness(sender: Any = None, **_: Any) -> None:
 @worker_shutting_down.connect
 def _stop_liveness(**_: Any) -> None:
     # A requested shutdown: whoever asked for it bounds it (see worker.liveness).
+    from core import tracing
     from worker import liveness
 
     liveness.stop()
+    tracing.flush()
 
 
 @after_setup_logger.connect
