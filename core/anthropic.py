@@ -175,15 +175,19 @@ def _message(body: dict[str, Any]) -> dict[str, Any]:
     usage = body.get("usage") or {}
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     finish = choice.get("finish_reason")
+    stop = choice.get("stop_reason")  # the stop string that ended it (the engine's, vLLM's)
     return {
         "id": message_id(),
         "type": "message",
         "role": "assistant",
         "model": body.get("model"),
         "content": [{"type": "text", "text": (choice.get("message") or {}).get("content") or ""}],
-        # The engine does not report which stop sequence ended a choice: a stop is end_turn.
-        "stop_reason": "max_tokens" if finish == "length" else "end_turn",
-        "stop_sequence": None,
+        "stop_reason": "max_tokens"
+        if finish == "length"
+        else "stop_sequence"
+        if isinstance(stop, str)
+        else "end_turn",
+        "stop_sequence": stop if isinstance(stop, str) else None,
         "usage": {
             "input_tokens": max(int(usage.get("prompt_tokens") or 0) - int(cached), 0),
             "output_tokens": int(usage.get("completion_tokens") or 0),

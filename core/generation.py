@@ -202,6 +202,7 @@ def generation_result(tok: Any, req: BatchRequest, output: Any) -> GenerationRes
                 finish_reason=c.finish_reason or "stop",
                 completion_tokens=len(c.token_ids),
                 logprobs=_logprobs(tok, c.logprobs) if req.logprobs else None,
+                stop_reason=getattr(c, "stop_reason", None),
             )
             for c in output.outputs
         ],

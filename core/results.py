@@ -96,6 +96,7 @@ class ChoiceResult:
     finish_reason: str  # "stop" | "length"
     completion_tokens: int
     logprobs: list[TokenLogprobInfo] | None = None
+    stop_reason: str | int | None = None  # the stop string (or token id) that ended it
 
 
 @dataclass(slots=True)
@@ -187,7 +188,14 @@ def _chat_choice(req: BatchRequest, c: ChoiceResult) -> dict[str, Any]:
         },
         "logprobs": _chat_logprobs(req, c),
         "finish_reason": c.finish_reason,
+        **_stop_reason(c),
     }
+
+
+def _stop_reason(c: ChoiceResult) -> dict[str, Any]:
+    """vLLM's ``stop_reason`` on a choice that a stop string or stop token ended (absent
+    otherwise, so a plain choice keeps OpenAI's shape): what Anthropic's ``stop_sequence`` is."""
+    return {"stop_reason": c.stop_reason} if c.stop_reason is not None else {}
 
 
 def chat_completion_body(
@@ -225,6 +233,7 @@ def _completion_choice(req: BatchRequest, c: ChoiceResult) -> dict[str, Any]:
         "index": c.index,
         "logprobs": _completion_logprobs(req, c),
         "finish_reason": c.finish_reason,
+        **_stop_reason(c),
     }
 
 

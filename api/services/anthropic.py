@@ -261,7 +261,8 @@ def cancel(session: Session, storage: Storage, row: MessageBatch) -> View:
 
 
 def delete(session: Session, storage: Storage, row: MessageBatch) -> None:
-    """Delete an ended message batch and the files of the batch that ran it."""
+    """Delete an ended message batch, and the batch that ran it with its files: nothing of it
+    stays listed under ``/v1/batches`` (its shards and results go with it)."""
     if view(session, storage, row).status != "ended":
         raise invalid_request(
             f"Message batch {row.id} is still being processed; cancel it and wait for it "
@@ -276,6 +277,8 @@ def delete(session: Session, storage: Storage, row: MessageBatch) -> None:
         if kept is not None:
             with suppress(APIError):  # already deleted, or expired
                 files.delete_file(session, storage, row.tenant, kept)
+    session.delete(batch)
+    session.commit()
 
 
 def _lines(storage: Storage, key: str | None) -> Iterator[dict[str, Any]]:

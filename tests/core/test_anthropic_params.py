@@ -3,6 +3,8 @@ the anthropic SDK runs them end to end in tests/e2e/test_anthropic_e2e.py)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from core.anthropic import UnservableRequest, chat_body, messages_param, result_of
@@ -85,3 +87,18 @@ def test_result_lines_become_anthropic_results() -> None:
         "cache_read_input_tokens": 4,
     }
     assert messages_param("body.max_completion_tokens") == "params.max_tokens"
+    assert (message["stop_reason"], message["stop_sequence"]) == ("max_tokens", None)
+
+
+def test_a_stop_sequence_that_ended_a_message_is_named() -> None:
+    def ended(choice: dict[str, Any]) -> dict[str, Any]:
+        body = {"model": "m", "choices": [{"message": {"content": "hi"}, **choice}]}
+        line = {"custom_id": "a", "response": {"status_code": 200, "body": body}}
+        return result_of(line)["message"]
+
+    by_string = ended({"finish_reason": "stop", "stop_reason": "\n\nHuman:"})
+    assert (by_string["stop_reason"], by_string["stop_sequence"]) == ("stop_sequence", "\n\nHuman:")
+    by_eos = ended({"finish_reason": "stop"})
+    assert (by_eos["stop_reason"], by_eos["stop_sequence"]) == ("end_turn", None)
+    by_token = ended({"finish_reason": "stop", "stop_reason": 7})  # a stop token id
+    assert (by_token["stop_reason"], by_token["stop_sequence"]) == ("end_turn", None)

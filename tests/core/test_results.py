@@ -111,6 +111,20 @@ def test_chat_completion_body_shape() -> None:
     assert parsed.usage is not None and parsed.usage.prompt_tokens_details.cached_tokens == 4
 
 
+def test_a_stop_string_that_ended_a_choice_is_its_stop_reason() -> None:
+    stopped = GenerationResult(
+        prompt_tokens=3,
+        cached_tokens=0,
+        choices=[ChoiceResult(0, "Hel", "stop", 2, stop_reason="lo")],
+    )
+    chat = chat_completion_body(request(stop=["lo"]), stopped)
+    assert chat["choices"][0]["stop_reason"] == "lo"  # vLLM's field
+    assert ChatCompletion.model_validate(chat).choices[0].finish_reason == "stop"
+    legacy = completion_body(request(COMPLETIONS_URL, stop=["lo"]), stopped)
+    assert legacy["choices"][0]["stop_reason"] == "lo"
+    assert "stop_reason" not in chat_completion_body(request(), result())["choices"][0]
+
+
 def test_chat_completion_defaults() -> None:
     body = chat_completion_body(request(), result())
     assert body["id"].startswith("chatcmpl-") and len(body["id"]) > len("chatcmpl-")

@@ -171,6 +171,7 @@ def test_message_batch_runs_like_a_chat_batch_and_names_what_it_cannot_serve(sta
 def test_cancel_delete_list_and_the_error_envelope(stack, claude):
     import anthropic
     import httpx
+    import openai
 
     long = [
         {"custom_id": f"r{i}", "params": _params(f"write a long story number {i}", 400)}
@@ -193,11 +194,16 @@ def test_cancel_delete_list_and_the_error_envelope(stack, claude):
     with pytest.raises(anthropic.BadRequestError):
         claude.messages.batches.cancel(running.id)  # it has ended
 
+    listed = {b.id for b in stack.client.batches.list(limit=100)}
     deleted = claude.messages.batches.delete(running.id)
     assert (deleted.id, deleted.type) == (running.id, "message_batch_deleted")
     with pytest.raises(anthropic.NotFoundError) as missing:
         claude.messages.batches.retrieve(running.id)
     assert missing.value.body["error"]["type"] == "not_found_error"
+    gone = listed - {b.id for b in stack.client.batches.list(limit=100)}
+    assert len(gone) == 1  # the batch that ran it went with it, not left in /v1/batches
+    with pytest.raises(openai.NotFoundError):
+        stack.client.batches.retrieve(gone.pop())
 
     # Batches with nothing to run end at once; pages walk both ways.
     made = [
