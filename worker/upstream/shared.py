@@ -55,8 +55,9 @@ class Windows:
     ``MIN_WINDOW_S`` and at least half a limit's worth of completions; the first window after
     the limit changed is let go by (the in-flight count is still moving to the new limit)."""
 
-    def __init__(self, controller: ConcurrencyController) -> None:
+    def __init__(self, controller: ConcurrencyController, name: str = "") -> None:
         self.controller = controller
+        self.name = name  # for the log line of each change
         self._start: Counters | None = None
         self._started_at = 0.0
         self._settling = False
@@ -67,6 +68,7 @@ class Windows:
             return self.controller.limit
         delta = total.minus(self._start)
         before = self.controller.limit
+        window: Window | None = None
         if delta.overloads > 0:
             self.controller.overloaded()
         elif now - self._started_at >= MIN_WINDOW_S and delta.completed >= max(1, before // 2):
@@ -83,6 +85,16 @@ class Windows:
         else:
             return before
         self._settling = self.controller.limit != before
+        if self._settling:
+            logger.info(
+                "upstream %s: in-flight limit %s -> %s (%s)",
+                self.name,
+                before,
+                self.controller.limit,
+                f"{window.throughput:.1f} output tokens/s at {window.busy:.1f} in flight"
+                if window is not None
+                else f"{delta.overloads} overloads",
+            )
         self._start, self._started_at = total, now
         return self.controller.limit
 
@@ -119,7 +131,7 @@ class SharedLimit:
         self.upstream = upstream
         self.member = member
         self.controller = controller
-        self.windows = Windows(controller)
+        self.windows = Windows(controller, upstream)
         self.limit = controller.limit
         self.leader = False
         self._last: dict[str, Counters] = {}  # each member's counters at the last read
@@ -153,7 +165,7 @@ class SharedLimit:
                 .values(leader=self.member, leader_until=now + timedelta(seconds=LEASE_S))
             ).rowcount
             if not took and self.leader:
-                self.windows = Windows(self.controller)  # another member leads now
+                self.windows = Windows(self.controller, self.upstream)  # another member leads
                 self._last.clear()
             if took and not self.leader:
                 state = session.get(UpstreamLimit, self.upstream)
