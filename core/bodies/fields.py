@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from core.batch_request import RequestKind
 
-# OpenAI's create-chat-completion body.
+# OpenAI's create-chat-completion body (the openai SDK's ``CompletionCreateParams``; a test
+# checks each name is one of its fields).
 OPENAI_CHAT = (
     "model",
     "messages",
@@ -27,11 +28,14 @@ OPENAI_CHAT = (
     "max_tokens",
     "metadata",
     "modalities",
+    "moderation",
     "n",
     "parallel_tool_calls",
     "prediction",
     "presence_penalty",
     "prompt_cache_key",
+    "prompt_cache_options",
+    "prompt_cache_retention",
     "reasoning_effort",
     "response_format",
     "safety_identifier",
@@ -80,17 +84,24 @@ OPENAI_EMBEDDINGS = ("model", "input", "dimensions", "encoding_format", "user")
 OPENAI_RESPONSES = (
     "model",
     "input",
+    "access_programs",
     "background",
+    "background_options",
+    "context_management",
     "conversation",
+    "image",
     "include",
     "instructions",
     "max_output_tokens",
     "max_tool_calls",
     "metadata",
+    "moderation",
     "parallel_tool_calls",
     "previous_response_id",
     "prompt",
     "prompt_cache_key",
+    "prompt_cache_options",
+    "prompt_cache_retention",
     "reasoning",
     "safety_identifier",
     "service_tier",

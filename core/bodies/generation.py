@@ -91,7 +91,7 @@ def check_chat(c: Checker, req: BatchRequest) -> None:
     req.messages = out
 
     c.common(req)
-    for name in ("tools", "functions", "web_search_options"):
+    for name in ("tools", "functions", "web_search_options", "moderation"):
         c.reject_if_set(name)
     for name in ("tool_choice", "function_call"):
         choice = c.get(name)

@@ -525,6 +525,9 @@ LINE_CASES += [
      "invalid_value", "body.chat_template_kwargs.tokenize"),
     ("function_call", chat_line(function_call={"name": "f"}), "unsupported_parameter",
      "body.function_call"),
+    ("moderation", chat_line(moderation={"m": 1}), "unsupported_parameter", "body.moderation"),
+    ("web_search_options", chat_line(web_search_options={"search_context_size": "low"}),
+     "unsupported_parameter", "body.web_search_options"),
 ]  # fmt: skip
 
 

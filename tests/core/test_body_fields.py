@@ -192,3 +192,22 @@ def test_the_docs_list_the_fields_of_the_code() -> None:
         documented_openai, documented_extra = table[url]
         assert documented_openai == list(openai[kind]), url
         assert documented_openai + documented_extra == list(FIELDS[kind]), url
+
+
+def test_openais_fields_are_the_openai_sdks() -> None:
+    """Every name the lists give as OpenAI's is a field of the SDK's request parameters (a
+    newer SDK may know more; ``stream`` is in its streaming variant)."""
+    from openai.types import completion_create_params, embedding_create_params
+    from openai.types.chat import completion_create_params as chat_params
+    from openai.types.responses import response_create_params
+
+    def sdk(params: type) -> set[str]:
+        return {name for cls in params.__mro__ for name in getattr(cls, "__annotations__", {})}
+
+    for ours, params in (
+        (fields.OPENAI_CHAT, chat_params.CompletionCreateParamsStreaming),
+        (fields.OPENAI_COMPLETIONS, completion_create_params.CompletionCreateParamsStreaming),
+        (fields.OPENAI_EMBEDDINGS, embedding_create_params.EmbeddingCreateParams),
+        (fields.OPENAI_RESPONSES, response_create_params.ResponseCreateParamsStreaming),
+    ):
+        assert set(ours) <= sdk(params), sorted(set(ours) - sdk(params))
