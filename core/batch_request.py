@@ -25,6 +25,7 @@ DEFAULT_MAX_LINE_BYTES = 8 * 1024 * 1024
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP_SEQUENCES = 4
+MAX_REPETITION_PENALTY = 10.0
 
 
 class LineError(Exception):
@@ -77,6 +78,13 @@ class BatchRequest:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     ignore_eos: bool = False
+    # vLLM's extensions (chat and completions; see core.bodies.fields)
+    min_p: float = 0.0  # 0: disabled
+    repetition_penalty: float = 1.0  # 1: disabled
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    skip_special_tokens: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # chat: variables for the template
     # embeddings: the inputs (texts or token-id arrays), their output format and size
     inputs: list[str | list[int]] | None = None
     encoding_format: str = "float"
@@ -84,6 +92,8 @@ class BatchRequest:
     # structured output: the JSON Schema the output must match (``{"type": "object"}`` for
     # any JSON object); None for free text
     json_schema: dict[str, Any] | None = None
+    regex: str | None = None  # vLLM's guided_regex: the output matches this regular expression
+    choice: list[str] | None = None  # vLLM's guided_choice: the output is one of these strings
 
 
 def max_tokens_field(kind: RequestKind, body: Mapping[str, Any]) -> str:

@@ -292,12 +292,15 @@ def parse_request(
     endpoint: str,
     served_models: Collection[str] | None,
     max_line_bytes: int | None = None,
+    forwarded: Collection[str] = (),
 ) -> BatchRequest:
     """Validate and normalise one line; raise :class:`LineError` on the first problem.
 
     ``endpoint`` is the batch's endpoint; ``served_models`` the model names accepted (None
     skips the check, e.g. when re-parsing in a shard task). ``max_line_bytes`` only names the
-    limit in the ``line_too_long`` message.
+    limit in the ``line_too_long`` message. ``forwarded``: the models whose bodies go to an
+    upstream server as written (:func:`core.served_models.forwarded_models`); their lines may
+    hold fields this service does not know (see :func:`core.bodies.check_body`).
     """
     line = raw.line
     obj = _load_object(raw, max_line_bytes)
@@ -358,7 +361,7 @@ def parse_request(
         body=body,
         kind=KINDS[url],
     )
-    check_body(req)
+    check_body(req, forwarded=model in forwarded)
     return req
 
 
@@ -421,11 +424,13 @@ class LineValidator:
         served_models: Collection[str] | None,
         max_requests: int,
         max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+        forwarded: Collection[str] = (),
     ):
         self.endpoint = endpoint
         self.served_models = served_models
         self.max_requests = max_requests
         self.max_line_bytes = max_line_bytes
+        self.forwarded = forwarded
         self.model: str | None = None
         self.model_line = 0
         self.request_lines = 0  # non-blank lines checked so far, valid or not
@@ -447,6 +452,7 @@ class LineValidator:
             endpoint=self.endpoint,
             served_models=self.served_models,
             max_line_bytes=self.max_line_bytes,
+            forwarded=self.forwarded,
         )
         first = self._seen.get(req.custom_id)
         if first is not None:
@@ -518,10 +524,11 @@ def validate_file(
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
     max_errors: int = 100,
     on_request: Callable[[BatchRequest], None] | None = None,
+    forwarded: Collection[str] = (),
 ) -> ValidationReport:
     """Stream every line of ``stream`` through a :class:`LineValidator` (:func:`parse_request`
     and the file-wide checks: unique ``custom_id``, one model per batch, at most
-    ``max_requests`` request lines, not empty).
+    ``max_requests`` request lines, not empty); ``forwarded`` as for :func:`parse_request`.
 
     ``on_request`` is called, in line order, for each valid request that passed every check;
     exceptions it raises propagate. Memory is bounded by the ``custom_id`` set (at most
@@ -533,6 +540,7 @@ def validate_file(
         served_models=served_models,
         max_requests=max_requests,
         max_line_bytes=max_line_bytes,
+        forwarded=forwarded,
     )
     for raw in iter_lines(stream, max_line_bytes=max_line_bytes):
         report.num_lines = raw.line

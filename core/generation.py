@@ -60,7 +60,8 @@ def encode(tok: Any, text: str, *, add_special_tokens: bool) -> list[int]:
 
 def prompt_token_ids(tok: Any, req: BatchRequest) -> list[int]:
     """Chat and responses: the model's chat template with the assistant turn opened (rendered,
-    then encoded without special tokens, as ``apply_chat_template(tokenize=True)`` does);
+    then encoded without special tokens, as ``apply_chat_template(tokenize=True)`` does;
+    ``chat_template_kwargs`` are the template's variables);
     completions: the prompt string tokenized, or the token list as given; embeddings: every
     input's ids one after another (their count is what quotas and shard sizes weigh; the
     embedding engine frames each input itself)."""
@@ -71,7 +72,12 @@ def prompt_token_ids(tok: Any, req: BatchRequest) -> list[int]:
             for t in (encode(tok, item, add_special_tokens=True) if isinstance(item, str) else item)
         ]
     if req.kind in ("chat", "response"):
-        text = tok.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
+        text = tok.apply_chat_template(
+            req.messages,
+            add_generation_prompt=True,
+            tokenize=False,
+            **(req.chat_template_kwargs or {}),
+        )
         return encode(tok, text, add_special_tokens=False)
     if isinstance(req.prompt, list):
         return [int(t) for t in req.prompt]
@@ -160,20 +166,29 @@ def _short(value: int) -> str:
 
 def sampling_kwargs(req: BatchRequest, prompt_len: int, context: int) -> dict[str, Any]:
     """Keyword arguments for ``engine.SamplingParams`` (which rejects values it cannot honour)."""
+    max_tokens = default_max_tokens(req, prompt_len, context)
     return {
-        "max_tokens": default_max_tokens(req, prompt_len, context),
+        "max_tokens": max_tokens,
         "temperature": req.temperature,
         "top_p": req.top_p,
         "top_k": req.top_k,
+        "min_p": req.min_p,
         "seed": req.seed,
         "stop": list(req.stop) or None,
+        "stop_token_ids": list(req.stop_token_ids) or None,
         "ignore_eos": req.ignore_eos,
+        # validation keeps it within max_tokens; the context's room may be less
+        "min_tokens": min(req.min_tokens, max_tokens),
+        "skip_special_tokens": req.skip_special_tokens,
         "n": req.n,
         "logprobs": req.logprobs,
         "top_logprobs": req.top_logprobs,
         "presence_penalty": req.presence_penalty,
         "frequency_penalty": req.frequency_penalty,
+        "repetition_penalty": req.repetition_penalty,
         "json_schema": req.json_schema,
+        "regex": req.regex,
+        "choice": list(req.choice) if req.choice else None,
     }
 
 

@@ -28,6 +28,7 @@ import importlib
 import json
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -190,6 +191,12 @@ UPSTREAM_OPTIONS = tuple(f for f in UpstreamSpec.__dataclass_fields__ if f != "b
 
 def is_upstream(spec: str) -> bool:
     return spec.startswith(UPSTREAM_PREFIX)
+
+
+def forwarded_models(models: Mapping[str, str]) -> list[str]:
+    """The served names, of ``models`` (name -> spec), whose lines go to an upstream server
+    with their bodies as written: validation leaves fields it does not know to that server."""
+    return [name for name, spec in models.items() if is_upstream(spec)]
 
 
 def upstream_spec(spec: str, served_name: str) -> UpstreamSpec:

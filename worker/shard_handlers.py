@@ -76,6 +76,9 @@ class Handler(Protocol):
     # Whether a failure may be a bystander's, to be run again alone (ShardRun's suspects),
     # rather than run again among the others.
     isolates_failures: bool
+    # Whether the bodies go to their server as written (an upstream model): their lines may
+    # hold fields this service does not know (core.bodies.check_body).
+    forwards_bodies: bool
 
     def prepare(self, req: BatchRequest) -> tuple[Any, Any] | Line:
         """The request's engine input ``(prompt, params)``, or its error line."""
@@ -112,6 +115,7 @@ class GenerationHandler:
     """Chat, completions and responses on the engine host."""
 
     isolates_failures = True
+    forwards_bodies = False
 
     def __init__(self, shard: Shard, batch: Batch, host: Any):
         settings = get_settings()
@@ -221,6 +225,7 @@ class EmbeddingHandler:
     """Embeddings on the model's embedding host (``runtime.host``)."""
 
     isolates_failures = False
+    forwards_bodies = False
 
     def __init__(self, batch: Batch, host: Any):
         self.batch_id = batch.id

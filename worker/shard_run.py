@@ -77,6 +77,8 @@ class ShardRun:
         self.host = host
         # What differs between generation and embeddings (prepare, submit, read the outcome).
         self.handler = handler_for(shard, batch, host)
+        # an upstream model's lines are parsed as validation parsed them (core.bodies.check_body)
+        self.forwarded: tuple[str, ...] = (self.model,) if self.handler.forwards_bodies else ()
         self.every = max(1, settings.checkpoint_every)
         self.interval = settings.checkpoint_interval_s
         self.max_request_attempts = max(1, settings.max_request_attempts)
@@ -314,7 +316,9 @@ class ShardRun:
             if raw.line in self.done_lines:
                 continue
             try:
-                req = parse_request(raw, endpoint=self.endpoint, served_models=None)
+                req = parse_request(
+                    raw, endpoint=self.endpoint, served_models=None, forwarded=self.forwarded
+                )
             except LineError as err:  # validated before; only a changed file lands here
                 logger.error("shard %s line %s no longer parses: %s", self.shard.id, raw.line, err)
                 self.pending.add_error(raw.line, unparsable_line_error(raw, err))

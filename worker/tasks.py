@@ -104,6 +104,7 @@ def scan_input(key: str, endpoint: str, deadline: float | None = None) -> _Scan:
             max_line_bytes=settings.max_line_bytes,
             max_errors=settings.max_errors_reported,
             on_request=on_request,
+            forwarded=served_models.forwarded_models(settings.models),
         )
     return _Scan(report, planner, count.prompt_tokens)
 

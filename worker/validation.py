@@ -134,6 +134,7 @@ class StreamedValidation:
             served_models=served,
             max_requests=settings.max_requests_per_batch,
             max_line_bytes=settings.max_line_bytes,
+            forwarded=served_models.forwarded_models(settings.models),
         )
         self.count = TokenCounter(served)
         self.planner = ShardPlanner(

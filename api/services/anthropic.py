@@ -92,7 +92,10 @@ def _input_lines(
     line is checked as the batch's validation will check it, so no line fails the batch."""
     served = [m for m, spec in settings.models.items() if served_models.serves(spec, CHAT_URL)]
     validator = LineValidator(
-        endpoint=CHAT_URL, served_models=served, max_requests=anthropic.MAX_REQUESTS
+        endpoint=CHAT_URL,
+        served_models=served,
+        max_requests=anthropic.MAX_REQUESTS,
+        forwarded=served_models.forwarded_models(settings.models),
     )
     data = bytearray()
     unservable: dict[str, Any] = {}

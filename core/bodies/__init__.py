@@ -1,6 +1,7 @@
-"""Each endpoint's request body, checked and normalised into a :class:`BatchRequest`: one
-module per endpoint (``generation``: chat and completions; ``embeddings``; ``responses``),
-their shared field checks (``checker``) and structured-output formats (``structured``)."""
+"""Each endpoint's request body, checked and normalised into a :class:`BatchRequest`: the
+fields each accepts (``fields``), one module per endpoint (``generation``: chat and
+completions; ``embeddings``; ``responses``), their shared field checks (``checker``) and
+structured-output formats (``structured``)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from core.batch_request import (
 )
 from core.bodies.checker import Checker
 from core.bodies.embeddings import check_embedding
+from core.bodies.fields import FIELDS
 from core.bodies.generation import check_chat, check_completion
 from core.bodies.responses import check_response
 
@@ -33,7 +35,17 @@ _CHECKS: dict[RequestKind, Callable[[Checker, BatchRequest], None]] = {
 }
 
 
-def check_body(req: BatchRequest) -> None:
+_ACCEPTED = {kind: frozenset(names) for kind, names in FIELDS.items()}
+
+
+def check_body(req: BatchRequest, *, forwarded: bool = False) -> None:
     """Check ``req.body`` for ``req.kind`` and fill in the normalised fields; raises
-    :class:`core.batch_request.LineError` naming the line and field of the first problem."""
-    _CHECKS[req.kind](Checker(req.line, req.body), req)
+    :class:`core.batch_request.LineError` naming the line and field of the first problem.
+
+    A field outside the endpoint's :data:`core.bodies.fields.FIELDS` is the first problem
+    (``unknown_parameter``), unless the body is ``forwarded`` unchanged to an upstream server,
+    which decides what it accepts; the fields this service knows are checked either way."""
+    checker = Checker(req.line, req.body)
+    if not forwarded:
+        checker.known(_ACCEPTED[req.kind])
+    _CHECKS[req.kind](checker, req)

@@ -6,7 +6,15 @@ import math
 from collections.abc import Collection
 from typing import Any
 
-from core.batch_request import MAX_STOP_SEQUENCES, BatchRequest, LineError, show, type_name
+from core.batch_request import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    MAX_REPETITION_PENALTY,
+    MAX_STOP_SEQUENCES,
+    BatchRequest,
+    LineError,
+    show,
+    type_name,
+)
 
 
 class Checker:
@@ -112,6 +120,39 @@ class Checker:
                 raise self.fail("invalid_value", f"{param}[{i}]", f"{param}[{i}] must not be empty")
         return list(value)
 
+    def known(self, fields: Collection[str]) -> None:
+        """Refuse a body holding a field outside ``fields`` (``unknown_parameter``, in OpenAI's
+        words, naming every such field; ``param`` is the first)."""
+        unknown = [name for name in self.body if name not in fields]
+        if not unknown:
+            return
+        names = [name if len(name) <= 64 else name[:61] + "..." for name in unknown[:5]]
+        if len(unknown) > 5:
+            names.append(f"and {len(unknown) - 5} more")
+        plural = "s" if len(unknown) > 1 else ""
+        raise self.fail(
+            "unknown_parameter",
+            f"body.{names[0]}",
+            f"Unrecognized request argument{plural} supplied: {', '.join(names)}",
+        )
+
+    def token_ids(self, name: str) -> list[int]:
+        """An array of token ids (integers of at least 0); absent is empty."""
+        value = self.get(name)
+        param = f"body.{name}"
+        if value is None:
+            return []
+        if not isinstance(value, list):
+            raise self.type_error(param, "an array of token ids", value)
+        for i, tok in enumerate(value):
+            if isinstance(tok, bool) or not isinstance(tok, int):
+                raise self.type_error(f"{param}[{i}]", "an integer token id", tok)
+            if tok < 0:
+                raise self.fail(
+                    "invalid_value", f"{param}[{i}]", f"{param}[{i}] must be at least 0, got {tok}"
+                )
+        return list(value)
+
     def reject_if_set(self, name: str, why: str = "is not supported by this service") -> None:
         value = self.get(name)
         if value is not None and value != [] and value != {}:
@@ -136,3 +177,29 @@ class Checker:
         req.presence_penalty = self.number("presence_penalty", -2.0, 2.0, 0.0)
         req.frequency_penalty = self.number("frequency_penalty", -2.0, 2.0, 0.0)
         req.ignore_eos = self.boolean("ignore_eos", False)
+
+    def vllm_sampling(self, req: BatchRequest) -> None:
+        """vLLM's sampling extensions beyond :meth:`common`'s ``top_k`` and ``ignore_eos``
+        (structured output: :func:`core.bodies.structured.guided`). Read after
+        ``req.max_tokens``: ``min_tokens`` may not exceed it."""
+        req.min_p = self.number("min_p", 0.0, 1.0, 0.0)
+        req.repetition_penalty = self.number(
+            "repetition_penalty", 0.0, MAX_REPETITION_PENALTY, 1.0, lo_open=True
+        )
+        req.min_tokens = self.integer("min_tokens", 0, None, 0)
+        limit = req.max_tokens
+        if limit is None and req.kind == "completion":
+            limit = COMPLETIONS_DEFAULT_MAX_TOKENS
+        if limit is not None and req.min_tokens > limit:
+            bound = (
+                f"body.{req.max_tokens_from} ({limit})"
+                if req.max_tokens is not None
+                else f"{limit}, the default max_tokens of completions"
+            )
+            raise self.fail(
+                "invalid_value",
+                "body.min_tokens",
+                f"body.min_tokens must be at most {bound}, got {req.min_tokens}",
+            )
+        req.stop_token_ids = self.token_ids("stop_token_ids")
+        req.skip_special_tokens = self.boolean("skip_special_tokens", True)

@@ -2,9 +2,33 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from core.batch_request import CHAT_ROLES, BatchRequest, max_tokens_field, show
 from core.bodies.checker import Checker
-from core.bodies.structured import json_schema
+from core.bodies.structured import guided, json_schema
+
+# apply_chat_template's own arguments: chat_template_kwargs holds variables for the template
+# (``enable_thinking``, …), never these.
+TEMPLATE_ARGUMENTS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 
 
 def check_chat(c: Checker, req: BatchRequest) -> None:
@@ -67,16 +91,18 @@ def check_chat(c: Checker, req: BatchRequest) -> None:
     req.messages = out
 
     c.common(req)
-    for name in ("tools", "functions"):
+    for name in ("tools", "functions", "web_search_options", "moderation"):
         c.reject_if_set(name)
-    tool_choice = c.get("tool_choice")
-    if tool_choice is not None and tool_choice != "none":
-        raise c.fail(
-            "unsupported_parameter",
-            "body.tool_choice",
-            "body.tool_choice is not supported by this service",
-        )
+    for name in ("tool_choice", "function_call"):
+        choice = c.get(name)
+        if choice is not None and choice != "none":
+            raise c.fail(
+                "unsupported_parameter",
+                f"body.{name}",
+                f"body.{name} is not supported by this service",
+            )
     req.json_schema = json_schema(c, c.get("response_format"), "body.response_format", flat=False)
+    req.chat_template_kwargs = _template_kwargs(c)
     modalities = c.get("modalities")
     if modalities is not None and modalities != ["text"]:
         raise c.fail(
@@ -101,6 +127,25 @@ def check_chat(c: Checker, req: BatchRequest) -> None:
             f"body.top_logprobs requires body.logprobs to be true, got top_logprobs={top}",
         )
     req.top_logprobs = top
+    c.vllm_sampling(req)
+    guided(c, req)
+
+
+def _template_kwargs(c: Checker) -> dict[str, Any] | None:
+    value = c.get("chat_template_kwargs")
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise c.type_error("body.chat_template_kwargs", "an object", value)
+    for name in value:
+        if name in TEMPLATE_ARGUMENTS:
+            raise c.fail(
+                "invalid_value",
+                f"body.chat_template_kwargs.{name}",
+                f"body.chat_template_kwargs.{name} is an argument of the template call, not a "
+                "variable of the template; it cannot be set",
+            )
+    return dict(value) or None
 
 
 def check_completion(c: Checker, req: BatchRequest) -> None:
@@ -158,3 +203,5 @@ def check_completion(c: Checker, req: BatchRequest) -> None:
     lp = c.integer("logprobs", 0, 5, None)
     req.logprobs = lp is not None
     req.top_logprobs = lp or 0
+    c.vllm_sampling(req)
+    guided(c, req)

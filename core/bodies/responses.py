@@ -8,7 +8,8 @@ through the model's chat template. Read: ``max_output_tokens``, ``temperature``,
 
 Refused per line, naming the field: tools and tool calls, images, files and audio, stateful
 fields (``previous_response_id``, ``conversation``, stored prompts), ``reasoning``,
-``background`` and ``stream``, ``include``, ``top_logprobs`` and ``truncation: "auto"``.
+``background`` and ``stream``, ``include``, ``moderation``, ``image``, ``context_management``,
+``access_programs``, ``top_logprobs`` and ``truncation: "auto"``.
 """
 
 from __future__ import annotations
@@ -127,7 +128,8 @@ def _refuse_unsupported(c: Checker) -> None:
     for name in _STATEFUL:
         c.reject_if_set(name, "is not supported in a batch: each request stands alone")
     c.reject_if_set("reasoning", "is not supported: the models served here do not reason")
-    c.reject_if_set("include")
+    for name in ("include", "moderation", "image", "context_management", "access_programs"):
+        c.reject_if_set(name)
     if c.integer("top_logprobs", 0, 20, 0):
         raise c.fail(
             "unsupported_parameter",

@@ -64,8 +64,8 @@ class Engine:
             self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching
         )
         self.scheduler = Scheduler(self.config, self.block_manager)
-        self.sampler = Sampler(self.config.seed, self.runner.device)
         self.eos_token_ids = _eos_ids(self.tokenizer, self.runner.model)
+        self.sampler = Sampler(self.config.seed, self.runner.device, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._aborted: list[RequestOutput] = []
         self._stats = EngineStats(kv_blocks_total=self.runner.num_blocks)
@@ -140,11 +140,12 @@ class Engine:
             max_len,
             self._generator(params, completion_index),
         )
-        if params.json_schema is not None:
+        if params.structured:
             try:
-                seq.matcher = self.grammar.matcher(params.json_schema)
+                seq.matcher = self.grammar.matcher(params)
             except ValueError as exc:
-                raise RequestError(f"request {request_id!r}: {exc}", "invalid_json_schema") from exc
+                code = "invalid_json_schema" if params.json_schema is not None else "invalid_regex"
+                raise RequestError(f"request {request_id!r}: {exc}", code) from exc
         seq.expected_work = max_len * params.n
         seq.priority = int(priority)
         start_detokenizer(seq)
@@ -270,13 +271,15 @@ class Engine:
             reason = stop = None
             # a structured output's value is complete: its grammar allows nothing more
             closed = seq.matcher is not None and self._grammar.advance(seq, token)  # type: ignore[union-attr]
-            if (not params.ignore_eos and token in eos) or closed:
+            # below min_tokens nothing stops the completion (the sampler masks the stop ids)
+            early = seq.num_output_tokens < params.min_tokens
+            if closed or (not early and not params.ignore_eos and token in eos):
                 reason = "stop"
-            elif params.stop_token_ids and token in params.stop_token_ids:
+            elif not early and params.stop_token_ids and token in params.stop_token_ids:
                 reason, stop = "stop", token
             elif params.stop:
                 delta = detokenize_step(self.tokenizer, seq)
-                if delta:
+                if delta and not early:
                     hit = find_stop(seq.text, len(delta), params.stop)
                     if hit is not None:
                         seq.text = seq.text[: hit[0]]
@@ -349,9 +352,15 @@ class Engine:
 
     def _final_text(self, seq: Sequence) -> None:
         out = seq.output_token_ids
-        if seq.finish_reason == "stop" and isinstance(seq.stop_reason, int) and out:
-            out = out[:-1]  # the stop token itself is not part of the text
-        seq.text = self.tokenizer.decode(out, skip_special_tokens=True)
+        stopped = seq.finish_reason == "stop" and out
+        if stopped and (
+            isinstance(seq.stop_reason, int)
+            or (seq.stop_reason is None and out[-1] in self.eos_token_ids)
+        ):
+            # the stop token or end-of-sequence is not part of the text (special tokens kept
+            # or not)
+            out = out[:-1]
+        seq.text = self.tokenizer.decode(out, skip_special_tokens=seq.params.skip_special_tokens)
 
     def _output(self, request: Request) -> RequestOutput:
         outputs = [

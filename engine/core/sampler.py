@@ -1,9 +1,14 @@
 """Turns a step's logits into next tokens (and logprobs), batched over sequences.
 
-Order of operations per row: presence/frequency penalties over the tokens this completion has
-generated (OpenAI semantics), temperature, then top-k and top-p truncation, then sampling.
-Logprobs are the log-softmax of the logits after penalties and temperature, before top-k/top-p
-truncation (greedy rows: temperature 1), so alternatives outside the top-p set stay finite.
+Order of operations per row (vLLM's): the repetition penalty over the prompt's and the
+completion's tokens (transformers' semantics), presence/frequency penalties over the tokens
+this completion has generated (OpenAI's), the end-of-sequence and stop token ids masked while
+the completion is shorter than ``min_tokens``, temperature, then min-p, top-k and top-p
+truncation, then sampling. Logprobs are the log-softmax of the logits after penalties, the
+``min_tokens`` mask and temperature, before truncation (greedy rows: temperature 1), so
+alternatives outside the top-p set stay finite.
+
+A structured-output row is not masked for ``min_tokens``: its grammar decides where it ends.
 
 Sampling draws exponential noise ``E`` and takes ``argmax(p / E)``, which samples from ``p``.
 A sequence with a seed draws its noise from its own generator, so the same seed yields the same
@@ -18,11 +23,33 @@ from engine.core.outputs import TokenLogprob
 from engine.core.sequence import Sequence
 
 
+def min_p_filter(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """``logits`` (rows) with ``-inf`` for each token whose probability is below ``min_p``
+    (one per row; 0 keeps every token) times the row's likeliest token's: transformers'
+    ``MinPLogitsWarper``. The likeliest token always stays."""
+    probs = logits.softmax(dim=-1)
+    floor = probs.amax(dim=-1, keepdim=True) * min_p.to(probs.dtype).unsqueeze(1)
+    return logits.masked_fill(probs < floor, float("-inf"))
+
+
+def repetition_penalty_(row: torch.Tensor, token_ids: list[int], penalty: float) -> None:
+    """Penalise, in place, each token of ``token_ids`` in one row of logits: a positive logit
+    divided by ``penalty``, a negative one multiplied (transformers'
+    ``RepetitionPenaltyLogitsProcessor``, which vLLM follows)."""
+    ids = torch.tensor(token_ids, device=row.device)
+    ids = ids[ids < row.shape[0]]
+    score = row.gather(0, ids)
+    row.scatter_(0, ids, torch.where(score < 0, score * penalty, score / penalty))
+
+
 class Sampler:
-    def __init__(self, seed: int, device: torch.device) -> None:
+    def __init__(
+        self, seed: int, device: torch.device, eos_token_ids: frozenset[int] = frozenset()
+    ) -> None:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.eos_token_ids = eos_token_ids  # masked with stop token ids below min_tokens
 
     def __call__(
         self, logits: torch.Tensor, seqs: list[Sequence]
@@ -30,25 +57,44 @@ class Sampler:
         params = [s.params for s in seqs]
         greedy = [p.temperature == 0.0 for p in params]
         want_logprobs = any(p.logprobs for p in params)
-        penalized = [i for i, p in enumerate(params) if p.presence_penalty or p.frequency_penalty]
-        if all(greedy) and not penalized and not want_logprobs:
+        penalized = [
+            i
+            for i, p in enumerate(params)
+            if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
+        ]
+        held = [
+            i
+            for i, s in enumerate(seqs)
+            if s.num_output_tokens < s.params.min_tokens and s.matcher is None
+        ]
+        if all(greedy) and not penalized and not held and not want_logprobs:
             return logits.argmax(dim=-1).tolist(), None
 
-        if penalized:
+        if penalized or held:
             logits = logits.clone()
-            vocab = logits.shape[1]
-            for i in penalized:
-                out = seqs[i].output_token_ids
-                if not out:
-                    continue
-                counts = torch.bincount(torch.tensor(out, device=logits.device), minlength=vocab)[
-                    :vocab
-                ]
-                counts = counts.to(logits.dtype)
-                p = params[i]
-                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(
-                    logits.dtype
-                )
+        vocab = logits.shape[1]
+        for i in penalized:
+            p = params[i]
+            if p.repetition_penalty != 1.0:
+                repetition_penalty_(logits[i], seqs[i].token_ids, p.repetition_penalty)
+            out = seqs[i].output_token_ids
+            if not out or not (p.presence_penalty or p.frequency_penalty):
+                continue
+            counts = torch.bincount(torch.tensor(out, device=logits.device), minlength=vocab)[
+                :vocab
+            ]
+            counts = counts.to(logits.dtype)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(
+                logits.dtype
+            )
+        for i in held:
+            p = params[i]
+            stops = set(p.stop_token_ids or ())
+            if not p.ignore_eos:
+                stops |= self.eos_token_ids
+            banned = sorted(t for t in stops if t < vocab)
+            if banned:
+                logits[i, banned] = float("-inf")
         if not all(greedy):
             temps = torch.tensor([p.temperature or 1.0 for p in params], device=logits.device)
             logits = logits / temps.unsqueeze(1)
@@ -76,6 +122,9 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         params = [s.params for s in seqs]
         vocab = logits.shape[1]
+        if any(p.min_p for p in params):
+            min_p = torch.tensor([p.min_p for p in params], device=logits.device)
+            logits = min_p_filter(logits, min_p)
         top_k = [p.top_k if p.top_k > 0 else vocab for p in params]
         top_p = [p.top_p for p in params]
         if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):

@@ -11,7 +11,7 @@ A completion's
   the prompt ids); its text is the tokenizer's decoding of those ids;
 - logprobs (when asked for): each token at logprob 0, with ``top_logprobs`` alternatives below it.
 
-Stop strings, stop token ids, sampling values, penalties and ``json_schema`` are accepted
+Stop strings, stop token ids, sampling values, penalties and structured output are accepted
 and ignored. The prompt is checked as the real engine checks it (empty, a token id outside
 the tokenizer's vocabulary, no room under ``max_model_len``: ``RequestError``).
 """

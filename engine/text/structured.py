@@ -1,16 +1,19 @@
-"""Structured output: decoding constrained by a JSON Schema, valid by construction.
+"""Structured output: decoding constrained by a JSON Schema, a regular expression or a
+list of choices, valid by construction.
 
-A request whose ``SamplingParams.json_schema`` is set gets a grammar matcher (llguidance,
-which compiles JSON Schema to an Earley parser over the model's tokens). Before each step the
+A request whose ``SamplingParams.json_schema``, ``regex`` or ``choice`` is set gets a grammar
+matcher (llguidance, which compiles JSON Schema or a regular expression to an Earley parser
+over the model's tokens; a list of choices is the regular expression of their alternation). Before each step the
 matchers of the sequences about to sample compute their token masks, on llguidance's own
 threads while the model's forward pass runs, so the mask does not serialise the step; the
 sampler then sees ``-inf`` for every token the grammar forbids, and the sampled token advances
 the matcher. Constrained and unconstrained sequences share the step: only the constrained rows
 are masked.
 
-When the JSON value closes, the grammar allows only the end-of-sequence token, so the
-completion ends with finish_reason "stop"; a completion that reaches ``max_tokens`` first ends
-with "length" (its text is then an unfinished JSON prefix, as OpenAI's is).
+When the JSON value closes (or the text can match nothing longer), the grammar allows only
+the end-of-sequence token, so the completion ends with finish_reason "stop"; a completion that
+reaches ``max_tokens`` first ends with "length" (its text is then an unfinished JSON prefix,
+as OpenAI's is).
 
 JSON is generated compact (no whitespace between tokens of the value): a model is not free to
 pad the output with blanks until ``max_tokens``.
@@ -38,6 +41,29 @@ def grammar_for(schema: dict[str, Any]) -> str:
     from llguidance import LLMatcher
 
     return LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
+
+
+# What regex syntax gives a meaning to (escaped, each stands for itself), and the control
+# characters a pattern writes as escapes.
+_REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
+_REGEX_CONTROL = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def regex_literal(text: str) -> str:
+    """A regular expression that matches ``text`` and nothing else."""
+    return "".join("\\" + ch if ch in _REGEX_META else _REGEX_CONTROL.get(ch, ch) for ch in text)
+
+
+def grammar_of(params: Any) -> str:
+    """The llguidance grammar of a request's structured output (``SamplingParams.json_schema``,
+    ``regex`` or ``choice``)."""
+    from llguidance import LLMatcher
+
+    if params.json_schema is not None:
+        return grammar_for(params.json_schema)
+    if params.regex is not None:
+        return LLMatcher.grammar_from_regex(params.regex)
+    return LLMatcher.grammar_from_regex("|".join(f"({regex_literal(c)})" for c in params.choice))
 
 
 def schema_error(schema: dict[str, Any]) -> str | None:
@@ -80,13 +106,15 @@ class GrammarBackend:
         self.wait_time_s = 0.0  # the step waiting for masks after its forward pass
         self.num_masks = 0
 
-    def matcher(self, schema: dict[str, Any]) -> Any:
-        """A fresh matcher for ``schema``; ValueError naming the problem if it cannot be one."""
+    def matcher(self, params: Any) -> Any:
+        """A fresh matcher for the structured output ``params`` (``SamplingParams``) ask for;
+        ValueError naming the problem if it cannot be one."""
         from llguidance import LLMatcher
 
-        m = LLMatcher(self.tokenizer, grammar_for(schema), log_level=0)
+        m = LLMatcher(self.tokenizer, grammar_of(params), log_level=0)
         if m.is_error():
-            raise ValueError(f"json_schema cannot constrain decoding: {m.get_error()}")
+            kind = "json_schema" if params.json_schema is not None else "regex"
+            raise ValueError(f"{kind} cannot constrain decoding: {m.get_error()}")
         return m
 
     def start(self, seqs: list[Any]) -> PendingMasks | None:

@@ -47,10 +47,11 @@ def detokenize_step(tokenizer: Any, seq: Sequence) -> str:
     Text is held back while it ends in an incomplete UTF-8 sequence (U+FFFD).
     """
     tokens = seq.token_ids
+    skip = seq.params.skip_special_tokens
     prefix_text = tokenizer.decode(
-        tokens[seq.detok_prefix : seq.detok_read], skip_special_tokens=True
+        tokens[seq.detok_prefix : seq.detok_read], skip_special_tokens=skip
     )
-    full = tokenizer.decode(tokens[seq.detok_prefix :], skip_special_tokens=True)
+    full = tokenizer.decode(tokens[seq.detok_prefix :], skip_special_tokens=skip)
     if len(full) > len(prefix_text) and not full.endswith("\ufffd"):
         delta = full[len(prefix_text) :]
         seq.detok_prefix = seq.detok_read

@@ -35,13 +35,30 @@ def test_sampling_kwargs_carry_every_field() -> None:
         {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
          "temperature": 0.5, "top_p": 0.9, "n": 2, "stop": ["x"], "seed": 3, "logprobs": True,
          "top_logprobs": 2, "presence_penalty": 0.1, "frequency_penalty": -0.2,
-         "response_format": {"type": "json_object"}}
+         "response_format": {"type": "json_object"}, "top_k": 7, "min_p": 0.05,
+         "repetition_penalty": 1.2, "min_tokens": 2, "stop_token_ids": [9, 4],
+         "ignore_eos": True, "skip_special_tokens": False}
     )  # fmt: skip
-    assert sampling_kwargs(req, 4, 100) == {
-        "max_tokens": 5, "temperature": 0.5, "top_p": 0.9, "top_k": 0, "seed": 3, "stop": ["x"],
-        "ignore_eos": False, "n": 2, "logprobs": True, "top_logprobs": 2,
-        "presence_penalty": 0.1, "frequency_penalty": -0.2, "json_schema": {"type": "object"},
+    kwargs = sampling_kwargs(req, 4, 100)
+    assert kwargs == {
+        "max_tokens": 5, "temperature": 0.5, "top_p": 0.9, "top_k": 7, "min_p": 0.05, "seed": 3,
+        "stop": ["x"], "stop_token_ids": [9, 4], "ignore_eos": True, "min_tokens": 2,
+        "skip_special_tokens": False, "n": 2, "logprobs": True, "top_logprobs": 2,
+        "presence_penalty": 0.1, "frequency_penalty": -0.2, "repetition_penalty": 1.2,
+        "json_schema": {"type": "object"}, "regex": None, "choice": None,
     }  # fmt: skip
+    from engine import SamplingParams
+
+    # every engine parameter is set from the request, and takes what the request gives
+    assert set(kwargs) == set(SamplingParams.__dataclass_fields__)
+    SamplingParams(**kwargs)
+    guided = _req(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "min_tokens": 30,
+         "guided_choice": ["a", "b"]}
+    )  # fmt: skip
+    kwargs = sampling_kwargs(guided, 90, 100)
+    # min_tokens stays within the room the context leaves (no max_tokens: the rest of it)
+    assert (kwargs["choice"], kwargs["max_tokens"], kwargs["min_tokens"]) == (["a", "b"], 10, 10)
 
 
 def test_prompts_the_model_can_never_run_are_request_errors() -> None:
@@ -152,3 +169,26 @@ def test_an_engine_failure_keeps_its_internals_out_of_the_tenants_line() -> None
     message = line["response"]["body"]["error"]["message"]
     assert "secret" not in message and "CUDA" not in message
     assert "RuntimeError" in message and line["response"]["status_code"] == 500
+
+
+def test_chat_template_kwargs_reach_the_template() -> None:
+    """vLLM's ``chat_template_kwargs`` are the template's variables: the prompt (so the
+    tokens counted at validation and those run) is the template rendered with them."""
+    from core.generation import prompt_token_ids
+
+    class Tokenizer:
+        def apply_chat_template(self, messages, *, add_generation_prompt, tokenize, **variables):
+            assert add_generation_prompt and not tokenize
+            thinking = variables.get("enable_thinking", True)
+            return messages[-1]["content"] + (" <think>" if thinking else "")
+
+        def __call__(self, text, add_special_tokens):
+            return {"input_ids": [len(word) for word in text.split()]}
+
+    messages = [{"role": "user", "content": "hi there"}]
+    plain = _req({"model": "m", "messages": messages})
+    told = _req({"model": "m", "messages": messages,
+                 "chat_template_kwargs": {"enable_thinking": False}})  # fmt: skip
+    assert told.chat_template_kwargs == {"enable_thinking": False}
+    assert prompt_token_ids(Tokenizer(), plain) == [2, 5, 7]
+    assert prompt_token_ids(Tokenizer(), told) == [2, 5]

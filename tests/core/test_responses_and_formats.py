@@ -128,6 +128,13 @@ def test_text_format_json_schema_is_the_flat_shape() -> None:
             "body.reasoning",
         ),
         ({"input": "x", "truncation": "auto"}, "unsupported_value", "body.truncation"),
+        ({"input": "x", "moderation": {"m": 1}}, "unsupported_parameter", "body.moderation"),
+        (
+            {"input": "x", "context_management": [{}]},
+            "unsupported_parameter",
+            "body.context_management",
+        ),
+        ({"input": "x", "max_tokens": 5}, "unknown_parameter", "body.max_tokens"),
         ({"input": "x", "max_output_tokens": 0}, "invalid_value", "body.max_output_tokens"),
         ({"input": "x", "metadata": {"k": 1}}, "invalid_type", "body.metadata.k"),
         (

@@ -264,6 +264,12 @@ def test_generate_accepts_a_single_prompt_and_metrics(llm: LLM) -> None:
         ({"stop": [""]}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"seed": "x"}, "seed"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"min_tokens": 17}, "min_tokens"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"regex": ""}, "regex"),
+        ({"choice": ["a", ""]}, "choice"),
     ],
 )
 def test_sampling_params_validation_names_the_field(kwargs: dict, field: str) -> None:

@@ -79,6 +79,7 @@ class UpstreamHandler:
     """Chat, completions, embeddings and responses on an upstream model."""
 
     isolates_failures = False
+    forwards_bodies = True
 
     def __init__(self, batch: Batch, host: Any, spec: UpstreamSpec):
         self.batch_id = batch.id
