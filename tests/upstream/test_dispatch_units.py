@@ -285,6 +285,22 @@ def test_a_429_pauses_for_retry_after_and_the_request_runs_again(scripted: Any) 
     assert snapshot["backoffs"] == {"429": 1}
 
 
+def test_a_burst_of_refusals_halves_what_may_be_in_flight_once(scripted: Any) -> None:
+    """Eight requests out when the server starts refusing: eight 503s are one piece of news,
+    so the sender halves once (from 8 to 4), not down to one."""
+    scripted.replies = [(503, {"Retry-After": "1"})] * 8
+    dispatcher = _dispatcher(scripted, "max_concurrency=8")
+    try:
+        futures = [dispatcher.submit("/chat/completions", _chat(f"b{i}"), group="g")
+                   for i in range(8)]  # fmt: skip
+        _wait_until(lambda: dispatcher.snapshot()["backoffs"].get("503") == 8)
+        allowed = dispatcher.allowed()
+        assert all(f.result(30).status == 200 for f in futures)
+    finally:
+        dispatcher.shutdown()
+    assert allowed == 4
+
+
 def test_a_refused_request_is_answered_not_retried(scripted: Any) -> None:
     scripted.replies = [(400, {})]
     dispatcher = _dispatcher(scripted)

@@ -451,12 +451,20 @@ class Dispatcher:
             _settle(job, Reply(aborted=True))
 
     def _overloaded(self, reason: str, pause_s: float | None, halve: bool = True) -> None:
+        """One overload seen: count it, pause for ``pause_s``, and halve what may be in flight
+        until the next sync, once: the requests already out when the server began refusing
+        were sent under the old limit, and each of their refusals is the same news (halving
+        for each, a burst of 64 timeouts cut the sender to one)."""
         self.backoffs[reason] += 1
+        cut = halve and self._cut is None
         if halve:
             self.counters.overloads += 1
-            self._cut = max(1, min(self._share, self._cut or self._share) // 2)
+        if cut:
+            self._cut = max(1, self._share // 2)
         if pause_s:
             self._paused_until = max(self._paused_until, time.monotonic() + pause_s)
+        if not (cut or pause_s):
+            return
         logger.info(
             "%s: upstream overloaded (%s); %s in flight allowed%s",
             self.name,
