@@ -83,7 +83,7 @@ def test_metrics_can_be_switched_off(start_server) -> None:
 
 
 def test_metrics_token(start_server) -> None:
-    server = start_server(BATCHD_METRICS_TOKEN="scrape-secret")
+    server = start_server(BATCHD_METRICS_TOKEN="scrape-secret-token")
     with server.http(api_key=None) as http:
         refused = http.get("/metrics")
         assert refused.status_code == 401
@@ -94,7 +94,7 @@ def test_metrics_token(start_server) -> None:
         # An API key is no metrics token.
         api_key = http.get("/metrics", headers={"authorization": f"Bearer {server.api_key}"})
         assert api_key.status_code == 401
-        ok = http.get("/metrics", headers={"authorization": "Bearer scrape-secret"})
+        ok = http.get("/metrics", headers={"authorization": "Bearer scrape-secret-token"})
         assert ok.status_code == 200 and "batchd_database_up 1.0" in ok.text
 
 
