@@ -219,6 +219,9 @@ class Settings(BaseSettings):
     worker_liveness_file: str = ""
     worker_liveness_interval_s: float = Field(default=10.0, gt=0.0)
     worker_hang_timeout_s: float = Field(default=300.0, ge=0.0)
+    # ... or once control tasks fill its pool (or wait for a thread) and none has started or
+    # finished for worker_stall_timeout_s (0: never): every thread is stuck in a task.
+    worker_stall_timeout_s: float = Field(default=600.0, ge=0.0)
 
     @field_validator("models", "engine_options", mode="before")
     @classmethod

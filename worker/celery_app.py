@@ -66,6 +66,11 @@ from core.queue import (
 )
 from core.settings import get_settings
 
+# The tasks of the control queue (what the liveness watchdog's pool check watches).
+CONTROL_TASKS = frozenset({TASK_VALIDATE, TASK_FINALIZE, TASK_CANCEL, TASK_SWEEP_EXPIRED,
+                           TASK_RELEASE_SWEEP, TASK_SWEEP_FILES, TASK_SWEEP_WEBHOOKS, TASK_RECLAIM,
+                           TASK_ESTIMATE, TASK_REFRESH_ETAS})  # fmt: skip
+
 # Task modules every process registers. ``worker.recovery`` (heartbeats and the reclaim sweep)
 # is included when it is present.
 INCLUDE = ["worker.tasks", "worker.shard", "worker.release", "worker.webhooks", "worker.retention",
@@ -221,22 +226,8 @@ def create_app() -> Celery:
     include = [*INCLUDE, "worker.recovery"] if recovery else list(INCLUDE)
     celery = Celery("batchd", broker=settings.broker_url, include=include)
     control = {"queue": CONTROL_QUEUE}
-    routes = {
-        name: control
-        for name in (
-            TASK_VALIDATE,
-            TASK_FINALIZE,
-            TASK_CANCEL,
-            TASK_SWEEP_EXPIRED,
-            TASK_RELEASE_SWEEP,
-            TASK_DELIVER_WEBHOOK,
-            TASK_SWEEP_FILES,
-            TASK_SWEEP_WEBHOOKS,
-            TASK_RECLAIM,
-            TASK_ESTIMATE,
-            TASK_REFRESH_ETAS,
-        )
-    }
+    routes = {name: control for name in CONTROL_TASKS}
+    routes[TASK_DELIVER_WEBHOOK] = control
     schedule = {
         "sweep-expired": _every(TASK_SWEEP_EXPIRED, settings.expiry_sweep_interval_s),
         "release-shards": _every(TASK_RELEASE_SWEEP, release_sweep_interval_s()),
