@@ -9,11 +9,15 @@ whichever path ended the batch. After the commit the actor calls :func:`notify`,
 enqueues the delivery task on the control queue (best effort). If that enqueue fails, or the
 process dies between the commit and the enqueue, the beat sweep (:func:`sweep_unsent`) sends
 the row once its next attempt (``next_attempt_at``: at first its creation, then the end of a
-running attempt, then its retry's time) is ``settings.webhook_unsent_after_s`` overdue; so
-does an attempt or retry lost on the way (a killed worker, a task lost in a broker blip, a
-database write refused): every event is delivered at least once, always under the same event
-id. The event is shaped
-like OpenAI's batch webhooks::
+running attempt, then its retry's time, then the time the sweep sent it) is
+``settings.webhook_unsent_after_s`` overdue; so does an attempt or retry lost on the way (a
+killed worker, a task lost in a broker blip, a database write refused): every event is
+delivered at least once, always under the same event id. The sweep stamps what it sends, so
+a task on its way, like a running attempt, is not sent again until it too is overdue. An
+attempt's timeout bounds all of it: resolving the host (its name server belongs to whoever set
+the URL), connecting, sending and reading the answer.
+
+The event is shaped like OpenAI's batch webhooks::
 
     {"id": "evt_…", "object": "event", "type": "batch.completed", "created_at": 1700000000,
      "data": {"id": "batch_…"}}
@@ -54,6 +58,7 @@ import json
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -85,6 +90,14 @@ USER_AGENT = "batchd-webhooks/1"
 ANSWER_BYTES_KEPT = 200
 #: A delivery task this early for its row's next attempt is a duplicate, and does nothing.
 DUE_SLACK_S = 2.0
+#: How long a claimed attempt may take beyond ``webhook_timeout_s`` (writing its outcome)
+#: before the sweep takes it for lost.
+ATTEMPT_GRACE_S = 5.0
+#: Threads that resolve webhook hosts. A resolution cannot be interrupted: one that outlives its
+#: attempt's timeout keeps its thread until the resolver gives up, and the next resolutions
+#: wait for a free one, within their own attempts' timeouts.
+RESOLVER_THREADS = 4
+_resolvers = ThreadPoolExecutor(RESOLVER_THREADS, thread_name_prefix="batchd-webhook-resolve")
 
 
 def backoff_s(attempts: int) -> float:
@@ -203,20 +216,24 @@ def post_pinned(
     used (either would send the request somewhere unchecked). Returns the status code and the
     start of the answer's body (only that much is read).
 
-    ``timeout`` bounds the whole attempt, from connecting to the last byte read, not each read:
-    a receiver that trickles its answer a byte at a time is cut off when it is spent
-    (``httpx.TimeoutException``), so no attempt holds a control thread longer, and no attempt
-    is still running when its row says it is overdue."""
+    ``timeout`` bounds the whole attempt, from resolving the host to the last byte read, not
+    each step: a name server that answers slowly, or a receiver that trickles its answer a byte
+    at a time, is cut off when it is spent (``httpx.TimeoutException``), so no attempt holds a
+    control thread longer, and no attempt is still running when its row says it is overdue."""
     target = httpx.URL(url)
     port = target.port or (443 if target.scheme == "https" else 80)
-    address = resolve_checked(target.host, port, allow, resolver)
     extensions = {}
     if target.scheme == "https" and parse_address(target.host) is None:
         extensions["sni_hostname"] = target.host
-    pinned = target.copy_with(host=str(address))
     sent = {**headers, "host": target.netloc.decode("ascii")}
 
     async def post() -> tuple[int, str]:
+        # On threads of their own: asyncio.run waits for its default executor's threads, and
+        # a resolution outliving the timeout must not hold the attempt.
+        address = await asyncio.wrap_future(
+            _resolvers.submit(resolve_checked, target.host, port, allow, resolver)
+        )
+        pinned = target.copy_with(host=str(address))
         async with (
             httpx.AsyncClient(trust_env=False, follow_redirects=False, timeout=timeout) as client,
             client.stream(
@@ -269,9 +286,11 @@ def attempt(delivery_id: str, *, resolver: Resolver = system_resolver) -> float 
             )
             .values(
                 attempts=seen + 1,
-                # Due again once this attempt should have ended: if it is lost (a killed
-                # worker, a blip), the sweep sends the event again.
-                next_attempt_at=now() + timedelta(seconds=settings.webhook_timeout_s),
+                # Due again once this attempt should have ended (its timeout bounds it): while
+                # it runs the sweep leaves the row alone; if it is lost (a killed worker, a
+                # blip), the sweep sends the event again.
+                next_attempt_at=now()
+                + timedelta(seconds=settings.webhook_timeout_s + ATTEMPT_GRACE_S),
             )
             .execution_options(synchronize_session=False)
         ).rowcount
@@ -342,19 +361,34 @@ def sweep_unsent(older_than_s: float | None = None) -> int:
     (default ``settings.webhook_unsent_after_s``): never sent (the actor that committed the
     transition died before enqueueing, or the broker refused the task), or an attempt or retry
     lost on the way (its worker killed, its task lost in a broker blip, its database write
-    refused); return how many were enqueued."""
+    refused); return how many were enqueued.
+
+    A running attempt is never overdue (its claim moved the row's next attempt past its
+    timeout). Each row sent is stamped due now, in the same statement that picks it: a task on
+    its way is not sent again by the next sweeps, nor by one running beside this one, until it
+    is overdue in turn."""
     if older_than_s is None:
         older_than_s = get_settings().webhook_unsent_after_s
-    cutoff = now() - timedelta(seconds=older_than_s)
+    current = now()
+    cutoff = current - timedelta(seconds=older_than_s)
+    overdue = (
+        WebhookDelivery.status == DeliveryStatus.PENDING,
+        WebhookDelivery.next_attempt_at < cutoff,
+    )
     with session_scope() as session:
+        oldest = (
+            select(WebhookDelivery.id)
+            .where(*overdue)
+            .order_by(WebhookDelivery.next_attempt_at)
+            .limit(1000)
+        )
         ids = list(
             session.scalars(
-                select(WebhookDelivery.id)
-                .where(
-                    WebhookDelivery.status == DeliveryStatus.PENDING,
-                    WebhookDelivery.next_attempt_at < cutoff,
-                )
-                .limit(1000)
+                update(WebhookDelivery)
+                .where(WebhookDelivery.id.in_(oldest.scalar_subquery()), *overdue)
+                .values(next_attempt_at=current)
+                .returning(WebhookDelivery.id)
+                .execution_options(synchronize_session=False)
             )
         )
     for delivery_id in ids:
