@@ -157,7 +157,10 @@ class Settings(BaseSettings):
 
     # Webhooks.
     webhook_max_attempts: int = 8
+    # One attempt, whole (resolving the host, connecting, sending, reading the answer).
     webhook_timeout_s: float = 10.0
+    # Attempts a control worker makes at once, on threads of their own (never its pool's).
+    webhook_concurrency: int = Field(default=4, ge=1)
     # The webhook outbox's safety net: every webhook_sweep_interval_s, beat enqueues the events
     # recorded (with the batch's terminal transition) but not attempted for
     # webhook_unsent_after_s: their actor died after the commit, or the broker refused the task.

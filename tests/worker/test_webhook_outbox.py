@@ -49,13 +49,13 @@ def outbox(batch_id: str) -> list[dict]:
 
 
 def queued_deliveries(redis_url: str) -> list[str]:
-    """Delivery ids of the webhook tasks waiting on the control queue."""
+    """Delivery ids of the webhook tasks waiting on the webhook queue."""
     import redis
 
-    from core.queue import CONTROL_QUEUE, TASK_DELIVER_WEBHOOK
+    from core.queue import TASK_DELIVER_WEBHOOK, WEBHOOK_QUEUE
 
     ids = []
-    for raw in redis.Redis.from_url(redis_url).lrange(CONTROL_QUEUE, 0, -1):
+    for raw in redis.Redis.from_url(redis_url).lrange(WEBHOOK_QUEUE, 0, -1):
         message = json.loads(raw)
         if message["headers"]["task"] == TASK_DELIVER_WEBHOOK:
             args, _kwargs, _embed = json.loads(base64.b64decode(message["body"]))
