@@ -4,7 +4,9 @@ Invariants: the database gauges (``core.metrics.ServiceCollector``) are read at 
 ``metrics_cache_s`` whatever the scrape rate; several API processes share counters through
 prometheus-client's multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``, one empty directory per
 deployment), so any process answers with their sum; with ``BATCHD_METRICS_TOKEN`` set a scrape
-must send it as a bearer token (401 otherwise), without it the route is open.
+must send it as a bearer token (401 otherwise), without it the route is open; the HTTP
+metrics' labels take a bounded set of values (handlers are route templates or "none", methods
+the standard ones or "other"), whatever clients send.
 """
 
 from __future__ import annotations
@@ -34,6 +36,20 @@ from core import metrics
 from core.settings import Settings
 
 NAMESPACE = "batchd"
+#: The methods the HTTP metrics name; any other is counted as "other". A client may send any
+#: token as a method, and each distinct label value is a new time series held for good.
+STANDARD_METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"})
+
+
+def method_label(method: str) -> str:
+    """The ``method`` label of a request sent with ``method``: bounded to
+    :data:`STANDARD_METHODS` and "other"."""
+    return method if method in STANDARD_METHODS else "other"
+
+
+def _bound_method(info: Any) -> None:
+    # Runs before the metrics that read it (instrumentations run in the order added).
+    info.method = method_label(info.method)
 
 
 def _count_rejections(info: Any) -> None:
@@ -101,6 +117,7 @@ def install(app: FastAPI, settings: Settings) -> None:
         excluded_handlers=["/metrics"],
     )
     instrumentator.add(
+        _bound_method,
         http_metrics.requests(metric_namespace=NAMESPACE),
         http_metrics.latency(metric_namespace=NAMESPACE),
         _count_rejections,

@@ -25,6 +25,9 @@ TASK_ESTIMATE = "batchd.estimate_batch"
 TASK_REFRESH_ETAS = "batchd.refresh_etas"
 
 CONTROL_QUEUE = "batchd.control"
+# Webhook deliveries: consumed by every worker that consumes the control queue, and run on that
+# process's own webhook threads, never on the control pool's (worker.webhooks).
+WEBHOOK_QUEUE = "batchd.webhooks"
 
 # Every Redis socket is bounded, so that a broker that vanishes without closing its
 # connections (a lost host, a dropped route) costs a reconnect or a failed publish instead of

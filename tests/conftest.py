@@ -19,7 +19,7 @@ PG_PORT = int(os.environ.get("BATCHD_TEST_PG_PORT", "5432"))
 PG_ADMIN_URL = f"postgresql+psycopg://postgres@{PG_HOST}:{PG_PORT}/postgres"
 REDIS_HOST = os.environ.get("BATCHD_TEST_REDIS_HOST", "127.0.0.1")
 REDIS_PORT = int(os.environ.get("BATCHD_TEST_REDIS_PORT", "6379"))
-STATIC_TEST_KEY = "sk-test-static"
+STATIC_TEST_KEY = "sk-test-static-key"
 
 
 # Under pytest-xdist (scripts/test.sh runs the suite on two workers, one test module per

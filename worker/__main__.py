@@ -1,6 +1,7 @@
 """``python -m worker control|model|beat [celery options…]``: start a worker from the settings.
 
-* ``control``: the control queue (validate, finalize, cancel, sweep), threads pool.
+* ``control``: the control queue (validate, finalize, cancel, sweep), threads pool; and the
+  webhook queue, whose attempts run on threads of their own (:mod:`worker.webhooks`).
 * ``model [NAME…]``: the queues of the named served models (default: all of them), threads
   pool with ``BATCHD_WORKER_SHARD_CONCURRENCY`` shard tasks in flight; the engine loads once.
 * ``dispatch [NAME…]``: the queues of the named upstream models (default: every ``upstream:``

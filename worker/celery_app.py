@@ -4,6 +4,11 @@ Control worker (validate, finalize, cancel, expiry sweep; no model loaded)::
 
     celery -A worker.celery_app worker -Q batchd.control --pool threads -c 2
 
+A worker that consumes the control queue also consumes the webhook queue (``batchd.webhooks``,
+:func:`consume_webhooks`): each delivery task only hands its attempt to the process's own
+webhook threads (``BATCHD_WEBHOOK_CONCURRENCY``), so a slow receiver holds one of those, never
+a control thread.
+
 Model worker (one per GPU process; loads the engine once, runs several shards at a time so
 the engine's batch stays full across shard boundaries; never forks after the model loads)::
 
@@ -61,10 +66,16 @@ from core.queue import (
     TASK_SWEEP_FILES,
     TASK_SWEEP_WEBHOOKS,
     TASK_VALIDATE,
+    WEBHOOK_QUEUE,
     model_queue,
     redis_socket_options,
 )
 from core.settings import get_settings
+
+# The tasks of the control queue (what the liveness watchdog's pool check watches).
+CONTROL_TASKS = frozenset({TASK_VALIDATE, TASK_FINALIZE, TASK_CANCEL, TASK_SWEEP_EXPIRED,
+                           TASK_RELEASE_SWEEP, TASK_SWEEP_FILES, TASK_SWEEP_WEBHOOKS, TASK_RECLAIM,
+                           TASK_ESTIMATE, TASK_REFRESH_ETAS})  # fmt: skip
 
 # Task modules every process registers. ``worker.recovery`` (heartbeats and the reclaim sweep)
 # is included when it is present.
@@ -221,22 +232,8 @@ def create_app() -> Celery:
     include = [*INCLUDE, "worker.recovery"] if recovery else list(INCLUDE)
     celery = Celery("batchd", broker=settings.broker_url, include=include)
     control = {"queue": CONTROL_QUEUE}
-    routes = {
-        name: control
-        for name in (
-            TASK_VALIDATE,
-            TASK_FINALIZE,
-            TASK_CANCEL,
-            TASK_SWEEP_EXPIRED,
-            TASK_RELEASE_SWEEP,
-            TASK_DELIVER_WEBHOOK,
-            TASK_SWEEP_FILES,
-            TASK_SWEEP_WEBHOOKS,
-            TASK_RECLAIM,
-            TASK_ESTIMATE,
-            TASK_REFRESH_ETAS,
-        )
-    }
+    routes = {name: control for name in CONTROL_TASKS}
+    routes[TASK_DELIVER_WEBHOOK] = {"queue": WEBHOOK_QUEUE}
     schedule = {
         "sweep-expired": _every(TASK_SWEEP_EXPIRED, settings.expiry_sweep_interval_s),
         "release-shards": _every(TASK_RELEASE_SWEEP, release_sweep_interval_s()),
@@ -287,6 +284,27 @@ def import_task_dependencies() -> None:
         getattr(transformers, name)
     for module in TASK_DEPENDENCIES:
         importlib.import_module(module)
+
+
+def consume_webhooks(worker: Any) -> bool:
+    """Make ``worker`` consume the webhook queue too if it consumes the control queue (so every
+    deployment that runs a control worker delivers webhooks, whatever its ``-Q`` says); whether
+    it does. Its deliveries run on their own threads (``worker.webhooks``), not the pool's."""
+    queues = worker.app.amqp.queues
+    consumed = queues.consume_from
+    names = set(consumed or ()) if consumed is not None else set(queues)
+    if CONTROL_QUEUE not in names:
+        return False
+    if WEBHOOK_QUEUE not in names:
+        queues.select_add(WEBHOOK_QUEUE)
+    return True
+
+
+@worker_init.connect
+def _consume_webhooks(sender: Any = None, **_: Any) -> None:
+    # After the worker selected its queues (-Q), before its consumer starts.
+    if sender is not None and getattr(sender, "app", None) is not None:
+        consume_webhooks(sender)
 
 
 @worker_init.connect

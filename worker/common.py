@@ -106,12 +106,16 @@ def retrying(
             delay = min(max_delay_s, delay * 2)
 
 
-def send(task: str, *args: Any, queue: str = CONTROL_QUEUE) -> None:
-    """Enqueue ``task``; call only after the rows it reads are committed. Retries through a
-    broker outage (a task that must not be lost, like a finalize, is sent once it is back)."""
+def send(task: str, *args: Any, queue: str = CONTROL_QUEUE, countdown: float | None = None) -> None:
+    """Enqueue ``task`` (to run ``countdown`` seconds from now, if given); call only after the
+    rows it reads are committed. Retries through a broker outage (a task that must not be lost,
+    like a finalize, is sent once it is back)."""
     from worker.celery_app import app
 
-    retrying(lambda: app.send_task(task, args=list(args), queue=queue), f"sending {task}")
+    retrying(
+        lambda: app.send_task(task, args=list(args), queue=queue, countdown=countdown),
+        f"sending {task}",
+    )
 
 
 def past_expiry(expires_at: datetime | None) -> bool:

@@ -20,6 +20,14 @@ ready, every ``worker_liveness_interval_s``:
 An engine host does not come back in the process that lost it (``worker.runtime.host`` keeps
 it), so a model worker whose engine died would take shards only to fail them: it exits too.
 
+A turning loop does not mean the control tasks move: every pool thread can be stuck inside a
+task (a call that never returns) while the loop turns happily. So the watchdog also looks at the
+control tasks (``worker.celery_app.CONTROL_TASKS``) in its pool each round
+(:class:`PoolSnapshot`): when some are running and either more wait for a thread or no thread is
+free, and none has started or finished for ``worker_stall_timeout_s``, the pool is stalled
+(:func:`pool_stall`) and the process exits the same way, naming the tasks. A model worker's
+shards are not watched: a shard holds its thread for as long as it has requests.
+
 ``python -m worker health`` (the compose healthcheck) exits 0 while the file is fresh.
 
 A requested shutdown (SIGTERM, SIGINT) stops the watchdog: the supervisor that asked bounds it.
@@ -35,6 +43,7 @@ import os
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +82,74 @@ def health(path: str | None = None, interval_s: float | None = None) -> tuple[bo
     return True, f"{path} touched {age:.1f}s ago"
 
 
+@dataclass(frozen=True, slots=True)
+class PoolSnapshot:
+    """What a worker's pool holds at one moment: the control tasks running (request ids, and
+    their names), the control tasks received and due that wait for a thread, how many control
+    tasks have started so far, and the tasks of any kind running against the pool's size."""
+
+    running: frozenset[str] = frozenset()
+    waiting: int = 0
+    started: int = 0
+    busy: int = 0
+    size: int = 0
+    names: tuple[str, ...] = ()
+
+
+def progressed(before: PoolSnapshot | None, after: PoolSnapshot) -> bool:
+    """Whether a control task started or finished between the two snapshots."""
+    if before is None:
+        return True
+    return after.started != before.started or not before.running <= after.running
+
+
+def pool_stall(snapshot: PoolSnapshot, idle_s: float, timeout_s: float) -> str | None:
+    """Why the control pool is stalled, or None: control tasks are running, more wait for a
+    thread or no thread is free, and none has started or finished for ``idle_s`` > ``timeout_s``
+    (0: never). A pure function."""
+    if timeout_s <= 0 or not snapshot.running or idle_s <= timeout_s:
+        return None
+    if snapshot.waiting == 0 and snapshot.busy < snapshot.size:
+        return None  # a free thread: the pool can still take the next task
+    names = ", ".join(sorted(set(snapshot.names))) or "?"
+    return (
+        f"no control task has started or finished for {idle_s:.0f}s "
+        f"(worker_stall_timeout_s={timeout_s:g}): {len(snapshot.running)} running ({names}), "
+        f"{snapshot.waiting} waiting, {snapshot.busy} of {snapshot.size} threads busy"
+    )
+
+
+def pool_snapshot(consumer: Any, control_tasks: frozenset[str]) -> PoolSnapshot:
+    """This process's :class:`PoolSnapshot`, from Celery's worker state."""
+    from celery.worker import state
+
+    for _ in range(5):  # the consumer's thread may change the sets while they are copied
+        try:
+            active = list(state.active_requests)
+            reserved = list(state.reserved_requests)
+            started = sum(state.total_count.get(name, 0) for name in control_tasks)
+            break
+        except RuntimeError:
+            time.sleep(0.01)
+    else:
+        return PoolSnapshot()
+    running = [r for r in active if r.name in control_tasks]
+    active_ids = {r.id for r in active}
+    waiting = sum(1 for r in reserved if r.name in control_tasks and r.id not in active_ids)
+    pool = getattr(consumer, "pool", None)
+    size = getattr(pool, "num_processes", None) or getattr(
+        getattr(consumer, "controller", None), "concurrency", 0
+    )
+    return PoolSnapshot(
+        running=frozenset(r.id for r in running),
+        waiting=waiting,
+        started=started,
+        busy=len(active),
+        size=int(size or 0),
+        names=tuple(r.name for r in running),
+    )
+
+
 def touch(path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.touch()  # sets the time of an existing file too
@@ -89,14 +166,18 @@ class Watchdog:
         path: str = "",
         interval_s: float = 10.0,
         hang_timeout_s: float = 300.0,
+        stall_timeout_s: float = 0.0,
         exit: Any = os._exit,
     ) -> None:
         self.consumer = consumer
         self.path = Path(path) if path else None
         self.interval_s = max(0.05, float(interval_s))
         self.hang_timeout_s = float(hang_timeout_s)
+        self.stall_timeout_s = float(stall_timeout_s)
         self._exit = exit
         self.last_tick = time.monotonic()
+        self.last_progress = self.last_tick
+        self._pool: PoolSnapshot | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="batchd-liveness", daemon=True)
 
@@ -131,12 +212,28 @@ class Watchdog:
                 f"the consumer's event loop has not turned for {stalled:.0f}s "
                 f"(worker_hang_timeout_s={self.hang_timeout_s:g})"
             )
+        stalled_pool = self.pool_problem()
+        if stalled_pool is not None:
+            return stalled_pool
         runtime = sys.modules.get("worker.runtime")
         if runtime is not None:
             for model, host in runtime.loaded_hosts().items():
                 if not getattr(host, "is_alive", True):
                     return f"the engine host of model {model} has stopped"
         return None
+
+    def pool_problem(self) -> str | None:
+        """Why the control tasks in this worker's pool are stalled, or None."""
+        if self.stall_timeout_s <= 0:
+            return None
+        from worker.celery_app import CONTROL_TASKS
+
+        snapshot = pool_snapshot(self.consumer, CONTROL_TASKS)
+        current = time.monotonic()
+        if progressed(self._pool, snapshot):
+            self.last_progress = current
+        self._pool = snapshot
+        return pool_stall(snapshot, current - self.last_progress, self.stall_timeout_s)
 
     def check(self) -> bool:
         """One round: touch the file, or end the process. False once it was told to end."""
@@ -180,6 +277,7 @@ def start(consumer: Any) -> Watchdog | None:
         path=settings.worker_liveness_file,
         interval_s=settings.worker_liveness_interval_s,
         hang_timeout_s=settings.worker_hang_timeout_s,
+        stall_timeout_s=settings.worker_stall_timeout_s,
     ).start()
     return _watchdog
 

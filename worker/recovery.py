@@ -20,7 +20,15 @@ timeout (hours), so beat runs :func:`reclaim_stale_shards` every ``reclaim_sweep
   batch whose validation is not done and has created no shard for that long
   (``validated_at``): the validate resumes after its last shard (``worker.validation``).
 
-The reclaimed shard keeps its ``released_at``: it was released once and is only re-sent.
+The reclaimed shard keeps its ``released_at``: it was released once and is only re-sent. So
+it holds its model's release slot (``worker.release``) until a worker claims it; if the message
+that re-sent it is lost (a broker blip, a worker killed holding it unacknowledged, which the
+broker gives back only after the visibility timeout of hours), nothing else would ever claim
+it. So the sweep also sends again a reclaimed shard still ``pending`` and untouched (no claim,
+no heartbeat) for ``worker.release.resend_after_s()`` (the bound of a release that was never
+claimed, derived from ``shard_stale_after_s``), once per that bound: the slot runs its shard
+instead of sitting idle. A duplicate message is harmless (a claim takes only a pending or a
+stale shard).
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ from core.settings import get_settings
 from worker.celery_app import app
 from worker.checkpoints import discard_uncommitted, lines_without_result
 from worker.common import input_key, retrying, send, stale_after_s, storage
-from worker.release import release_next
+from worker.release import release_next, resend_after_s
 from worker.shard_state import (
     Pending,
     ShardLost,
@@ -64,6 +72,7 @@ class SweepReport:
     failed: list[int]
     refinalized: list[str]
     revalidated: list[str] = field(default_factory=list)
+    resent: list[int] = field(default_factory=list)
 
 
 def _shard_failed_line(custom_id: str | None, message: str) -> dict[str, Any]:
@@ -155,6 +164,35 @@ def _requeue(shard_id: int, attempts: int, cutoff: Any) -> bool:
         return result.rowcount == 1
 
 
+def _unclaimed_requeues(cutoff: Any) -> list[tuple[int, str | None]]:
+    """(shard id, model) of the reclaimed shards of running batches that no worker has claimed
+    since ``cutoff`` (their message was lost), stamped now so the next sweep waits again."""
+    with session_scope() as session:
+        ids = session.scalars(
+            update(Shard)
+            .where(
+                Shard.status == ShardStatus.PENDING,
+                Shard.attempts > 0,  # claimed before: a reclaimed shard (never claimed: release)
+                Shard.released_at.is_not(None),
+                Shard.updated_at < cutoff,
+                Shard.heartbeat_at.is_(None) | (Shard.heartbeat_at < cutoff),
+                Shard.batch_id.in_(select(Batch.id).where(Batch.status == BatchStatus.IN_PROGRESS)),
+            )
+            .values(updated_at=now())
+            .returning(Shard.id)
+            .execution_options(synchronize_session=False)
+        ).all()
+        if not ids:
+            return []
+        rows = session.execute(
+            select(Shard.id, Batch.model)
+            .join(Batch, Batch.id == Shard.batch_id)
+            .where(Shard.id.in_(ids))
+            .order_by(Shard.id)
+        ).all()
+    return [(r.id, r.model) for r in rows]
+
+
 def redrive_due(age_s: float, bound_s: float, every_s: float) -> bool:
     """Whether a sweep (one every ``every_s``) re-sends the task of a batch stuck for
     ``age_s``: on the first sweep after the age passes ``bound_s``, ``2 * bound_s``, … so a
@@ -234,6 +272,18 @@ def reclaim_stale_shards() -> SweepReport:
             )
             send(TASK_RUN_SHARD, shard_id, queue=model_queue(model or ""))
             report.requeued.append(shard_id)
+    # A reclaimed shard whose message was lost holds its release slot: send it again.
+    silent_since = current - timedelta(seconds=resend_after_s())
+    for shard_id, model in retrying(
+        lambda: _unclaimed_requeues(silent_since), "finding lost re-queued shards"
+    ):
+        logger.warning(
+            "shard %s was re-queued but not claimed for over %.0fs: sending it again",
+            shard_id,
+            resend_after_s(),
+        )
+        send(TASK_RUN_SHARD, shard_id, queue=model_queue(model or ""))
+        report.resent.append(shard_id)
     # A validate or finalize that never ran (its message was lost) or kept failing through an
     # outage: both are idempotent, send it again.
     bound = float(settings.stuck_batch_after_s)
@@ -255,10 +305,11 @@ def reclaim_stale_shards() -> SweepReport:
 @app.task(name=TASK_RECLAIM)
 def reclaim_stale_shards_task(**_: Any) -> None:
     report = reclaim_stale_shards()
-    if report.requeued or report.failed or report.refinalized:
+    if report.requeued or report.failed or report.refinalized or report.resent:
         logger.info(
-            "reclaim sweep: %s re-queued, %s given up, %s finalizes re-sent",
+            "reclaim sweep: %s re-queued, %s sent again, %s given up, %s finalizes re-sent",
             report.requeued,
+            report.resent,
             report.failed,
             report.refinalized,
         )

@@ -45,7 +45,8 @@ Messages are sent after the transaction commits. If the send fails, the shards a
 released shards that no message will run: the sweep re-sends shards that were released, never
 claimed (``attempts = 0``) and untouched for longer than ``resend_after_s()``; a duplicate
 message is harmless (the shard's claim fences older attempts off). Shards reclaimed from dead
-workers are re-sent by ``worker.recovery``, not here.
+workers are re-sent by ``worker.recovery``, not here, and so is a reclaimed shard whose message
+was lost (it would hold its slot until the broker's visibility timeout, or for good).
 """
 
 from __future__ import annotations

@@ -6,14 +6,26 @@ When a batch that has a ``webhook_url`` reaches ``completed``, ``failed``, ``exp
 ``webhook_deliveries`` row (its id is the event id and the ``webhook-id`` header) in the same
 transaction: an outbox, so the event exists exactly when the terminal status has committed,
 whichever path ended the batch. After the commit the actor calls :func:`notify`, which only
-enqueues the delivery task on the control queue (best effort). If that enqueue fails, or the
+enqueues the delivery task on the webhook queue (best effort). If that enqueue fails, or the
 process dies between the commit and the enqueue, the beat sweep (:func:`sweep_unsent`) sends
 the row once its next attempt (``next_attempt_at``: at first its creation, then the end of a
-running attempt, then its retry's time) is ``settings.webhook_unsent_after_s`` overdue; so
-does an attempt or retry lost on the way (a killed worker, a task lost in a broker blip, a
-database write refused): every event is delivered at least once, always under the same event
-id. The event is shaped
-like OpenAI's batch webhooks::
+running attempt, then its retry's time, then the time the sweep sent it) is
+``settings.webhook_unsent_after_s`` overdue; so does an attempt or retry lost on the way (a
+killed worker, a task lost in a broker blip, a database write refused): every event is
+delivered at least once, always under the same event id. The sweep stamps what it sends, so
+a task on its way, like a running attempt, is not sent again until it too is overdue.
+
+Tenant-controlled slowness never holds shared capacity: the receiver (and the name server of
+its host) belongs to whoever set the URL. Deliveries have their own queue
+(``core.queue.WEBHOOK_QUEUE``), which every control worker also consumes, and a delivery task
+only hands its attempt to the process's own webhook threads (:class:`DeliveryThreads`,
+``BATCHD_WEBHOOK_CONCURRENCY`` of them) and returns: a receiver that trickles its answer holds
+one of those for at most ``webhook_timeout_s``, never a control thread, so validations,
+finalizes and cancels go on beside it. When every webhook thread is busy the task comes back a
+little later, a few times, then leaves the row to the sweep. An attempt's timeout bounds all of
+it: resolving the host, connecting, sending and reading the answer.
+
+The event is shaped like OpenAI's batch webhooks::
 
     {"id": "evt_…", "object": "event", "type": "batch.completed", "created_at": 1700000000,
      "data": {"id": "batch_…"}}
@@ -53,7 +65,10 @@ import hmac
 import json
 import logging
 import os
+import random
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -72,7 +87,7 @@ from core.netcheck import (
     resolve_checked,
     system_resolver,
 )
-from core.queue import CONTROL_QUEUE, TASK_DELIVER_WEBHOOK, TASK_SWEEP_WEBHOOKS
+from core.queue import TASK_DELIVER_WEBHOOK, TASK_SWEEP_WEBHOOKS, WEBHOOK_QUEUE
 from core.settings import get_settings
 from worker.celery_app import app
 from worker.common import send
@@ -85,6 +100,18 @@ USER_AGENT = "batchd-webhooks/1"
 ANSWER_BYTES_KEPT = 200
 #: A delivery task this early for its row's next attempt is a duplicate, and does nothing.
 DUE_SLACK_S = 2.0
+#: How long a claimed attempt may take beyond ``webhook_timeout_s`` (writing its outcome)
+#: before the sweep takes it for lost.
+ATTEMPT_GRACE_S = 5.0
+#: A delivery task that finds every webhook thread busy comes back after about this long, at
+#: most BUSY_RETRIES times; then the sweep sends the row again once it is overdue.
+BUSY_RETRY_S = 2.0
+BUSY_RETRIES = 5
+#: Threads that resolve webhook hosts. A resolution cannot be interrupted: one that outlives its
+#: attempt's timeout keeps its thread until the resolver gives up, and the next resolutions
+#: wait for a free one, within their own attempts' timeouts.
+RESOLVER_THREADS = 4
+_resolvers = ThreadPoolExecutor(RESOLVER_THREADS, thread_name_prefix="batchd-webhook-resolve")
 
 
 def backoff_s(attempts: int) -> float:
@@ -175,7 +202,7 @@ def notify(batch_id: str, status: str) -> str | None:
         logger.exception("batch %s: could not read its %s webhook event", batch_id, status)
         return None
     try:
-        send(TASK_DELIVER_WEBHOOK, delivery_id, queue=CONTROL_QUEUE)
+        send(TASK_DELIVER_WEBHOOK, delivery_id, queue=WEBHOOK_QUEUE)
     except Exception:
         logger.exception(
             "batch %s: could not enqueue webhook %s (the webhook sweep sends it)",
@@ -203,20 +230,24 @@ def post_pinned(
     used (either would send the request somewhere unchecked). Returns the status code and the
     start of the answer's body (only that much is read).
 
-    ``timeout`` bounds the whole attempt, from connecting to the last byte read, not each read:
-    a receiver that trickles its answer a byte at a time is cut off when it is spent
-    (``httpx.TimeoutException``), so no attempt holds a control thread longer, and no attempt
-    is still running when its row says it is overdue."""
+    ``timeout`` bounds the whole attempt, from resolving the host to the last byte read, not
+    each step: a name server that answers slowly, or a receiver that trickles its answer a byte
+    at a time, is cut off when it is spent (``httpx.TimeoutException``), so no attempt holds a
+    webhook thread longer, and no attempt is still running when its row says it is overdue."""
     target = httpx.URL(url)
     port = target.port or (443 if target.scheme == "https" else 80)
-    address = resolve_checked(target.host, port, allow, resolver)
     extensions = {}
     if target.scheme == "https" and parse_address(target.host) is None:
         extensions["sni_hostname"] = target.host
-    pinned = target.copy_with(host=str(address))
     sent = {**headers, "host": target.netloc.decode("ascii")}
 
     async def post() -> tuple[int, str]:
+        # On threads of their own: asyncio.run waits for its default executor's threads, and
+        # a resolution outliving the timeout must not hold the attempt.
+        address = await asyncio.wrap_future(
+            _resolvers.submit(resolve_checked, target.host, port, allow, resolver)
+        )
+        pinned = target.copy_with(host=str(address))
         async with (
             httpx.AsyncClient(trust_env=False, follow_redirects=False, timeout=timeout) as client,
             client.stream(
@@ -269,9 +300,11 @@ def attempt(delivery_id: str, *, resolver: Resolver = system_resolver) -> float 
             )
             .values(
                 attempts=seen + 1,
-                # Due again once this attempt should have ended: if it is lost (a killed
-                # worker, a blip), the sweep sends the event again.
-                next_attempt_at=now() + timedelta(seconds=settings.webhook_timeout_s),
+                # Due again once this attempt should have ended (its timeout bounds it): while
+                # it runs the sweep leaves the row alone; if it is lost (a killed worker, a
+                # blip), the sweep sends the event again.
+                next_attempt_at=now()
+                + timedelta(seconds=settings.webhook_timeout_s + ATTEMPT_GRACE_S),
             )
             .execution_options(synchronize_session=False)
         ).rowcount
@@ -342,26 +375,92 @@ def sweep_unsent(older_than_s: float | None = None) -> int:
     (default ``settings.webhook_unsent_after_s``): never sent (the actor that committed the
     transition died before enqueueing, or the broker refused the task), or an attempt or retry
     lost on the way (its worker killed, its task lost in a broker blip, its database write
-    refused); return how many were enqueued."""
+    refused); return how many were enqueued.
+
+    A running attempt is never overdue (its claim moved the row's next attempt past its
+    timeout). Each row sent is stamped due now, in the same statement that picks it: a task on
+    its way is not sent again by the next sweeps, nor by one running beside this one, until it
+    is overdue in turn."""
     if older_than_s is None:
         older_than_s = get_settings().webhook_unsent_after_s
-    cutoff = now() - timedelta(seconds=older_than_s)
+    current = now()
+    cutoff = current - timedelta(seconds=older_than_s)
+    overdue = (
+        WebhookDelivery.status == DeliveryStatus.PENDING,
+        WebhookDelivery.next_attempt_at < cutoff,
+    )
     with session_scope() as session:
+        oldest = (
+            select(WebhookDelivery.id)
+            .where(*overdue)
+            .order_by(WebhookDelivery.next_attempt_at)
+            .limit(1000)
+        )
         ids = list(
             session.scalars(
-                select(WebhookDelivery.id)
-                .where(
-                    WebhookDelivery.status == DeliveryStatus.PENDING,
-                    WebhookDelivery.next_attempt_at < cutoff,
-                )
-                .limit(1000)
+                update(WebhookDelivery)
+                .where(WebhookDelivery.id.in_(oldest.scalar_subquery()), *overdue)
+                .values(next_attempt_at=current)
+                .returning(WebhookDelivery.id)
+                .execution_options(synchronize_session=False)
             )
         )
     for delivery_id in ids:
-        send(TASK_DELIVER_WEBHOOK, delivery_id, queue=CONTROL_QUEUE)
+        send(TASK_DELIVER_WEBHOOK, delivery_id, queue=WEBHOOK_QUEUE)
     if ids:
         logger.warning("re-enqueued %s webhook deliveries whose attempt is overdue", len(ids))
     return len(ids)
+
+
+class DeliveryThreads:
+    """The threads a worker process runs webhook attempts on, apart from its task pool: at most
+    ``size`` attempts at a time; :meth:`offer` never waits."""
+
+    def __init__(self, size: int) -> None:
+        self.size = max(1, int(size))
+        self._free = threading.BoundedSemaphore(self.size)
+        self._executor = ThreadPoolExecutor(self.size, thread_name_prefix="batchd-webhook")
+
+    def offer(self, delivery_id: str) -> bool:
+        """Start an attempt for ``delivery_id`` now if a thread is free; whether it started."""
+        if not self._free.acquire(blocking=False):
+            return False
+        try:
+            self._executor.submit(self._run, delivery_id)
+        except BaseException:
+            self._free.release()
+            raise
+        return True
+
+    def _run(self, delivery_id: str) -> None:
+        try:
+            deliver(delivery_id)
+        finally:
+            self._free.release()
+
+
+def deliver(delivery_id: str) -> None:
+    """One attempt, then the retry's task if one is due (an error is logged: the row is left
+    pending, and the sweep sends it again once it is overdue)."""
+    try:
+        wait = attempt(delivery_id)
+        if wait is not None:
+            send(TASK_DELIVER_WEBHOOK, delivery_id, queue=WEBHOOK_QUEUE, countdown=wait)
+    except Exception:
+        logger.exception("webhook %s: the attempt failed (the sweep sends it again)", delivery_id)
+
+
+_threads: DeliveryThreads | None = None
+_threads_lock = threading.Lock()
+
+
+def delivery_threads() -> DeliveryThreads:
+    """This process's :class:`DeliveryThreads` (``settings.webhook_concurrency``)."""
+    global _threads
+    with _threads_lock:
+        if _threads is None:
+            _threads = DeliveryThreads(get_settings().webhook_concurrency)
+        return _threads
 
 
 @app.task(name=TASK_SWEEP_WEBHOOKS)
@@ -371,6 +470,11 @@ def sweep_webhooks_task(**_: Any) -> None:
 
 @app.task(name=TASK_DELIVER_WEBHOOK, bind=True, max_retries=None)
 def deliver_webhook(self: Any, delivery_id: str) -> None:
-    wait = attempt(delivery_id)
-    if wait is not None:
-        raise self.retry(countdown=wait)
+    """Hand the attempt to this process's webhook threads and return at once (see the module
+    docstring); when they are all busy, come back a little later, or leave the row to the
+    sweep."""
+    if delivery_threads().offer(delivery_id):
+        return
+    if self.request.retries < BUSY_RETRIES:
+        raise self.retry(countdown=BUSY_RETRY_S * (0.5 + random.random()))
+    logger.info("webhook %s: every webhook thread is busy; the sweep sends it later", delivery_id)

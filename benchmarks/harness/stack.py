@@ -32,8 +32,8 @@ from cli.perf import service
 from cli.perf.service import WorkerProbe, api_command, api_up, free_port, wait_for
 from core.settings import DEMO_MODEL_NAME as MODEL
 
-API_KEY = "sk-e2e-test-key"  # the tests' stacks
-BENCH_API_KEY = "sk-bench-key"  # the benchmarks' stacks
+API_KEY = "sk-e2e-test-key-static"  # the tests' stacks
+BENCH_API_KEY = "sk-bench-key-static"  # the benchmarks' stacks
 PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 REDIS_URL = "redis://127.0.0.1:6379/0"
 TERMINAL = {"completed", "failed", "expired", "cancelled"}

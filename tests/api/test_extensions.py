@@ -200,8 +200,8 @@ def test_no_webhook_unless_asked(client, input_file, pg_url):
 
 
 def test_static_keys_get_a_secret_per_batch_shown_once(start_server, pg_url):
-    server = start_server(BATCHD_API_KEYS="sk-static")
-    client = server.client(api_key="sk-static")
+    server = start_server(BATCHD_API_KEYS="sk-static-key-of-default")
+    client = server.client(api_key="sk-static-key-of-default")
     input_file = client.files.create(file=("in.jsonl", LINES), purpose="batch").id
     batch = _create(
         client,

@@ -52,6 +52,30 @@ def test_metrics_count_requests_rejections_and_uploads(server) -> None:
     assert models, "no pending-work gauge per model"
 
 
+def test_an_odd_method_is_counted_as_other(server) -> None:
+    """Clients may send methods beyond the standard ones (the HTTP parser passes WebDAV's and
+    others on; another server or parser passes any token), and each distinct label value is a
+    time series kept for good: methods outside the standard set are counted as "other"."""
+    import httpx
+
+    url = f"{server.url}/metrics"
+    before = scrape(url)
+    assert httpx.request("PROPFIND", f"{server.url}/healthz", timeout=10).status_code == 405
+    assert httpx.request("GET", f"{server.url}/healthz", timeout=10).status_code == 200
+    after = scrape(url)
+
+    def moved(**labels: str) -> float:
+        name = "batchd_http_requests_total"
+        return value(after, name, handler="/healthz", **labels) - value(
+            before, name, handler="/healthz", **labels
+        )
+
+    assert moved(method="other", status="405") == 1
+    assert moved(method="GET", status="200") == 1
+    methods = {dict(labels).get("method") for name, labels in after if "_http_" in name}
+    assert methods <= {"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS", "other", None}
+
+
 def test_metrics_can_be_switched_off(start_server) -> None:
     server = start_server(BATCHD_METRICS_ENABLED="false")
     with server.http(api_key=None) as http:
@@ -59,7 +83,7 @@ def test_metrics_can_be_switched_off(start_server) -> None:
 
 
 def test_metrics_token(start_server) -> None:
-    server = start_server(BATCHD_METRICS_TOKEN="scrape-secret")
+    server = start_server(BATCHD_METRICS_TOKEN="scrape-secret-token")
     with server.http(api_key=None) as http:
         refused = http.get("/metrics")
         assert refused.status_code == 401
@@ -70,7 +94,7 @@ def test_metrics_token(start_server) -> None:
         # An API key is no metrics token.
         api_key = http.get("/metrics", headers={"authorization": f"Bearer {server.api_key}"})
         assert api_key.status_code == 401
-        ok = http.get("/metrics", headers={"authorization": "Bearer scrape-secret"})
+        ok = http.get("/metrics", headers={"authorization": "Bearer scrape-secret-token"})
         assert ok.status_code == 200 and "batchd_database_up 1.0" in ok.text
 
 

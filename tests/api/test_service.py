@@ -23,7 +23,7 @@ def _assert_envelope(response, status: int) -> dict:
 
 
 def test_static_keys_are_accepted_for_the_default_tenant(start_server):
-    server = start_server(BATCHD_API_KEYS='["sk-first", "sk-second"]')
+    server = start_server(BATCHD_API_KEYS='["sk-first-static-key", "sk-second-static-key"]')
     with server.http(api_key=None) as http:
         error = _assert_envelope(http.get("/v1/models"), 401)
         assert "API key" in error["message"]
@@ -35,7 +35,7 @@ def test_static_keys_are_accepted_for_the_default_tenant(start_server):
         server.client(api_key="sk-wrong").files.list()
     assert caught.value.body["code"] == "invalid_api_key"
     assert "sk-wrong" not in caught.value.body["message"]  # the key is masked
-    for key in ("sk-first", "sk-second"):
+    for key in ("sk-first-static-key", "sk-second-static-key"):
         client = server.client(api_key=key)
         defaults = ["smollm2-135m-instruct", "minilm"]
         assert [m.id for m in client.models.list()] == defaults

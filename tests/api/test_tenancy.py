@@ -90,8 +90,8 @@ def test_another_tenants_objects_answer_404_on_every_route(server, make_key):
 
 
 def test_static_keys_belong_to_the_default_tenant(start_server, make_key):
-    server = start_server(BATCHD_API_KEYS="sk-static-one")
-    static = server.client(api_key="sk-static-one")
+    server = start_server(BATCHD_API_KEYS="sk-static-key-one")
+    static = server.client(api_key="sk-static-key-one")
     default_tenant_key = make_key(tenant="default")
     other = server.client()  # this test's own tenant
     file = static.files.create(file=("in.jsonl", LINES), purpose="batch")

@@ -18,7 +18,7 @@ import pytest
 
 pytestmark = pytest.mark.services
 
-ADMIN = "sk-test-admin"
+ADMIN = "sk-test-admin-static"
 CSRF = re.compile(r'name="csrf" value="([^"]*)"')
 
 

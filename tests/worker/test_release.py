@@ -541,3 +541,53 @@ def test_a_tenants_one_hour_job_is_released_before_its_day_long_job(model, monke
     assert mine == [hour, hour, day, day, day]
     # The other tenant keeps its turns: tenants still alternate.
     assert [batch for batch, _ in order[:4]].count(other) == 2
+
+
+@services
+def test_a_reclaimed_shard_whose_message_was_lost_does_not_hold_its_slot(model):
+    """A shard reclaimed from a silent worker is re-sent and keeps its release slot; when that
+    message is lost, no worker ever claims it (the broker would give back a message held by a
+    killed worker only after its visibility timeout, hours), and the slot sat idle: no other
+    shard of the model could take it. The reclaim sweep sends it again once it has stayed
+    unclaimed for the resend bound, and only once per bound."""
+    import redis
+    from sqlalchemy import select, update
+
+    from core.db import session_scope
+    from core.lifecycle import now
+    from core.models import Shard
+    from core.queue import model_queue
+    from core.settings import get_settings
+    from worker.recovery import reclaim_stale_shards
+    from worker.release import release_for_model, resend_after_s
+
+    broker = redis.Redis.from_url(get_settings().broker_url)
+    batch = add_batch(model, "t", 5)
+    assert release_for_model(model) == 3
+    with session_scope() as session:
+        shard_id = session.scalar(select(Shard.id).where(Shard.batch_id == batch, Shard.index == 0))
+    # A worker claimed shard 0, then went silent: the sweep re-queues and re-sends it.
+    with session_scope() as session:
+        session.execute(
+            update(Shard)
+            .where(Shard.id == shard_id)
+            .values(status="running", attempts=1, heartbeat_at=now() - timedelta(hours=1))
+        )
+    assert shard_id in reclaim_stale_shards().requeued
+    broker.delete(model_queue(model))  # ... and every message of the model is lost
+    assert release_for_model(model) == 0  # the three slots are held
+
+    def silent_for(seconds: float) -> None:
+        long_ago = now() - timedelta(seconds=seconds)
+        with session_scope() as session:
+            session.execute(update(Shard).where(Shard.id == shard_id).values(updated_at=long_ago))
+
+    silent_for(resend_after_s() / 2)
+    assert shard_id not in reclaim_stale_shards().resent  # its message may still be on its way
+    assert queued_messages(model) == 0
+    silent_for(resend_after_s() + 60)
+    assert shard_id in reclaim_stale_shards().resent
+    assert queued_messages(model) == 1
+    assert shard_id not in reclaim_stale_shards().resent  # once per bound
+    assert queued_messages(model) == 1
+    assert len(released(model)) == 3  # the bound still holds

@@ -1,5 +1,6 @@
-"""A webhook receiver that trickles its answer a byte at a time cannot hold a control thread:
-an attempt's timeout bounds the whole attempt, not each read."""
+"""A webhook receiver that trickles its answer a byte at a time, or a name server that answers
+slowly, cannot hold a webhook thread: an attempt's timeout bounds the whole attempt, from
+resolving the host to the last byte read, not each step."""
 
 from __future__ import annotations
 
@@ -64,3 +65,21 @@ def test_a_trickling_receiver_is_cut_off_at_the_attempts_timeout(trickler: int) 
         )
     # Bounded by the attempt's timeout, not by the receiver (which would go on for 30 s).
     assert time.monotonic() - started < TRICKLE_S / 3
+
+
+def test_a_slow_name_server_is_cut_off_at_the_attempts_timeout(trickler: int) -> None:
+    def slow_name_server(host: str, port: int) -> list[str]:
+        time.sleep(3)
+        return ["127.0.0.1"]
+
+    started = time.monotonic()
+    with pytest.raises(httpx.TimeoutException, match="within 1 s"):
+        post_pinned(
+            f"http://hooks.invalid:{trickler}/hook",
+            b"{}",
+            {"content-type": "application/json"},
+            timeout=1.0,
+            allow=AllowList.parse(["127.0.0.1"]),
+            resolver=slow_name_server,
+        )
+    assert time.monotonic() - started < 2.5  # the timeout, not the name server's 3 s

@@ -49,13 +49,13 @@ def outbox(batch_id: str) -> list[dict]:
 
 
 def queued_deliveries(redis_url: str) -> list[str]:
-    """Delivery ids of the webhook tasks waiting on the control queue."""
+    """Delivery ids of the webhook tasks waiting on the webhook queue."""
     import redis
 
-    from core.queue import CONTROL_QUEUE, TASK_DELIVER_WEBHOOK
+    from core.queue import TASK_DELIVER_WEBHOOK, WEBHOOK_QUEUE
 
     ids = []
-    for raw in redis.Redis.from_url(redis_url).lrange(CONTROL_QUEUE, 0, -1):
+    for raw in redis.Redis.from_url(redis_url).lrange(WEBHOOK_QUEUE, 0, -1):
         message = json.loads(raw)
         if message["headers"]["task"] == TASK_DELIVER_WEBHOOK:
             args, _kwargs, _embed = json.loads(base64.b64decode(message["body"]))
@@ -196,3 +196,75 @@ def test_an_attempt_or_retry_lost_on_the_way_is_sent_again_by_the_sweep(
     monkeypatch.setattr(webhooks, "post_pinned", lambda *a, **k: (204, ""))
     assert webhooks.attempt(row["id"]) is None
     assert outbox(batch_id)[0] | {"attempts": 0} == row | {"status": "delivered"}
+
+
+def test_the_sweep_sends_a_row_once_until_that_send_is_overdue(worker_env, redis_url):
+    """The sweep stamps what it sends: the next sweeps (every webhook_sweep_interval_s) leave
+    a task on its way alone, instead of adding a copy each time while it waits for a webhook
+    thread, until that send is overdue in turn."""
+    from datetime import timedelta
+
+    from sqlalchemy import update
+
+    from core.db import session_scope
+    from core.lifecycle import now
+    from core.models import WebhookDelivery
+    from worker import webhooks
+
+    batch_id = batch_with_webhook()
+    assert end(batch_id, "failed")
+    (row,) = outbox(batch_id)
+    with session_scope() as session:  # recorded an hour ago, never sent
+        session.execute(
+            update(WebhookDelivery)
+            .where(WebhookDelivery.id == row["id"])
+            .values(next_attempt_at=now() - timedelta(hours=1))
+        )
+    assert webhooks.sweep_unsent(older_than_s=60) >= 1
+    assert queued_deliveries(redis_url).count(row["id"]) == 1
+    webhooks.sweep_unsent(older_than_s=60)
+    webhooks.sweep_unsent(older_than_s=60)
+    assert queued_deliveries(redis_url).count(row["id"]) == 1
+    webhooks.sweep_unsent(older_than_s=-1)  # as a sweep 61 s on would: that task was lost
+    assert queued_deliveries(redis_url).count(row["id"]) == 2
+
+
+def test_the_sweep_never_sends_a_live_attempt_again(worker_env, redis_url, monkeypatch):
+    """An attempt whose host resolves slowly (the name server belongs to whoever set the URL)
+    is cut off at its timeout like a slow receiver, so it is never still running when its row
+    says it is overdue, and the sweeps running beside it never send the event again."""
+    import threading
+    import time
+
+    from core.settings import get_settings
+    from worker import webhooks
+
+    monkeypatch.setenv("BATCHD_WEBHOOK_TIMEOUT_S", "1")
+    monkeypatch.setenv("BATCHD_WEBHOOK_ALLOWED_HOSTS", "127.0.0.1")
+    get_settings.cache_clear()
+    batch_id = batch_with_webhook("http://hooks.invalid/slow-dns")
+    assert end(batch_id, "failed")
+    (row,) = outbox(batch_id)
+
+    def slow_name_server(host: str, port: int) -> list[str]:
+        time.sleep(4)
+        return ["127.0.0.1"]
+
+    started = time.monotonic()
+    attempt = threading.Thread(
+        target=webhooks.attempt, args=(row["id"],), kwargs={"resolver": slow_name_server}
+    )
+    attempt.start()
+    while outbox(batch_id)[0]["attempts"] == 0 and time.monotonic() - started < 5:
+        time.sleep(0.02)  # until the attempt has claimed the row
+    sweeps = 0
+    while attempt.is_alive() and time.monotonic() - started < 10:
+        webhooks.sweep_unsent(older_than_s=0)
+        sweeps += 1
+        time.sleep(0.1)
+    attempt.join(10)
+    took = time.monotonic() - started
+    assert sweeps > 0 and row["id"] not in queued_deliveries(redis_url)
+    assert took < 1 + webhooks.ATTEMPT_GRACE_S  # bounded by its timeout, not the name server
+    (after,) = outbox(batch_id)
+    assert after["attempts"] == 1 and after["status"] == "pending"  # a retry is scheduled
