@@ -512,3 +512,90 @@ def _slope(samples: list[tuple[float, int]]) -> float:
     if den == 0:
         return 0.0
     return sum((t - mt) * (y - my) for t, y in zip(ts, ys, strict=True)) / den * 3600
+
+
+def neighbour_invariant(
+    records: list[BatchRecord], answers: list[Answer], phases: list[dict[str, Any]],
+    at_wall: Callable[[float], float], tolerance: float, min_samples: int = 3,
+    faults: Iterable[Window] = (),
+) -> dict[str, Any]:  # fmt: skip
+    """The normal tenants' batches beside a hostile tenant: the turnaround (create to end) of
+    each batch that completed, by the phase it was created in (``phases``: ``start``, ``end``,
+    ``hostile``), compared between the hostile and the quiet phases of the same run. The
+    hostile phases' median may be at most ``tolerance`` times the quiet phases'; judged when
+    each side has ``min_samples`` batches. The p90 ratio, each phase's median, the medians by
+    kind and the latency of the normal tenants' uploads and creates (``answers``) are
+    reported beside it."""
+
+    def phase_of(t: float) -> dict[str, Any] | None:
+        return next((p for p in phases if p["start"] <= t < p["end"]), None)
+
+    turnaround: dict[int, list[tuple[str, float]]] = {p["index"]: [] for p in phases}
+    for r in records:
+        if r.status != "completed":
+            continue
+        phase = phase_of(r.created_t)
+        end = at_wall(r.ended_at) if r.ended_at is not None else r.terminal_t
+        if phase is None or end is None:
+            continue
+        turnaround[phase["index"]].append((r.kind, max(0.0, end - r.created_t)))
+
+    def side(hostile: bool, kind: str | None = None) -> list[float]:
+        return [
+            s for p in phases if p["hostile"] == hostile
+            for k, s in turnaround[p["index"]] if kind is None or k == kind
+        ]  # fmt: skip
+
+    quiet, noisy = side(False), side(True)
+    q, h = _quantiles(quiet), _quantiles(noisy)
+    judged = len(quiet) >= min_samples and len(noisy) >= min_samples
+    ratio = {
+        name: round(h[name] / q[name], 2) if q and h and q[name] > 0 else None
+        for name in ("p50", "p90")
+    }
+    ok = not judged or (ratio["p50"] is not None and ratio["p50"] <= tolerance)
+    kinds = sorted({k for rows in turnaround.values() for k, _ in rows})
+    by_kind = {}
+    for kind in kinds:
+        kq, kh = side(False, kind), side(True, kind)
+        by_kind[kind] = {
+            "quiet_n": len(kq), "hostile_n": len(kh),
+            "quiet_p50": statistics.median(kq) if kq else None,
+            "hostile_p50": statistics.median(kh) if kh else None,
+        }  # fmt: skip
+    latency: dict[str, Any] = {}
+    for route in ("POST /v1/files", "POST /v1/batches"):
+        by_side: dict[bool, list[float]] = {False: [], True: []}
+        for a in answers:
+            phase = phase_of(a.began)
+            if a.route == route and a.status == 200 and phase is not None:
+                by_side[phase["hostile"]].append(a.t - a.began)
+        lq, lh = _quantiles(by_side[False]), _quantiles(by_side[True])
+        latency[route] = {
+            "quiet": lq, "hostile": lh,
+            "ratio_p50": round(lh["p50"] / lq["p50"], 2) if lq and lh and lq["p50"] else None,
+        }  # fmt: skip
+    windows = list(faults)
+    return {
+        "ok": ok,
+        "judged": judged,
+        "tolerance": tolerance,
+        "min_samples": min_samples,
+        "quiet": {"batches": len(quiet), **(q or {})},
+        "hostile": {"batches": len(noisy), **(h or {})},
+        "ratio": ratio,
+        "phases": [
+            {
+                **p,
+                "completed": len(turnaround[p["index"]]),
+                "turnaround_s": _quantiles([s for _, s in turnaround[p["index"]]]),
+                "faults": sorted(w.kind for w in windows if p["start"] <= w.start < p["end"]),
+            }
+            for p in phases
+        ],
+        "by_kind": by_kind,
+        "api_latency_s": latency,
+        "violations": []
+        if ok
+        else [{"ratio_p50": ratio["p50"], "tolerance": tolerance, "quiet": q, "hostile": h}],
+    }
