@@ -99,6 +99,7 @@ from benchmarks.soak_checks import (
     http_invariant,
     neighbour_invariant,
     rss_invariant,
+    task_time,
     webhook_invariant,
 )
 from benchmarks.soak_hostile import (
@@ -813,6 +814,11 @@ def run(opts: Options) -> dict[str, Any]:
             records, http.snapshot(), hostile.phases.windows(), clock.at_wall,
             opts.neighbour_tolerance, opts.neighbour_min_samples, faults.windows(),
         )  # fmt: skip
+        # What the control worker (2 threads: validate, finalize, cancel, estimates, webhooks
+        # for every tenant) spent its time on, phase by phase.
+        inv["neighbours"]["control_busy"] = task_time(
+            stack.log("control"), hostile.phases.windows(), clock.at_wall, threads=2
+        )
         report["hostile"] = hostile.report()
 
     statuses = Counter(r.status for r in records)
@@ -1075,7 +1081,8 @@ def _summary(name: str, inv: dict[str, Any]) -> str:
                 f"p90 {h.get('p90')} s); tolerance x{inv['tolerance']}"
                 f"{'' if inv['judged'] else ' (too few batches: not judged)'}; by phase "
                 f"{_phase_p50s(inv)}; upload p50 x{latency['POST /v1/files']['ratio_p50']}, "
-                f"create p50 x{latency['POST /v1/batches']['ratio_p50']}")  # fmt: skip
+                f"create p50 x{latency['POST /v1/batches']['ratio_p50']}; control worker busy "
+                f"by phase {[c['busy_share'] for c in inv.get('control_busy', [])]}")  # fmt: skip
     if name == "http":
         return (f"{inv['answers']} answers {inv['by_status']}; {inv['violation_count']} 5xx "
                 f"outside the rules; unanswered by fault window: {inv['unanswered']}")  # fmt: skip

@@ -8,12 +8,14 @@ evaluated from those records, the webhook receiver's and the RSS samples."""
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import httpx
@@ -599,3 +601,33 @@ def neighbour_invariant(
         if ok
         else [{"ratio_p50": ratio["p50"], "tolerance": tolerance, "quiet": q, "hostile": h}],
     }
+
+
+_TASK_DONE = re.compile(
+    r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}): \w+/\w+\] Task ([\w.]+)\[[^\]]+\] "
+    r"(?:succeeded|raised|failed|retry)\D*([\d.]+)s"
+)
+
+
+def task_time(log: str, phases: list[dict[str, Any]], to_t: Callable[[float], float],
+              threads: int) -> list[dict[str, Any]]:  # fmt: skip
+    """How busy a Celery worker was in each phase, from its log's ``Task X[id] succeeded in
+    Ns`` lines (logged in local time; ``to_t`` maps unix seconds to the soak's clock): the
+    seconds each task name took, by the phase it ended in, and the share of ``threads`` x the
+    phase's length they fill."""
+    busy: dict[int, Counter] = {p["index"]: Counter() for p in phases}
+    for line in log.splitlines():
+        m = _TASK_DONE.match(line)
+        if not m:
+            continue
+        stamp = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S").timestamp()
+        t = to_t(stamp + int(m.group(2)) / 1000)
+        phase = next((p for p in phases if p["start"] <= t < p["end"]), None)
+        if phase is not None:
+            busy[phase["index"]][m.group(3).rsplit(".", 1)[-1]] += float(m.group(4))
+    return [
+        {"index": p["index"], "hostile": p["hostile"],
+         "busy_share": round(sum(busy[p["index"]].values()) / (threads * (p["end"] - p["start"])), 2),
+         "seconds_by_task": {k: round(v, 1) for k, v in busy[p["index"]].most_common()}}
+        for p in phases
+    ]  # fmt: skip

@@ -12,9 +12,10 @@ loops over:
 * amplification: ``amplify_mib`` of ``a`` lines (each one a line the service must answer for)
   after a head of good lines, created and cancelled at once: the cancel reports the lines never
   validated, at most ``max_requests_per_batch`` of them and then one line naming the limit;
-* a small batch whose webhook goes to :class:`TrickleReceiver`, a loopback server that reads
-  the event and then answers one byte a second, never finishing (in quiet phases it answers
-  200 at once, so the deliveries the hostile phase left retrying end);
+* a small batch that runs; every one of its batches has its webhook go to
+  :class:`TrickleReceiver`, a loopback server that reads the event and then answers one byte a
+  second, never finishing (in quiet phases it answers 200 at once, so the deliveries the
+  hostile phase left retrying end);
 * slow uploads: ``slow_uploads`` raw-socket ``POST /v1/files`` that send the headers and then
   one byte every ``trickle_every_s``, for the whole phase unless the server cuts them first;
 * estimate floods: ``estimates`` concurrent ``POST /v1/batches/estimate`` on a file of
@@ -440,7 +441,7 @@ class HostileTracker(Tracker):
 
 @dataclass
 class HostileOptions:
-    every_s: float = 10.0  # between two of its batches (nested, amplifying, webhook in turn)
+    every_s: float = 10.0  # between two of its batches (nested, amplifying, small in turn)
     nested_depth: int = 2000
     amplify_mib: float = 2.0
     slow_uploads: int = 4
@@ -526,10 +527,10 @@ class HostileTenant:
     def _sleep(self, seconds: float) -> None:
         self.stop.wait(max(0.0, min(seconds, self.end_t - self.clock())))
 
-    # -- batches: nested, amplifying, trickled webhook --------------------------------------
+    # -- batches: nested, amplifying, small; all with the trickled webhook -------------------
 
     def _batches(self) -> None:
-        kinds = ("nested", "amplify", "webhook")
+        kinds = ("nested", "amplify", "small")
         seq = 0
         while self._wait_active():
             seq += 1
@@ -542,7 +543,7 @@ class HostileTenant:
             else:
                 data = "".join(json.dumps(_good(f"w{seq}-{i}")) + "\n" for i in range(3)).encode()
                 n = 3
-            self._submit(kind, seq, data, n, cancel=kind != "webhook")
+            self._submit(kind, seq, data, n, cancel=kind != "small")
             self._sleep(self.opts.every_s - (self.clock() - began))
 
     def _submit(self, kind: str, seq: int, data: bytes, lines: int, cancel: bool) -> None:
@@ -561,8 +562,7 @@ class HostileTenant:
             "completion_window": "24h",
             "metadata": {"soak": f"hostile-{kind}"},
         }
-        if kind == "webhook":
-            body["webhook_url"] = self.trickle.url()
+        body["webhook_url"] = self.trickle.url()  # its events come while it is active
         created = self.api.retrying(
             HOSTILE, "POST", "/v1/batches", "POST /v1/batches", for_s=30, json=body,
             headers={"Idempotency-Key": f"soak-hostile-{seq}"},
@@ -577,7 +577,7 @@ class HostileTenant:
         record = BatchRecord(
             id=batch["id"], tenant=HOSTILE, kind=kind, endpoint=CHAT, custom_ids=[],
             window="24h", priority_requested="normal", priority=batch.get("priority", "normal"),
-            webhook=kind == "webhook", created_t=self.clock(), expires_at=None,
+            webhook=True, created_t=self.clock(), expires_at=None,
             status=batch["status"], seen_wall=time.time(),
         )  # fmt: skip
         self.tracker.add_batch(record, lines)

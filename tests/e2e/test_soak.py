@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import datetime
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -30,6 +31,7 @@ from benchmarks.soak_checks import (
     http_invariant,
     neighbour_invariant,
     rss_invariant,
+    task_time,
     webhook_invariant,
 )
 from benchmarks.soak_hostile import (
@@ -376,3 +378,20 @@ def test_slow_upload_records_how_it_ended() -> None:
         slow_upload(server.getsockname()[1], "key", lambda: next(calls), 0.05, given_up,
                     time.monotonic)  # fmt: skip
     assert given_up.ended == "client gave up" and given_up.bytes_sent == 2
+
+
+def test_task_time_adds_up_a_workers_tasks_by_phase() -> None:
+    log = "\n".join([
+        "[2026-12-03 15:00:05,500: INFO/MainProcess] Task batchd.validate_batch[a-1] "
+        "succeeded in 2.5s: None",
+        "[2026-12-03 15:00:06,000: INFO/MainProcess] Task batchd.estimate_batch[b-2] "
+        "succeeded in 10.0s: None",
+        "[2026-12-03 15:00:15,000: INFO/MainProcess] Task batchd.cancel_batch[c-3] "
+        "succeeded in 4.0s: None",
+        "[2026-12-03 15:00:15,000: INFO/MainProcess] batch x cancelled: 0 ok, 3 error lines",
+    ])  # fmt: skip
+    start = datetime(2026, 12, 3, 15, 0, 0).timestamp()
+    phases = Phases(t0=0.0, duration=20.0, count=2).windows()
+    quiet, hostile = task_time(log, phases, lambda unix: unix - start, threads=2)
+    assert quiet["seconds_by_task"] == {"estimate_batch": 10.0, "validate_batch": 2.5}
+    assert quiet["busy_share"] == 0.62 and hostile["seconds_by_task"] == {"cancel_batch": 4.0}
