@@ -6,6 +6,7 @@ schedule, its invariants checked all along and printed at the end.
     python -m benchmarks.soak --duration 1800              # 30 minutes, 3 rounds of faults
     python -m benchmarks.soak --duration 150 --json        # the report as JSON on stdout
     python -m benchmarks.soak --duration 600 --json soak.json --keep
+    python -m benchmarks.soak --duration 600 --hostile     # and a hostile tenant beside them
 
 The service runs for real: the API (uvicorn), a control worker, beat, model workers (the
 tiny demo chat model and the minilm embedding model) and a dispatch worker (an upstream model:
@@ -37,6 +38,30 @@ Invariants (exit 1 when one fails):
   --rss-tolerance-pct)`` (``--rss-report-only``: reported, not judged);
 * http: no 5xx answer but 503, and 503 only during a Postgres or Redis cut (plus
   ``--outage-grace``).
+
+The hostile tenant (``--hostile``, off by default: it costs a few MiB of uploads and some
+control-worker time a minute, and its verdict needs a run of several minutes): one more tenant
+with its own key that, in alternate phases of the run (``--hostile-phases``, default 4: active
+in the 2nd and 4th quarter), uploads files of lines nested 2,000 levels deep and of a million
+tiny ``a`` lines and cancels their batches at once, submits batches whose webhook goes to a
+loopback receiver that answers one byte a second and never finishes, holds slow raw-socket
+uploads open (headers, then a byte every few seconds) and floods ``POST
+/v1/batches/estimate`` with clients of which half disconnect early (``benchmarks.soak_hostile``
+has the details). Its own batches are exempt from the invariants above (they are made to fail
+or be cancelled); two more invariants judge it and its effect:
+
+* hostile: every hostile batch ended by the end of the drain; a cancelled one's output and
+  error files hold at most ``min(its lines, max_requests_per_batch) + 1`` lines; none of its
+  answers is a 5xx but 503; no trickled webhook attempt is held open by the service past
+  ``webhook_timeout_s`` (plus 5 s). The slow uploads' fate (cut by the server or given up at
+  the end of the phase) and Postgres's idle-in-transaction connections with them open are
+  reported;
+* neighbours: the normal tenants' batches that completed, by the phase they were created in:
+  the median turnaround (create to end) of those created in the hostile phases is at most
+  ``--neighbour-tolerance`` (default 2) times that of those created in the quiet ones. A
+  ratio within one run is the fair measure on a shared machine; the p90 ratio, each phase's
+  median and faults, the medians by kind and the normal tenants' upload and create latencies
+  are reported beside it.
 """
 
 from __future__ import annotations
@@ -72,8 +97,20 @@ from benchmarks.soak_checks import (
     Tracker,
     Window,
     http_invariant,
+    neighbour_invariant,
     rss_invariant,
+    task_time,
     webhook_invariant,
+)
+from benchmarks.soak_hostile import (
+    HOSTILE,
+    HostileOptions,
+    HostileTenant,
+    HostileTracker,
+    PgSampler,
+    Phases,
+    TrickleReceiver,
+    hostile_invariant,
 )
 from benchmarks.soak_stack import (
     CHAT_MODEL,
@@ -501,6 +538,11 @@ class Options:
     env: dict[str, str] = field(default_factory=dict)
     work_dir: str | None = None
     keep: bool = False
+    hostile: bool = False  # one more tenant that abuses the service in alternate phases
+    hostile_phases: int = 4  # the run cut in this many; the hostile tenant in every other one
+    neighbour_tolerance: float = 2.0  # the hostile phases' median turnaround / the quiet ones'
+    neighbour_min_samples: int = 3
+    hostile_opts: HostileOptions = field(default_factory=HostileOptions)
 
     def resolve(self) -> Options:
         if not self.upstream:
@@ -560,6 +602,56 @@ def _log_excerpt(work: Path, ident: str, lines: int = 12) -> list[str]:
     return found[:lines] + (found[-lines:] if len(found) > 2 * lines else found[lines:])
 
 
+class _Hostile:
+    """The hostile tenant with what watches it: its own API client and answer log, its
+    batches' tracker, the trickling webhook receiver and the Postgres sampler."""
+
+    def __init__(self, opts: Options, env: dict[str, str], stack: Stack, key: Key, db_url: str,
+                 clock: Clock, t0: float):  # fmt: skip
+        from core.settings import Settings
+
+        default = Settings.model_fields["max_requests_per_batch"].default
+        self.webhook_timeout_s = float(env["BATCHD_WEBHOOK_TIMEOUT_S"])
+        self.phases = Phases(t0, opts.duration, opts.hostile_phases)
+        self.http = HttpLog()
+        self.api = Api(stack.base_url, {HOSTILE: key.key}, self.http, clock)
+        max_requests = int(env.get("BATCHD_MAX_REQUESTS_PER_BATCH") or default)
+        self.tracker = HostileTracker(self.api, clock, opts.poll_s, max_requests).start()
+        self.trickle = TrickleReceiver(clock, lambda: self.phases.hostile_at(clock()))
+        self.tenant = HostileTenant(
+            opts.hostile_opts, self.api, key.key, stack.port, self.tracker, self.trickle,
+            self.phases, clock, t0 + opts.duration, int(env["BATCHD_SHARD_MAX_REQUESTS"]),
+        )  # fmt: skip
+        self.pg = PgSampler(db_url, clock, self.tenant.slow_open)
+        self.pg_ticker = Ticker(self.pg.sample, 5.0, name="soak-pg").start()
+        self.invariant: dict[str, Any] = {"ok": False, "not_judged": True, "violations": []}
+
+    def judge(self) -> None:
+        self.invariant = hostile_invariant(
+            self.tracker, self.http, self.trickle.snapshot(), self.webhook_timeout_s
+        )
+
+    def report(self) -> dict[str, Any]:
+        return {
+            **self.tenant.report(),
+            "phases": self.phases.windows(),
+            "postgres": self.pg.report(),
+            "max_requests_per_batch": self.tracker.max_requests,
+            "files": {
+                b: {**c, "file_lines": self.tracker.file_lines.get(b)}
+                for b, c in self.tracker.file_results.items()
+            },
+        }
+
+    def close(self) -> None:
+        self.tenant.close()
+        self.tracker.stop()
+        self.pg_ticker.stop()
+        self.pg.close()
+        self.trickle.close()
+        self.api.close()
+
+
 def run(opts: Options) -> dict[str, Any]:
     opts.resolve()
     work = Path(opts.work_dir or tempfile.mkdtemp(prefix="batchd-soak-"))
@@ -596,6 +688,7 @@ def run(opts: Options) -> dict[str, Any]:
         for i in range(opts.tenants):
             tenant = f"tenant-{chr(ord('a') + i)}"
             keys[tenant] = create_key(tenant, admin_env)
+        hostile_key = create_key(HOSTILE, admin_env) if opts.hostile else None
         receiver = Receiver(clock, opts.webhook_flaky, opts.seed)
         cleanup.append(receiver.close)
         for tenant, key in keys.items():
@@ -619,19 +712,34 @@ def run(opts: Options) -> dict[str, Any]:
     traffic = Traffic(opts, api, tracker, receiver, clock, t0 + opts.duration)
     plan = [(t0 + t, kind) for t, kind in fault_plan(opts)]
     faults = Faults(opts, plan, stack, {"pg": pg_proxy, "redis": rd_proxy, **proxies}, clock)
+    hostile: _Hostile | None = None
     drained = webhooks_in = False
     try:
+        if hostile_key is not None:
+            hostile = _Hostile(opts, env, stack, hostile_key, db.url, clock, t0)
         traffic.start()
         faults.start()
-        progress = Ticker(lambda: _progress(clock, tracker, receiver), 30, name="soak-progress")
+        if hostile is not None:
+            hostile.tenant.start()
+        progress = Ticker(
+            lambda: _progress(clock, tracker, receiver, hostile), 30, name="soak-progress"
+        )
         progress.start()
         traffic.join_submitters()
+        if hostile is not None:
+            hostile.tenant.join()
         faults.thread.join()
         traffic_end = clock()
         print(f"[{traffic_end:7.1f}s] traffic stopped; draining", flush=True)
-        drained = _wait(tracker.settled, opts.drain_timeout_s)
+        _wait(
+            lambda: tracker.settled() and (hostile is None or hostile.tracker.settled()),
+            opts.drain_timeout_s,
+        )
+        drained = tracker.settled()
         traffic.close()
         drain_end = clock()
+        if hostile is not None:  # judged now: every hostile batch ended by the end of the drain
+            hostile.judge()
 
         def webhooks_done() -> bool:
             delivered = {d.batch_id for d in receiver.snapshot() if 200 <= d.answered < 300}
@@ -644,10 +752,12 @@ def run(opts: Options) -> dict[str, Any]:
         stack.sample_rss()
         end = clock()
         # The rows behind each failure, read before the database is dropped.
-        report["db_rows"] = _db_rows(db.url, _violating(tracker, receiver, clock))
+        report["db_rows"] = _db_rows(db.url, _violating(tracker, receiver, clock, hostile))
     finally:
         traffic.close()
         faults.stop.set()
+        if hostile is not None:
+            hostile.close()
         tracker.stop()
         sampler.stop()
         api.close()
@@ -698,6 +808,18 @@ def run(opts: Options) -> dict[str, Any]:
         opts.rss_tolerance_pct, opts.rss_report_only,
     )  # fmt: skip
     inv["http"] = http_invariant(http.snapshot(), faults.windows(), OUTAGES, opts.outage_grace_s)
+    if hostile is not None:
+        inv["hostile"] = hostile.invariant
+        inv["neighbours"] = neighbour_invariant(
+            records, http.snapshot(), hostile.phases.windows(), clock.at_wall,
+            opts.neighbour_tolerance, opts.neighbour_min_samples, faults.windows(),
+        )  # fmt: skip
+        # What the control worker (2 threads: validate, finalize, cancel, estimates, webhooks
+        # for every tenant) spent its time on, phase by phase.
+        inv["neighbours"]["control_busy"] = task_time(
+            stack.log("control"), hostile.phases.windows(), clock.at_wall, threads=2
+        )
+        report["hostile"] = hostile.report()
 
     statuses = Counter(r.status for r in records)
     error_codes: Counter = Counter()
@@ -708,7 +830,10 @@ def run(opts: Options) -> dict[str, Any]:
     report.update(
         ok=all(v["ok"] for v in inv.values()) and not faults.errors,
         options={k: v for k, v in asdict(opts).items() if k != "env"} | {"env": opts.env},
-        keys={t: {"key_id": k.key_id, "max_priority": k.max_priority} for t, k in keys.items()},
+        keys={
+            t: {"key_id": k.key_id, "max_priority": k.max_priority}
+            for t, k in [*keys.items(), *([(HOSTILE, hostile_key)] if hostile_key else [])]
+        },
         timing={
             "service_ready_t": round(t0, 1),  # every t in the report counts from the start
             "traffic_s": round(traffic_s, 1),
@@ -756,13 +881,18 @@ def run(opts: Options) -> dict[str, Any]:
     return report
 
 
-def _violating(tracker: Tracker, receiver: Receiver, clock: Clock) -> list[str]:
+def _violating(
+    tracker: Tracker, receiver: Receiver, clock: Clock, hostile: _Hostile | None = None
+) -> list[str]:
     """The batches named by a failed invariant so far (the first 10)."""
     hooks = webhook_invariant(tracker.records(), receiver.snapshot(), [], clock.at_wall)
     ids = [v["batch"] for v in tracker.line_violations]
     ids += [v["batch"] for v in tracker.overdue]
     ids += [r.id for r in tracker.unsettled()]
     ids += [v["batch"] for v in hooks["violations"] if "batch" in v]
+    if hostile is not None:
+        ids += [r.id for r in hostile.tracker.records() if r.status not in TERMINAL]
+        ids += [v["batch"] for v in hostile.tracker.bound_violations]
     return list(dict.fromkeys(ids))[:10]
 
 
@@ -809,18 +939,25 @@ def _code(r: BatchRecord) -> str | None:
 
 def _excerpts(work: Path, inv: dict[str, Any]) -> dict[str, list[str]]:
     ids: list[str] = []
-    for name in ("lines", "expiry", "drained", "webhooks"):
-        ids += [v["batch"] for v in inv[name]["violations"] if "batch" in v]
+    for name in ("lines", "expiry", "drained", "webhooks", "hostile"):
+        ids += [v["batch"] for v in inv.get(name, {}).get("violations", []) if "batch" in v]
     return {b: _log_excerpt(work, b) for b in dict.fromkeys(ids[:10])}
 
 
-def _progress(clock: Clock, tracker: Tracker, receiver: Receiver) -> None:
+def _progress(
+    clock: Clock, tracker: Tracker, receiver: Receiver, hostile: _Hostile | None = None
+) -> None:
     records = tracker.records()
     statuses = Counter(r.status for r in records)
+    extra = ""
+    if hostile is not None:
+        mine = Counter(r.status for r in hostile.tracker.records())
+        on = "on" if hostile.phases.hostile_at(clock()) else "off"
+        extra = f"; hostile {on}: {dict(mine)}, {hostile.tenant.slow_open()} slow uploads open"
     print(
         f"[{clock():7.1f}s] {len(records)} batches {dict(statuses)}; "
         f"{len(tracker.line_violations)} line, {len(tracker.overdue)} expiry violations; "
-        f"{len(receiver.deliveries)} webhook attempts",
+        f"{len(receiver.deliveries)} webhook attempts{extra}",
         flush=True,
     )
 
@@ -844,6 +981,8 @@ def print_report(report: dict[str, Any], out: Any = sys.stdout) -> None:
     p(f"  priorities {t['priorities']} (refused {t['priority_refused']}); cancels "
       f"{t['cancels_by_answer']}; failed at create {t['failed_at_create']}; create "
       f"failures {t['create_failed_by_answer']}, upload failures {t['upload_failed']}")  # fmt: skip
+    if "hostile" in report:
+        _print_hostile(report["hostile"], p)
     p("faults:")
     for e in report["faults"]:
         p(f"  {e['start']:7.1f}s {e['kind']:<12} {e['detail']}")
@@ -878,6 +1017,39 @@ def print_report(report: dict[str, Any], out: Any = sys.stdout) -> None:
     p(f"work dir: {report['work_dir']}{' (kept)' if report['work_dir_kept'] else ' (removed)'}")
 
 
+def _print_hostile(h: dict[str, Any], p: Any) -> None:
+    on = [f"{ph['start']:.0f}-{ph['end']:.0f}s" for ph in h["phases"] if ph["hostile"]]
+    p(f"hostile tenant (active {', '.join(on)}): batches {h['batches']}, creates "
+      f"{h['create_answers']}, cancels {h['cancel_answers']}, upload failures "
+      f"{h['upload_failed']}")  # fmt: skip
+    largest = max(h["files"].values(), key=lambda c: c["output_lines"] + c["error_lines"],
+                  default=None)  # fmt: skip
+    if largest:
+        p(f"  largest result: {largest['output_lines']} output + {largest['error_lines']} error "
+          f"lines for a file of {largest['file_lines']} lines (max_requests_per_batch "
+          f"{h['max_requests_per_batch']})")  # fmt: skip
+    p(f"  estimates: {h['estimate_floods']} floods, answers {h['estimate_answers']}, patient "
+      f"answer latency {h['estimate_latency_s']}")  # fmt: skip
+    ended = Counter(u["ended"].split(" (")[0] for u in h["slow_uploads"])
+    held = [u["held_s"] for u in h["slow_uploads"]]
+    p(f"  slow uploads: {len(held)}, ended {dict(ended)}, held up to "
+      f"{max(held, default=0):.0f} s")  # fmt: skip
+    pg = h["postgres"]
+    p(f"  postgres idle in transaction: with slow uploads open {pg['with_slow_uploads_open']}, "
+      f"without {pg['without']}")  # fmt: skip
+    for error in h["errors"]:
+        p(f"  HOSTILE TENANT ERROR: {error}")
+
+
+def _phase_p50s(inv: dict[str, Any]) -> str:
+    """Each phase's completed batches and median turnaround: ``quiet 12@8.1s``."""
+    return ", ".join(
+        f"{'hostile' if ph['hostile'] else 'quiet'} {ph['completed']}@"
+        f"{ph['turnaround_s']['p50'] if ph['turnaround_s'] else '-'}s"
+        for ph in inv["phases"]
+    )
+
+
 def _summary(name: str, inv: dict[str, Any]) -> str:
     if name == "lines":
         return (f"{inv['batches_checked']} batches checked, {inv['lines_accepted']} accepted "
@@ -895,6 +1067,22 @@ def _summary(name: str, inv: dict[str, Any]) -> str:
         return (f"{inv['judged']} process runs judged after {inv['warmup_s']:.0f} s warm-up"
                 f"{' (report only)' if inv['report_only'] else ''}; not flat: "
                 f"{inv['not_flat'] or 'none'}")  # fmt: skip
+    if name == "hostile":
+        return (f"{inv.get('batches')} hostile batches {inv.get('by_kind_status')}, "
+                f"{inv.get('unended')} unended after the drain; answers "
+                f"{inv.get('answers_by_status')}; {inv.get('webhook_attempts_trickled')} webhook "
+                f"attempts trickled, held {inv.get('webhook_held_s')} (webhook_timeout_s "
+                f"{inv.get('webhook_timeout_s')})")  # fmt: skip
+    if name == "neighbours":
+        q, h, latency = inv["quiet"], inv["hostile"], inv["api_latency_s"]
+        return (f"normal batches' turnaround, hostile/quiet: p50 x{inv['ratio']['p50']}, p90 "
+                f"x{inv['ratio']['p90']} (quiet {q.get('batches')} batches p50 {q.get('p50')} "
+                f"p90 {q.get('p90')} s; hostile {h.get('batches')} batches p50 {h.get('p50')} "
+                f"p90 {h.get('p90')} s); tolerance x{inv['tolerance']}"
+                f"{'' if inv['judged'] else ' (too few batches: not judged)'}; by phase "
+                f"{_phase_p50s(inv)}; upload p50 x{latency['POST /v1/files']['ratio_p50']}, "
+                f"create p50 x{latency['POST /v1/batches']['ratio_p50']}; control worker busy "
+                f"by phase {[c['busy_share'] for c in inv.get('control_busy', [])]}")  # fmt: skip
     if name == "http":
         return (f"{inv['answers']} answers {inv['by_status']}; {inv['violation_count']} 5xx "
                 f"outside the rules; unanswered by fault window: {inv['unanswered']}")  # fmt: skip
@@ -951,6 +1139,20 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
     ap.add_argument("--work-dir", default=None, help="logs and storage (default: a temp dir)")
     ap.add_argument("--keep", action="store_true",
                     help="keep the work dir (it is always kept when an invariant fails)")  # fmt: skip
+    ap.add_argument("--hostile", action="store_true",
+                    help="one more tenant abusing the service in alternate phases (see above)")  # fmt: skip
+    ap.add_argument("--hostile-phases", type=int, default=d.hostile_phases,
+                    help="phases the run is cut in; the hostile tenant is active in the 2nd, "
+                    "4th, ...")  # fmt: skip
+    ap.add_argument("--neighbour-tolerance", type=float, default=d.neighbour_tolerance,
+                    help="most the normal batches' median turnaround may grow in the hostile "
+                    "phases, as a ratio to the quiet phases'")  # fmt: skip
+    ap.add_argument("--hostile-every", type=float, default=d.hostile_opts.every_s,
+                    help="seconds between the hostile tenant's batches")  # fmt: skip
+    ap.add_argument("--hostile-slow-uploads", type=int, default=d.hostile_opts.slow_uploads,
+                    help="slow uploads it holds open in each of its phases")  # fmt: skip
+    ap.add_argument("--hostile-estimates", type=int, default=d.hostile_opts.estimates,
+                    help="concurrent estimates in each of its floods")  # fmt: skip
     ap.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                     help="the report as JSON: to PATH, or alone on stdout (text to stderr)")  # fmt: skip
     a = ap.parse_args(argv)
@@ -971,6 +1173,10 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
         rss_tolerance_pct=a.rss_tolerance_pct, rss_report_only=a.rss_report_only,
         threads=a.threads, seed=a.seed, pg_admin_url=a.pg_admin_url, redis_url=a.redis_url,
         env=dict(e.split("=", 1) for e in a.env), work_dir=a.work_dir, keep=a.keep,
+        hostile=a.hostile, hostile_phases=a.hostile_phases,
+        neighbour_tolerance=a.neighbour_tolerance,
+        hostile_opts=HostileOptions(every_s=a.hostile_every, slow_uploads=a.hostile_slow_uploads,
+                                    estimates=a.hostile_estimates),
     )  # fmt: skip
     return opts, a.json
 

@@ -8,12 +8,14 @@ evaluated from those records, the webhook receiver's and the RSS samples."""
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import httpx
@@ -512,3 +514,120 @@ def _slope(samples: list[tuple[float, int]]) -> float:
     if den == 0:
         return 0.0
     return sum((t - mt) * (y - my) for t, y in zip(ts, ys, strict=True)) / den * 3600
+
+
+def neighbour_invariant(
+    records: list[BatchRecord], answers: list[Answer], phases: list[dict[str, Any]],
+    at_wall: Callable[[float], float], tolerance: float, min_samples: int = 3,
+    faults: Iterable[Window] = (),
+) -> dict[str, Any]:  # fmt: skip
+    """The normal tenants' batches beside a hostile tenant: the turnaround (create to end) of
+    each batch that completed, by the phase it was created in (``phases``: ``start``, ``end``,
+    ``hostile``), compared between the hostile and the quiet phases of the same run. The
+    hostile phases' median may be at most ``tolerance`` times the quiet phases'; judged when
+    each side has ``min_samples`` batches. The p90 ratio, each phase's median, the medians by
+    kind and the latency of the normal tenants' uploads and creates (``answers``) are
+    reported beside it."""
+
+    def phase_of(t: float) -> dict[str, Any] | None:
+        return next((p for p in phases if p["start"] <= t < p["end"]), None)
+
+    turnaround: dict[int, list[tuple[str, float]]] = {p["index"]: [] for p in phases}
+    for r in records:
+        if r.status != "completed":
+            continue
+        phase = phase_of(r.created_t)
+        end = at_wall(r.ended_at) if r.ended_at is not None else r.terminal_t
+        if phase is None or end is None:
+            continue
+        turnaround[phase["index"]].append((r.kind, max(0.0, end - r.created_t)))
+
+    def side(hostile: bool, kind: str | None = None) -> list[float]:
+        return [
+            s for p in phases if p["hostile"] == hostile
+            for k, s in turnaround[p["index"]] if kind is None or k == kind
+        ]  # fmt: skip
+
+    quiet, noisy = side(False), side(True)
+    q, h = _quantiles(quiet), _quantiles(noisy)
+    judged = len(quiet) >= min_samples and len(noisy) >= min_samples
+    ratio = {
+        name: round(h[name] / q[name], 2) if q and h and q[name] > 0 else None
+        for name in ("p50", "p90")
+    }
+    ok = not judged or (ratio["p50"] is not None and ratio["p50"] <= tolerance)
+    kinds = sorted({k for rows in turnaround.values() for k, _ in rows})
+    by_kind = {}
+    for kind in kinds:
+        kq, kh = side(False, kind), side(True, kind)
+        by_kind[kind] = {
+            "quiet_n": len(kq), "hostile_n": len(kh),
+            "quiet_p50": statistics.median(kq) if kq else None,
+            "hostile_p50": statistics.median(kh) if kh else None,
+        }  # fmt: skip
+    latency: dict[str, Any] = {}
+    for route in ("POST /v1/files", "POST /v1/batches"):
+        by_side: dict[bool, list[float]] = {False: [], True: []}
+        for a in answers:
+            phase = phase_of(a.began)
+            if a.route == route and a.status == 200 and phase is not None:
+                by_side[phase["hostile"]].append(a.t - a.began)
+        lq, lh = _quantiles(by_side[False]), _quantiles(by_side[True])
+        latency[route] = {
+            "quiet": lq, "hostile": lh,
+            "ratio_p50": round(lh["p50"] / lq["p50"], 2) if lq and lh and lq["p50"] else None,
+        }  # fmt: skip
+    windows = list(faults)
+    return {
+        "ok": ok,
+        "judged": judged,
+        "tolerance": tolerance,
+        "min_samples": min_samples,
+        "quiet": {"batches": len(quiet), **(q or {})},
+        "hostile": {"batches": len(noisy), **(h or {})},
+        "ratio": ratio,
+        "phases": [
+            {
+                **p,
+                "completed": len(turnaround[p["index"]]),
+                "turnaround_s": _quantiles([s for _, s in turnaround[p["index"]]]),
+                "faults": sorted(w.kind for w in windows if p["start"] <= w.start < p["end"]),
+            }
+            for p in phases
+        ],
+        "by_kind": by_kind,
+        "api_latency_s": latency,
+        "violations": []
+        if ok
+        else [{"ratio_p50": ratio["p50"], "tolerance": tolerance, "quiet": q, "hostile": h}],
+    }
+
+
+_TASK_DONE = re.compile(
+    r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}): \w+/\w+\] Task ([\w.]+)\[[^\]]+\] "
+    r"(?:succeeded|raised|failed|retry)\D*([\d.]+)s"
+)
+
+
+def task_time(log: str, phases: list[dict[str, Any]], to_t: Callable[[float], float],
+              threads: int) -> list[dict[str, Any]]:  # fmt: skip
+    """How busy a Celery worker was in each phase, from its log's ``Task X[id] succeeded in
+    Ns`` lines (logged in local time; ``to_t`` maps unix seconds to the soak's clock): the
+    seconds each task name took, by the phase it ended in, and the share of ``threads`` x the
+    phase's length they fill."""
+    busy: dict[int, Counter] = {p["index"]: Counter() for p in phases}
+    for line in log.splitlines():
+        m = _TASK_DONE.match(line)
+        if not m:
+            continue
+        stamp = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S").timestamp()
+        t = to_t(stamp + int(m.group(2)) / 1000)
+        phase = next((p for p in phases if p["start"] <= t < p["end"]), None)
+        if phase is not None:
+            busy[phase["index"]][m.group(3).rsplit(".", 1)[-1]] += float(m.group(4))
+    return [
+        {"index": p["index"], "hostile": p["hostile"],
+         "busy_share": round(sum(busy[p["index"]].values()) / (threads * (p["end"] - p["start"])), 2),
+         "seconds_by_task": {k: round(v, 1) for k, v in busy[p["index"]].most_common()}}
+        for p in phases
+    ]  # fmt: skip

@@ -8,23 +8,43 @@ stray 5xx, a missing or re-identified webhook event, a growing RSS."""
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
+import threading
+import time
+from datetime import datetime
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import httpx
 import pytest
 
 from benchmarks.soak import FAULTS, Options, fault_plan
 from benchmarks.soak_checks import (
     Answer,
     BatchRecord,
+    HttpLog,
     Tracker,
     Window,
     http_invariant,
+    neighbour_invariant,
     rss_invariant,
+    task_time,
     webhook_invariant,
+)
+from benchmarks.soak_hostile import (
+    HostileTracker,
+    Phases,
+    SlowUpload,
+    Trickle,
+    TrickleReceiver,
+    amplifying_file,
+    hostile_invariant,
+    nested_file,
+    nested_lines,
+    slow_upload,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -221,3 +241,157 @@ def test_fault_plan_spreads_rounds_over_the_run() -> None:
     times = [t for t, _ in plan]
     assert times == sorted(times) and times[0] >= 60 and times[-1] < 1800
     assert fault_plan(Options(duration=150, faults=()).resolve()) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# The hostile tenant's pieces, on made-up records and loopback sockets.
+
+
+def test_phases_alternate_quiet_and_hostile() -> None:
+    phases = Phases(t0=10.0, duration=400.0, count=4)
+    assert [(p.start, p.end, p.hostile) for p in phases.phases] == [
+        (10, 110, False), (110, 210, True), (210, 310, False), (310, 410, True),
+    ]  # fmt: skip
+    assert not phases.hostile_at(9.9) and phases.hostile_at(110) and not phases.hostile_at(410)
+
+
+def test_neighbour_rule_compares_turnaround_between_phases() -> None:
+    phases = Phases(t0=0.0, duration=400.0, count=4).windows()
+
+    def batch(i: int, created: float, took: float, status: str = "completed") -> BatchRecord:
+        return _record(f"b{i}", ["a"], status=status, created_t=created,
+                       ended_at=int(created + took))  # fmt: skip
+
+    quiet = [batch(i, 10 + i, 10) for i in range(4)] + [batch(5, 220, 12)]
+    slow = [batch(10 + i, 120 + i, 25) for i in range(4)] + [batch(20, 330, 30)]
+    ignored = [batch(30, 130, 500, "expired"), batch(31, 450, 1)]  # not completed; after
+    answers = [Answer(20, 20.5, "POST /v1/files", 200), Answer(130, 131.5, "POST /v1/files", 200)]
+    inv = neighbour_invariant([*quiet, *slow, *ignored], answers, phases, lambda u: u, 2.0,
+                              faults=[Window("pg-cut", 150, 156)])  # fmt: skip
+    assert inv["judged"] and not inv["ok"]
+    assert inv["quiet"]["batches"] == 5 and inv["hostile"]["batches"] == 5
+    assert inv["ratio"]["p50"] == 2.5
+    assert [p["completed"] for p in inv["phases"]] == [4, 4, 1, 1]
+    assert inv["phases"][1]["faults"] == ["pg-cut"]
+    assert inv["api_latency_s"]["POST /v1/files"]["ratio_p50"] == 3.0
+    assert neighbour_invariant([*quiet, *slow], [], phases, lambda u: u, 3.0)["ok"]
+    few = neighbour_invariant(quiet[:2] + slow[:2], [], phases, lambda u: u, 2.0)
+    assert few["ok"] and not few["judged"]
+
+
+def test_hostile_files_are_what_they_say() -> None:
+    for depth_line in nested_lines(2000):
+        with pytest.raises(RecursionError):
+            json.loads(depth_line)
+    data, lines = nested_file(2, 2000, head=8)
+    assert data.count(b"\n") == lines and json.loads(data.splitlines()[8])["custom_id"]
+    data, lines = amplifying_file(1, 0.5, head=8)
+    assert data.count(b"\n") == lines == 8 + 256 * 1024
+    assert data.endswith(b"a\na\n")
+
+
+def test_hostile_tracker_bounds_a_cancelled_batchs_files() -> None:
+    cancelled = [_err(None, "batch_cancelled")] * 5  # type: ignore[arg-type]
+    files = {"fine": cancelled[:4], "amplified": cancelled}
+    tracker = HostileTracker(_Files(files), lambda: 0.0, poll_s=1, max_requests=3)  # type: ignore[arg-type]
+    ok = _record("ok", [], kind="amplify", status="cancelled", error_file_id="fine")
+    bad = _record("bad", [], kind="amplify", status="cancelled", error_file_id="amplified")
+    small = _record("small", [], kind="nested", status="cancelled", error_file_id="fine")
+    tracker.add_batch(ok, 1_000_000)
+    tracker.add_batch(bad, 1_000_000)
+    tracker.add_batch(small, 2)
+    for r in (ok, bad, small):
+        tracker._check_lines(r)
+    assert ok.checked and ok.error_codes == {"batch_cancelled": 4}
+    assert [(v["batch"], v["bound"]) for v in tracker.bound_violations] == [
+        ("bad", 4), ("small", 3),
+    ]  # fmt: skip
+
+
+def test_hostile_rule_wants_every_batch_ended_and_webhooks_cut() -> None:
+    tracker = HostileTracker(_Files({}), lambda: 0.0, poll_s=1, max_requests=10)  # type: ignore[arg-type]
+    tracker.add_batch(_record("ended", [], kind="nested", status="failed"), 3)
+    tracker.add_batch(_record("stuck", [], kind="amplify", status="cancelling"), 3)
+    http = HttpLog()
+    http.add(Answer(1, 2, "POST /v1/batches/estimate", 429))
+    http.add(Answer(1, 2, "POST /v1/batches/estimate", 500, "boom"))
+    trickles = [
+        Trickle(1, 5.2, 5, "sender closed", "ended"),
+        Trickle(2, 30.0, 30, "sender closed", "ended"),
+        Trickle(3, 0.0, 0, "answered at once", "ended"),
+    ]
+    inv = hostile_invariant(tracker, http, trickles, webhook_timeout_s=5)
+    assert not inv["ok"] and inv["unended"] == 1
+    kinds = [next(iter(set(v) - {"batch"})) for v in inv["violations"]]
+    assert kinds == ["unended", "http", "webhook_held_open"]
+    assert inv["webhook_attempts_trickled"] == 2 and inv["webhook_held_s"]["max"] == 30.0
+
+
+def test_trickle_receiver_never_finishes_while_trickling() -> None:
+    started = time.monotonic()
+    trickling = [True]
+    receiver = TrickleReceiver(lambda: time.monotonic() - started, lambda: trickling[0])
+    try:
+        event = json.dumps({"data": {"id": "batch_1"}}).encode()
+        request = (
+            b"POST /hook/hostile HTTP/1.1\r\ncontent-length: %d\r\n\r\n" % len(event)
+        ) + event
+        with socket.create_connection(("127.0.0.1", receiver.port)) as conn:
+            conn.sendall(request)
+            conn.settimeout(3)
+            got = b""
+            while time.monotonic() - started < 1.5:
+                got += conn.recv(16)
+        assert got.startswith(b"H") and b"\r\n\r\n" not in got and len(got) <= 3
+        trickling[0] = False
+        assert httpx.post(receiver.url(), content=event, timeout=5).status_code == 200
+        deadline = time.monotonic() + 5
+        while len(receiver.snapshot()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        first, second = sorted(receiver.snapshot(), key=lambda t: t.t)
+        assert first.ended == "sender closed" and first.batch_id == "batch_1"
+        assert second.ended == "answered at once"
+    finally:
+        receiver.close()
+
+
+def test_slow_upload_records_how_it_ended() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+
+        def answer_408() -> None:
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(65536)
+                time.sleep(0.3)
+                conn.sendall(b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\n\r\n")
+
+        threading.Thread(target=answer_408, daemon=True).start()
+        record = SlowUpload(phase=1, opened_t=0.0)
+        slow_upload(port, "key", lambda: False, 0.1, record, time.monotonic)
+    assert record.ended == "server answered: HTTP/1.1 408 Request Timeout"
+    assert 0 < record.bytes_sent < 10
+
+    given_up = SlowUpload(phase=1, opened_t=0.0)
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        calls = iter([False, False, True])
+        slow_upload(server.getsockname()[1], "key", lambda: next(calls), 0.05, given_up,
+                    time.monotonic)  # fmt: skip
+    assert given_up.ended == "client gave up" and given_up.bytes_sent == 2
+
+
+def test_task_time_adds_up_a_workers_tasks_by_phase() -> None:
+    log = "\n".join([
+        "[2026-12-03 15:00:05,500: INFO/MainProcess] Task batchd.validate_batch[a-1] "
+        "succeeded in 2.5s: None",
+        "[2026-12-03 15:00:06,000: INFO/MainProcess] Task batchd.estimate_batch[b-2] "
+        "succeeded in 10.0s: None",
+        "[2026-12-03 15:00:15,000: INFO/MainProcess] Task batchd.cancel_batch[c-3] "
+        "succeeded in 4.0s: None",
+        "[2026-12-03 15:00:15,000: INFO/MainProcess] batch x cancelled: 0 ok, 3 error lines",
+    ])  # fmt: skip
+    start = datetime(2026, 12, 3, 15, 0, 0).timestamp()
+    phases = Phases(t0=0.0, duration=20.0, count=2).windows()
+    quiet, hostile = task_time(log, phases, lambda unix: unix - start, threads=2)
+    assert quiet["seconds_by_task"] == {"estimate_batch": 10.0, "validate_batch": 2.5}
+    assert quiet["busy_share"] == 0.62 and hostile["seconds_by_task"] == {"cancel_batch": 4.0}
