@@ -24,8 +24,13 @@ request line still ends as exactly one output or error line; ``request_counts.to
 the number of those lines. A batch never moves to ``finalizing`` before its validation is done
 (``worker.shard_state.finish_if_last``), and a finalize never completes one.
 
-The files are written, then their ``files`` rows are inserted in the same transaction as the
-status transition. If another finalize won the transition, this one deletes what it wrote.
+One finalize of a batch runs at a time (:func:`sole_finalizer`): a cancel that arrives while
+validation is stopping, a sweep's re-drive and the last shard's finalize would otherwise each
+merge the whole batch (an amplifying input made each of two merges 21 s of a control thread);
+the later ones return at once and leave the batch to the one running, whose task is retried
+if it fails, and to the sweep's re-drive should its process die. The files are written, then
+their ``files`` rows are inserted in the same transaction as the status transition. If
+another finalize won the transition, this one deletes what it wrote.
 The ``batch_<code>`` lines also go into one last chunk of the batch's results log
 (:mod:`core.results_log`), logged in that transaction; the chunks are kept (the log pages
 through them) until retention deletes the batch's output files.
@@ -38,20 +43,22 @@ Output and error files expire the batch's ``output_expires_after`` seconds (defa
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import logging
+import threading
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, BinaryIO
 
-from sqlalchemy import select, update
+from sqlalchemy import select, text, update
 from sqlalchemy.orm import Session
 
 from core import ids, metrics
-from core.db import new_session, session_scope
+from core.db import get_engine, new_session, session_scope
 from core.lifecycle import TERMINAL, BatchStatus, ShardStatus, now, transition
 from core.models import Batch, File, Shard
 from core.results import batch_error_line, dumps_line
@@ -411,7 +418,56 @@ def finalize(batch_id: str) -> str | None:
     return status
 
 
+_finalizing: set[str] = set()  # SQLite (one process): the batches this process finalizes
+_finalizing_lock = threading.Lock()
+
+
+def _lock_key(batch_id: str) -> int:
+    digest = hashlib.sha256(f"batchd.finalize:{batch_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+@contextmanager
+def sole_finalizer(batch_id: str) -> Iterator[bool]:
+    """Whether this actor is, for the block, the only one finalizing ``batch_id``. On Postgres
+    a session advisory lock, held on a connection of its own (idle, not in a transaction,
+    while the merge runs) and gone with it if the process dies; on SQLite (one process) a set
+    of this process's batches."""
+    engine = get_engine()
+    if engine.dialect.name != "postgresql":
+        with _finalizing_lock:
+            sole = batch_id not in _finalizing
+            _finalizing.add(batch_id)
+        try:
+            yield sole
+        finally:
+            if sole:
+                with _finalizing_lock:
+                    _finalizing.discard(batch_id)
+        return
+    key = {"key": _lock_key(batch_id)}
+    with engine.connect() as conn:
+        sole = bool(conn.execute(text("SELECT pg_try_advisory_lock(:key)"), key).scalar())
+        conn.commit()  # the lock is the session's: end the transaction that read it
+        try:
+            yield sole
+        finally:
+            if sole:
+                conn.execute(text("SELECT pg_advisory_unlock(:key)"), key)
+                conn.commit()
+
+
 def _finalize(batch_id: str) -> str | None:
+    with sole_finalizer(batch_id) as sole:
+        if not sole:
+            logger.info(
+                "batch %s: another finalize of it is running; leaving it that one", batch_id
+            )
+            return None
+        return _finalize_alone(batch_id)
+
+
+def _finalize_alone(batch_id: str) -> str | None:
     plan = _plan(batch_id)
     if plan is None:
         return None

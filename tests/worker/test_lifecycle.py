@@ -61,6 +61,30 @@ def test_finalizing_batch_completes_even_past_its_window(worker_env, host):
     assert batch.request_completed == 5 and _custom_ids(batch.output_file_id) == ids
 
 
+def test_a_second_finalize_of_a_batch_leaves_it_to_the_first(worker_env, host):
+    """A cancel arriving while validation stops, a sweep's re-drive and the last shard each
+    finalize: while one runs, another returns at once without merging (each used to merge the
+    whole batch, an amplifying upload twice), and the batch still ends once."""
+    from worker.finalize import finalize, sole_finalizer
+    from worker.shard import run_shard
+
+    ids = [f"r{i}" for i in range(3)]
+    batch_id = validated_batch([chat_line(c, f"say {c}", max_tokens=3) for c in ids])
+    (shard,) = shard_rows(batch_id)
+    assert run_shard(shard.id, host=host).status == "done"
+    with sole_finalizer(batch_id) as sole:  # as if another control thread were merging it
+        assert sole
+        with sole_finalizer(batch_id) as second:
+            assert not second
+        assert finalize(batch_id) is None
+        assert (
+            batch_row(batch_id).status == "finalizing"
+            and batch_row(batch_id).output_file_id is None
+        )
+    assert finalize(batch_id) == "completed"
+    assert _custom_ids(batch_row(batch_id).output_file_id) == ids
+
+
 def test_expiring_batch_whose_every_request_has_a_result_completes(worker_env, host):
     """The shards stopped for the expiry right after their last result (still in_progress,
     past expires_at): the merge finds no request without a result, so it completes."""
