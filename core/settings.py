@@ -128,6 +128,9 @@ class Settings(BaseSettings):
     # Estimates (POST /v1/batches/estimate) one tenant may have waiting at once in an API
     # process; more are refused with 429 (each holds an API thread and a control-worker scan).
     max_estimates_per_tenant: int = Field(default=2, ge=1)
+    # File scans for estimates a control worker runs at once; more are answered 503 busy at
+    # once. Keep it under the control worker's threads (2), so estimates never take them all.
+    estimate_scans_per_worker: int = Field(default=1, ge=1)
     # Shards released to a model's broker queue at a time (the rest wait in Postgres and are
     # released round-robin across tenants and batches, by priority).
     max_released_shards_per_model: int = 8

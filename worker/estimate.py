@@ -5,6 +5,7 @@ beat task that refreshes every running batch's projected completion (``core.eta_
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 from core import eta_store, rpc
@@ -39,12 +40,31 @@ def scan_file(key: str, endpoint: str, deadline: float | None = None) -> dict[st
     }
 
 
+_scans: threading.BoundedSemaphore | None = None
+_scans_lock = threading.Lock()
+
+
+def _scan_slots() -> threading.BoundedSemaphore:
+    global _scans
+    with _scans_lock:
+        if _scans is None:
+            _scans = threading.BoundedSemaphore(get_settings().estimate_scans_per_worker)
+        return _scans
+
+
 @app.task(name=TASK_ESTIMATE, acks_late=False)
 def estimate_task(key: str, endpoint: str, reply_to: str, deadline: float) -> None:
     """Scan the file and answer the caller (``core.rpc.call``). Not redelivered after a
     worker dies (``acks_late`` off): its caller has stopped waiting by then. A scan whose
     caller has gone (its deadline passed, before or while it reads) stops: a flood of
-    estimates nobody waits for does not keep the control worker reading files."""
+    estimates nobody waits for does not keep the control worker reading files. At most
+    ``estimate_scans_per_worker`` scans run in a worker at once (fewer than its control
+    threads): the next is answered busy at once, so estimates never take every thread that
+    validates, finalizes and cancels."""
+    slots = _scan_slots()
+    if not slots.acquire(blocking=False):
+        rpc.reply(reply_to, deadline, {"ok": False, "busy": True})
+        return
     try:
         payload: dict[str, Any] = {"ok": True, **scan_file(key, endpoint, deadline)}
     except CallerGone as gone:
@@ -53,6 +73,8 @@ def estimate_task(key: str, endpoint: str, reply_to: str, deadline: float) -> No
     except Exception as exc:
         logger.exception("estimating %s failed", key)
         payload = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        slots.release()
     rpc.reply(reply_to, deadline, payload)
 
 

@@ -89,6 +89,14 @@ def _scan(key: str, endpoint: str, settings: Settings) -> dict[str, Any]:
             "The task broker is unavailable; please retry shortly.",
             code="broker_unavailable",
         ) from error
+    if answer.get("busy"):
+        raise APIError(
+            503,
+            "The control worker is already scanning files for other estimates "
+            "(estimate_scans_per_worker); retry in a few seconds.",
+            code="estimate_busy",
+            headers={"retry-after": "2"},
+        )
     if not answer.get("ok"):  # the control worker logged why; internals stay there
         log.error("estimate of %s failed: %s", key, answer.get("error"))
         raise APIError(500, "The file could not be read; the service's logs have the details.")

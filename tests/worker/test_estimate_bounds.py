@@ -35,3 +35,36 @@ def test_one_tenant_holds_a_bounded_number_of_estimates() -> None:
             pass
     with _estimate_slot("t", 2):  # released when answered
         pass
+
+
+def test_estimates_never_take_every_control_thread(worker_env) -> None:
+    """While a worker runs ``estimate_scans_per_worker`` scans (one by default, of its two
+    control threads), the next estimate is answered busy at once, not scanned: a flood of
+    estimates leaves a thread for validations, finalizes and cancels."""
+    from kombu import Connection
+
+    from core import rpc
+    from core.settings import get_settings
+    from worker import estimate
+    from worker.common import storage
+
+    with storage().writer("files/estimate-busy") as out:
+        out.write(jsonl([chat_line("r0", "count the stars")]))
+    reply_to = rpc.REPLY_PREFIX + f"busy-{time.monotonic_ns()}"
+    with Connection(get_settings().broker_url) as conn:
+        replies = conn.SimpleQueue(reply_to, serializer="json")
+        try:
+            slots = estimate._scan_slots()
+            assert slots.acquire(blocking=False)  # a scan is running
+            try:
+                args = ("files/estimate-busy", "/v1/chat/completions", reply_to, time.time() + 30)
+                estimate.estimate_task(*args)
+                assert replies.get(timeout=10).payload == {"ok": False, "busy": True}
+            finally:
+                slots.release()
+            estimate.estimate_task(*args)  # a slot is free: scanned
+            answer = replies.get(timeout=10).payload
+            assert answer["ok"] and answer["valid_requests"] == 1
+        finally:
+            replies.queue.delete()
+            replies.close()
