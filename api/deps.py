@@ -286,3 +286,16 @@ def authenticate(request: Request, settings: SettingsDep, session: SessionDep) -
 
 
 CurrentKey = Annotated[Caller, Depends(authenticate)]
+
+
+async def authenticate_then_release(caller: CurrentKey, session: SessionDep) -> Caller:
+    """:func:`authenticate`, then the request's database connection goes back to the pool
+    before the route reads its body: a slow upload (the client's pace) must not hold one
+    (twenty trickling uploads emptied the pool, and every tenant's calls got 503). The
+    session connects again if the route queries after the body."""
+    await run_in_threadpool(_close, session)
+    return caller
+
+
+#: The caller of a route that streams a request body (uploads).
+UploadingKey = Annotated[Caller, Depends(authenticate_then_release)]

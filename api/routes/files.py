@@ -10,7 +10,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
-from api.deps import CurrentKey, SessionDep, SettingsDep, StorageDep
+from api.deps import CurrentKey, SessionDep, SettingsDep, StorageDep, UploadingKey
 from api.errors import APIError, invalid_request
 from api.log_context import bind_batch
 from api.routes.common import error_responses, list_page
@@ -100,7 +100,7 @@ def _validate_fields(upload: Upload, default_expiry_s: int) -> int:
     summary="Upload a file",
 )
 async def create_file(
-    request: Request, caller: CurrentKey, settings: SettingsDep, storage: StorageDep
+    request: Request, caller: UploadingKey, settings: SettingsDep, storage: StorageDep
 ) -> FilePublic:
     new_id = file_id()
     key = f"files/{new_id}"

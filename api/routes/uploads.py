@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.deps import CurrentKey, SessionDep, SettingsDep, StorageDep
+from api.deps import CurrentKey, SessionDep, SettingsDep, StorageDep, UploadingKey
 from api.errors import invalid_request
 from api.routes.common import error_responses
 from api.schemas import FilePublic, unix
@@ -123,7 +123,11 @@ _PART_SCHEMA = {
     summary="Add a part to an upload (multipart field 'data', at most 64 MB)",
 )
 async def add_part(
-    upload_id: str, request: Request, caller: CurrentKey, settings: SettingsDep, storage: StorageDep
+    upload_id: str,
+    request: Request,
+    caller: UploadingKey,
+    settings: SettingsDep,
+    storage: StorageDep,
 ) -> UploadPartPublic:
     await run_in_threadpool(_check_pending, settings.database_url, caller.tenant, upload_id)
     new_part = upload_part_id()
