@@ -261,3 +261,25 @@ def test_an_idempotency_key_makes_one_retry(start_server, pg_url) -> None:
             assert bad.status_code == 400, bad.text
             assert bad.json()["error"]["param"] == param
             assert words in bad.json()["error"]["message"]
+
+
+def test_concurrent_retries_with_one_key_make_one_batch(start_server, service_env) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.conftest import STATIC_TEST_KEY
+
+    server = start_server()
+    parent = _ended_parent([chat_line("r1", "one"), chat_line("r2", "two")])
+    files, stored = _files(), _stored(service_env)
+
+    def retry(_i: int) -> httpx.Response:
+        with server.http(api_key=STATIC_TEST_KEY) as http:
+            return http.post(f"/v1/batches/{parent}/retry", headers={"Idempotency-Key": "race"})
+
+    with ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(retry, range(8)))
+    assert {r.status_code for r in responses} == {200}, [r.text for r in responses]
+    assert len({r.json()["id"] for r in responses}) == 1
+    # One copy of the parent's lines is kept: the losers' copies are gone, rows and objects.
+    assert _files() == files + 1
+    assert len(_stored(service_env)) == len(stored) + 1
