@@ -373,16 +373,22 @@ class ResultPage(BaseModel):
 RetryKind = Literal["expired", "cancelled", "failed"]
 
 
-def _line_item(value: Any) -> int | tuple[int, int]:
-    def number(item: Any) -> bool:
-        return isinstance(item, int) and not isinstance(item, bool) and item >= 1
+def _line_number(item: Any) -> int | None:
+    """``item`` as a line number (JSON's integers, 3.0 included), or None."""
+    if isinstance(item, float) and item.is_integer():
+        item = int(item)
+    return item if isinstance(item, int) and not isinstance(item, bool) and item >= 1 else None
 
-    if number(value):
-        return value
-    if isinstance(value, list | tuple) and len(value) == 2 and all(map(number, value)):
-        # A range that ends before it starts is refused by the retry (400, param "lines"):
-        # a schema cannot say so.
-        return (value[0], value[1])
+
+def _line_item(value: Any) -> int | tuple[int, int]:
+    if (number := _line_number(value)) is not None:
+        return number
+    if isinstance(value, list | tuple) and len(value) == 2:
+        first, last = _line_number(value[0]), _line_number(value[1])
+        if first is not None and last is not None:
+            # A range that ends before it starts is refused by the retry (400, param
+            # "lines"): a schema cannot say so.
+            return (first, last)
     raise ValueError(
         "expected a line number (an integer, 1 or more) or a range [first, last] of them"
     )
