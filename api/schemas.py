@@ -7,14 +7,15 @@ answer; ORM rows never leave the API directly.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema, field_validator
 
 from api.errors import invalid_request
 from core.auth import MAX_WEBHOOK_URL_CHARS, is_text, webhook_url_problem
 from core.lifecycle import BatchStatus
 from core.models import Batch, File
+from core.retry import MAX_LINE_ITEMS
 from core.windows import WINDOW, window_seconds
 
 MAX_METADATA_PAIRS = 16
@@ -372,6 +373,43 @@ class ResultPage(BaseModel):
 RetryKind = Literal["expired", "cancelled", "failed"]
 
 
+def _line_number(item: Any) -> int | None:
+    """``item`` as a line number (JSON's integers, 3.0 included), or None."""
+    if isinstance(item, float) and item.is_integer():
+        item = int(item)
+    return item if isinstance(item, int) and not isinstance(item, bool) and item >= 1 else None
+
+
+def _line_item(value: Any) -> int | tuple[int, int]:
+    if (number := _line_number(value)) is not None:
+        return number
+    if isinstance(value, list | tuple) and len(value) == 2:
+        first, last = _line_number(value[0]), _line_number(value[1])
+        if first is not None and last is not None:
+            # A range that ends before it starts is refused by the retry (400, param
+            # "lines"): a schema cannot say so.
+            return (first, last)
+    raise ValueError(
+        "expected a line number (an integer, 1 or more) or a range [first, last] of them"
+    )
+
+
+LineNumber = {"type": "integer", "minimum": 1}
+#: One item of a retry's ``lines``: a 1-based line number, or an inclusive range of them.
+LineItem = Annotated[
+    Any,
+    PlainValidator(_line_item),
+    WithJsonSchema(
+        {
+            "oneOf": [
+                LineNumber,
+                {"type": "array", "items": LineNumber, "minItems": 2, "maxItems": 2},
+            ]
+        }
+    ),
+]
+
+
 class RetryCreate(BaseModel):
     """What to retry, and how to run it (by default as the parent ran)."""
 
@@ -394,6 +432,16 @@ class RetryCreate(BaseModel):
     )
     priority: Literal["high", "normal", "low"] | None = Field(
         default=None, description="Default: the parent's priority (if this key may use it)."
+    )
+    lines: list[LineItem] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=MAX_LINE_ITEMS,
+        description="Narrow the retry to these lines of the parent's input file: 1-based line "
+        "numbers (as validation errors name them) and inclusive ranges [first, last], e.g. "
+        "[3, [10, 20]]. Of them, the lines whose results are of the kinds in 'include' are "
+        "retried. A number past the file's last line is a 400 naming it; so is a number on "
+        "its own that names a blank line or a line a retry cannot read.",
     )
 
     @field_validator("completion_window")

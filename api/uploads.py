@@ -4,15 +4,20 @@ Starlette's form parser spools a file into a temporary file before the route run
 body is parsed as it arrives (python-multipart's push parser) and the file part is written
 through ``Storage.writer`` in the chunks the server received, so memory stays flat whatever the
 upload's size. The writer is entered inside the parse: any error (too large, malformed body,
-bad field, client gone) leaves the block by an exception, so the object never appears.
+bad field, client gone, too slow) leaves the block by an exception, so the object never appears.
+
+Slow bodies cannot hold the upload slots: a body that stalls or trickles is cut (408), and one
+tenant holds at most ``max_concurrent_uploads_per_tenant`` uploads of a process (429).
 """
 
 from __future__ import annotations
 
 import re
+import threading
 import unicodedata
-from collections.abc import Awaitable, Callable
-from contextlib import ExitStack
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
@@ -22,12 +27,15 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import ClientDisconnect, Request
 
 from api.errors import APIError, invalid_request
+from core.settings import Settings
 from core.storage import Storage
 
 #: Room for the multipart framing and the small form fields around the file part.
 MULTIPART_OVERHEAD = 64 * 1024
-#: The most bytes kept for one non-file form field (purpose, expires_after[...]).
+#: The most bytes kept for one non-file form field (purpose, expires_after[...]), and the most
+#: such fields one body may hold: the fields are kept in memory, so both are small.
 MAX_FIELD_BYTES = 1024
+MAX_FORM_FIELDS = 16
 #: After rejecting an over-large body, read at most this much more of it so that the client,
 #: still sending, gets the 413 instead of a reset connection.
 DRAIN_LIMIT = 8 * 1024 * 1024
@@ -37,18 +45,80 @@ MAX_FILENAME_CHARS = 255
 MAX_PART_HEADER_BYTES = 32 * 1024
 
 FILE_FIELD = "file"
-#: Uploads in progress at once per process. Each holds a thread while it waits on the network,
-#: so uploads get their own limiter instead of starving the pool the other routes run in;
-#: further uploads wait (unread) for a slot.
-MAX_CONCURRENT_UPLOADS = 16
+#: Uploads in progress at once per process (``max_concurrent_uploads``). Each holds a thread
+#: while it waits on the network, so uploads get their own limiter instead of starving the pool
+#: the other routes run in; further uploads wait (unread) for a slot.
 _upload_slots: anyio.CapacityLimiter | None = None
+#: Uploads per tenant in this process, waiting for a slot or in one.
+_tenant_uploads: Counter[str] = Counter()
+_tenant_lock = threading.Lock()
 
 
-def _slots() -> anyio.CapacityLimiter:
+def _slots(size: int) -> anyio.CapacityLimiter:
     global _upload_slots
     if _upload_slots is None:  # created inside the event loop, on first use
-        _upload_slots = anyio.CapacityLimiter(MAX_CONCURRENT_UPLOADS)
+        _upload_slots = anyio.CapacityLimiter(size)
     return _upload_slots
+
+
+@contextmanager
+def _tenant_slot(tenant: str, limit: int) -> Iterator[None]:
+    """One of the tenant's ``limit`` uploads in this process, else 429: one tenant's slow or
+    many uploads cannot take every slot."""
+    with _tenant_lock:
+        if _tenant_uploads[tenant] >= limit:
+            raise APIError(
+                429,
+                f"This tenant already has {_tenant_uploads[tenant]} uploads in progress, the "
+                f"limit (max_concurrent_uploads_per_tenant={limit}); wait for one to finish, "
+                "then retry.",
+                code="too_many_concurrent_uploads",
+                headers={"retry-after": "1", "connection": "close"},
+            )
+        _tenant_uploads[tenant] += 1
+    try:
+        yield
+    finally:
+        with _tenant_lock:
+            _tenant_uploads[tenant] -= 1
+            if _tenant_uploads[tenant] <= 0:
+                del _tenant_uploads[tenant]
+
+
+class _Pace:
+    """How long the next chunk of a body may take: at most ``idle_timeout_s``, and no longer
+    than keeps the body's average at ``min_bytes_per_s`` once ``grace_s`` have passed. Only the
+    time spent waiting on the client counts (not the time the server spends storing)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.idle_timeout_s = float(settings.upload_idle_timeout_s)
+        self.min_bytes_per_s = float(settings.upload_min_bytes_per_s)
+        self.grace_s = float(settings.upload_rate_grace_s)
+        self.waited_s = 0.0
+
+    def timeout(self, received: int) -> float:
+        timeout = self.idle_timeout_s
+        if self.min_bytes_per_s > 0:
+            allowed = max(self.grace_s, received / self.min_bytes_per_s)
+            timeout = min(timeout, allowed - self.waited_s)
+        return max(0.0, timeout)
+
+    def too_slow(self, received: int, waited: float) -> APIError:
+        if waited >= self.idle_timeout_s:
+            message = (
+                f"The request body stalled: nothing arrived for {self.idle_timeout_s:g} seconds "
+                "(upload_idle_timeout_s), so the upload was dropped; send it again."
+            )
+            code = "upload_idle_timeout"
+        else:
+            average = received / max(self.waited_s, 1e-9)
+            message = (
+                f"The request body arrived at {average:.0f} bytes/s on average, under the "
+                f"minimum of {self.min_bytes_per_s:g} bytes/s (upload_min_bytes_per_s) after "
+                f"{self.waited_s:.0f} seconds, so the upload was dropped; send it again."
+            )
+            code = "upload_too_slow"
+        return APIError(408, message, code=code, headers={"connection": "close"})
 
 
 def too_large(limit: int, file_field: str = FILE_FIELD) -> APIError:
@@ -110,6 +180,7 @@ class _Ingest:
         self._in_file = False
         self._field_name: str | None = None
         self._field_value = bytearray()
+        self._form_fields = 0
 
     def callbacks(self) -> dict[str, Callable[..., None]]:
         return {
@@ -158,6 +229,13 @@ class _Ingest:
             self._out = self.stack.enter_context(self.storage.writer(self.key))
             self._in_file = True
         else:
+            self._form_fields += 1
+            if self._form_fields > MAX_FORM_FIELDS:
+                raise invalid_request(
+                    f"The multipart body has more than {MAX_FORM_FIELDS} form fields besides "
+                    f"'{self.file_field}'; at most {MAX_FORM_FIELDS} are read.",
+                    code="too_many_form_fields",
+                )
             self._field_name = name
 
     def on_part_data(self, data: bytes, start: int, end: int) -> None:
@@ -232,6 +310,9 @@ async def receive_upload(
     key: str,
     max_bytes: int,
     finish: Callable[[Upload], None],
+    *,
+    tenant: str,
+    settings: Settings,
     file_field: str = FILE_FIELD,
 ) -> Upload:
     """Parse the body and stream its file part (the form field ``file_field``) to ``key``.
@@ -242,15 +323,44 @@ async def receive_upload(
     check_declared_length(request, max_bytes)
     boundary = _boundary(request)
     stream = request.stream()
+    try:
+        with _tenant_slot(tenant, settings.max_concurrent_uploads_per_tenant):
+            return await _receive(
+                stream, boundary, storage, key, max_bytes, finish, settings, file_field
+            )
+    except APIError as error:
+        if error.status_code in (413, 429):
+            await _drain(stream, settings.upload_idle_timeout_s)
+        raise
+
+
+async def _receive(
+    stream: AsyncIterator[bytes],
+    boundary: bytes,
+    storage: Storage,
+    key: str,
+    max_bytes: int,
+    finish: Callable[[Upload], None],
+    settings: Settings,
+    file_field: str,
+) -> Upload:
     received = 0
     body_limit = max_bytes + MULTIPART_OVERHEAD
+    pace = _Pace(settings)
 
     async def next_chunk() -> bytes | None:
         nonlocal received
-        try:
-            chunk = await stream.__anext__()
-        except StopAsyncIteration:
-            return None
+        timeout = pace.timeout(received)
+        started = anyio.current_time()
+        with anyio.move_on_after(timeout) as waiting:
+            try:
+                chunk = await stream.__anext__()
+            except StopAsyncIteration:
+                return None
+            finally:
+                pace.waited_s += anyio.current_time() - started
+        if waiting.cancelled_caught:
+            raise pace.too_slow(received, anyio.current_time() - started)
         received += len(chunk)
         if received > body_limit:
             raise too_large(max_bytes, file_field)
@@ -277,22 +387,21 @@ async def receive_upload(
             finish(sink.result)
             return sink.result
 
+    slots = _slots(settings.max_concurrent_uploads)
     try:
-        return await anyio.to_thread.run_sync(ingest, next_chunk, limiter=_slots())
+        return await anyio.to_thread.run_sync(ingest, next_chunk, limiter=slots)
     except ClientDisconnect as error:
         raise invalid_request("The client disconnected during the upload.") from error
-    except APIError as error:
-        if error.status_code == 413:
-            await _drain(stream)
-        raise
 
 
-async def _drain(stream) -> None:
+async def _drain(stream: AsyncIterator[bytes], timeout_s: float) -> None:
+    """Read (and drop) up to DRAIN_LIMIT more bytes for at most ``timeout_s``."""
     drained = 0
-    try:
-        async for chunk in stream:
-            drained += len(chunk)
-            if drained > DRAIN_LIMIT:
-                return
-    except (ClientDisconnect, RuntimeError):
-        return
+    with anyio.move_on_after(timeout_s):
+        try:
+            async for chunk in stream:
+                drained += len(chunk)
+                if drained > DRAIN_LIMIT:
+                    return
+        except (ClientDisconnect, RuntimeError):
+            return

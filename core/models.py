@@ -139,6 +139,9 @@ class Batch(Base):
     # Extensions: scheduling priority (high | normal | low), idempotent create, webhooks.
     priority: Mapped[str] = mapped_column(String(8), default="normal", server_default="normal")
     idempotency_key: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    # A retry made under an idempotency key: what it asked for (parent, include, lines,
+    # completion_window, priority), compared when the key comes again.
+    retry_request: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     webhook_url: Mapped[str | None] = mapped_column(Text, nullable=True)
     webhook_secret: Mapped[str | None] = mapped_column(String(128), nullable=True)
     # OpenAI's output_expires_after.seconds: the output and error files expire this long after

@@ -9,10 +9,14 @@ results are in :data:`RETRY_KINDS` (by default all three):
   engine failed, a shard was given up) or a 429. A 4xx is the request's own fault (too long
   for the context, a value the model cannot honour) and would fail again, so it is never
   retried; neither is a validation error, which fails the whole batch before anything runs.
+
+A retry may be narrowed to some of the parent's input lines by number (:class:`LineSelection`):
+1-based line numbers as validation errors name them, and inclusive ranges ``[first, last]``.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -49,3 +53,55 @@ def merge_with_retries(
             latest[line.get("custom_id")] = line
     merged = [latest.pop(custom_id) for custom_id in order if custom_id in latest]
     return merged + list(latest.values())
+
+
+#: The most items (numbers and ranges) one retry's ``lines`` may hold.
+MAX_LINE_ITEMS = 1000
+
+
+class LineSelection:
+    """Line numbers of a file, from numbers and inclusive ``[first, last]`` ranges, held as
+    merged intervals (a range of a million lines costs two integers). ``singles`` are the
+    numbers named on their own: each must name a request line."""
+
+    def __init__(self, items: Iterable[int | Sequence[int]]) -> None:
+        self.items: list[tuple[int, int]] = []
+        self.singles: set[int] = set()
+        for item in items:
+            if isinstance(item, int):
+                self.items.append((item, item))
+                self.singles.add(item)
+            else:
+                first, last = item
+                self.items.append((first, last))
+        merged: list[list[int]] = []
+        for first, last in sorted(self.items):
+            if merged and first <= merged[-1][1] + 1:
+                merged[-1][1] = max(merged[-1][1], last)
+            else:
+                merged.append([first, last])
+        self._starts = [first for first, _ in merged]
+        self._ends = [last for _, last in merged]
+
+    def __contains__(self, line: int) -> bool:
+        at = bisect.bisect_right(self._starts, line) - 1
+        return at >= 0 and line <= self._ends[at]
+
+    def normalized(self) -> list[list[int]]:
+        """The same lines as sorted, disjoint, non-adjacent ``[first, last]`` ranges: two
+        selections of the same lines compare equal whatever their spelling."""
+        return [[first, last] for first, last in zip(self._starts, self._ends, strict=True)]
+
+    def past(self, last_line: int) -> list[str]:
+        """The items, as asked, that reach past ``last_line``."""
+        return [describe_lines(first, last) for first, last in self.items if last > last_line]
+
+
+def describe_lines(first: int, last: int) -> str:
+    return str(first) if first == last else f"{first}-{last}"
+
+
+def name_lines(lines: Sequence[str | int], most: int = 10) -> str:
+    """``1, 4, 9-12`` (the first ``most``, then how many more)."""
+    named = ", ".join(str(line) for line in lines[:most])
+    return named if len(lines) <= most else f"{named} and {len(lines) - most} more"

@@ -98,6 +98,17 @@ class Settings(BaseSettings):
 
     # Limits (OpenAI's defaults where it has them).
     max_upload_bytes: int = 200 * 1024 * 1024
+    # Upload bodies (POST /v1/files, upload parts) are read in at most max_concurrent_uploads
+    # at a time per API process, at most max_concurrent_uploads_per_tenant of them one
+    # tenant's (more: 429). A body that sends nothing for upload_idle_timeout_s, or that
+    # averages under upload_min_bytes_per_s once upload_rate_grace_s of waiting on it have
+    # passed (0: no minimum), is cut with a 408 and its partial file dropped: slow clients
+    # cannot hold the slots. Only time spent waiting on the client counts.
+    max_concurrent_uploads: int = Field(default=16, ge=1)
+    max_concurrent_uploads_per_tenant: int = Field(default=4, ge=1)
+    upload_idle_timeout_s: float = Field(default=30.0, gt=0.0)
+    upload_min_bytes_per_s: float = Field(default=4096.0, ge=0.0)
+    upload_rate_grace_s: float = Field(default=30.0, ge=0.0)
     max_requests_per_batch: int = 50_000
     max_errors_reported: int = 100
     max_line_bytes: int = 8 * 1024 * 1024  # one request line in a batch file

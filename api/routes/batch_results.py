@@ -11,7 +11,7 @@ from typing import Annotated
 from fastapi import APIRouter, Body, Query
 
 from api.deps import CurrentKey, SessionDep, SettingsDep, StorageDep
-from api.routes.batches import created_batch
+from api.routes.batches import IdempotencyHeader, created_batch, idempotency_key_of
 from api.routes.common import error_responses
 from api.schemas import BatchPublic, ResultPage, RetryCreate
 from api.services.results import result_page
@@ -50,7 +50,7 @@ def list_results(
 @router.post(
     "/{batch_id}/retry",
     response_model=BatchPublic,
-    responses=error_responses(400, 403, 404, 409),
+    responses=error_responses(400, 403, 404, 409, 429),
     summary="Retry what did not succeed in a batch (batchd extension)",
 )
 def retry(
@@ -60,6 +60,8 @@ def retry(
     storage: StorageDep,
     settings: SettingsDep,
     body: Annotated[RetryCreate | None, Body()] = None,
+    idempotency_key: IdempotencyHeader = None,
 ) -> BatchPublic:
-    row = retry_batch(session, storage, caller, settings, batch_id, body or RetryCreate())
+    key = idempotency_key_of(idempotency_key, None)
+    row = retry_batch(session, storage, caller, settings, batch_id, body or RetryCreate(), key)
     return created_batch(row, caller)

@@ -31,13 +31,13 @@ IdempotencyHeader = Annotated[
         min_length=1,
         max_length=MAX_IDEMPOTENCY_KEY_CHARS,
         json_schema_extra={"pattern": IDEMPOTENCY_KEY_PATTERN},
-        description="A repeated create with the same key (for the same tenant) returns the "
-        "batch the first one created instead of creating another.",
+        description="A repeated create (or retry) with the same key (for the same tenant) "
+        "returns the batch the first one created instead of creating another.",
     ),
 ]
 
 
-def _idempotency_key(header: str | None, body: str | None) -> str | None:
+def idempotency_key_of(header: str | None, body: str | None) -> str | None:
     if header is not None and body is not None and header != body:
         raise invalid_request(
             "The Idempotency-Key header and the 'idempotency_key' field differ; send one.",
@@ -71,7 +71,7 @@ def create_batch(
     settings: SettingsDep,
     idempotency_key: IdempotencyHeader = None,
 ) -> BatchPublic:
-    key = _idempotency_key(idempotency_key, body.idempotency_key)
+    key = idempotency_key_of(idempotency_key, body.idempotency_key)
     return created_batch(batches.create_batch(session, settings, caller, body, key), caller)
 
 

@@ -96,7 +96,7 @@ def _validate_fields(upload: Upload, default_expiry_s: int) -> int:
     "",
     response_model=FilePublic,
     openapi_extra=_UPLOAD_SCHEMA,
-    responses=error_responses(400, 413),
+    responses=error_responses(400, 408, 413),
     summary="Upload a file",
 )
 async def create_file(
@@ -111,7 +111,10 @@ async def create_file(
         nonlocal expiry_s
         expiry_s = _validate_fields(upload, settings.file_expiry_s)
 
-    upload = await receive_upload(request, storage, key, settings.max_upload_bytes, finish)
+    upload = await receive_upload(
+        request, storage, key, settings.max_upload_bytes, finish,
+        tenant=caller.tenant, settings=settings,
+    )  # fmt: skip
     row = files.new_file_row(
         caller.tenant,
         new_id,

@@ -119,7 +119,7 @@ _PART_SCHEMA = {
     "/{upload_id}/parts",
     response_model=UploadPartPublic,
     openapi_extra=_PART_SCHEMA,
-    responses=error_responses(400, 404, 413),
+    responses=error_responses(400, 404, 408, 413),
     summary="Add a part to an upload (multipart field 'data', at most 64 MB)",
 )
 async def add_part(
@@ -134,8 +134,9 @@ async def add_part(
     key = uploads.part_key(upload_id, new_part)
 
     received = await receive_upload(
-        request, storage, key, uploads.MAX_PART_BYTES, lambda _received: None, file_field="data"
-    )
+        request, storage, key, uploads.MAX_PART_BYTES, lambda _received: None,
+        tenant=caller.tenant, settings=settings, file_field="data",
+    )  # fmt: skip
     return await run_in_threadpool(
         _record_part, settings.database_url, storage, caller.tenant, upload_id, new_part, key,
         received.bytes,

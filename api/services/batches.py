@@ -7,7 +7,9 @@ broker refuses, the committed row moves to ``failed`` so no batch waits for a ta
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 from sqlalchemy import func, select, text
 from sqlalchemy.exc import IntegrityError
@@ -112,7 +114,8 @@ def shows_secret(row: Batch, caller: Caller) -> bool:
     return row.webhook_secret is not None and row.webhook_secret != caller.webhook_secret
 
 
-def _existing(session: Session, tenant: str, key: str) -> Batch | None:
+def existing_batch(session: Session, tenant: str, key: str) -> Batch | None:
+    """The tenant's batch created under the idempotency ``key``, if any."""
     return session.scalars(
         select(Batch).where(Batch.tenant == tenant, Batch.idempotency_key == key)
     ).first()
@@ -192,15 +195,42 @@ def _check_unfinished_quota(session: Session, tenant: str, limit: int) -> None:
         )
 
 
+def check_create(session: Session, settings: Settings, caller: Caller, body: BatchCreate) -> None:
+    """Refuse, as its create would, a batch ``body`` that the caller may not make (priority,
+    completion window, output expiry, webhook URL) or that the tenant's quota of unfinished
+    batches leaves no room for; the input file is not looked at. For work to do before the
+    create (a retry's copy of its lines) that a refusal should spare. Ends the transaction
+    (the quota's lock is not held on)."""
+    try:
+        checked_priority(body, caller)
+        checked_window_s(body.completion_window, caller, settings)
+        if body.output_expires_after is not None:
+            body.output_expires_after.checked_seconds("output_expires_after")
+        _webhook_url(body, caller, settings)
+        _check_unfinished_quota(session, caller.tenant, max_unfinished_batches(settings))
+    finally:
+        session.rollback()
+
+
 def create_batch(
-    session: Session, settings: Settings, caller: Caller, body: BatchCreate, key: str | None
+    session: Session,
+    settings: Settings,
+    caller: Caller,
+    body: BatchCreate,
+    key: str | None,
+    *,
+    replay: Callable[[Batch], Batch] | None = None,
+    retry_request: dict[str, Any] | None = None,
 ) -> Batch:
     """Create the batch ``body`` asks for and enqueue its validation; with an idempotency
-    ``key`` already used by the tenant, the batch that key created instead."""
+    ``key`` already used by the tenant, the batch that key created instead (``replay`` of it:
+    by default the batch if ``body`` asks for the same, else 409). ``retry_request`` is kept
+    on the row (a retry's request, see :mod:`api.services.retries`)."""
     priority = checked_priority(body, caller)
     seconds = checked_window_s(body.completion_window, caller, settings)
-    if key is not None and (existing := _existing(session, caller.tenant, key)) is not None:
-        return _replay(existing, body, priority)
+    answer = replay or (lambda row: _replay(row, body, priority))
+    if key is not None and (existing := existing_batch(session, caller.tenant, key)) is not None:
+        return answer(existing)
     output_expiry_s = None
     if body.output_expires_after is not None:
         output_expiry_s = body.output_expires_after.checked_seconds("output_expires_after")
@@ -221,6 +251,7 @@ def create_batch(
         metadata_=body.metadata,
         priority=priority,
         idempotency_key=key,
+        retry_request=retry_request,
         webhook_url=webhook_url,
         webhook_secret=webhook_secret,
         output_expires_after_s=output_expiry_s,
@@ -241,10 +272,10 @@ def create_batch(
         # A concurrent create with the same idempotency key committed first: answer with its
         # batch, exactly as if this request had come second.
         session.rollback()
-        existing = _existing(session, caller.tenant, key) if key is not None else None
+        existing = existing_batch(session, caller.tenant, key) if key is not None else None
         if existing is None:
             raise
-        return _replay(existing, body, priority)
+        return answer(existing)
     _enqueue_validation(session, row)
     log.info("batch %s created from %s for %s", row.id, input_file.id, row.endpoint)
     return row
