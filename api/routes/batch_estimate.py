@@ -18,7 +18,7 @@ router = APIRouter(prefix="/batches", tags=["batches"])
     responses=error_responses(400, 403, 404, 500, 503),
     summary="Estimate a batch without creating it (batchd extension)",
 )
-def estimate_batch(
+async def estimate_batch(
     body: BatchCreate, caller: CurrentKey, session: SessionDep, settings: SettingsDep
 ) -> BatchEstimate:
-    return estimates.estimate_batch(session, settings, caller, body)
+    return await estimates.estimate_batch(session, settings, caller, body)
