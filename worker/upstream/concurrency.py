@@ -11,8 +11,9 @@ told where it is:
   CPU server measured with ``benchmarks.upstream``), while too few leaves most of it idle (8
   in flight gave half), and a GPU server batches hundreds. A limit found before is a better
   start still (:meth:`ConcurrencyController.resume`).
-* **Probing**: after that, every ``probe_every`` windows it tries one step (``step`` times the
-  limit), up and down in turn. A step up is kept only when throughput grew by ``keep_gain``
+* **Probing**: after that, every ``probe_every`` windows it tries one step, up (``step`` times
+  the limit) and down (``down_step`` times it) in turn. The step down is the smaller: held at
+  the knee, a step below it costs throughput for two windows, a step above costs nothing. A step up is kept only when throughput grew by ``keep_gain``
   and the latency per request did not run away (``latency_runaway`` times the best window's at
   the same output); a step down is kept when it costs less than ``keep_gain`` of throughput
   (the same output with less queueing in the server).
@@ -62,6 +63,7 @@ class ConcurrencyController:
         grow_gain: float = 0.10,
         keep_gain: float = 0.03,
         step: float = 1.25,
+        down_step: float = 0.9,
         probe_every: int = 4,
         latency_runaway: float = 3.0,
     ) -> None:
@@ -71,6 +73,7 @@ class ConcurrencyController:
         self.grow_gain = grow_gain
         self.keep_gain = keep_gain
         self.step = step
+        self.down_step = down_step
         self.probe_every = probe_every
         self.latency_runaway = latency_runaway
         self.slow_start = True
@@ -119,7 +122,7 @@ class ConcurrencyController:
             self._up = not self._up
             if self._up:
                 return self._try(math.ceil(self.limit * self.step), window)
-            return self._try(math.floor(self.limit / self.step), window)
+            return self._try(min(self.limit - 1, math.floor(self.limit * self.down_step)), window)
         return self.limit
 
     def resume(self, limit: int) -> int:
