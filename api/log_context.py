@@ -30,10 +30,12 @@ _learned: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar
 
 
 def bind_batch(batch_id: str) -> None:
-    """From here to the end of the request, its log lines carry ``batch_id``."""
-    bind_log_context(batch_id=batch_id)
+    """From here to the end of the request, its log lines carry ``batch_id``. Outside a
+    request (a service called in-process) nothing is bound: there is no request's end to
+    unbind it, and the caller's later lines would carry the batch."""
     learned = _learned.get()
     if learned is not None:
+        bind_log_context(batch_id=batch_id)
         learned["batch_id"] = batch_id
 
 

@@ -6,6 +6,7 @@ lines are picked by number, and an Idempotency-Key makes a retry once."""
 from __future__ import annotations
 
 import json
+import secrets
 from pathlib import Path
 
 import httpx
@@ -203,6 +204,8 @@ def test_an_idempotency_key_makes_one_retry(start_server, pg_url) -> None:
     from tests.conftest import STATIC_TEST_KEY
 
     server = start_server()
+    # The static key's tenant is shared with other modules' tests: keys of this test's own.
+    run = secrets.token_hex(4)
     parent = _ended_parent([chat_line("r1", "one"), chat_line("r2", "two")])
     other = _ended_parent([chat_line("r1", "one"), chat_line("r2", "two")])
     with server.http(api_key=STATIC_TEST_KEY) as http:
@@ -211,10 +214,10 @@ def test_an_idempotency_key_makes_one_retry(start_server, pg_url) -> None:
             headers = {"Idempotency-Key": key} if key else {}
             return http.post(f"/v1/batches/{batch_id}/retry", json=body, headers=headers)
 
-        first = retry(parent, "k-1", {"include": ["expired"]})
+        first = retry(parent, f"k-1-{run}", {"include": ["expired"]})
         assert first.status_code == 200, first.text
         files = _files()
-        again = retry(parent, "k-1", {"include": ["expired"]})
+        again = retry(parent, f"k-1-{run}", {"include": ["expired"]})
         assert again.status_code == 200, again.text
         assert again.json()["id"] == first.json()["id"]
         assert again.json()["input_file_id"] == first.json()["input_file_id"]
@@ -226,26 +229,26 @@ def test_an_idempotency_key_makes_one_retry(start_server, pg_url) -> None:
             ({"include": ["expired"], "completion_window": "1h"}, parent, "completion_window"),
             ({"include": ["expired"]}, other, "parent batch"),
         ]:
-            conflict = retry(batch_id, "k-1", body)
+            conflict = retry(batch_id, f"k-1-{run}", body)
             assert conflict.status_code == 409, conflict.text
             error = conflict.json()["error"]
             assert error["code"] == "idempotency_key_reused"
             assert f"with another {differs}" in error["message"]
 
         # The same lines, spelled another way, are the same retry.
-        ranged = retry(other, "k-3", {"lines": [[1, 2]]})
+        ranged = retry(other, f"k-3-{run}", {"lines": [[1, 2]]})
         assert ranged.status_code == 200, ranged.text
-        assert retry(other, "k-3", {"lines": [2, 1]}).json()["id"] == ranged.json()["id"]
+        assert retry(other, f"k-3-{run}", {"lines": [2, 1]}).json()["id"] == ranged.json()["id"]
 
         # A key a plain create used is not a retry's.
         created = http.post(
             "/v1/batches",
             json={"input_file_id": first.json()["input_file_id"],
                   "endpoint": "/v1/chat/completions", "completion_window": "24h"},
-            headers={"Idempotency-Key": "k-2"},
+            headers={"Idempotency-Key": f"k-2-{run}"},
         )  # fmt: skip
         assert created.status_code == 200, created.text
-        conflict = retry(parent, "k-2")
+        conflict = retry(parent, f"k-2-{run}")
         assert conflict.status_code == 409, conflict.text
         assert "it was not a retry" in conflict.json()["error"]["message"]
 

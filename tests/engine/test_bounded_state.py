@@ -51,6 +51,7 @@ FIXED_SIZE = frozenset(
         "DecodeGraphs.buckets",  # one graph per batch-size bucket
         "DecodeGraphs.static",
         "Engine.eos_token_ids",
+        "Sampler.eos_token_ids",  # the same set, masked below min_tokens
         "CpuThreads.cpus",  # the CPUs this process may run on
         "CpuThreads._last",  # the last sample: four numbers
         "StepCostCurve._mean",  # one slot per running-sequence count

@@ -69,7 +69,10 @@ def _prompt_tokens(lines) -> int:
     return sum(
         len(
             generation.prompt_token_ids(
-                tok, SimpleNamespace(kind="chat", messages=line["body"]["messages"])
+                tok,
+                SimpleNamespace(
+                    kind="chat", messages=line["body"]["messages"], chat_template_kwargs=None
+                ),
             )
         )
         for line in lines

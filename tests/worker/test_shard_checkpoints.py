@@ -139,7 +139,7 @@ def test_a_line_that_no_longer_parses_gets_an_error_line(worker_env, host):
     with storage().reader(key) as stream:
         data = stream.read()
     rows = data.split(b"\n")
-    rows[3] = rows[3].replace(b'"messages"', b'"massages"')  # r3: no messages any more
+    rows[3] = rows[3].replace(b'"messages"', b'"massages"')  # r3: an unknown field, no messages
     rows[4] = rows[4].replace(b'"custom_id": "r4"', b'"custom_id": 4444')  # r4: no custom_id
     changed = b"\n".join(rows)
     assert len(changed) == len(data) and changed != data
@@ -157,7 +157,7 @@ def test_a_line_that_no_longer_parses_gets_an_error_line(worker_env, host):
     assert [r["custom_id"] for r in err] == ["r3", None]  # r4's custom_id is no string now
     assert [r["response"]["status_code"] for r in err] == [400, 400]
     errors = [r["response"]["body"]["error"] for r in err]
-    assert [e["param"] for e in errors] == ["body.messages", "custom_id"]
+    assert [e["param"] for e in errors] == ["body.massages", "custom_id"]  # the unknown field first
     assert all(e["code"] and "no longer parses" in e["message"] for e in errors)
     assert (batch.request_completed, batch.request_failed) == (4, 2)
 
