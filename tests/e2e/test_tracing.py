@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.harness.stack import API_KEY, CELERY, Procs, stack_env
+from benchmarks.harness.stack import API_KEY, Procs, celery_command, stack_env
 from cli.perf.service import api_command, free_port, wait_for
 from core.tracing import REQUEST_ID_ATTRIBUTE
 from tests.helpers.lines import chat_line, create_batch
@@ -75,10 +75,7 @@ def test_a_call_and_the_task_it_causes_are_one_trace(
         OTEL_BSP_SCHEDULE_DELAY="200",
     )
     procs.start("api", api_command(port), env)
-    control = [*CELERY, "worker", "-Q", "batchd.control", "--pool", "threads", "-c", "2",
-               "-n", "control@e2e", "--loglevel", "INFO", "--without-gossip",
-               "--without-mingle", "--without-heartbeat"]  # fmt: skip
-    procs.start("control", control, env)
+    procs.start("control", celery_command("control", "control", tmp_path), env)
     procs.wait_log("control", "ready.", 60)
     client = httpx.Client(
         base_url=f"http://127.0.0.1:{port}",
