@@ -18,7 +18,7 @@ from core.served_models import upstream_spec
 from worker.upstream.concurrency import ConcurrencyController, Window
 from worker.upstream.dispatcher import Dispatcher, _retry_after
 from worker.upstream.guard import LiveGuard, histogram_quantile, read_metrics
-from worker.upstream.shared import Counters, SharedLimit, share_of
+from worker.upstream.shared import Counters, SharedLimit, Windows, share_of
 
 # -- the controller
 
@@ -57,6 +57,29 @@ def test_an_idle_window_says_nothing_about_the_limit() -> None:
     controller = ConcurrencyController(initial=8)
     idle = Window(5.0, 3, 300, 3.0, busy=2.0)  # only two requests in flight on average
     assert controller.observe(idle) == 8
+
+
+def test_a_window_across_an_idle_gap_is_not_judged() -> None:
+    controller = ConcurrencyController(initial=8)
+    windows = Windows(controller)
+    total, now = Counters(), 0.0
+
+    def run(seconds: float, in_flight: int, tps_each: float, demand: int) -> int:
+        nonlocal total, now
+        for _ in range(int(seconds)):  # one report a second, as the dispatcher sends
+            now += 1.0
+            done = in_flight // 2
+            total = total.plus(Counters(done, int(in_flight * tps_each), done * 2.0, in_flight))
+            limit = windows.feed(total, now, demand)
+        return limit
+
+    run(1, 0, 0, 8)
+    assert run(3, 8, 10.0, demand=50) == 16  # a full window at 8: slow start doubles
+    assert run(30, 0, 0, demand=0) == 8  # out of work while 16 was tried: back to 8
+    # Work resumes: the in-flight count ramps up and the first window is let go by, not
+    # compared with what was measured before the gap.
+    assert run(2, 3, 10.0, demand=50) == 8
+    assert run(3, 8, 10.0, demand=50) == 16  # the next full window is judged again
 
 
 def test_a_limit_found_before_is_where_a_fresh_controller_starts() -> None:

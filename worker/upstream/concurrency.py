@@ -134,6 +134,14 @@ class ConcurrencyController:
             self.best_limit = self.limit
         return self.limit
 
+    def idle(self) -> int:
+        """The upstream ran out of work: a step being tried can no longer be judged against
+        the window before it, so go back to where it came from."""
+        if self._trying is not None:
+            self._set(self._trying[0])
+            self._trying = None
+        return self.limit
+
     def overloaded(self) -> int:
         """The upstream refused work or failed to answer: halve the limit now."""
         self.backoffs += 1

@@ -53,7 +53,10 @@ class Counters:
 class Windows:
     """Turns cumulative counters into the controller's windows. A window closes after
     ``MIN_WINDOW_S`` and at least half a limit's worth of completions; the first window after
-    the limit changed is let go by (the in-flight count is still moving to the new limit)."""
+    the limit changed is let go by (the in-flight count is still moving to the new limit).
+    While nothing is waiting or in flight the window restarts, and the first one after work
+    resumes is let go by too: a window that spans an idle gap, or the ramp out of one,
+    measures the gap, not the limit."""
 
     def __init__(self, controller: ConcurrencyController, name: str = "") -> None:
         self.controller = controller
@@ -61,11 +64,19 @@ class Windows:
         self._start: Counters | None = None
         self._started_at = 0.0
         self._settling = False
+        self._idle = False
 
-    def feed(self, total: Counters, now: float) -> int:
+    def feed(self, total: Counters, now: float, demand: int | None = None) -> int:
         if self._start is None:
             self._start, self._started_at = total, now
             return self.controller.limit
+        if demand == 0:
+            self._start, self._started_at = total, now
+            if not self._idle:
+                self._idle = self._settling = True
+                self.controller.idle()
+            return self.controller.limit
+        self._idle = False
         delta = total.minus(self._start)
         before = self.controller.limit
         window: Window | None = None
@@ -119,7 +130,7 @@ class LocalLimit:
         self.limit = controller.limit
 
     def sync(self, demand: int, counters: Counters) -> int:
-        self.limit = self.windows.feed(counters, time.monotonic())
+        self.limit = self.windows.feed(counters, time.monotonic(), demand)
         return self.limit
 
 
@@ -180,7 +191,7 @@ class SharedLimit:
                 )
             ).all()
             if self.leader:
-                limit = self._lead(members)
+                limit = self._lead(members, sum(m.demand for m in members))
                 session.execute(
                     update(UpstreamLimit)
                     .where(UpstreamLimit.upstream == self.upstream)
@@ -194,7 +205,7 @@ class SharedLimit:
         self.limit = limit
         return share_of(limit, demand, total_demand, len(others) + 1)
 
-    def _lead(self, members: list[UpstreamMember]) -> int:
+    def _lead(self, members: list[UpstreamMember], demand: int) -> int:
         """Sum each member's progress since the last read (a member seen for the first time
         adds nothing: its counters start its baseline) and feed the windows."""
         for m in members:
@@ -203,7 +214,7 @@ class SharedLimit:
             self._last[m.member] = now
             if before is not None and now.completed >= before.completed:
                 self._total = self._total.plus(now.minus(before))
-        return self.windows.feed(self._total, time.monotonic())
+        return self.windows.feed(self._total, time.monotonic(), demand)
 
     def leave(self) -> None:
         """Drop this member's report and lease (a stopping worker)."""
