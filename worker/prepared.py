@@ -3,22 +3,59 @@
 The shard's run then does not render and tokenize its prompts a second time. Validation
 counts every request's tokens with the model's own tokenizer (quota and shard sizes weigh
 them); the ids it had are written, before the shard's row exists, to
-``batches/{batch}/prepared/{index:05d}.ids``: per request, its input line, the number of ids
-and the ids, unsigned 32-bit little-endian. The shard reads the object when it starts and
-takes a line's ids from it; a line it does not hold (a line validation could not tokenize, a
-shard planned before this object existed, an embeddings shard) is tokenized by the shard as
-before. The object goes with the batch's other objects under ``batches/{batch}/``.
+``batches/{batch}/prepared/{index:05d}.ids``: a header naming the tokenizer that made them
+(:func:`tokenizer_fingerprint`), then per request its input line, the number of ids and the
+ids, unsigned 32-bit little-endian. The shard reads the object when it starts and takes a
+line's ids from it; a line it does not hold (a line validation could not tokenize, a shard
+planned before this object existed, an embeddings shard) is tokenized by the shard as before,
+and so is every line when the shard's tokenizer is not the one that made the object (a model
+directory replaced between validation and the run, a worker on another version). The object
+goes with the batch's other objects under ``batches/{batch}/``, and is dropped with them when
+the batch fails.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
+import logging
 import sys
+import weakref
 from array import array
 from collections.abc import Iterable
+from typing import Any
 
 from core.storage import ObjectNotFound, Storage
 
+logger = logging.getLogger(__name__)
+
 _ITEM = "I"  # uint32
+_MAGIC = b"BDID\x01\x00\x00\x00"  # format 1; the tokenizer's 16-byte digest follows
+_HEADER = len(_MAGIC) + 16
+_fingerprints: weakref.WeakKeyDictionary[Any, bytes] = weakref.WeakKeyDictionary()
+
+
+def tokenizer_fingerprint(tok: Any) -> bytes:
+    """16 bytes that change when the ids ``tok`` gives a request could: its vocabulary and
+    added tokens, its special tokens, its chat template (computed once per tokenizer)."""
+    try:
+        return _fingerprints[tok]
+    except (KeyError, TypeError):
+        pass
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(type(tok).__name__.encode())
+    for part in (
+        sorted(tok.get_vocab().items()),
+        getattr(tok, "chat_template", None),
+        getattr(tok, "special_tokens_map", None),
+        [getattr(tok, name, None) for name in ("add_bos_token", "add_eos_token")],
+    ):
+        digest.update(json.dumps(part, sort_keys=True, default=str).encode())
+    value = digest.digest()
+    with contextlib.suppress(TypeError):  # not weakly referable: computed again next time
+        _fingerprints[tok] = value
+    return value
 
 
 def prepared_key(batch_id: str, shard_index: int) -> str:
@@ -33,25 +70,41 @@ def _le(values: array) -> bytes:
 
 
 def write_prepared(
-    storage: Storage, batch_id: str, shard_index: int, items: Iterable[tuple[int, list[int]]]
+    storage: Storage,
+    batch_id: str,
+    shard_index: int,
+    items: Iterable[tuple[int, list[int]]],
+    fingerprint: bytes,
 ) -> None:
-    """Store ``(line, ids)`` for the requests of one shard (written whole, atomically)."""
+    """Store ``(line, ids)`` for the requests of one shard, made by the tokenizer whose
+    :func:`tokenizer_fingerprint` is ``fingerprint`` (written whole, atomically)."""
     flat = array(_ITEM)
     for line, ids in items:
         flat.append(line)
         flat.append(len(ids))
         flat.extend(ids)
     with storage.writer(prepared_key(batch_id, shard_index)) as out:
-        out.write(_le(flat))
+        out.write(_MAGIC + fingerprint + _le(flat))
 
 
-def read_prepared(storage: Storage, batch_id: str, shard_index: int) -> dict[int, list[int]]:
-    """The stored ids of the shard's requests by input line; empty when none were stored."""
+def read_prepared(
+    storage: Storage, batch_id: str, shard_index: int, fingerprint: bytes
+) -> dict[int, list[int]]:
+    """The stored ids of the shard's requests by input line; empty when none were stored or
+    another tokenizer than ``fingerprint``'s made them."""
     try:
         with storage.reader(prepared_key(batch_id, shard_index)) as stream:
             data = stream.read()
     except ObjectNotFound:
         return {}
+    if data[: len(_MAGIC)] != _MAGIC or data[len(_MAGIC) : _HEADER] != fingerprint:
+        logger.info(
+            "batch %s shard %s: its prompt ids were made by another tokenizer; tokenizing again",
+            batch_id,
+            shard_index,
+        )
+        return {}
+    data = data[_HEADER:]
     flat = array(_ITEM)
     flat.frombytes(data[: len(data) - len(data) % flat.itemsize])
     if sys.byteorder != "little":

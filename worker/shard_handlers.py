@@ -23,7 +23,7 @@ from core.results import GenerationResult, embedding_body, output_line
 from core.settings import get_settings
 from worker import runtime, timings
 from worker.common import REQUEST_ERRORS, storage
-from worker.prepared import read_prepared
+from worker.prepared import read_prepared, tokenizer_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +134,9 @@ class GenerationHandler:
         self.context = runtime.context_length(batch.model or "")
         self.vocab_size = len(self.tok)
         # The prompt ids validation stored for this shard (worker.prepared), by input line.
-        self.prepared = read_prepared(storage(), batch.id, shard.index)
+        self.prepared = read_prepared(
+            storage(), batch.id, shard.index, tokenizer_fingerprint(self.tok)
+        )
 
     def prepare(self, req: BatchRequest) -> tuple[Any, Any] | Line:
         from engine import SamplingParams

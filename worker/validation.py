@@ -40,12 +40,13 @@ from core.batchfile import (
 from core.db import new_session
 from core.lifecycle import BatchStatus, ShardStatus, now, transition
 from core.models import Batch, Shard
-from core.results_log import ChunkRecord, log_chunk, write_chunk
+from core.results_log import ChunkRecord, batch_log_prefix, log_chunk, write_chunk
 from core.settings import get_settings
 from core.sharding import ShardPlanner, ShardSpec
+from worker import runtime
 from worker.checkpoints import chunk_key
 from worker.common import past_expiry, storage
-from worker.prepared import write_prepared
+from worker.prepared import tokenizer_fingerprint, write_prepared
 from worker.release import release_for_model
 from worker.shard_state import finish_if_last
 from worker.token_count import TokenCounter
@@ -269,7 +270,10 @@ class StreamedValidation:
         """Create ``spec`` with the open shard's error lines and release it; None to go on."""
         shard, self.open = self.open, _OpenShard()
         if shard.ids:  # before the row: a shard that exists finds its ids stored
-            write_prepared(storage(), self.batch_id, spec.index, shard.ids)
+            tok = runtime.tokenizer(self.lines.model)
+            write_prepared(
+                storage(), self.batch_id, spec.index, shard.ids, tokenizer_fingerprint(tok)
+            )
         outcome = self._commit(spec, shard, last)
         if outcome is not None:
             return outcome
@@ -471,6 +475,10 @@ class StreamedValidation:
             session.close()
         if not won:
             return Outcome.STOPPED
+        try:  # the head's prompt ids, stored before its shard was refused
+            storage().delete_prefix(batch_log_prefix(self.batch_id))
+        except Exception:
+            logger.exception("batch %s: its stored prompt ids were not deleted", self.batch_id)
         metrics.REJECTIONS.labels(reason="token_limit_exceeded").inc()
         logger.info("batch %s: over the enqueued-token limit: %s", self.batch_id, error["message"])
         notify(self.batch_id, BatchStatus.FAILED)

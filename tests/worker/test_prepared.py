@@ -27,16 +27,44 @@ def _validated(lines) -> str:
 
 def test_round_trip_and_a_torn_object(worker_env) -> None:
     from worker.common import storage
-    from worker.prepared import prepared_key, read_prepared, write_prepared
+    from worker.prepared import _MAGIC, prepared_key, read_prepared, write_prepared
 
+    mark = bytes(range(16))
     items = [(3, [1, 2, 3]), (4, []), (9, [2**32 - 1, 0, 7])]
-    write_prepared(storage(), "batch_x", 2, items)
-    assert read_prepared(storage(), "batch_x", 2) == dict(items)
-    assert read_prepared(storage(), "batch_x", 3) == {}  # none stored
+    write_prepared(storage(), "batch_x", 2, items, mark)
+    assert read_prepared(storage(), "batch_x", 2, mark) == dict(items)
+    assert read_prepared(storage(), "batch_x", 3, mark) == {}  # none stored
     with storage().writer(prepared_key("batch_x", 4)) as out:  # cut inside the last record
         data = b"".join(n.to_bytes(4, "little") for n in (3, 2, 5, 6, 9, 4, 1))
-        out.write(data)
-    assert read_prepared(storage(), "batch_x", 4) == {3: [5, 6]}
+        out.write(_MAGIC + mark + data)
+    assert read_prepared(storage(), "batch_x", 4, mark) == {3: [5, 6]}
+
+
+def test_ids_made_by_another_tokenizer_are_not_used(worker_env) -> None:
+    import copy
+
+    from tests.helpers.worker import MODEL
+    from worker import runtime
+    from worker.common import storage
+    from worker.prepared import prepared_key, read_prepared, tokenizer_fingerprint, write_prepared
+
+    tok = runtime.tokenizer(MODEL)
+    mark = tokenizer_fingerprint(tok)
+    assert tokenizer_fingerprint(copy.deepcopy(tok)) == mark  # the same tokenizer loaded twice
+    changed = copy.deepcopy(tok)
+    changed.chat_template = (changed.chat_template or "") + "{{ '!' }}"
+    added = copy.deepcopy(tok)
+    added.add_tokens(["<batchd-new-token>"])
+    assert len({mark, tokenizer_fingerprint(changed), tokenizer_fingerprint(added)}) == 3
+
+    write_prepared(storage(), "batch_y", 0, [(1, [5, 6, 7])], mark)
+    assert read_prepared(storage(), "batch_y", 0, mark) == {1: [5, 6, 7]}
+    # A shard whose tokenizer is another (the model directory replaced since validation)
+    # tokenizes its lines itself.
+    assert read_prepared(storage(), "batch_y", 0, tokenizer_fingerprint(changed)) == {}
+    with storage().writer(prepared_key("batch_y", 1)) as out:  # the format before the header
+        out.write(b"".join(n.to_bytes(4, "little") for n in (1, 2, 5, 6)))
+    assert read_prepared(storage(), "batch_y", 1, mark) == {}
 
 
 def test_validation_stores_the_ids_the_shard_would_compute(worker_env, monkeypatch) -> None:
@@ -44,7 +72,7 @@ def test_validation_stores_the_ids_the_shard_would_compute(worker_env, monkeypat
     from core.generation import prompt_token_ids
     from worker import runtime
     from worker.common import storage
-    from worker.prepared import read_prepared
+    from worker.prepared import read_prepared, tokenizer_fingerprint
 
     monkeypatch.setenv("BATCHD_SHARD_MAX_REQUESTS", "4")
     from core.settings import get_settings
@@ -57,7 +85,7 @@ def test_validation_stores_the_ids_the_shard_would_compute(worker_env, monkeypat
     tok = runtime.tokenizer(batch_row(batch_id).model)
     stored: dict[int, list[int]] = {}
     for shard in shards:
-        part = read_prepared(storage(), batch_id, shard.index)
+        part = read_prepared(storage(), batch_id, shard.index, tokenizer_fingerprint(tok))
         assert sorted(part) == list(range(shard.start_line, shard.end_line))
         stored.update(part)
     import json
@@ -73,20 +101,22 @@ def test_validation_stores_the_ids_the_shard_would_compute(worker_env, monkeypat
 def test_the_shard_runs_on_the_stored_ids_and_without_them(worker_env, host) -> None:
     from worker.common import storage
     from worker.finalize import finalize
-    from worker.prepared import prepared_key, read_prepared, write_prepared
+    from worker.prepared import prepared_key, read_prepared, tokenizer_fingerprint, write_prepared
     from worker.shard import run_shard
 
+    mark = tokenizer_fingerprint(host.tokenizer)  # the engine's, as the shard's run reads it
     lines = [chat_line(f"r{i}", f"say {i}", max_tokens=2) for i in range(6)]
     batch_id = _validated(lines)
     (shard,) = shard_rows(batch_id)
-    original = read_prepared(storage(), batch_id, shard.index)
+    original = read_prepared(storage(), batch_id, shard.index, mark)
+    assert len(original) == 6  # validation's tokenizer and the engine's are the same
     stored = dict(original)
     # Line 1 is given 5 more prompt tokens than its text has, line 2 none at all (the
     # shard tokenizes it): the usage shows which ids each request ran on.
     stored[1] = stored[1] + stored[1][-5:]
     del stored[2]
     storage().delete(prepared_key(batch_id, shard.index))
-    write_prepared(storage(), batch_id, shard.index, sorted(stored.items()))
+    write_prepared(storage(), batch_id, shard.index, sorted(stored.items()), mark)
     assert run_shard(shard.id, host=host).status == "done"
     assert finalize(batch_id) == "completed"
     out = {r["custom_id"]: r for r in read_file_lines(batch_row(batch_id).output_file_id)}

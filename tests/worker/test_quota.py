@@ -104,6 +104,10 @@ def test_prompt_tokens_are_counted_and_the_limit_is_enforced(limited):
     assert validate(third) == "failed"
     row = batch_row(third)
     assert row.status == "failed" and shard_rows(third) == []
+    from worker.common import storage
+
+    # The prompt ids its head stored before the quota refused it are not kept.
+    assert list(storage().list(f"batches/{first}")) and not list(storage().list(f"batches/{third}"))
     (error,) = row.errors
     assert error["code"] == "token_limit_exceeded"
     limit = 2 * per_batch + per_batch // 2
