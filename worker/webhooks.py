@@ -21,8 +21,10 @@ its host) belongs to whoever set the URL. Deliveries have their own queue
 only hands its attempt to the process's own webhook threads (:class:`DeliveryThreads`,
 ``BATCHD_WEBHOOK_CONCURRENCY`` of them) and returns: a receiver that trickles its answer holds
 one of those for at most ``webhook_timeout_s``, never a control thread, so validations,
-finalizes and cancels go on beside it. When every webhook thread is busy the task comes back a
-little later, a few times, then leaves the row to the sweep. An attempt's timeout bounds all of
+finalizes and cancels go on beside it. One tenant's attempts hold at most half of those threads
+(at least one), so a tenant whose receivers are all slow leaves the rest to the others. When
+every webhook thread is busy, or the tenant's part of them is, the task comes back a little
+later, a few times, then leaves the row to the sweep. An attempt's timeout bounds all of
 it: resolving the host, connecting, sending and reading the answer.
 
 The event is shaped like OpenAI's batch webhooks::
@@ -414,29 +416,44 @@ def sweep_unsent(older_than_s: float | None = None) -> int:
 
 class DeliveryThreads:
     """The threads a worker process runs webhook attempts on, apart from its task pool: at most
-    ``size`` attempts at a time; :meth:`offer` never waits."""
+    ``size`` attempts at a time, and at most ``per_tenant`` of them (half, at least one) for
+    one tenant; :meth:`offer` never waits."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, per_tenant: int | None = None) -> None:
         self.size = max(1, int(size))
-        self._free = threading.BoundedSemaphore(self.size)
+        self.per_tenant = max(1, per_tenant if per_tenant is not None else self.size // 2)
+        self._lock = threading.Lock()
+        self._busy = 0
+        self._held: dict[str, int] = {}
         self._executor = ThreadPoolExecutor(self.size, thread_name_prefix="batchd-webhook")
 
-    def offer(self, delivery_id: str) -> bool:
-        """Start an attempt for ``delivery_id`` now if a thread is free; whether it started."""
-        if not self._free.acquire(blocking=False):
-            return False
+    def offer(self, delivery_id: str, tenant: str = "") -> bool:
+        """Start an attempt for ``delivery_id`` now if a thread is free and ``tenant`` holds
+        fewer than its part of them; whether it started."""
+        with self._lock:
+            if self._busy >= self.size or self._held.get(tenant, 0) >= self.per_tenant:
+                return False
+            self._busy += 1
+            self._held[tenant] = self._held.get(tenant, 0) + 1
         try:
-            self._executor.submit(self._run, delivery_id)
+            self._executor.submit(self._run, delivery_id, tenant)
         except BaseException:
-            self._free.release()
+            self._release(tenant)
             raise
         return True
 
-    def _run(self, delivery_id: str) -> None:
+    def _run(self, delivery_id: str, tenant: str) -> None:
         try:
             deliver(delivery_id)
         finally:
-            self._free.release()
+            self._release(tenant)
+
+    def _release(self, tenant: str) -> None:
+        with self._lock:
+            self._busy -= 1
+            left = self._held.pop(tenant) - 1
+            if left:
+                self._held[tenant] = left
 
 
 def deliver(delivery_id: str) -> None:
@@ -473,8 +490,22 @@ def deliver_webhook(self: Any, delivery_id: str) -> None:
     """Hand the attempt to this process's webhook threads and return at once (see the module
     docstring); when they are all busy, come back a little later, or leave the row to the
     sweep."""
-    if delivery_threads().offer(delivery_id):
+    if delivery_threads().offer(delivery_id, delivery_tenant(delivery_id)):
         return
     if self.request.retries < BUSY_RETRIES:
         raise self.retry(countdown=BUSY_RETRY_S * (0.5 + random.random()))
-    logger.info("webhook %s: every webhook thread is busy; the sweep sends it later", delivery_id)
+    logger.info(
+        "webhook %s: no webhook thread free for its tenant; the sweep sends it later", delivery_id
+    )
+
+
+def delivery_tenant(delivery_id: str) -> str:
+    """The tenant whose batch the delivery is for ("" when the row is gone: the attempt then
+    finds nothing to do)."""
+    with session_scope() as session:
+        tenant = session.scalar(
+            select(Batch.tenant)
+            .join(WebhookDelivery, WebhookDelivery.batch_id == Batch.id)
+            .where(WebhookDelivery.id == delivery_id)
+        )
+    return tenant or ""

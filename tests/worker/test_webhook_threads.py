@@ -53,13 +53,35 @@ def test_attempts_run_on_their_own_threads_and_never_wait_for_one(monkeypatch) -
 
     monkeypatch.setattr(webhooks, "deliver", slow_receiver)
     threads = webhooks.DeliveryThreads(2)
-    assert threads.offer("evt_1") and threads.offer("evt_2")
-    assert not threads.offer("evt_3")  # both busy: refused at once, nothing waits
+    assert threads.offer("evt_1", "t-1") and threads.offer("evt_2", "t-2")
+    assert not threads.offer("evt_3", "t-3")  # both busy: refused at once, nothing waits
     release.set()
     deadline = time.monotonic() + 10
-    while not threads.offer("evt_3"):  # a thread is free again once its attempt ended
+    while not threads.offer("evt_3", "t-3"):  # a thread is free again once its attempt ended
         assert time.monotonic() < deadline
         time.sleep(0.01)
     threads._executor.shutdown(wait=True)
     assert sorted(d for d, _ in running) == ["evt_1", "evt_2", "evt_3"]
     assert all(name.startswith("batchd-webhook") for _, name in running)
+
+
+def test_one_tenant_holds_at_most_half_of_the_threads(monkeypatch) -> None:
+    import time
+
+    release = threading.Event()
+    monkeypatch.setattr(webhooks, "deliver", lambda delivery_id: release.wait(10))
+    threads = webhooks.DeliveryThreads(4)
+    # A tenant whose receivers all trickle: two attempts run, the third waits its turn ...
+    assert threads.offer("evt_a1", "slow") and threads.offer("evt_a2", "slow")
+    assert not threads.offer("evt_a3", "slow")
+    # ... while other tenants' events still find threads.
+    assert threads.offer("evt_b1", "t-b") and threads.offer("evt_c1", "t-c")
+    assert not threads.offer("evt_d1", "t-d")  # all four busy
+    release.set()
+    deadline = time.monotonic() + 10
+    while not threads.offer("evt_a3", "slow"):  # its attempts ended: its part is free again
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    threads._executor.shutdown(wait=True)
+    assert threads._held == {} and threads._busy == 0
+    assert webhooks.DeliveryThreads(1).per_tenant == 1  # one thread: still one per tenant
