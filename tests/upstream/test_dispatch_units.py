@@ -168,23 +168,51 @@ def test_the_guard_reads_vllms_metrics() -> None:
 
 def test_the_guard_cuts_bulk_when_the_objective_is_threatened() -> None:
     guard = LiveGuard(upstream_spec("upstream:http://127.0.0.1:1/v1?ttft_p99_ms=500", "m"))
-    cap = guard.cap
-    assert guard.decide(0.45, 0) == cap // 2  # past 80% of the objective
-    assert guard.decide(0.1, 2) == max(1, cap // 4)  # requests queue in the server
-    low = guard.cap
-    assert guard.decide(0.1, 0) > low  # well under the objective: bulk gets room back
-    for _ in range(50):
+    assert guard.cap == 1  # bulk starts with one request in flight and earns more
+    for _ in range(3 * 3):  # three calm readings in a row for each step up
+        guard.decide(0.1, 0)
+    assert guard.cap == 4
+    assert guard.decide(0.40, 0) == 2  # past 70% of the objective: halved at once
+    assert guard.decide(0.1, 2) == 1  # requests queue in the server
+    assert guard.decide(0.1, 2) == 0  # still: bulk pauses, the live traffic has it alone
+    assert guard.decide(0.1, 0) == guard.decide(0.1, 0) == 0  # calm, not yet for long
+    assert guard.decide(0.1, 0) == 1  # three calm readings: bulk resumes
+    guard.decide(0.1, 0)
+    guard.decide(0.3, 0)  # neither calm nor threatened: the count of calm readings restarts
+    guard.decide(0.1, 0)
+    assert guard.decide(0.1, 0) == 1
+    for _ in range(300):
         guard.decide(0.1, 0)
     assert guard.cap == 256  # never above the upstream's cap
 
 
 def test_the_guard_grows_the_cap_only_while_it_holds_bulk_back() -> None:
     guard = LiveGuard(upstream_spec("upstream:http://127.0.0.1:1/v1?ttft_p99_ms=500", "m"))
+    for _ in range(9):
+        guard.decide(0.1, 0)
     cap = guard.cap
     for _ in range(10):  # fewer in flight than allowed: a larger cap would be untested room
         assert guard.decide(0.1, 0, in_flight=cap - 1) == cap
-    assert guard.decide(0.1, 0, in_flight=cap) > cap
+    for _ in range(3):
+        guard.decide(0.1, 0, in_flight=cap)
+    assert guard.cap > cap
     assert guard.decide(0.45, 0, in_flight=0) < cap + 1  # a threat cuts it whatever is out
+
+
+def test_the_probe_times_the_first_token_not_the_role_chunk() -> None:
+    from worker.upstream.guard import _carries_a_token
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish}
+        return "data: " + json.dumps({"choices": [choice]})
+
+    # What vLLM, SGLang and transformers send the moment they accept a request.
+    assert not _carries_a_token(chunk({"role": "assistant", "content": ""}))
+    assert not _carries_a_token(chunk({"role": "assistant"}))
+    assert not _carries_a_token("data: [DONE]") and not _carries_a_token(": keep-alive")
+    assert _carries_a_token(chunk({"content": "OK"}))
+    assert _carries_a_token(chunk({"reasoning_content": "Hm"}))
+    assert _carries_a_token(chunk({}, finish="length"))  # a first token that decodes to ""
 
 
 # -- the dispatcher against a scripted loopback server

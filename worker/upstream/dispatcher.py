@@ -211,10 +211,10 @@ class Dispatcher:
 
     def allowed(self) -> int:
         """Requests this process may have in flight now."""
-        share = self._share if self._cut is None else min(self._share, self._cut)
+        share = max(1, self._share if self._cut is None else min(self._share, self._cut))
         if self.guard is not None:
-            share = min(share, self.guard.cap)
-        return max(share, 1)
+            share = min(share, self.guard.cap)  # 0: live traffic needs the upstream alone
+        return share
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:

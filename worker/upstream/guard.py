@@ -7,12 +7,15 @@ what that traffic feels, every ``INTERVAL_S``:
   histogram (vLLM's ``vllm:time_to_first_token_seconds``, SGLang's
   ``sglang:time_to_first_token_seconds``), its p99 over the last interval, and the requests
   waiting for a slot (``vllm:num_requests_waiting``, ``sglang:num_queue_reqs``);
-* otherwise from a probe: one small streamed chat request whose first token it times (a live
-  request's experience, queueing included).
+* otherwise from a probe: one small streamed chat request whose first generated token it
+  times (a live request's experience, queueing included; not the chunk with the role that
+  servers send the moment they accept a request).
 
-It keeps a cap on the bulk requests in flight: halved whenever the p99 passes
-``PRESSURE`` of the objective or requests queue in the server, grown by a quarter when the p99
-is under ``RELIEF`` of it with nothing queued and the cap is what holds bulk work back (as
+It keeps a cap on the bulk requests in flight, from ``START_CAP`` (one): halved whenever the
+p99 passes ``PRESSURE`` of the objective or requests queue in the server, down to none (bulk
+work pauses: on a small server one bulk prefill beside a live request can cost it the
+objective), and grown by a quarter (at least one) after ``CALM_READINGS`` readings in a row
+under ``RELIEF`` of it with nothing queued while the cap is what holds bulk work back (as
 many bulk requests in flight as it allows: a cap grown while nothing used it would let a whole
 batch in at once when one arrives). The dispatcher sends no more than the cap; the batches'
 ETAs see the slower progress. While the dispatcher has no bulk work for the upstream the guard
@@ -22,6 +25,7 @@ neither probes nor moves the cap: there is nothing to protect the live traffic f
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import time
@@ -36,9 +40,10 @@ from core.served_models import UpstreamSpec
 logger = logging.getLogger(__name__)
 
 INTERVAL_S = 1.0
-PRESSURE = 0.8
+PRESSURE = 0.7
 RELIEF = 0.5
-START_CAP = 4
+START_CAP = 1
+CALM_READINGS = 3  # readings in a row under RELIEF before the cap grows
 MIN_SAMPLES = 10  # histogram samples in an interval before its p99 counts
 TTFT_HISTOGRAMS = ("vllm:time_to_first_token_seconds", "sglang:time_to_first_token_seconds")
 WAITING_GAUGES = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
@@ -85,6 +90,7 @@ class LiveGuard:
         self.ttft_p99_s: float | None = None
         self.source = "none"  # "metrics" or "probe" once it has read one
         self.cuts = 0
+        self._calm = 0  # readings in a row under RELIEF
         self._last_buckets: dict[float, float] | None = None
 
     def decide(
@@ -96,11 +102,17 @@ class LiveGuard:
         queued = bool(waiting and waiting > 0)
         binding = in_flight is None or in_flight >= self.cap
         if (ttft_p99_s is not None and ttft_p99_s > PRESSURE * self.objective_s) or queued:
-            if self.cap > 1:
+            if self.cap > 0:
                 self.cuts += 1
-            self.cap = max(1, self.cap // 2)
+            self.cap //= 2  # from 1 to 0: bulk work pauses
+            self._calm = 0
         elif ttft_p99_s is not None and ttft_p99_s < RELIEF * self.objective_s and binding:
-            self.cap = min(self.spec.max_concurrency, self.cap + max(1, self.cap // 4))
+            self._calm += 1
+            if self._calm >= CALM_READINGS:
+                self._calm = 0
+                self.cap = min(self.spec.max_concurrency, self.cap + max(1, self.cap // 4))
+        else:
+            self._calm = 0
         return self.cap
 
     async def run(
@@ -185,7 +197,7 @@ class LiveGuard:
                 if response.status_code != 200:
                     return None
                 async for line in response.aiter_lines():
-                    if line.startswith("data:") and line[5:].strip() not in ("", "[DONE]"):
+                    if _carries_a_token(line):
                         ttft = time.monotonic() - started
                         break
         except httpx.TimeoutException:
@@ -193,3 +205,24 @@ class LiveGuard:
         except httpx.HTTPError:
             return None
         return None if ttft is None else (ttft, None)
+
+
+def _carries_a_token(line: str) -> bool:
+    """Whether a streamed chat chunk's line carries the first generated token. Servers send a
+    chunk with the role and empty content as soon as they accept the request (vLLM, SGLang,
+    transformers): timing that one would measure the queue of the HTTP server, not of the
+    model."""
+    data = line.removeprefix("data:").strip()
+    if not line.startswith("data:") or data in ("", "[DONE]"):
+        return False
+    try:
+        chunk = json.loads(data)
+    except ValueError:
+        return True  # not JSON: take it as the answer
+    for choice in chunk.get("choices") or []:
+        delta = choice.get("delta") or {}
+        if any(delta.get(k) for k in ("content", "reasoning_content", "reasoning", "tool_calls")):
+            return True
+        if choice.get("finish_reason"):
+            return True
+    return False
