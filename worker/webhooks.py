@@ -68,6 +68,7 @@ import json
 import logging
 import os
 import random
+import ssl
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -216,6 +217,22 @@ def notify(batch_id: str, status: str) -> str | None:
     return delivery_id
 
 
+_tls: ssl.SSLContext | None = None
+_tls_lock = threading.Lock()
+
+
+def tls_context() -> ssl.SSLContext:
+    """The one TLS context of this process's webhook attempts (httpx's default: certifi's
+    roots). A client made with its own loads every root certificate again: one per attempt
+    grew a worker's memory by tens of MiB under a stream of attempts, the freed memory
+    scattered over the threads' heaps."""
+    global _tls
+    with _tls_lock:
+        if _tls is None:
+            _tls = httpx.create_ssl_context()
+        return _tls
+
+
 def post_pinned(
     url: str,
     body: bytes,
@@ -251,7 +268,9 @@ def post_pinned(
         )
         pinned = target.copy_with(host=str(address))
         async with (
-            httpx.AsyncClient(trust_env=False, follow_redirects=False, timeout=timeout) as client,
+            httpx.AsyncClient(
+                trust_env=False, follow_redirects=False, timeout=timeout, verify=tls_context()
+            ) as client,
             client.stream(
                 "POST", pinned, content=body, headers=sent, extensions=extensions
             ) as response,

@@ -83,3 +83,29 @@ def test_a_slow_name_server_is_cut_off_at_the_attempts_timeout(trickler: int) ->
             resolver=slow_name_server,
         )
     assert time.monotonic() - started < 2.5  # the timeout, not the name server's 3 s
+
+
+def test_attempts_share_one_tls_context(trickler: int, monkeypatch) -> None:
+    """Each attempt used to make a client with a TLS context of its own, loading every root
+    certificate again: under a stream of attempts (a trickling receiver's retries) a control
+    worker grew by tens of MiB. The roots are loaded once per process."""
+    import ssl
+
+    loads: list[object] = []
+    original = ssl.SSLContext.load_verify_locations
+
+    def counted(self: ssl.SSLContext, *args: object, **kwargs: object) -> None:
+        loads.append(self)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(ssl.SSLContext, "load_verify_locations", counted)
+    for _ in range(4):
+        with pytest.raises(httpx.TimeoutException):
+            post_pinned(
+                f"http://127.0.0.1:{trickler}/hook",
+                b"{}",
+                {"content-type": "application/json"},
+                timeout=0.3,
+                allow=AllowList.parse(["127.0.0.1"]),
+            )
+    assert len(loads) <= 1
