@@ -123,13 +123,15 @@ def test_trickling_receivers_do_not_delay_validate_or_finalize(
 
     build("llama-tiny")  # the control worker counts tokens with its tokenizer
     deliveries = []
-    for n in range(SLOW_RECEIVERS):  # batches that ended, each with a slow receiver
+    # Batches that ended, each with a slow receiver; each of its own tenant, as one tenant's
+    # attempts may hold only half of the webhook threads (test_webhook_threads.py).
+    for n in range(SLOW_RECEIVERS):
         ended = make_batch([chat_line("a", "hello", 4)])
         with session_scope() as session:
             session.execute(
                 update(Batch)
                 .where(Batch.id == ended)
-                .values(webhook_url=trickler.url(f"/slow/{n}"))
+                .values(webhook_url=trickler.url(f"/slow/{n}"), tenant=f"slow-{n}")
             )
             assert transition(session, ended, "validating", "failed")
         deliveries.append(webhooks.notify(ended, "failed"))
