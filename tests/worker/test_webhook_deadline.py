@@ -53,16 +53,21 @@ def trickler() -> Iterator[int]:
     listener.close()
 
 
+def _post(url: str, timeout: float, **kwargs: object) -> tuple[int, str]:
+    return post_pinned(
+        url,
+        b"{}",
+        {"content-type": "application/json"},
+        timeout=timeout,
+        allow=AllowList.parse(["127.0.0.1"]),
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
 def test_a_trickling_receiver_is_cut_off_at_the_attempts_timeout(trickler: int) -> None:
     started = time.monotonic()
     with pytest.raises(httpx.TimeoutException, match="within 1 s"):
-        post_pinned(
-            f"http://127.0.0.1:{trickler}/hook",
-            b"{}",
-            {"content-type": "application/json"},
-            timeout=1.0,
-            allow=AllowList.parse(["127.0.0.1"]),
-        )
+        _post(f"http://127.0.0.1:{trickler}/hook", 1.0)
     # Bounded by the attempt's timeout, not by the receiver (which would go on for 30 s).
     assert time.monotonic() - started < TRICKLE_S / 3
 
@@ -74,14 +79,7 @@ def test_a_slow_name_server_is_cut_off_at_the_attempts_timeout(trickler: int) ->
 
     started = time.monotonic()
     with pytest.raises(httpx.TimeoutException, match="within 1 s"):
-        post_pinned(
-            f"http://hooks.invalid:{trickler}/hook",
-            b"{}",
-            {"content-type": "application/json"},
-            timeout=1.0,
-            allow=AllowList.parse(["127.0.0.1"]),
-            resolver=slow_name_server,
-        )
+        _post(f"http://hooks.invalid:{trickler}/hook", 1.0, resolver=slow_name_server)
     assert time.monotonic() - started < 2.5  # the timeout, not the name server's 3 s
 
 
@@ -101,11 +99,5 @@ def test_attempts_share_one_tls_context(trickler: int, monkeypatch) -> None:
     monkeypatch.setattr(ssl.SSLContext, "load_verify_locations", counted)
     for _ in range(4):
         with pytest.raises(httpx.TimeoutException):
-            post_pinned(
-                f"http://127.0.0.1:{trickler}/hook",
-                b"{}",
-                {"content-type": "application/json"},
-                timeout=0.3,
-                allow=AllowList.parse(["127.0.0.1"]),
-            )
+            _post(f"http://127.0.0.1:{trickler}/hook", 0.3)
     assert len(loads) <= 1
