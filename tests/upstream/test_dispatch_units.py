@@ -113,25 +113,29 @@ def test_two_members_share_one_limit(
 ) -> None:
     """Two dispatch workers of one upstream: one leads, each gets a share in proportion to
     its demand, the leader's windows sum both members' progress, the follower sends by the
-    leader's limit, and when the leader leaves the other takes over."""
+    leader's limit, and when the leader leaves the other takes over. The leader's windows run
+    on a clock the test moves, so how long each sync takes on a busy machine is not measured."""
     monkeypatch.setattr("worker.upstream.shared.MIN_WINDOW_S", 0.0)
     name = f"up-{time.monotonic_ns()}"
-    a = SharedLimit(name, "a", ConcurrencyController(initial=16))
-    b = SharedLimit(name, "b", ConcurrencyController(initial=16))
+    clock = [0.0]
+    a = SharedLimit(name, "a", ConcurrencyController(initial=16), clock=lambda: clock[0])
+    b = SharedLimit(name, "b", ConcurrencyController(initial=16), clock=lambda: clock[0])
     assert a.sync(30, Counters()) == 16  # alone
     share_b = b.sync(10, Counters())
     share_a = a.sync(30, Counters())
     assert (a.leader, b.leader) == (True, False)
     assert (share_a, share_b) == (12, 4)
-    for step in range(1, 4):
-        time.sleep(0.05)
-        progress = Counters(completed=8 * step, output_tokens=800 * step, latency_s=8.0 * step,
+    # One window per second; the window at 32 (the third: the second settles) doubles the
+    # output of the window at 16, so slow start keeps 32 and tries 64.
+    for step, output in enumerate((800, 1600, 3200), start=1):
+        clock[0] += 1.0
+        progress = Counters(completed=8 * step, output_tokens=output, latency_s=8.0 * step,
                             busy_s=100.0 * step)  # fmt: skip
         b.sync(10, progress)
         a.sync(30, progress)
     assert a.controller.best is not None
     assert a.controller.best.completed == 16  # 8 from each member in the window
-    assert a.limit != 16  # the leader moved the limit (slow start) ...
+    assert a.limit == 64  # the leader moved the limit (slow start) ...
     b.sync(10, Counters(completed=24))
     assert b.limit == a.limit  # ... and the follower uses it
     assert b.controller.best is None  # the follower's own controller never ran

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from datetime import UTC, datetime, timedelta
 
@@ -138,12 +139,19 @@ class SharedLimit:
     """The limit of ``upstream`` shared through the database by every member that sends it
     work (see the module docstring); ``sync`` returns this member's share."""
 
-    def __init__(self, upstream: str, member: str, controller: ConcurrencyController) -> None:
+    def __init__(
+        self,
+        upstream: str,
+        member: str,
+        controller: ConcurrencyController,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.upstream = upstream
         self.member = member
         self.controller = controller
         self.windows = Windows(controller, upstream)
         self.limit = controller.limit
+        self.clock = clock  # when the leader's windows close
         self.leader = False
         self._last: dict[str, Counters] = {}  # each member's counters at the last read
         self._total = Counters()  # the members' summed progress while this one leads
@@ -214,7 +222,7 @@ class SharedLimit:
             self._last[m.member] = now
             if before is not None and now.completed >= before.completed:
                 self._total = self._total.plus(now.minus(before))
-        return self.windows.feed(self._total, time.monotonic(), demand)
+        return self.windows.feed(self._total, self.clock(), demand)
 
     def leave(self) -> None:
         """Drop this member's report and lease (a stopping worker)."""
