@@ -3,8 +3,8 @@ chromium-driver) against a real service running a real batch: the page loads, th
 batch's progress bar advances without a reload, the model panel shows the engine, a second
 tenant does not see the first one's batch, and an admin key sees every tenant's.
 
-``BATCHD_UI_SCREENSHOT=<path.png>`` saves a screenshot of the dashboard mid-run (the README's
-picture is made that way)."""
+``BATCHD_UI_SCREENSHOT=<path.png>`` saves a screenshot of the dashboard mid-run
+(docs/dashboard.png, the picture in the README and docs/operations.md, is made that way)."""
 
 from __future__ import annotations
 
