@@ -346,6 +346,13 @@ def _start_metrics_exporter(**_: Any) -> None:
 
 
 @worker_ready.connect
+def _start_trimming(**_: Any) -> None:
+    from worker import memory
+
+    memory.start()
+
+
+@worker_ready.connect
 def _start_liveness(sender: Any = None, **_: Any) -> None:
     from worker import liveness
 
