@@ -32,9 +32,12 @@ _STATIC_SECRETS = {
 
 
 def _home() -> Path:
-    import os
+    # BATCHD_HOME itself is read by the settings source; this is only the default without it.
+    return Path.home() / ".batchd"
 
-    return Path(os.environ.get("BATCHD_HOME", Path.home() / ".batchd")).expanduser()
+
+def _model_cache() -> Path:
+    return Path.home() / ".cache" / "batchd" / "models"
 
 
 def _json_or_items(value: Any, opener: str, items: Callable[[list[str]], Any]) -> Any:
@@ -59,6 +62,11 @@ class Settings(BaseSettings):
     broker_url: str = ""  # default: Celery's SQLAlchemy transport under ``home``
     storage_url: str = ""  # a directory or s3://bucket/prefix; default: ``home``/storage
     s3_endpoint_url: str | None = None  # for S3-compatible stores (minio, moto)
+    model_cache: Path = Field(
+        default_factory=_model_cache,
+        description="Where converted GGUF models and built demo models are cached "
+        "(core.gguf_models, core.demo_models).",
+    )
 
     # Served model name -> spec (core/served_models.py): a local HF model directory,
     # "gguf:<file>", "pkg:<module>" (a package's GGUF file or model directory) or
@@ -158,6 +166,18 @@ class Settings(BaseSettings):
     reclaim_sweep_interval_s: float = 10.0
     max_shard_attempts: int = 3  # then the shard's remaining requests are reported as errors
     max_request_attempts: int = 2  # a request that makes the engine fail is retried alone
+    release_sweep_interval_s: float = Field(
+        default=5.0,
+        gt=0.0,
+        description="How often beat runs the shard-release safety net (worker.release).",
+    )
+    release_resend_after_s: float = Field(
+        default=0.0,
+        ge=0.0,
+        description="A shard released this long ago and still pending, unclaimed and untouched, "
+        "is sent again by the sweeps (its message was lost). 0: max(600, 10 times "
+        "`shard_stale_after_s`).",
+    )
 
     # Control tasks (validate, finalize, cancel) that raise. A task is run up to
     # control_task_max_attempts times, waiting control_task_retry_delay_s, doubling up to a
@@ -180,6 +200,15 @@ class Settings(BaseSettings):
     # webhook_unsent_after_s: their actor died after the commit, or the broker refused the task.
     webhook_unsent_after_s: float = Field(default=60.0, gt=0.0)
     webhook_sweep_interval_s: float = Field(default=30.0, gt=0.0)
+    webhook_backoff_s: float = Field(
+        default=30.0,
+        ge=0.0,
+        description="The wait after a failed attempt, doubled per failed attempt up to "
+        "`webhook_backoff_max_s`.",
+    )
+    webhook_backoff_max_s: float = Field(
+        default=3600.0, ge=0.0, description="The longest wait between two attempts."
+    )
     # Webhook destinations (core/netcheck.py): only public addresses, except these host names,
     # IP addresses and CIDR ranges (comma-separated), e.g. "hooks.corp,10.20.0.0/16" for an
     # intranet receiver.
@@ -245,6 +274,11 @@ class Settings(BaseSettings):
     def _json_mapping(cls, value: Any) -> Any:
         # or "name=path,name2=path2"
         return _json_or_items(value, "{", lambda items: dict(p.split("=", 1) for p in items))
+
+    @field_validator("release_resend_after_s", mode="before")
+    @classmethod
+    def _blank_is_zero(cls, value: Any) -> Any:
+        return 0.0 if isinstance(value, str) and not value.strip() else value
 
     @field_validator("api_keys", "admin_api_keys", "webhook_allowed_hosts", mode="before")
     @classmethod
