@@ -13,7 +13,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import AliasChoices, Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from core.netcheck import AllowList
@@ -336,3 +336,32 @@ class Settings(BaseSettings):
 @lru_cache
 def get_settings() -> Settings:
     return Settings()
+
+
+#: Where the client commands send requests without ``--base-url`` or a variable naming one.
+DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
+
+
+class ClientSettings(BaseSettings):
+    """The command line's client side (``batchd submit``, ``status``, ``results``, ...): the API
+    it talks to and the key it sends. Each variable falls back to the OpenAI SDK's, and an
+    empty one counts as unset; an option given on the command line wins over both."""
+
+    model_config = SettingsConfigDict(extra="ignore", env_ignore_empty=True)
+
+    base_url: str = Field(
+        default=DEFAULT_BASE_URL,
+        validation_alias=AliasChoices("BATCHD_BASE_URL", "OPENAI_BASE_URL"),
+        description="The API base URL the client commands use (`--base-url` wins).",
+    )
+    api_key: str | None = Field(
+        default=None,
+        validation_alias=AliasChoices("BATCHD_API_KEY", "OPENAI_API_KEY"),
+        description="The bearer key the client commands send (`--api-key` wins).",
+    )
+
+
+def client_settings() -> ClientSettings:
+    """Read afresh at each call (not cached like :func:`get_settings`): a command reads it
+    once, and tests change the variables between commands."""
+    return ClientSettings()
