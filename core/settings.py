@@ -8,6 +8,7 @@ settings at Postgres, Redis and S3.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
@@ -315,8 +316,8 @@ class Settings(BaseSettings):
     )
     max_request_attempts: int = Field(
         default=2,
-        description="Attempts of a request that makes the engine fail (it is retried alone); "
-        "then it is reported as an error.",
+        description="Tries of a request that makes the engine fail (it is retried alone); then "
+        "it is reported as a server_error.",
     )
     release_sweep_interval_s: float = Field(
         default=5.0,
@@ -602,3 +603,122 @@ def client_settings() -> ClientSettings:
     """Read afresh at each call (not cached like :func:`get_settings`): a command reads it
     once, and tests change the variables between commands."""
     return ClientSettings()
+
+
+# The reference (docs/configuration.md) --------------------------------------------------------
+
+#: Its headings, as the comments in :class:`Settings` have them: each starts at the field named,
+#: and holds that field and the ones declared after it, up to the next heading.
+SECTIONS = {
+    "home": "Storage",
+    "models": "Served models",
+    "api_keys": "The API, its dashboard and authentication",
+    "max_upload_bytes": "Limits",
+    "rate_limit_per_minute": "Quotas and backpressure",
+    "shard_max_tokens": "Sharding and checkpointing",
+    "heartbeat_interval_s": "Crash recovery",
+    "control_task_max_attempts": "Control tasks",
+    "webhook_max_attempts": "Webhooks",
+    "worker_shard_concurrency": "Worker",
+    "high_priority_reserved_share": "Fair admission in the engine host",
+    "metrics_enabled": "Observability",
+    "worker_liveness_file": "Worker liveness",
+}
+CLIENT_SECTION = "Command line client"
+REGENERATE = "python -m core.settings > docs/configuration.md"
+
+_INTRO = f"""\
+# Configuration
+
+<!-- Generated from the field descriptions in core/settings.py: edit them there, then
+regenerate with `{REGENERATE}` (tests/core/test_configuration_doc.py checks). -->
+
+Every batchd process (API, workers, beat, `batchd up`) reads one validated configuration from
+`BATCHD_*` environment variables: `core.settings.Settings`, whose field `name` is the variable
+`BATCHD_NAME`. A value that does not validate stops the process at start, naming the variable
+(never echoing the value: it may be a secret). Durations are in seconds. Lists take
+comma-separated items or a JSON list; mappings a JSON object or `name=value,...`; booleans
+`true`/`false` (or `1`/`0`, `yes`/`no`, `on`/`off`).
+"""
+
+
+def _variables(model: type[BaseSettings], name: str) -> list[str]:
+    """The variables that set field ``name`` of ``model``, the first one winning."""
+    alias = model.model_fields[name].validation_alias
+    if isinstance(alias, AliasChoices):
+        return [str(choice) for choice in alias.choices]
+    return [f"{model.model_config.get('env_prefix', '')}{name}".upper()]
+
+
+def _shown_default(field: Any) -> str:
+    """A field's default as the reference shows it: ``shown_default`` when the field names one
+    (a default computed at start, or one that depends on the machine), else its value."""
+    extra = field.json_schema_extra
+    if isinstance(extra, dict) and "shown_default" in extra:
+        return str(extra["shown_default"])
+    value = field.get_default(call_default_factory=True)
+    if value is None or value == "" or value == []:
+        return "—"
+    if isinstance(value, bool):
+        return f"`{str(value).lower()}`"
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return f"`{json.dumps(value) if isinstance(value, dict) else value}`"
+
+
+def _cell(text: str) -> str:
+    """``text`` on one line of a Markdown table: a field's name in backquotes shown as its
+    variable, and ``|`` escaped."""
+
+    def variable(match: re.Match[str]) -> str:
+        name = match.group(1)
+        return f"`BATCHD_{name.upper()}`" if name in Settings.model_fields else match.group(0)
+
+    text = re.sub(r"`([a-z][a-z0-9_]*)`", variable, " ".join(text.split()))
+    return text.replace("|", "\\|")
+
+
+def _table(model: type[BaseSettings], names: list[str]) -> list[str]:
+    rows = ["| variable | default | meaning |", "|---|---|---|"]
+    for name in names:
+        field = model.model_fields[name]
+        first, *fallbacks = _variables(model, name)
+        variable = f"`{first}`" + "".join(f" (else `{other}`)" for other in fallbacks)
+        rows.append(
+            f"| {variable} | {_cell(_shown_default(field))} | {_cell(field.description or '')} |"
+        )
+    return rows
+
+
+def _groups() -> list[tuple[str, list[str]]]:
+    """The fields of :class:`Settings` under their :data:`SECTIONS` headings."""
+    groups: list[tuple[str, list[str]]] = []
+    for name in Settings.model_fields:
+        if name in SECTIONS:
+            groups.append((SECTIONS[name], []))
+        elif not groups:
+            raise ValueError(f"SECTIONS: no heading before {name!r}, the first field")
+        groups[-1][1].append(name)
+    if unknown := set(SECTIONS) - set(Settings.model_fields):
+        raise ValueError(f"SECTIONS names no field: {sorted(unknown)}")
+    return groups
+
+
+def reference_markdown() -> str:
+    """docs/configuration.md: every setting, its default and its description, grouped under
+    :data:`SECTIONS`, then the command line client's (:class:`ClientSettings`)."""
+    parts = [_INTRO]
+    for heading, names in _groups():
+        parts.append(f"## {heading}\n\n" + "\n".join(_table(Settings, names)) + "\n")
+    client = _table(ClientSettings, list(ClientSettings.model_fields))
+    parts.append(
+        f"## {CLIENT_SECTION}\n\nRead by the client commands (`batchd submit`, `status`, "
+        "`results`, ...), not by the service; an option on the command line wins.\n\n"
+        + "\n".join(client)
+        + "\n"
+    )
+    return "\n".join(parts)
+
+
+if __name__ == "__main__":
+    print(reference_markdown(), end="")
