@@ -16,7 +16,8 @@ from typing import Any
 
 import httpx
 
-DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
+from core.settings import DEFAULT_BASE_URL, client_settings
+
 _DOWNLOAD_CHUNK = 1 << 16
 #: Files larger than this go through the Uploads API, a part of this size at a time (the
 #: largest part the API takes).
@@ -48,13 +49,14 @@ class APIError(ClientError):
 
 
 def resolve_base_url(base_url: str | None) -> str:
-    """``--base-url``, else ``BATCHD_BASE_URL``, else ``OPENAI_BASE_URL``, else the default."""
-    url = base_url or os.environ.get("BATCHD_BASE_URL") or os.environ.get("OPENAI_BASE_URL")
-    return (url or DEFAULT_BASE_URL).rstrip("/")
+    """``--base-url``, else ``BATCHD_BASE_URL``, else ``OPENAI_BASE_URL``, else the default
+    (:class:`core.settings.ClientSettings`)."""
+    return (base_url or client_settings().base_url or DEFAULT_BASE_URL).rstrip("/")
 
 
 def resolve_api_key(api_key: str | None) -> str | None:
-    return api_key or os.environ.get("BATCHD_API_KEY") or os.environ.get("OPENAI_API_KEY") or None
+    """``--api-key``, else ``BATCHD_API_KEY``, else ``OPENAI_API_KEY``, else none."""
+    return api_key or client_settings().api_key or None
 
 
 def _error_from_response(response: httpx.Response) -> APIError:

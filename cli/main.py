@@ -134,10 +134,13 @@ WORKER_METRICS_PORT = 9101
 
 def worker_metrics_env(settings) -> dict[str, str]:
     """``batchd up`` turns its worker's metrics exporter on, on loopback: port 9101, or a free
-    one when that is taken. Nothing when metrics are off or the environment names a port."""
-    if not settings.metrics_enabled or "BATCHD_WORKER_METRICS_PORT" in os.environ:
+    one when that is taken. Nothing when metrics are off or the environment names a port.
+    The exporter's address is ``worker_metrics_host`` when that is set, else loopback (not
+    the setting's default, every interface)."""
+    if not settings.metrics_enabled or "worker_metrics_port" in settings.model_fields_set:
         return {}
-    host = os.environ.get("BATCHD_WORKER_METRICS_HOST", "127.0.0.1")
+    given = "worker_metrics_host" in settings.model_fields_set
+    host = settings.worker_metrics_host if given else "127.0.0.1"
     port = WORKER_METRICS_PORT
     for candidate in (WORKER_METRICS_PORT, 0):
         with socket.socket() as sock:

@@ -10,19 +10,16 @@ BaseUrlOpt = Annotated[
     str | None,
     typer.Option(
         "--base-url",
-        envvar=["BATCHD_BASE_URL", "OPENAI_BASE_URL"],
+        # Without the option, cli.client reads the variables (core.settings.ClientSettings).
         help="API base URL (env BATCHD_BASE_URL, then OPENAI_BASE_URL; "
         "default http://127.0.0.1:8000/v1).",
-        show_envvar=False,
     ),
 ]
 ApiKeyOpt = Annotated[
     str | None,
     typer.Option(
         "--api-key",
-        envvar=["BATCHD_API_KEY", "OPENAI_API_KEY"],
         help="Bearer key (env BATCHD_API_KEY, then OPENAI_API_KEY).",
-        show_envvar=False,
     ),
 ]
 BatchIdArg = Annotated[str, typer.Argument(help="Batch id (batch_…).")]

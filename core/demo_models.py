@@ -15,13 +15,14 @@ rebuilt only when missing; building is deterministic, so two machines get the sa
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from core.settings import get_settings
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -102,7 +103,8 @@ _WORDS = (
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("BATCHD_MODEL_CACHE", Path.home() / ".cache" / "batchd" / "models"))
+    """Where built models live (``Settings.model_cache``, shared with ``core.gguf_models``)."""
+    return get_settings().model_cache.expanduser()
 
 
 def _corpus(seed: int, n_lines: int = 4000) -> list[str]:

@@ -43,6 +43,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from core.settings import get_settings
+
 logger = logging.getLogger(__name__)
 
 GGUF_PREFIX = "gguf:"
@@ -59,9 +61,8 @@ class ModelSourceError(ValueError):
 
 
 def cache_root() -> Path:
-    """Where converted models live (the demo models' cache, ``core.demo_models``)."""
-    default = Path.home() / ".cache" / "batchd" / "models"
-    return Path(os.environ.get("BATCHD_MODEL_CACHE", default)).expanduser()
+    """Where converted models live (``Settings.model_cache``, the demo models' cache too)."""
+    return get_settings().model_cache.expanduser()
 
 
 def package_gguf(module: str) -> Path | None:

@@ -132,11 +132,6 @@ def quiet_housekeeping_logs(task_names: set[str]) -> None:
         logger.addFilter(_QuietHousekeeping(task_names))
 
 
-def release_sweep_interval_s() -> float:
-    """How often beat runs the shard-release safety net (``BATCHD_RELEASE_SWEEP_INTERVAL_S``)."""
-    return float(os.environ.get("BATCHD_RELEASE_SWEEP_INTERVAL_S", "5"))
-
-
 def transport_options(broker_url: str) -> dict:
     """Redis (and SQS) redeliver an unacknowledged task after the visibility timeout; the
     SQLAlchemy transport of embedded mode has none and hands every option to create_engine.
@@ -236,7 +231,7 @@ def create_app() -> Celery:
     routes[TASK_DELIVER_WEBHOOK] = {"queue": WEBHOOK_QUEUE}
     schedule = {
         "sweep-expired": _every(TASK_SWEEP_EXPIRED, settings.expiry_sweep_interval_s),
-        "release-shards": _every(TASK_RELEASE_SWEEP, release_sweep_interval_s()),
+        "release-shards": _every(TASK_RELEASE_SWEEP, settings.release_sweep_interval_s),
         "sweep-files": _every(TASK_SWEEP_FILES, settings.file_sweep_interval_s),
         "sweep-webhooks": _every(TASK_SWEEP_WEBHOOKS, settings.webhook_sweep_interval_s),
         "refresh-etas": _every(TASK_REFRESH_ETAS, settings.eta_refresh_interval_s),

@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import threading
 import time
 from collections import defaultdict
@@ -82,9 +81,8 @@ _local_lock = threading.Lock()  # SQLite: one releaser per process at a time
 
 def resend_after_s() -> float:
     """A shard released this long ago and still pending is sent again by the sweep."""
-    return float(os.environ.get("BATCHD_RELEASE_RESEND_AFTER_S", "0") or 0) or max(
-        600.0, 10 * get_settings().shard_stale_after_s
-    )
+    settings = get_settings()
+    return settings.release_resend_after_s or max(600.0, 10 * settings.shard_stale_after_s)
 
 
 def _lock_key(model: str) -> int:

@@ -66,7 +66,6 @@ import hashlib
 import hmac
 import json
 import logging
-import os
 import random
 import ssl
 import threading
@@ -119,8 +118,8 @@ _resolvers = ThreadPoolExecutor(RESOLVER_THREADS, thread_name_prefix="batchd-web
 
 def backoff_s(attempts: int) -> float:
     """Seconds to wait after the ``attempts``-th failed attempt."""
-    base = float(os.environ.get("BATCHD_WEBHOOK_BACKOFF_S", "30"))
-    cap = float(os.environ.get("BATCHD_WEBHOOK_BACKOFF_MAX_S", "3600"))
+    settings = get_settings()
+    base, cap = settings.webhook_backoff_s, settings.webhook_backoff_max_s
     return min(cap, base * 2 ** max(attempts - 1, 0))
 
 
