@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from core.settings import get_settings
+from core.demo_models import cache_root  # one cache: converted models beside built ones
 
 logger = logging.getLogger(__name__)
 
@@ -58,11 +58,6 @@ DIGESTS = ".digests.json"  # file identity -> content digest, in the cache root
 
 class ModelSourceError(ValueError):
     """A model's files cannot be served: missing, not what they claim, unreadable."""
-
-
-def cache_root() -> Path:
-    """Where converted models live (``Settings.model_cache``, the demo models' cache too)."""
-    return get_settings().model_cache.expanduser()
 
 
 def package_gguf(module: str) -> Path | None:
