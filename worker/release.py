@@ -67,14 +67,13 @@ from sqlalchemy.orm import Session
 from core.db import session_scope
 from core.lifecycle import BatchStatus, ShardStatus, now
 from core.models import Batch, Shard
+from core.priority import Priority
 from core.queue import TASK_RELEASE_SWEEP, TASK_RUN_SHARD, model_queue
 from core.settings import get_settings
 from worker.celery_app import app
 from worker.common import retrying, send
 
 logger = logging.getLogger(__name__)
-
-PRIORITY_RANK = {"high": 0, "normal": 1, "low": 2}
 
 _local_lock = threading.Lock()  # SQLite: one releaser per process at a time
 
@@ -224,14 +223,14 @@ def _candidates(session: Session, model: str, per_batch_limit: int) -> list[Cand
     ]
 
 
-NORMAL_RANK = PRIORITY_RANK["normal"]
+NORMAL_RANK = Priority.NORMAL.rank
 
 
 def tier(cand: Candidate, last_release: float | None, aging_s: float | None, clock: float) -> int:
     """The tier ``cand`` competes in: its batch's priority rank, except that a ``low`` batch
     waiting longer than ``aging_s`` since its last release (or, before any, since it started
     running) competes as ``normal``."""
-    rank = PRIORITY_RANK.get(cand.priority, NORMAL_RANK)
+    rank = Priority.parse(cand.priority).rank
     if rank <= NORMAL_RANK or aging_s is None:
         return rank
     since = _ts(cand.started_at or cand.created_at)
@@ -269,7 +268,7 @@ def choose(
 
         def order(c: Candidate) -> tuple:
             rank = tier(c, batch_last.get(c.batch_id), aging_s, current)
-            aged = rank < PRIORITY_RANK.get(c.priority, NORMAL_RANK)
+            aged = rank < Priority.parse(c.priority).rank
             # An aged low batch goes first in its tenant: aging bounds its wait, and an earlier
             # deadline of the tenant's normal work must not undo that.
             due = float("-inf") if aged else _ts(c.deadline) if c.deadline else float("inf")
