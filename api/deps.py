@@ -27,6 +27,7 @@ from api.local import local_only
 from core.auth import hash_key, lookup, lookup_hash
 from core.db import new_session
 from core.models import ApiKey
+from core.priority import Priority
 from core.settings import Settings
 from core.storage import Storage
 from core.storage_factory import open_storage
@@ -111,7 +112,7 @@ class Caller:
     #: every tenant's batches, and it may create batches of any priority.
     admin: bool = False
     #: The highest batch priority the caller may ask for (the key's ``max_priority``).
-    max_priority: str = "normal"
+    max_priority: str = Priority.NORMAL.value
     #: The shortest completion window, in seconds, the caller may ask for (the key's
     #: ``min_completion_window_s``; None: the server's minimum).
     min_completion_window_s: int | None = None
@@ -158,7 +159,7 @@ def anonymous_admin(settings: Settings, request: Request) -> Caller:
             "Turn authentication on and use an API key.",
             code="authentication_off_not_local",
         )
-    return Caller(admin=True, max_priority="high")
+    return Caller(admin=True, max_priority=Priority.HIGH.value)
 
 
 def _matches_any(digest: str, keys: list[str]) -> bool:
@@ -174,7 +175,7 @@ def _static_caller(settings: Settings, digest: str) -> Caller | None:
     by the key's SHA-256; None for other keys."""
     static_id = "static-" + digest[:16]
     if _matches_any(digest, settings.admin_api_keys):
-        return Caller(key_id=static_id, admin=True, max_priority="high")
+        return Caller(key_id=static_id, admin=True, max_priority=Priority.HIGH.value)
     if _matches_any(digest, settings.api_keys):
         return Caller(key_id=static_id)
     return None

@@ -15,6 +15,7 @@ from api.errors import invalid_request
 from core.auth import MAX_WEBHOOK_URL_CHARS, is_text, webhook_url_problem
 from core.lifecycle import BatchStatus
 from core.models import Batch, File
+from core.priority import PriorityName, priority_name
 from core.retry import MAX_LINE_ITEMS
 from core.windows import WINDOW, window_seconds
 
@@ -25,7 +26,7 @@ MAX_METADATA_VALUE_CHARS = 512
 BatchEndpoint = Literal[
     "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"
 ]
-BatchPriority = Literal["high", "normal", "low"]
+BatchPriority = PriorityName
 MAX_IDEMPOTENCY_KEY_CHARS = 256
 #: Printable ASCII: what survives any HTTP header and any database. Checked in the route.
 IDEMPOTENCY_KEY_PATTERN = "^[ -~]+$"
@@ -319,7 +320,7 @@ class BatchPublic(BaseModel):
                 output_tokens_details=OutputTokensDetails(reasoning_tokens=0),
                 total_tokens=input_tokens + output_tokens,
             ),
-            priority=row.priority if row.priority in ("high", "low") else "normal",  # type: ignore[arg-type]
+            priority=priority_name(row.priority),
             webhook_url=row.webhook_url,
             webhook_secret=row.webhook_secret if show_secret else None,
             **_projection(row),
@@ -430,7 +431,7 @@ class RetryCreate(BaseModel):
         # Documented, and checked by the validator below with a clearer message.
         json_schema_extra={"pattern": WINDOW.pattern},
     )
-    priority: Literal["high", "normal", "low"] | None = Field(
+    priority: BatchPriority | None = Field(
         default=None, description="Default: the parent's priority (if this key may use it)."
     )
     lines: list[LineItem] | None = Field(

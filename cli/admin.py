@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
-from enum import StrEnum
 from typing import Annotated
 
 import typer
@@ -18,6 +17,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from cli.exit_codes import ExitCode
+from core.priority import Priority
 
 keys_app = typer.Typer(
     name="keys",
@@ -56,12 +56,6 @@ def _safe_url(url: str) -> str:
         return "<unparseable URL>"
 
 
-class Priority(StrEnum):
-    high = "high"
-    normal = "normal"
-    low = "low"
-
-
 def _when(value: datetime | None) -> str:
     return "-" if value is None else value.strftime("%Y-%m-%d %H:%M:%S")
 
@@ -80,7 +74,7 @@ def create(
             help="The highest batch priority the key may ask for; a create above it is "
             "refused (403 priority_not_allowed). Admin keys (BATCHD_ADMIN_API_KEYS) may use any."
         ),
-    ] = Priority.normal,
+    ] = Priority.NORMAL,
     min_completion_window: Annotated[
         str | None,
         typer.Option(

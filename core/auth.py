@@ -25,6 +25,7 @@ from sqlalchemy.orm.attributes import set_committed_value
 
 from core.lifecycle import now
 from core.models import ApiKey, UiSession
+from core.priority import Priority
 
 KEY_PREFIX = "sk-bd-"
 #: How much of a key listings show: enough to tell keys apart, far too little to guess one.
@@ -34,14 +35,13 @@ WEBHOOK_SECRET_PREFIX = "whsec_"
 TOUCH_INTERVAL = timedelta(minutes=1)
 MAX_TENANT_CHARS = 64
 MAX_NAME_CHARS = 256
-#: Batch priorities, lowest first.
-PRIORITIES = ("low", "normal", "high")
-DEFAULT_MAX_PRIORITY = "normal"
+DEFAULT_MAX_PRIORITY = Priority.NORMAL.value
 
 
 def priority_allowed(requested: str, maximum: str) -> bool:
-    """Whether a key whose highest priority is ``maximum`` may ask for ``requested``."""
-    return PRIORITIES.index(requested) <= PRIORITIES.index(maximum)
+    """Whether a key whose highest priority is ``maximum`` may ask for ``requested`` (a name
+    that is not a priority is a ValueError)."""
+    return Priority(maximum).allows(Priority(requested))
 
 
 def hash_key(plaintext: str) -> str:
@@ -76,8 +76,8 @@ def create_key(
     which is not stored anywhere: show it to the user now or never. Batches created with it
     may ask for priorities up to ``max_priority`` and completion windows of at least
     ``min_completion_window_s`` seconds (None: any the server accepts)."""
-    if max_priority not in PRIORITIES:
-        raise ValueError(f"a priority is one of {', '.join(PRIORITIES)}, got {max_priority!r}")
+    if max_priority not in set(Priority):
+        raise ValueError(f"a priority is one of {', '.join(Priority)}, got {max_priority!r}")
     if min_completion_window_s is not None and min_completion_window_s < 1:
         raise ValueError(
             f"a shortest completion window is at least 1 second, got {min_completion_window_s}"

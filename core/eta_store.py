@@ -16,19 +16,19 @@ from sqlalchemy.orm import Session
 from core import eta
 from core.lifecycle import BatchStatus, ShardStatus
 from core.models import Batch, Shard
+from core.priority import Priority
 
 logger = logging.getLogger(__name__)
 
 #: Batches whose shards run (or ran until a moment ago): their spans count as activity.
 _RUNNING = (BatchStatus.IN_PROGRESS, BatchStatus.FINALIZING, BatchStatus.CANCELLING)
-#: Priority ranks, most urgent first.
-RANK = {"high": 0, "normal": 1, "low": 2}
 #: A stored projection that moved less than this is not written again.
 _MOVE_S = 1.0
 
 
 def rank(priority: str) -> int:
-    return RANK.get(priority, RANK["normal"])
+    """The rank :mod:`core.eta` compares (0 is ``high``); ``normal`` for an unknown name."""
+    return Priority.parse(priority).rank
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,8 @@ one waits for one free slot, not for the big job's whole backlog. Set the bound 
 total shard concurrency of the model's workers (``worker_shard_concurrency`` times workers): a
 larger bound only queues released shards in the broker, where FIFO order, not fairness, applies.
 
-When a slot frees, the next shard is chosen by :func:`choose`, in this order:
+When a slot frees, the next shard is chosen by :func:`choose`, in this order (the tier, aging
+and deadline rules are the engine host's own, from ``engine.admission.order``):
 
 1. tier: the priority of its batch, ``high`` before ``normal`` before ``low``; a ``low`` batch
    that has waited longer than ``settings.low_priority_aging_s`` (the engine host's aging
@@ -67,14 +68,14 @@ from sqlalchemy.orm import Session
 from core.db import session_scope
 from core.lifecycle import BatchStatus, ShardStatus, now
 from core.models import Batch, Shard
+from core.priority import Priority
 from core.queue import TASK_RELEASE_SWEEP, TASK_RUN_SHARD, model_queue
 from core.settings import get_settings
+from engine.admission.order import aged_tier, deadline_key
 from worker.celery_app import app
 from worker.common import retrying, send
 
 logger = logging.getLogger(__name__)
-
-PRIORITY_RANK = {"high": 0, "normal": 1, "low": 2}
 
 _local_lock = threading.Lock()  # SQLite: one releaser per process at a time
 
@@ -224,20 +225,15 @@ def _candidates(session: Session, model: str, per_batch_limit: int) -> list[Cand
     ]
 
 
-NORMAL_RANK = PRIORITY_RANK["normal"]
-
-
 def tier(cand: Candidate, last_release: float | None, aging_s: float | None, clock: float) -> int:
-    """The tier ``cand`` competes in: its batch's priority rank, except that a ``low`` batch
-    waiting longer than ``aging_s`` since its last release (or, before any, since it started
-    running) competes as ``normal``."""
-    rank = PRIORITY_RANK.get(cand.priority, NORMAL_RANK)
-    if rank <= NORMAL_RANK or aging_s is None:
-        return rank
+    """The tier ``cand`` competes in, as the engine numbers tiers (lower first): its batch's
+    priority, except that a ``low`` batch waiting longer than ``aging_s`` since its last
+    release (or, before any, since it started running) competes as ``normal``
+    (``engine.admission.order.aged_tier``)."""
     since = _ts(cand.started_at or cand.created_at)
     if last_release is not None:
         since = max(since, last_release)
-    return NORMAL_RANK if clock - since > aging_s else rank
+    return aged_tier(Priority.parse(cand.priority).engine, since, clock, aging_s)
 
 
 def choose(
@@ -269,10 +265,10 @@ def choose(
 
         def order(c: Candidate) -> tuple:
             rank = tier(c, batch_last.get(c.batch_id), aging_s, current)
-            aged = rank < PRIORITY_RANK.get(c.priority, NORMAL_RANK)
+            aged = rank < Priority.parse(c.priority).engine
             # An aged low batch goes first in its tenant: aging bounds its wait, and an earlier
             # deadline of the tenant's normal work must not undo that.
-            due = float("-inf") if aged else _ts(c.deadline) if c.deadline else float("inf")
+            due = deadline_key(_ts(c.deadline) if c.deadline else None, aged)
             return (
                 rank,
                 tenant_tokens[c.tenant],

@@ -19,6 +19,7 @@ from core import generation, served_models
 from core.batch_request import EMBEDDINGS_URL, BatchRequest
 from core.generation import error_for_exception, error_record
 from core.models import Batch, Shard
+from core.priority import Priority
 from core.results import GenerationResult, embedding_body, output_line
 from core.settings import get_settings
 from worker import runtime, timings
@@ -28,8 +29,6 @@ from worker.prepared import read_prepared, tokenizer_fingerprint
 logger = logging.getLogger(__name__)
 
 SUBMIT_WAIT_S = 0.25
-# The engine admits lower values first: a "high" batch overtakes the nightly bulk.
-ENGINE_PRIORITY = {"high": -1, "normal": 0, "low": 1}
 
 
 class EngineUnavailable(RuntimeError):
@@ -122,7 +121,8 @@ class GenerationHandler:
         self.shard = shard
         self.batch_id = batch.id
         self.host = host
-        self.priority = ENGINE_PRIORITY.get(batch.priority or "normal", 0)
+        # The engine admits lower values first: a "high" batch overtakes the nightly bulk.
+        self.priority = Priority.parse(batch.priority).engine
         # Each tenant its own prefix cache (see Settings.share_prefix_cache_across_tenants).
         self.cache_salt = (
             None if settings.share_prefix_cache_across_tenants else f"tenant:{batch.tenant}"

@@ -188,12 +188,13 @@ class EmbeddedService(Procs):
     def _create_keys(self, tenants: list[str]) -> None:
         from core import auth
         from core.db import session_scope
+        from core.priority import Priority
 
         with session_scope(self.database_url) as session:
             for tenant in tenants:
                 # Workloads name priorities per job: the bench's keys may use them all.
                 _row, plaintext = auth.create_key(
-                    session, tenant, "batchd bench", max_priority="high"
+                    session, tenant, "batchd bench", max_priority=Priority.HIGH.value
                 )
                 self.keys[tenant] = plaintext
 

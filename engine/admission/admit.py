@@ -3,11 +3,11 @@
 :class:`Admission` owns the host's pending requests (a :class:`FairQueue`) and applies, in
 this order, every rule of who runs next: the tenants' shares of a full engine
 (``engine.admission.fair_share``), the urgent guard and the urgent reservation
-(``engine.admission.policy``), the lead episode of an idle engine, then the fair queue's own
+(``engine.admission.policy``, ``engine.core.urgent``), the lead episode of an idle engine, then the fair queue's own
 order. The host calls it under its lock on the loop thread and carries out what it says:
 it suspends what the plans name (through the ``suspend`` callback) and hands the chosen
 requests to the engine. The engine's scheduler keeps only the slots of the same
-:class:`~engine.admission.policy.UrgentReservation`.
+:class:`~engine.core.urgent.UrgentReservation`.
 
 Invariants: past the in-flight cap only urgent work enters, and at most ``reserved_seqs`` of
 it; while the urgent guard's room for less urgent work is used up, only urgent work enters;
@@ -23,14 +23,8 @@ from typing import Any
 from engine.admission.entry import IN_FLIGHT, Entry
 from engine.admission.fair_queue import FairQueue
 from engine.admission.fair_share import plan_shares
-from engine.admission.policy import (
-    URGENT_UPTO,
-    GuardPlan,
-    LeadEpisode,
-    UrgentReservation,
-    guard_urgent,
-    is_urgent,
-)
+from engine.admission.policy import GuardPlan, LeadEpisode, guard_urgent
+from engine.core.urgent import URGENT_UPTO, UrgentReservation, is_urgent
 
 Suspend = Callable[[Entry], bool]  # suspend one in-flight entry in the engine; False if it cannot
 

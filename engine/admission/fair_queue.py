@@ -2,7 +2,8 @@
 
 Strictly by priority tier, fairly across tenants, earliest deadline first across a tenant's
 batches (fairly among batches without one), longest work first inside a batch (see
-:class:`FairQueue`).
+:class:`FairQueue`). The tier, aging and deadline rules are the ones the shard release window
+applies too, from ``engine.admission.order``; this module keeps the deficits and rotations.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import itertools
 import time
 from collections.abc import Callable, Iterable
 from typing import Generic, Protocol, TypeVar
+
+from engine.admission.order import aged_tier, due
 
 Flow = tuple[str | None, str | None, int]
 
@@ -124,8 +127,7 @@ class FairQueue(Generic[E]):
         if bq is None:
             tier = self._promoted.get(entry.flow, entry.priority)
             # An aged batch goes first in its tenant (see _age).
-            aged = entry.flow in self._promoted
-            deadline = float("-inf") if aged else getattr(entry, "deadline", None)
+            deadline = due(getattr(entry, "deadline", None), aged=entry.flow in self._promoted)
             bq = self._batches[entry.flow] = _BatchQueue(entry.flow, tier, self._clock(), deadline)
             self._activate(bq)
         bq.max_cost = max(bq.max_cost, entry.cost)
@@ -236,15 +238,16 @@ class FairQueue(Generic[E]):
             del self._batches[bq.key]
 
     def _age(self) -> None:
-        deadline = self._clock() - self.aging_s  # type: ignore[operator]
+        now = self._clock()
         for bq in list(self._batches.values()):
-            if bq.tier > 0 and bq.waiting_since < deadline:
+            tier = aged_tier(bq.tier, bq.waiting_since, now, self.aging_s)
+            if tier != bq.tier:
                 self._deactivate(bq, keep=True)
-                bq.tier -= 1
+                bq.tier = tier
                 bq.deficit, bq.in_turn = 0, False
                 # Aging bounds the batch's wait: an earlier deadline of its tenant's other
                 # work in the tier it joins must not undo that.
-                bq.deadline = float("-inf")
+                bq.deadline = due(bq.deadline, aged=True)
                 bq.waiting_since = self._clock()
                 if bq.key[1] is not None:
                     self._promoted[bq.key] = bq.tier

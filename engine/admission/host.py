@@ -51,10 +51,11 @@ from engine.admission.entry import (
     split,
 )
 from engine.admission.live import LiveEntries
-from engine.admission.policy import LeadEpisode, UrgentReservation
+from engine.admission.policy import LeadEpisode
 from engine.core.engine import Engine
 from engine.core.outputs import HostStats, RequestOutput
 from engine.core.sampling_params import SamplingParams
+from engine.core.urgent import UrgentReservation
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 
-from engine.admission.step_cost import StepCostCurve
 from engine.core.block_manager import BlockManager
 from engine.core.config import EngineConfig
 from engine.core.model_runner import ModelRunner, resolve_device
@@ -44,6 +43,7 @@ from engine.core.sampling_params import SamplingParams, check_new_request, check
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Request, Sequence, Status
 from engine.core.stats import EngineMetrics
+from engine.core.step_cost import StepCostCurve
 from engine.cpu.threads import CpuThreads
 from engine.text.structured import GrammarBackend
 from engine.text.tokenizer import detokenize_step, find_stop, load_tokenizer, start_detokenizer

@@ -15,9 +15,9 @@ running sequences come first (their shared prefix is cached), then the longest e
 uncached block is being computed right now by another sequence waits a step, so it hits the
 cache instead of computing the same prefix twice.
 
-Which requests reach this queue is the host's decision (``engine.admission``); the rule for
-urgent work that is already here, the slots kept for it, is the host's too
-(``engine.admission.policy.UrgentReservation``): this scheduler holds it and carries it out.
+Which requests reach this queue is the engine host's decision; the rule for urgent work that
+is already here, the slots kept for it, is sized by the host too
+(``engine.core.urgent.UrgentReservation``): this scheduler holds it and carries it out.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ import heapq
 from collections import deque
 from collections.abc import Iterator
 
-from engine.admission.policy import UrgentReservation, is_urgent
 from engine.core.block_manager import BlockManager
 from engine.core.config import EngineConfig
 from engine.core.sequence import Sequence, Status
+from engine.core.urgent import UrgentReservation, is_urgent
 
 # (priority, -expected work, sequence id, sequence, epoch at push)
 HeapItem = tuple[int, int, int, Sequence, int]
@@ -330,7 +330,7 @@ class Scheduler:
     def reserve_for_urgent(self, reservation: UrgentReservation) -> None:
         """Keep ``reservation``'s sequence slots and tokens of each step's budget for urgent
         work, capped to what this engine has: the rule, lent while no urgent work waits, is
-        ``engine.admission.policy.UrgentReservation``; this scheduler carries it out."""
+        ``engine.core.urgent.UrgentReservation``; this scheduler carries it out."""
         self.reservation = reservation.capped(
             self.config.max_num_seqs, self.config.max_num_batched_tokens
         )

@@ -45,7 +45,6 @@ import time
 from collections import deque
 from typing import Any
 
-from engine.admission.step_cost import StepCostCurve
 from engine.core.config import DEFAULT_MAX_NUM_SEQS_ACCELERATOR, EngineConfig
 from engine.core.outputs import (
     EngineStats,
@@ -54,6 +53,7 @@ from engine.core.outputs import (
 )
 from engine.core.sampling_params import SamplingParams, check_new_request, check_resume
 from engine.core.stats import EngineMetrics
+from engine.core.step_cost import StepCostCurve
 from engine.sim.requests import Completions, SimRequest, SimSeq, prompt_hash
 from engine.sim.scheduler import SimScheduler
 

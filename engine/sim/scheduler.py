@@ -3,8 +3,8 @@
 At most ``max_num_seqs`` sequences run; the rest wait first come, first served (lower
 ``priority`` first, then arrival, as the real scheduler's "fcfs" admission), with preempted
 and resumed sequences first in line. The urgent reservation
-(``engine.admission.policy.UrgentReservation``) is kept as the real scheduler keeps it:
-urgent work (``engine.admission.policy.is_urgent``) that waits preempts the newest
+(``engine.core.urgent.UrgentReservation``) is kept as the real scheduler keeps it:
+urgent work (``engine.core.urgent.is_urgent``) that waits preempts the newest
 non-urgent sequences, up to the reservation. A preempted, suspended and then resumed
 sequence keeps its tokens and waits the first-token latency again (it recomputes its
 context). ``n > 1`` requests run ``n`` sequences; ``completion_index`` works as in the real
@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator
 
-from engine.admission.policy import UrgentReservation, is_urgent
+from engine.core.urgent import UrgentReservation, is_urgent
 from engine.sim.requests import SimSeq
 
 

@@ -13,7 +13,7 @@ import pytest
 from core.demo_models import build
 from engine import LLM, Engine, RequestError, SamplingParams
 from engine.admission.host import EngineHost, EngineStepError, HostError, HostQueueFull
-from engine.admission.step_cost import StepCostCurve
+from engine.core.step_cost import StepCostCurve
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 

@@ -13,7 +13,7 @@ import pytest
 
 from core import served_models
 from engine import EngineHost, RequestError, RequestOutput, SamplingParams
-from engine.admission.policy import UrgentReservation
+from engine.core.urgent import UrgentReservation
 from engine.sim.engine import MAX_CALL_S, SimEngine
 from engine.text.tokenizer import load_tokenizer
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from engine.admission.step_cost import StepCostCurve
+from engine.core.step_cost import StepCostCurve
 
 
 def _curve(cost, counts=range(1, 33), max_num_seqs: int = 32) -> StepCostCurve:

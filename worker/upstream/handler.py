@@ -14,9 +14,10 @@ from core import generation
 from core.batch_request import BatchRequest
 from core.generation import error_for_exception
 from core.models import Batch
+from core.priority import Priority
 from core.results import ChoiceResult, GenerationResult, output_line, request_error_line
 from core.served_models import UpstreamSpec
-from worker.shard_handlers import ENGINE_PRIORITY, SUBMIT_WAIT_S, Aborted, Line, Outcome
+from worker.shard_handlers import SUBMIT_WAIT_S, Aborted, Line, Outcome
 from worker.upstream.dispatcher import Reply
 
 PREFIX_CHARS = 512  # lines whose prompts agree this far are sent together
@@ -86,7 +87,7 @@ class UpstreamHandler:
         self.host = host
         self.spec = spec
         self.tenant = batch.tenant
-        self.priority = ENGINE_PRIORITY.get(batch.priority or "normal", 0)
+        self.priority = Priority.parse(batch.priority).engine
         self.deadline = batch.expires_at.timestamp() if batch.expires_at is not None else None
 
     def prepare(self, req: BatchRequest) -> tuple[Any, Any] | Line:

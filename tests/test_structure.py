@@ -1,0 +1,119 @@
+"""The structure the packages promise, read from their source: priority is defined once (in
+``core.priority``), the engine is a leaf, and the engine core imports nothing from the host
+(``engine.admission``). A scan of the syntax trees, so it fails on the commit that breaks
+the rule, whatever the code path."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import get_args
+
+from core.priority import Priority, PriorityName
+from engine.admission.order import NORMAL, aged_tier
+from engine.core.urgent import is_urgent
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("api", "core", "worker", "engine", "cli", "migrations")
+NAMES = {"high", "normal", "low"}
+PRIORITY_HOME = Path("core/priority.py")
+
+
+def _sources(*packages: str) -> list[Path]:
+    return sorted(p for package in packages for p in (ROOT / package).rglob("*.py"))
+
+
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(encoding="utf-8"), str(path))
+
+
+def _imported(tree: ast.Module) -> list[str]:
+    """Every module an import statement names, at any depth (function-level imports too)."""
+    names: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.append(node.module)
+    return names
+
+
+def _priority_definitions(tree: ast.Module) -> list[int]:
+    """Lines of what spells out two or more of the priority names side by side: a dict keyed
+    by them (``{"high": 0, ...}``), a tuple, list or set of them (``Literal["high", ...]``,
+    ``("low", "normal", "high")``), a class whose body assigns them (an enum)."""
+    hits = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Dict):
+            items: list[ast.AST | None] = list(node.keys)
+        elif isinstance(node, ast.Tuple | ast.List | ast.Set):
+            items = list(node.elts)
+        elif isinstance(node, ast.ClassDef):
+            items = [stmt.value for stmt in node.body if isinstance(stmt, ast.Assign)]
+        else:
+            continue
+        found = {
+            item.value
+            for item in items
+            if isinstance(item, ast.Constant) and isinstance(item.value, str)
+        }
+        if len(found & NAMES) >= 2:
+            hits.append(node.lineno)
+    return hits
+
+
+def test_priority_is_defined_once_in_core_priority() -> None:
+    elsewhere = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for path in _sources(*PACKAGES)
+        if path.relative_to(ROOT) != PRIORITY_HOME
+        for line in _priority_definitions(_tree(path))
+    ]
+    assert elsewhere == [], (
+        "priority names spelled out outside core/priority.py (use core.priority.Priority): "
+        + ", ".join(elsewhere)
+    )
+    assert _priority_definitions(_tree(ROOT / PRIORITY_HOME)), "the scan no longer sees it"
+
+
+def test_the_engine_core_imports_nothing_from_the_host() -> None:
+    reaching = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in _sources("engine/core", "engine/sim")
+        for name in _imported(_tree(path))
+        if name == "engine.admission" or name.startswith("engine.admission.")
+    ]
+    assert reaching == []
+
+
+def test_the_engine_is_a_leaf() -> None:
+    above = ("api", "core", "worker", "cli", "migrations")
+    reaching = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in _sources("engine")
+        for name in _imported(_tree(path))
+        if name.split(".")[0] in above
+    ]
+    assert reaching == []
+
+
+def test_the_scans_see_what_they_look_for() -> None:
+    """The scans themselves: a second definition and a reach into the host are caught."""
+    second = ast.parse('RANK = {"high": 0, "normal": 1, "low": 2}\nP = Literal["high", "low"]')
+    assert _priority_definitions(second) == [1, 2]
+    assert _imported(ast.parse("def f():\n    from engine.admission.policy import x")) == [
+        "engine.admission.policy"
+    ]
+
+
+def test_the_service_priorities_agree_with_the_engines_numbers() -> None:
+    """``core`` and the engine cannot import each other, so each states the convention; these
+    are the points where they must meet."""
+    assert tuple(Priority) == get_args(PriorityName)
+    assert Priority.NORMAL.engine == NORMAL
+    assert is_urgent(Priority.HIGH.engine)
+    assert not is_urgent(Priority.NORMAL.engine) and not is_urgent(Priority.LOW.engine)
+    assert sorted(Priority, key=lambda p: p.engine) == list(Priority)
+    # A low batch that waited ages into normal, and no further.
+    assert aged_tier(Priority.LOW.engine, 0.0, 100.0, 1.0) == Priority.NORMAL.engine
+    assert aged_tier(Priority.NORMAL.engine, 0.0, 100.0, 1.0) == Priority.NORMAL.engine
