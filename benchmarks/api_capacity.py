@@ -6,7 +6,7 @@
 
 Clients poll batches while they wait (``GET /v1/batches/{id}``) and dashboards and scripts
 list them (``GET /v1/batches?limit=20``): those two routes are most of what an API process
-serves. This starts the real API, as ``batchd up`` runs it (``cli.main.api_command``:
+serves. This starts the real API, as ``batchd up`` runs it (``core.launch.api_command``:
 uvicorn, with ``--workers N`` for N processes in prometheus-client's multiprocess mode), on a
 fresh Postgres database and a private Redis, with the rate limit off, and a few dozen batches
 in the database. Then ``--clients`` concurrent clients, each one keep-alive connection over
@@ -172,8 +172,9 @@ class Api:
     """``batchd up``'s API command for ``processes`` processes, run from ``tree``."""
 
     def __init__(self, tree: Path, env: dict[str, str], processes: int, work: Path):
-        from cli.main import api_command, api_metrics_env
+        from cli.main import api_metrics_env
         from cli.perf.service import free_port
+        from core.launch import api_command
         from core.settings import Settings
 
         self.port = free_port()
@@ -182,7 +183,7 @@ class Api:
         env = {**env, **api_metrics_env(settings, processes, metrics_dir)}
         env["PYTHONPATH"] = str(tree)
         self.log = (work / f"api-{self.port}.log").open("wb")
-        cmd = api_command("127.0.0.1", self.port, processes) + ["--log-level", "warning"]
+        cmd = api_command(self.port, workers=processes, log_level="warning")
         self.proc = subprocess.Popen(
             cmd, cwd=tree, env=env, stdout=self.log, stderr=subprocess.STDOUT,
             start_new_session=True,

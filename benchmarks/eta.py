@@ -29,10 +29,11 @@ from typing import Any
 
 from benchmarks.eta_record import Recorder, curve, phases
 from benchmarks.harness.revisions import REPO
-from benchmarks.harness.stack import CELERY, MODEL, QUIET, Database, RedisServer
+from benchmarks.harness.stack import MODEL, Database, RedisServer, api_command
 from benchmarks.soak_stack import create_key
-from cli.perf.service import Procs, api_command, api_up, free_port, wait_for
+from cli.perf.service import Procs, api_up, free_port, wait_for
 from cli.perf.workload import LengthDist, chat_bodies, request_line
+from core.launch import QUIET, beat_command, control_worker_command, model_worker_command
 
 MARKS = (0.10, 0.50, 0.90)
 
@@ -151,11 +152,9 @@ def start_stack(root: Path, database_url: str, redis_url: str) -> tuple[Procs, d
     procs = Procs(root, cwd=REPO)
     port = free_port()
     procs.start("api", api_command(port), env)
-    procs.start("control", [*CELERY, "worker", "-Q", "batchd.control", "--pool", "threads",
-                            "-c", "2", "-n", "control@eta", *QUIET], env)  # fmt: skip
-    procs.start("model", [*CELERY, "worker", "-Q", f"batchd.model.{MODEL}", "--pool", "threads",
-                          "-c", "4", "-n", "model@eta", *QUIET], env)  # fmt: skip
-    procs.start("beat", [*CELERY, "beat", "-s", str(root / "beat-schedule")], env)
+    procs.start("control", control_worker_command("control@eta", extra=QUIET), env)
+    procs.start("model", model_worker_command([MODEL], 4, "model@eta", extra=QUIET), env)
+    procs.start("beat", beat_command(root / "beat-schedule"), env)
 
     def ready() -> bool:
         procs.check_alive()

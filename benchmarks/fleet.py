@@ -35,7 +35,6 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -44,19 +43,13 @@ from pathlib import Path
 from benchmarks.harness.cpu import CpuMeter
 from benchmarks.harness.postgres import BENCH_ROLE, PrivatePostgres
 from benchmarks.harness.revisions import REPO, remove_worktree, worktree
-from benchmarks.harness.stack import BENCH_API_KEY, QUIET, Broker, Database, service_env
-from cli.perf.service import (
-    Procs,
-    api_command,
-    api_up,
-    free_port,
-    wait_for,
-)
+from benchmarks.harness.stack import BENCH_API_KEY, Broker, Database, api_command, service_env
+from cli.perf.service import Procs, api_up, free_port, wait_for
 from cli.perf.workload import chat_bodies, request_line
+from core.launch import QUIET, worker_module_command
 
 MODEL = "sim-8b"
 DEFAULT_SIM = "tokens_per_s=4000,max_num_seqs=256,ttft_ms=50"
-WORKER = [sys.executable, "-m", "worker"]
 
 
 # -- one fleet size
@@ -211,10 +204,10 @@ def run_fleet(args: argparse.Namespace, workers: int, tree: Path = REPO) -> Resu
         stack = Procs(work, cwd=tree)
         stack.start("api", api_command(port), env)
         # The processes as ``python -m worker`` (and so ``batchd up`` and compose) start them.
-        stack.start("control", [*WORKER, "control", "--", *QUIET], env)
-        stack.start("beat", [*WORKER, "beat", "--", "--loglevel", "INFO"], env)
+        stack.start("control", worker_module_command("control", extra=QUIET), env)
+        stack.start("beat", worker_module_command("beat", extra=["--loglevel", "INFO"]), env)
         for i in range(workers):
-            stack.start(f"model{i}", [*WORKER, "model", MODEL, "--", *QUIET], env)
+            stack.start(f"model{i}", worker_module_command("model", [MODEL], extra=QUIET), env)
 
         def ready() -> bool:
             stack.check_alive()

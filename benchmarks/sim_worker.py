@@ -27,11 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import stack as bs
-from benchmarks.harness.stack import CELERY, QUIET
 from cli.perf.service import wait_for
 from cli.perf.workload import request_line
 from cli.procfs import process_cpu_s as cpu_s
-from core.queue import model_queue
+from core.launch import QUIET, model_worker_command
 from core.served_models import sim_spec
 
 SIM = "sim-8b"
@@ -51,9 +50,9 @@ def main() -> None:
     with bs.Run(work) as run:
         env = run.env(BATCHD_MODELS=json.dumps({SIM: args.spec}), **overrides)
         stack = run.stack(env).start_roles(["api", "control", "beat"])
-        concurrency = env.get("BATCHD_WORKER_SHARD_CONCURRENCY", "8")
-        stack.start("sim-model", [*CELERY, "worker", "-Q", model_queue(SIM), "--pool", "threads",
-                              "-c", concurrency, "-n", "model@bench", *QUIET], env)  # fmt: skip
+        concurrency = int(env.get("BATCHD_WORKER_SHARD_CONCURRENCY", "8"))
+        worker = model_worker_command([SIM], concurrency, "model@bench", extra=QUIET)
+        stack.start("sim-model", worker, env)
         stack.wait_ready()
         wait_for(lambda: f"model {SIM} ready" in stack.log("sim-model"), 120, "the sim model")
         pid = stack.procs["sim-model"].pid

@@ -14,7 +14,6 @@ import contextlib
 import hashlib
 import hmac
 import json
-import os
 import re
 import signal
 import subprocess
@@ -28,9 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness.revisions import REPO
-from benchmarks.harness.stack import QUIET
+from benchmarks.harness.stack import api_command
 from benchmarks.harness.tcp_proxy import TcpProxy
-from cli.perf.service import Procs, api_command, api_up, free_port, memory_kb, wait_for
+from cli.perf.service import Procs, api_up, free_port, memory_kb, wait_for
+from core import launch
+from core.launch import QUIET
 
 CHAT_MODEL = "batchd-demo"
 EMBED_MODEL = "minilm"
@@ -173,16 +174,16 @@ class Stack(Procs):
         specs = json.loads(env["BATCHD_MODELS"])
         self.models = [m for m, spec in specs.items() if not spec.startswith("upstream:")]
         self.upstream = [m for m, spec in specs.items() if spec.startswith("upstream:")]
-        worker = [sys.executable, "-m", "worker"]
+        worker = launch.worker_module_command
         self.commands: dict[str, list[str]] = {
             "api": api_command(port),
-            "control": [*worker, "control", "--", *QUIET],
-            "beat": [*worker, "beat", "--", "--loglevel", "INFO"],
+            "control": worker("control", extra=QUIET),
+            "beat": worker("beat", extra=["--loglevel", "INFO"]),
         }
         for i in range(1, model_workers + 1):
-            self.commands[f"model-{i}"] = [*worker, "model", *self.models, "--", *QUIET]
+            self.commands[f"model-{i}"] = worker("model", self.models, extra=QUIET)
         if self.upstream:
-            self.commands["dispatch-1"] = [*worker, "dispatch", "--", *QUIET]
+            self.commands["dispatch-1"] = worker("dispatch", extra=QUIET)
         self.incarnations: list[Incarnation] = []
         self.unplanned: list[UnplannedExit] = []
         self._lock = threading.RLock()
@@ -258,14 +259,7 @@ class Stack(Procs):
             self._busy.add(name)
         try:
             began = time.monotonic()
-            proc = self.procs[name]
-            if proc.poll() is None:
-                os.killpg(proc.pid, sig)
-                try:
-                    proc.wait(grace_s)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+            self.end(name, sig, grace_s)
             self._ended(name, f"stopped by the soak ({signal.Signals(sig).name})")
             time.sleep(delay_s)
             self._launch(name)
@@ -318,18 +312,8 @@ class Stack(Procs):
         self._stop.set()
         if self._supervisor is not None:
             self._supervisor.join(10)
-        codes: dict[str, int | None] = {}
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for name, proc in self.procs.items():
-            try:
-                codes[name] = proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                codes[name] = None
+        codes = self.stop_all(grace_s)
+        for name in codes:
             self._ended(name, "stopped at the end")
         return codes
 
@@ -354,17 +338,9 @@ def service_env(
 ) -> dict[str, str]:  # fmt: skip
     """The service's settings for the soak: fast sweeps and recovery, so faults are
     recovered from in seconds, webhooks to the loopback receiver, no per-key rate limit."""
-    home = work / "home"
-    home.mkdir(parents=True, exist_ok=True)
-    env = {
-        **os.environ,
-        "PYTHONUNBUFFERED": "1",
+    (work / "home").mkdir(parents=True, exist_ok=True)
+    soak = {
         "OMP_NUM_THREADS": str(threads),
-        "BATCHD_HOME": str(home),
-        "BATCHD_DATABASE_URL": database_url,
-        "BATCHD_BROKER_URL": broker_url,
-        "BATCHD_STORAGE_URL": str(work / "storage"),
-        "BATCHD_MODELS": json.dumps(models),
         "BATCHD_RATE_LIMIT_PER_MINUTE": "0",
         "BATCHD_WORKER_SHARD_CONCURRENCY": "4",
         "BATCHD_SHARD_MAX_REQUESTS": "8",
@@ -382,9 +358,8 @@ def service_env(
         "BATCHD_WEBHOOK_BACKOFF_MAX_S": "8",
         "BATCHD_WEBHOOK_MAX_ATTEMPTS": "12",
         "BATCHD_WEBHOOK_TIMEOUT_S": "5",
-        **overrides,
     }
-    return env
+    return launch.service_env(work, database_url, broker_url, models, **{**soak, **overrides})
 
 
 def proxied(url: str, default_port: int) -> tuple[TcpProxy, str]:

@@ -40,10 +40,11 @@ from typing import Any
 
 import httpx
 
-from benchmarks.harness.stack import BENCH_API_KEY, CELERY, QUIET, Run
+from benchmarks.harness.stack import BENCH_API_KEY, Run
 from benchmarks.harness.upstream_server import UpstreamServer
 from cli.perf.service import wait_for
 from cli.perf.workload import chat_bodies
+from core.launch import QUIET, dispatch_worker_command
 
 PLAIN = "fleet"
 GUARDED = "fleet-live"
@@ -163,10 +164,9 @@ class Batchd:
             BATCHD_WORKER_SHARD_CONCURRENCY="4",
         )
         self.stack = run.stack(env)
-        queues = f"batchd.model.{PLAIN},batchd.model.{GUARDED}"
         self.stack.start_roles(["api", "control", "beat"])
-        self.stack.start("dispatch", [*CELERY, "worker", "-Q", queues, "--pool", "threads",
-                                      "-c", "4", "-n", "dispatch@bench", *QUIET], env)  # fmt: skip
+        dispatch = dispatch_worker_command([PLAIN, GUARDED], 4, "dispatch@bench", extra=QUIET)
+        self.stack.start("dispatch", dispatch, env)
         self.stack.wait_ready()
         wait_for(lambda: "ready." in self.stack.log("dispatch"), 120, "the dispatch worker",
                  self.stack.logs)  # fmt: skip

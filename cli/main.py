@@ -71,24 +71,6 @@ def development_key(settings) -> str | None:
     return plaintext
 
 
-def worker_command(queues: list[str], concurrency: int) -> list[str]:
-    return [
-        sys.executable, "-m", "celery", "-A", "worker.celery_app", "worker",
-        "-Q", ",".join(queues), "--pool", "threads", "-c", str(concurrency),
-        "--loglevel", "INFO", "-n", f"batchd-{os.getpid()}@%h",
-    ]  # fmt: skip
-
-
-def beat_command(home: str) -> list[str]:
-    """Beat as a child of its own, not the worker's ``-B``: an embedded beat is a process the
-    worker forks, which outlives a worker killed with SIGKILL (and runs beside the restarted
-    worker's own)."""
-    return [
-        sys.executable, "-m", "celery", "-A", "worker.celery_app", "beat",
-        "-s", os.path.join(home, "celerybeat-schedule"), "--loglevel", "INFO",
-    ]  # fmt: skip
-
-
 MAX_DEFAULT_API_WORKERS = 4
 
 
@@ -105,13 +87,6 @@ def api_workers(settings, requested: int | None = None) -> int:
     ):
         return 1
     return max(1, min(MAX_DEFAULT_API_WORKERS, len(os.sched_getaffinity(0))))
-
-
-def api_command(host: str, port: int, workers: int = 1) -> list[str]:
-    """The API under uvicorn; with ``workers`` > 1, uvicorn's own process manager runs that
-    many processes on the one socket (and starts again one that dies)."""
-    cmd = [sys.executable, "-m", "uvicorn", "api.app:app", "--host", host, "--port", str(port)]
-    return cmd + (["--workers", str(workers)] if workers > 1 else [])
 
 
 def api_metrics_env(settings, workers: int, directory: Path | None = None) -> dict[str, str]:
@@ -172,13 +147,14 @@ def api(
 ) -> None:
     """Run the API alone, as many processes as `batchd up` would (the compose file's api
     service); migrations are a step of their own."""
+    from core import launch
     from core.settings import get_settings
 
     settings = get_settings()
     count = api_workers(settings, api_workers_option)
     given = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     env = dict(os.environ, **api_metrics_env(settings, count, Path(given) if given else None))
-    cmd = api_command(host, port, count)
+    cmd = launch.api_command(port, host, workers=count)
     typer.echo(f"batchd api: {count} API process{'es' if count > 1 else ''} on {host}:{port}")
     sys.stdout.flush()  # exec replaces the process: what is buffered would be lost
     os.execve(cmd[0], cmd, env)
@@ -194,7 +170,7 @@ def up(
     """Run the API, a worker and the beat scheduler; one that exits is started again; Ctrl-C
     stops them all."""
     import migrations
-    from core.queue import CONTROL_QUEUE, model_queue
+    from core import launch
     from core.settings import get_settings
 
     settings = get_settings()
@@ -215,11 +191,17 @@ def up(
     env.update(metrics_env)
     commands: dict[str, list[str]] = {}
     if workers:
-        queues = [CONTROL_QUEUE, *(model_queue(m) for m in settings.models)]
-        commands["worker"] = worker_command(queues, settings.worker_shard_concurrency + 2)
-        commands["beat"] = beat_command(str(settings.home))
+        info = ["--loglevel", "INFO"]
+        commands["worker"] = launch.control_and_model_worker_command(
+            settings.models, settings.worker_shard_concurrency + 2, launch.node_name("batchd"),
+            extra=info,
+        )  # fmt: skip
+        # Beat as a child of its own, not the worker's ``-B``: an embedded beat is a process
+        # the worker forks, which outlives a worker killed with SIGKILL (and runs beside the
+        # restarted worker's own).
+        commands["beat"] = launch.beat_command(settings.home / "celerybeat-schedule", extra=info)
     api_processes = api_workers(settings, api_workers_option)
-    commands["api"] = api_command(host, port, api_processes)
+    commands["api"] = launch.api_command(port, host, workers=api_processes)
     # A child that exits while nobody asked it to is started again (cli/supervise.py).
     supervisor = Supervisor(
         commands,

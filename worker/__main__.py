@@ -18,19 +18,18 @@ from __future__ import annotations
 import os
 import sys
 
-from core import served_models
-from core.queue import CONTROL_QUEUE, model_queue
+from core import launch, served_models
 from core.settings import get_settings
 
 
 def command(role: str, names: list[str]) -> list[str]:
+    """The command line of ``role`` for the served models ``names`` (default: all of the
+    role's), resolved from the settings; built by :mod:`core.launch`."""
     settings = get_settings()
-    base = [sys.executable, "-m", "celery", "-A", "worker.celery_app"]
     if role == "beat":
-        return [*base, "beat", "-s", str(settings.home / "celerybeat-schedule")]
+        return launch.beat_command(settings.home / "celerybeat-schedule")
     if role == "control":
-        return [*base, "worker", "-Q", CONTROL_QUEUE, "--pool", "threads", "-c", "2",
-                "-n", f"control-{os.getpid()}@%h"]  # fmt: skip
+        return launch.control_worker_command(launch.node_name("control"))
     if role == "dispatch":
         upstream = [m for m, spec in settings.models.items() if served_models.is_upstream(spec)]
         models = names or upstream
@@ -41,19 +40,17 @@ def command(role: str, names: list[str]) -> list[str]:
                 if wrong
                 else "no upstream model is served (see BATCHD_MODELS)"
             )
-        queues = ",".join(model_queue(m) for m in models)
-        return [*base, "worker", "-Q", queues, "--pool", "threads",
-                "-c", str(settings.worker_shard_concurrency),
-                "-n", f"dispatch-{os.getpid()}@%h"]  # fmt: skip
+        return launch.dispatch_worker_command(
+            models, settings.worker_shard_concurrency, launch.node_name("dispatch")
+        )
     if role == "model":
         models = names or list(settings.models)
         unknown = [m for m in models if m not in settings.models]
         if unknown:
             raise SystemExit(f"not served (see BATCHD_MODELS): {', '.join(unknown)}")
-        queues = ",".join(model_queue(m) for m in models)
-        return [*base, "worker", "-Q", queues, "--pool", "threads",
-                "-c", str(settings.worker_shard_concurrency),
-                "-n", f"model-{os.getpid()}@%h"]  # fmt: skip
+        return launch.model_worker_command(
+            models, settings.worker_shard_concurrency, launch.node_name("model")
+        )
     raise SystemExit(
         "usage: python -m worker control|model [NAME…]|dispatch [NAME…]|beat "
         "[-- celery options] | health"

@@ -1,9 +1,9 @@
 """The whole service as subprocesses, for the benchmarks and the end-to-end tests.
 
-The API under uvicorn, control and model workers and beat (their command lines and
-environment), each in its own process group and logging to ``root/<name>.log``; a fresh
-migrated Postgres database, a private ``redis-server``; waiting for readiness; the model
-worker's engine stats over Celery remote control.
+The API under uvicorn, control and model workers and beat (their command lines from
+:mod:`core.launch`, their environment), each in its own process group and logging to
+``root/<name>.log``; a fresh migrated Postgres database, a private ``redis-server``; waiting
+for readiness; the model worker's engine stats over Celery remote control.
 
 The process handling, the engine-stats probe and the memory readings are ``batchd bench``'s
 (:mod:`cli.perf.service`); the benchmarks and the e2e tests start the service through this
@@ -16,7 +16,6 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -29,7 +28,9 @@ from typing import Any
 
 from benchmarks.harness.revisions import REPO
 from cli.perf import service
-from cli.perf.service import WorkerProbe, api_command, api_up, free_port, wait_for
+from cli.perf.service import WorkerProbe, api_up, free_port, wait_for
+from core import launch
+from core.launch import QUIET
 from core.settings import DEMO_MODEL_NAME as MODEL
 
 API_KEY = "sk-e2e-test-key-static"  # the tests' stacks
@@ -37,8 +38,6 @@ BENCH_API_KEY = "sk-bench-key-static"  # the benchmarks' stacks
 PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 REDIS_URL = "redis://127.0.0.1:6379/0"
 TERMINAL = {"completed", "failed", "expired", "cancelled"}
-CELERY = [sys.executable, "-m", "celery", "-A", "worker.celery_app"]
-QUIET = ["--loglevel", "INFO", "--without-gossip", "--without-mingle", "--without-heartbeat"]
 
 
 def port_open(port: int) -> bool:
@@ -49,16 +48,21 @@ def port_open(port: int) -> bool:
         return False
 
 
+def api_command(port: int) -> list[str]:
+    """The API on loopback ``port``, logging warnings only."""
+    return launch.api_command(port, log_level="warning")
+
+
 def celery_command(
     kind: str, name: str, root: Path, concurrency: int = 2, *, host: str = "e2e"
 ) -> list[str]:
     """A control worker, a model worker (the demo model's queue) or beat, named
     ``name@host``."""
     if kind == "beat":
-        return [*CELERY, "beat", "-s", str(root / f"beat-schedule-{name}"), "--loglevel", "INFO"]
-    queue = "batchd.control" if kind == "control" else f"batchd.model.{MODEL}"
-    return [*CELERY, "worker", "-Q", queue, "--pool", "threads", "-c", str(concurrency),
-            "-n", f"{name}@{host}", *QUIET]  # fmt: skip
+        return launch.beat_command(root / f"beat-schedule-{name}", extra=["--loglevel", "INFO"])
+    if kind == "control":
+        return launch.control_worker_command(f"{name}@{host}", concurrency, extra=QUIET)
+    return launch.model_worker_command([MODEL], concurrency, f"{name}@{host}", extra=QUIET)
 
 
 def stack_env(
@@ -74,19 +78,13 @@ def stack_env(
     inherited = os.environ.get("BATCHD_ENGINE_OPTIONS") or "{}"
     options = json.loads(overrides.pop("BATCHD_ENGINE_OPTIONS", inherited))
     options.setdefault("dtype", "float32")
-    return {
-        **os.environ,
+    settings = {
         "BATCHD_ENGINE_OPTIONS": json.dumps(options),
-        "PYTHONUNBUFFERED": "1",
-        "BATCHD_HOME": str(root / "home"),
-        "BATCHD_DATABASE_URL": database_url,
-        "BATCHD_BROKER_URL": broker_url,
-        "BATCHD_STORAGE_URL": str(root / "storage"),
-        "BATCHD_MODELS": json.dumps({MODEL: "demo:llama-tiny"}),
         "BATCHD_API_KEYS": api_key,
         "BATCHD_RATE_LIMIT_PER_MINUTE": "0",  # tests and benchmarks poll faster than clients
-        **overrides,
     }
+    models = {MODEL: "demo:llama-tiny"}
+    return launch.service_env(root, database_url, broker_url, models, **{**settings, **overrides})
 
 
 class Procs(service.Procs):
@@ -94,21 +92,6 @@ class Procs(service.Procs):
 
     def __init__(self, root: Path):
         super().__init__(root, cwd=REPO)
-
-    def wait_log(self, name: str, text: str, timeout: float, count: int = 1) -> None:
-        def seen() -> bool:
-            proc = self.procs.get(name)
-            if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"{name} exited:{self.logs()}")
-            return self.log(name).count(text) >= count
-
-        wait_for(seen, timeout, f"{text!r} in {name}.log", self.logs)
-
-    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
-        proc = self.procs[name]
-        if proc.poll() is None:
-            os.killpg(proc.pid, sig)
-        proc.wait(30)
 
 
 class RedisServer:

@@ -14,12 +14,13 @@ import secrets
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from core.launch import api_command, control_worker_command, model_worker_command, service_env
 
 
 def free_port() -> int:
@@ -41,11 +42,6 @@ def wait_for(
             return
         time.sleep(0.2)
     raise TimeoutError(f"timed out waiting for {what}{logs() if logs else ''}")
-
-
-def api_command(port: int) -> list[str]:
-    return [sys.executable, "-m", "uvicorn", "api.app:app", "--host", "127.0.0.1",
-            "--port", str(port), "--log-level", "warning"]  # fmt: skip
 
 
 def api_up(port: int) -> bool:
@@ -94,18 +90,49 @@ class Procs:
     def pids(self) -> dict[str, int]:
         return {name: proc.pid for name, proc in self.procs.items()}
 
-    def stop_all(self, grace_s: float = 15.0) -> None:
-        """SIGTERM every process group, SIGKILL what is left after ``grace_s``."""
-        for proc in self.procs.values():
+    def wait_log(self, name: str, text: str, timeout: float, count: int = 1) -> None:
+        """Wait until ``text`` is in ``name``'s log ``count`` times (a readiness line)."""
+
+        def seen() -> bool:
+            proc = self.procs.get(name)
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"{name} exited:{self.logs()}")
+            return self.log(name).count(text) >= count
+
+        wait_for(seen, timeout, f"{text!r} in {name}.log", self.logs)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to ``name``'s process group and wait (30 s at most) until it exits."""
+        proc = self.procs[name]
+        if proc.poll() is None:
+            os.killpg(proc.pid, sig)
+        proc.wait(30)
+
+    def end(self, name: str, sig: int = signal.SIGTERM, grace_s: float = 15.0) -> int | None:
+        """Send ``sig`` to ``name``'s process group, SIGKILL it after ``grace_s``; its exit
+        code, None when it had to be killed."""
+        return self._end_all([name], sig, grace_s)[name]
+
+    def stop_all(self, grace_s: float = 15.0) -> dict[str, int | None]:
+        """SIGTERM every process group, SIGKILL what is left after ``grace_s``; the exit
+        codes, None for those killed."""
+        return self._end_all(list(self.procs), signal.SIGTERM, grace_s)
+
+    def _end_all(self, names: list[str], sig: int, grace_s: float) -> dict[str, int | None]:
+        procs = {name: self.procs[name] for name in names}
+        for proc in procs.values():
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
+                os.killpg(proc.pid, sig)
         deadline = time.monotonic() + grace_s
-        for proc in self.procs.values():
+        codes: dict[str, int | None] = {}
+        for name, proc in procs.items():
             try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
+                codes[name] = proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+                codes[name] = None
+        return codes
 
 
 class EmbeddedService(Procs):
@@ -139,27 +166,19 @@ class EmbeddedService(Procs):
         return f"http://127.0.0.1:{self.port}/v1"
 
     def env(self) -> dict[str, str]:
-        home = self.root / "home"
-        home.mkdir(parents=True, exist_ok=True)
-        return {
-            **os.environ,
-            "PYTHONUNBUFFERED": "1",
-            "BATCHD_HOME": str(home),
-            "BATCHD_DATABASE_URL": self.database_url,
-            "BATCHD_BROKER_URL": self.broker_url,
-            "BATCHD_STORAGE_URL": str(self.root / "storage"),
-            "BATCHD_MODELS": json.dumps(self.models),
+        (self.root / "home").mkdir(parents=True, exist_ok=True)
+        settings = {
             "BATCHD_ENGINE_OPTIONS": json.dumps(self.engine_options),
             "BATCHD_WORKER_SHARD_CONCURRENCY": str(self.shard_concurrency),
             **self.env_overrides,
         }
+        return service_env(self.root, self.database_url, self.broker_url, self.models, **settings)
 
     def launch(self, tenants: list[str], timeout: float = 300.0) -> EmbeddedService:
         """Migrate the database, create one key per tenant, start the processes and wait
         until the API answers and both workers are ready."""
         import migrations
         from cli.models import resolve_models
-        from core.queue import CONTROL_QUEUE, model_queue
 
         migrations.upgrade(self.database_url)
         resolve_models(self.models)  # build demo models once, before two processes race
@@ -167,18 +186,16 @@ class EmbeddedService(Procs):
         self.port = self.port or free_port()
         tag = secrets.token_hex(3)
         self.worker_name = f"bench-model-{tag}@{socket.gethostname()}"
-        celery = [sys.executable, "-m", "celery", "-A", "worker.celery_app"]
+        # INFO lines (readiness is read from them), no gossip or mingle between workers.
         quiet = ["--loglevel", "INFO", "--without-gossip", "--without-mingle"]
-        home = self.root / "home"
+        beat = ["-B", "-s", str(self.root / "home" / "beat-schedule")]
         commands = {
-            "api": api_command(self.port),
-            "control": [*celery, "worker", "-Q", CONTROL_QUEUE, "--pool", "threads", "-c", "2",
-                        "-n", f"bench-control-{tag}@%h", "-B", "-s",
-                        str(home / "beat-schedule"), *quiet],
-            "model": [*celery, "worker", "-Q", ",".join(model_queue(m) for m in self.models),
-                      "--pool", "threads", "-c", str(self.shard_concurrency),
-                      "-n", self.worker_name, *quiet],
-        }  # fmt: skip
+            "api": api_command(self.port, log_level="warning"),
+            "control": control_worker_command(f"bench-control-{tag}@%h", extra=[*beat, *quiet]),
+            "model": model_worker_command(
+                self.models, self.shard_concurrency, self.worker_name, extra=quiet
+            ),
+        }
         env = self.env()
         for name, cmd in commands.items():
             self.start(name, cmd, env)

@@ -7,7 +7,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -16,6 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 from openai import OpenAI
+
+from core import launch
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 60.0
@@ -132,18 +133,7 @@ def start_server(
         log_path = tmp_path / f"server-{port}.log"
         log_file = log_path.open("wb")
         process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "uvicorn",
-                "api.app:app",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--log-level",
-                "warning",
-            ],
+            launch.api_command(port, log_level="warning"),
             cwd=REPO_ROOT,
             env=env,
             stdout=log_file,

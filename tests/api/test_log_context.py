@@ -9,12 +9,12 @@ import io
 import json
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from core import launch
 from tests.api.conftest import REPO_ROOT, Server, _wait_until_listening, free_port
 from tests.helpers.lines import chat_line
 
@@ -28,8 +28,7 @@ def json_server(service_env: dict[str, str], tmp_path: Path, api_key: str) -> It
     log_path = tmp_path / "api.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "api.app:app", "--host", "127.0.0.1",
-             "--port", str(port), "--log-level", "info"],  # info: uvicorn's access lines too
+            launch.api_command(port, log_level="info"),  # info: uvicorn's access lines too
             cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
     server = Server(f"http://127.0.0.1:{port}", process, log_path, env, api_key)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -14,6 +13,8 @@ from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
+
+from core import launch
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,8 +43,7 @@ def api_server(service_env: dict[str, str], tmp_path: Path) -> Iterator[ApiServe
     env = {**os.environ, **service_env, "PYTHONUNBUFFERED": "1"}
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "api.app:app", "--host", "127.0.0.1",
-             "--port", str(port), "--log-level", "warning"],
+            launch.api_command(port, log_level="warning"),
             cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
     server = ApiServer(f"http://127.0.0.1:{port}/v1", process, log_path)

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.harness.stack import API_KEY, CELERY, Procs, celery_command, stack_env
-from cli.perf.service import api_command, free_port, wait_for
+from benchmarks.harness.stack import API_KEY, Procs, api_command, celery_command, stack_env
+from cli.perf.service import free_port, wait_for
+from core.launch import QUIET, model_worker_command
 from tests.helpers.lines import MODEL
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
@@ -68,9 +69,7 @@ def test_embeddings_batch_through_the_service(
     procs.start("control", celery_command("control", "control", tmp_path), env)
     procs.start(
         "embed",
-        [*CELERY, "worker", "-Q", f"batchd.model.{EMBED}", "--pool", "threads", "-c", "2",
-         "-n", "embed@e2e", "--loglevel", "INFO", "--without-gossip", "--without-mingle",
-         "--without-heartbeat"],
+        model_worker_command([EMBED], 2, "embed@e2e", extra=QUIET),
         env,
     )  # fmt: skip
     procs.wait_log("embed", f"model {EMBED} ready", 180)

@@ -25,8 +25,9 @@ from typing import Any
 
 import pytest
 
-from benchmarks.harness.stack import API_KEY, CELERY, QUIET, Procs, private_redis, stack_env
-from cli.perf.service import api_command, free_port, wait_for
+from benchmarks.harness.stack import API_KEY, Procs, api_command, private_redis, stack_env
+from cli.perf.service import free_port, wait_for
+from core.launch import QUIET, beat_command, control_worker_command, model_worker_command
 from tests.helpers.lines import chat_line, jsonl
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
@@ -67,11 +68,10 @@ class Edf:
 
 def _worker(kind: str, root: Path) -> list[str]:
     if kind == "beat":
-        return [*CELERY, "beat", "-s", str(root / "beat-schedule"), "--loglevel", "INFO"]
-    queue = "batchd.control" if kind == "control" else f"batchd.model.{MODEL}"
-    concurrency = "2" if kind == "control" else "4"
-    return [*CELERY, "worker", "-Q", queue, "--pool", "threads", "-c", concurrency,
-            "-n", f"{kind}@edf", *QUIET]  # fmt: skip
+        return beat_command(root / "beat-schedule", extra=["--loglevel", "INFO"])
+    if kind == "control":
+        return control_worker_command(f"{kind}@edf", extra=QUIET)
+    return model_worker_command([MODEL], 4, f"{kind}@edf", extra=QUIET)
 
 
 @pytest.fixture(scope="module")

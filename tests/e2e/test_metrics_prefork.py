@@ -9,8 +9,9 @@ import json
 
 import pytest
 
-from benchmarks.harness.stack import API_KEY, CELERY, Procs, stack_env
-from cli.perf.service import api_command, free_port, wait_for
+from benchmarks.harness.stack import API_KEY, Procs, api_command, stack_env
+from cli.perf.service import free_port, wait_for
+from core.launch import QUIET, control_worker_command
 from tests.helpers.lines import chat_line, create_batch
 from tests.helpers.scrape import scrape, value
 
@@ -33,9 +34,7 @@ def test_prefork_children_are_counted(pg_url, private_broker, tmp_path, procs: P
         PROMETHEUS_MULTIPROC_DIR=str(multiproc),
     )
     procs.start("api", api_command(port), env)
-    control = [*CELERY, "worker", "-Q", "batchd.control", "--pool", "prefork", "-c", "2",
-               "-n", "control@e2e", "--loglevel", "INFO", "--without-gossip",
-               "--without-mingle", "--without-heartbeat"]  # fmt: skip
+    control = control_worker_command("control@e2e", pool="prefork", extra=QUIET)
     procs.start("control", control, env)
     procs.wait_log("control", "ready.", 60)
     url = f"http://127.0.0.1:{metrics_port}/metrics"

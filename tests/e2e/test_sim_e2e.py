@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 
-from benchmarks.harness.stack import API_KEY, CELERY, QUIET, Procs, stack_env
+from benchmarks.harness.stack import API_KEY, Procs, api_command, stack_env
 from benchmarks.harness.stack import celery_command as celery
-from cli.perf.service import api_command, free_port, wait_for
+from cli.perf.service import free_port, wait_for
+from core.launch import QUIET, model_worker_command
 from tests.helpers.lines import chat_line, create_batch
 from tests.helpers.scrape import scrape, value
 
@@ -41,7 +42,6 @@ def test_a_sim_model_serves_batches_with_deterministic_outputs(
     import httpx
 
     from core.demo_models import build
-    from core.queue import model_queue
     from engine.sim.engine import SimEngine
     from engine.text.tokenizer import load_tokenizer
 
@@ -63,8 +63,7 @@ def test_a_sim_model_serves_batches_with_deterministic_outputs(
     procs.start("api", api_command(api_port), env)
     procs.start("control", celery("control", "control", tmp_path), env)
     procs.start("beat", celery("beat", "beat", tmp_path), env)
-    model_worker = [*CELERY, "worker", "-Q", model_queue(SIM), "--pool", "threads", "-c", "2",
-                    "-n", "model@e2e", *QUIET]  # fmt: skip
+    model_worker = model_worker_command([SIM], 2, "model@e2e", extra=QUIET)
     procs.start("model", model_worker, {**env, "BATCHD_WORKER_METRICS_PORT": str(model_port)})
     procs.wait_log("model", f"model {SIM} ready: simulated", 120)
     # The control worker loads the tokenizers it validates with at start, not on a first line.

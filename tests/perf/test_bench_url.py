@@ -11,9 +11,16 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from benchmarks.harness.stack import API_KEY, Procs, celery_command, private_redis, stack_env
+from benchmarks.harness.stack import (
+    API_KEY,
+    Procs,
+    api_command,
+    celery_command,
+    private_redis,
+    stack_env,
+)
 from cli.main import app
-from cli.perf.service import api_command, free_port, wait_for
+from cli.perf.service import free_port, wait_for
 from tests.helpers.lines import MODEL
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]

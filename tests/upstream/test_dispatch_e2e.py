@@ -25,11 +25,11 @@ import httpx
 import pytest
 
 from benchmarks.harness.fault_proxy import FaultProxy
-from benchmarks.harness.stack import API_KEY, CELERY, QUIET, Procs, stack_env
+from benchmarks.harness.stack import API_KEY, Procs, api_command, stack_env
 from benchmarks.harness.tcp_proxy import TcpProxy
 from benchmarks.harness.upstream_server import UpstreamServer
-from cli.perf.service import api_command, free_port, wait_for
-from core.queue import model_queue
+from cli.perf.service import free_port, wait_for
+from core.launch import QUIET, beat_command, control_worker_command, dispatch_worker_command
 from tests.helpers.lines import chat_line, completion_line, jsonl
 from tests.helpers.metrics_lint import sample_problems
 from tests.helpers.scrape import parse, value
@@ -51,8 +51,7 @@ class Fleet:
     http: httpx.Client
 
     def dispatch_command(self, name: str) -> list[str]:
-        return [*CELERY, "worker", "-Q", model_queue(MODEL), "--pool", "threads", "-c", "2",
-                "-n", f"{name}@e2e", *QUIET]  # fmt: skip
+        return dispatch_worker_command([MODEL], 2, f"{name}@e2e", extra=QUIET)
 
     def submit(self, lines: list[Any], endpoint: str = "/v1/chat/completions") -> str:
         uploaded = self.http.post(
@@ -142,10 +141,9 @@ def fleet(pg_url: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory)
         )
         try:
             procs.start("api", api_command(port), env)
-            procs.start("control", [*CELERY, "worker", "-Q", "batchd.control", "--pool",
-                                    "threads", "-c", "2", "-n", "control@e2e", *QUIET], env)  # fmt: skip
+            procs.start("control", control_worker_command("control@e2e", extra=QUIET), env)
             procs.start("dispatch", fleet.dispatch_command("dispatch"), env)
-            procs.start("beat", [*CELERY, "beat", "-s", str(root / "beat-schedule")], env)
+            procs.start("beat", beat_command(root / "beat-schedule"), env)
 
             def ready() -> bool:
                 procs.check_alive()

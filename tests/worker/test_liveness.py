@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 from celery import bootsteps
 
+from core import launch
 from worker import liveness
 
 REPO = Path(__file__).resolve().parents[2]
@@ -102,7 +102,7 @@ def test_health_command(tmp_path: Path, age_s: float | None, expected: int) -> N
         os.utime(path, (then, then))
     env = {**os.environ, "BATCHD_WORKER_LIVENESS_FILE": str(path)}
     proc = subprocess.run(
-        [sys.executable, "-m", "worker", "health"],
+        launch.worker_module_command("health"),
         cwd=REPO, env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert proc.returncode == expected, proc.stdout + proc.stderr

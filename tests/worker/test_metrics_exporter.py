@@ -8,15 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.harness.stack import CELERY, QUIET, Procs, stack_env
+from benchmarks.harness.stack import Procs, stack_env
 from cli.perf.service import free_port
+from core.launch import QUIET, control_worker_command
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 
 
 def _control(name: str) -> list[str]:
-    return [*CELERY, "worker", "-Q", "batchd.control", "--pool", "threads", "-c", "1",
-            "-n", f"{name}@exporter", *QUIET]  # fmt: skip
+    return control_worker_command(f"{name}@exporter", 1, extra=QUIET)
 
 
 def test_worker_logs_where_its_exporter_listens(pg_url: str, redis_url: str, tmp_path: Path):

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.harness.stack import CELERY, QUIET, Procs, stack_env
+from benchmarks.harness.stack import Procs, stack_env
+from core.launch import QUIET, control_worker_command
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 
@@ -145,8 +146,7 @@ def test_trickling_receivers_do_not_delay_validate_or_finalize(
         BATCHD_WEBHOOK_CONCURRENCY=str(SLOW_RECEIVERS),
     )
     procs = Procs(tmp_path)
-    control = [*CELERY, "worker", "-Q", "batchd.control", "--pool", "threads", "-c", "2",
-               "-n", "isolation@test", *QUIET]  # fmt: skip
+    control = control_worker_command("isolation@test", extra=QUIET)
     try:
         procs.start("control", control, env)
         procs.wait_log("control", "ready.", 120)
