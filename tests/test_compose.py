@@ -465,3 +465,14 @@ def _healthy(port: int) -> bool:
         return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_the_control_worker_runs_on_the_c_heap() -> None:
+    """As ``python -m worker control`` does (worker/__main__.py ``environment``): compose
+    starts Celery itself, so its control worker sets PYTHONMALLOC, beside every setting."""
+    import worker.__main__ as worker_main
+
+    all_services = services()
+    control = service_env(all_services["control-worker"])
+    assert control["PYTHONMALLOC"] == worker_main.environment("control", {})["PYTHONMALLOC"]
+    assert set(service_env(all_services["worker"])) <= set(control)
