@@ -22,9 +22,16 @@ order alternates from round to round. Workloads (token ids, the same for both):
   token item, outputs 1-8 tokens.
 - ``long``: 16 prompts of 1,500 tokens, 128 tokens out.
 
-Printed per workload and system: output tokens/s, total (prompt + output) tokens/s, CPU
-seconds, peak RSS, the engine/peer ratio of output tokens/s and the greedy agreement (the
-share of requests whose tokens are identical), with the 1-minute load average beside them.
+Precisions (``--precisions``): ``fp32`` on every CPU, and ``bf16`` as well where the CPU
+multiplies bf16 natively (AMX or AVX-512 BF16): the engine in bfloat16, OpenVINO with a bf16
+inference precision and a bf16 KV cache. Beside each bf16 comparison, OpenVINO's default
+configuration on such a CPU (u8 KV cache) is run and reported, not compared (``--no-u8-kv``
+skips it).
+
+Printed per workload, precision and system: output tokens/s, total (prompt + output)
+tokens/s, CPU seconds, peak RSS, the engine/peer ratio of output tokens/s and the greedy
+agreement (the share of requests whose tokens are identical), with the 1-minute load average
+beside them.
 """
 
 from __future__ import annotations
@@ -119,13 +126,25 @@ def workload(name: str, tokenizer: Any, scale: float, seed: int = 0) -> dict[str
     raise ValueError(f"unknown workload {name!r}; choose from {list(WORKLOADS)}")
 
 
+# A system of the comparison: (child's system, KV precision): the peer at its default KV beside.
+SYSTEMS = {"engine": ("engine", "same"), "openvino": ("openvino", "same")}
+U8_KV = "openvino-u8kv"
+
+
 def run_child(
-    system: str, python: Path, model_dir: Path, requests: Path, threads: int
+    system: str,
+    python: Path,
+    model_dir: Path,
+    requests: Path,
+    threads: int,
+    precision: str = "fp32",
+    kv: str = "same",
 ) -> dict[str, Any]:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as fh:
         out = Path(fh.name)
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(threads))
     cmd = [str(python), str(CHILD), system, str(model_dir), str(requests), str(out), str(threads)]
+    cmd += [precision, kv]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{system} run failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -164,8 +183,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=1, help="alternating rounds (median reported)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--scale", type=float, default=1.0, help="share of each workload's requests")
+    p.add_argument(
+        "--precisions",
+        help="fp32 and/or bf16 (default: fp32, and bf16 too where the CPU multiplies it natively)",
+    )
+    p.add_argument(
+        "--no-u8-kv",
+        action="store_true",
+        help="skip OpenVINO's default u8 KV cache run beside each bf16 comparison",
+    )
     p.add_argument("--json", type=Path, help="write every figure to this file")
     return p
+
+
+def default_precisions() -> list[str]:
+    from engine.core.model_runner import cpu_supports_bf16
+
+    return ["fp32", "bf16"] if cpu_supports_bf16() else ["fp32"]
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -182,49 +216,64 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     python = peer_python(cache.parent)
     ov_dir = exported_dir(python, model_dir, cache)
     tokenizer = load_tokenizer(str(model_dir))
-    report: dict[str, Any] = {"threads": args.threads, "rounds": args.rounds, "workloads": {}}
+    precisions = args.precisions.split(",") if args.precisions else default_precisions()
+    report: dict[str, Any] = {
+        "threads": args.threads,
+        "rounds": args.rounds,
+        "precisions": precisions,
+        "workloads": {},
+    }
     for name in args.workloads.split(","):
         requests = workload(name, tokenizer, args.scale)
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
             json.dump(requests, fh)
             path = Path(fh.name)
-        runs: dict[str, list[dict[str, Any]]] = {"engine": [], "openvino": []}
-        for rnd in range(args.rounds):
-            order = ["engine", "openvino"] if rnd % 2 == 0 else ["openvino", "engine"]
-            for system in order:
-                exe = Path(sys.executable) if system == "engine" else python
-                where = model_dir if system == "engine" else ov_dir
-                runs[system].append(run_child(system, exe, where, path, args.threads))
+        report["workloads"][name] = {}
+        for precision in precisions:
+            systems = dict(SYSTEMS)
+            if precision == "bf16" and not args.no_u8_kv:
+                systems[U8_KV] = ("openvino", "u8")
+            runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
+            for rnd in range(args.rounds):
+                order = list(systems) if rnd % 2 == 0 else list(reversed(systems))
+                for system in order:
+                    child, kv = systems[system]
+                    exe = Path(sys.executable) if child == "engine" else python
+                    where = model_dir if child == "engine" else ov_dir
+                    runs[system].append(
+                        run_child(child, exe, where, path, args.threads, precision, kv)
+                    )
+            figures: dict[str, Any] = {s: summarize(requests, r) for s, r in runs.items()}
+            figures["ratio_output_tok_s"] = (
+                figures["engine"]["output_tok_s"] / figures["openvino"]["output_tok_s"]
+            )
+            figures["greedy_agreement"] = agreement(
+                runs["engine"][0]["token_ids"], runs["openvino"][0]["token_ids"]
+            )
+            figures["requests"] = len(requests["prompts"])
+            figures["prompt_tokens"] = sum(len(p) for p in requests["prompts"])
+            figures["output_tokens"] = sum(requests["max_tokens"])
+            report["workloads"][name][precision] = figures
+            _print(name, precision, figures)
         path.unlink()
-        figures = {s: summarize(requests, r) for s, r in runs.items()}
-        figures["ratio_output_tok_s"] = (
-            figures["engine"]["output_tok_s"] / figures["openvino"]["output_tok_s"]
-        )
-        figures["greedy_agreement"] = agreement(
-            runs["engine"][0]["token_ids"], runs["openvino"][0]["token_ids"]
-        )
-        figures["requests"] = len(requests["prompts"])
-        figures["prompt_tokens"] = sum(len(p) for p in requests["prompts"])
-        figures["output_tokens"] = sum(requests["max_tokens"])
-        report["workloads"][name] = figures
-        _print(name, figures)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return report
 
 
-def _print(name: str, f: dict[str, Any]) -> None:
+def _print(name: str, precision: str, f: dict[str, Any]) -> None:
     print(
-        f"\n{name}: {f['requests']} requests, {f['prompt_tokens']} prompt + "
+        f"\n{name} ({precision}): {f['requests']} requests, {f['prompt_tokens']} prompt + "
         f"{f['output_tokens']} output tokens"
     )
     print(
-        f"{'system':<10} {'out tok/s':>10} {'total tok/s':>12} {'CPU s':>8} {'RSS MiB':>8} {'load':>6}"
+        f"{'system':<14} {'out tok/s':>10} {'total tok/s':>12} {'CPU s':>8} {'RSS MiB':>8} "
+        f"{'load':>6}"
     )
-    for system in ("engine", "openvino"):
+    for system in (s for s in (*SYSTEMS, U8_KV) if s in f):
         s = f[system]
         print(
-            f"{system:<10} {s['output_tok_s']:>10.1f} {s['total_tok_s']:>12.1f} "
+            f"{system:<14} {s['output_tok_s']:>10.1f} {s['total_tok_s']:>12.1f} "
             f"{s['cpu_s']:>8.1f} {s['peak_rss_mib']:>8.0f} {s['load_avg']:>6.2f}"
         )
     print(

@@ -1,6 +1,11 @@
 """One system's run of the peer benchmark (:mod:`benchmarks.peer`), in a fresh process.
 
-    python benchmarks/peer_child.py engine|openvino MODEL_DIR REQUESTS.json OUT.json THREADS
+    python benchmarks/peer_child.py engine|openvino MODEL_DIR REQUESTS.json OUT.json THREADS \
+        [PRECISION [KV]]
+
+``PRECISION`` is ``fp32`` (the default) or ``bf16``: the engine's dtype, OpenVINO's inference
+precision. ``KV`` is OpenVINO's KV-cache precision: ``same`` (the default: as ``PRECISION``,
+so both systems hold the same state) or ``u8`` (OpenVINO's own default).
 
 ``REQUESTS.json`` holds ``{"prompts": [[ids...], ...], "max_tokens": [n, ...]}``. Every request
 is greedy, ignores EOS and produces exactly its ``max_tokens`` tokens. ``OUT.json`` gets the
@@ -20,11 +25,15 @@ import resource
 import sys
 import time
 
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
-def run_engine(model_dir: str, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+
+def run_engine(
+    model_dir: str, prompts: list[list[int]], max_tokens: list[int], precision: str
+) -> list[list[int]]:
     from engine import Engine, SamplingParams
 
-    engine = Engine(model_dir, dtype="float32")
+    engine = Engine(model_dir, dtype=DTYPES[precision])
 
     def params(n: int) -> SamplingParams:
         return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
@@ -50,7 +59,12 @@ def run_engine(model_dir: str, prompts: list[list[int]], max_tokens: list[int]) 
 
 
 def run_openvino(
-    model_dir: str, prompts: list[list[int]], max_tokens: list[int], threads: int
+    model_dir: str,
+    prompts: list[list[int]],
+    max_tokens: list[int],
+    threads: int,
+    precision: str,
+    kv: str,
 ) -> list[list[int]]:
     import numpy as np
     import openvino as ov
@@ -60,15 +74,16 @@ def run_openvino(
     kv_tokens = sum(len(p) + n for p, n in zip(prompts, max_tokens, strict=True))
     # f32 KV: 2 x layers x kv_heads x head_dim x 4 bytes a token; 64 KiB a token is a bound.
     sched.cache_size = max(1, -(-kv_tokens * 65536 // 2**30))
+    infer = ov.Type.f32 if precision == "fp32" else ov.Type.bf16
     sched.enable_prefix_caching = True
     sched.dynamic_split_fuse = True
     sched.max_num_batched_tokens = 256
     sched.max_num_seqs = 256
-    properties = {
-        "INFERENCE_NUM_THREADS": threads,
-        "KV_CACHE_PRECISION": ov.Type.f32,
-        "INFERENCE_PRECISION_HINT": ov.Type.f32,
-    }
+    properties = {"INFERENCE_NUM_THREADS": threads, "INFERENCE_PRECISION_HINT": infer}
+    if kv == "same":
+        properties["KV_CACHE_PRECISION"] = infer
+    elif kv != "u8":
+        raise SystemExit(f"unknown KV precision {kv!r}: same or u8")
     pipe = ov_genai.ContinuousBatchingPipeline(model_dir, sched, "CPU", properties)
 
     def config(n: int) -> ov_genai.GenerationConfig:
@@ -105,7 +120,11 @@ def main(argv: list[str]) -> None:
     # shadow the engine package.
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
-    system, model_dir, requests_path, out_path, threads = argv
+    system, model_dir, requests_path, out_path, threads, *rest = argv
+    precision = rest[0] if rest else "fp32"
+    kv = rest[1] if len(rest) > 1 else "same"
+    if precision not in DTYPES:
+        raise SystemExit(f"unknown precision {precision!r}: {' or '.join(DTYPES)}")
     with open(requests_path) as fh:
         requests = json.load(fh)
     prompts, max_tokens = requests["prompts"], requests["max_tokens"]
@@ -113,9 +132,9 @@ def main(argv: list[str]) -> None:
         import torch
 
         torch.set_num_threads(int(threads))
-        tokens = run_engine(model_dir, prompts, max_tokens)
+        tokens = run_engine(model_dir, prompts, max_tokens, precision)
     elif system == "openvino":
-        tokens = run_openvino(model_dir, prompts, max_tokens, int(threads))
+        tokens = run_openvino(model_dir, prompts, max_tokens, int(threads), precision, kv)
     else:
         raise SystemExit(f"unknown system {system!r}")
     figures = dict(_FIGURES)
