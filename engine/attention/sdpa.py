@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.paged import AttentionContext, DecodeGroup, PrefillChunk, softcapped
+from engine.cpu.kernels import DecodeAttention, decode_attention
 
 
 def _attend(
@@ -113,7 +114,12 @@ def _attend_decodes(
 
 
 class SdpaBackend:
+    """``compiled``: float32 decode rows go to the compiled kernel where it builds here."""
+
     name = "sdpa"
+
+    def __init__(self, compiled: bool = True) -> None:
+        self.kernel: DecodeAttention | None = decode_attention() if compiled else None
 
     def attend(
         self,
@@ -132,7 +138,22 @@ class SdpaBackend:
         group = num_heads // kv_heads
         q = query[0]  # [H, T, D]
         out = query.new_empty(num_tokens, num_heads, head_dim)
-        if ctx.decodes:
+        kernel = self.kernel if _kernel_fits(query, k_cache, softcap) else None
+        if ctx.decodes and kernel is not None:
+            scale = head_dim**-0.5 if scaling is None else scaling
+            for g in ctx.decodes:
+                rows = q[:, g.start : g.end].transpose(0, 1)  # [n, H, D]
+                kernel(
+                    rows,
+                    k_cache,
+                    v_cache,
+                    g.blocks,
+                    g.lens,
+                    window or 0,
+                    scale,
+                    out[g.start : g.end],
+                )
+        elif ctx.decodes:
             qd = q.view(kv_heads, group, num_tokens, head_dim)
             for g in ctx.decodes:
                 o = _attend_decodes(
@@ -159,3 +180,16 @@ class SdpaBackend:
                 op = _attend(qp, kp, vp, scaling, mask, False, softcap)
             out[chunk.start : chunk.end] = op[0].transpose(0, 1)
         return out
+
+
+def _kernel_fits(query: torch.Tensor, k_cache: torch.Tensor, softcap: float | None) -> bool:
+    """Whether the compiled decode kernel reads these tensors: float32 on the CPU, the cache
+    contiguous, each head's row contiguous, no soft-capping."""
+    return (
+        softcap is None
+        and query.dtype == torch.float32
+        and k_cache.dtype == torch.float32
+        and query.device.type == "cpu"
+        and query.stride(-1) == 1
+        and k_cache.is_contiguous()
+    )

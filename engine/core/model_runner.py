@@ -57,7 +57,9 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         name = attention.register()
         self.backend_name = attention.resolve_backend(config.attention_backend, self.device)
-        self.backend = FlexBackend() if self.backend_name == "flex" else SdpaBackend()
+        self.backend = (
+            FlexBackend() if self.backend_name == "flex" else SdpaBackend(config.cpu_kernels)
+        )
         hf_model = AutoModelForCausalLM.from_pretrained(model, dtype=self.dtype)
         hf_model.to(self.device).eval()
         hf_model.set_attn_implementation(name)

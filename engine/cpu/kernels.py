@@ -1,0 +1,150 @@
+"""Compiled CPU kernels: C sources beside this module, built once per machine, loaded by ctypes.
+
+A kernel is built at first use with the system's C compiler (``$CC``, else ``cc``) and
+``-O3 -march=native`` into ``$XDG_CACHE_HOME/batchd/kernels`` (``~/.cache`` without it), under
+a name digesting its source, the compiler's version, the flags and this CPU's model and
+features: a cache shared between machines never hands one CPU another's build. The build is
+written beside and renamed into place, so processes building at once do not see half a file.
+Where no compiler is found or the build fails, :func:`decode_attention` returns None, once
+logged, and the engine keeps its torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("engine")
+
+HERE = Path(__file__).resolve().parent
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC")
+
+DecodeAttention = Callable[..., None]
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "batchd" / "kernels"
+
+
+def _cpu_identity() -> str:
+    """This CPU's model name and feature flags (what ``-march=native`` compiles for)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = [ln for ln in lines if ln.split(":")[0].strip() in ("model name", "flags")]
+    return "\n".join(sorted(set(keep))) or platform.machine()
+
+
+def build(name: str) -> Path | None:
+    """The shared library of ``HERE/name.c`` for this machine, built if it is not cached."""
+    source = HERE / f"{name}.c"
+    compiler = shutil.which(os.environ.get("CC") or "cc")
+    if compiler is None:
+        log.info("no C compiler found (CC or cc): %s runs on its torch path", name)
+        return None
+    try:
+        version = subprocess.run(
+            [compiler, "--version"], capture_output=True, text=True, timeout=30
+        ).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.info("C compiler %s unusable (%s): %s runs on its torch path", compiler, exc, name)
+        return None
+    digest = hashlib.sha256()
+    for part in (source.read_bytes(), version.encode(), " ".join(FLAGS).encode()):
+        digest.update(part)
+    digest.update(_cpu_identity().encode())
+    target = cache_dir() / f"{name}-{digest.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        proc = subprocess.run(
+            [compiler, *FLAGS, "-o", tmp, str(source), "-lm", "-lpthread"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if proc.returncode != 0:
+            os.unlink(tmp)
+            log.warning("building %s failed, torch path kept:\n%s", name, proc.stderr[-2000:])
+            return None
+        os.replace(tmp, target)
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("building %s failed (%s), torch path kept", name, exc)
+        return None
+    return target
+
+
+@functools.cache
+def decode_attention() -> DecodeAttention | None:
+    """``f(q, k_cache, v_cache, blocks, lens, window, scale, out)``: decode attention of ``n``
+    rows in float32, or None where the kernel cannot be built here.
+
+    ``q`` [n, heads, dim] (any row and head strides, dim contiguous); ``k_cache``/``v_cache``
+    one layer's cache, ``[kv_heads, blocks, block_size, dim]`` contiguous; ``blocks`` [n, width]
+    and ``lens`` [n] int64 (each sequence's block ids and keys); ``window`` 0 for none; ``out``
+    [n, heads, dim] contiguous. Runs on torch's current number of intra-op threads."""
+    path = build("decode_attention")
+    if path is None:
+        return None
+    try:
+        fn = ctypes.CDLL(str(path)).batchd_decode_attention_f32
+    except (OSError, AttributeError) as exc:
+        log.warning("loading %s failed (%s), torch path kept", path, exc)
+        return None
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, ptr]
+    fn.argtypes += [i32, i32, i32, i32, i32, i32, ctypes.c_float, ptr, i32]
+    fn.restype = i32
+
+    def run(
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        blocks: torch.Tensor,
+        lens: torch.Tensor,
+        window: int,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        n, heads, dim = q.shape
+        kv_heads, _, block_size, _ = k_cache.shape
+        rc = fn(
+            q.data_ptr(),
+            q.stride(0),
+            q.stride(1),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            k_cache.stride(0),
+            blocks.data_ptr(),
+            blocks.stride(0),
+            lens.data_ptr(),
+            n,
+            heads,
+            kv_heads,
+            dim,
+            block_size,
+            window,
+            scale,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise MemoryError("decode attention kernel: no scratch memory")
+
+    return run

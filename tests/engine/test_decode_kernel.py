@@ -1,0 +1,97 @@
+"""The compiled float32 decode-attention kernel against the torch path it replaces: the same
+rows (to float32 rounding) for sequences of mixed lengths, GQA, a sliding window, one and two
+threads and a query with the model's strides; and no compiler means the torch path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.attention.paged import DecodeGroup
+from engine.attention.sdpa import _attend_decodes
+from engine.cpu import kernels
+
+KV, HEADS, DIM, BS = 3, 9, 64, 16
+
+
+def _case(
+    lens: list[int], seed: int = 0
+) -> tuple[DecodeGroup, torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    tables, free = [], torch.randperm(sum((n - 1) // BS + 1 for n in lens) + 4, generator=gen)
+    pos = 0
+    for n in lens:
+        need = (n - 1) // BS + 1
+        tables.append(free[pos : pos + need].tolist())
+        pos += need
+    num_blocks = len(free)
+    width = max(len(t) for t in tables)
+    blocks = torch.tensor([t + [num_blocks] * (width - len(t)) for t in tables])
+    k = torch.randn(KV, num_blocks + 1, BS, DIM, generator=gen)
+    v = torch.randn(KV, num_blocks + 1, BS, DIM, generator=gen)
+    # The model's layout: [1, H, T, D] as a transposed view of [T, H, D].
+    query = torch.randn(len(lens), HEADS, DIM, generator=gen).transpose(0, 1).unsqueeze(0)
+    return DecodeGroup(0, len(lens), blocks, torch.tensor(lens), BS, list(lens)), query, k, v
+
+
+def _torch_path(
+    g: DecodeGroup, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None
+) -> torch.Tensor:
+    n = g.end - g.start
+    qd = query[0].reshape(KV, HEADS // KV, n, DIM)
+    out = _attend_decodes(g, qd, k, v, DIM**-0.5, window, None)  # [KV, n, group, D]
+    return out.transpose(0, 1).reshape(n, HEADS, DIM)
+
+
+@pytest.fixture(scope="module")
+def kernel() -> kernels.DecodeAttention:
+    fn = kernels.decode_attention()
+    if fn is None:
+        pytest.fail("the decode kernel did not build: a C compiler is part of the test machine")
+    return fn
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("window", [None, 40])
+def test_kernel_rows_equal_the_torch_path(
+    kernel: kernels.DecodeAttention, threads: int, window: int | None
+) -> None:
+    lens = [1, 2, 15, 16, 17, 33, 100, 257, 700]
+    g, query, k, v = _case(lens, seed=threads)
+    want = _torch_path(g, query, k, v, window)
+    got = torch.empty(len(lens), HEADS, DIM)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        kernel(query[0].transpose(0, 1), k, v, g.blocks, g.lens, window or 0, DIM**-0.5, got)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_backend_sends_float32_decodes_to_the_kernel_and_not_bfloat16() -> None:
+    from engine.attention.sdpa import _kernel_fits
+
+    _, query, k, _ = _case([5, 9])
+    assert _kernel_fits(query, k, None)
+    assert not _kernel_fits(query, k, 30.0)  # soft-capping stays on the torch path
+    assert not _kernel_fits(query.bfloat16(), k.bfloat16(), None)
+
+
+def test_no_compiler_keeps_the_torch_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert kernels.build("decode_attention") is None
+    assert not (tmp_path / "batchd").exists()
+
+
+def test_a_build_is_cached_per_machine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = kernels.build("decode_attention")
+    assert first is not None and first.parent == tmp_path / "batchd" / "kernels"
+    stamp = first.stat().st_mtime_ns
+    assert kernels.build("decode_attention") == first
+    assert first.stat().st_mtime_ns == stamp  # taken from the cache, not rebuilt
+    assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporary left
