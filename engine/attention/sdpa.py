@@ -1,15 +1,12 @@
 """The CPU attention backend: the decode rows of a step in groups, each prefill chunk on its own.
 
-1. Decode rows (one query per sequence) come in groups of sequences of similar length (the
-   runner sorts them and cuts the groups, :class:`engine.attention.paged.DecodeGroup`). Query heads
-   are folded onto their KV head (``[kv_heads, n, group, head_dim]``: a sequence's query heads
-   are the "queries" of its KV head) so GQA needs no K/V repeat. In bf16 (the default on a CPU
-   that multiplies it natively) one ``index_select`` of the group's blocks per layer gives
-   ``[kv_heads, n, keys, head_dim]`` padded to the longest, and one SDPA call with the
-   group's length mask (and sliding window) attends every row: a fixed number of operators
-   per layer whatever the number of sequences, 2-2.5x faster than a call per sequence. In
-   float32 one SDPA call per sequence over exactly its keys is the faster (twice, at
-   1,000-2,000 keys), so float32 keeps it.
+1. Decode rows (one query per sequence): where the compiled kernel builds
+   (:mod:`engine.cpu.kernels`, float32 or bf16, no soft-capping), one call per layer attends
+   every row, reading K/V in place through the block tables. Otherwise they come in groups of
+   similar length (:class:`engine.attention.paged.DecodeGroup`), query heads folded onto their
+   KV head (``[kv_heads, n, group, head_dim]``, no K/V repeat): in bf16 one ``index_select``
+   of the group's blocks and one masked SDPA call per layer; in float32 one SDPA call per
+   sequence over exactly its keys (twice the padded group's speed there).
 2. Each prefill chunk attends on its own: a chunk that starts the sequence uses the fresh K/V
    with a causal SDPA; a chunk that continues one (chunked prefill, prefix-cache hit) gathers
    the sequence's cached K/V and uses a causal mask offset by the context already computed.
@@ -114,7 +111,7 @@ def _attend_decodes(
 
 
 class SdpaBackend:
-    """``compiled``: float32 decode rows go to the compiled kernel where it builds here."""
+    """``compiled``: decode rows go to the compiled kernel where it builds here."""
 
     name = "sdpa"
 
@@ -183,12 +180,12 @@ class SdpaBackend:
 
 
 def _kernel_fits(query: torch.Tensor, k_cache: torch.Tensor, softcap: float | None) -> bool:
-    """Whether the compiled decode kernel reads these tensors: float32 on the CPU, the cache
-    contiguous, each head's row contiguous, no soft-capping."""
+    """Whether the compiled decode kernel reads these tensors: float32 or bfloat16 on the CPU,
+    the cache contiguous, each head's row contiguous, no soft-capping."""
     return (
         softcap is None
-        and query.dtype == torch.float32
-        and k_cache.dtype == torch.float32
+        and query.dtype in (torch.float32, torch.bfloat16)
+        and k_cache.dtype == query.dtype
         and query.device.type == "cpu"
         and query.stride(-1) == 1
         and k_cache.is_contiguous()

@@ -58,9 +58,9 @@ class EngineConfig:
     # threads on cores that others hold spin at every barrier; off keeps the threads torch
     # was given. Never above the team torch had when the engine started.
     adapt_cpu_threads: bool = True
-    # On a CPU, float32 decode rows attend through a compiled kernel that reads the paged cache
-    # in place (engine/cpu/kernels.py), one call per layer; off, or where no C compiler is
-    # found, one SDPA call per sequence.
+    # On a CPU, decode rows attend through a compiled kernel that reads the paged cache in
+    # place (engine/cpu/kernels.py), one call per layer; off, or where no C compiler is
+    # found, torch's SDPA (engine/attention/sdpa.py).
     cpu_kernels: bool = True
 
     def __post_init__(self) -> None:

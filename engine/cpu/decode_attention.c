@@ -1,10 +1,13 @@
-/* Decode attention over the paged KV cache in float32: one call per layer for every decode row.
+/* Decode attention over the paged KV cache: one call per layer for every decode row, for
+ * float32 or bfloat16 tensors (bf16 widened on load, every sum in float32, the output rounded
+ * to the nearest even bf16).
  *
  * Built and loaded by engine/cpu/kernels.py. A task is one (sequence, KV head): its query heads
  * score the sequence's keys (read in place through its block table), a two-pass softmax in
  * float32, then the weighted sum of the values. Tasks are dealt round-robin to `threads`
  * POSIX threads (the caller is one of them); a thread that cannot start leaves its tasks to
- * the caller. Returns 0, or 1 when scratch memory could not be had. */
+ * the caller. Returns 0, 1 when scratch memory could not be had, 2 for a head_dim over
+ * MAX_DIM. */
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -12,23 +15,66 @@
 #include <string.h>
 
 #define MAX_THREADS 64
+#define MAX_DIM 1024
 
 typedef struct {
-    const float *q; /* row i, head h at q + i * q_row + h * q_head; D contiguous floats */
+    const void *q; /* row i, head h at q + i * q_row + h * q_head (elements); dim contiguous */
     int64_t q_row, q_head;
-    const float *k, *v; /* [KV, slots, D]: head kvh, slot s at k + kvh * kv_head + s * D */
+    const void *k, *v; /* [KV, slots, dim]: head kvh, slot s at k + kvh * kv_head + s * dim */
     int64_t kv_head;
     const int64_t *blocks; /* [n, max_blocks] block ids of each sequence */
     int64_t max_blocks;
     const int64_t *lens; /* [n] keys of each sequence, the new token included */
-    int n, heads, kv_heads, dim, block_size, window;
+    int n, heads, kv_heads, dim, block_size, window, bf16;
     float scale;
-    float *out; /* [n, heads, dim] contiguous */
+    void *out; /* [n, heads, dim] contiguous */
     int first, step;
 } job_t;
 
-static inline const float *row(const job_t *a, const float *base, const int64_t *table, int64_t p) {
-    return base + (table[p / a->block_size] * a->block_size + p % a->block_size) * a->dim;
+static inline float widen(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t narrow(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu)) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline int64_t slot(const job_t *a, const int64_t *table, int64_t p) {
+    return table[p / a->block_size] * a->block_size + p % a->block_size;
+}
+
+static float dot(const job_t *a, const float *q, const void *base, int64_t offset) {
+    float acc = 0.f;
+    const int dim = a->dim;
+    if (a->bf16) {
+        const uint16_t *r = (const uint16_t *)base + offset;
+#pragma omp simd reduction(+ : acc)
+        for (int d = 0; d < dim; d++) acc += q[d] * widen(r[d]);
+    } else {
+        const float *r = (const float *)base + offset;
+#pragma omp simd reduction(+ : acc)
+        for (int d = 0; d < dim; d++) acc += q[d] * r[d];
+    }
+    return acc;
+}
+
+static void axpy(const job_t *a, float *o, float w, const void *base, int64_t offset) {
+    const int dim = a->dim;
+    if (a->bf16) {
+        const uint16_t *r = (const uint16_t *)base + offset;
+#pragma omp simd
+        for (int d = 0; d < dim; d++) o[d] += w * widen(r[d]);
+    } else {
+        const float *r = (const float *)base + offset;
+#pragma omp simd
+        for (int d = 0; d < dim; d++) o[d] += w * r[d];
+    }
 }
 
 static void run_task(const job_t *a, int task, float *scores) {
@@ -38,18 +84,17 @@ static void run_task(const job_t *a, int task, float *scores) {
     const int64_t lo = a->window > 0 && len > a->window ? len - a->window : 0;
     const int64_t keys = len - lo;
     const int64_t *table = a->blocks + (int64_t)i * a->max_blocks;
-    const float *kbase = a->k + kvh * a->kv_head, *vbase = a->v + kvh * a->kv_head;
+    const int64_t head = kvh * a->kv_head;
+    float q[MAX_DIM], o[MAX_DIM];
     for (int g = 0; g < group; g++) {
         const int h = kvh * group + g;
-        const float *q = a->q + i * a->q_row + h * a->q_head;
+        const int64_t qoff = i * a->q_row + h * a->q_head;
+        for (int d = 0; d < dim; d++)
+            q[d] = a->bf16 ? widen(((const uint16_t *)a->q)[qoff + d]) : ((const float *)a->q)[qoff + d];
         float *s = scores + (int64_t)g * keys;
         float top = -INFINITY;
         for (int64_t j = 0; j < keys; j++) {
-            const float *kr = row(a, kbase, table, lo + j);
-            float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-            for (int d = 0; d < dim; d++) acc += q[d] * kr[d];
-            s[j] = acc * a->scale;
+            s[j] = dot(a, q, a->k, head + slot(a, table, lo + j) * dim) * a->scale;
             if (s[j] > top) top = s[j];
         }
         float sum = 0.f;
@@ -58,13 +103,14 @@ static void run_task(const job_t *a, int task, float *scores) {
             sum += s[j];
         }
         const float inv = 1.f / sum;
-        float *o = a->out + ((int64_t)i * a->heads + h) * dim;
         memset(o, 0, sizeof(float) * (size_t)dim);
-        for (int64_t j = 0; j < keys; j++) {
-            const float *vr = row(a, vbase, table, lo + j);
-            const float w = s[j] * inv;
-#pragma omp simd
-            for (int d = 0; d < dim; d++) o[d] += w * vr[d];
+        for (int64_t j = 0; j < keys; j++)
+            axpy(a, o, s[j] * inv, a->v, head + slot(a, table, lo + j) * dim);
+        const int64_t ooff = ((int64_t)i * a->heads + h) * dim;
+        if (a->bf16) {
+            for (int d = 0; d < dim; d++) ((uint16_t *)a->out)[ooff + d] = narrow(o[d]);
+        } else {
+            memcpy((float *)a->out + ooff, o, sizeof(float) * (size_t)dim);
         }
     }
 }
@@ -81,11 +127,12 @@ static void *worker(void *arg) {
     return NULL;
 }
 
-int batchd_decode_attention_f32(const float *q, int64_t q_row, int64_t q_head, const float *k,
-                                const float *v, int64_t kv_head, const int64_t *blocks,
-                                int64_t max_blocks, const int64_t *lens, int n, int heads,
-                                int kv_heads, int dim, int block_size, int window, float scale,
-                                float *out, int threads) {
+int batchd_decode_attention(const void *q, int64_t q_row, int64_t q_head, const void *k,
+                            const void *v, int64_t kv_head, const int64_t *blocks,
+                            int64_t max_blocks, const int64_t *lens, int n, int heads,
+                            int kv_heads, int dim, int block_size, int window, int bf16,
+                            float scale, void *out, int threads) {
+    if (dim > MAX_DIM) return 2;
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads > n * kv_heads) threads = n * kv_heads > 0 ? n * kv_heads : 1;
@@ -95,7 +142,7 @@ int batchd_decode_attention_f32(const float *q, int64_t q_row, int64_t q_head, c
     int rc = 0;
     for (int t = 0; t < threads; t++)
         jobs[t] = (job_t){q, q_row, q_head, k, v, kv_head, blocks, max_blocks, lens, n, heads,
-                          kv_heads, dim, block_size, window, scale, out, t, threads};
+                          kv_heads, dim, block_size, window, bf16, scale, out, t, threads};
     for (int t = 1; t < threads; t++)
         started[t] = pthread_create(&ids[t], NULL, worker, &jobs[t]) == 0;
     for (int t = 0; t < threads; t++)

@@ -93,7 +93,8 @@ def build(name: str) -> Path | None:
 @functools.cache
 def decode_attention() -> DecodeAttention | None:
     """``f(q, k_cache, v_cache, blocks, lens, window, scale, out)``: decode attention of ``n``
-    rows in float32, or None where the kernel cannot be built here.
+    rows in float32 or bfloat16 (every tensor the same), or None where the kernel cannot be
+    built here.
 
     ``q`` [n, heads, dim] (any row and head strides, dim contiguous); ``k_cache``/``v_cache``
     one layer's cache, ``[kv_heads, blocks, block_size, dim]`` contiguous; ``blocks`` [n, width]
@@ -103,13 +104,13 @@ def decode_attention() -> DecodeAttention | None:
     if path is None:
         return None
     try:
-        fn = ctypes.CDLL(str(path)).batchd_decode_attention_f32
+        fn = ctypes.CDLL(str(path)).batchd_decode_attention
     except (OSError, AttributeError) as exc:
         log.warning("loading %s failed (%s), torch path kept", path, exc)
         return None
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, ptr]
-    fn.argtypes += [i32, i32, i32, i32, i32, i32, ctypes.c_float, ptr, i32]
+    fn.argtypes += [i32, i32, i32, i32, i32, i32, i32, ctypes.c_float, ptr, i32]
     fn.restype = i32
 
     def run(
@@ -140,10 +141,13 @@ def decode_attention() -> DecodeAttention | None:
             dim,
             block_size,
             window,
+            int(q.dtype == torch.bfloat16),
             scale,
             out.data_ptr(),
             torch.get_num_threads(),
         )
+        if rc == 2:
+            raise ValueError(f"decode attention kernel: head_dim {dim} over its 1,024")
         if rc != 0:
             raise MemoryError("decode attention kernel: no scratch memory")
 

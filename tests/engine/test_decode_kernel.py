@@ -1,6 +1,6 @@
-"""The compiled float32 decode-attention kernel against the torch path it replaces: the same
-rows (to float32 rounding) for sequences of mixed lengths, GQA, a sliding window, one and two
-threads and a query with the model's strides; and no compiler means the torch path."""
+"""The compiled decode-attention kernel against the torch path it replaces: the same rows (to
+float32 rounding; to bf16's in bf16) for sequences of mixed lengths, GQA, a sliding window,
+one and two threads and a query with the model's strides; no compiler means the torch path."""
 
 from __future__ import annotations
 
@@ -71,13 +71,25 @@ def test_kernel_rows_equal_the_torch_path(
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_backend_sends_float32_decodes_to_the_kernel_and_not_bfloat16() -> None:
+def test_bfloat16_rows_equal_the_torch_path(kernel: kernels.DecodeAttention) -> None:
+    lens = [3, 31, 64, 300]
+    g, query, k, v = _case(lens, seed=7)
+    query, k, v = query.bfloat16(), k.bfloat16(), v.bfloat16()
+    want = _torch_path(g, query, k, v, None)
+    got = torch.empty(len(lens), HEADS, DIM, dtype=torch.bfloat16)
+    kernel(query[0].transpose(0, 1), k, v, g.blocks, g.lens, 0, DIM**-0.5, got)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_the_backend_sends_what_the_kernel_reads() -> None:
     from engine.attention.sdpa import _kernel_fits
 
     _, query, k, _ = _case([5, 9])
     assert _kernel_fits(query, k, None)
+    assert _kernel_fits(query.bfloat16(), k.bfloat16(), None)
     assert not _kernel_fits(query, k, 30.0)  # soft-capping stays on the torch path
-    assert not _kernel_fits(query.bfloat16(), k.bfloat16(), None)
+    assert not _kernel_fits(query.half(), k.half(), None)
+    assert not _kernel_fits(query, k.bfloat16(), None)
 
 
 def test_no_compiler_keeps_the_torch_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
