@@ -99,6 +99,8 @@ class EngineConfig:
             )
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be true or false, got {self.cuda_graphs!r}")
+        if not isinstance(self.cpu_kernels, bool):
+            raise ValueError(f"cpu_kernels must be true or false, got {self.cpu_kernels!r}")
         _positive_int("cuda_graph_max_batch", self.cuda_graph_max_batch)
         if not isinstance(self.enable_metrics, bool):
             raise ValueError(f"enable_metrics must be true or false, got {self.enable_metrics!r}")

@@ -66,13 +66,15 @@ class ModelRunner:
         self.model = hf_model
         self.base = getattr(hf_model, hf_model.base_model_prefix)
         self.lm_head = hf_model.get_output_embeddings()
-        if cpu_linear.packable(self.dtype, self.device):
-            rows = config.max_num_seqs or 64
+        rows = config.max_num_seqs or 64
+        if cpu_linear.packable(self.dtype, self.device) and (
+            self.dtype == torch.bfloat16 or cpu_linear.packing_pays(self.base, rows)
+        ):
             packed = cpu_linear.pack_linears(self.base, rows)
             if packed and type(self.lm_head) is torch.nn.Linear:
                 # A copy: the output layer may share its weight with the input embedding.
                 self.lm_head = cpu_linear.PackedLinear.of(self.lm_head, rows)
-            log.info("%d linear layers packed for oneDNN (bf16 on CPU)", packed)
+            log.info("%d linear layers packed for oneDNN (%s on CPU)", packed, self.dtype)
         text_config = hf_model.config.get_text_config()
         attention.check_config(text_config)
         self.model_config = text_config

@@ -166,3 +166,29 @@ def test_prefix_caching_with_chunks_and_preemption(model: dict) -> None:
     assert stats.num_preemptions > 0
     assert stats.total_cached_tokens > 0
     assert stats.num_chunked_prefills > 0
+
+
+def test_packed_float32_linears_and_the_decode_kernel(
+    model: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whether float32 packing pays is measured at load; pinned on here, with the compiled
+    decode kernel, the output is still generate()'s."""
+    from engine.cpu import linear
+
+    monkeypatch.setattr(linear, "packing_pays", lambda module, rows: True)
+    cases, ref = model["plain"]
+    engine = Engine(model["path"])
+    runner = engine.runner
+    assert runner.backend.kernel is not None
+    assert any(isinstance(m, linear.PackedLinear) for m in runner.base.modules())
+    assert isinstance(runner.lm_head, linear.PackedLinear)
+    _check(engine, cases, ref)
+
+
+def test_torch_attention_path(model: dict) -> None:
+    """Without the compiled kernel (``cpu_kernels=False``, or no C compiler) decode rows take
+    torch's SDPA, with the same output."""
+    cases, ref = model["plain"]
+    engine = Engine(model["path"], cpu_kernels=False)
+    assert engine.runner.backend.kernel is None
+    _check(engine, cases, ref)
