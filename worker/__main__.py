@@ -1,7 +1,7 @@
 """``python -m worker control|model|beat [celery options…]``: start a worker from the settings.
 
 * ``control``: the control queue (validate, finalize, cancel, sweep), threads pool; and the
-  webhook queue, whose attempts run on threads of their own (:mod:`worker.webhooks`).
+  webhook queue, whose attempts run on threads of their own (:mod:`worker.batches.webhooks`).
 * ``model [NAME…]``: the queues of the named served models (default: all of them), threads
   pool with ``BATCHD_WORKER_SHARD_CONCURRENCY`` shard tasks in flight; the engine loads once.
 * ``dispatch [NAME…]``: the queues of the named upstream models (default: every ``upstream:``
@@ -9,7 +9,7 @@
   run on one small node; they share each upstream's limit (:mod:`worker.upstream.shared`).
 * ``beat``: the scheduler that sends the expiry sweep.
 * ``health``: exits 0 while this container's worker touches ``BATCHD_WORKER_LIVENESS_FILE``
-  (see :mod:`worker.liveness`), 1 otherwise: a healthcheck that tells a hung worker from a busy
+  (see :mod:`worker.infra.liveness`), 1 otherwise: a healthcheck that tells a hung worker from a busy
   one and needs no broker.
 """
 
@@ -63,7 +63,7 @@ def environment(role: str, base: dict[str, str] | None = None) -> dict[str, str]
     scan) between long-lived objects, and Python's small-object allocator returns a 1 MiB
     arena only once every object in it is gone, so a few survivors kept hundreds of MiB
     resident after each burst. With ``PYTHONMALLOC=malloc`` its objects live in the C heap,
-    whose free pages :mod:`worker.memory` hands back. An operator's own ``PYTHONMALLOC``
+    whose free pages :mod:`worker.infra.memory` hands back. An operator's own ``PYTHONMALLOC``
     wins."""
     env = dict(os.environ if base is None else base)
     if role == "control":
@@ -72,7 +72,7 @@ def environment(role: str, base: dict[str, str] | None = None) -> dict[str, str]
 
 
 def health() -> None:
-    from worker.liveness import health as check
+    from worker.infra.liveness import health as check
 
     ok, why = check()
     print(("healthy: " if ok else "unhealthy: ") + why)

@@ -1,4 +1,4 @@
-"""The worker's liveness watchdog (worker/liveness.py) with a stand-in consumer: it touches the
+"""The worker's liveness watchdog (worker/infra/liveness.py) with a stand-in consumer: it touches the
 file while the loop turns or the consumer reconnects, and ends the process (non-zero) once the
 loop has stalled or an engine host died; ``python -m worker health`` reads the file."""
 
@@ -14,7 +14,7 @@ import pytest
 from celery import bootsteps
 
 from core import launch
-from worker import liveness
+from worker.infra import liveness
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -69,7 +69,7 @@ def test_reconnecting_to_the_broker_is_no_hang(tmp_path: Path) -> None:
 
 
 def test_a_dead_engine_host_ends_the_worker(tmp_path: Path, monkeypatch) -> None:
-    from worker import runtime
+    from worker.infra import runtime
 
     hosts = {"m": SimpleNamespace(is_alive=True)}
     monkeypatch.setattr(runtime, "loaded_hosts", lambda: dict(hosts))
@@ -161,7 +161,7 @@ def test_a_stalled_control_pool_ends_the_worker_naming_why(
     dog.last_progress -= 3600
     assert dog.check() and exits == []  # a task finished and another started: progress
     dog.last_progress -= 601
-    with caplog.at_level("CRITICAL", logger="worker.liveness"):
+    with caplog.at_level("CRITICAL", logger="worker.infra.liveness"):
         assert not dog.check()
     assert exits == [liveness.EXIT_UNHEALTHY]
     assert "no control task has started or finished" in caplog.text

@@ -19,9 +19,9 @@ def _cached_tokens(tenant: str, prompt: list[int], host) -> int:
 
     from core.db import session_scope
     from core.models import Batch
-    from worker.finalize import finalize
-    from worker.shard import run_shard
-    from worker.tasks import validate
+    from worker.batches.finalize import finalize
+    from worker.batches.tasks import validate
+    from worker.shards.task import run_shard
 
     batch_id = make_batch([completion_line("c", prompt, max_tokens=2)], endpoint="/v1/completions")
     with session_scope() as session:

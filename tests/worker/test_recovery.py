@@ -86,7 +86,7 @@ def fault_host() -> Iterator[Any]:
 
 
 def test_claim_leaves_a_live_attempt_alone(worker_env):
-    from worker.shard import claim
+    from worker.shards.task import claim
 
     batch_id = validated_batch([chat_line("a", "hi")])
     (shard,) = shard_rows(batch_id)
@@ -103,9 +103,9 @@ def test_reclaim_requeues_a_silent_shard_which_resumes_from_its_checkpoint(
     import redis
 
     from core.queue import model_queue
-    from worker.finalize import finalize
-    from worker.recovery import reclaim_stale_shards
-    from worker.shard import claim, run_shard
+    from worker.batches.finalize import finalize
+    from worker.shards.recovery import reclaim_stale_shards
+    from worker.shards.task import claim, run_shard
 
     ids = [f"r{i}" for i in range(10)]
     batch_id = validated_batch([chat_line(c, f"tell me about {c}", max_tokens=5) for c in ids])
@@ -141,9 +141,9 @@ def test_reclaim_requeues_a_silent_shard_which_resumes_from_its_checkpoint(
 
 def test_shard_given_up_after_max_attempts_reports_shard_failed(worker_env, host):
     from core.settings import get_settings
-    from worker.finalize import finalize
-    from worker.recovery import reclaim_stale_shards
-    from worker.shard import run_shard
+    from worker.batches.finalize import finalize
+    from worker.shards.recovery import reclaim_stale_shards
+    from worker.shards.task import run_shard
 
     ids = [f"q{i}" for i in range(10)]
     batch_id = validated_batch(
@@ -177,8 +177,8 @@ def test_shard_given_up_after_max_attempts_reports_shard_failed(worker_env, host
 
 def test_redelivered_task_past_max_attempts_fails_the_rest(worker_env, host):
     from core.settings import get_settings
-    from worker.finalize import finalize
-    from worker.shard import run_shard
+    from worker.batches.finalize import finalize
+    from worker.shards.task import run_shard
 
     ids = ["x0", "x1", "x2"]
     batch_id = validated_batch([chat_line(c, "hello", max_tokens=3) for c in ids])
@@ -192,7 +192,7 @@ def test_redelivered_task_past_max_attempts_fails_the_rest(worker_env, host):
 
 def test_heartbeat_thread_beats_and_stops_a_reclaimed_attempt(worker_env, host, monkeypatch):
     from core.settings import get_settings
-    from worker.shard import run_shard
+    from worker.shards.task import run_shard
 
     monkeypatch.setenv("BATCHD_HEARTBEAT_INTERVAL_S", "0.2")
     monkeypatch.setenv("BATCHD_CHECKPOINT_EVERY", "1000")
@@ -221,8 +221,8 @@ def test_heartbeat_thread_beats_and_stops_a_reclaimed_attempt(worker_env, host, 
 
 
 def test_step_failure_retries_each_request_alone(worker_env, host, fault_host):
-    from worker.finalize import finalize
-    from worker.shard import run_shard
+    from worker.batches.finalize import finalize
+    from worker.shards.task import run_shard
 
     texts = {f"s{i}": f"short story number {i}" for i in range(7)}
     texts["poison"] = "a POISONPILL story"
@@ -256,8 +256,8 @@ def test_step_failure_retries_each_request_alone(worker_env, host, fault_host):
 
 
 def test_request_error_is_retried_then_reported(worker_env, fault_host):
-    from worker.finalize import finalize
-    from worker.shard import run_shard
+    from worker.batches.finalize import finalize
+    from worker.shards.task import run_shard
 
     order = ["ok0", "refused", "ok1"]
     lines = [
@@ -281,8 +281,8 @@ def test_database_outage_mid_shard_is_ridden_out(worker_env, host, pg_url, monke
     from core import db
     from core.settings import get_settings
     from tests.conftest import PG_HOST, PG_PORT
-    from worker.finalize import finalize
-    from worker.shard import run_shard
+    from worker.batches.finalize import finalize
+    from worker.shards.task import run_shard
 
     def use_database(url: str) -> None:
         monkeypatch.setenv("BATCHD_DATABASE_URL", url)

@@ -46,7 +46,7 @@ Messages are sent after the transaction commits. If the send fails, the shards a
 released shards that no message will run: the sweep re-sends shards that were released, never
 claimed (``attempts = 0``) and untouched for longer than ``resend_after_s()``; a duplicate
 message is harmless (the shard's claim fences older attempts off). Shards reclaimed from dead
-workers are re-sent by ``worker.recovery``, not here, and so is a reclaimed shard whose message
+workers are re-sent by ``worker.shards.recovery``, not here, and so is a reclaimed shard whose message
 was lost (it would hold its slot until the broker's visibility timeout, or for good).
 """
 
@@ -72,8 +72,8 @@ from core.priority import Priority
 from core.queue import TASK_RELEASE_SWEEP, TASK_RUN_SHARD, model_queue
 from core.settings import get_settings
 from engine.admission.order import aged_tier, deadline_key
-from worker.celery_app import app
-from worker.common import retrying, send
+from worker.infra.celery import app
+from worker.infra.common import retrying, send
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ its host and reads what came back as an :data:`Outcome`.
 :class:`GenerationHandler` runs chat, completions and responses on the engine host;
 :class:`EmbeddingHandler` runs embeddings on the embedding host;
 :class:`worker.upstream.handler.UpstreamHandler` sends every kind to an upstream server.
-:class:`worker.shard_run.ShardRun` keeps what they share (checkpoints, cancel, retries, suspects) and asks its handler the rest.
+:class:`worker.shards.run.ShardRun` keeps what they share (checkpoints, cancel, retries, suspects) and asks its handler the rest.
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ from core.models import Batch, Shard
 from core.priority import Priority
 from core.results import GenerationResult, embedding_body, output_line
 from core.settings import get_settings
-from worker import runtime, timings
-from worker.common import REQUEST_ERRORS, storage
-from worker.prepared import read_prepared, tokenizer_fingerprint
+from worker.infra import runtime
+from worker.infra.common import REQUEST_ERRORS, storage
+from worker.shards import timings
+from worker.shards.prepared import read_prepared, tokenizer_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +134,7 @@ class GenerationHandler:
         self.tok = host.tokenizer
         self.context = runtime.context_length(batch.model or "")
         self.vocab_size = len(self.tok)
-        # The prompt ids validation stored for this shard (worker.prepared), by input line.
+        # The prompt ids validation stored for this shard (worker.shards.prepared), by input line.
         self.prepared = read_prepared(
             storage(), batch.id, shard.index, tokenizer_fingerprint(self.tok)
         )

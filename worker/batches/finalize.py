@@ -16,13 +16,13 @@ The same path ends every batch that ran:
   their last one) completes instead (``in_progress -> finalizing -> completed``), unless its
   validation was not done.
 
-Validation streams into execution (:mod:`worker.validation`): a batch may be cancelled or
+Validation streams into execution (:mod:`worker.validation.task`): a batch may be cancelled or
 expire before its validation has read its whole input. The merge then also reads the input
 after the last shard, streaming, and gives each of those never-validated lines a
 ``batch_cancelled``/``batch_expired`` line (``custom_id`` when the line names one), so every
 request line still ends as exactly one output or error line; ``request_counts.total`` becomes
 the number of those lines. A batch never moves to ``finalizing`` before its validation is done
-(``worker.shard_state.finish_if_last``), and a finalize never completes one.
+(``worker.shards.state.finish_if_last``), and a finalize never completes one.
 
 One finalize of a batch runs at a time (:func:`sole_finalizer`): a cancel that arrives while
 validation is stopping, a sweep's re-drive and the last shard's finalize would otherwise each
@@ -35,10 +35,10 @@ The ``batch_<code>`` lines also go into one last chunk of the batch's results lo
 (:mod:`core.results_log`), logged in that transaction; the chunks are kept (the log pages
 through them) until retention deletes the batch's output files.
 
-The winner then sends the batch's webhook event (:mod:`worker.webhooks`), and after a cancel or
-expiry lets the release policy fill the slots its sealed shards held (:mod:`worker.release`).
+The winner then sends the batch's webhook event (:mod:`worker.batches.webhooks`), and after a cancel or
+expiry lets the release policy fill the slots its sealed shards held (:mod:`worker.shards.release`).
 Output and error files expire the batch's ``output_expires_after`` seconds (default
-``settings.file_expiry_s``) after the finalize (:mod:`worker.retention` deletes them).
+``settings.file_expiry_s``) after the finalize (:mod:`worker.batches.retention` deletes them).
 """
 
 from __future__ import annotations
@@ -65,15 +65,15 @@ from core.results import batch_error_line, dumps_line
 from core.results_log import chunk_line, final_chunk_key, log_chunk
 from core.settings import get_settings
 from core.storage import Storage
-from worker.checkpoints import (
+from worker.batches.webhooks import notify
+from worker.infra.common import input_key, live_shards, past_expiry, storage, unfinished_shards
+from worker.shards.checkpoints import (
     ChunkRecord,
     chunk_key,
     lines_without_result,
     read_chunk,
 )
-from worker.common import input_key, live_shards, past_expiry, storage, unfinished_shards
-from worker.release import release_for_model
-from worker.webhooks import notify
+from worker.shards.release import release_for_model
 
 logger = logging.getLogger(__name__)
 
@@ -269,7 +269,7 @@ def _seal(session: Session, batch_id: str) -> None:
 def _shard_views(batch_id: str, seal: bool) -> list[_ShardView]:
     """The batch's shards, first sealed if ``seal``. A validation still streaming creates each
     shard under a lock on the batch row after checking the batch is still running
-    (``worker.validation``): taking that lock here means the shards read are all it will
+    (``worker.validation.task``): taking that lock here means the shards read are all it will
     ever create for a batch being cancelled or expired. Shards are sealed before the lock, the
     order a checkpoint commit takes them in, and once more after it (one created meanwhile)."""
     with session_scope() as session:

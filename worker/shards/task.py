@@ -1,6 +1,6 @@
 """The shard task (model queues): run one contiguous range of a batch's requests through the
 process-wide engine host and checkpoint the results. The database protocol of a shard lives in
-:mod:`worker.shard_state`, the loop that feeds the engine in :mod:`worker.shard_run`; this
+:mod:`worker.shards.state`, the loop that feeds the engine in :mod:`worker.shards.run`; this
 module wires them into the Celery task.
 
 Flow of :func:`run_shard`:
@@ -33,7 +33,7 @@ step failed is retried alone (see :class:`ShardRun`), up to ``max_request_attemp
 
 Crash recovery: while an attempt runs, a background thread stamps ``heartbeat_at`` every
 ``heartbeat_interval_s``. A worker killed outright stops heartbeating; the reclaim sweep
-(:mod:`worker.recovery`) re-queues its shard after ``shard_stale_after_s``, and the new
+(:mod:`worker.shards.recovery`) re-queues its shard after ``shard_stale_after_s``, and the new
 attempt resumes from the last committed checkpoint. A shard claimed more than
 ``max_shard_attempts`` times has its remaining requests reported as ``shard_failed`` error
 lines. Every database step retries through a short database outage (``common.retrying``).
@@ -59,17 +59,17 @@ from core.logs import bind_log_context, log_context
 from core.models import Batch, Shard
 from core.queue import TASK_RUN_SHARD, model_queue
 from core.settings import get_settings
-from worker import runtime
-from worker.celery_app import app
-from worker.checkpoints import (
+from worker.infra import runtime
+from worker.infra.celery import app
+from worker.infra.common import input_key, past_expiry, retrying, storage
+from worker.shards.checkpoints import (
     committed_lines,
     discard_uncommitted,
 )
-from worker.common import input_key, past_expiry, retrying, storage
-from worker.recovery import fail_claimed
-from worker.release import release_next
-from worker.shard_run import ShardRun
-from worker.shard_state import (
+from worker.shards.recovery import fail_claimed
+from worker.shards.release import release_next
+from worker.shards.run import ShardRun
+from worker.shards.state import (
     ShardLost,
     abandon,
     claim,

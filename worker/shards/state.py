@@ -19,12 +19,7 @@ from core.models import Batch, Shard
 from core.queue import TASK_FINALIZE
 from core.results import GenerationResult
 from core.results_log import log_chunk
-from worker.checkpoints import (
-    ChunkRecord,
-    chunk_key,
-    write_chunk,
-)
-from worker.common import (
+from worker.infra.common import (
     heartbeat_interval_s,
     live_shards,
     past_expiry,
@@ -33,6 +28,11 @@ from worker.common import (
     stale_after_s,
     storage,
     unfinished_shards,
+)
+from worker.shards.checkpoints import (
+    ChunkRecord,
+    chunk_key,
+    write_chunk,
 )
 
 logger = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ class Pending:
 
     items: list[tuple[ChunkRecord, int, int, int]] = field(default_factory=list)
     # When each ok result finished in the engine (``time.time()``; None where unknown): the
-    # lag from there to the chunk's commit is measured (``worker.timings``).
+    # lag from there to the chunk's commit is measured (``worker.shards.timings``).
     finished: list[float | None] = field(default_factory=list)
 
     def __len__(self) -> int:

@@ -49,15 +49,15 @@ HISTOGRAM_HELP = {
 
 
 class EngineCollector(Collector):
-    """The engines of this process (``worker.runtime.loaded_hosts()``), read at each scrape."""
+    """The engines of this process (``worker.infra.runtime.loaded_hosts()``), read at each scrape."""
 
     def __init__(self, hosts: Any = None) -> None:
-        self._hosts = hosts  # a callable returning {model: host}; default: worker.runtime's
+        self._hosts = hosts  # a callable returning {model: host}; default: worker.infra.runtime's
 
     def _loaded(self) -> dict[str, Any]:
         if self._hosts is not None:
             return dict(self._hosts())
-        from worker import runtime
+        from worker.infra import runtime
 
         return runtime.loaded_hosts()
 
@@ -211,7 +211,7 @@ class UpstreamCollector(Collector):
         if self._hosts is not None:
             loaded = dict(self._hosts())
         else:
-            from worker import runtime
+            from worker.infra import runtime
 
             loaded = runtime.loaded_hosts()
         m = ["model"]

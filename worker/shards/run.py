@@ -18,9 +18,10 @@ from core.lifecycle import ShardStatus
 from core.logs import log_context
 from core.models import Batch, Shard
 from core.settings import get_settings
-from worker import runtime, timings
-from worker.common import storage
-from worker.shard_handlers import (
+from worker.infra import runtime
+from worker.infra.common import storage
+from worker.shards import timings
+from worker.shards.handlers import (
     Aborted,
     EngineUnavailable,
     Failed,
@@ -28,7 +29,7 @@ from worker.shard_handlers import (
     Refused,
     handler_for,
 )
-from worker.shard_state import Heartbeat, Pending, ShardLost, batch_stopping, commit_chunk
+from worker.shards.state import Heartbeat, Pending, ShardLost, batch_stopping, commit_chunk
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +100,9 @@ class ShardRun:
         self.suspects: list[tuple[BatchRequest, Any, Any]] = []
         self.stats_timeouts = 0
         self.suspect_line: int | None = None
-        self.submitted_at: dict[int, float] = {}  # line -> handed to the host (worker.timings)
+        self.submitted_at: dict[
+            int, float
+        ] = {}  # line -> handed to the host (worker.shards.timings)
         self.gate = runtime.isolation_gate(host)
         self.heartbeat: Heartbeat | None = None
         self._last_checkpoint = time.monotonic()

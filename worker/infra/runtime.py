@@ -42,7 +42,7 @@ HOST_OPTIONS = ("max_pending", "engine_backlog", "group_window", "lead_requests"
 
 
 class IsolationGate:
-    """Lets one shard at a time run requests alone on a host (see ``worker.shard_run.ShardRun``):
+    """Lets one shard at a time run requests alone on a host (see ``worker.shards.run.ShardRun``):
     while it is held, the other shards of the process hold back their submissions."""
 
     def __init__(self) -> None:
@@ -347,9 +347,9 @@ def shutdown_hosts() -> None:
 # engine's ``max_num_seqs``) and ``time`` (when the snapshot was taken, ``time.time()``),
 # from a cache refreshed every 0.1 s while someone asks (see ``_StatsCache``). It is
 # registered when this module is imported, which every worker process does through its task
-# modules (``worker.shard`` imports it). Ask one worker:
+# modules (``worker.shards.task`` imports it). Ask one worker:
 #
-#     celery -A worker.celery_app inspect engine_stats -d model@host
+#     celery -A worker.infra.celery inspect engine_stats -d model@host
 #     app.control.broadcast("engine_stats", destination=["model@host"], reply=True, timeout=1)
 #
 # A worker without a loaded model answers ``{"models": {}}``.

@@ -1,7 +1,7 @@
 """Crash recovery: the reclaim sweep and giving up on a shard.
 
 A running shard's attempt stamps ``shards.heartbeat_at`` every ``heartbeat_interval_s`` from a
-background thread (``worker.shard_state.Heartbeat``). A worker that is killed (SIGKILL, OOM, a lost
+background thread (``worker.shards.state.Heartbeat``). A worker that is killed (SIGKILL, OOM, a lost
 node) or hangs stops doing so. The broker would redeliver its task only after the visibility
 timeout (hours), so beat runs :func:`reclaim_stale_shards` every ``reclaim_sweep_interval_s``:
 
@@ -18,14 +18,14 @@ timeout (hours), so beat runs :func:`reclaim_stale_shards` every ``reclaim_sweep
   again, once per ``stuck_batch_after_s`` (:func:`redrive_due`); both are idempotent. A
   validating batch past its window is left to the expiry sweep. So does an ``in_progress``
   batch whose validation is not done and has created no shard for that long
-  (``validated_at``): the validate resumes after its last shard (``worker.validation``).
+  (``validated_at``): the validate resumes after its last shard (``worker.validation.task``).
 
 The reclaimed shard keeps its ``released_at``: it was released once and is only re-sent. So
-it holds its model's release slot (``worker.release``) until a worker claims it; if the message
+it holds its model's release slot (``worker.shards.release``) until a worker claims it; if the message
 that re-sent it is lost (a broker blip, a worker killed holding it unacknowledged, which the
 broker gives back only after the visibility timeout of hours), nothing else would ever claim
 it. So the sweep also sends again a reclaimed shard still ``pending`` and untouched (no claim,
-no heartbeat) for ``worker.release.resend_after_s()`` (the bound of a release that was never
+no heartbeat) for ``worker.shards.release.resend_after_s()`` (the bound of a release that was never
 claimed, derived from ``shard_stale_after_s``), once per that bound: the slot runs its shard
 instead of sitting idle. A duplicate message is harmless (a claim takes only a pending or a
 stale shard).
@@ -47,11 +47,11 @@ from core.models import Batch, Shard
 from core.queue import TASK_FINALIZE, TASK_RECLAIM, TASK_RUN_SHARD, TASK_VALIDATE, model_queue
 from core.results import request_error_line
 from core.settings import get_settings
-from worker.celery_app import app
-from worker.checkpoints import discard_uncommitted, lines_without_result
-from worker.common import input_key, retrying, send, stale_after_s, storage
-from worker.release import release_next, resend_after_s
-from worker.shard_state import (
+from worker.infra.celery import app
+from worker.infra.common import input_key, retrying, send, stale_after_s, storage
+from worker.shards.checkpoints import discard_uncommitted, lines_without_result
+from worker.shards.release import release_next, resend_after_s
+from worker.shards.state import (
     Pending,
     ShardLost,
     claim,
@@ -214,7 +214,7 @@ def _stuck_batches(now: datetime, bound_s: float, every_s: float) -> list[tuple[
                     & (Batch.expires_at > now)
                 )
                 | ((Batch.status == BatchStatus.FINALIZING) & (Batch.finalizing_at < cutoff))
-                # Validation streams shards into a running batch (worker.validation): one
+                # Validation streams shards into a running batch (worker.validation.task): one
                 # that has created none for that long stopped (its worker was killed).
                 | (
                     (Batch.status == BatchStatus.IN_PROGRESS)

@@ -2,7 +2,7 @@
 
 Control worker (validate, finalize, cancel, expiry sweep; no model loaded)::
 
-    celery -A worker.celery_app worker -Q batchd.control --pool threads -c 2
+    celery -A worker.infra.celery worker -Q batchd.control --pool threads -c 2
 
 A worker that consumes the control queue also consumes the webhook queue (``batchd.webhooks``,
 :func:`consume_webhooks`): each delivery task only hands its attempt to the process's own
@@ -12,7 +12,7 @@ a control thread.
 Model worker (one per GPU process; loads the engine once, runs several shards at a time so
 the engine's batch stays full across shard boundaries; never forks after the model loads)::
 
-    celery -A worker.celery_app worker -Q batchd.model.<name> --pool threads \\
+    celery -A worker.infra.celery worker -Q batchd.model.<name> --pool threads \\
         -c $BATCHD_WORKER_SHARD_CONCURRENCY
 
 Beat (the sweeps: expiry every ``BATCHD_EXPIRY_SWEEP_INTERVAL_S`` seconds, shard release
@@ -20,7 +20,7 @@ every ``BATCHD_RELEASE_SWEEP_INTERVAL_S``, file retention every ``BATCHD_FILE_SW
 the stale-shard reclaim every ``BATCHD_RECLAIM_SWEEP_INTERVAL_S``, unsent webhook events every
 ``BATCHD_WEBHOOK_SWEEP_INTERVAL_S``)::
 
-    celery -A worker.celery_app beat
+    celery -A worker.infra.celery beat
 
 ``python -m worker control|model|beat`` builds these command lines from the settings.
 
@@ -77,15 +77,15 @@ CONTROL_TASKS = frozenset({TASK_VALIDATE, TASK_FINALIZE, TASK_CANCEL, TASK_SWEEP
                            TASK_RELEASE_SWEEP, TASK_SWEEP_FILES, TASK_SWEEP_WEBHOOKS, TASK_RECLAIM,
                            TASK_ESTIMATE, TASK_REFRESH_ETAS})  # fmt: skip
 
-# Task modules every process registers. ``worker.recovery`` (heartbeats and the reclaim sweep)
+# Task modules every process registers. ``worker.shards.recovery`` (heartbeats and the reclaim sweep)
 # is included when it is present.
-INCLUDE = ["worker.tasks", "worker.shard", "worker.release", "worker.webhooks", "worker.retention",
-           "worker.estimate"]  # fmt: skip
+INCLUDE = ["worker.batches.tasks", "worker.shards.task", "worker.shards.release", "worker.batches.webhooks", "worker.batches.retention",
+           "worker.validation.estimate"]  # fmt: skip
 
 
 def _has_recovery() -> bool:
     try:
-        return find_spec("worker.recovery") is not None
+        return find_spec("worker.shards.recovery") is not None
     except (ImportError, ValueError):
         return False
 
@@ -224,7 +224,7 @@ PUBLISH_RETRY_POLICY = {"max_retries": 30, "interval_start": 0, "interval_step":
 def create_app() -> Celery:
     settings = get_settings()
     recovery = _has_recovery()
-    include = [*INCLUDE, "worker.recovery"] if recovery else list(INCLUDE)
+    include = [*INCLUDE, "worker.shards.recovery"] if recovery else list(INCLUDE)
     celery = Celery("batchd", broker=settings.broker_url, include=include)
     control = {"queue": CONTROL_QUEUE}
     routes = {name: control for name in CONTROL_TASKS}
@@ -284,7 +284,7 @@ def import_task_dependencies() -> None:
 def consume_webhooks(worker: Any) -> bool:
     """Make ``worker`` consume the webhook queue too if it consumes the control queue (so every
     deployment that runs a control worker delivers webhooks, whatever its ``-Q`` says); whether
-    it does. Its deliveries run on their own threads (``worker.webhooks``), not the pool's."""
+    it does. Its deliveries run on their own threads (``worker.batches.webhooks``), not the pool's."""
     queues = worker.app.amqp.queues
     consumed = queues.consume_from
     names = set(consumed or ()) if consumed is not None else set(queues)
@@ -335,30 +335,30 @@ def _start_metrics_exporter(**_: Any) -> None:
     # line (or the error naming a port it cannot bind) would go nowhere. At worker_ready (in
     # the main process) logging is set up and the start banner printed, so the line sits just
     # above "ready."; a prefork pool's first children, forked by then, do not inherit the socket.
-    from worker.metrics import start_exporter
+    from worker.infra.metrics import start_exporter
 
     start_exporter()
 
 
 @worker_ready.connect
 def _start_trimming(**_: Any) -> None:
-    from worker import memory
+    from worker.infra import memory
 
     memory.start()
 
 
 @worker_ready.connect
 def _start_liveness(sender: Any = None, **_: Any) -> None:
-    from worker import liveness
+    from worker.infra import liveness
 
     liveness.start(sender)
 
 
 @worker_shutting_down.connect
 def _stop_liveness(**_: Any) -> None:
-    # A requested shutdown: whoever asked for it bounds it (see worker.liveness).
+    # A requested shutdown: whoever asked for it bounds it (see worker.infra.liveness).
     from core import tracing
-    from worker import liveness
+    from worker.infra import liveness
 
     liveness.stop()
     tracing.flush()

@@ -43,21 +43,21 @@ from core.models import Batch, Shard
 from core.results_log import ChunkRecord, batch_log_prefix, log_chunk, write_chunk
 from core.settings import get_settings
 from core.sharding import ShardPlanner, ShardSpec
-from worker import runtime
-from worker.checkpoints import chunk_key
-from worker.common import past_expiry, storage
-from worker.prepared import tokenizer_fingerprint, write_prepared
-from worker.release import release_for_model
-from worker.shard_state import finish_if_last
-from worker.token_count import TokenCounter
-from worker.validation_failures import (
+from worker.batches.webhooks import notify
+from worker.infra import runtime
+from worker.infra.common import past_expiry, storage
+from worker.shards.checkpoints import chunk_key
+from worker.shards.prepared import tokenizer_fingerprint, write_prepared
+from worker.shards.release import release_for_model
+from worker.shards.state import finish_if_last
+from worker.validation.failures import (
     enqueued_tokens,
     fail_running,
     lock_tenant_model,
     quota_error,
     validation_errors,
 )
-from worker.webhooks import notify
+from worker.validation.token_count import TokenCounter
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class _OpenShard:
     errors: list[ChunkRecord] = field(default_factory=list)
     line_tokens: list[tuple[int, int]] = field(default_factory=list)
     prompt_tokens: int = 0
-    ids: list[tuple[int, list[int]]] = field(default_factory=list)  # see worker.prepared
+    ids: list[tuple[int, list[int]]] = field(default_factory=list)  # see worker.shards.prepared
 
     def add(self, line: int, prompt_tokens: int, ids: list[int] | None) -> None:
         self.line_tokens.append((line, prompt_tokens))

@@ -91,8 +91,8 @@ from core.netcheck import (
 )
 from core.queue import TASK_DELIVER_WEBHOOK, TASK_SWEEP_WEBHOOKS, WEBHOOK_QUEUE
 from core.settings import get_settings
-from worker.celery_app import app
-from worker.common import send
+from worker.infra.celery import app
+from worker.infra.common import send
 
 logger = logging.getLogger(__name__)
 

@@ -10,19 +10,19 @@ ready, every ``worker_liveness_interval_s``:
 * touches ``worker_liveness_file`` (when set) if the loop turned within
   ``worker_hang_timeout_s``, or if the consumer is reconnecting to the broker (its connection
   is gone while it runs; each attempt is bounded by the transport's socket timeouts, see
-  :func:`worker.celery_app.transport_options`), and every engine host the process loaded is
+  :func:`worker.infra.celery.transport_options`), and every engine host the process loaded is
   alive;
 * otherwise logs why and ends the process with :data:`EXIT_UNHEALTHY`, so that its supervisor
   (compose's ``restart:``, ``batchd up``, systemd) starts a fresh one. Nothing is lost: the
   control tasks it held are delivered again (late acknowledgement), its shards are re-queued by
   the reclaim sweep once their heartbeats stop and resume from their last checkpoint.
 
-An engine host does not come back in the process that lost it (``worker.runtime.host`` keeps
+An engine host does not come back in the process that lost it (``worker.infra.runtime.host`` keeps
 it), so a model worker whose engine died would take shards only to fail them: it exits too.
 
 A turning loop does not mean the control tasks move: every pool thread can be stuck inside a
 task (a call that never returns) while the loop turns happily. So the watchdog also looks at the
-control tasks (``worker.celery_app.CONTROL_TASKS``) in its pool each round
+control tasks (``worker.infra.celery.CONTROL_TASKS``) in its pool each round
 (:class:`PoolSnapshot`): when some are running and either more wait for a thread or no thread is
 free, and none has started or finished for ``worker_stall_timeout_s``, the pool is stalled
 (:func:`pool_stall`) and the process exits the same way, naming the tasks. A model worker's
@@ -215,7 +215,7 @@ class Watchdog:
         stalled_pool = self.pool_problem()
         if stalled_pool is not None:
             return stalled_pool
-        runtime = sys.modules.get("worker.runtime")
+        runtime = sys.modules.get("worker.infra.runtime")
         if runtime is not None:
             for model, host in runtime.loaded_hosts().items():
                 if not getattr(host, "is_alive", True):
@@ -226,7 +226,7 @@ class Watchdog:
         """Why the control tasks in this worker's pool are stalled, or None."""
         if self.stall_timeout_s <= 0:
             return None
-        from worker.celery_app import CONTROL_TASKS
+        from worker.infra.celery import CONTROL_TASKS
 
         snapshot = pool_snapshot(self.consumer, CONTROL_TASKS)
         current = time.monotonic()

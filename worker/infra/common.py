@@ -110,7 +110,7 @@ def send(task: str, *args: Any, queue: str = CONTROL_QUEUE, countdown: float | N
     """Enqueue ``task`` (to run ``countdown`` seconds from now, if given); call only after the
     rows it reads are committed. Retries through a broker outage (a task that must not be lost,
     like a finalize, is sent once it is back)."""
-    from worker.celery_app import app
+    from worker.infra.celery import app
 
     retrying(
         lambda: app.send_task(task, args=list(args), queue=queue, countdown=countdown),

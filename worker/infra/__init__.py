@@ -1,0 +1,1 @@
+"""Celery infrastructure of the workers: the app, engines of the process, liveness."""
