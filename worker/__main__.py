@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from core import launch, served_models
 from core.settings import get_settings
@@ -71,10 +72,37 @@ def environment(role: str, base: dict[str, str] | None = None) -> dict[str, str]
     return env
 
 
-def health() -> None:
-    from worker.infra.liveness import health as check
+def max_age_s(interval_s: float) -> float:
+    """How old the liveness file may be while its worker is healthy."""
+    return max(3 * interval_s, 30.0)
 
-    ok, why = check()
+
+def file_age_s(path: str | os.PathLike[str]) -> float | None:
+    """Seconds since ``path`` was last touched; None if it does not exist."""
+    try:
+        return max(0.0, time.time() - os.stat(path).st_mtime)
+    except FileNotFoundError:
+        return None
+
+
+def check_health(path: str | None = None, interval_s: float | None = None) -> tuple[bool, str]:
+    """(healthy, why) for the worker that touches ``path`` (default: the settings'). Read here,
+    not in :mod:`worker.infra.liveness`: the healthcheck runs every 30 s and loads no Celery."""
+    settings = get_settings()
+    path = path or settings.worker_liveness_file
+    if not path:
+        return False, "BATCHD_WORKER_LIVENESS_FILE is not set"
+    limit = max_age_s(settings.worker_liveness_interval_s if interval_s is None else interval_s)
+    age = file_age_s(path)
+    if age is None:
+        return False, f"{path} does not exist (the worker is not ready, or never was)"
+    if age > limit:
+        return False, f"{path} was last touched {age:.0f}s ago (more than {limit:.0f}s)"
+    return True, f"{path} touched {age:.1f}s ago"
+
+
+def health() -> None:
+    ok, why = check_health()
     print(("healthy: " if ok else "unhealthy: ") + why)
     raise SystemExit(0 if ok else 1)
 

@@ -153,7 +153,7 @@ def test_outages_while_control_steps_hold_their_messages(
     import httpx
 
     from tests.conftest import PG_HOST, PG_PORT
-    from worker.infra import liveness
+    from worker.__main__ import check_health
 
     redis_port = int(private_broker.rsplit(":", 1)[1].split("/")[0])
     pg = TcpProxy(PG_HOST, PG_PORT).start()
@@ -248,7 +248,7 @@ def test_outages_while_control_steps_hold_their_messages(
         assert "Error on stopping Hub" not in control_log
         assert control_log.count(f"resumed: finalize of {batch_id}") == 1
         for name, path in alive.items():
-            healthy, why = liveness.health(str(path), interval_s=1.0)
+            healthy, why = check_health(str(path), interval_s=1.0)
             assert healthy, (name, why)
         assert rd.refused > 0 and pg.refused > 0
     finally:

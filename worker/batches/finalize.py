@@ -66,7 +66,7 @@ from core.results_log import chunk_line, final_chunk_key, log_chunk
 from core.settings import get_settings
 from core.storage import Storage
 from worker.batches.webhooks import notify
-from worker.infra.common import input_key, live_shards, past_expiry, storage, unfinished_shards
+from worker.infra import input_key, live_shards, past_expiry, storage, unfinished_shards
 from worker.shards.checkpoints import (
     ChunkRecord,
     chunk_key,

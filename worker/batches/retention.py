@@ -27,8 +27,7 @@ from core.lifecycle import TERMINAL, now
 from core.models import Batch, File
 from core.queue import TASK_SWEEP_FILES
 from core.results_log import batch_log_prefix
-from worker.infra.celery import app
-from worker.infra.common import storage
+from worker.infra import app, storage
 
 logger = logging.getLogger(__name__)
 

@@ -37,8 +37,8 @@ from core.settings import get_settings
 from core.sharding import ShardPlanner
 from worker.batches.finalize import finalize
 from worker.batches.webhooks import notify
-from worker.infra.celery import app
-from worker.infra.common import (
+from worker.infra import (
+    app,
     input_key,
     live_shards,
     send,

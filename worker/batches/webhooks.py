@@ -91,8 +91,7 @@ from core.netcheck import (
 )
 from core.queue import TASK_DELIVER_WEBHOOK, TASK_SWEEP_WEBHOOKS, WEBHOOK_QUEUE
 from core.settings import get_settings
-from worker.infra.celery import app
-from worker.infra.common import send
+from worker.infra import app, send
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,8 @@ free, and none has started or finished for ``worker_stall_timeout_s``, the pool 
 (:func:`pool_stall`) and the process exits the same way, naming the tasks. A model worker's
 shards are not watched: a shard holds its thread for as long as it has requests.
 
-``python -m worker health`` (the compose healthcheck) exits 0 while the file is fresh.
+``python -m worker health`` (the compose healthcheck, :mod:`worker.__main__`) exits 0 while the
+file is fresh.
 
 A requested shutdown (SIGTERM, SIGINT) stops the watchdog: the supervisor that asked bounds it.
 Without an event loop (Celery's SQLAlchemy transport of ``batchd up``'s embedded mode polls
@@ -52,34 +53,6 @@ from core.settings import get_settings
 logger = logging.getLogger(__name__)
 
 EXIT_UNHEALTHY = 3
-
-
-def max_age_s(interval_s: float) -> float:
-    """How old the liveness file may be while its worker is healthy."""
-    return max(3 * interval_s, 30.0)
-
-
-def file_age_s(path: str | os.PathLike[str]) -> float | None:
-    """Seconds since ``path`` was last touched; None if it does not exist."""
-    try:
-        return max(0.0, time.time() - os.stat(path).st_mtime)
-    except FileNotFoundError:
-        return None
-
-
-def health(path: str | None = None, interval_s: float | None = None) -> tuple[bool, str]:
-    """(healthy, why) for the worker that touches ``path`` (default: the settings')."""
-    settings = get_settings()
-    path = path or settings.worker_liveness_file
-    if not path:
-        return False, "BATCHD_WORKER_LIVENESS_FILE is not set"
-    limit = max_age_s(settings.worker_liveness_interval_s if interval_s is None else interval_s)
-    age = file_age_s(path)
-    if age is None:
-        return False, f"{path} does not exist (the worker is not ready, or never was)"
-    if age > limit:
-        return False, f"{path} was last touched {age:.0f}s ago (more than {limit:.0f}s)"
-    return True, f"{path} touched {age:.1f}s ago"
 
 
 @dataclass(frozen=True, slots=True)

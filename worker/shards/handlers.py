@@ -22,8 +22,7 @@ from core.models import Batch, Shard
 from core.priority import Priority
 from core.results import GenerationResult, embedding_body, output_line
 from core.settings import get_settings
-from worker.infra import runtime
-from worker.infra.common import REQUEST_ERRORS, storage
+from worker.infra import REQUEST_ERRORS, runtime, storage
 from worker.shards import timings
 from worker.shards.prepared import read_prepared, tokenizer_fingerprint
 

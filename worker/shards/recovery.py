@@ -47,8 +47,7 @@ from core.models import Batch, Shard
 from core.queue import TASK_FINALIZE, TASK_RECLAIM, TASK_RUN_SHARD, TASK_VALIDATE, model_queue
 from core.results import request_error_line
 from core.settings import get_settings
-from worker.infra.celery import app
-from worker.infra.common import input_key, retrying, send, stale_after_s, storage
+from worker.infra import app, input_key, retrying, send, stale_after_s, storage
 from worker.shards.checkpoints import discard_uncommitted, lines_without_result
 from worker.shards.release import release_next, resend_after_s
 from worker.shards.state import (

@@ -72,8 +72,7 @@ from core.priority import Priority
 from core.queue import TASK_RELEASE_SWEEP, TASK_RUN_SHARD, model_queue
 from core.settings import get_settings
 from engine.admission.order import aged_tier, deadline_key
-from worker.infra.celery import app
-from worker.infra.common import retrying, send
+from worker.infra import app, retrying, send
 
 logger = logging.getLogger(__name__)
 

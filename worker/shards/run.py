@@ -18,8 +18,7 @@ from core.lifecycle import ShardStatus
 from core.logs import log_context
 from core.models import Batch, Shard
 from core.settings import get_settings
-from worker.infra import runtime
-from worker.infra.common import storage
+from worker.infra import runtime, storage
 from worker.shards import timings
 from worker.shards.handlers import (
     Aborted,

@@ -19,7 +19,7 @@ from core.models import Batch, Shard
 from core.queue import TASK_FINALIZE
 from core.results import GenerationResult
 from core.results_log import log_chunk
-from worker.infra.common import (
+from worker.infra import (
     heartbeat_interval_s,
     live_shards,
     past_expiry,

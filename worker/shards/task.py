@@ -59,9 +59,7 @@ from core.logs import bind_log_context, log_context
 from core.models import Batch, Shard
 from core.queue import TASK_RUN_SHARD, model_queue
 from core.settings import get_settings
-from worker.infra import runtime
-from worker.infra.celery import app
-from worker.infra.common import input_key, past_expiry, retrying, storage
+from worker.infra import app, input_key, past_expiry, retrying, runtime, storage
 from worker.shards.checkpoints import (
     committed_lines,
     discard_uncommitted,

@@ -14,7 +14,7 @@ from core.lifecycle import now
 from core.queue import TASK_ESTIMATE, TASK_REFRESH_ETAS
 from core.settings import get_settings
 from worker.batches.tasks import CallerGone, scan_input
-from worker.infra.celery import app
+from worker.infra import app
 from worker.validation.failures import validation_errors
 
 logger = logging.getLogger(__name__)

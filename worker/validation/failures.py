@@ -21,7 +21,7 @@ from core.lifecycle import ENQUEUED, BatchStatus, ShardStatus, transition
 from core.models import Batch, Shard
 from core.results_log import batch_log_prefix
 from worker.batches.webhooks import notify
-from worker.infra.common import storage
+from worker.infra import storage
 from worker.shards.release import release_for_model
 
 logger = logging.getLogger(__name__)

@@ -44,8 +44,7 @@ from core.results_log import ChunkRecord, batch_log_prefix, log_chunk, write_chu
 from core.settings import get_settings
 from core.sharding import ShardPlanner, ShardSpec
 from worker.batches.webhooks import notify
-from worker.infra import runtime
-from worker.infra.common import past_expiry, storage
+from worker.infra import past_expiry, runtime, storage
 from worker.shards.checkpoints import chunk_key
 from worker.shards.prepared import tokenizer_fingerprint, write_prepared
 from worker.shards.release import release_for_model
