@@ -182,7 +182,8 @@ def test_outages_while_control_steps_hold_their_messages(
         # Beat at DEBUG: the lines of the sweeps it sends are DEBUG (worker.infra.celery).
         beat = [*celery_command("beat", "beat", tmp_path)[:-1], "DEBUG"]
         # Each worker's liveness file, touched every second while its consumer loop turns or
-        # it reconnects; a loop stalled for a minute would end the process (worker/infra/liveness.py).
+        # it reconnects; a loop stalled for a minute would end the process
+        # (worker/infra/liveness.py).
         alive = {name: tmp_path / f"{name}.alive" for name in ("control", "model")}
         live = {"BATCHD_WORKER_LIVENESS_INTERVAL_S": "1", "BATCHD_WORKER_HANG_TIMEOUT_S": "60"}
         procs.start("api", api_command(port), env)

@@ -1,6 +1,7 @@
-"""The worker's liveness watchdog (worker/infra/liveness.py) with a stand-in consumer: it touches the
-file while the loop turns or the consumer reconnects, and ends the process (non-zero) once the
-loop has stalled or an engine host died; ``python -m worker health`` reads the file."""
+"""The worker's liveness watchdog (worker/infra/liveness.py) with a stand-in consumer: it
+touches the file while the loop turns or the consumer reconnects, and ends the process
+(non-zero) once the loop has stalled or an engine host died; ``python -m worker health``
+reads the file."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Loading models in a model worker process (``worker.infra.runtime``, ``worker.shards.task``): engines
-load one at a time, and a shard whose model cannot be loaded here is left for later, unclaimed,
-instead of being run into errors."""
+"""Loading models in a model worker process (``worker.infra.runtime``, ``worker.shards.task``):
+engines load one at a time, and a shard whose model cannot be loaded here is left for later,
+unclaimed, instead of being run into errors."""
 
 from __future__ import annotations
 

@@ -182,7 +182,7 @@ def sweep_expired() -> int:
 STEP_NAMES = {"validate": "Validating", "finalize": "Finalizing", "cancel": "Cancelling"}
 # The statuses a control step that gave up moves to ``failed`` (a cancelling batch cannot fail:
 # the expiry sweep re-drives its finalize). A validate gives up on an in_progress batch only
-# while its validation is not done (worker.validation.task.fail_running).
+# while its validation is not done (worker.validation.failures.fail_running).
 GIVE_UP_FROM = {
     "validate": (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS),
     "finalize": (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS, BatchStatus.FINALIZING),

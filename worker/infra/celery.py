@@ -79,8 +79,8 @@ CONTROL_TASKS = frozenset({TASK_VALIDATE, TASK_FINALIZE, TASK_CANCEL, TASK_SWEEP
 
 # Task modules every process registers. ``worker.shards.recovery`` (heartbeats and the reclaim sweep)
 # is included when it is present.
-INCLUDE = ["worker.batches.tasks", "worker.shards.task", "worker.shards.release", "worker.batches.webhooks", "worker.batches.retention",
-           "worker.validation.estimate"]  # fmt: skip
+INCLUDE = ["worker.batches.tasks", "worker.batches.webhooks", "worker.batches.retention",
+           "worker.shards.task", "worker.shards.release", "worker.validation.estimate"]  # fmt: skip
 
 
 def _has_recovery() -> bool:

@@ -99,9 +99,8 @@ class ShardRun:
         self.suspects: list[tuple[BatchRequest, Any, Any]] = []
         self.stats_timeouts = 0
         self.suspect_line: int | None = None
-        self.submitted_at: dict[
-            int, float
-        ] = {}  # line -> handed to the host (worker.shards.timings)
+        # line -> when it was handed to the host (worker.shards.timings)
+        self.submitted_at: dict[int, float] = {}
         self.gate = runtime.isolation_gate(host)
         self.heartbeat: Heartbeat | None = None
         self._last_checkpoint = time.monotonic()
