@@ -46,12 +46,12 @@ def test_finalizing_batch_completes_even_past_its_window(worker_env, host):
     """Every shard is done (the batch is finalizing) but the finalize runs after expires_at,
     as when the control queue is backed up: nothing was cut short, so it completes."""
     from worker.batches.finalize import finalize
-    from worker.shards.task import run_shard
+    from worker.shards.task import ShardEnd, run_shard
 
     ids = [f"r{i}" for i in range(5)]
     batch_id = validated_batch([chat_line(c, f"say {c}", max_tokens=3) for c in ids])
     (shard,) = shard_rows(batch_id)
-    assert run_shard(shard.id, host=host).status == "done"
+    assert run_shard(shard.id, host=host).end == ShardEnd.DONE
     assert batch_row(batch_id).status == "finalizing"
     _update_batch(batch_id, expires_at=_past())
 
@@ -66,12 +66,12 @@ def test_a_second_finalize_of_a_batch_leaves_it_to_the_first(worker_env, host):
     finalize: while one runs, another returns at once without merging (each used to merge the
     whole batch, an amplifying upload twice), and the batch still ends once."""
     from worker.batches.finalize import finalize, sole_finalizer
-    from worker.shards.task import run_shard
+    from worker.shards.task import ShardEnd, run_shard
 
     ids = [f"r{i}" for i in range(3)]
     batch_id = validated_batch([chat_line(c, f"say {c}", max_tokens=3) for c in ids])
     (shard,) = shard_rows(batch_id)
-    assert run_shard(shard.id, host=host).status == "done"
+    assert run_shard(shard.id, host=host).end == ShardEnd.DONE
     with sole_finalizer(batch_id) as sole:  # as if another control thread were merging it
         assert sole
         with sole_finalizer(batch_id) as second:
@@ -89,14 +89,14 @@ def test_expiring_batch_whose_every_request_has_a_result_completes(worker_env, h
     """The shards stopped for the expiry right after their last result (still in_progress,
     past expires_at): the merge finds no request without a result, so it completes."""
     from worker.batches.finalize import finalize
-    from worker.shards.task import run_shard
+    from worker.shards.task import ShardEnd, run_shard
 
     ids = [f"r{i}" for i in range(6)]
     batch_id = validated_batch([chat_line(c, f"say {c}", max_tokens=3) for c in ids], 3)
     shards = shard_rows(batch_id)
     assert len(shards) == 2
     for shard in shards:
-        assert run_shard(shard.id, host=host).status == "done"
+        assert run_shard(shard.id, host=host).end == ShardEnd.DONE
     # As if each shard had noticed the expiry after committing its last result.
     from sqlalchemy import update
 
@@ -116,13 +116,13 @@ def test_expiring_batch_whose_every_request_has_a_result_completes(worker_env, h
 
 def test_expiring_batch_with_unrun_requests_still_expires(worker_env, host):
     from worker.batches.finalize import finalize
-    from worker.shards.task import run_shard
+    from worker.shards.task import ShardEnd, run_shard
 
     ids = [f"r{i}" for i in range(6)]
     batch_id = validated_batch([chat_line(c, f"say {c}", max_tokens=3) for c in ids], 3)
     first, _second = shard_rows(batch_id)
     _update_batch(batch_id, expires_at=_past())
-    assert run_shard(first.id, host=host).status == "skipped"  # past its window: never runs
+    assert run_shard(first.id, host=host).end == ShardEnd.SKIPPED  # past its window: never runs
 
     assert finalize(batch_id) == "expired"
     batch = batch_row(batch_id)

@@ -89,7 +89,7 @@ def test_a_shard_whose_model_cannot_load_here_waits_unclaimed(worker_env, monkey
     from core.settings import get_settings
     from worker.batches.finalize import finalize
     from worker.infra import runtime
-    from worker.shards.task import ModelUnavailable, run_shard
+    from worker.shards.task import ModelUnavailable, ShardEnd, run_shard
 
     ids = [f"u{i}" for i in range(3)]
     batch_id = validated_batch([chat_line(c, f"hi {c}", max_tokens=3) for c in ids])
@@ -108,7 +108,7 @@ def test_a_shard_whose_model_cannot_load_here_waits_unclaimed(worker_env, monkey
             runtime._refused.pop(MODEL, None)
         monkeypatch.setenv("BATCHD_MODELS", served)
         get_settings.cache_clear()
-    assert run_shard(shard.id, host=host).status == "done"
+    assert run_shard(shard.id, host=host).end == ShardEnd.DONE
     assert finalize(batch_id) == "completed"
     out = read_file_lines(batch_row(batch_id).output_file_id)
     assert [r["custom_id"] for r in out] == ids

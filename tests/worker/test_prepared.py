@@ -112,7 +112,7 @@ def test_the_shard_runs_on_the_stored_ids_and_without_them(worker_env, host) -> 
         tokenizer_fingerprint,
         write_prepared,
     )
-    from worker.shards.task import run_shard
+    from worker.shards.task import ShardEnd, run_shard
 
     mark = tokenizer_fingerprint(host.tokenizer)  # the engine's, as the shard's run reads it
     lines = [chat_line(f"r{i}", f"say {i}", max_tokens=2) for i in range(6)]
@@ -127,7 +127,7 @@ def test_the_shard_runs_on_the_stored_ids_and_without_them(worker_env, host) -> 
     del stored[2]
     storage().delete(prepared_key(batch_id, shard.index))
     write_prepared(storage(), batch_id, shard.index, sorted(stored.items()), mark)
-    assert run_shard(shard.id, host=host).status == "done"
+    assert run_shard(shard.id, host=host).end == ShardEnd.DONE
     assert finalize(batch_id) == "completed"
     out = {r["custom_id"]: r for r in read_file_lines(batch_row(batch_id).output_file_id)}
     usage = {k: r["response"]["body"]["usage"]["prompt_tokens"] for k, r in out.items()}

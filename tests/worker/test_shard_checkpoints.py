@@ -35,7 +35,7 @@ def test_interrupted_shard_resumes_with_exactly_one_result_per_request(worker_en
     from worker.batches.finalize import finalize
     from worker.infra.common import storage
     from worker.shards.checkpoints import chunk_key
-    from worker.shards.task import run_shard
+    from worker.shards.task import ShardEnd, run_shard
 
     lines = [chat_line(f"r{i}", f"hello number {i}", max_tokens=6) for i in range(22)]
     batch_id = _validated(lines)
@@ -64,7 +64,7 @@ def test_interrupted_shard_resumes_with_exactly_one_result_per_request(worker_en
     write_chunk(storage(), stray, [ChunkRecord(1, True, {"custom_id": "r0", "stray": True})])
 
     outcome = run_shard(shard.id, host=host)
-    assert outcome.status == "done" and outcome.ran == 17
+    assert outcome.end == ShardEnd.DONE and outcome.ran == 17
     (shard,) = shard_rows(batch_id)
     assert (shard.status, shard.done_requests, shard.attempts) == ("done", 22, 2)
     batch = batch_row(batch_id)
@@ -93,7 +93,7 @@ def test_interrupted_shard_resumes_with_exactly_one_result_per_request(worker_en
 def test_multi_shard_finalize_keeps_input_order_and_reports_errors(worker_env, host, monkeypatch):
     from core.settings import get_settings
     from worker.batches.finalize import finalize
-    from worker.shards.task import run_shard
+    from worker.shards.task import ShardEnd, run_shard
 
     monkeypatch.setenv("BATCHD_SHARD_MAX_REQUESTS", "5")
     get_settings.cache_clear()
@@ -110,7 +110,7 @@ def test_multi_shard_finalize_keeps_input_order_and_reports_errors(worker_env, h
     assert [s.num_requests for s in shards] == [5, 5, 5, 2]
     # Shards finish in reverse order, and each writes several chunks whose lines interleave.
     for shard in reversed(shards):
-        assert run_shard(shard.id, host=host).status == "done"
+        assert run_shard(shard.id, host=host).end == ShardEnd.DONE
     assert finalize(batch_id) == "completed"
     batch = batch_row(batch_id)
     out = read_file_lines(batch.output_file_id)
@@ -130,7 +130,7 @@ def test_a_line_that_no_longer_parses_gets_an_error_line(worker_env, host):
     from core.models import Batch
     from worker.batches.finalize import finalize
     from worker.infra.common import input_key, storage
-    from worker.shards.task import run_shard
+    from worker.shards.task import ShardEnd, run_shard
 
     lines = [chat_line(f"r{i}", f"hello number {i}", max_tokens=4) for i in range(6)]
     batch_id = _validated(lines)
@@ -148,7 +148,7 @@ def test_a_line_that_no_longer_parses_gets_an_error_line(worker_env, host):
 
     (shard,) = shard_rows(batch_id)
     outcome = run_shard(shard.id, host=host)
-    assert (outcome.status, outcome.ran) == ("done", 6)
+    assert (outcome.end, outcome.ran) == (ShardEnd.DONE, 6)
     assert finalize(batch_id) == "completed"
     batch = batch_row(batch_id)
     out = read_file_lines(batch.output_file_id)
@@ -224,7 +224,7 @@ def test_cancel_finalize_keeps_finished_and_reports_the_rest(worker_env, host):
     from core.lifecycle import transition
     from worker.batches.finalize import finalize
     from worker.batches.tasks import cancel
-    from worker.shards.task import run_shard
+    from worker.shards.task import ShardEnd, run_shard
 
     lines = [chat_line(f"r{i}", f"item {i}", max_tokens=5) for i in range(10)]
     batch_id = _validated(lines)
@@ -265,7 +265,7 @@ def test_cancel_finalize_keeps_finished_and_reports_the_rest(worker_env, host):
     assert shard_rows(batch_id)[0].status == "closed"
     assert finalize(batch_id) is None  # already terminal: a second finalize does nothing
     # A shard task delivered late exits at once.
-    assert run_shard(shard.id, host=host).status == "skipped"
+    assert run_shard(shard.id, host=host).end == ShardEnd.SKIPPED
 
 
 def test_each_committed_result_records_its_finish_to_commit_lag(worker_env, host):
@@ -297,7 +297,7 @@ def test_a_committed_chunk_lost_from_storage_wedges_nothing(worker_env, host):
     from worker.infra.common import storage
     from worker.shards.checkpoints import chunk_key
     from worker.shards.recovery import fail_shard
-    from worker.shards.task import run_shard
+    from worker.shards.task import ShardEnd, run_shard
 
     lines = [chat_line(f"r{i}", f"hello number {i}", max_tokens=4) for i in range(10)]
     batch_id = _validated(lines)
@@ -310,7 +310,7 @@ def test_a_committed_chunk_lost_from_storage_wedges_nothing(worker_env, host):
     with pytest.raises(Interrupted):
         run_shard(shard.id, host=host, after_commit=stop_after_two)
     storage().delete(chunk_key(batch_id, 0, 1))  # the second committed chunk is lost
-    assert run_shard(shard.id, host=host).status == "done"
+    assert run_shard(shard.id, host=host).end == ShardEnd.DONE
     assert finalize(batch_id) == "completed"
     batch = batch_row(batch_id)
     out = read_file_lines(batch.output_file_id)
@@ -319,7 +319,7 @@ def test_a_committed_chunk_lost_from_storage_wedges_nothing(worker_env, host):
     # Lost once the shard is done: the finalize reports the lines it cannot find.
     batch_id = _validated(lines)
     (shard,) = shard_rows(batch_id)
-    assert run_shard(shard.id, host=host).status == "done"
+    assert run_shard(shard.id, host=host).end == ShardEnd.DONE
     storage().delete(chunk_key(batch_id, 0, 1))
     assert finalize(batch_id) == "completed"
     batch = batch_row(batch_id)

@@ -51,7 +51,7 @@ from worker.validation.failures import (
     fail_running,
     quota_error,
 )
-from worker.validation.task import Outcome, StreamedValidation, progress
+from worker.validation.task import StreamedValidation, ValidationStop, progress
 from worker.validation.token_count import TokenCounter
 
 __all__ = [
@@ -136,9 +136,9 @@ def validate(batch_id: str) -> str | None:
             progress(session, batch_id) if resuming else None,
         )
     outcome = run.run()
-    if outcome == Outcome.OVERTAKEN:
+    if outcome == ValidationStop.OVERTAKEN:
         return None
-    if outcome == Outcome.STOPPED:
+    if outcome == ValidationStop.BATCH_ENDED:
         # The batch was cancelled (or expired) while it was being validated.
         return finalize(batch_id)
     return outcome

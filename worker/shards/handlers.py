@@ -1,5 +1,5 @@
 """How each kind of request runs in a shard: a handler prepares a parsed request, submits it to
-its host and reads what came back as an :data:`Outcome`.
+its host and reads what came back as a :data:`RequestOutcome`.
 
 :class:`GenerationHandler` runs chat, completions and responses on the engine host;
 :class:`EmbeddingHandler` runs embeddings on the embedding host;
@@ -68,7 +68,8 @@ class Failed:
     exc: BaseException
 
 
-Outcome = Line | Aborted | Refused | Failed
+# What the host made of one request.
+RequestOutcome = Line | Aborted | Refused | Failed
 
 
 class Handler(Protocol):
@@ -89,7 +90,7 @@ class Handler(Protocol):
         :class:`EngineUnavailable` when the host is dead."""
         ...
 
-    def outcome(self, req: BatchRequest, future: Future, submitted: float | None) -> Outcome:
+    def outcome(self, req: BatchRequest, future: Future, submitted: float | None) -> RequestOutcome:
         """What the host made of the request; raises :class:`EngineUnavailable` when the
         host is dead."""
         ...
@@ -179,7 +180,7 @@ class GenerationHandler:
             deadline=self.deadline,
         )
 
-    def outcome(self, req: BatchRequest, future: Future, submitted: float | None) -> Outcome:
+    def outcome(self, req: BatchRequest, future: Future, submitted: float | None) -> RequestOutcome:
         from engine import RequestError
         from engine.admission.host import HostError
 
@@ -258,7 +259,7 @@ class EmbeddingHandler:
             prompt, dimensions=params, group=self.batch_id, timeout=SUBMIT_WAIT_S
         ).add_done_callback(done)
 
-    def outcome(self, req: BatchRequest, future: Future, submitted: float | None) -> Outcome:
+    def outcome(self, req: BatchRequest, future: Future, submitted: float | None) -> RequestOutcome:
         from engine.embedding.host import EmbeddingAborted, EmbeddingHostClosed
 
         exc = future.exception()

@@ -271,7 +271,7 @@ class ShardRun:
 
     # -- the loop
 
-    def run(self) -> str:
+    def run(self) -> ShardStatus:
         """Return ``done`` or ``stopped``; raise ShardLost if this attempt lost the shard."""
         self.heartbeat = Heartbeat(self.shard.id, self.attempt).start()
         try:

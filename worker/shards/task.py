@@ -47,6 +47,7 @@ import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from celery.signals import worker_ready
@@ -91,11 +92,23 @@ class ModelUnavailable(Exception):
 MODEL_RETRY_S = 30.0
 
 
+class ShardEnd(StrEnum):
+    """How one :func:`run_shard` call ended."""
+
+    DONE = "done"  # every request of the shard has its line
+    STOPPED = "stopped"  # its batch was cancelled or expired: it kept what had finished
+    FAILED = "failed"  # past max_shard_attempts: its unfinished requests became error lines
+    SKIPPED = "skipped"  # nothing to run: gone, ended, claimed elsewhere or batch not running
+    LOST = "lost"  # a newer attempt took the shard over meanwhile
+
+
 @dataclass
 class ShardOutcome:
-    status: str  # done | stopped | failed | skipped | lost
-    ran: int = 0
-    chunks: int = 0
+    """What one :func:`run_shard` call did."""
+
+    end: ShardEnd
+    ran: int = 0  # requests this attempt ran
+    chunks: int = 0  # the shard's committed chunks when it ended
 
 
 def _load(shard_id: int) -> tuple[Shard, Batch, str] | None:
@@ -133,7 +146,7 @@ def _run_shard(
     loaded = _load(shard_id)
     if loaded is None:
         logger.warning("shard %s is gone", shard_id)
-        return ShardOutcome("skipped")
+        return ShardOutcome(ShardEnd.SKIPPED)
     shard, batch, key = loaded
     bind_log_context(batch_id=batch.id)
     if (
@@ -146,7 +159,7 @@ def _run_shard(
         else:
             finalize_if_idle(batch.id)
         release_next(batch.model)
-        return ShardOutcome("skipped")
+        return ShardOutcome(ShardEnd.SKIPPED)
 
     if host is None:
         # Before the claim: a model that cannot load here now costs the shard no attempt (it
@@ -159,7 +172,7 @@ def _run_shard(
     claimed = claim(shard_id, worker)
     if claimed is None:
         finalize_if_idle(batch.id)
-        return ShardOutcome("skipped")
+        return ShardOutcome(ShardEnd.SKIPPED)
     attempt, num_chunks = claimed
     if attempt == 1 and shard.released_at is not None:
         metrics.observe_queue_wait(batch.model or "", shard.released_at)
@@ -173,7 +186,7 @@ def _run_shard(
             f"(max_shard_attempts={max_attempts}); its unfinished requests are reported as "
             "errors",
         )
-        return ShardOutcome(BatchStatus.FAILED)
+        return ShardOutcome(ShardEnd.FAILED)
     sto = storage()
     discarded = discard_uncommitted(sto, batch.id, shard.index, num_chunks)
     done_lines = committed_lines(sto, batch.id, shard.index, num_chunks)
@@ -190,7 +203,7 @@ def _run_shard(
         status = run.run()
     except ShardLost as lost:
         logger.warning("shard %s attempt %s stops: %s", shard_id, attempt, lost)
-        return ShardOutcome("lost", run.ran, run.chunk)
+        return ShardOutcome(ShardEnd.LOST, run.ran, run.chunk)
     except BaseException:
         # Leave the shard running but mark it abandoned (no heartbeat): a redelivered task
         # may claim it at once, the reclaim sweep re-queues it on its next pass, and a cancel
@@ -199,14 +212,15 @@ def _run_shard(
         abandon(shard_id, attempt)
         raise
     if not set_shard_status(shard_id, attempt, status):
-        return ShardOutcome("lost", run.ran, run.chunk)
+        return ShardOutcome(ShardEnd.LOST, run.ran, run.chunk)
     logger.info("shard %s attempt %s %s: %s requests run", shard_id, attempt, status, run.ran)
     if status == ShardStatus.DONE:
         finish_if_last(batch.id)
     else:
         finalize_if_idle(batch.id)
     release_next(batch.model)
-    return ShardOutcome(status, run.ran, run.chunk)
+    end = ShardEnd.DONE if status == ShardStatus.DONE else ShardEnd.STOPPED
+    return ShardOutcome(end, run.ran, run.chunk)
 
 
 @app.task(name=TASK_RUN_SHARD, bind=True)
