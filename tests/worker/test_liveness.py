@@ -90,7 +90,7 @@ def test_a_requested_shutdown_stops_the_watchdog(tmp_path: Path) -> None:
 
 
 def test_no_event_loop_no_watchdog() -> None:
-    assert liveness.start(SimpleNamespace(hub=None)) is None
+    assert liveness.start(SimpleNamespace(hub=None), frozenset()) is None
 
 
 @pytest.mark.parametrize(

@@ -34,6 +34,7 @@ whose worker dies is delivered again) never runs a step twice in a way anyone ca
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 from importlib.util import find_spec
@@ -50,9 +51,11 @@ from celery.signals import (
 )
 from kombu.transport import TRANSPORT_ALIASES
 from kombu.transport import redis as kombu_redis
+from prometheus_client import multiprocess
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from core import served_models
+from core import served_models, tracing
+from core.logs import install
 from core.queue import (
     CONTROL_QUEUE,
     TASK_CANCEL,
@@ -71,6 +74,8 @@ from core.queue import (
     redis_socket_options,
 )
 from core.settings import get_settings
+from worker.infra import liveness, memory
+from worker.infra.metrics import start_exporter
 
 # The tasks of the control queue (what the liveness watchdog's pool check watches).
 CONTROL_TASKS = frozenset({TASK_VALIDATE, TASK_FINALIZE, TASK_CANCEL, TASK_SWEEP_EXPIRED,
@@ -272,8 +277,6 @@ TASK_DEPENDENCIES = ("engine", "engine.admission.host", "engine.text.tokenizer")
 
 def import_task_dependencies() -> None:
     """Import :data:`TRANSFORMERS_NAMES` and :data:`TASK_DEPENDENCIES` once, in one thread."""
-    import importlib
-
     transformers = importlib.import_module("transformers")
     for name in TRANSFORMERS_NAMES:
         getattr(transformers, name)
@@ -304,8 +307,6 @@ def _consume_webhooks(sender: Any = None, **_: Any) -> None:
 
 @worker_init.connect
 def _start_tracing(sender: Any = None, **_: Any) -> None:
-    from core import tracing
-
     tracing.setup(str(getattr(sender, "hostname", "") or "worker").partition("@")[0])
 
 
@@ -335,31 +336,22 @@ def _start_metrics_exporter(**_: Any) -> None:
     # line (or the error naming a port it cannot bind) would go nowhere. At worker_ready (in
     # the main process) logging is set up and the start banner printed, so the line sits just
     # above "ready."; a prefork pool's first children, forked by then, do not inherit the socket.
-    from worker.infra.metrics import start_exporter
-
     start_exporter()
 
 
 @worker_ready.connect
 def _start_trimming(**_: Any) -> None:
-    from worker.infra import memory
-
     memory.start()
 
 
 @worker_ready.connect
 def _start_liveness(sender: Any = None, **_: Any) -> None:
-    from worker.infra import liveness
-
-    liveness.start(sender)
+    liveness.start(sender, CONTROL_TASKS)
 
 
 @worker_shutting_down.connect
 def _stop_liveness(**_: Any) -> None:
     # A requested shutdown: whoever asked for it bounds it (see worker.infra.liveness).
-    from core import tracing
-    from worker.infra import liveness
-
     liveness.stop()
     tracing.flush()
 
@@ -367,16 +359,12 @@ def _stop_liveness(**_: Any) -> None:
 @after_setup_logger.connect
 @after_setup_task_logger.connect
 def _log_format(logger: logging.Logger, **_: Any) -> None:
-    from core.logs import install
-
     install(logger.handlers, get_settings().log_format)
 
 
 @worker_process_shutdown.connect
 def _forget_pool_process(pid: int | None = None, **_: Any) -> None:
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        from prometheus_client import multiprocess
-
         multiprocess.mark_process_dead(pid or os.getpid())
 
 

@@ -48,7 +48,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from celery import bootsteps
+from celery.worker import state
+
 from core.settings import get_settings
+from worker.infra import runtime
 
 logger = logging.getLogger(__name__)
 
@@ -94,8 +98,6 @@ def pool_stall(snapshot: PoolSnapshot, idle_s: float, timeout_s: float) -> str |
 
 def pool_snapshot(consumer: Any, control_tasks: frozenset[str]) -> PoolSnapshot:
     """This process's :class:`PoolSnapshot`, from Celery's worker state."""
-    from celery.worker import state
-
     for _ in range(5):  # the consumer's thread may change the sets while they are copied
         try:
             active = list(state.active_requests)
@@ -140,6 +142,7 @@ class Watchdog:
         interval_s: float = 10.0,
         hang_timeout_s: float = 300.0,
         stall_timeout_s: float = 0.0,
+        control_tasks: frozenset[str] = frozenset(),
         exit: Any = os._exit,
     ) -> None:
         self.consumer = consumer
@@ -147,6 +150,7 @@ class Watchdog:
         self.interval_s = max(0.05, float(interval_s))
         self.hang_timeout_s = float(hang_timeout_s)
         self.stall_timeout_s = float(stall_timeout_s)
+        self.control_tasks = control_tasks
         self._exit = exit
         self.last_tick = time.monotonic()
         self.last_progress = self.last_tick
@@ -167,8 +171,6 @@ class Watchdog:
         self._stop.set()
 
     def reconnecting(self) -> bool:
-        from celery import bootsteps
-
         blueprint = getattr(self.consumer, "blueprint", None)
         return (
             getattr(self.consumer, "connection", True) is None
@@ -188,20 +190,16 @@ class Watchdog:
         stalled_pool = self.pool_problem()
         if stalled_pool is not None:
             return stalled_pool
-        runtime = sys.modules.get("worker.infra.runtime")
-        if runtime is not None:
-            for model, host in runtime.loaded_hosts().items():
-                if not getattr(host, "is_alive", True):
-                    return f"the engine host of model {model} has stopped"
+        for model, host in runtime.loaded_hosts().items():
+            if not getattr(host, "is_alive", True):
+                return f"the engine host of model {model} has stopped"
         return None
 
     def pool_problem(self) -> str | None:
         """Why the control tasks in this worker's pool are stalled, or None."""
         if self.stall_timeout_s <= 0:
             return None
-        from worker.infra.celery import CONTROL_TASKS
-
-        snapshot = pool_snapshot(self.consumer, CONTROL_TASKS)
+        snapshot = pool_snapshot(self.consumer, self.control_tasks)
         current = time.monotonic()
         if progressed(self._pool, snapshot):
             self.last_progress = current
@@ -236,8 +234,9 @@ class Watchdog:
 _watchdog: Watchdog | None = None
 
 
-def start(consumer: Any) -> Watchdog | None:
-    """Start this process's watchdog for ``consumer`` (once; None without an event loop)."""
+def start(consumer: Any, control_tasks: frozenset[str]) -> Watchdog | None:
+    """Start this process's watchdog for ``consumer``, watching ``control_tasks`` in its pool
+    (once; None without an event loop)."""
     global _watchdog
     if _watchdog is not None:
         return _watchdog
@@ -251,6 +250,7 @@ def start(consumer: Any) -> Watchdog | None:
         interval_s=settings.worker_liveness_interval_s,
         hang_timeout_s=settings.worker_hang_timeout_s,
         stall_timeout_s=settings.worker_stall_timeout_s,
+        control_tasks=control_tasks,
     ).start()
     return _watchdog
 

@@ -24,7 +24,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry, multiprocess, start_http_server
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -34,6 +34,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from core.settings import get_settings
+from worker.infra import runtime
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +58,6 @@ class EngineCollector(Collector):
     def _loaded(self) -> dict[str, Any]:
         if self._hosts is not None:
             return dict(self._hosts())
-        from worker.infra import runtime
-
         return runtime.loaded_hosts()
 
     def collect(self) -> Iterator[Any]:
@@ -155,8 +154,6 @@ def exporter_registry() -> CollectorRegistry:
     """The registry the exporter serves: prometheus-client's default one, or (multiprocess
     mode) a fresh one that sums the pool processes' files, plus this process's engines."""
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        from prometheus_client import multiprocess
-
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)
         registry.register(EngineCollector())
@@ -208,12 +205,7 @@ class UpstreamCollector(Collector):
         self._hosts = hosts
 
     def collect(self) -> Iterator[Any]:
-        if self._hosts is not None:
-            loaded = dict(self._hosts())
-        else:
-            from worker.infra import runtime
-
-            loaded = runtime.loaded_hosts()
+        loaded = dict(self._hosts()) if self._hosts is not None else runtime.loaded_hosts()
         m = ["model"]
         limit = GaugeMetricFamily(
             "batchd_upstream_limit", "In-flight limit shared by an upstream's workers", labels=m

@@ -22,6 +22,7 @@ from core.models import Batch, Shard
 from core.priority import Priority
 from core.results import GenerationResult, embedding_body, output_line
 from core.settings import get_settings
+from engine import RequestError, SamplingParams
 from worker.infra import REQUEST_ERRORS, runtime, storage
 from worker.shards import timings
 from worker.shards.prepared import read_prepared, tokenizer_fingerprint
@@ -103,7 +104,7 @@ class Handler(Protocol):
 def handler_for(shard: Shard, batch: Batch, host: Any) -> Handler:
     spec = get_settings().models.get(batch.model or "", "")
     if served_models.is_upstream(spec):
-        from worker.upstream.handler import UpstreamHandler  # it builds on this module's types
+        from worker.upstream.handler import UpstreamHandler  # a cycle: it imports this module
 
         return UpstreamHandler(batch, host, served_models.upstream_spec(spec, batch.model or ""))
     if batch.endpoint == EMBEDDINGS_URL:
@@ -140,8 +141,6 @@ class GenerationHandler:
         )
 
     def prepare(self, req: BatchRequest) -> tuple[Any, Any] | Line:
-        from engine import SamplingParams
-
         try:
             return generation.prepare_request(
                 self.tok,
@@ -160,6 +159,7 @@ class GenerationHandler:
             raise
 
     def submit(self, prompt: Any, params: Any, done: Callable[[Future], None]) -> None:
+        # torch: imported only by a process that runs an engine host
         from engine.admission.host import HostError
 
         try:
@@ -181,7 +181,7 @@ class GenerationHandler:
         )
 
     def outcome(self, req: BatchRequest, future: Future, submitted: float | None) -> RequestOutcome:
-        from engine import RequestError
+        # torch: imported only by a process that runs an engine host
         from engine.admission.host import HostError
 
         exc = future.exception()
@@ -238,6 +238,7 @@ class EmbeddingHandler:
         """The inputs as the model's token ids and the output size, or the request's error
         line (an input over the model's length, a token outside its vocabulary, a size it
         cannot cut to), naming the field."""
+        # torch: imported only by a process that runs a model
         from engine.embedding.engine import EmbeddingError
 
         engine = self.host.engine
@@ -260,6 +261,7 @@ class EmbeddingHandler:
         ).add_done_callback(done)
 
     def outcome(self, req: BatchRequest, future: Future, submitted: float | None) -> RequestOutcome:
+        # torch: imported only by a process that runs an engine host
         from engine.embedding.host import EmbeddingAborted, EmbeddingHostClosed
 
         exc = future.exception()

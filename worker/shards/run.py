@@ -236,6 +236,7 @@ class ShardRun:
         """Whether the engine has drained. A host that does not answer for
         ``STATS_PATIENCE`` asks in a row is taken for dead (the attempt fails, the shard is
         reclaimed); until then a slow answer only means not yet."""
+        # torch: imported only by a process that runs an engine host
         from engine.admission.host import HostError
 
         try:

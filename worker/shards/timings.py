@@ -23,6 +23,8 @@ import threading
 import time
 from typing import Any
 
+from celery.worker.control import inspect_command
+
 MAX_RECORDS = 200_000
 FIELDS = (
     "batch_id",
@@ -88,16 +90,10 @@ def records(batch_ids: list[str] | None = None) -> list[dict[str, Any]]:
     return [dict(zip(FIELDS, r, strict=True)) for r in rows if wanted is None or r[0] in wanted]
 
 
-def _register_command() -> None:
-    from celery.worker.control import inspect_command
-
-    @inspect_command(name="request_timings", args=[("batch_ids", list)])
-    def request_timings(state: Any, batch_ids: list[str] | None = None, **_: Any) -> dict:
-        return {
-            "pid": os.getpid(),
-            "records": records(batch_ids),
-            "commit_lags": commit_lags(batch_ids),
-        }
-
-
-_register_command()
+@inspect_command(name="request_timings", args=[("batch_ids", list)])
+def _request_timings(state: Any, batch_ids: list[str] | None = None, **_: Any) -> dict:
+    return {
+        "pid": os.getpid(),
+        "records": records(batch_ids),
+        "commit_lags": commit_lags(batch_ids),
+    }
