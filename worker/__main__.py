@@ -1,16 +1,10 @@
-"""``python -m worker control|model|beat [celery options…]``: start a worker from the settings.
+"""``python -m worker control|model|dispatch|beat [celery options…] | health``.
 
-* ``control``: the control queue (validate, finalize, cancel, sweep), threads pool; and the
-  webhook queue, whose attempts run on threads of their own (:mod:`worker.batches.webhooks`).
-* ``model [NAME…]``: the queues of the named served models (default: all of them), threads
-  pool with ``BATCHD_WORKER_SHARD_CONCURRENCY`` shard tasks in flight; the engine loads once.
-* ``dispatch [NAME…]``: the queues of the named upstream models (default: every ``upstream:``
-  model), threads pool; no model in memory and no torch, so it starts in seconds and many can
-  run on one small node; they share each upstream's limit (:mod:`worker.upstream.shared`).
-* ``beat``: the scheduler that sends the expiry sweep.
-* ``health``: exits 0 while this container's worker touches ``BATCHD_WORKER_LIVENESS_FILE``
-  (see :mod:`worker.infra.liveness`), 1 otherwise: a healthcheck that tells a hung worker from a busy
-  one and needs no broker.
+``control``: the control and webhook queues; ``model [NAME…]``: the served models' queues, one
+engine per model, ``BATCHD_WORKER_SHARD_CONCURRENCY`` shards at a time; ``dispatch [NAME…]``:
+the upstream models' queues, no torch; ``beat``: the sweeps. :mod:`core.launch` builds each
+command line from the settings. ``health`` exits 0 while this container's worker touches
+``BATCHD_WORKER_LIVENESS_FILE``: a healthcheck that needs no broker and loads no Celery.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """Control-queue tasks: validate, finalize, cancel and the expiry sweep.
 
-Every task re-reads the batch and acts only if the world still calls for it, so a duplicate
-delivery (late acknowledgement) or a race with another actor is harmless: each status change is
-one conditional UPDATE (:func:`core.lifecycle.transition`) and only one actor wins it.
-
-Validation streams into execution: ``validate`` creates and releases each shard as soon as
-its lines are validated, so a batch is ``in_progress`` from its first shard on; the policy for
-errors found after the file's head (a line's error becomes an error line, a whole-file rule
-still fails the batch), cancels and expiries meanwhile, and a validation that resumes after a
-crash is :mod:`worker.validation.task`'s docstring.
-
-No failure may strand a batch: a validate, finalize or cancel that raises is retried with
-backoff and, past ``control_task_max_attempts`` runs, the batch fails with the error named in
-its ``errors`` (:func:`run_control_step`); a task that was lost is sent again by the sweeps.
+Every task re-reads the batch and acts only if the world still calls for it; each status change
+is one conditional UPDATE (:func:`core.lifecycle.transition`) that one actor wins. No failure
+strands a batch: a step that raises is retried and, past ``control_task_max_attempts``, fails
+the batch naming the error (:func:`run_control_step`). Validation streams into execution
+(:mod:`worker.validation.task`).
 """
 
 from __future__ import annotations

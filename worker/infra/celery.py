@@ -1,35 +1,10 @@
 """The Celery application shared by the control worker, the model workers and beat.
 
-Control worker (validate, finalize, cancel, expiry sweep; no model loaded)::
-
-    celery -A worker.infra.celery worker -Q batchd.control --pool threads -c 2
-
-A worker that consumes the control queue also consumes the webhook queue (``batchd.webhooks``,
-:func:`consume_webhooks`): each delivery task only hands its attempt to the process's own
-webhook threads (``BATCHD_WEBHOOK_CONCURRENCY``), so a slow receiver holds one of those, never
-a control thread.
-
-Model worker (one per GPU process; loads the engine once, runs several shards at a time so
-the engine's batch stays full across shard boundaries; never forks after the model loads)::
-
-    celery -A worker.infra.celery worker -Q batchd.model.<name> --pool threads \\
-        -c $BATCHD_WORKER_SHARD_CONCURRENCY
-
-Beat (the sweeps: expiry every ``BATCHD_EXPIRY_SWEEP_INTERVAL_S`` seconds, shard release
-every ``BATCHD_RELEASE_SWEEP_INTERVAL_S``, file retention every ``BATCHD_FILE_SWEEP_INTERVAL_S``,
-the stale-shard reclaim every ``BATCHD_RECLAIM_SWEEP_INTERVAL_S``, unsent webhook events every
-``BATCHD_WEBHOOK_SWEEP_INTERVAL_S``)::
-
-    celery -A worker.infra.celery beat
-
-``python -m worker control|model|beat`` builds these command lines from the settings.
-
-Every worker imports what its tasks import lazily (transformers' Auto classes, the tokenizer
-loader, the engine) at start, in its main thread, before any task thread runs
-(:func:`import_task_dependencies`).
-
-Tasks are idempotent and re-read the database before acting, so late acknowledgement (a task
-whose worker dies is delivered again) never runs a step twice in a way anyone can see.
+``python -m worker control|model|dispatch|beat`` builds their command lines (``celery -A
+worker.infra.celery``). A control worker also consumes the webhook queue; model workers use a
+threads pool and never fork after the model loads. Every worker imports its tasks' lazy
+dependencies at start, in one thread (:func:`import_task_dependencies`). Tasks are idempotent
+and re-read the database, so late acknowledgement is safe. More: ``docs/worker.md``.
 """
 
 from __future__ import annotations

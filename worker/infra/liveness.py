@@ -1,39 +1,9 @@
 """A worker's liveness: tell a hung worker from a busy one, and end a hung one.
 
-Celery's consumer turns its event loop in the worker's main thread: it receives tasks, sends
-acknowledgements and answers remote control there, while the tasks run in the pool's threads.
-A busy worker (every thread inside a long shard) still turns its loop every few seconds; a
-hung one (a wedged socket, a deadlock, a consumer that died and left the process behind) does
-not. Each turn is recorded (``hub.on_tick``), and a watchdog thread, started when the worker is
-ready, every ``worker_liveness_interval_s``:
-
-* touches ``worker_liveness_file`` (when set) if the loop turned within
-  ``worker_hang_timeout_s``, or if the consumer is reconnecting to the broker (its connection
-  is gone while it runs; each attempt is bounded by the transport's socket timeouts, see
-  :func:`worker.infra.celery.transport_options`), and every engine host the process loaded is
-  alive;
-* otherwise logs why and ends the process with :data:`EXIT_UNHEALTHY`, so that its supervisor
-  (compose's ``restart:``, ``batchd up``, systemd) starts a fresh one. Nothing is lost: the
-  control tasks it held are delivered again (late acknowledgement), its shards are re-queued by
-  the reclaim sweep once their heartbeats stop and resume from their last checkpoint.
-
-An engine host does not come back in the process that lost it (``worker.infra.runtime.host`` keeps
-it), so a model worker whose engine died would take shards only to fail them: it exits too.
-
-A turning loop does not mean the control tasks move: every pool thread can be stuck inside a
-task (a call that never returns) while the loop turns happily. So the watchdog also looks at the
-control tasks (``worker.infra.celery.CONTROL_TASKS``) in its pool each round
-(:class:`PoolSnapshot`): when some are running and either more wait for a thread or no thread is
-free, and none has started or finished for ``worker_stall_timeout_s``, the pool is stalled
-(:func:`pool_stall`) and the process exits the same way, naming the tasks. A model worker's
-shards are not watched: a shard holds its thread for as long as it has requests.
-
-``python -m worker health`` (the compose healthcheck, :mod:`worker.__main__`) exits 0 while the
-file is fresh.
-
-A requested shutdown (SIGTERM, SIGINT) stops the watchdog: the supervisor that asked bounds it.
-Without an event loop (Celery's SQLAlchemy transport of ``batchd up``'s embedded mode polls
-without one) there is nothing to watch and no watchdog starts.
+A watchdog thread touches ``worker_liveness_file`` while the consumer's event loop turns (or
+reconnects) and every loaded engine host is alive; otherwise, or when control tasks stall the
+pool for ``worker_stall_timeout_s``, it ends the process with :data:`EXIT_UNHEALTHY` for its
+supervisor to restart. ``python -m worker health`` reads the file. Reasoning: ``docs/worker.md``.
 """
 
 from __future__ import annotations

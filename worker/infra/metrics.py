@@ -1,20 +1,9 @@
-"""Each worker process's Prometheus exporter: the service counters this process increments
-(core/metrics.py) and the figures of every engine it has loaded.
+"""Each worker process's Prometheus exporter: this process's service counters
+(``core.metrics``) and the figures of every engine it has loaded.
 
-The exporter is a small HTTP server on ``BATCHD_WORKER_METRICS_PORT`` (off when 0), started
-in the worker's main process when the worker is ready (``worker_ready``: logging is set up by
-then, so its "listening on" line shows; the children a prefork pool starts with are forked
-by then, and do not hold its socket).
-A process that forks its pool (Celery's prefork pool) must run with
-``PROMETHEUS_MULTIPROC_DIR`` pointing at an empty directory: prometheus-client then keeps each
-child's metrics in files there and the exporter serves their sum (prometheus-client's
-multiprocess mode); the threads pool, which every model worker uses, needs nothing.
-
-Engine figures are read at scrape time, never pushed: :class:`EngineCollector` asks each
-loaded engine host for a stats snapshot (taken by the host's loop between two steps) and
-copies the engine's histograms (engine/core/stats.py). Names follow vLLM's where the meaning is
-the same, prefixed ``batchd_engine_`` (vLLM's ``vllm:num_requests_running`` is
-``batchd_engine_num_requests_running`` here), each labelled with the served model.
+Served on ``BATCHD_WORKER_METRICS_PORT`` (0: off) from ``worker_ready``; a prefork pool needs
+``PROMETHEUS_MULTIPROC_DIR``. Engine figures are read at scrape time (:class:`EngineCollector`),
+named like vLLM's with a ``batchd_engine_`` prefix. Reasoning: ``docs/worker.md``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
-"""Per-process model state: tokenizers for the control worker, one engine host per served
-model for the model workers (a dispatcher, :mod:`worker.upstream.dispatcher`, for an upstream
-model), and the translation of a validated request into engine input.
+"""Per-process model state: tokenizers for the control worker, one engine host per served model
+for the model workers (a dispatcher, :mod:`worker.upstream.dispatcher`, for an upstream model).
 
 Everything the worker knows about the engine lives here. Engines load once per process, under
-a lock, on first use or at worker start (``worker_ready``); the threads pool then shares them,
-so there is never a fork after a model is loaded.
+a lock, on first use or at worker start; the threads pool then shares them, so there is never
+a fork after a model is loaded. The engine and torch are imported only when a model loads.
 """
 
 from __future__ import annotations

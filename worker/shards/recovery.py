@@ -1,34 +1,10 @@
 """Crash recovery: the reclaim sweep and giving up on a shard.
 
-A running shard's attempt stamps ``shards.heartbeat_at`` every ``heartbeat_interval_s`` from a
-background thread (``worker.shards.state.Heartbeat``). A worker that is killed (SIGKILL, OOM, a lost
-node) or hangs stops doing so. The broker would redeliver its task only after the visibility
-timeout (hours), so beat runs :func:`reclaim_stale_shards` every ``reclaim_sweep_interval_s``:
-
-* a ``running`` shard of an ``in_progress`` batch whose heartbeat is older than
-  ``shard_stale_after_s`` is put back to ``pending`` and its task sent again to its model's
-  queue. The status change fences off the silent attempt (its next commit or heartbeat no
-  longer matches), and the next claim bumps ``attempts``; the new attempt resumes from the
-  last committed checkpoint, so at most one checkpoint interval of work is redone;
-* a stale shard that has used up ``max_shard_attempts`` is given up: its requests without a
-  committed result become ``shard_failed`` error lines (one committed chunk, so still exactly
-  one line per request), the shard is ``done``, and the batch finalizes as usual;
-* a batch left in ``validating`` or ``finalizing`` for longer than ``stuck_batch_after_s``
-  (its task was lost, or kept failing through an outage) gets its validate or finalize sent
-  again, once per ``stuck_batch_after_s`` (:func:`redrive_due`); both are idempotent. A
-  validating batch past its window is left to the expiry sweep. So does an ``in_progress``
-  batch whose validation is not done and has created no shard for that long
-  (``validated_at``): the validate resumes after its last shard (``worker.validation.task``).
-
-The reclaimed shard keeps its ``released_at``: it was released once and is only re-sent. So
-it holds its model's release slot (``worker.shards.release``) until a worker claims it; if the message
-that re-sent it is lost (a broker blip, a worker killed holding it unacknowledged, which the
-broker gives back only after the visibility timeout of hours), nothing else would ever claim
-it. So the sweep also sends again a reclaimed shard still ``pending`` and untouched (no claim,
-no heartbeat) for ``worker.shards.release.resend_after_s()`` (the bound of a release that was never
-claimed, derived from ``shard_stale_after_s``), once per that bound: the slot runs its shard
-instead of sitting idle. A duplicate message is harmless (a claim takes only a pending or a
-stale shard).
+Beat runs :func:`reclaim_stale_shards`: a running shard whose heartbeat is older than
+``shard_stale_after_s`` goes back to ``pending`` and is sent again (it resumes from its last
+committed chunk); one past ``max_shard_attempts`` reports its unfinished requests as
+``shard_failed`` lines; stuck validates and finalizes are sent again (:func:`redrive_due`), and
+so are reclaimed shards whose message was lost. Reasoning: ``docs/worker.md``.
 """
 
 from __future__ import annotations

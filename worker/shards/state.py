@@ -1,7 +1,8 @@
 """A shard's protocol with the database: claim an attempt, commit checkpoint chunks fenced by
 the attempt, heartbeat, set the status, and finish the batch when the last shard ends. Every
-step is a conditional UPDATE, so a stale attempt (reclaimed, or sealed by a finalize) can never
-write over a newer one; each retries through a short database outage (``common.retrying``)."""
+step is a conditional UPDATE, so a stale attempt (reclaimed, or sealed by a finalize) never
+writes over a newer one; each retries through a short database outage (``retrying``).
+"""
 
 from __future__ import annotations
 

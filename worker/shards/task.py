@@ -1,42 +1,9 @@
-"""The shard task (model queues): run one contiguous range of a batch's requests through the
-process-wide engine host and checkpoint the results. The database protocol of a shard lives in
-:mod:`worker.shards.state`, the loop that feeds the engine in :mod:`worker.shards.run`; this
-module wires them into the Celery task.
+"""The shard task (model queues): run one range of a batch's requests on the process's host.
 
-Flow of :func:`run_shard`:
-
-1. Re-read the shard and its batch. A batch that is no longer ``in_progress`` (cancelled,
-   expiring) means: do nothing, but help it finalize if no shard is running any more.
-2. Claim the shard: ``pending|running -> running``, ``attempts + 1``, while holding a share
-   lock on the batch row, so a cancel either sees this shard running or the claim sees the
-   cancel. ``attempts`` fences off any older attempt still alive: its commits stop matching.
-3. Delete chunks an earlier attempt wrote but never committed; read the committed ones to
-   learn which lines are done; skip those.
-4. Feed the remaining requests to the engine host (``group = batch id``, so a cancel aborts
-   the whole batch in one call; with the batch's tenant and priority, which the host's fair
-   queue shares by). ``submit`` blocks while the batch already holds its window of pending
-   requests in the host (``EngineHost.group_window``, one engine's worth of sequences, shared
-   by all shards of the batch in this process), which bounds memory and keeps a bulk batch
-   from queueing ahead of others; it is called with a short timeout so the loop keeps
-   checkpointing and watching the batch status meanwhile.
-5. Every ``checkpoint_every`` results or ``checkpoint_interval_s`` seconds: write a chunk
-   (atomic), then in one transaction advance ``num_chunks``/``done_requests`` conditionally
-   and add to the batch's live counters.
-6. Done: mark the shard ``done``; the shard that finds no unfinished shard left moves the
-   batch to ``finalizing`` (one conditional UPDATE: one winner) and enqueues the finalize.
-   Cancelled or expired: abort the group, checkpoint what finished, mark the shard
-   ``stopped``; the last one to stop enqueues the finalize.
-
-Per-request failures (a prompt too long for the model, bad sampling values, an engine error
-for that request) become error-file lines; they never fail the shard. A request whose engine
-step failed is retried alone (see :class:`ShardRun`), up to ``max_request_attempts`` times.
-
-Crash recovery: while an attempt runs, a background thread stamps ``heartbeat_at`` every
-``heartbeat_interval_s``. A worker killed outright stops heartbeating; the reclaim sweep
-(:mod:`worker.shards.recovery`) re-queues its shard after ``shard_stale_after_s``, and the new
-attempt resumes from the last committed checkpoint. A shard claimed more than
-``max_shard_attempts`` times has its remaining requests reported as ``shard_failed`` error
-lines. Every database step retries through a short database outage (``common.retrying``).
+:func:`run_shard` loads the shard and its batch, claims it (fencing off older attempts),
+discards uncommitted chunks, runs the rest (:class:`~worker.shards.run.ShardRun`) and ends it,
+finishing the batch or releasing the next shard. The database protocol is
+:mod:`worker.shards.state`. A shard's path and its crash recovery: ``docs/worker.md``.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
-"""The validate task: one pass over a batch's input that creates each shard as its lines pass.
+"""The validate task's one pass over a batch's input, creating each shard as its lines pass.
 
-It reads the input once, in order, and creates and releases each shard as soon as its lines
-are validated. The policy (the head, bad lines after it, whole-file rules broken later, cancel
-and expiry, crash safety) is ``docs/validation.md``. Invariants a change must keep:
-
-* Nothing is created until the head (the first shard's lines) is clean; an error in it fails
-  the batch with the whole file's errors and no shard.
-* Shard rows are the durable record of progress: a shard is created only when it continues the
-  last one, under a lock on the batch row that re-checks its status and window, so a cancel or
-  expiry finalize sees a fixed set of shards and a resumed or concurrent run plans no line twice.
-* ``validation_done`` becomes True only in the transaction that creates the last shard; until
-  then nothing finalizes the batch or shows its results.
-* Every request line ends as exactly one output or error line: a bad line after the head is an
-  error line in its shard's first chunk, committed with the shard row.
+Invariants (the policy is ``docs/validation.md``): nothing is created until the head (the first
+shard's lines) is clean; a shard is created only when it continues the last one, under a lock
+on the batch row, so a finalize sees a fixed set and no line is planned twice;
+``validation_done`` turns True only with the last shard; every request line ends as exactly one
+output or error line (a bad line after the head: an error line in its shard's first chunk).
 """
 
 from __future__ import annotations
