@@ -110,39 +110,24 @@ def run_shard(
 def _run_shard(
     shard_id: int, worker: str, host: Any, after_commit: Callable[[int], None] | None
 ) -> ShardOutcome:
+    """Load, claim, resume, run, finish: each step below, in that order."""
     loaded = _load(shard_id)
     if loaded is None:
         logger.warning("shard %s is gone", shard_id)
         return ShardOutcome(ShardEnd.SKIPPED)
     shard, batch, key = loaded
     bind_log_context(batch_id=batch.id)
-    if (
-        shard.status in (ShardStatus.DONE, ShardStatus.CLOSED, ShardStatus.STOPPED)
-        or batch.status != BatchStatus.IN_PROGRESS
-        or past_expiry(batch.expires_at)
-    ):
-        if shard.status == ShardStatus.DONE and batch.status == BatchStatus.IN_PROGRESS:
-            finish_if_last(batch.id)  # a redelivered task of a finished shard
-        else:
-            finalize_if_idle(batch.id)
-        release_next(batch.model)
+    if not _runnable(shard, batch):
+        # A redelivered task of a finished shard finishes the batch; any other helps finalize.
+        redelivered = shard.status == ShardStatus.DONE and batch.status == BatchStatus.IN_PROGRESS
+        _finish(batch, done=redelivered)
         return ShardOutcome(ShardEnd.SKIPPED)
-
     if host is None:
-        # Before the claim: a model that cannot load here now costs the shard no attempt (it
-        # waits for this or another worker), and never turns its requests into shard_failed
-        # lines.
-        try:
-            host = runtime.host(batch.model or "")
-        except Exception as exc:
-            raise ModelUnavailable(batch.model or "", exc) from exc
-    claimed = claim(shard_id, worker)
+        host = _host(batch)
+    claimed = _claim(shard, batch, worker)
     if claimed is None:
-        finalize_if_idle(batch.id)
         return ShardOutcome(ShardEnd.SKIPPED)
     attempt, num_chunks = claimed
-    if attempt == 1 and shard.released_at is not None:
-        metrics.observe_queue_wait(batch.model or "", shard.released_at)
     max_attempts = get_settings().max_shard_attempts
     if attempt > max_attempts:
         fail_claimed(
@@ -154,40 +139,89 @@ def _run_shard(
             "errors",
         )
         return ShardOutcome(ShardEnd.FAILED)
+    done_lines = _resume(shard, attempt, num_chunks)
+    run = ShardRun(shard, batch, key, attempt, num_chunks, done_lines, host, after_commit)
+    status = _run(run)
+    if status is None or not set_shard_status(shard_id, attempt, status):
+        return ShardOutcome(ShardEnd.LOST, run.ran, run.chunk)
+    logger.info("shard %s attempt %s %s: %s requests run", shard_id, attempt, status, run.ran)
+    _finish(batch, done=status == ShardStatus.DONE)
+    end = ShardEnd.DONE if status == ShardStatus.DONE else ShardEnd.STOPPED
+    return ShardOutcome(end, run.ran, run.chunk)
+
+
+def _runnable(shard: Shard, batch: Batch) -> bool:
+    """Whether the shard has requests to run: not ended, in a batch that runs and has time."""
+    return not (
+        shard.status in (ShardStatus.DONE, ShardStatus.CLOSED, ShardStatus.STOPPED)
+        or batch.status != BatchStatus.IN_PROGRESS
+        or past_expiry(batch.expires_at)
+    )
+
+
+def _host(batch: Batch) -> Any:
+    """The process's host for the batch's model. Loaded before the claim: a model that cannot
+    load here costs the shard no attempt (it waits for this or another worker), and never
+    turns its requests into shard_failed lines."""
+    try:
+        return runtime.host(batch.model or "")
+    except Exception as exc:
+        raise ModelUnavailable(batch.model or "", exc) from exc
+
+
+def _claim(shard: Shard, batch: Batch, worker: str) -> tuple[int, int] | None:
+    """Claim the shard for this attempt: ``(attempt, committed chunks)``, or None (another
+    attempt holds it, or it ended meanwhile: the batch may need finalizing)."""
+    claimed = claim(shard.id, worker)
+    if claimed is None:
+        finalize_if_idle(batch.id)
+        return None
+    if claimed[0] == 1 and shard.released_at is not None:
+        metrics.observe_queue_wait(batch.model or "", shard.released_at)
+    return claimed
+
+
+def _resume(shard: Shard, attempt: int, num_chunks: int) -> set[int]:
+    """Delete the chunks an earlier attempt wrote but never committed; the lines done."""
     sto = storage()
-    discarded = discard_uncommitted(sto, batch.id, shard.index, num_chunks)
-    done_lines = committed_lines(sto, batch.id, shard.index, num_chunks)
+    discarded = discard_uncommitted(sto, shard.batch_id, shard.index, num_chunks)
+    done_lines = committed_lines(sto, shard.batch_id, shard.index, num_chunks)
     if discarded or done_lines:
         logger.info(
             "shard %s attempt %s resumes: %s lines done, %s uncommitted chunks discarded",
-            shard_id,
+            shard.id,
             attempt,
             len(done_lines),
             discarded,
         )
-    run = ShardRun(shard, batch, key, attempt, num_chunks, done_lines, host, after_commit)
+    return done_lines
+
+
+def _run(run: ShardRun) -> ShardStatus | None:
+    """Run the attempt: the shard's status at its end, or None when a newer attempt took the
+    shard over."""
     try:
-        status = run.run()
+        return run.run()
     except ShardLost as lost:
-        logger.warning("shard %s attempt %s stops: %s", shard_id, attempt, lost)
-        return ShardOutcome(ShardEnd.LOST, run.ran, run.chunk)
+        logger.warning("shard %s attempt %s stops: %s", run.shard.id, run.attempt, lost)
+        return None
     except BaseException:
         # Leave the shard running but mark it abandoned (no heartbeat): a redelivered task
         # may claim it at once, the reclaim sweep re-queues it on its next pass, and a cancel
         # does not wait for it. Either resumes from the last committed checkpoint.
-        logger.exception("shard %s attempt %s failed", shard_id, attempt)
-        abandon(shard_id, attempt)
+        logger.exception("shard %s attempt %s failed", run.shard.id, run.attempt)
+        abandon(run.shard.id, run.attempt)
         raise
-    if not set_shard_status(shard_id, attempt, status):
-        return ShardOutcome(ShardEnd.LOST, run.ran, run.chunk)
-    logger.info("shard %s attempt %s %s: %s requests run", shard_id, attempt, status, run.ran)
-    if status == ShardStatus.DONE:
+
+
+def _finish(batch: Batch, *, done: bool) -> None:
+    """After a shard ends: finish the batch if it was the last (``done``), or finalize it once
+    no shard runs (a stop); then release the model's next shard into the freed slot."""
+    if done:
         finish_if_last(batch.id)
     else:
         finalize_if_idle(batch.id)
     release_next(batch.model)
-    end = ShardEnd.DONE if status == ShardStatus.DONE else ShardEnd.STOPPED
-    return ShardOutcome(end, run.ran, run.chunk)
 
 
 @app.task(name=TASK_RUN_SHARD, bind=True)
