@@ -23,7 +23,7 @@ from pathlib import Path
 
 import worker.batches.finalize as finalize_module
 import worker.batches.tasks as tasks
-import worker.validation.failures as validation_failures_module
+import worker.validation.failures as failures_module
 import worker.validation.task as validation_module
 from worker.infra.celery import TRANSFORMERS_NAMES
 
@@ -84,5 +84,5 @@ tasks.finalize = finalize
 # finalize's commit).
 tasks.notify = notify
 validation_module.notify = notify
-validation_failures_module.notify = notify
+failures_module.notify = notify
 finalize_module.notify = notify
