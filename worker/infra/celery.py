@@ -57,8 +57,8 @@ CONTROL_TASKS = frozenset({TASK_VALIDATE, TASK_FINALIZE, TASK_CANCEL, TASK_SWEEP
                            TASK_RELEASE_SWEEP, TASK_SWEEP_FILES, TASK_SWEEP_WEBHOOKS, TASK_RECLAIM,
                            TASK_ESTIMATE, TASK_REFRESH_ETAS})  # fmt: skip
 
-# Task modules every process registers. ``worker.shards.recovery`` (heartbeats and the reclaim sweep)
-# is included when it is present.
+# Task modules every process registers. ``worker.shards.recovery`` (heartbeats and the reclaim
+# sweep) is included when it is present.
 INCLUDE = ["worker.batches.tasks", "worker.batches.webhooks", "worker.batches.retention",
            "worker.shards.task", "worker.shards.release", "worker.validation.estimate"]  # fmt: skip
 
@@ -262,7 +262,8 @@ def import_task_dependencies() -> None:
 def consume_webhooks(worker: Any) -> bool:
     """Make ``worker`` consume the webhook queue too if it consumes the control queue (so every
     deployment that runs a control worker delivers webhooks, whatever its ``-Q`` says); whether
-    it does. Its deliveries run on their own threads (``worker.batches.webhooks``), not the pool's."""
+    it does. Its deliveries run on their own threads (``worker.batches.webhooks``), not the
+    pool's."""
     queues = worker.app.amqp.queues
     consumed = queues.consume_from
     names = set(consumed or ()) if consumed is not None else set(queues)

@@ -39,7 +39,7 @@ HISTOGRAM_HELP = {
 
 
 class EngineCollector(Collector):
-    """The engines of this process (``worker.infra.runtime.loaded_hosts()``), read at each scrape."""
+    """The engines of this process (``runtime.loaded_hosts()``), read at each scrape."""
 
     def __init__(self, hosts: Any = None) -> None:
         self._hosts = hosts  # a callable returning {model: host}; default: worker.infra.runtime's

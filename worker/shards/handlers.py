@@ -4,7 +4,8 @@ its host and reads what came back as a :data:`RequestOutcome`.
 :class:`GenerationHandler` runs chat, completions and responses on the engine host;
 :class:`EmbeddingHandler` runs embeddings on the embedding host;
 :class:`worker.upstream.handler.UpstreamHandler` sends every kind to an upstream server.
-:class:`worker.shards.run.ShardRun` keeps what they share (checkpoints, cancel, retries, suspects) and asks its handler the rest.
+:class:`worker.shards.run.ShardRun` keeps what they share (checkpoints, cancel, retries,
+suspects) and asks its handler the rest.
 """
 
 from __future__ import annotations
