@@ -46,7 +46,7 @@ def test_estimates_never_take_every_control_thread(worker_env) -> None:
     from core import rpc
     from core.settings import get_settings
     from worker.infra.common import storage
-    from worker.validation.task import estimate
+    from worker.validation import estimate
 
     with storage().writer("files/estimate-busy") as out:
         out.write(jsonl([chat_line("r0", "count the stars")]))
