@@ -3,7 +3,7 @@
     python -m benchmarks.finalize_scale
     python -m benchmarks.finalize_scale --sizes 10000,50000,200000 --json finalize.json
 
-``worker.finalize`` merges a batch's checkpoint chunks into its output and error files and
+``worker.batches.finalize`` merges a batch's checkpoint chunks into its output and error files and
 promises to do it with bounded memory, so its time should grow with the lines and its memory
 not at all. Each job is built as it stands right before its finalize, on a fresh Postgres
 database (``benchmarks.harness.stack.Database``) and a local storage directory: the input file
@@ -14,7 +14,7 @@ the results log as a shard does it: the lines of a shard finish out of order, so
 holds a scattered, sorted set of the shard's lines and the merge interleaves them all.
 
 Each size's finalize then runs in a fresh ``python`` process (the real
-``worker.finalize.finalize``, as the control worker calls it). Reported per size: wall
+``worker.batches.finalize.finalize``, as the control worker calls it). Reported per size: wall
 seconds, CPU seconds (``getrusage``), microseconds per line, the process's resident memory
 before the finalize and its peak during it (``VmRSS`` and ``VmHWM`` of /proc, ``ru_maxrss``),
 and the two verdicts: the per-line time of the largest size over the smallest's (1.0 is
@@ -52,7 +52,7 @@ def status_kb(key):
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(key + ":"):
             return int(line.split()[1])
-from worker.finalize import finalize
+from worker.batches.finalize import finalize
 from core.db import session_scope
 from sqlalchemy import text
 with session_scope() as session:  # connect first: the pool is not the finalize's cost
@@ -144,7 +144,7 @@ def build_job(
     from core.models import Batch, File, Shard
     from core.results_log import ChunkRecord, log_chunk, write_chunk
     from core.storage_local import LocalStorage
-    from worker.checkpoints import chunk_key
+    from worker.shards.checkpoints import chunk_key
 
     rng = random.Random(lines)
     sto = LocalStorage(storage_root)

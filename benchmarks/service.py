@@ -17,7 +17,7 @@ Both engines are warmed first (the model worker loads its model at start; the be
 waits for ``model … ready`` and runs a small warm-up batch through the service).
 
 Engine occupancy of the service run comes from the model worker's ``engine_stats``
-remote-control command (``worker.runtime``), polled every ``--stats-interval`` seconds, and
+remote-control command (``worker.infra.runtime``), polled every ``--stats-interval`` seconds, and
 the batch's shard rows in Postgres. Between two polls the engine's counters give the mean
 number of running sequences per engine step exactly (Δ running-sequence-steps / Δ steps).
 **Occupancy while backlogged** is Σ Δ running-sequence-steps / (Σ Δ steps × max_num_seqs)
@@ -105,7 +105,7 @@ def run_engine(path: Path, model_dir: Path, warmup: int) -> EngineRun:
     from core.batchfile import iter_lines, parse_request
     from core.settings import get_settings
     from engine import LLM, SamplingParams
-    from worker import runtime
+    from worker.infra import runtime
 
     settings = get_settings()
     options = dict(settings.engine_options)
@@ -435,7 +435,7 @@ def measure(args: argparse.Namespace) -> Measured:
 
         get_settings.cache_clear()
         settings = get_settings()
-        from worker import runtime
+        from worker.infra import runtime
 
         model_dir = runtime.model_dir(bs.MODEL)  # builds a demo model once, before the workers
         lines = workload(

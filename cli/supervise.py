@@ -5,7 +5,7 @@ while nobody asked it to (after a backoff that doubles from ``min_backoff_s`` to
 ``stable_s``), and on Ctrl-C or SIGTERM stops them all: SIGTERM, then SIGKILL for whatever is
 left after ``grace_s``. Every exit and restart is logged.
 
-A worker that cannot recover exits non-zero (worker/liveness.py): this is what brings it back.
+A worker that cannot recover exits non-zero (worker/infra/liveness.py): this is what brings it back.
 """
 
 from __future__ import annotations

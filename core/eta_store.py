@@ -1,7 +1,7 @@
 """Projected completions from the database: each model's recent batches and their progress
 (the shards' checkpointed ``done_requests``, the same progress the service's metrics count),
 the arithmetic of :mod:`core.eta`, and the ``estimated_completion_at``/``at_risk`` columns of
-running batches, refreshed every few seconds by the control worker (``worker.estimate``).
+running batches, refreshed every few seconds by the control worker (``worker.validation.estimate``).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from pathlib import Path
 from core.queue import CONTROL_QUEUE, model_queue
 
 API_APP = "api.app:app"
-CELERY_APP = "worker.celery_app"
+CELERY_APP = "worker.infra.celery"
 
 # The options of the workers that the benchmarks and tests start: INFO lines (they read
 # readiness from them) and none of the chatter (gossip, mingle, event heartbeats) that many
@@ -58,7 +58,7 @@ def api_command(
 
 
 def celery_command(*args: str) -> list[str]:
-    """``celery -A worker.celery_app`` with ``args``: a program of the worker's Celery app."""
+    """``celery -A worker.infra.celery`` with ``args``: a program of the worker's Celery app."""
     return [sys.executable, "-m", "celery", "-A", CELERY_APP, *args]
 
 
@@ -87,7 +87,7 @@ def control_worker_command(
     extra: Iterable[str] = (),
 ) -> list[str]:
     """The control worker: validate, finalize, cancel and the sweeps (the webhook queue is
-    consumed by every control worker on threads of its own, :mod:`worker.webhooks`)."""
+    consumed by every control worker on threads of its own, :mod:`worker.batches.webhooks`)."""
     return worker_command([CONTROL_QUEUE], concurrency, name, pool=pool, extra=extra)
 
 

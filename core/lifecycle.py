@@ -11,7 +11,7 @@ Webhook outbox: a transition into a terminal status of a batch that has a ``webh
 also inserts the event's ``webhook_deliveries`` row (pending, never attempted) in the same
 transaction, so the event is recorded exactly when the transition commits and is lost with
 nothing: the actor enqueues its delivery after the commit, best effort, and the webhook
-sweep enqueues any row left never attempted (``worker.webhooks``).
+sweep enqueues any row left never attempted (``worker.batches.webhooks``).
 """
 
 from __future__ import annotations

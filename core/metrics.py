@@ -89,7 +89,7 @@ SHARDS_RECLAIMED = Counter(
 
 
 def record_chunk(model: str, tenant: str, pending: Any) -> None:
-    """Count one committed checkpoint chunk (a ``worker.shard_state.Pending``)."""
+    """Count one committed checkpoint chunk (a ``worker.shards.state.Pending``)."""
     labels = {"model": model or "", "tenant": tenant or ""}
     if pending.ok:
         REQUESTS_COMPLETED.labels(**labels).inc(pending.ok)

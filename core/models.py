@@ -153,7 +153,7 @@ class Batch(Base):
     # whether that projection lies past ``expires_at``.
     estimated_completion_at: Mapped[datetime | None] = mapped_column(Timestamp, nullable=True)
     at_risk: Mapped[bool] = mapped_column(Boolean, default=False, server_default=sa_false())
-    # Validation streams into execution (worker.tasks): the batch is in_progress from its first
+    # Validation streams into execution (worker.batches.tasks): the batch is in_progress from its first
     # shard on while the validate task still reads the rest of its input. ``validation_done``
     # turns True when the last shard is planned (until then nothing may finalize it as
     # completed, and its results are not shown); ``validated_at`` is when the validation last

@@ -26,14 +26,14 @@ TASK_REFRESH_ETAS = "batchd.refresh_etas"
 
 CONTROL_QUEUE = "batchd.control"
 # Webhook deliveries: consumed by every worker that consumes the control queue, and run on that
-# process's own webhook threads, never on the control pool's (worker.webhooks).
+# process's own webhook threads, never on the control pool's (worker.batches.webhooks).
 WEBHOOK_QUEUE = "batchd.webhooks"
 
 # Every Redis socket is bounded, so that a broker that vanishes without closing its
 # connections (a lost host, a dropped route) costs a reconnect or a failed publish instead of
 # a thread blocked in a read or a connect for the kernel's TCP timeouts. A producer (the API's
 # enqueue, a reply to the API) waits at most PRODUCER_SOCKET_TIMEOUT_S for one answer; the
-# workers' consumers allow more (worker.celery_app).
+# workers' consumers allow more (worker.infra.celery).
 SOCKET_CONNECT_TIMEOUT_S = 5.0
 PRODUCER_SOCKET_TIMEOUT_S = 5.0
 
@@ -83,7 +83,7 @@ def enqueue(
 
 def engine_stats(broker_url: str, timeout: float = 1.0) -> list[dict[str, Any]]:
     """Every model worker's engine figures (the workers' ``engine_stats`` remote control
-    command, see worker/runtime.py): one ``{worker name: {"models": {...}, "time": ...}}``
+    command, see worker/infra/runtime.py): one ``{worker name: {"models": {...}, "time": ...}}``
     reply per worker that answered within ``timeout`` seconds."""
     control = _producer(broker_url).control
     return list(control.broadcast("engine_stats", reply=True, timeout=timeout) or [])

@@ -1,6 +1,6 @@
 """The results log: a batch's result lines in the order they became durable.
 
-Shards write their results in checkpoint chunks (``worker.checkpoints``); a chunk counts once
+Shards write their results in checkpoint chunks (``worker.shards.checkpoints``); a chunk counts once
 the transaction that advances its shard's ``num_chunks`` commits. That same transaction logs the
 chunk here: it takes the next ``[first_seq, first_seq + n)`` from ``batches.results_logged``
 (an UPDATE, so the batch row stays locked until the commit and sequence numbers are handed out

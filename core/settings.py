@@ -322,7 +322,7 @@ class Settings(BaseSettings):
     release_sweep_interval_s: float = Field(
         default=5.0,
         gt=0.0,
-        description="How often beat runs the shard-release safety net (worker.release).",
+        description="How often beat runs the shard-release safety net (worker.shards.release).",
     )
     release_resend_after_s: float = Field(
         default=0.0,
@@ -485,7 +485,7 @@ class Settings(BaseSettings):
         "it is watched.",
     )
 
-    # Worker liveness (worker/liveness.py; `python -m worker health` checks it).
+    # Worker liveness (worker/infra/liveness.py; `python -m worker health` checks it).
     worker_liveness_file: str = Field(
         default="",
         description="A watchdog touches this file every `worker_liveness_interval_s` while the "

@@ -17,7 +17,7 @@ A shard is closed before a request that would push it over ``max_tokens_per_shar
 tokens, or when it holds ``max_requests_per_shard`` requests. A request larger than the token
 limit on its own gets a shard to itself; no shard is ever empty.
 
-Streamed validation (``worker.tasks``) creates each shard as soon as :meth:`ShardPlanner.add`
+Streamed validation (``worker.batches.tasks``) creates each shard as soon as :meth:`ShardPlanner.add`
 returns it closed, and adds a line that failed validation after the file's head as a request
 of 0 tokens: it stays inside its shard's line range, where the shard's first checkpoint chunk
 holds its error line. A validation that resumes after a crash plans on from its last durable

@@ -28,7 +28,7 @@ ONE_SHOT = {"migrate"}
 CONDITIONS = {"service_started", "service_healthy", "service_completed_successfully"}
 REQUIRED_SECRETS = {"POSTGRES_PASSWORD", "MINIO_ROOT_PASSWORD", "BATCHD_API_KEYS",
                     "FLOWER_BASIC_AUTH"}  # fmt: skip
-CELERY = ["celery", "-A", "worker.celery_app"]
+CELERY = ["celery", "-A", "worker.infra.celery"]
 
 # ${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:?message}, ${VAR?message}, $VAR; $$ is a $.
 _VAR = re.compile(
@@ -190,7 +190,7 @@ def test_long_running_services_have_healthchecks_and_one_shots_do_not_restart() 
     all_services = services()
     assert "/healthz" in " ".join(healthcheck_argv(all_services["api"]))
     for name in ("control-worker", "worker"):
-        # The worker's own liveness file (worker/liveness.py), not a ping through the broker:
+        # The worker's own liveness file (worker/infra/liveness.py), not a ping through the broker:
         # a broker outage must not mark every worker unhealthy.
         assert healthcheck_argv(all_services[name]) == ["python", "-m", "worker", "health"]
         assert service_env(all_services[name])["BATCHD_WORKER_LIVENESS_FILE"].startswith("/")

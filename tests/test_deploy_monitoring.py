@@ -47,7 +47,7 @@ def test_every_metric_the_dashboard_and_alerts_name_is_exported(pg_url: str) -> 
     from api.app import create_app
     from core.metrics import ServiceCollector
     from core.settings import Settings
-    from worker.metrics import EngineCollector
+    from worker.infra.metrics import EngineCollector
 
     create_app(Settings(database_url="sqlite://"))  # registers the API's HTTP metrics
     exported = _exposed(REGISTRY)

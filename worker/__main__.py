@@ -1,22 +1,17 @@
-"""``python -m worker control|model|beat [celery options…]``: start a worker from the settings.
+"""``python -m worker control|model|dispatch|beat [celery options…] | health``.
 
-* ``control``: the control queue (validate, finalize, cancel, sweep), threads pool; and the
-  webhook queue, whose attempts run on threads of their own (:mod:`worker.webhooks`).
-* ``model [NAME…]``: the queues of the named served models (default: all of them), threads
-  pool with ``BATCHD_WORKER_SHARD_CONCURRENCY`` shard tasks in flight; the engine loads once.
-* ``dispatch [NAME…]``: the queues of the named upstream models (default: every ``upstream:``
-  model), threads pool; no model in memory and no torch, so it starts in seconds and many can
-  run on one small node; they share each upstream's limit (:mod:`worker.upstream.shared`).
-* ``beat``: the scheduler that sends the expiry sweep.
-* ``health``: exits 0 while this container's worker touches ``BATCHD_WORKER_LIVENESS_FILE``
-  (see :mod:`worker.liveness`), 1 otherwise: a healthcheck that tells a hung worker from a busy
-  one and needs no broker.
+``control``: the control and webhook queues; ``model [NAME…]``: the served models' queues, one
+engine per model, ``BATCHD_WORKER_SHARD_CONCURRENCY`` shards at a time; ``dispatch [NAME…]``:
+the upstream models' queues, no torch; ``beat``: the sweeps. :mod:`core.launch` builds each
+command line from the settings. ``health`` exits 0 while this container's worker touches
+``BATCHD_WORKER_LIVENESS_FILE``: a healthcheck that needs no broker and loads no Celery.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 
 from core import launch, served_models
 from core.settings import get_settings
@@ -63,7 +58,7 @@ def environment(role: str, base: dict[str, str] | None = None) -> dict[str, str]
     scan) between long-lived objects, and Python's small-object allocator returns a 1 MiB
     arena only once every object in it is gone, so a few survivors kept hundreds of MiB
     resident after each burst. With ``PYTHONMALLOC=malloc`` its objects live in the C heap,
-    whose free pages :mod:`worker.memory` hands back. An operator's own ``PYTHONMALLOC``
+    whose free pages :mod:`worker.infra.memory` hands back. An operator's own ``PYTHONMALLOC``
     wins."""
     env = dict(os.environ if base is None else base)
     if role == "control":
@@ -71,10 +66,37 @@ def environment(role: str, base: dict[str, str] | None = None) -> dict[str, str]
     return env
 
 
-def health() -> None:
-    from worker.liveness import health as check
+def max_age_s(interval_s: float) -> float:
+    """How old the liveness file may be while its worker is healthy."""
+    return max(3 * interval_s, 30.0)
 
-    ok, why = check()
+
+def file_age_s(path: str | os.PathLike[str]) -> float | None:
+    """Seconds since ``path`` was last touched; None if it does not exist."""
+    try:
+        return max(0.0, time.time() - os.stat(path).st_mtime)
+    except FileNotFoundError:
+        return None
+
+
+def check_health(path: str | None = None, interval_s: float | None = None) -> tuple[bool, str]:
+    """(healthy, why) for the worker that touches ``path`` (default: the settings'). Read here,
+    not in :mod:`worker.infra.liveness`: the healthcheck runs every 30 s and loads no Celery."""
+    settings = get_settings()
+    path = path or settings.worker_liveness_file
+    if not path:
+        return False, "BATCHD_WORKER_LIVENESS_FILE is not set"
+    limit = max_age_s(settings.worker_liveness_interval_s if interval_s is None else interval_s)
+    age = file_age_s(path)
+    if age is None:
+        return False, f"{path} does not exist (the worker is not ready, or never was)"
+    if age > limit:
+        return False, f"{path} was last touched {age:.0f}s ago (more than {limit:.0f}s)"
+    return True, f"{path} touched {age:.1f}s ago"
+
+
+def health() -> None:
+    ok, why = check_health()
     print(("healthy: " if ok else "unhealthy: ") + why)
     raise SystemExit(0 if ok else 1)
 

@@ -352,7 +352,7 @@ class Run:
 
 
 class EngineStatsProbe(WorkerProbe):
-    """Asks one worker for ``engine_stats`` (the remote-control command in worker.runtime)."""
+    """Asks one worker for ``engine_stats`` (the remote-control command in worker.infra.runtime)."""
 
     def __init__(self, broker_url: str, worker: str = "model@bench"):
         super().__init__(broker_url, [worker])

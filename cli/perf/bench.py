@@ -9,8 +9,8 @@ both made by ``cli.perf.workload`` (:func:`job_lines`).
 
 Each job runs in its own client thread: upload, create, poll until the batch ends, download
 its output and error files. Meanwhile a sampler asks the model workers for ``engine_stats``
-(worker.runtime) and reads every service process's memory from ``/proc``. At the end the
-model workers hand over each request's timings (worker.timings). The report:
+(worker.infra.runtime) and reads every service process's memory from ``/proc``. At the end the
+model workers hand over each request's timings (worker.shards.timings). The report:
 
 - **ttft_s**: a request handed to the engine host by its shard → its first token (the time it
   waits in the worker's queues, plus its prefill).

@@ -230,7 +230,7 @@ class EmbeddedService(Procs):
 
 class WorkerProbe:
     """Celery remote control of a running service's workers: ``engine_stats`` and
-    ``request_timings`` (worker.runtime, worker.timings)."""
+    ``request_timings`` (worker.infra.runtime, worker.shards.timings)."""
 
     def __init__(self, broker_url: str, destination: list[str] | None = None):
         from celery import Celery

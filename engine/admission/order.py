@@ -1,6 +1,6 @@
 """Who runs next: the ordering rules that every place which chooses shares, written once.
 
-Two places choose, each at its own scale: the shard release window (``worker.release``: which
+Two places choose, each at its own scale: the shard release window (``worker.shards.release``: which
 shard of a model goes to its broker queue) and the engine host's fair queue
 (``engine.admission.fair_queue``: which request enters the engine; the upstream dispatcher
 orders its requests with the same queue). Both apply these rules:

@@ -27,7 +27,7 @@ def _ended_parent(lines: list) -> str:
     from core.db import session_scope
     from core.models import Batch, File
     from core.results import batch_error_line, dumps_line
-    from worker.common import storage
+    from worker.infra.common import storage
 
     batch_id = make_batch(lines)
     error_id = ids.file_id()
@@ -64,7 +64,7 @@ def _retry(batch_id: str, store=None, **body):
     from api.services.retries import retry_batch
     from core.db import session_scope
     from core.settings import get_settings
-    from worker.common import storage
+    from worker.infra.common import storage
 
     with session_scope() as session:
         retry = retry_batch(session, store or storage(), Caller(), get_settings(), batch_id,
@@ -80,7 +80,7 @@ def _stored(service_env: dict[str, str]) -> list[str]:
 def _refused(batch_id: str, **body):
     """The APIError a retry is refused with; it wrote nothing (no file row, no object)."""
     from api.errors import APIError
-    from worker.common import storage
+    from worker.infra.common import storage
 
     before = _files()
     store = RecordingStorage(storage())

@@ -75,8 +75,8 @@ def deliver(service_env, redis_url, monkeypatch) -> Iterator[Any]:
     from core.db import session_scope
     from core.models import WebhookDelivery
     from core.settings import get_settings
-    from worker import webhooks
-    from worker.celery_app import app
+    from worker.batches import webhooks
+    from worker.infra.celery import app
 
     old_broker = app.conf.broker_url
     app.conf.broker_url = redis_url

@@ -173,9 +173,9 @@ def test_one_glue_for_both_paths() -> None:
     import inspect
 
     import cli.run.runner
-    import worker.shard_handlers
+    import worker.shards.handlers
 
-    for module in (worker.shard_handlers, cli.run.runner):
+    for module in (worker.shards.handlers, cli.run.runner):
         source = inspect.getsource(module)
         assert "prepare_request(" in source and "finished_record(" in source
         assert "aborted_record(" in source and "is_aborted(" in source

@@ -183,7 +183,7 @@ def setenv(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., None]]:
 
 
 def test_webhook_backoff(setenv: Callable[..., None]) -> None:
-    from worker.webhooks import backoff_s
+    from worker.batches.webhooks import backoff_s
 
     assert [backoff_s(n) for n in (1, 2, 3)] == [30.0, 60.0, 120.0]
     assert backoff_s(20) == 3600.0
@@ -203,7 +203,7 @@ def test_model_cache(setenv: Callable[..., None], tmp_path: Path) -> None:
 
 
 def test_release_resend_after(setenv: Callable[..., None]) -> None:
-    from worker.release import resend_after_s
+    from worker.shards.release import resend_after_s
 
     assert resend_after_s() == 600.0  # max(600, 10 x the default 30 s)
     setenv(BATCHD_SHARD_STALE_AFTER_S="120")
@@ -215,7 +215,7 @@ def test_release_resend_after(setenv: Callable[..., None]) -> None:
 
 
 def test_release_sweep_interval(setenv: Callable[..., None]) -> None:
-    from worker.celery_app import create_app
+    from worker.infra.celery import create_app
 
     assert create_app().conf.beat_schedule["release-shards"]["schedule"] == 5.0
     setenv(BATCHD_RELEASE_SWEEP_INTERVAL_S="1")

@@ -122,7 +122,7 @@ def test_worker_refuses_a_model_whose_file_is_bad(
 ) -> None:
     from cli.models import resolve_models
     from core.settings import get_settings
-    from worker import runtime
+    from worker.infra import runtime
 
     missing = tmp_path / "gone.gguf"
     spec = f"gguf:{missing}"

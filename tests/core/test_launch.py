@@ -15,7 +15,7 @@ from core import launch
 from core.settings import get_settings
 
 REPO = Path(__file__).resolve().parents[2]
-CELERY = [sys.executable, "-m", "celery", "-A", "worker.celery_app"]
+CELERY = [sys.executable, "-m", "celery", "-A", "worker.infra.celery"]
 
 
 def option(argv: list[str], name: str) -> str:
@@ -120,7 +120,7 @@ def test_python_m_worker_resolves_each_role_from_the_settings(served: None, tmp_
 # This file states the command lines it expects; test_compose reads the compose file's.
 ALLOWED = {Path("core/launch.py"), Path("tests/core/test_launch.py"), Path("tests/test_compose.py")}
 PROGRAMS = {"celery", "uvicorn", "worker"}
-APPS = {"worker.celery_app", "api.app:app"}
+APPS = {"worker.infra.celery", "api.app:app"}
 
 
 def _strings(node: ast.List | ast.Tuple) -> list[str]:
@@ -129,7 +129,7 @@ def _strings(node: ast.List | ast.Tuple) -> list[str]:
 
 def _builds_a_command_line(node: ast.AST) -> bool:
     """A list or tuple display that holds ``-m celery|uvicorn|worker`` or names the Celery
-    or the API app (``-A worker.celery_app``, ``api.app:app``)."""
+    or the API app (``-A worker.infra.celery``, ``api.app:app``)."""
     if not isinstance(node, ast.List | ast.Tuple):
         return False
     strings = _strings(node)
@@ -156,7 +156,7 @@ def test_no_other_module_builds_a_service_command_line() -> None:
 
 
 def test_the_scan_finds_a_command_line() -> None:
-    built = ast.parse('cmd = [sys.executable, "-m", "celery", "-A", "worker.celery_app"]')
+    built = ast.parse('cmd = [sys.executable, "-m", "celery", "-A", "worker.infra.celery"]')
     assert any(_builds_a_command_line(n) for n in ast.walk(built))
     built = ast.parse('cmd = [sys.executable, "-m", "uvicorn", app]')
     assert any(_builds_a_command_line(n) for n in ast.walk(built))

@@ -73,7 +73,7 @@ def test_database_gauges_pass_the_lint(pg_url: str) -> None:
 def test_engine_collector_passes_the_lint() -> None:
     from core.demo_models import build
     from engine import Engine, EngineHost, SamplingParams
-    from worker.metrics import EngineCollector
+    from worker.infra.metrics import EngineCollector
 
     host = EngineHost(Engine(str(build("llama-tiny")), device="cpu", dtype="float32")).start()
     try:

@@ -24,7 +24,7 @@ def test_a_redis_producer_bounds_its_sockets() -> None:
 
 
 def test_the_workers_consumers_bound_theirs_with_a_longer_read() -> None:
-    from worker.celery_app import SOCKET_TIMEOUT_S, transport_options
+    from worker.infra.celery import SOCKET_TIMEOUT_S, transport_options
 
     redis = transport_options("rediss://broker:6380/0")
     assert redis["socket_timeout"] == SOCKET_TIMEOUT_S > queue.PRODUCER_SOCKET_TIMEOUT_S

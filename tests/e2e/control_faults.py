@@ -21,11 +21,11 @@ import threading
 from collections import Counter
 from pathlib import Path
 
-import worker.finalize as finalize_module
-import worker.tasks as tasks
-import worker.validation as validation_module
-import worker.validation_failures as validation_failures_module
-from worker.celery_app import TRANSFORMERS_NAMES
+import worker.batches.finalize as finalize_module
+import worker.batches.tasks as tasks
+import worker.validation.failures as failures_module
+import worker.validation.task as validation_module
+from worker.infra.celery import TRANSFORMERS_NAMES
 
 logger = logging.getLogger("control_faults")
 _lock = threading.Lock()
@@ -84,5 +84,5 @@ tasks.finalize = finalize
 # finalize's commit).
 tasks.notify = notify
 validation_module.notify = notify
-validation_failures_module.notify = notify
+failures_module.notify = notify
 finalize_module.notify = notify

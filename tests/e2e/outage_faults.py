@@ -18,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-import worker.tasks as tasks
+import worker.batches.tasks as tasks
 
 logger = logging.getLogger("outage_faults")
 _lock = threading.Lock()

@@ -42,7 +42,7 @@ def _create_batch(lines: list[dict[str, Any]], broker: str) -> str:
     from core.lifecycle import now
     from core.models import Batch, File
     from core.queue import TASK_VALIDATE, enqueue
-    from worker.common import storage
+    from worker.infra.common import storage
 
     data = b"".join(json.dumps(x).encode() + b"\n" for x in lines)
     file_id, batch_id = ids.file_id(), ids.batch_id()

@@ -153,7 +153,7 @@ def test_outages_while_control_steps_hold_their_messages(
     import httpx
 
     from tests.conftest import PG_HOST, PG_PORT
-    from worker import liveness
+    from worker.__main__ import check_health
 
     redis_port = int(private_broker.rsplit(":", 1)[1].split("/")[0])
     pg = TcpProxy(PG_HOST, PG_PORT).start()
@@ -179,10 +179,11 @@ def test_outages_while_control_steps_hold_their_messages(
             base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {API_KEY}"}
         )
         control = [*celery_command("control", "control", tmp_path), "-I", "outage_faults"]
-        # Beat at DEBUG: the lines of the sweeps it sends are DEBUG (worker.celery_app).
+        # Beat at DEBUG: the lines of the sweeps it sends are DEBUG (worker.infra.celery).
         beat = [*celery_command("beat", "beat", tmp_path)[:-1], "DEBUG"]
         # Each worker's liveness file, touched every second while its consumer loop turns or
-        # it reconnects; a loop stalled for a minute would end the process (worker/liveness.py).
+        # it reconnects; a loop stalled for a minute would end the process
+        # (worker/infra/liveness.py).
         alive = {name: tmp_path / f"{name}.alive" for name in ("control", "model")}
         live = {"BATCHD_WORKER_LIVENESS_INTERVAL_S": "1", "BATCHD_WORKER_HANG_TIMEOUT_S": "60"}
         procs.start("api", api_command(port), env)
@@ -248,7 +249,7 @@ def test_outages_while_control_steps_hold_their_messages(
         assert "Error on stopping Hub" not in control_log
         assert control_log.count(f"resumed: finalize of {batch_id}") == 1
         for name, path in alive.items():
-            healthy, why = liveness.health(str(path), interval_s=1.0)
+            healthy, why = check_health(str(path), interval_s=1.0)
             assert healthy, (name, why)
         assert rd.refused > 0 and pg.refused > 0
     finally:

@@ -273,8 +273,8 @@ def test_a_worker_killed_between_the_terminal_commit_and_the_enqueue_loses_no_ev
 ):
     """A control worker (with the test-only ``control_faults``) exits right after committing a
     batch's terminal status, before it enqueues the webhook delivery: once after a validate
-    that failed the batch (worker/tasks.py), once after the finalize of a cancel
-    (worker/finalize.py). The event row committed with the status; after a restart the
+    that failed the batch (worker/batches/tasks.py), once after the finalize of a cancel
+    (worker/batches/finalize.py). The event row committed with the status; after a restart the
     webhook sweep sends each one, and the receiver gets it exactly once, under that id."""
     from sqlalchemy import update
 

@@ -16,7 +16,7 @@ import os
 import time
 from pathlib import Path
 
-from worker.validation import StreamedValidation
+from worker.validation.task import StreamedValidation
 
 logger = logging.getLogger("validation_faults")
 _real_create = StreamedValidation._create

@@ -33,7 +33,7 @@ def make_batch(
     from core.db import session_scope
     from core.lifecycle import now
     from core.models import Batch, File
-    from worker.common import storage
+    from worker.infra.common import storage
 
     data = lines if isinstance(lines, bytes) else jsonl(lines)
     file_id = ids.file_id()
@@ -69,7 +69,7 @@ def read_file_lines(file_id: str | None) -> list[dict[str, Any]]:
         return []
     from core.db import session_scope
     from core.models import File
-    from worker.common import storage
+    from worker.infra.common import storage
 
     with session_scope() as session:
         key = session.get(File, file_id).storage_key
@@ -105,7 +105,7 @@ def validated_batch(lines: list[dict[str, Any]], shard_max_requests: int | None 
     """A batch made of ``lines``, validated (``in_progress``, shards planned), optionally with
     at most ``shard_max_requests`` requests per shard."""
     from core.settings import get_settings
-    from worker.tasks import validate
+    from worker.batches.tasks import validate
 
     if shard_max_requests is not None:
         os.environ["BATCHD_SHARD_MAX_REQUESTS"] = str(shard_max_requests)

@@ -11,7 +11,7 @@ from cli.perf.bench import job_lines, percentile, poisson_jobs, summary
 from cli.perf.tune import spread_order
 from cli.perf.workload import LengthDist, chat_bodies
 from engine.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from worker import timings
+from worker.shards import timings
 
 
 def test_summary_percentiles_interpolate_like_numpy() -> None:

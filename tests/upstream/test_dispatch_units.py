@@ -390,8 +390,8 @@ def test_an_upstream_models_prompts_are_counted_for_quotas(
     size does; the ids are never kept for the shard (the server tokenizes its own)."""
     from core.batchfile import RawLine, parse_request
     from core.settings import get_settings
-    from worker import runtime
-    from worker.token_count import TokenCounter
+    from worker.infra import runtime
+    from worker.validation.token_count import TokenCounter
 
     monkeypatch.setenv("BATCHD_HOME", str(tmp_path))
     monkeypatch.setenv("BATCHD_MODELS", json.dumps({

@@ -20,7 +20,7 @@ def worker_env(
     """``service_env`` plus the tiny model, small checkpoints, and the Celery app's broker
     pointed at the test Redis (so tasks the code sends land somewhere we can inspect)."""
     from core.settings import get_settings
-    from worker.celery_app import app
+    from worker.infra.celery import app
 
     extra = {
         "BATCHD_MODELS": json.dumps({MODEL: "demo:llama-tiny"}),

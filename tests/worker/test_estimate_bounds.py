@@ -13,8 +13,8 @@ pytestmark = pytest.mark.services
 
 
 def test_a_scan_stops_when_its_caller_has_gone(worker_env) -> None:
-    from worker.common import storage
-    from worker.tasks import CallerGone, scan_input
+    from worker.batches.tasks import CallerGone, scan_input
+    from worker.infra.common import storage
 
     with storage().writer("files/estimate-me") as out:
         out.write(jsonl([chat_line(f"r{i}", "count the stars") for i in range(600)]))
@@ -45,8 +45,8 @@ def test_estimates_never_take_every_control_thread(worker_env) -> None:
 
     from core import rpc
     from core.settings import get_settings
-    from worker import estimate
-    from worker.common import storage
+    from worker.infra.common import storage
+    from worker.validation import estimate
 
     with storage().writer("files/estimate-busy") as out:
         out.write(jsonl([chat_line("r0", "count the stars")]))

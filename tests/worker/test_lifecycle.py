@@ -45,13 +45,13 @@ def _custom_ids(file_id: str | None) -> list[str]:
 def test_finalizing_batch_completes_even_past_its_window(worker_env, host):
     """Every shard is done (the batch is finalizing) but the finalize runs after expires_at,
     as when the control queue is backed up: nothing was cut short, so it completes."""
-    from worker.finalize import finalize
-    from worker.shard import run_shard
+    from worker.batches.finalize import finalize
+    from worker.shards.task import ShardEnd, run_shard
 
     ids = [f"r{i}" for i in range(5)]
     batch_id = validated_batch([chat_line(c, f"say {c}", max_tokens=3) for c in ids])
     (shard,) = shard_rows(batch_id)
-    assert run_shard(shard.id, host=host).status == "done"
+    assert run_shard(shard.id, host=host).end == ShardEnd.DONE
     assert batch_row(batch_id).status == "finalizing"
     _update_batch(batch_id, expires_at=_past())
 
@@ -65,13 +65,13 @@ def test_a_second_finalize_of_a_batch_leaves_it_to_the_first(worker_env, host):
     """A cancel arriving while validation stops, a sweep's re-drive and the last shard each
     finalize: while one runs, another returns at once without merging (each used to merge the
     whole batch, an amplifying upload twice), and the batch still ends once."""
-    from worker.finalize import finalize, sole_finalizer
-    from worker.shard import run_shard
+    from worker.batches.finalize import finalize, sole_finalizer
+    from worker.shards.task import ShardEnd, run_shard
 
     ids = [f"r{i}" for i in range(3)]
     batch_id = validated_batch([chat_line(c, f"say {c}", max_tokens=3) for c in ids])
     (shard,) = shard_rows(batch_id)
-    assert run_shard(shard.id, host=host).status == "done"
+    assert run_shard(shard.id, host=host).end == ShardEnd.DONE
     with sole_finalizer(batch_id) as sole:  # as if another control thread were merging it
         assert sole
         with sole_finalizer(batch_id) as second:
@@ -88,15 +88,15 @@ def test_a_second_finalize_of_a_batch_leaves_it_to_the_first(worker_env, host):
 def test_expiring_batch_whose_every_request_has_a_result_completes(worker_env, host):
     """The shards stopped for the expiry right after their last result (still in_progress,
     past expires_at): the merge finds no request without a result, so it completes."""
-    from worker.finalize import finalize
-    from worker.shard import run_shard
+    from worker.batches.finalize import finalize
+    from worker.shards.task import ShardEnd, run_shard
 
     ids = [f"r{i}" for i in range(6)]
     batch_id = validated_batch([chat_line(c, f"say {c}", max_tokens=3) for c in ids], 3)
     shards = shard_rows(batch_id)
     assert len(shards) == 2
     for shard in shards:
-        assert run_shard(shard.id, host=host).status == "done"
+        assert run_shard(shard.id, host=host).end == ShardEnd.DONE
     # As if each shard had noticed the expiry after committing its last result.
     from sqlalchemy import update
 
@@ -115,14 +115,14 @@ def test_expiring_batch_whose_every_request_has_a_result_completes(worker_env, h
 
 
 def test_expiring_batch_with_unrun_requests_still_expires(worker_env, host):
-    from worker.finalize import finalize
-    from worker.shard import run_shard
+    from worker.batches.finalize import finalize
+    from worker.shards.task import ShardEnd, run_shard
 
     ids = [f"r{i}" for i in range(6)]
     batch_id = validated_batch([chat_line(c, f"say {c}", max_tokens=3) for c in ids], 3)
     first, _second = shard_rows(batch_id)
     _update_batch(batch_id, expires_at=_past())
-    assert run_shard(first.id, host=host).status == "skipped"  # past its window: never runs
+    assert run_shard(first.id, host=host).end == ShardEnd.SKIPPED  # past its window: never runs
 
     assert finalize(batch_id) == "expired"
     batch = batch_row(batch_id)
@@ -133,7 +133,7 @@ def test_expiring_batch_with_unrun_requests_still_expires(worker_env, host):
 
 
 def test_redrive_due_once_per_bound():
-    from worker.recovery import redrive_due
+    from worker.shards.recovery import redrive_due
 
     bound, every = 300.0, 10.0
     ages = [t / 2 for t in range(0, 2 * 1000)]  # a sweep every half second for 1,000 s
@@ -148,11 +148,11 @@ def test_reclaim_sweep_resends_stuck_validate_and_finalize(worker_env, monkeypat
     """A batch left validating (its validate message lost) or finalizing past
     ``stuck_batch_after_s`` gets its task sent again; a fresh one and an expired one do not.
     (What is sent is recorded here; the e2e tests let a worker run it.)"""
-    import worker.recovery
+    import worker.shards.recovery
     from core.lifecycle import now
     from core.queue import TASK_FINALIZE, TASK_VALIDATE
     from core.settings import get_settings
-    from worker.recovery import reclaim_stale_shards
+    from worker.shards.recovery import reclaim_stale_shards
 
     monkeypatch.setenv("BATCHD_STUCK_BATCH_AFTER_S", "60")
     monkeypatch.setenv("BATCHD_RECLAIM_SWEEP_INTERVAL_S", "10")
@@ -164,7 +164,9 @@ def test_reclaim_sweep_resends_stuck_validate_and_finalize(worker_env, monkeypat
     _update_batch(expired, created_at=long_ago, expires_at=_past())
     _update_batch(stuck_finalizing, status="finalizing", finalizing_at=long_ago)
     sent: list[tuple[str, tuple[Any, ...]]] = []
-    monkeypatch.setattr(worker.recovery, "send", lambda task, *args, **_: sent.append((task, args)))
+    monkeypatch.setattr(
+        worker.shards.recovery, "send", lambda task, *args, **_: sent.append((task, args))
+    )
 
     mine = {stuck_validating, fresh, expired, stuck_finalizing}  # the session shares the database
 

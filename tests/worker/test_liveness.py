@@ -1,6 +1,7 @@
-"""The worker's liveness watchdog (worker/liveness.py) with a stand-in consumer: it touches the
-file while the loop turns or the consumer reconnects, and ends the process (non-zero) once the
-loop has stalled or an engine host died; ``python -m worker health`` reads the file."""
+"""The worker's liveness watchdog (worker/infra/liveness.py) with a stand-in consumer: it
+touches the file while the loop turns or the consumer reconnects, and ends the process
+(non-zero) once the loop has stalled or an engine host died; ``python -m worker health``
+reads the file."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from types import SimpleNamespace
 import pytest
 from celery import bootsteps
 
+import worker.__main__ as worker_main
 from core import launch
-from worker import liveness
+from worker.infra import liveness
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -50,7 +52,7 @@ def test_a_turning_loop_keeps_the_file_fresh_and_a_stalled_one_exits(tmp_path: P
                 tick()
             time.sleep(0.05)
         assert exits == []
-        assert liveness.file_age_s(tmp_path / "alive") < 1
+        assert worker_main.file_age_s(tmp_path / "alive") < 1
         deadline = time.monotonic() + 5
         while not exits and time.monotonic() < deadline:  # the loop stops turning
             time.sleep(0.05)
@@ -69,7 +71,7 @@ def test_reconnecting_to_the_broker_is_no_hang(tmp_path: Path) -> None:
 
 
 def test_a_dead_engine_host_ends_the_worker(tmp_path: Path, monkeypatch) -> None:
-    from worker import runtime
+    from worker.infra import runtime
 
     hosts = {"m": SimpleNamespace(is_alive=True)}
     monkeypatch.setattr(runtime, "loaded_hosts", lambda: dict(hosts))
@@ -88,7 +90,7 @@ def test_a_requested_shutdown_stops_the_watchdog(tmp_path: Path) -> None:
 
 
 def test_no_event_loop_no_watchdog() -> None:
-    assert liveness.start(SimpleNamespace(hub=None)) is None
+    assert liveness.start(SimpleNamespace(hub=None), frozenset()) is None
 
 
 @pytest.mark.parametrize(
@@ -161,7 +163,7 @@ def test_a_stalled_control_pool_ends_the_worker_naming_why(
     dog.last_progress -= 3600
     assert dog.check() and exits == []  # a task finished and another started: progress
     dog.last_progress -= 601
-    with caplog.at_level("CRITICAL", logger="worker.liveness"):
+    with caplog.at_level("CRITICAL", logger="worker.infra.liveness"):
         assert not dog.check()
     assert exits == [liveness.EXIT_UNHEALTHY]
     assert "no control task has started or finished" in caplog.text

@@ -7,14 +7,14 @@ from collections.abc import Iterator
 
 import pytest
 
-from worker.celery_app import quiet_housekeeping_logs
+from worker.infra.celery import quiet_housekeeping_logs
 
 SWEEP = "batchd.release_shards"
 
 
 @pytest.fixture
 def quiet() -> Iterator[None]:
-    from worker.celery_app import _TASK_LIFECYCLE_LOGGERS
+    from worker.infra.celery import _TASK_LIFECYCLE_LOGGERS
 
     saved = {name: list(logging.getLogger(name).filters) for name in _TASK_LIFECYCLE_LOGGERS}
     quiet_housekeeping_logs({SWEEP})
@@ -49,7 +49,7 @@ def test_debug_shows_sweep_ticks(quiet, caplog: pytest.LogCaptureFixture) -> Non
 
 
 def test_the_worker_app_quiets_every_scheduled_sweep() -> None:
-    from worker.celery_app import _TASK_LIFECYCLE_LOGGERS, app
+    from worker.infra.celery import _TASK_LIFECYCLE_LOGGERS, app
 
     scheduled = {entry["task"] for entry in app.conf.beat_schedule.values()}
     assert SWEEP in scheduled

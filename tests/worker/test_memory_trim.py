@@ -1,4 +1,4 @@
-"""Worker processes give freed memory back: the trimmer (worker/memory.py) and the control
+"""Worker processes give freed memory back: the trimmer (worker/infra/memory.py) and the control
 worker's allocator (worker/__main__.py)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import threading
 import pytest
 
 import worker.__main__ as worker_main
-from worker import memory
+from worker.infra import memory
 
 pytestmark = pytest.mark.skipif(not memory.available(), reason="the C library has no malloc_trim")
 
@@ -56,7 +56,7 @@ def test_one_trimming_thread_per_process() -> None:
 
 BURST = """
 import os
-from worker import memory
+from worker.infra import memory
 def rss():
     return int(open(f"/proc/{os.getpid()}/statm").read().split()[1]) * 4096 / 2**20
 base = rss()

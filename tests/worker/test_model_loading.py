@@ -1,6 +1,6 @@
-"""Loading models in a model worker process (``worker.runtime``, ``worker.shard``): engines
-load one at a time, and a shard whose model cannot be loaded here is left for later, unclaimed,
-instead of being run into errors."""
+"""Loading models in a model worker process (``worker.infra.runtime``, ``worker.shards.task``):
+engines load one at a time, and a shard whose model cannot be loaded here is left for later,
+unclaimed, instead of being run into errors."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def test_two_models_never_load_at_the_same_time(worker_env, monkeypatch):
     import engine
     from core.demo_models import build
     from core.settings import get_settings
-    from worker import runtime
+    from worker.infra import runtime
 
     models = {"load-a": "demo:llama-tiny", "load-b": "demo:qwen2-tiny"}
     monkeypatch.setenv("BATCHD_MODELS", json.dumps(models))
@@ -87,9 +87,9 @@ def test_a_shard_whose_model_cannot_load_here_waits_unclaimed(worker_env, monkey
     (ModelUnavailable, retried later) without claiming the shard or spending an attempt, and
     once a worker has the model the batch completes with every request run."""
     from core.settings import get_settings
-    from worker import runtime
-    from worker.finalize import finalize
-    from worker.shard import ModelUnavailable, run_shard
+    from worker.batches.finalize import finalize
+    from worker.infra import runtime
+    from worker.shards.task import ModelUnavailable, ShardEnd, run_shard
 
     ids = [f"u{i}" for i in range(3)]
     batch_id = validated_batch([chat_line(c, f"hi {c}", max_tokens=3) for c in ids])
@@ -108,7 +108,7 @@ def test_a_shard_whose_model_cannot_load_here_waits_unclaimed(worker_env, monkey
             runtime._refused.pop(MODEL, None)
         monkeypatch.setenv("BATCHD_MODELS", served)
         get_settings.cache_clear()
-    assert run_shard(shard.id, host=host).status == "done"
+    assert run_shard(shard.id, host=host).end == ShardEnd.DONE
     assert finalize(batch_id) == "completed"
     out = read_file_lines(batch_row(batch_id).output_file_id)
     assert [r["custom_id"] for r in out] == ids

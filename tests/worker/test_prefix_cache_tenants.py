@@ -19,16 +19,16 @@ def _cached_tokens(tenant: str, prompt: list[int], host) -> int:
 
     from core.db import session_scope
     from core.models import Batch
-    from worker.finalize import finalize
-    from worker.shard import run_shard
-    from worker.tasks import validate
+    from worker.batches.finalize import finalize
+    from worker.batches.tasks import validate
+    from worker.shards.task import ShardEnd, run_shard
 
     batch_id = make_batch([completion_line("c", prompt, max_tokens=2)], endpoint="/v1/completions")
     with session_scope() as session:
         session.execute(update(Batch).where(Batch.id == batch_id).values(tenant=tenant))
     assert validate(batch_id) == "in_progress"
     (shard,) = shard_rows(batch_id)
-    assert run_shard(shard.id, host=host).status == "done"
+    assert run_shard(shard.id, host=host).end == ShardEnd.DONE
     assert finalize(batch_id) == "completed"
     (line,) = read_file_lines(batch_row(batch_id).output_file_id)
     return line["response"]["body"]["usage"]["prompt_tokens_details"]["cached_tokens"]

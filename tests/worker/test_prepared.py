@@ -1,4 +1,4 @@
-"""The prompt ids validation stores beside each shard (worker.prepared), on real Postgres,
+"""The prompt ids validation stores beside each shard (worker.shards.prepared), on real Postgres,
 local storage and an in-process engine host: stored for every generation request, used by
 the shard's run instead of tokenizing again, and not needed (a shard without them tokenizes)."""
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.services
 
 
 def _validated(lines) -> str:
-    from worker.tasks import validate
+    from worker.batches.tasks import validate
 
     batch_id = make_batch(lines)
     assert validate(batch_id) == "in_progress"
@@ -26,8 +26,8 @@ def _validated(lines) -> str:
 
 
 def test_round_trip_and_a_torn_object(worker_env) -> None:
-    from worker.common import storage
-    from worker.prepared import _MAGIC, prepared_key, read_prepared, write_prepared
+    from worker.infra.common import storage
+    from worker.shards.prepared import _MAGIC, prepared_key, read_prepared, write_prepared
 
     mark = bytes(range(16))
     items = [(3, [1, 2, 3]), (4, []), (9, [2**32 - 1, 0, 7])]
@@ -44,9 +44,14 @@ def test_ids_made_by_another_tokenizer_are_not_used(worker_env) -> None:
     import copy
 
     from tests.helpers.worker import MODEL
-    from worker import runtime
-    from worker.common import storage
-    from worker.prepared import prepared_key, read_prepared, tokenizer_fingerprint, write_prepared
+    from worker.infra import runtime
+    from worker.infra.common import storage
+    from worker.shards.prepared import (
+        prepared_key,
+        read_prepared,
+        tokenizer_fingerprint,
+        write_prepared,
+    )
 
     tok = runtime.tokenizer(MODEL)
     mark = tokenizer_fingerprint(tok)
@@ -70,9 +75,9 @@ def test_ids_made_by_another_tokenizer_are_not_used(worker_env) -> None:
 def test_validation_stores_the_ids_the_shard_would_compute(worker_env, monkeypatch) -> None:
     from core.batchfile import RawLine, parse_request
     from core.generation import prompt_token_ids
-    from worker import runtime
-    from worker.common import storage
-    from worker.prepared import read_prepared, tokenizer_fingerprint
+    from worker.infra import runtime
+    from worker.infra.common import storage
+    from worker.shards.prepared import read_prepared, tokenizer_fingerprint
 
     monkeypatch.setenv("BATCHD_SHARD_MAX_REQUESTS", "4")
     from core.settings import get_settings
@@ -99,10 +104,15 @@ def test_validation_stores_the_ids_the_shard_would_compute(worker_env, monkeypat
 
 
 def test_the_shard_runs_on_the_stored_ids_and_without_them(worker_env, host) -> None:
-    from worker.common import storage
-    from worker.finalize import finalize
-    from worker.prepared import prepared_key, read_prepared, tokenizer_fingerprint, write_prepared
-    from worker.shard import run_shard
+    from worker.batches.finalize import finalize
+    from worker.infra.common import storage
+    from worker.shards.prepared import (
+        prepared_key,
+        read_prepared,
+        tokenizer_fingerprint,
+        write_prepared,
+    )
+    from worker.shards.task import ShardEnd, run_shard
 
     mark = tokenizer_fingerprint(host.tokenizer)  # the engine's, as the shard's run reads it
     lines = [chat_line(f"r{i}", f"say {i}", max_tokens=2) for i in range(6)]
@@ -117,7 +127,7 @@ def test_the_shard_runs_on_the_stored_ids_and_without_them(worker_env, host) -> 
     del stored[2]
     storage().delete(prepared_key(batch_id, shard.index))
     write_prepared(storage(), batch_id, shard.index, sorted(stored.items()), mark)
-    assert run_shard(shard.id, host=host).status == "done"
+    assert run_shard(shard.id, host=host).end == ShardEnd.DONE
     assert finalize(batch_id) == "completed"
     out = {r["custom_id"]: r for r in read_file_lines(batch_row(batch_id).output_file_id)}
     usage = {k: r["response"]["body"]["usage"]["prompt_tokens"] for k, r in out.items()}

@@ -63,7 +63,7 @@ def _prompt_tokens(lines) -> int:
 
     from core import generation
     from tests.helpers.worker import MODEL
-    from worker import runtime
+    from worker.infra import runtime
 
     tok = runtime.tokenizer(MODEL)
     return sum(
@@ -92,7 +92,7 @@ def limited(worker_env, monkeypatch):
 
 
 def test_prompt_tokens_are_counted_and_the_limit_is_enforced(limited):
-    from worker.tasks import validate
+    from worker.batches.tasks import validate
 
     lines, per_batch = limited
     tenant = f"t-{secrets.token_hex(3)}"
@@ -104,7 +104,7 @@ def test_prompt_tokens_are_counted_and_the_limit_is_enforced(limited):
     assert validate(third) == "failed"
     row = batch_row(third)
     assert row.status == "failed" and shard_rows(third) == []
-    from worker.common import storage
+    from worker.infra.common import storage
 
     # The prompt ids its head stored before the quota refused it are not kept.
     assert list(storage().list(f"batches/{first}")) and not list(storage().list(f"batches/{third}"))
@@ -130,7 +130,7 @@ def test_prompt_tokens_are_counted_and_the_limit_is_enforced(limited):
 
 def test_one_batch_larger_than_the_limit_fails_alone(limited, monkeypatch):
     from core.settings import get_settings
-    from worker.tasks import validate
+    from worker.batches.tasks import validate
 
     lines, per_batch = limited
     monkeypatch.setenv("BATCHD_MAX_ENQUEUED_TOKENS_PER_TENANT", str(per_batch - 1))
@@ -143,7 +143,7 @@ def test_one_batch_larger_than_the_limit_fails_alone(limited, monkeypatch):
 
 def test_concurrent_validations_cannot_both_take_the_last_room(limited, monkeypatch):
     from core.settings import get_settings
-    from worker.tasks import validate
+    from worker.batches.tasks import validate
 
     lines, per_batch = limited
     monkeypatch.setenv("BATCHD_MAX_ENQUEUED_TOKENS_PER_TENANT", str(per_batch + per_batch // 2))

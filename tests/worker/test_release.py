@@ -1,4 +1,4 @@
-"""Shard release: the policy as a pure function (:func:`worker.release.choose`: ``low`` aging
+"""Shard release: the policy as a pure function (:func:`worker.shards.release.choose`: ``low`` aging
 into ``normal``, deficit round-robin on tokens across tenants), and on real Postgres the
 per-model bound, the order (priority, then round-robin across tenants, then across a tenant's
 batches, then shard index), and concurrent releasers."""
@@ -11,7 +11,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from worker.release import Candidate, Load, choose
+from worker.shards.release import Candidate, Load, choose
 
 services = pytest.mark.services
 
@@ -254,7 +254,7 @@ def queued_messages(model: str) -> int:
 
 def release_order(model: str, steps: int) -> list[tuple[str, int]]:
     """Release one shard at a time (each finishes before the next is released)."""
-    from worker.release import release_for_model
+    from worker.shards.release import release_for_model
 
     order = []
     for _ in range(steps):
@@ -267,7 +267,7 @@ def release_order(model: str, steps: int) -> list[tuple[str, int]]:
 
 @services
 def test_bound_is_respected_and_freed_slots_are_refilled(model):
-    from worker.release import release_for_model
+    from worker.shards.release import release_for_model
 
     batch = add_batch(model, "t1", 10)
     assert release_for_model(model) == 3
@@ -313,7 +313,7 @@ def test_round_robin_across_tenants_and_batches_one_slot_at_a_time(model, monkey
 
 @services
 def test_a_small_job_gets_the_first_free_slot_behind_a_big_one(model):
-    from worker.release import release_for_model
+    from worker.shards.release import release_for_model
 
     big = add_batch(model, "tenant-a", 10, age_s=60)
     assert release_for_model(model) == 3
@@ -333,7 +333,7 @@ def test_a_small_job_gets_the_first_free_slot_behind_a_big_one(model):
 
 @services
 def test_slots_spread_over_tenants_then_over_a_tenants_batches(model):
-    from worker.release import release_for_model
+    from worker.shards.release import release_for_model
 
     a1 = add_batch(model, "tenant-a", 6, age_s=30)
     a2 = add_batch(model, "tenant-a", 6, age_s=20)
@@ -380,7 +380,7 @@ def test_priority_first_then_fairness(model, monkeypatch):
 
 @services
 def test_high_priority_overtakes_a_running_bulk_job(model):
-    from worker.release import release_for_model
+    from worker.shards.release import release_for_model
 
     bulk = add_batch(model, "tenant-a", 10, age_s=60)
     assert release_for_model(model) == 3
@@ -406,7 +406,7 @@ def test_batches_not_in_progress_or_expired_are_not_released(model):
     from core.db import session_scope
     from core.lifecycle import now
     from core.models import Batch
-    from worker.release import release_for_model
+    from worker.shards.release import release_for_model
 
     cancelling = add_batch(model, "t", 2)
     expired = add_batch(model, "t", 2)
@@ -422,7 +422,7 @@ def test_batches_not_in_progress_or_expired_are_not_released(model):
 @services
 def test_concurrent_releasers_never_exceed_the_bound(model, monkeypatch):
     from core.settings import get_settings
-    from worker.release import release_for_model
+    from worker.shards.release import release_for_model
 
     monkeypatch.setenv("BATCHD_MAX_RELEASED_SHARDS_PER_MODEL", "5")
     get_settings.cache_clear()
@@ -465,7 +465,7 @@ def test_sweep_resends_a_release_that_was_never_sent(model):
     from core.db import session_scope
     from core.lifecycle import now
     from core.models import Shard
-    from worker.release import _resend_lost, release_for_model
+    from worker.shards.release import _resend_lost, release_for_model
 
     batch = add_batch(model, "t", 5)
     assert release_for_model(model) == 3
@@ -510,7 +510,7 @@ def test_a_low_batch_is_not_starved_by_steady_normal_work(model, monkeypatch):
 @services
 def test_tenants_share_released_slots_by_tokens(model, monkeypatch):
     from core.settings import get_settings
-    from worker.release import release_for_model
+    from worker.shards.release import release_for_model
 
     monkeypatch.setenv("BATCHD_MAX_RELEASED_SHARDS_PER_MODEL", "4")
     get_settings.cache_clear()
@@ -558,8 +558,8 @@ def test_a_reclaimed_shard_whose_message_was_lost_does_not_hold_its_slot(model):
     from core.models import Shard
     from core.queue import model_queue
     from core.settings import get_settings
-    from worker.recovery import reclaim_stale_shards
-    from worker.release import release_for_model, resend_after_s
+    from worker.shards.recovery import reclaim_stale_shards
+    from worker.shards.release import release_for_model, resend_after_s
 
     broker = redis.Redis.from_url(get_settings().broker_url)
     batch = add_batch(model, "t", 5)

@@ -21,7 +21,7 @@ def _all_pages(batch_id: str, limit: int) -> list[dict]:
     """Every logged line, paged as a client would (each page after the last id seen)."""
     from core.db import session_scope
     from core.results_log import cursor_seq, read_page
-    from worker.common import storage
+    from worker.infra.common import storage
 
     lines: list[dict] = []
     start = 0
@@ -41,11 +41,11 @@ def test_expired_batch_log_equals_its_files_and_retention_drops_it(worker_env, h
     from core.db import session_scope
     from core.lifecycle import now
     from core.models import Batch, File, ResultChunk, ResultLine, Shard
-    from worker.common import storage
-    from worker.finalize import finalize
-    from worker.retention import sweep_files
-    from worker.shard import run_shard
-    from worker.tasks import validate
+    from worker.batches.finalize import finalize
+    from worker.batches.retention import sweep_files
+    from worker.batches.tasks import validate
+    from worker.infra.common import storage
+    from worker.shards.task import run_shard
 
     lines = [chat_line(f"r{i}", f"item {i}", max_tokens=5) for i in range(10)]
     batch_id = make_batch(lines)

@@ -24,7 +24,7 @@ class Interrupted(Exception):
 
 
 def _validated(lines, **kw) -> str:
-    from worker.tasks import validate
+    from worker.batches.tasks import validate
 
     batch_id = make_batch(lines, **kw)
     assert validate(batch_id) == "in_progress"
@@ -32,10 +32,10 @@ def _validated(lines, **kw) -> str:
 
 
 def test_interrupted_shard_resumes_with_exactly_one_result_per_request(worker_env, host):
-    from worker.checkpoints import chunk_key
-    from worker.common import storage
-    from worker.finalize import finalize
-    from worker.shard import run_shard
+    from worker.batches.finalize import finalize
+    from worker.infra.common import storage
+    from worker.shards.checkpoints import chunk_key
+    from worker.shards.task import ShardEnd, run_shard
 
     lines = [chat_line(f"r{i}", f"hello number {i}", max_tokens=6) for i in range(22)]
     batch_id = _validated(lines)
@@ -58,13 +58,13 @@ def test_interrupted_shard_resumes_with_exactly_one_result_per_request(worker_en
     )
     assert batch_row(batch_id).request_completed == 5  # live counters advanced per checkpoint
     # A chunk the dead attempt wrote but never committed: the retry must discard it.
-    from worker.checkpoints import ChunkRecord, write_chunk
+    from worker.shards.checkpoints import ChunkRecord, write_chunk
 
     stray = chunk_key(batch_id, shard.index, 2)
     write_chunk(storage(), stray, [ChunkRecord(1, True, {"custom_id": "r0", "stray": True})])
 
     outcome = run_shard(shard.id, host=host)
-    assert outcome.status == "done" and outcome.ran == 17
+    assert outcome.end == ShardEnd.DONE and outcome.ran == 17
     (shard,) = shard_rows(batch_id)
     assert (shard.status, shard.done_requests, shard.attempts) == ("done", 22, 2)
     batch = batch_row(batch_id)
@@ -92,8 +92,8 @@ def test_interrupted_shard_resumes_with_exactly_one_result_per_request(worker_en
 
 def test_multi_shard_finalize_keeps_input_order_and_reports_errors(worker_env, host, monkeypatch):
     from core.settings import get_settings
-    from worker.finalize import finalize
-    from worker.shard import run_shard
+    from worker.batches.finalize import finalize
+    from worker.shards.task import ShardEnd, run_shard
 
     monkeypatch.setenv("BATCHD_SHARD_MAX_REQUESTS", "5")
     get_settings.cache_clear()
@@ -110,7 +110,7 @@ def test_multi_shard_finalize_keeps_input_order_and_reports_errors(worker_env, h
     assert [s.num_requests for s in shards] == [5, 5, 5, 2]
     # Shards finish in reverse order, and each writes several chunks whose lines interleave.
     for shard in reversed(shards):
-        assert run_shard(shard.id, host=host).status == "done"
+        assert run_shard(shard.id, host=host).end == ShardEnd.DONE
     assert finalize(batch_id) == "completed"
     batch = batch_row(batch_id)
     out = read_file_lines(batch.output_file_id)
@@ -128,9 +128,9 @@ def test_a_line_that_no_longer_parses_gets_an_error_line(worker_env, host):
     still holds its lines): the line that no longer parses is reported, not skipped."""
     from core.db import session_scope
     from core.models import Batch
-    from worker.common import input_key, storage
-    from worker.finalize import finalize
-    from worker.shard import run_shard
+    from worker.batches.finalize import finalize
+    from worker.infra.common import input_key, storage
+    from worker.shards.task import ShardEnd, run_shard
 
     lines = [chat_line(f"r{i}", f"hello number {i}", max_tokens=4) for i in range(6)]
     batch_id = _validated(lines)
@@ -148,7 +148,7 @@ def test_a_line_that_no_longer_parses_gets_an_error_line(worker_env, host):
 
     (shard,) = shard_rows(batch_id)
     outcome = run_shard(shard.id, host=host)
-    assert (outcome.status, outcome.ran) == ("done", 6)
+    assert (outcome.end, outcome.ran) == (ShardEnd.DONE, 6)
     assert finalize(batch_id) == "completed"
     batch = batch_row(batch_id)
     out = read_file_lines(batch.output_file_id)
@@ -165,7 +165,7 @@ def test_a_line_that_no_longer_parses_gets_an_error_line(worker_env, host):
 def test_last_shard_race_has_one_winner(worker_env):
     import redis
 
-    from worker.shard import finish_if_last, set_shard_status
+    from worker.shards.task import finish_if_last, set_shard_status
 
     client = redis.Redis.from_url(worker_env["BATCHD_BROKER_URL"])
     lines = [chat_line(f"r{i}", "hi") for i in range(6)]
@@ -183,7 +183,7 @@ def test_last_shard_race_has_one_winner(worker_env):
             get_settings.cache_clear()
         shards = shard_rows(batch_id)
         assert len(shards) == 3
-        from worker.shard import claim
+        from worker.shards.task import claim
 
         attempts = {s.id: claim(s.id, "test")[0] for s in shards}
         client.delete("batchd.control")
@@ -206,7 +206,7 @@ def test_last_shard_race_has_one_winner(worker_env):
 
 
 def test_stale_attempt_cannot_commit(worker_env):
-    from worker.shard_state import Pending, ShardLost, claim, commit_chunk
+    from worker.shards.state import Pending, ShardLost, claim, commit_chunk
 
     batch_id = _validated([chat_line("a", "hi"), chat_line("b", "yo")])
     (shard,) = shard_rows(batch_id)
@@ -222,9 +222,9 @@ def test_stale_attempt_cannot_commit(worker_env):
 def test_cancel_finalize_keeps_finished_and_reports_the_rest(worker_env, host):
     from core.db import session_scope
     from core.lifecycle import transition
-    from worker.finalize import finalize
-    from worker.shard import run_shard
-    from worker.tasks import cancel
+    from worker.batches.finalize import finalize
+    from worker.batches.tasks import cancel
+    from worker.shards.task import ShardEnd, run_shard
 
     lines = [chat_line(f"r{i}", f"item {i}", max_tokens=5) for i in range(10)]
     batch_id = _validated(lines)
@@ -235,7 +235,7 @@ def test_cancel_finalize_keeps_finished_and_reports_the_rest(worker_env, host):
 
     with pytest.raises(Interrupted):
         run_shard(shard.id, host=host, after_commit=stop)  # 1 result committed, then dies
-    from worker.shard import claim
+    from worker.shards.task import claim
 
     # Another attempt holds the shard (as a worker killed outright would: fresh heartbeat).
     assert claim(shard.id, "killed-later", force=True) is not None
@@ -265,18 +265,18 @@ def test_cancel_finalize_keeps_finished_and_reports_the_rest(worker_env, host):
     assert shard_rows(batch_id)[0].status == "closed"
     assert finalize(batch_id) is None  # already terminal: a second finalize does nothing
     # A shard task delivered late exits at once.
-    assert run_shard(shard.id, host=host).status == "skipped"
+    assert run_shard(shard.id, host=host).end == ShardEnd.SKIPPED
 
 
 def test_each_committed_result_records_its_finish_to_commit_lag(worker_env, host):
     import time
 
-    from worker import timings
-    from worker.shard import run_shard
+    from worker.shards import timings
+    from worker.shards.task import run_shard
 
     lines = [chat_line(f"r{i}", f"lag {i}", max_tokens=4) for i in range(10)]
     batch_id = make_batch(lines)
-    from worker.tasks import validate
+    from worker.batches.tasks import validate
 
     assert validate(batch_id) == "in_progress"
     before = time.time()
@@ -293,11 +293,11 @@ def test_a_committed_chunk_lost_from_storage_wedges_nothing(worker_env, host):
     instead of failing for ever, the reclaim sweep is not stopped by it, and the batch
     completes with one line per request; a chunk lost after its shard finished is reported as
     result_lost lines, never dropped."""
-    from worker.checkpoints import chunk_key
-    from worker.common import storage
-    from worker.finalize import finalize
-    from worker.recovery import fail_shard
-    from worker.shard import run_shard
+    from worker.batches.finalize import finalize
+    from worker.infra.common import storage
+    from worker.shards.checkpoints import chunk_key
+    from worker.shards.recovery import fail_shard
+    from worker.shards.task import ShardEnd, run_shard
 
     lines = [chat_line(f"r{i}", f"hello number {i}", max_tokens=4) for i in range(10)]
     batch_id = _validated(lines)
@@ -310,7 +310,7 @@ def test_a_committed_chunk_lost_from_storage_wedges_nothing(worker_env, host):
     with pytest.raises(Interrupted):
         run_shard(shard.id, host=host, after_commit=stop_after_two)
     storage().delete(chunk_key(batch_id, 0, 1))  # the second committed chunk is lost
-    assert run_shard(shard.id, host=host).status == "done"
+    assert run_shard(shard.id, host=host).end == ShardEnd.DONE
     assert finalize(batch_id) == "completed"
     batch = batch_row(batch_id)
     out = read_file_lines(batch.output_file_id)
@@ -319,7 +319,7 @@ def test_a_committed_chunk_lost_from_storage_wedges_nothing(worker_env, host):
     # Lost once the shard is done: the finalize reports the lines it cannot find.
     batch_id = _validated(lines)
     (shard,) = shard_rows(batch_id)
-    assert run_shard(shard.id, host=host).status == "done"
+    assert run_shard(shard.id, host=host).end == ShardEnd.DONE
     storage().delete(chunk_key(batch_id, 0, 1))
     assert finalize(batch_id) == "completed"
     batch = batch_row(batch_id)
@@ -344,9 +344,9 @@ def test_deleting_a_result_file_drops_the_batchs_results(worker_env, host):
     from api.services.files import delete_file
     from core.db import session_scope
     from core.results_log import batch_log_prefix, read_page
-    from worker.common import storage
-    from worker.finalize import finalize
-    from worker.shard import run_shard
+    from worker.batches.finalize import finalize
+    from worker.infra.common import storage
+    from worker.shards.task import run_shard
 
     lines = [chat_line(f"r{i}", f"hello {i}", max_tokens=3) for i in range(5)]
     batch_id = _validated(lines)

@@ -2,7 +2,7 @@
 host: shards are created as their lines are validated; a bad line after the head becomes an
 error line; a whole-file rule broken late fails the batch with nothing of it shown; a cancel
 during validation and a validation that dies half-way still end with exactly one output or
-error line per input line (``worker.validation``)."""
+error line per input line (``worker.validation.task``)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def small_shards(worker_env, monkeypatch) -> None:
 @pytest.fixture
 def after_shard(monkeypatch) -> Iterator[list[Callable[[int], None]]]:
     """Callbacks run after each shard the validation creates (with its index)."""
-    from worker.validation import StreamedValidation
+    from worker.validation.task import StreamedValidation
 
     hooks: list[Callable[[int], None]] = []
     real = StreamedValidation._create
@@ -107,7 +107,7 @@ def _lines(n: int, start: int = 0) -> list[dict]:
 
 
 def _run_all(batch_id: str, host) -> None:
-    from worker.shard import run_shard
+    from worker.shards.task import run_shard
 
     for shard in shard_rows(batch_id):
         if shard.status == "pending":
@@ -144,8 +144,8 @@ def _log_lines(batch_id: str) -> int:
 
 
 def test_bad_lines_after_the_head_become_error_lines(small_shards, host):
-    from worker.finalize import finalize
-    from worker.tasks import validate
+    from worker.batches.finalize import finalize
+    from worker.batches.tasks import validate
 
     lines: list = _lines(16)
     lines[6] = '{"custom_id": "broken", "method": "POST"'  # line 7: not JSON
@@ -190,7 +190,7 @@ def test_bad_lines_after_the_head_become_error_lines(small_shards, host):
 
 
 def test_an_error_in_the_head_fails_the_batch_as_before(small_shards):
-    from worker.tasks import validate
+    from worker.batches.tasks import validate
 
     lines: list = _lines(12)
     lines[2] = "not json"  # in the head (the first shard's lines)
@@ -207,7 +207,7 @@ def test_an_error_in_the_head_fails_the_batch_as_before(small_shards):
 
 
 def test_a_bad_line_right_after_a_full_head_is_not_in_the_head(small_shards):
-    from worker.tasks import validate
+    from worker.batches.tasks import validate
 
     lines: list = _lines(SHARD + 2)
     lines[SHARD] = "not json"  # the line after the head's SHARD requests
@@ -220,7 +220,7 @@ def test_a_bad_line_right_after_a_full_head_is_not_in_the_head(small_shards):
 
 
 def test_a_head_error_counts_every_line_as_before(small_shards):
-    from worker.tasks import validate
+    from worker.batches.tasks import validate
 
     lines: list = _lines(3) + ["{}"]
     batch_id = _make(lines)
@@ -231,7 +231,7 @@ def test_a_head_error_counts_every_line_as_before(small_shards):
 def _failed_late(batch_id: str) -> dict:
     from api.services.results import results_visible
     from core.results_log import batch_log_prefix
-    from worker.common import storage
+    from worker.infra.common import storage
 
     batch = batch_row(batch_id)
     assert batch.status == "failed"
@@ -247,8 +247,8 @@ def test_too_many_requests_found_late_fails_the_batch_showing_nothing(
     small_shards, host, after_shard, monkeypatch
 ):
     from core.settings import get_settings
-    from worker.shard import run_shard
-    from worker.tasks import validate
+    from worker.batches.tasks import validate
+    from worker.shards.task import run_shard
 
     monkeypatch.setenv("BATCHD_MAX_REQUESTS_PER_BATCH", "10")
     get_settings.cache_clear()
@@ -272,7 +272,7 @@ def test_enqueued_token_limit_crossed_late_fails_the_batch_naming_the_line(
     small_shards, monkeypatch
 ):
     from core.settings import get_settings
-    from worker.tasks import validate
+    from worker.batches.tasks import validate
 
     tenant = f"t-{secrets.token_hex(3)}"
     probe = _make(_lines(12), tenant)
@@ -302,8 +302,8 @@ def _cancel(batch_id: str) -> None:
 
 
 def test_cancel_during_validation_reports_every_line(small_shards, host, after_shard):
-    from worker.shard import run_shard
-    from worker.tasks import cancel, validate
+    from worker.batches.tasks import cancel, validate
+    from worker.shards.task import run_shard
 
     lines = _lines(18)
     batch_id = _make(lines)
@@ -327,7 +327,7 @@ def test_cancel_during_validation_reports_every_line(small_shards, host, after_s
 
 
 def test_cancel_before_the_first_shard_reports_every_line(small_shards):
-    from worker.tasks import cancel
+    from worker.batches.tasks import cancel
 
     lines = _lines(6)
     batch_id = _make(lines)
@@ -338,8 +338,8 @@ def test_cancel_before_the_first_shard_reports_every_line(small_shards):
 
 
 def test_a_validation_that_dies_resumes_after_its_last_shard(small_shards, host, after_shard):
-    from worker.finalize import finalize
-    from worker.tasks import validate
+    from worker.batches.finalize import finalize
+    from worker.batches.tasks import validate
 
     lines: list = _lines(22)
     lines[5] = chat_line("r1", "again")  # line 6: a duplicate of a line before the crash
@@ -391,8 +391,8 @@ def test_expiry_during_validation_reports_every_line(small_shards, host, after_s
     from datetime import timedelta
 
     from core.lifecycle import now
-    from worker.shard import run_shard
-    from worker.tasks import validate
+    from worker.batches.tasks import validate
+    from worker.shards.task import run_shard
 
     lines = _lines(14)
     batch_id = _make(lines)
@@ -420,7 +420,7 @@ def test_a_deeply_nested_line_does_not_wedge_a_cancel(small_shards):
     """A line nested too deeply for the parser, cancelled before validation reached it: the
     finalize reads it as validation would (a line with no custom_id) and the batch ends
     cancelled, every line reported once."""
-    from worker.tasks import cancel
+    from worker.batches.tasks import cancel
 
     lines = [*_lines(3), NESTED, *_lines(6, start=3)]
     batch_id = _make(lines)
@@ -437,7 +437,7 @@ def test_cancel_before_validation_reports_at_most_the_request_limit(small_shards
     """An upload of junk lines cancelled before validation: at most max_requests_per_batch
     batch_cancelled lines, then one line naming the limit; the rest of the file is not read."""
     from core.settings import get_settings
-    from worker.tasks import cancel
+    from worker.batches.tasks import cancel
 
     monkeypatch.setenv("BATCHD_MAX_REQUESTS_PER_BATCH", "20")
     get_settings.cache_clear()

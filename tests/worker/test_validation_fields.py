@@ -60,7 +60,7 @@ class EchoServer:
 
 
 def test_a_local_models_unknown_field_fails_the_batch_naming_it(models: None) -> None:
-    from worker.tasks import validate
+    from worker.batches.tasks import validate
 
     batch_id = make_batch([chat_line("a", "hi"), chat_line("b", "hi", max_tokns=3)])
     assert validate(batch_id) == "failed"
@@ -75,9 +75,9 @@ def test_a_local_models_unknown_field_fails_the_batch_naming_it(models: None) ->
 
 
 def test_an_upstream_models_lines_reach_it_as_written(models: None) -> None:
-    from worker.finalize import finalize
-    from worker.shard import run_shard
-    from worker.tasks import scan_input, validate
+    from worker.batches.finalize import finalize
+    from worker.batches.tasks import scan_input, validate
+    from worker.shards.task import run_shard
 
     lines = [
         chat_line("a", "hi", model=FLEET, max_tokns=3, vendor_knob={"x": [1]}),
@@ -97,7 +97,7 @@ def test_an_upstream_models_lines_reach_it_as_written(models: None) -> None:
     assert read_file_lines(batch.error_file_id) == []
 
     # an estimate reads the file the same way; the local model's lines are checked in full
-    from worker.common import storage
+    from worker.infra.common import storage
 
     for model, errors in ((FLEET, []), (MODEL, [(1, "unknown_parameter")])):
         key = f"files/fields-{model}"

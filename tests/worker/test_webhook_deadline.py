@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from core.netcheck import AllowList
-from worker.webhooks import post_pinned
+from worker.batches.webhooks import post_pinned
 
 TRICKLE_S = 30.0  # how long the receiver would keep an attempt alive, a byte every 0.2 s
 

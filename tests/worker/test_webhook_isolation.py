@@ -120,7 +120,7 @@ def test_trickling_receivers_do_not_delay_validate_or_finalize(
     from core.models import Batch
     from core.queue import TASK_CANCEL, TASK_VALIDATE, enqueue
     from tests.helpers.worker import chat_line, make_batch
-    from worker import webhooks
+    from worker.batches import webhooks
 
     build("llama-tiny")  # the control worker counts tokens with its tokenizer
     deliveries = []

@@ -111,7 +111,7 @@ def test_no_event_without_a_webhook_or_before_a_terminal_status(worker_env):
 
 
 def test_a_failing_enqueue_leaves_the_row_for_the_sweep(worker_env, redis_url, monkeypatch):
-    from worker import webhooks
+    from worker.batches import webhooks
 
     batch_id = batch_with_webhook()
     assert end(batch_id, "failed")
@@ -130,7 +130,7 @@ def test_a_failing_enqueue_leaves_the_row_for_the_sweep(worker_env, redis_url, m
 
 
 def test_notify_enqueues_the_recorded_event_once(worker_env, redis_url):
-    from worker import webhooks
+    from worker.batches import webhooks
 
     batch_id = batch_with_webhook()
     assert end(batch_id, "failed")
@@ -152,7 +152,7 @@ def test_an_attempt_or_retry_lost_on_the_way_is_sent_again_by_the_sweep(
     from core.db import session_scope
     from core.lifecycle import now
     from core.models import WebhookDelivery
-    from worker import webhooks
+    from worker.batches import webhooks
 
     batch_id = batch_with_webhook()
     assert end(batch_id, "failed")
@@ -209,7 +209,7 @@ def test_the_sweep_sends_a_row_once_until_that_send_is_overdue(worker_env, redis
     from core.db import session_scope
     from core.lifecycle import now
     from core.models import WebhookDelivery
-    from worker import webhooks
+    from worker.batches import webhooks
 
     batch_id = batch_with_webhook()
     assert end(batch_id, "failed")
@@ -237,7 +237,7 @@ def test_the_sweep_never_sends_a_live_attempt_again(worker_env, redis_url, monke
     import time
 
     from core.settings import get_settings
-    from worker import webhooks
+    from worker.batches import webhooks
 
     monkeypatch.setenv("BATCHD_WEBHOOK_TIMEOUT_S", "1")
     monkeypatch.setenv("BATCHD_WEBHOOK_ALLOWED_HOSTS", "127.0.0.1")

@@ -8,8 +8,8 @@ import threading
 from types import SimpleNamespace
 
 from core.queue import CONTROL_QUEUE, WEBHOOK_QUEUE, model_queue
-from worker import webhooks
-from worker.celery_app import app, consume_webhooks
+from worker.batches import webhooks
+from worker.infra.celery import app, consume_webhooks
 
 
 def _worker(queues: list[str] | None) -> SimpleNamespace:

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 # many threads released at once.
 PROBE = r"""
 import json, sys, threading
-from worker.celery_app import TRANSFORMERS_NAMES, app
+from worker.infra.celery import TRANSFORMERS_NAMES, app
 
 before = "transformers" in sys.modules
 app.Worker(queues=["batchd.control"], pool="threads", concurrency=2, hostname="probe@init",
@@ -29,7 +29,7 @@ resolved = [n for n in TRANSFORMERS_NAMES if n in vars(transformers)]
 engine_imported = "engine.text.tokenizer" in sys.modules and "engine.admission.host" in sys.modules
 
 from engine.text.tokenizer import load_tokenizer
-from worker import runtime
+from worker.infra import runtime
 
 path = sys.argv[1]
 threads, errors, tokenizers = 16, [], []

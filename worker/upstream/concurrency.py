@@ -1,29 +1,10 @@
 """How many requests to keep in flight at an upstream: found by climbing its throughput.
 
-An OpenAI-compatible server batches what it has in flight, so its output tokens/s grows with
-the requests in flight until its batch (or its KV cache) is full; past that, more in flight
-only queues and adds latency. :class:`ConcurrencyController` looks for the knee without being
-told where it is:
-
-* **Slow start**: from ``initial`` the limit doubles while each step buys at least
-  ``grow_gain`` more throughput. The start is 32, not 1: more in flight than a server batches
-  only waits in its queue (sending a whole batch at once kept 86% of the best throughput of a
-  CPU server measured with ``benchmarks.upstream``), while too few leaves most of it idle (8
-  in flight gave half), and a GPU server batches hundreds. A limit found before is a better
-  start still (:meth:`ConcurrencyController.resume`).
-* **Probing**: after that, every ``probe_every`` windows it tries one step, up (``step`` times
-  the limit) and down (``down_step`` times it) in turn. The step down is the smaller: held at
-  the knee, a step below it costs throughput for two windows, a step above costs nothing. A step up is kept only when throughput grew by ``keep_gain``
-  and the latency per request did not run away (``latency_runaway`` times the best window's at
-  the same output); a step down is kept when it costs less than ``keep_gain`` of throughput
-  (the same output with less queueing in the server).
-* **Back-off**: an overload (429, 503, a timeout, a refused connection) halves the limit at
-  once and ends slow start; ``Retry-After`` is the dispatcher's to honour.
-
-A window is judged only when the upstream was kept busy for most of it (``busy`` >= 0.8 of
-the limit on average): throughput measured while the dispatcher had too little work says
-nothing about the limit. The controller is pure: it is given windows and returns limits, so
-the same object drives one worker or the leader of many (:mod:`worker.upstream.shared`).
+:class:`ConcurrencyController` looks for the knee of the server's throughput: a slow start from
+``initial`` (doubling while it pays), then a step up and a smaller step down in turn, halving on
+an overload. A window counts only when the upstream was kept busy. The controller is pure
+(given windows, it returns limits), so it drives one worker or the leader of many. Why these
+steps: ``docs/upstream.md`` and ``docs/worker.md``.
 """
 
 from __future__ import annotations

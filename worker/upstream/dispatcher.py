@@ -1,25 +1,10 @@
 """The dispatcher: to an upstream server what the engine host is to the engine.
 
-Every shard of an upstream model in this process hands its requests to one
-:class:`Dispatcher`, which keeps the server saturated across shard boundaries: it holds them in
-the same fair queue the engine host uses (``engine.admission.fair_queue``: tiers, deficit
-round robin across tenants, earliest deadline first, aging; one policy, not a copy), sends the
-next one whenever fewer than its share of the upstream's limit are in flight, and finds that
-limit itself (:mod:`worker.upstream.shared`). Inside a batch, lines that share a prompt prefix
-go out together (their ``rank``), so the server's prefix cache keeps them.
-
-What comes back is a :class:`Reply` on the request's future: the server's status and body.
-429, 502, 503 and 504, timeouts and connection errors are the server's trouble, not the
-request's: the request goes back to the front of its queue, the limit is halved and sending
-pauses for ``Retry-After`` (or a growing back-off while the server cannot be reached), so lines
-are never failed while their batch's window lasts. Other 4xx are the request's: its reply is
-the server's error. A 500 is tried ``MAX_SERVER_ERRORS`` times.
-
-Cancelling a group (a batch) drops its pending requests and cancels its requests in flight:
-their connections close, which makes vLLM and SGLang abort them.
-
-A sender runs in one asyncio loop thread; shard threads call :meth:`submit` and
-:meth:`abort_group` from outside it. Nothing here imports torch.
+Every shard of an upstream model in this process hands its requests to one :class:`Dispatcher`:
+the engine host's fair queue orders them, a sender in one asyncio thread keeps its share of the
+upstream's limit (:mod:`worker.upstream.shared`) in flight, and a :class:`Reply` comes back on
+each request's future. An overload puts its request back at the front and pauses sending; other
+4xx are the request's own. Nothing here imports torch. Details: ``docs/upstream.md``.
 """
 
 from __future__ import annotations

@@ -1,25 +1,10 @@
 """Live traffic first: on an upstream shared with interactive users, bulk work is what waits.
 
-An upstream spec with ``ttft_p99_ms`` is shared with live traffic. :class:`LiveGuard` watches
-what that traffic feels, every ``INTERVAL_S``:
-
-* from the server's Prometheus metrics where it exposes them: the time-to-first-token
-  histogram (vLLM's ``vllm:time_to_first_token_seconds``, SGLang's
-  ``sglang:time_to_first_token_seconds``), its p99 over the last interval, and the requests
-  waiting for a slot (``vllm:num_requests_waiting``, ``sglang:num_queue_reqs``);
-* otherwise from a probe: one small streamed chat request whose first generated token it
-  times (a live request's experience, queueing included; not the chunk with the role that
-  servers send the moment they accept a request).
-
-It keeps a cap on the bulk requests in flight, from ``START_CAP`` (one): halved whenever the
-p99 passes ``PRESSURE`` of the objective or requests queue in the server, down to none (bulk
-work pauses: on a small server one bulk prefill beside a live request can cost it the
-objective), and grown by a quarter (at least one) after ``CALM_READINGS`` readings in a row
-under ``RELIEF`` of it with nothing queued while the cap is what holds bulk work back (as
-many bulk requests in flight as it allows: a cap grown while nothing used it would let a whole
-batch in at once when one arrives). The dispatcher sends no more than the cap; the batches'
-ETAs see the slower progress. While the dispatcher has no bulk work for the upstream the guard
-neither probes nor moves the cap: there is nothing to protect the live traffic from.
+For a spec with ``ttft_p99_ms``, :class:`LiveGuard` reads the live traffic's time to first
+token every ``INTERVAL_S`` (the server's Prometheus metrics, or a streamed probe) and keeps a
+cap on bulk requests in flight: halved under pressure down to none, grown by a quarter after
+``CALM_READINGS`` calm readings while the cap is what holds bulk work back. Without bulk work
+it neither probes nor moves the cap. Details: ``docs/upstream.md``.
 """
 
 from __future__ import annotations

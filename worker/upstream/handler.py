@@ -17,7 +17,7 @@ from core.models import Batch
 from core.priority import Priority
 from core.results import ChoiceResult, GenerationResult, output_line, request_error_line
 from core.served_models import UpstreamSpec
-from worker.shard_handlers import SUBMIT_WAIT_S, Aborted, Line, Outcome
+from worker.shards.handlers import SUBMIT_WAIT_S, Aborted, Line, RequestOutcome
 from worker.upstream.dispatcher import Reply
 
 PREFIX_CHARS = 512  # lines whose prompts agree this far are sent together
@@ -111,7 +111,7 @@ class UpstreamHandler:
             timeout=SUBMIT_WAIT_S,
         )
 
-    def outcome(self, req: BatchRequest, future: Future, submitted: float | None) -> Outcome:
+    def outcome(self, req: BatchRequest, future: Future, submitted: float | None) -> RequestOutcome:
         reply: Reply = future.result()
         if reply.aborted:
             return Aborted(generation.aborted_record(req))

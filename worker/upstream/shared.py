@@ -1,15 +1,10 @@
 """One in-flight limit per upstream, shared by every dispatch worker that sends it work.
 
-Each dispatcher reports, once a second, its demand (requests pending and in flight) and its
-cumulative counters (completed, output tokens, latency, time-weighted requests in flight,
-overloads). The limit itself is found by one :class:`~worker.upstream.concurrency.
-ConcurrencyController`, run by whichever member holds the upstream's lease (a row in
-``upstream_limits``, taken by a conditional UPDATE when it has lapsed): it turns the sum of
-every live member's counters into windows, so two workers never each assume the whole fleet.
-Each member then sends at most its share of the limit, in proportion to its demand.
-
-:class:`LocalLimit` is the same arithmetic for one process without the database (the
-benchmark's and unit tests' dispatchers).
+Each dispatcher reports its demand and cumulative counters every second; the member holding
+the upstream's lease (a row of ``upstream_limits``) runs one
+:class:`~worker.upstream.concurrency.ConcurrencyController` on everyone's sums, and each member
+sends its share, in proportion to its demand. :class:`LocalLimit` is the same arithmetic for
+one process without the database.
 """
 
 from __future__ import annotations

@@ -13,9 +13,9 @@ from core.db import session_scope
 from core.lifecycle import now
 from core.queue import TASK_ESTIMATE, TASK_REFRESH_ETAS
 from core.settings import get_settings
-from worker.celery_app import app
-from worker.tasks import CallerGone, scan_input
-from worker.validation_failures import validation_errors
+from worker.batches.tasks import CallerGone, scan_input
+from worker.infra import app
+from worker.validation.failures import validation_errors
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ def scan_file(key: str, endpoint: str, deadline: float | None = None) -> dict[st
     """What validation finds in the stored file ``key``: request counts, the errors the
     batch would fail with, its model, and its exact prompt tokens and estimated tokens
     (prompt + output bounds, the unit of shards and of the projections). Stops with
-    :class:`~worker.tasks.CallerGone` past ``deadline``."""
+    :class:`~worker.batches.tasks.CallerGone` past ``deadline``."""
     scan = scan_input(key, endpoint, deadline)
     report = scan.report
     est_tokens = sum(spec.est_tokens for spec in scan.planner.finish())

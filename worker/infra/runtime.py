@@ -1,10 +1,9 @@
-"""Per-process model state: tokenizers for the control worker, one engine host per served
-model for the model workers (a dispatcher, :mod:`worker.upstream.dispatcher`, for an upstream
-model), and the translation of a validated request into engine input.
+"""Per-process model state: tokenizers for the control worker, one engine host per served model
+for the model workers (a dispatcher, :mod:`worker.upstream.dispatcher`, for an upstream model).
 
 Everything the worker knows about the engine lives here. Engines load once per process, under
-a lock, on first use or at worker start (``worker_ready``); the threads pool then shares them,
-so there is never a fork after a model is loaded.
+a lock, on first use or at worker start; the threads pool then shares them, so there is never
+a fork after a model is loaded. The engine and torch are imported only when a model loads.
 """
 
 from __future__ import annotations
@@ -18,9 +17,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from celery.worker.control import inspect_command
+
 from core import metrics, served_models
+from core.demo_models import build
 from core.gguf_models import ModelSourceError
 from core.settings import get_settings
+from engine.sim.engine import DEFAULT_MAX_MODEL_LEN, SimEngine
+from worker.upstream.dispatcher import Dispatcher
 
 if TYPE_CHECKING:
     from engine import EngineHost
@@ -42,7 +46,7 @@ HOST_OPTIONS = ("max_pending", "engine_backlog", "group_window", "lead_requests"
 
 
 class IsolationGate:
-    """Lets one shard at a time run requests alone on a host (see ``worker.shard_run.ShardRun``):
+    """Lets one shard at a time run requests alone on a host (see ``worker.shards.run.ShardRun``):
     while it is held, the other shards of the process hold back their submissions."""
 
     def __init__(self) -> None:
@@ -111,8 +115,6 @@ def model_dir(model: str) -> Path:
         logger.error("%s", message)
         raise ModelSourceError(message) from exc
     if path is None:
-        from core.demo_models import build
-
         return build(source.split(":", 1)[1])
     return path
 
@@ -141,6 +143,7 @@ def _spec_tokenizer(model: str, source: str | None) -> Any:
         tok = _tokenizers.get(model)
     if tok is not None:
         return tok
+    # torch: imported only where a tokenizer is loaded
     from engine.text.tokenizer import load_tokenizer
 
     # outside the lock: a GGUF file's first conversion takes a while
@@ -149,8 +152,6 @@ def _spec_tokenizer(model: str, source: str | None) -> Any:
     else:
         path = served_models.spec_dir(source)
         if path is None:
-            from core.demo_models import build
-
             path = build(source.split(":", 1)[1])
     tok = load_tokenizer(str(path))
     with _lock:
@@ -167,12 +168,10 @@ def context_length(model: str) -> int:
     if served_models.is_upstream(spec):
         limit = served_models.upstream_spec(spec, model).max_model_len
     elif served_models.is_sim(spec):
-        from engine.sim.engine import DEFAULT_MAX_MODEL_LEN
-
         model_dir(model)  # a bad spec is refused here as at load
         limit = served_models.sim_spec(spec).max_model_len or limit or DEFAULT_MAX_MODEL_LEN
     if limit is None:
-        from transformers import AutoConfig
+        from transformers import AutoConfig  # seconds to import: only for a local model
 
         config = AutoConfig.from_pretrained(model_dir(model))
         limit = getattr(config, "max_position_embeddings", None) or 2048
@@ -202,6 +201,7 @@ def host(model: str) -> EngineHost:
 
 def _load_host(model: str, spec: str) -> EngineHost:
     """Load ``model``'s engine (or embedding engine) and start its host (under ``_loading``)."""
+    # torch: imported only by a process that runs a model
     from engine import Engine, EngineHost
 
     settings = get_settings()
@@ -238,8 +238,6 @@ def _load_host(model: str, spec: str) -> EngineHost:
 
 def _start_dispatcher(model: str, spec: str) -> Any:
     """An upstream model's dispatcher: no weights, no torch; it starts at once."""
-    from worker.upstream.dispatcher import Dispatcher
-
     upstream = served_models.upstream_spec(spec, model)
     started = Dispatcher(model, upstream, aging_s=get_settings().low_priority_aging_s).start()
     with _lock:
@@ -272,8 +270,7 @@ def _start_sim_host(
 ) -> EngineHost:
     """A simulated model's host (``engine.sim.engine``): the engine options, with the spec's own
     options over them, and the host options every generation model gets."""
-    from engine import EngineHost
-    from engine.sim.engine import SimEngine
+    from engine import EngineHost  # torch: only a process that runs a model gets here
 
     options.update(served_models.sim_spec(spec).engine_kwargs())
     engine = SimEngine(str(path), **options)
@@ -302,6 +299,7 @@ def _start_embedding_host(
 ) -> Any:
     """An embedding model's host: its device and dtype from the engine options; its batches
     sized by ``embedding_max_batch_tokens`` (default 16,384 padded tokens)."""
+    # torch: imported only by a process that runs a model
     from engine.embedding.engine import EmbeddingEngine
     from engine.embedding.host import EmbeddingHost
 
@@ -346,10 +344,10 @@ def shutdown_hosts() -> None:
 # loaded, as JSON-safe dicts keyed by served model name (``HostStats.as_dict()`` plus the
 # engine's ``max_num_seqs``) and ``time`` (when the snapshot was taken, ``time.time()``),
 # from a cache refreshed every 0.1 s while someone asks (see ``_StatsCache``). It is
-# registered when this module is imported, which every worker process does through its task
-# modules (``worker.shard`` imports it). Ask one worker:
+# registered when this module is imported, which every worker process does (``worker.infra``
+# imports it). Ask one worker:
 #
-#     celery -A worker.celery_app inspect engine_stats -d model@host
+#     celery -A worker.infra.celery inspect engine_stats -d model@host
 #     app.control.broadcast("engine_stats", destination=["model@host"], reply=True, timeout=1)
 #
 # A worker without a loaded model answers ``{"models": {}}``.
@@ -410,8 +408,6 @@ class _StatsCache:
         self._thread: threading.Thread | None = None
 
     def get(self, wait_s: float = 2.0) -> dict[str, Any]:
-        import time
-
         with self._lock:
             self._asked = time.monotonic()
             if self._thread is None or not self._thread.is_alive():
@@ -425,8 +421,6 @@ class _StatsCache:
             return dict(self._latest)
 
     def _run(self) -> None:
-        import time
-
         while time.monotonic() - self._asked < self.idle_s:
             models = engine_stats_snapshot()
             with self._lock:
@@ -438,13 +432,7 @@ class _StatsCache:
 _stats_cache = _StatsCache()
 
 
-def _register_engine_stats_command() -> None:
-    from celery.worker.control import inspect_command
-
-    @inspect_command(name="engine_stats")
-    def engine_stats(state: Any, **_: Any) -> dict[str, Any]:
-        snapshot = _stats_cache.get()
-        return {"pid": os.getpid(), "time": snapshot.get("time"), **snapshot}
-
-
-_register_engine_stats_command()
+@inspect_command(name="engine_stats")
+def _engine_stats(state: Any, **_: Any) -> dict[str, Any]:
+    snapshot = _stats_cache.get()
+    return {"pid": os.getpid(), "time": snapshot.get("time"), **snapshot}

@@ -1,61 +1,10 @@
 """Batch webhooks: an event when a batch ends, signed per Standard Webhooks, delivered with
 retries.
 
-When a batch that has a ``webhook_url`` reaches ``completed``, ``failed``, ``expired`` or
-``cancelled``, the transition itself (:func:`core.lifecycle.transition`) inserts one
-``webhook_deliveries`` row (its id is the event id and the ``webhook-id`` header) in the same
-transaction: an outbox, so the event exists exactly when the terminal status has committed,
-whichever path ended the batch. After the commit the actor calls :func:`notify`, which only
-enqueues the delivery task on the webhook queue (best effort). If that enqueue fails, or the
-process dies between the commit and the enqueue, the beat sweep (:func:`sweep_unsent`) sends
-the row once its next attempt (``next_attempt_at``: at first its creation, then the end of a
-running attempt, then its retry's time, then the time the sweep sent it) is
-``settings.webhook_unsent_after_s`` overdue; so does an attempt or retry lost on the way (a
-killed worker, a task lost in a broker blip, a database write refused): every event is
-delivered at least once, always under the same event id. The sweep stamps what it sends, so
-a task on its way, like a running attempt, is not sent again until it too is overdue.
-
-Tenant-controlled slowness never holds shared capacity: the receiver (and the name server of
-its host) belongs to whoever set the URL. Deliveries have their own queue
-(``core.queue.WEBHOOK_QUEUE``), which every control worker also consumes, and a delivery task
-only hands its attempt to the process's own webhook threads (:class:`DeliveryThreads`,
-``BATCHD_WEBHOOK_CONCURRENCY`` of them) and returns: a receiver that trickles its answer holds
-one of those for at most ``webhook_timeout_s``, never a control thread, so validations,
-finalizes and cancels go on beside it. One tenant's attempts hold at most half of those threads
-(at least one), so a tenant whose receivers are all slow leaves the rest to the others. When
-every webhook thread is busy, or the tenant's part of them is, the task comes back a little
-later, a few times, then leaves the row to the sweep. An attempt's timeout bounds all of
-it: resolving the host, connecting, sending and reading the answer.
-
-The event is shaped like OpenAI's batch webhooks::
-
-    {"id": "evt_…", "object": "event", "type": "batch.completed", "created_at": 1700000000,
-     "data": {"id": "batch_…"}}
-
-Each attempt POSTs the event as JSON with these headers (Standard Webhooks):
-
-* ``webhook-id``: the event id (the same on every attempt, so receivers can de-duplicate);
-* ``webhook-timestamp``: the attempt's unix time in seconds;
-* ``webhook-signature``: ``v1,<base64 HMAC-SHA256 of "{id}.{timestamp}.{body}">``. The key is
-  the batch's webhook secret: for a ``whsec_<base64>`` secret (what batchd generates) the
-  base64-decoded bytes after the prefix, exactly as the Standard Webhooks libraries do, so
-  ``standardwebhooks.Webhook(secret).verify(body, headers)`` accepts it; any other secret is
-  used as its UTF-8 bytes.
-
-A 2xx answer marks the delivery ``delivered``. Anything else (another status, a timeout, a
-connection error) is recorded in ``attempts``/``last_status_code``/``last_error`` and retried
-with exponential backoff: ``BATCHD_WEBHOOK_BACKOFF_S`` (default 30 s) doubled per attempt,
-capped at ``BATCHD_WEBHOOK_BACKOFF_MAX_S`` (default 1 h), up to
-``settings.webhook_max_attempts`` attempts; then the delivery is ``failed``. The body is
-rebuilt from the row on every attempt, so it is byte-for-byte the same each time. Duplicate
-delivery tasks (the actor's and the sweep's) are harmless: each attempt is claimed by one
-conditional UPDATE.
-
-Every attempt resolves the URL's host, checks every address against the destination rule of
-:mod:`core.netcheck` (public addresses only, unless ``BATCHD_WEBHOOK_ALLOWED_HOSTS`` allows
-the destination) and connects to the checked address; a refused destination fails the delivery
-at once, with ``last_error`` naming the rule. Redirects are not followed (a 3xx is a failed
-attempt).
+The terminal transition inserts the delivery row (an outbox); :func:`notify` only enqueues its
+task and :func:`sweep_unsent` sends any row left overdue, so every event is delivered at least
+once under one event id. Attempts run on the process's own webhook threads, never a control
+thread, each bounded by ``webhook_timeout_s``. Design and reasoning: ``docs/worker.md``.
 """
 
 from __future__ import annotations
@@ -91,8 +40,7 @@ from core.netcheck import (
 )
 from core.queue import TASK_DELIVER_WEBHOOK, TASK_SWEEP_WEBHOOKS, WEBHOOK_QUEUE
 from core.settings import get_settings
-from worker.celery_app import app
-from worker.common import send
+from worker.infra import app, send
 
 logger = logging.getLogger(__name__)
 

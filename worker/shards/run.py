@@ -18,9 +18,9 @@ from core.lifecycle import ShardStatus
 from core.logs import log_context
 from core.models import Batch, Shard
 from core.settings import get_settings
-from worker import runtime, timings
-from worker.common import storage
-from worker.shard_handlers import (
+from worker.infra import runtime, storage
+from worker.shards import timings
+from worker.shards.handlers import (
     Aborted,
     EngineUnavailable,
     Failed,
@@ -28,7 +28,7 @@ from worker.shard_handlers import (
     Refused,
     handler_for,
 )
-from worker.shard_state import Heartbeat, Pending, ShardLost, batch_stopping, commit_chunk
+from worker.shards.state import Heartbeat, Pending, ShardLost, batch_stopping, commit_chunk
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,8 @@ class ShardRun:
         self.suspects: list[tuple[BatchRequest, Any, Any]] = []
         self.stats_timeouts = 0
         self.suspect_line: int | None = None
-        self.submitted_at: dict[int, float] = {}  # line -> handed to the host (worker.timings)
+        # line -> when it was handed to the host (worker.shards.timings)
+        self.submitted_at: dict[int, float] = {}
         self.gate = runtime.isolation_gate(host)
         self.heartbeat: Heartbeat | None = None
         self._last_checkpoint = time.monotonic()
@@ -235,6 +236,7 @@ class ShardRun:
         """Whether the engine has drained. A host that does not answer for
         ``STATS_PATIENCE`` asks in a row is taken for dead (the attempt fails, the shard is
         reclaimed); until then a slow answer only means not yet."""
+        # torch: imported only by a process that runs an engine host
         from engine.admission.host import HostError
 
         try:
@@ -270,7 +272,7 @@ class ShardRun:
 
     # -- the loop
 
-    def run(self) -> str:
+    def run(self) -> ShardStatus:
         """Return ``done`` or ``stopped``; raise ShardLost if this attempt lost the shard."""
         self.heartbeat = Heartbeat(self.shard.id, self.attempt).start()
         try:

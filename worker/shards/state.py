@@ -1,7 +1,8 @@
 """A shard's protocol with the database: claim an attempt, commit checkpoint chunks fenced by
 the attempt, heartbeat, set the status, and finish the batch when the last shard ends. Every
-step is a conditional UPDATE, so a stale attempt (reclaimed, or sealed by a finalize) can never
-write over a newer one; each retries through a short database outage (``common.retrying``)."""
+step is a conditional UPDATE, so a stale attempt (reclaimed, or sealed by a finalize) never
+writes over a newer one; each retries through a short database outage (``retrying``).
+"""
 
 from __future__ import annotations
 
@@ -19,12 +20,7 @@ from core.models import Batch, Shard
 from core.queue import TASK_FINALIZE
 from core.results import GenerationResult
 from core.results_log import log_chunk
-from worker.checkpoints import (
-    ChunkRecord,
-    chunk_key,
-    write_chunk,
-)
-from worker.common import (
+from worker.infra import (
     heartbeat_interval_s,
     live_shards,
     past_expiry,
@@ -33,6 +29,11 @@ from worker.common import (
     stale_after_s,
     storage,
     unfinished_shards,
+)
+from worker.shards.checkpoints import (
+    ChunkRecord,
+    chunk_key,
+    write_chunk,
 )
 
 logger = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ class Pending:
 
     items: list[tuple[ChunkRecord, int, int, int]] = field(default_factory=list)
     # When each ok result finished in the engine (``time.time()``; None where unknown): the
-    # lag from there to the chunk's commit is measured (``worker.timings``).
+    # lag from there to the chunk's commit is measured (``worker.shards.timings``).
     finished: list[float | None] = field(default_factory=list)
 
     def __len__(self) -> int:

@@ -1,44 +1,10 @@
 """Finalize a batch: merge its shards' checkpoint chunks into the output and error files.
 
-Records are merged in input-line order with bounded memory: shards are contiguous line ranges,
-so shards are taken one after another, and within a shard ``heapq.merge`` interleaves its
-chunk streams (each sorted by line). Only one shard's chunks are open at a time.
-
-The same path ends every batch that ran:
-
-* ``finalizing -> completed`` when every shard is done, even past ``expires_at``: a batch
-  with nothing left to run completes, however late its finalize runs;
-* ``cancelling -> cancelled`` and ``in_progress -> expired`` once no shard is running:
-  finished results are kept, and each request that never finished gets a ``batch_cancelled``
-  / ``batch_expired`` line in the error file. Unfinished shards are first sealed (``closed``)
-  so no late checkpoint can slip in after the merge has read them. An expiring batch whose
-  merge finds that every request has a result after all (its shards stopped right after
-  their last one) completes instead (``in_progress -> finalizing -> completed``), unless its
-  validation was not done.
-
-Validation streams into execution (:mod:`worker.validation`): a batch may be cancelled or
-expire before its validation has read its whole input. The merge then also reads the input
-after the last shard, streaming, and gives each of those never-validated lines a
-``batch_cancelled``/``batch_expired`` line (``custom_id`` when the line names one), so every
-request line still ends as exactly one output or error line; ``request_counts.total`` becomes
-the number of those lines. A batch never moves to ``finalizing`` before its validation is done
-(``worker.shard_state.finish_if_last``), and a finalize never completes one.
-
-One finalize of a batch runs at a time (:func:`sole_finalizer`): a cancel that arrives while
-validation is stopping, a sweep's re-drive and the last shard's finalize would otherwise each
-merge the whole batch (an amplifying input made each of two merges 21 s of a control thread);
-the later ones return at once and leave the batch to the one running, whose task is retried
-if it fails, and to the sweep's re-drive should its process die. The files are written, then
-their ``files`` rows are inserted in the same transaction as the status transition. If
-another finalize won the transition, this one deletes what it wrote.
-The ``batch_<code>`` lines also go into one last chunk of the batch's results log
-(:mod:`core.results_log`), logged in that transaction; the chunks are kept (the log pages
-through them) until retention deletes the batch's output files.
-
-The winner then sends the batch's webhook event (:mod:`worker.webhooks`), and after a cancel or
-expiry lets the release policy fill the slots its sealed shards held (:mod:`worker.release`).
-Output and error files expire the batch's ``output_expires_after`` seconds (default
-``settings.file_expiry_s``) after the finalize (:mod:`worker.retention` deletes them).
+Records merge in input-line order, one shard's chunks open at a time. The same path ends every
+batch that ran (completed, cancelled, expired); a request that never finished, or was never
+validated, gets a ``batch_<code>`` error line, so every input line ends as exactly one line.
+One finalize of a batch runs at a time (:func:`sole_finalizer`); the files' rows commit with
+the status change. Reasoning: ``docs/worker.md``.
 """
 
 from __future__ import annotations
@@ -65,15 +31,15 @@ from core.results import batch_error_line, dumps_line
 from core.results_log import chunk_line, final_chunk_key, log_chunk
 from core.settings import get_settings
 from core.storage import Storage
-from worker.checkpoints import (
+from worker.batches.webhooks import notify
+from worker.infra import input_key, live_shards, past_expiry, storage, unfinished_shards
+from worker.shards.checkpoints import (
     ChunkRecord,
     chunk_key,
     lines_without_result,
     read_chunk,
 )
-from worker.common import input_key, live_shards, past_expiry, storage, unfinished_shards
-from worker.release import release_for_model
-from worker.webhooks import notify
+from worker.shards.release import release_for_model
 
 logger = logging.getLogger(__name__)
 
@@ -269,7 +235,7 @@ def _seal(session: Session, batch_id: str) -> None:
 def _shard_views(batch_id: str, seal: bool) -> list[_ShardView]:
     """The batch's shards, first sealed if ``seal``. A validation still streaming creates each
     shard under a lock on the batch row after checking the batch is still running
-    (``worker.validation``): taking that lock here means the shards read are all it will
+    (``worker.validation.task``): taking that lock here means the shards read are all it will
     ever create for a batch being cancelled or expired. Shards are sealed before the lock, the
     order a checkpoint commit takes them in, and once more after it (one created meanwhile)."""
     with session_scope() as session:

@@ -1,10 +1,11 @@
 """How each kind of request runs in a shard: a handler prepares a parsed request, submits it to
-its host and reads what came back as an :data:`Outcome`.
+its host and reads what came back as a :data:`RequestOutcome`.
 
 :class:`GenerationHandler` runs chat, completions and responses on the engine host;
 :class:`EmbeddingHandler` runs embeddings on the embedding host;
 :class:`worker.upstream.handler.UpstreamHandler` sends every kind to an upstream server.
-:class:`worker.shard_run.ShardRun` keeps what they share (checkpoints, cancel, retries, suspects) and asks its handler the rest.
+:class:`worker.shards.run.ShardRun` keeps what they share (checkpoints, cancel, retries,
+suspects) and asks its handler the rest.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from core.models import Batch, Shard
 from core.priority import Priority
 from core.results import GenerationResult, embedding_body, output_line
 from core.settings import get_settings
-from worker import runtime, timings
-from worker.common import REQUEST_ERRORS, storage
-from worker.prepared import read_prepared, tokenizer_fingerprint
+from engine import RequestError, SamplingParams
+from worker.infra import REQUEST_ERRORS, runtime, storage
+from worker.shards import timings
+from worker.shards.prepared import read_prepared, tokenizer_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +70,8 @@ class Failed:
     exc: BaseException
 
 
-Outcome = Line | Aborted | Refused | Failed
+# What the host made of one request.
+RequestOutcome = Line | Aborted | Refused | Failed
 
 
 class Handler(Protocol):
@@ -89,7 +92,7 @@ class Handler(Protocol):
         :class:`EngineUnavailable` when the host is dead."""
         ...
 
-    def outcome(self, req: BatchRequest, future: Future, submitted: float | None) -> Outcome:
+    def outcome(self, req: BatchRequest, future: Future, submitted: float | None) -> RequestOutcome:
         """What the host made of the request; raises :class:`EngineUnavailable` when the
         host is dead."""
         ...
@@ -102,7 +105,7 @@ class Handler(Protocol):
 def handler_for(shard: Shard, batch: Batch, host: Any) -> Handler:
     spec = get_settings().models.get(batch.model or "", "")
     if served_models.is_upstream(spec):
-        from worker.upstream.handler import UpstreamHandler  # it builds on this module's types
+        from worker.upstream.handler import UpstreamHandler  # a cycle: it imports this module
 
         return UpstreamHandler(batch, host, served_models.upstream_spec(spec, batch.model or ""))
     if batch.endpoint == EMBEDDINGS_URL:
@@ -133,14 +136,12 @@ class GenerationHandler:
         self.tok = host.tokenizer
         self.context = runtime.context_length(batch.model or "")
         self.vocab_size = len(self.tok)
-        # The prompt ids validation stored for this shard (worker.prepared), by input line.
+        # The prompt ids validation stored for this shard (worker.shards.prepared), by input line.
         self.prepared = read_prepared(
             storage(), batch.id, shard.index, tokenizer_fingerprint(self.tok)
         )
 
     def prepare(self, req: BatchRequest) -> tuple[Any, Any] | Line:
-        from engine import SamplingParams
-
         try:
             return generation.prepare_request(
                 self.tok,
@@ -159,6 +160,7 @@ class GenerationHandler:
             raise
 
     def submit(self, prompt: Any, params: Any, done: Callable[[Future], None]) -> None:
+        # torch: imported only by a process that runs an engine host
         from engine.admission.host import HostError
 
         try:
@@ -179,8 +181,8 @@ class GenerationHandler:
             deadline=self.deadline,
         )
 
-    def outcome(self, req: BatchRequest, future: Future, submitted: float | None) -> Outcome:
-        from engine import RequestError
+    def outcome(self, req: BatchRequest, future: Future, submitted: float | None) -> RequestOutcome:
+        # torch: imported only by a process that runs an engine host
         from engine.admission.host import HostError
 
         exc = future.exception()
@@ -237,6 +239,7 @@ class EmbeddingHandler:
         """The inputs as the model's token ids and the output size, or the request's error
         line (an input over the model's length, a token outside its vocabulary, a size it
         cannot cut to), naming the field."""
+        # torch: imported only by a process that runs a model
         from engine.embedding.engine import EmbeddingError
 
         engine = self.host.engine
@@ -258,7 +261,8 @@ class EmbeddingHandler:
             prompt, dimensions=params, group=self.batch_id, timeout=SUBMIT_WAIT_S
         ).add_done_callback(done)
 
-    def outcome(self, req: BatchRequest, future: Future, submitted: float | None) -> Outcome:
+    def outcome(self, req: BatchRequest, future: Future, submitted: float | None) -> RequestOutcome:
+        # torch: imported only by a process that runs an engine host
         from engine.embedding.host import EmbeddingAborted, EmbeddingHostClosed
 
         exc = future.exception()

@@ -20,9 +20,9 @@ from core.db import new_session
 from core.lifecycle import ENQUEUED, BatchStatus, ShardStatus, transition
 from core.models import Batch, Shard
 from core.results_log import batch_log_prefix
-from worker.common import storage
-from worker.release import release_for_model
-from worker.webhooks import notify
+from worker.batches.webhooks import notify
+from worker.infra import storage
+from worker.shards.release import release_for_model
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def fail_running(batch_id: str, error: dict[str, Any]) -> bool:
     the release fill the slots it held. True if this call failed it.
 
     Shards are sealed before the batch row is locked, the order a checkpoint commit takes
-    them in (``worker.shard_state.commit_chunk``)."""
+    them in (``worker.shards.state.commit_chunk``)."""
     session = new_session()
     try:
         session.execute(

@@ -1,18 +1,10 @@
 """Per-request timings of the generations this process ran, for ``batchd bench``.
 
-The shard runner records each finished request: when the shard handed it to the engine host
-(``submitted``), when the engine admitted it (``admitted``), produced its first token
-(``first_token``) and finished it (``finished``), all ``time.time()`` seconds, with its
-prompt, cached and output token counts. Records live in a bounded buffer (the most recent
-``MAX_RECORDS``; a few hundred bytes each) and are read over Celery remote control:
+Each finished request's submit, admit, first-token and finish times (``time.time()``) and token
+counts sit in a bounded buffer (``MAX_RECORDS``), beside each result's lag from its finish to
+its chunk's commit. Nothing is written elsewhere; Celery remote control reads them::
 
     app.control.broadcast("request_timings", arguments={"batch_ids": [...]}, reply=True)
-
-answers ``{"pid": …, "records": [...], "commit_lags": [...]}`` with the records of those
-batches (all records without ``batch_ids``) and, for each of their results committed by this
-process, the seconds from its finish in the engine to the commit of its checkpoint chunk (the
-lag ``benchmarks.fleet`` reports). Nothing is written anywhere else: the buffers cost one
-tuple per finished request and one per committed result.
 """
 
 from __future__ import annotations
@@ -22,6 +14,8 @@ import os
 import threading
 import time
 from typing import Any
+
+from celery.worker.control import inspect_command
 
 MAX_RECORDS = 200_000
 FIELDS = (
@@ -88,16 +82,10 @@ def records(batch_ids: list[str] | None = None) -> list[dict[str, Any]]:
     return [dict(zip(FIELDS, r, strict=True)) for r in rows if wanted is None or r[0] in wanted]
 
 
-def _register_command() -> None:
-    from celery.worker.control import inspect_command
-
-    @inspect_command(name="request_timings", args=[("batch_ids", list)])
-    def request_timings(state: Any, batch_ids: list[str] | None = None, **_: Any) -> dict:
-        return {
-            "pid": os.getpid(),
-            "records": records(batch_ids),
-            "commit_lags": commit_lags(batch_ids),
-        }
-
-
-_register_command()
+@inspect_command(name="request_timings", args=[("batch_ids", list)])
+def _request_timings(state: Any, batch_ids: list[str] | None = None, **_: Any) -> dict:
+    return {
+        "pid": os.getpid(),
+        "records": records(batch_ids),
+        "commit_lags": commit_lags(batch_ids),
+    }

@@ -1,38 +1,9 @@
 """A worker's liveness: tell a hung worker from a busy one, and end a hung one.
 
-Celery's consumer turns its event loop in the worker's main thread: it receives tasks, sends
-acknowledgements and answers remote control there, while the tasks run in the pool's threads.
-A busy worker (every thread inside a long shard) still turns its loop every few seconds; a
-hung one (a wedged socket, a deadlock, a consumer that died and left the process behind) does
-not. Each turn is recorded (``hub.on_tick``), and a watchdog thread, started when the worker is
-ready, every ``worker_liveness_interval_s``:
-
-* touches ``worker_liveness_file`` (when set) if the loop turned within
-  ``worker_hang_timeout_s``, or if the consumer is reconnecting to the broker (its connection
-  is gone while it runs; each attempt is bounded by the transport's socket timeouts, see
-  :func:`worker.celery_app.transport_options`), and every engine host the process loaded is
-  alive;
-* otherwise logs why and ends the process with :data:`EXIT_UNHEALTHY`, so that its supervisor
-  (compose's ``restart:``, ``batchd up``, systemd) starts a fresh one. Nothing is lost: the
-  control tasks it held are delivered again (late acknowledgement), its shards are re-queued by
-  the reclaim sweep once their heartbeats stop and resume from their last checkpoint.
-
-An engine host does not come back in the process that lost it (``worker.runtime.host`` keeps
-it), so a model worker whose engine died would take shards only to fail them: it exits too.
-
-A turning loop does not mean the control tasks move: every pool thread can be stuck inside a
-task (a call that never returns) while the loop turns happily. So the watchdog also looks at the
-control tasks (``worker.celery_app.CONTROL_TASKS``) in its pool each round
-(:class:`PoolSnapshot`): when some are running and either more wait for a thread or no thread is
-free, and none has started or finished for ``worker_stall_timeout_s``, the pool is stalled
-(:func:`pool_stall`) and the process exits the same way, naming the tasks. A model worker's
-shards are not watched: a shard holds its thread for as long as it has requests.
-
-``python -m worker health`` (the compose healthcheck) exits 0 while the file is fresh.
-
-A requested shutdown (SIGTERM, SIGINT) stops the watchdog: the supervisor that asked bounds it.
-Without an event loop (Celery's SQLAlchemy transport of ``batchd up``'s embedded mode polls
-without one) there is nothing to watch and no watchdog starts.
+A watchdog thread touches ``worker_liveness_file`` while the consumer's event loop turns (or
+reconnects) and every loaded engine host is alive; otherwise, or when control tasks stall the
+pool for ``worker_stall_timeout_s``, it ends the process with :data:`EXIT_UNHEALTHY` for its
+supervisor to restart. ``python -m worker health`` reads the file. Reasoning: ``docs/worker.md``.
 """
 
 from __future__ import annotations
@@ -47,39 +18,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from celery import bootsteps
+from celery.worker import state
+
 from core.settings import get_settings
+from worker.infra import runtime
 
 logger = logging.getLogger(__name__)
 
 EXIT_UNHEALTHY = 3
-
-
-def max_age_s(interval_s: float) -> float:
-    """How old the liveness file may be while its worker is healthy."""
-    return max(3 * interval_s, 30.0)
-
-
-def file_age_s(path: str | os.PathLike[str]) -> float | None:
-    """Seconds since ``path`` was last touched; None if it does not exist."""
-    try:
-        return max(0.0, time.time() - os.stat(path).st_mtime)
-    except FileNotFoundError:
-        return None
-
-
-def health(path: str | None = None, interval_s: float | None = None) -> tuple[bool, str]:
-    """(healthy, why) for the worker that touches ``path`` (default: the settings')."""
-    settings = get_settings()
-    path = path or settings.worker_liveness_file
-    if not path:
-        return False, "BATCHD_WORKER_LIVENESS_FILE is not set"
-    limit = max_age_s(settings.worker_liveness_interval_s if interval_s is None else interval_s)
-    age = file_age_s(path)
-    if age is None:
-        return False, f"{path} does not exist (the worker is not ready, or never was)"
-    if age > limit:
-        return False, f"{path} was last touched {age:.0f}s ago (more than {limit:.0f}s)"
-    return True, f"{path} touched {age:.1f}s ago"
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,8 +68,6 @@ def pool_stall(snapshot: PoolSnapshot, idle_s: float, timeout_s: float) -> str |
 
 def pool_snapshot(consumer: Any, control_tasks: frozenset[str]) -> PoolSnapshot:
     """This process's :class:`PoolSnapshot`, from Celery's worker state."""
-    from celery.worker import state
-
     for _ in range(5):  # the consumer's thread may change the sets while they are copied
         try:
             active = list(state.active_requests)
@@ -167,6 +112,7 @@ class Watchdog:
         interval_s: float = 10.0,
         hang_timeout_s: float = 300.0,
         stall_timeout_s: float = 0.0,
+        control_tasks: frozenset[str] = frozenset(),
         exit: Any = os._exit,
     ) -> None:
         self.consumer = consumer
@@ -174,6 +120,7 @@ class Watchdog:
         self.interval_s = max(0.05, float(interval_s))
         self.hang_timeout_s = float(hang_timeout_s)
         self.stall_timeout_s = float(stall_timeout_s)
+        self.control_tasks = control_tasks
         self._exit = exit
         self.last_tick = time.monotonic()
         self.last_progress = self.last_tick
@@ -194,8 +141,6 @@ class Watchdog:
         self._stop.set()
 
     def reconnecting(self) -> bool:
-        from celery import bootsteps
-
         blueprint = getattr(self.consumer, "blueprint", None)
         return (
             getattr(self.consumer, "connection", True) is None
@@ -215,20 +160,16 @@ class Watchdog:
         stalled_pool = self.pool_problem()
         if stalled_pool is not None:
             return stalled_pool
-        runtime = sys.modules.get("worker.runtime")
-        if runtime is not None:
-            for model, host in runtime.loaded_hosts().items():
-                if not getattr(host, "is_alive", True):
-                    return f"the engine host of model {model} has stopped"
+        for model, host in runtime.loaded_hosts().items():
+            if not getattr(host, "is_alive", True):
+                return f"the engine host of model {model} has stopped"
         return None
 
     def pool_problem(self) -> str | None:
         """Why the control tasks in this worker's pool are stalled, or None."""
         if self.stall_timeout_s <= 0:
             return None
-        from worker.celery_app import CONTROL_TASKS
-
-        snapshot = pool_snapshot(self.consumer, CONTROL_TASKS)
+        snapshot = pool_snapshot(self.consumer, self.control_tasks)
         current = time.monotonic()
         if progressed(self._pool, snapshot):
             self.last_progress = current
@@ -263,8 +204,9 @@ class Watchdog:
 _watchdog: Watchdog | None = None
 
 
-def start(consumer: Any) -> Watchdog | None:
-    """Start this process's watchdog for ``consumer`` (once; None without an event loop)."""
+def start(consumer: Any, control_tasks: frozenset[str]) -> Watchdog | None:
+    """Start this process's watchdog for ``consumer``, watching ``control_tasks`` in its pool
+    (once; None without an event loop)."""
     global _watchdog
     if _watchdog is not None:
         return _watchdog
@@ -278,6 +220,7 @@ def start(consumer: Any) -> Watchdog | None:
         interval_s=settings.worker_liveness_interval_s,
         hang_timeout_s=settings.worker_hang_timeout_s,
         stall_timeout_s=settings.worker_stall_timeout_s,
+        control_tasks=control_tasks,
     ).start()
     return _watchdog
 

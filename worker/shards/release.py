@@ -1,53 +1,10 @@
 """Shard release: a bounded, fair window of each model's shards on the broker.
 
-Validation creates every shard as a ``pending`` row and sends none of them. This module sends
-("releases") shards to their model's queue so that at most
-``settings.max_released_shards_per_model`` shards of one model are released and unfinished
-(``released_at`` set, status ``pending`` or ``running``) at any time. The broker queue therefore
-never holds more than that many shard messages per model, and a job that arrives behind a big
-one waits for one free slot, not for the big job's whole backlog. Set the bound close to the
-total shard concurrency of the model's workers (``worker_shard_concurrency`` times workers): a
-larger bound only queues released shards in the broker, where FIFO order, not fairness, applies.
-
-When a slot frees, the next shard is chosen by :func:`choose`, in this order (the tier, aging
-and deadline rules are the engine host's own, from ``engine.admission.order``):
-
-1. tier: the priority of its batch, ``high`` before ``normal`` before ``low``; a ``low`` batch
-   that has waited longer than ``settings.low_priority_aging_s`` (the engine host's aging
-   setting) for a release of one of its shards, since it started running or since its last
-   release, competes as ``normal`` (so steady ``normal`` load cannot starve it until it
-   expires: it gets a shard at least once per aging time);
-2. tenant, within the tier: deficit round-robin on tokens, as in the engine host
-   (``engine.admission.fair_queue``), with each shard costing its estimated tokens. The release layer
-   keeps no state between calls (many processes release), so a tenant's deficit is read from
-   the database: the tokens of its released-and-unfinished shards of this model. The tenant
-   holding the fewest goes next, and among equals the one served longest ago (round-robin);
-   each pick adds its cost. Tenants therefore hold equal token shares of the released work,
-   whatever their shard sizes: a tenant of 100-token shards gets three slots for every one of
-   a tenant of 300-token shards;
-3. batch within the tenant: earliest deadline first (the batch's ``expires_at``), so a
-   tenant's short-window job overtakes its own long-window work instead of sharing with it
-   (the tenant's share against other tenants is unchanged: step 2 comes first); a ``low``
-   batch aged into ``normal`` comes before every deadline (aging bounds its wait); among equal
-   deadlines the same as step 2, by the batch's released-and-unfinished tokens, then the one
-   served longest ago, then the oldest batch;
-4. shard index.
-
-:func:`release_for_model` is called after validation commits, whenever a shard task ends (a
-``task_postrun`` hook on the model worker, and the shard code), after a cancel or expiry
-finalize, and from a beat sweep every few seconds as a safety net. Callers race freely: on
-Postgres one transaction-scoped advisory lock per model serializes the choice, and the
-conditional UPDATE (``released_at IS NULL AND status = 'pending'``) means a shard is released
-once. On SQLite (embedded mode) a throwaway write statement takes the database's write lock
-first, which serializes releasers across processes just as well.
-
-Messages are sent after the transaction commits. If the send fails, the shards are un-released
-(``released_at`` back to NULL). A process that dies between the commit and the send leaves
-released shards that no message will run: the sweep re-sends shards that were released, never
-claimed (``attempts = 0``) and untouched for longer than ``resend_after_s()``; a duplicate
-message is harmless (the shard's claim fences older attempts off). Shards reclaimed from dead
-workers are re-sent by ``worker.recovery``, not here, and so is a reclaimed shard whose message
-was lost (it would hold its slot until the broker's visibility timeout, or for good).
+At most ``max_released_shards_per_model`` shards of a model are released and unfinished at
+once; :func:`choose` picks the next by tier (with aging), tenant (deficit round robin on
+tokens, read from the database) and batch deadline: the engine host's own rules. Callers race
+freely: a per-model lock serializes the choice and a conditional UPDATE releases a shard once;
+messages go after the commit. Reasoning: ``docs/worker.md``.
 """
 
 from __future__ import annotations
@@ -72,8 +29,7 @@ from core.priority import Priority
 from core.queue import TASK_RELEASE_SWEEP, TASK_RUN_SHARD, model_queue
 from core.settings import get_settings
 from engine.admission.order import aged_tier, deadline_key
-from worker.celery_app import app
-from worker.common import retrying, send
+from worker.infra import app, retrying, send
 
 logger = logging.getLogger(__name__)
 

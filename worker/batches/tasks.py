@@ -1,18 +1,10 @@
 """Control-queue tasks: validate, finalize, cancel and the expiry sweep.
 
-Every task re-reads the batch and acts only if the world still calls for it, so a duplicate
-delivery (late acknowledgement) or a race with another actor is harmless: each status change is
-one conditional UPDATE (:func:`core.lifecycle.transition`) and only one actor wins it.
-
-Validation streams into execution: ``validate`` creates and releases each shard as soon as
-its lines are validated, so a batch is ``in_progress`` from its first shard on; the policy for
-errors found after the file's head (a line's error becomes an error line, a whole-file rule
-still fails the batch), cancels and expiries meanwhile, and a validation that resumes after a
-crash is :mod:`worker.validation`'s docstring.
-
-No failure may strand a batch: a validate, finalize or cancel that raises is retried with
-backoff and, past ``control_task_max_attempts`` runs, the batch fails with the error named in
-its ``errors`` (:func:`run_control_step`); a task that was lost is sent again by the sweeps.
+Every task re-reads the batch and acts only if the world still calls for it; each status change
+is one conditional UPDATE (:func:`core.lifecycle.transition`) that one actor wins. No failure
+strands a batch: a step that raises is retried and, past ``control_task_max_attempts``, fails
+the batch naming the error (:func:`run_control_step`). Validation streams into execution
+(:mod:`worker.validation.task`).
 """
 
 from __future__ import annotations
@@ -35,8 +27,10 @@ from core.models import Batch
 from core.queue import TASK_CANCEL, TASK_FINALIZE, TASK_SWEEP_EXPIRED, TASK_VALIDATE
 from core.settings import get_settings
 from core.sharding import ShardPlanner
-from worker.celery_app import app
-from worker.common import (
+from worker.batches.finalize import finalize
+from worker.batches.webhooks import notify
+from worker.infra import (
+    app,
     input_key,
     live_shards,
     send,
@@ -44,15 +38,13 @@ from worker.common import (
     storage,
     transient_error,
 )
-from worker.finalize import finalize
-from worker.token_count import TokenCounter
-from worker.validation import Outcome, StreamedValidation, progress
-from worker.validation_failures import (
+from worker.validation.failures import (
     enqueued_tokens,
     fail_running,
     quota_error,
 )
-from worker.webhooks import notify
+from worker.validation.task import StreamedValidation, ValidationStop, progress
+from worker.validation.token_count import TokenCounter
 
 __all__ = [
     "cancel",
@@ -83,7 +75,7 @@ class CallerGone(TimeoutError):
 def scan_input(key: str, endpoint: str, deadline: float | None = None) -> _Scan:
     """Stream the input file once as a whole: validate every line, count its tokens, plan the
     shards (what an estimate of the file reports; a batch's validation streams shards instead,
-    :mod:`worker.validation`). Past ``deadline`` (unix seconds: when its caller stops
+    :mod:`worker.validation.task`). Past ``deadline`` (unix seconds: when its caller stops
     waiting) it stops with :class:`CallerGone`: nobody reads the rest of a file for nothing."""
     settings = get_settings()
     served = [m for m, spec in settings.models.items() if served_models.serves(spec, endpoint)]
@@ -111,7 +103,7 @@ def scan_input(key: str, endpoint: str, deadline: float | None = None) -> _Scan:
 
 def validate(batch_id: str) -> str | None:
     """Validate the batch's input file, creating and releasing each shard as soon as its
-    lines are validated (:mod:`worker.validation`); return the batch's status when the
+    lines are validated (:mod:`worker.validation.task`); return the batch's status when the
     validation ended (``in_progress`` or ``failed``), or what a finalize made of a batch
     cancelled or expired meanwhile.
 
@@ -136,9 +128,9 @@ def validate(batch_id: str) -> str | None:
             progress(session, batch_id) if resuming else None,
         )
     outcome = run.run()
-    if outcome == Outcome.OVERTAKEN:
+    if outcome == ValidationStop.OVERTAKEN:
         return None
-    if outcome == Outcome.STOPPED:
+    if outcome == ValidationStop.BATCH_ENDED:
         # The batch was cancelled (or expired) while it was being validated.
         return finalize(batch_id)
     return outcome
@@ -182,7 +174,7 @@ def sweep_expired() -> int:
 STEP_NAMES = {"validate": "Validating", "finalize": "Finalizing", "cancel": "Cancelling"}
 # The statuses a control step that gave up moves to ``failed`` (a cancelling batch cannot fail:
 # the expiry sweep re-drives its finalize). A validate gives up on an in_progress batch only
-# while its validation is not done (worker.validation.fail_running).
+# while its validation is not done (worker.validation.failures.fail_running).
 GIVE_UP_FROM = {
     "validate": (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS),
     "finalize": (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS, BatchStatus.FINALIZING),
@@ -221,7 +213,7 @@ def give_up(batch_id: str, step: str, attempts: int, exc: BaseException) -> bool
     error = task_failed_error(step, attempts, exc)
     if step == "validate":
         # Validating, or in_progress with shards streamed so far: it fails with its shards
-        # stopped and nothing of it shown (worker.validation), and sends its webhook event.
+        # stopped and nothing of it shown (worker.validation.task), and sends its webhook event.
         won = fail_running(batch_id, error)
     else:
         with session_scope() as session:

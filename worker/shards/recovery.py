@@ -1,34 +1,10 @@
 """Crash recovery: the reclaim sweep and giving up on a shard.
 
-A running shard's attempt stamps ``shards.heartbeat_at`` every ``heartbeat_interval_s`` from a
-background thread (``worker.shard_state.Heartbeat``). A worker that is killed (SIGKILL, OOM, a lost
-node) or hangs stops doing so. The broker would redeliver its task only after the visibility
-timeout (hours), so beat runs :func:`reclaim_stale_shards` every ``reclaim_sweep_interval_s``:
-
-* a ``running`` shard of an ``in_progress`` batch whose heartbeat is older than
-  ``shard_stale_after_s`` is put back to ``pending`` and its task sent again to its model's
-  queue. The status change fences off the silent attempt (its next commit or heartbeat no
-  longer matches), and the next claim bumps ``attempts``; the new attempt resumes from the
-  last committed checkpoint, so at most one checkpoint interval of work is redone;
-* a stale shard that has used up ``max_shard_attempts`` is given up: its requests without a
-  committed result become ``shard_failed`` error lines (one committed chunk, so still exactly
-  one line per request), the shard is ``done``, and the batch finalizes as usual;
-* a batch left in ``validating`` or ``finalizing`` for longer than ``stuck_batch_after_s``
-  (its task was lost, or kept failing through an outage) gets its validate or finalize sent
-  again, once per ``stuck_batch_after_s`` (:func:`redrive_due`); both are idempotent. A
-  validating batch past its window is left to the expiry sweep. So does an ``in_progress``
-  batch whose validation is not done and has created no shard for that long
-  (``validated_at``): the validate resumes after its last shard (``worker.validation``).
-
-The reclaimed shard keeps its ``released_at``: it was released once and is only re-sent. So
-it holds its model's release slot (``worker.release``) until a worker claims it; if the message
-that re-sent it is lost (a broker blip, a worker killed holding it unacknowledged, which the
-broker gives back only after the visibility timeout of hours), nothing else would ever claim
-it. So the sweep also sends again a reclaimed shard still ``pending`` and untouched (no claim,
-no heartbeat) for ``worker.release.resend_after_s()`` (the bound of a release that was never
-claimed, derived from ``shard_stale_after_s``), once per that bound: the slot runs its shard
-instead of sitting idle. A duplicate message is harmless (a claim takes only a pending or a
-stale shard).
+Beat runs :func:`reclaim_stale_shards`: a running shard whose heartbeat is older than
+``shard_stale_after_s`` goes back to ``pending`` and is sent again (it resumes from its last
+committed chunk); one past ``max_shard_attempts`` reports its unfinished requests as
+``shard_failed`` lines; stuck validates and finalizes are sent again (:func:`redrive_due`), and
+so are reclaimed shards whose message was lost. Reasoning: ``docs/worker.md``.
 """
 
 from __future__ import annotations
@@ -47,11 +23,10 @@ from core.models import Batch, Shard
 from core.queue import TASK_FINALIZE, TASK_RECLAIM, TASK_RUN_SHARD, TASK_VALIDATE, model_queue
 from core.results import request_error_line
 from core.settings import get_settings
-from worker.celery_app import app
-from worker.checkpoints import discard_uncommitted, lines_without_result
-from worker.common import input_key, retrying, send, stale_after_s, storage
-from worker.release import release_next, resend_after_s
-from worker.shard_state import (
+from worker.infra import app, input_key, retrying, send, stale_after_s, storage
+from worker.shards.checkpoints import discard_uncommitted, lines_without_result
+from worker.shards.release import release_next, resend_after_s
+from worker.shards.state import (
     Pending,
     ShardLost,
     claim,
@@ -214,7 +189,7 @@ def _stuck_batches(now: datetime, bound_s: float, every_s: float) -> list[tuple[
                     & (Batch.expires_at > now)
                 )
                 | ((Batch.status == BatchStatus.FINALIZING) & (Batch.finalizing_at < cutoff))
-                # Validation streams shards into a running batch (worker.validation): one
+                # Validation streams shards into a running batch (worker.validation.task): one
                 # that has created none for that long stopped (its worker was killed).
                 | (
                     (Batch.status == BatchStatus.IN_PROGRESS)

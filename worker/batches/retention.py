@@ -1,17 +1,8 @@
 """File retention: a beat sweep that deletes files whose ``expires_at`` has passed.
 
-Every ``settings.file_sweep_interval_s`` the sweep takes expired ``files`` rows (uploads get
-``expires_at`` from the API, batch output and error files from the finalize: the batch's
-``output_expires_after`` seconds after it, or ``settings.file_expiry_s``), deletes each row,
-and after that commits deletes the stored object. The API already answers 404 for an expired file, so the order is invisible.
-A batch's results log (its checkpoint chunks, :mod:`core.results_log`) goes with the first of
-its output and error files to be swept.
-
-An input file that a batch still needs is never deleted: the shards read their line ranges
-from it, and a cancel/expiry finalize reads it to name the requests that never ran. A file
-referenced as ``input_file_id`` by a batch that is not terminal is skipped, and deleted by a
-later sweep once the batch has ended. (The same holds for ``DELETE /v1/files``: deleting a file
-that a running batch reads should only expire it, leaving the deletion to this sweep.)
+Every ``file_sweep_interval_s`` it deletes expired ``files`` rows, then their objects (the API
+already answers 404 for them), and a batch's results log with the first of its output files.
+An input file that a batch not yet ended still reads is skipped until the batch has ended.
 """
 
 from __future__ import annotations
@@ -27,8 +18,7 @@ from core.lifecycle import TERMINAL, now
 from core.models import Batch, File
 from core.queue import TASK_SWEEP_FILES
 from core.results_log import batch_log_prefix
-from worker.celery_app import app
-from worker.common import storage
+from worker.infra import app, storage
 
 logger = logging.getLogger(__name__)
 

@@ -1,15 +1,10 @@
-"""Shard checkpoint chunks in storage.
-
-A shard writes its results in chunks, ``batches/{batch}/shards/{index:05d}/{chunk:06d}.jsonl``,
-one JSON record per request, sorted by input line::
+"""Shard checkpoint chunks in storage, one JSON record per request in input-line order::
 
     {"line": 17, "ok": true, "record": {<the output- or error-file line>}}
 
-A chunk counts only once the shard row's ``num_chunks`` has been advanced past it in the same
-database transaction that advances the live counters. Chunks at or beyond ``num_chunks`` were
-written by an attempt that died before committing: a retry deletes them and redoes their
-requests, so every request ends up in exactly one committed chunk. The chunk format and the
-log of committed chunks live in :mod:`core.results_log`.
+A chunk counts once the shard's ``num_chunks`` is advanced past it, in the transaction that
+advances the live counters; later chunks are an uncommitted attempt's, deleted and redone. The
+format and the log of committed chunks: :mod:`core.results_log`.
 """
 
 from __future__ import annotations

@@ -12,8 +12,7 @@ from core import generation
 from core.batch_request import BatchRequest
 from core.queue import CONTROL_QUEUE
 from core.settings import get_settings
-from worker import runtime
-from worker.common import REQUEST_ERRORS
+from worker.infra import REQUEST_ERRORS, runtime
 
 logger = logging.getLogger(__name__)
 

@@ -1,20 +1,9 @@
-"""Each worker process's Prometheus exporter: the service counters this process increments
-(core/metrics.py) and the figures of every engine it has loaded.
+"""Each worker process's Prometheus exporter: this process's service counters
+(``core.metrics``) and the figures of every engine it has loaded.
 
-The exporter is a small HTTP server on ``BATCHD_WORKER_METRICS_PORT`` (off when 0), started
-in the worker's main process when the worker is ready (``worker_ready``: logging is set up by
-then, so its "listening on" line shows; the children a prefork pool starts with are forked
-by then, and do not hold its socket).
-A process that forks its pool (Celery's prefork pool) must run with
-``PROMETHEUS_MULTIPROC_DIR`` pointing at an empty directory: prometheus-client then keeps each
-child's metrics in files there and the exporter serves their sum (prometheus-client's
-multiprocess mode); the threads pool, which every model worker uses, needs nothing.
-
-Engine figures are read at scrape time, never pushed: :class:`EngineCollector` asks each
-loaded engine host for a stats snapshot (taken by the host's loop between two steps) and
-copies the engine's histograms (engine/core/stats.py). Names follow vLLM's where the meaning is
-the same, prefixed ``batchd_engine_`` (vLLM's ``vllm:num_requests_running`` is
-``batchd_engine_num_requests_running`` here), each labelled with the served model.
+Served on ``BATCHD_WORKER_METRICS_PORT`` (0: off) from ``worker_ready``; a prefork pool needs
+``PROMETHEUS_MULTIPROC_DIR``. Engine figures are read at scrape time (:class:`EngineCollector`),
+named like vLLM's with a ``batchd_engine_`` prefix. Reasoning: ``docs/worker.md``.
 """
 
 from __future__ import annotations
@@ -24,7 +13,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry, multiprocess, start_http_server
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -34,6 +23,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from core.settings import get_settings
+from worker.infra import runtime
 
 logger = logging.getLogger(__name__)
 
@@ -49,16 +39,14 @@ HISTOGRAM_HELP = {
 
 
 class EngineCollector(Collector):
-    """The engines of this process (``worker.runtime.loaded_hosts()``), read at each scrape."""
+    """The engines of this process (``runtime.loaded_hosts()``), read at each scrape."""
 
     def __init__(self, hosts: Any = None) -> None:
-        self._hosts = hosts  # a callable returning {model: host}; default: worker.runtime's
+        self._hosts = hosts  # a callable returning {model: host}; default: worker.infra.runtime's
 
     def _loaded(self) -> dict[str, Any]:
         if self._hosts is not None:
             return dict(self._hosts())
-        from worker import runtime
-
         return runtime.loaded_hosts()
 
     def collect(self) -> Iterator[Any]:
@@ -155,8 +143,6 @@ def exporter_registry() -> CollectorRegistry:
     """The registry the exporter serves: prometheus-client's default one, or (multiprocess
     mode) a fresh one that sums the pool processes' files, plus this process's engines."""
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        from prometheus_client import multiprocess
-
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)
         registry.register(EngineCollector())
@@ -208,12 +194,7 @@ class UpstreamCollector(Collector):
         self._hosts = hosts
 
     def collect(self) -> Iterator[Any]:
-        if self._hosts is not None:
-            loaded = dict(self._hosts())
-        else:
-            from worker import runtime
-
-            loaded = runtime.loaded_hosts()
+        loaded = dict(self._hosts()) if self._hosts is not None else runtime.loaded_hosts()
         m = ["model"]
         limit = GaugeMetricFamily(
             "batchd_upstream_limit", "In-flight limit shared by an upstream's workers", labels=m

@@ -12,15 +12,20 @@ from functools import lru_cache
 from typing import Any, TypeVar
 
 from jinja2 import TemplateError
+from kombu.exceptions import OperationalError as KombuOperationalError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from sqlalchemy import exc as sa_exc
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from core.lifecycle import ShardStatus, now
-from core.models import Batch, Shard
+from core.models import Batch, File, Shard
 from core.queue import CONTROL_QUEUE
 from core.settings import get_settings
 from core.storage import Storage
 from core.storage_factory import open_storage
+from worker.infra.celery import app
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +46,6 @@ def storage() -> Storage:
 
 
 def input_key(session: Session, batch: Batch) -> str:
-    from core.models import File
-
     file = session.get(File, batch.input_file_id)
     if file is None:
         raise LookupError(f"input file {batch.input_file_id} of {batch.id} is gone")
@@ -57,16 +60,10 @@ REQUEST_ERRORS: tuple[type[Exception], ...] = (ValueError, TemplateError)
 
 def transient_error(exc: BaseException) -> bool:
     """A lost or refused connection to the database or the broker: worth retrying."""
-    from sqlalchemy import exc as sa_exc
-
     if isinstance(exc, sa_exc.OperationalError | sa_exc.InterfaceError | sa_exc.TimeoutError):
         return True
     if isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated:
         return True
-    from kombu.exceptions import OperationalError as KombuOperationalError
-    from redis.exceptions import ConnectionError as RedisConnectionError
-    from redis.exceptions import TimeoutError as RedisTimeoutError
-
     return isinstance(
         exc, KombuOperationalError | RedisConnectionError | RedisTimeoutError | ConnectionError
     )
@@ -110,8 +107,6 @@ def send(task: str, *args: Any, queue: str = CONTROL_QUEUE, countdown: float | N
     """Enqueue ``task`` (to run ``countdown`` seconds from now, if given); call only after the
     rows it reads are committed. Retries through a broker outage (a task that must not be lost,
     like a finalize, is sent once it is back)."""
-    from worker.celery_app import app
-
     retrying(
         lambda: app.send_task(task, args=list(args), queue=queue, countdown=countdown),
         f"sending {task}",

@@ -1,18 +1,10 @@
-"""The validate task: one pass over a batch's input that creates each shard as its lines pass.
+"""The validate task's one pass over a batch's input, creating each shard as its lines pass.
 
-It reads the input once, in order, and creates and releases each shard as soon as its lines
-are validated. The policy (the head, bad lines after it, whole-file rules broken later, cancel
-and expiry, crash safety) is ``docs/validation.md``. Invariants a change must keep:
-
-* Nothing is created until the head (the first shard's lines) is clean; an error in it fails
-  the batch with the whole file's errors and no shard.
-* Shard rows are the durable record of progress: a shard is created only when it continues the
-  last one, under a lock on the batch row that re-checks its status and window, so a cancel or
-  expiry finalize sees a fixed set of shards and a resumed or concurrent run plans no line twice.
-* ``validation_done`` becomes True only in the transaction that creates the last shard; until
-  then nothing finalizes the batch or shows its results.
-* Every request line ends as exactly one output or error line: a bad line after the head is an
-  error line in its shard's first chunk, committed with the shard row.
+Invariants (the policy is ``docs/validation.md``): nothing is created until the head (the first
+shard's lines) is clean; a shard is created only when it continues the last one, under a lock
+on the batch row, so a finalize sees a fixed set and no line is planned twice;
+``validation_done`` turns True only with the last shard; every request line ends as exactly one
+output or error line (a bad line after the head: an error line in its shard's first chunk).
 """
 
 from __future__ import annotations
@@ -21,7 +13,7 @@ import logging
 from collections.abc import Generator
 from contextlib import suppress
 from dataclasses import dataclass, field
-from enum import StrEnum
+from enum import Enum, StrEnum
 from typing import Any
 
 from sqlalchemy import select, update
@@ -43,21 +35,20 @@ from core.models import Batch, Shard
 from core.results_log import ChunkRecord, batch_log_prefix, log_chunk, write_chunk
 from core.settings import get_settings
 from core.sharding import ShardPlanner, ShardSpec
-from worker import runtime
-from worker.checkpoints import chunk_key
-from worker.common import past_expiry, storage
-from worker.prepared import tokenizer_fingerprint, write_prepared
-from worker.release import release_for_model
-from worker.shard_state import finish_if_last
-from worker.token_count import TokenCounter
-from worker.validation_failures import (
+from worker.batches.webhooks import notify
+from worker.infra import past_expiry, runtime, storage
+from worker.shards.checkpoints import chunk_key
+from worker.shards.prepared import tokenizer_fingerprint, write_prepared
+from worker.shards.release import release_for_model
+from worker.shards.state import finish_if_last
+from worker.validation.failures import (
     enqueued_tokens,
     fail_running,
     lock_tenant_model,
     quota_error,
     validation_errors,
 )
-from worker.webhooks import notify
+from worker.validation.token_count import TokenCounter
 
 logger = logging.getLogger(__name__)
 
@@ -82,11 +73,23 @@ def progress(session: Session, batch_id: str) -> Progress | None:
     return None if last is None else Progress(last.index + 1, last.end_line, last.end_offset)
 
 
-class Outcome(StrEnum):
-    """How a validation run ended, when not with the batch ``in_progress`` or ``failed``."""
+class ValidationStop(StrEnum):
+    """Why a validation run stopped without settling the batch (``in_progress`` or ``failed``)."""
 
-    STOPPED = "stopped"  # the batch was cancelled or expired meanwhile
+    BATCH_ENDED = "batch_ended"  # the batch was cancelled or expired meanwhile
     OVERTAKEN = "overtaken"  # another run of this validation got further
+
+
+# How a run ends: the batch's status it settled, or why it stopped without settling it.
+RunEnd = BatchStatus | ValidationStop
+
+
+class _Placement(Enum):
+    """Where a planned shard stands against the shards already created."""
+
+    NEXT = "next"  # it is the next one to create
+    CREATED = "created"  # an earlier try of this run (or another run) created it already
+    OVERTAKEN = "overtaken"  # the shards so far do not lead to it (another run planned them)
 
 
 @dataclass(slots=True)
@@ -97,7 +100,7 @@ class _OpenShard:
     errors: list[ChunkRecord] = field(default_factory=list)
     line_tokens: list[tuple[int, int]] = field(default_factory=list)
     prompt_tokens: int = 0
-    ids: list[tuple[int, list[int]]] = field(default_factory=list)  # see worker.prepared
+    ids: list[tuple[int, list[int]]] = field(default_factory=list)  # see worker.shards.prepared
 
     def add(self, line: int, prompt_tokens: int, ids: list[int] | None) -> None:
         self.line_tokens.append((line, prompt_tokens))
@@ -117,7 +120,7 @@ class _Failed(Exception):
 
 class StreamedValidation:
     """One run of a batch's validation (see the module docstring); :meth:`run` returns the
-    batch's status when it ends (``in_progress`` or ``failed``) or an :class:`Outcome`."""
+    batch's status when it ends (``in_progress`` or ``failed``) or a :class:`ValidationStop`."""
 
     def __init__(
         self, batch_id: str, key: str, endpoint: str, tenant: str, resume: Progress | None
@@ -185,7 +188,7 @@ class StreamedValidation:
             n,
         )
 
-    def run(self) -> str:
+    def run(self) -> RunEnd:
         if self.resume is not None:
             self._replay()
         lines = self._stream()
@@ -200,7 +203,7 @@ class StreamedValidation:
         finally:
             lines.close()
 
-    def _line(self, raw: RawLine) -> str | None:
+    def _line(self, raw: RawLine) -> RunEnd | None:
         if self.head and self.report.num_errors:
             return self._collect(raw)
         try:
@@ -226,7 +229,7 @@ class StreamedValidation:
         (closed by the planner when that line is added)."""
         return self.planner.open_requests >= self.planner.max_requests
 
-    def _collect(self, raw: RawLine) -> str | None:
+    def _collect(self, raw: RawLine) -> RunEnd | None:
         """The head failed: go on reading only to report the file's errors, as a whole-file
         validation does."""
         try:
@@ -236,7 +239,7 @@ class StreamedValidation:
         self.report.num_requests += 1
         return None
 
-    def _collect_error(self, err: LineError) -> str | None:
+    def _collect_error(self, err: LineError) -> RunEnd | None:
         self.report.add_error(err, self.settings.max_errors_reported)
         if err.code == "too_many_requests":
             self.report.truncated = True
@@ -244,7 +247,7 @@ class StreamedValidation:
         self.report.num_invalid += 1
         return None
 
-    def _end(self) -> str:
+    def _end(self) -> RunEnd:
         if self.head and self.lines.request_lines == 0:
             self.report.add_error(
                 LineError(None, "empty_file", "The file holds no requests"),
@@ -266,7 +269,7 @@ class StreamedValidation:
 
     # -- creating shards
 
-    def _create(self, spec: ShardSpec, *, last: bool) -> str | None:
+    def _create(self, spec: ShardSpec, *, last: bool) -> RunEnd | None:
         """Create ``spec`` with the open shard's error lines and release it; None to go on."""
         shard, self.open = self.open, _OpenShard()
         if shard.ids:  # before the row: a shard that exists finds its ids stored
@@ -286,7 +289,7 @@ class StreamedValidation:
             logger.exception("batch %s: could not release its shards now", self.batch_id)
         return None
 
-    def _commit(self, spec: ShardSpec, shard: _OpenShard, last: bool) -> str | None:
+    def _commit(self, spec: ShardSpec, shard: _OpenShard, last: bool) -> RunEnd | None:
         session = new_session()
         try:
             row = session.execute(
@@ -299,10 +302,12 @@ class StreamedValidation:
                 or row.status not in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS)
                 or past_expiry(row.expires_at)
             ):
-                return Outcome.STOPPED
-            placed = self._placed(session, spec)
-            if placed is not None:
-                return placed or None  # "" (already created by an earlier try): go on
+                return ValidationStop.BATCH_ENDED
+            placement = self._placement(session, spec)
+            if placement is _Placement.OVERTAKEN:
+                return ValidationStop.OVERTAKEN
+            if placement is _Placement.CREATED:
+                return None  # by an earlier try: go on
             tokens = int(row.est_prompt_tokens or 0) + shard.prompt_tokens
             over = self._over_quota(session, spec, shard, int(row.est_prompt_tokens or 0))
             if over is not None:
@@ -349,27 +354,26 @@ class StreamedValidation:
         )
         return None
 
-    def _placed(self, session: Session, spec: ShardSpec) -> str | None:
-        """None if ``spec`` is the next shard to create; "" if an earlier try of this run (or
-        another run) created it already; :attr:`Outcome.OVERTAKEN` if the shards so far do not
-        lead to it (another run planned differently)."""
+    def _placement(self, session: Session, spec: ShardSpec) -> _Placement:
+        """Whether ``spec`` is the next shard to create, was created already, or does not
+        follow the shards so far."""
         last = progress(session, self.batch_id)
         next_index = last.next_index if last else 0
         if spec.index == next_index and (last is None or last.offset == spec.start_offset):
-            return None
+            return _Placement.NEXT
         same = session.execute(
             select(Shard.start_offset, Shard.end_offset).where(
                 Shard.batch_id == self.batch_id, Shard.index == spec.index
             )
         ).first()
         if same is not None and tuple(same) == (spec.start_offset, spec.end_offset):
-            return ""
+            return _Placement.CREATED
         logger.warning(
             "batch %s: shard %s does not follow its shards so far; this validation stops",
             self.batch_id,
             spec.index,
         )
-        return Outcome.OVERTAKEN
+        return _Placement.OVERTAKEN
 
     def _over_quota(
         self, session: Session, spec: ShardSpec, shard: _OpenShard, before: int
@@ -414,7 +418,7 @@ class StreamedValidation:
             key = chunk_key(self.batch_id, spec.index, 0)
             log_chunk(session, self.batch_id, key, write_chunk(storage(), key, shard.errors))
 
-    def _mark_done(self) -> str | None:
+    def _mark_done(self) -> ValidationStop | None:
         """Every line is in a shard already (a run resumed at the end of the file)."""
         session = new_session()
         try:
@@ -422,7 +426,7 @@ class StreamedValidation:
                 select(Batch.status).where(Batch.id == self.batch_id).with_for_update()
             )
             if status != BatchStatus.IN_PROGRESS:
-                return Outcome.STOPPED
+                return ValidationStop.BATCH_ENDED
             session.execute(
                 update(Batch)
                 .where(Batch.id == self.batch_id)
@@ -436,7 +440,7 @@ class StreamedValidation:
 
     # -- failing
 
-    def _fail_invalid(self) -> str:
+    def _fail_invalid(self) -> RunEnd:
         """An error in the head: the batch fails with the file's errors (no shard exists)."""
         session = new_session()
         try:
@@ -452,11 +456,11 @@ class StreamedValidation:
         finally:
             session.close()
         if not won:
-            return Outcome.STOPPED
+            return ValidationStop.BATCH_ENDED
         notify(self.batch_id, BatchStatus.FAILED)
         return BatchStatus.FAILED
 
-    def _fail_over_quota(self, error: dict[str, Any], tokens: int, requests: int) -> str:
+    def _fail_over_quota(self, error: dict[str, Any], tokens: int, requests: int) -> RunEnd:
         """The head alone does not fit in the tenant's enqueued-token limit."""
         session = new_session()
         try:
@@ -474,7 +478,7 @@ class StreamedValidation:
         finally:
             session.close()
         if not won:
-            return Outcome.STOPPED
+            return ValidationStop.BATCH_ENDED
         try:  # the head's prompt ids, stored before its shard was refused
             storage().delete_prefix(batch_log_prefix(self.batch_id))
         except Exception:
@@ -484,9 +488,9 @@ class StreamedValidation:
         notify(self.batch_id, BatchStatus.FAILED)
         return BatchStatus.FAILED
 
-    def _fail_late(self, failed: _Failed) -> str:
+    def _fail_late(self, failed: _Failed) -> RunEnd:
         if not fail_running(self.batch_id, failed.error):
-            return Outcome.STOPPED
+            return ValidationStop.BATCH_ENDED
         if failed.reason == "token_limit_exceeded":
             metrics.REJECTIONS.labels(reason="token_limit_exceeded").inc()
         logger.info("batch %s failed after its head: %s", self.batch_id, failed.error["message"])

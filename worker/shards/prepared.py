@@ -1,17 +1,9 @@
 """Prompt token ids that validation computed for a shard, stored for the shard's run to reuse.
 
-The shard's run then does not render and tokenize its prompts a second time. Validation
-counts every request's tokens with the model's own tokenizer (quota and shard sizes weigh
-them); the ids it had are written, before the shard's row exists, to
-``batches/{batch}/prepared/{index:05d}.ids``: a header naming the tokenizer that made them
-(:func:`tokenizer_fingerprint`), then per request its input line, the number of ids and the
-ids, unsigned 32-bit little-endian. The shard reads the object when it starts and takes a
-line's ids from it; a line it does not hold (a line validation could not tokenize, a shard
-planned before this object existed, an embeddings shard) is tokenized by the shard as before,
-and so is every line when the shard's tokenizer is not the one that made the object (a model
-directory replaced between validation and the run, a worker on another version). The object
-goes with the batch's other objects under ``batches/{batch}/``, and is dropped with them when
-the batch fails.
+``batches/{batch}/prepared/{index:05d}.ids``: a header naming the tokenizer
+(:func:`tokenizer_fingerprint`), then per request its input line, the number of ids and the ids
+(uint32, little-endian). A line it does not hold, or every line when another tokenizer made it,
+is tokenized by the shard as before. Reasoning: ``docs/worker.md``.
 """
 
 from __future__ import annotations

@@ -1,39 +1,15 @@
 """The Celery application shared by the control worker, the model workers and beat.
 
-Control worker (validate, finalize, cancel, expiry sweep; no model loaded)::
-
-    celery -A worker.celery_app worker -Q batchd.control --pool threads -c 2
-
-A worker that consumes the control queue also consumes the webhook queue (``batchd.webhooks``,
-:func:`consume_webhooks`): each delivery task only hands its attempt to the process's own
-webhook threads (``BATCHD_WEBHOOK_CONCURRENCY``), so a slow receiver holds one of those, never
-a control thread.
-
-Model worker (one per GPU process; loads the engine once, runs several shards at a time so
-the engine's batch stays full across shard boundaries; never forks after the model loads)::
-
-    celery -A worker.celery_app worker -Q batchd.model.<name> --pool threads \\
-        -c $BATCHD_WORKER_SHARD_CONCURRENCY
-
-Beat (the sweeps: expiry every ``BATCHD_EXPIRY_SWEEP_INTERVAL_S`` seconds, shard release
-every ``BATCHD_RELEASE_SWEEP_INTERVAL_S``, file retention every ``BATCHD_FILE_SWEEP_INTERVAL_S``,
-the stale-shard reclaim every ``BATCHD_RECLAIM_SWEEP_INTERVAL_S``, unsent webhook events every
-``BATCHD_WEBHOOK_SWEEP_INTERVAL_S``)::
-
-    celery -A worker.celery_app beat
-
-``python -m worker control|model|beat`` builds these command lines from the settings.
-
-Every worker imports what its tasks import lazily (transformers' Auto classes, the tokenizer
-loader, the engine) at start, in its main thread, before any task thread runs
-(:func:`import_task_dependencies`).
-
-Tasks are idempotent and re-read the database before acting, so late acknowledgement (a task
-whose worker dies is delivered again) never runs a step twice in a way anyone can see.
+``python -m worker control|model|dispatch|beat`` builds their command lines (``celery -A
+worker.infra.celery``). A control worker also consumes the webhook queue; model workers use a
+threads pool and never fork after the model loads. Every worker imports its tasks' lazy
+dependencies at start, in one thread (:func:`import_task_dependencies`). Tasks are idempotent
+and re-read the database, so late acknowledgement is safe. More: ``docs/worker.md``.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 from importlib.util import find_spec
@@ -50,9 +26,11 @@ from celery.signals import (
 )
 from kombu.transport import TRANSPORT_ALIASES
 from kombu.transport import redis as kombu_redis
+from prometheus_client import multiprocess
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from core import served_models
+from core import served_models, tracing
+from core.logs import install
 from core.queue import (
     CONTROL_QUEUE,
     TASK_CANCEL,
@@ -71,21 +49,23 @@ from core.queue import (
     redis_socket_options,
 )
 from core.settings import get_settings
+from worker.infra import liveness, memory
+from worker.infra.metrics import start_exporter
 
 # The tasks of the control queue (what the liveness watchdog's pool check watches).
 CONTROL_TASKS = frozenset({TASK_VALIDATE, TASK_FINALIZE, TASK_CANCEL, TASK_SWEEP_EXPIRED,
                            TASK_RELEASE_SWEEP, TASK_SWEEP_FILES, TASK_SWEEP_WEBHOOKS, TASK_RECLAIM,
                            TASK_ESTIMATE, TASK_REFRESH_ETAS})  # fmt: skip
 
-# Task modules every process registers. ``worker.recovery`` (heartbeats and the reclaim sweep)
-# is included when it is present.
-INCLUDE = ["worker.tasks", "worker.shard", "worker.release", "worker.webhooks", "worker.retention",
-           "worker.estimate"]  # fmt: skip
+# Task modules every process registers. ``worker.shards.recovery`` (heartbeats and the reclaim
+# sweep) is included when it is present.
+INCLUDE = ["worker.batches.tasks", "worker.batches.webhooks", "worker.batches.retention",
+           "worker.shards.task", "worker.shards.release", "worker.validation.estimate"]  # fmt: skip
 
 
 def _has_recovery() -> bool:
     try:
-        return find_spec("worker.recovery") is not None
+        return find_spec("worker.shards.recovery") is not None
     except (ImportError, ValueError):
         return False
 
@@ -224,7 +204,7 @@ PUBLISH_RETRY_POLICY = {"max_retries": 30, "interval_start": 0, "interval_step":
 def create_app() -> Celery:
     settings = get_settings()
     recovery = _has_recovery()
-    include = [*INCLUDE, "worker.recovery"] if recovery else list(INCLUDE)
+    include = [*INCLUDE, "worker.shards.recovery"] if recovery else list(INCLUDE)
     celery = Celery("batchd", broker=settings.broker_url, include=include)
     control = {"queue": CONTROL_QUEUE}
     routes = {name: control for name in CONTROL_TASKS}
@@ -272,8 +252,6 @@ TASK_DEPENDENCIES = ("engine", "engine.admission.host", "engine.text.tokenizer")
 
 def import_task_dependencies() -> None:
     """Import :data:`TRANSFORMERS_NAMES` and :data:`TASK_DEPENDENCIES` once, in one thread."""
-    import importlib
-
     transformers = importlib.import_module("transformers")
     for name in TRANSFORMERS_NAMES:
         getattr(transformers, name)
@@ -284,7 +262,8 @@ def import_task_dependencies() -> None:
 def consume_webhooks(worker: Any) -> bool:
     """Make ``worker`` consume the webhook queue too if it consumes the control queue (so every
     deployment that runs a control worker delivers webhooks, whatever its ``-Q`` says); whether
-    it does. Its deliveries run on their own threads (``worker.webhooks``), not the pool's."""
+    it does. Its deliveries run on their own threads (``worker.batches.webhooks``), not the
+    pool's."""
     queues = worker.app.amqp.queues
     consumed = queues.consume_from
     names = set(consumed or ()) if consumed is not None else set(queues)
@@ -304,8 +283,6 @@ def _consume_webhooks(sender: Any = None, **_: Any) -> None:
 
 @worker_init.connect
 def _start_tracing(sender: Any = None, **_: Any) -> None:
-    from core import tracing
-
     tracing.setup(str(getattr(sender, "hostname", "") or "worker").partition("@")[0])
 
 
@@ -335,31 +312,22 @@ def _start_metrics_exporter(**_: Any) -> None:
     # line (or the error naming a port it cannot bind) would go nowhere. At worker_ready (in
     # the main process) logging is set up and the start banner printed, so the line sits just
     # above "ready."; a prefork pool's first children, forked by then, do not inherit the socket.
-    from worker.metrics import start_exporter
-
     start_exporter()
 
 
 @worker_ready.connect
 def _start_trimming(**_: Any) -> None:
-    from worker import memory
-
     memory.start()
 
 
 @worker_ready.connect
 def _start_liveness(sender: Any = None, **_: Any) -> None:
-    from worker import liveness
-
-    liveness.start(sender)
+    liveness.start(sender, CONTROL_TASKS)
 
 
 @worker_shutting_down.connect
 def _stop_liveness(**_: Any) -> None:
-    # A requested shutdown: whoever asked for it bounds it (see worker.liveness).
-    from core import tracing
-    from worker import liveness
-
+    # A requested shutdown: whoever asked for it bounds it (see worker.infra.liveness).
     liveness.stop()
     tracing.flush()
 
@@ -367,16 +335,12 @@ def _stop_liveness(**_: Any) -> None:
 @after_setup_logger.connect
 @after_setup_task_logger.connect
 def _log_format(logger: logging.Logger, **_: Any) -> None:
-    from core.logs import install
-
     install(logger.handlers, get_settings().log_format)
 
 
 @worker_process_shutdown.connect
 def _forget_pool_process(pid: int | None = None, **_: Any) -> None:
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        from prometheus_client import multiprocess
-
         multiprocess.mark_process_dead(pid or os.getpid())
 
 

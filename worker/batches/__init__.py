@@ -1,0 +1,1 @@
+"""Batch-level tasks: validate/cancel/expire, finalize, webhooks, file retention."""

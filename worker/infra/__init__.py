@@ -1,0 +1,37 @@
+"""Celery infrastructure of the workers: the app, the engines of the process, shared helpers.
+
+The other rooms import what they need from here. Importing it loads no engine and no torch:
+``runtime`` imports the engine only when a model is loaded.
+"""
+
+from worker.infra import runtime
+from worker.infra.celery import app
+from worker.infra.common import (
+    REQUEST_ERRORS,
+    heartbeat_interval_s,
+    input_key,
+    live_shards,
+    past_expiry,
+    retrying,
+    send,
+    stale_after_s,
+    storage,
+    transient_error,
+    unfinished_shards,
+)
+
+__all__ = [
+    "REQUEST_ERRORS",
+    "app",
+    "heartbeat_interval_s",
+    "input_key",
+    "live_shards",
+    "past_expiry",
+    "retrying",
+    "runtime",
+    "send",
+    "stale_after_s",
+    "storage",
+    "transient_error",
+    "unfinished_shards",
+]

@@ -1,0 +1,258 @@
+"""The shard task (model queues): run one range of a batch's requests on the process's host.
+
+:func:`run_shard` loads the shard and its batch, claims it (fencing off older attempts),
+discards uncommitted chunks, runs the rest (:class:`~worker.shards.run.ShardRun`) and ends it,
+finishing the batch or releasing the next shard. The database protocol is
+:mod:`worker.shards.state`. A shard's path and its crash recovery: ``docs/worker.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from celery.signals import worker_ready
+
+from core import metrics
+from core.db import session_scope
+from core.gguf_models import ModelSourceError
+from core.lifecycle import BatchStatus, ShardStatus
+from core.logs import bind_log_context, log_context
+from core.models import Batch, Shard
+from core.queue import TASK_RUN_SHARD, model_queue
+from core.settings import get_settings
+from worker.infra import app, input_key, past_expiry, retrying, runtime, storage
+from worker.shards.checkpoints import (
+    committed_lines,
+    discard_uncommitted,
+)
+from worker.shards.recovery import fail_claimed
+from worker.shards.release import release_next
+from worker.shards.run import ShardRun
+from worker.shards.state import (
+    ShardLost,
+    abandon,
+    claim,
+    finalize_if_idle,
+    finish_if_last,
+    set_shard_status,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class ModelUnavailable(Exception):
+    """This process could not load the model a shard needs; the shard was not claimed."""
+
+    def __init__(self, model: str, cause: BaseException) -> None:
+        super().__init__(f"model {model} could not be loaded here: {cause!r}")
+        self.model = model
+
+
+# How long a shard whose model could not be loaded waits before its task is tried again.
+MODEL_RETRY_S = 30.0
+
+
+class ShardEnd(StrEnum):
+    """How one :func:`run_shard` call ended."""
+
+    DONE = "done"  # every request of the shard has its line
+    STOPPED = "stopped"  # its batch was cancelled or expired: it kept what had finished
+    FAILED = "failed"  # past max_shard_attempts: its unfinished requests became error lines
+    SKIPPED = "skipped"  # nothing to run: gone, ended, claimed elsewhere or batch not running
+    LOST = "lost"  # a newer attempt took the shard over meanwhile
+
+
+@dataclass
+class ShardOutcome:
+    """What one :func:`run_shard` call did."""
+
+    end: ShardEnd
+    ran: int = 0  # requests this attempt ran
+    chunks: int = 0  # the shard's committed chunks when it ended
+
+
+def _load(shard_id: int) -> tuple[Shard, Batch, str] | None:
+    def attempt() -> tuple[Shard, Batch, str] | None:
+        with session_scope() as session:
+            shard = session.get(Shard, shard_id)
+            batch = session.get(Batch, shard.batch_id) if shard is not None else None
+            if shard is None or batch is None:
+                return None
+            key = input_key(session, batch)
+            session.expunge_all()
+        return shard, batch, key
+
+    return retrying(attempt, f"reading shard {shard_id}")
+
+
+def run_shard(
+    shard_id: int,
+    *,
+    worker: str | None = None,
+    host: Any = None,
+    after_commit: Callable[[int], None] | None = None,
+) -> ShardOutcome:
+    """Run (or resume) one shard; see the module docstring. ``host`` defaults to the
+    process-wide engine host for the batch's model."""
+    worker = worker or f"{socket.gethostname()}:{threading.get_ident()}"
+    worker = f"{worker}:{uuid.uuid4().hex[:8]}"  # one token per attempt (see claim)
+    with log_context(shard_id=shard_id, batch_id=None):
+        return _run_shard(shard_id, worker, host, after_commit)
+
+
+def _run_shard(
+    shard_id: int, worker: str, host: Any, after_commit: Callable[[int], None] | None
+) -> ShardOutcome:
+    """Load, claim, resume, run, finish: each step below, in that order."""
+    loaded = _load(shard_id)
+    if loaded is None:
+        logger.warning("shard %s is gone", shard_id)
+        return ShardOutcome(ShardEnd.SKIPPED)
+    shard, batch, key = loaded
+    bind_log_context(batch_id=batch.id)
+    if not _runnable(shard, batch):
+        # A redelivered task of a finished shard finishes the batch; any other helps finalize.
+        redelivered = shard.status == ShardStatus.DONE and batch.status == BatchStatus.IN_PROGRESS
+        _finish(batch, done=redelivered)
+        return ShardOutcome(ShardEnd.SKIPPED)
+    if host is None:
+        host = _host(batch)
+    claimed = _claim(shard, batch, worker)
+    if claimed is None:
+        return ShardOutcome(ShardEnd.SKIPPED)
+    attempt, num_chunks = claimed
+    max_attempts = get_settings().max_shard_attempts
+    if attempt > max_attempts:
+        fail_claimed(
+            shard_id,
+            attempt,
+            num_chunks,
+            f"The shard holding this request failed {attempt - 1} times "
+            f"(max_shard_attempts={max_attempts}); its unfinished requests are reported as "
+            "errors",
+        )
+        return ShardOutcome(ShardEnd.FAILED)
+    done_lines = _resume(shard, attempt, num_chunks)
+    run = ShardRun(shard, batch, key, attempt, num_chunks, done_lines, host, after_commit)
+    status = _run(run)
+    if status is None or not set_shard_status(shard_id, attempt, status):
+        return ShardOutcome(ShardEnd.LOST, run.ran, run.chunk)
+    logger.info("shard %s attempt %s %s: %s requests run", shard_id, attempt, status, run.ran)
+    _finish(batch, done=status == ShardStatus.DONE)
+    end = ShardEnd.DONE if status == ShardStatus.DONE else ShardEnd.STOPPED
+    return ShardOutcome(end, run.ran, run.chunk)
+
+
+def _runnable(shard: Shard, batch: Batch) -> bool:
+    """Whether the shard has requests to run: not ended, in a batch that runs and has time."""
+    return not (
+        shard.status in (ShardStatus.DONE, ShardStatus.CLOSED, ShardStatus.STOPPED)
+        or batch.status != BatchStatus.IN_PROGRESS
+        or past_expiry(batch.expires_at)
+    )
+
+
+def _host(batch: Batch) -> Any:
+    """The process's host for the batch's model. Loaded before the claim: a model that cannot
+    load here costs the shard no attempt (it waits for this or another worker), and never
+    turns its requests into shard_failed lines."""
+    try:
+        return runtime.host(batch.model or "")
+    except Exception as exc:
+        raise ModelUnavailable(batch.model or "", exc) from exc
+
+
+def _claim(shard: Shard, batch: Batch, worker: str) -> tuple[int, int] | None:
+    """Claim the shard for this attempt: ``(attempt, committed chunks)``, or None (another
+    attempt holds it, or it ended meanwhile: the batch may need finalizing)."""
+    claimed = claim(shard.id, worker)
+    if claimed is None:
+        finalize_if_idle(batch.id)
+        return None
+    if claimed[0] == 1 and shard.released_at is not None:
+        metrics.observe_queue_wait(batch.model or "", shard.released_at)
+    return claimed
+
+
+def _resume(shard: Shard, attempt: int, num_chunks: int) -> set[int]:
+    """Delete the chunks an earlier attempt wrote but never committed; the lines done."""
+    sto = storage()
+    discarded = discard_uncommitted(sto, shard.batch_id, shard.index, num_chunks)
+    done_lines = committed_lines(sto, shard.batch_id, shard.index, num_chunks)
+    if discarded or done_lines:
+        logger.info(
+            "shard %s attempt %s resumes: %s lines done, %s uncommitted chunks discarded",
+            shard.id,
+            attempt,
+            len(done_lines),
+            discarded,
+        )
+    return done_lines
+
+
+def _run(run: ShardRun) -> ShardStatus | None:
+    """Run the attempt: the shard's status at its end, or None when a newer attempt took the
+    shard over."""
+    try:
+        return run.run()
+    except ShardLost as lost:
+        logger.warning("shard %s attempt %s stops: %s", run.shard.id, run.attempt, lost)
+        return None
+    except BaseException:
+        # Leave the shard running but mark it abandoned (no heartbeat): a redelivered task
+        # may claim it at once, the reclaim sweep re-queues it on its next pass, and a cancel
+        # does not wait for it. Either resumes from the last committed checkpoint.
+        logger.exception("shard %s attempt %s failed", run.shard.id, run.attempt)
+        abandon(run.shard.id, run.attempt)
+        raise
+
+
+def _finish(batch: Batch, *, done: bool) -> None:
+    """After a shard ends: finish the batch if it was the last (``done``), or finalize it once
+    no shard runs (a stop); then release the model's next shard into the freed slot."""
+    if done:
+        finish_if_last(batch.id)
+    else:
+        finalize_if_idle(batch.id)
+    release_next(batch.model)
+
+
+@app.task(name=TASK_RUN_SHARD, bind=True)
+def run_shard_task(self: Any, shard_id: int) -> None:
+    try:
+        run_shard(int(shard_id), worker=f"{self.request.hostname}:{threading.get_ident()}")
+    except ModelUnavailable as exc:
+        # Tried again later, here or by another worker of the queue, never counted against
+        # the shard: its batch is not ended with every line failed by a worker without it.
+        logger.error("shard %s waits: %s", shard_id, exc)
+        raise self.retry(exc=exc, countdown=MODEL_RETRY_S, max_retries=None) from None
+
+
+@worker_ready.connect
+def _load_served_models(sender: Any = None, **_: Any) -> None:
+    """Load the engine of every model whose queue this worker consumes, once, at start."""
+    try:
+        consumed = set(sender.app.amqp.queues.consume_from or ())
+    except Exception:
+        return
+    models = [m for m in get_settings().models if model_queue(m) in consumed]
+    if not models:
+        return
+
+    def load() -> None:
+        for model in models:
+            try:
+                runtime.host(model)
+            except ModelSourceError:
+                pass  # logged as refused, naming the model and its file
+            except Exception:
+                logger.exception("could not load model %s", model)
+
+    threading.Thread(target=load, name="batchd-model-loader", daemon=True).start()

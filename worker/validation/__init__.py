@@ -1,0 +1,1 @@
+"""Validation: read a batch's input once, create its shards, count its tokens."""
