@@ -24,8 +24,8 @@ from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
 from core.lifecycle import now
-from core.models import ApiKey, UiSession
 from core.priority import Priority
+from core.tables import ApiKey, UiSession
 
 KEY_PREFIX = "sk-bd-"
 #: How much of a key listings show: enough to tell keys apart, far too little to guess one.

@@ -25,7 +25,7 @@ from typing import Any
 from sqlalchemy import insert, update
 from sqlalchemy.orm import Session
 
-from core.models import Batch, WebhookDelivery
+from core.tables import Batch, WebhookDelivery
 
 
 class BatchStatus(StrEnum):

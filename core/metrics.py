@@ -124,7 +124,7 @@ class ServiceCollector(Collector):
         from sqlalchemy import case, func, select
 
         from core.db import session_scope
-        from core.models import Batch, Shard
+        from core.tables import Batch, Shard
 
         batches = GaugeMetricFamily("batchd_batches", "Batches by status", labels=["status"])
         shards = GaugeMetricFamily(
@@ -144,7 +144,7 @@ class ServiceCollector(Collector):
         )
         at_risk = GaugeMetricFamily(
             "batchd_batches_at_risk",
-            "Running batches projected to end after their deadline (core.eta_store)",
+            "Running batches projected to end after their deadline (core.eta.store)",
             labels=["model"],
         )
         up = GaugeMetricFamily("batchd_database_up", "1 if the last scrape read the database")

@@ -7,7 +7,7 @@ Every place that reads a priority goes through :class:`Priority`: the API's sche
 hand work to the engine host or an upstream fleet.
 
 The engine is a leaf and cannot import this module, so it keeps its own convention for the
-number: lower runs first, 0 is ``normal``, below 0 is urgent (``engine.admission.order``).
+number: lower runs first, 0 is ``normal``, below 0 is urgent (``engine.host.order``).
 :attr:`Priority.engine` follows it, and ``tests/test_structure.py`` checks that the two agree.
 """
 

@@ -11,7 +11,7 @@ Each :class:`ShardSpec` is a half-open range of lines ``[start_line, end_line)``
 ``[start_offset, end_offset)``. Shards are contiguous: one shard's ``end_line``/``end_offset``
 is the next one's ``start_line``/``start_offset``. The first shard starts at the first request;
 the last ends right after the last request. Blank lines between two requests belong to the
-earlier shard; re-reading them is harmless (:func:`core.batchfile.iter_lines` skips them).
+earlier shard; re-reading them is harmless (:func:`core.batchfile.reader.iter_lines` skips them).
 
 A shard is closed before a request that would push it over ``max_tokens_per_shard`` estimated
 tokens, or when it holds ``max_requests_per_shard`` requests. A request larger than the token

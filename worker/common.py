@@ -16,11 +16,11 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from core.lifecycle import ShardStatus, now
-from core.models import Batch, Shard
 from core.queue import CONTROL_QUEUE
 from core.settings import get_settings
-from core.storage import Storage
-from core.storage_factory import open_storage
+from core.storage import open_storage
+from core.storage.base import Storage
+from core.tables import Batch, Shard
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ def storage() -> Storage:
 
 
 def input_key(session: Session, batch: Batch) -> str:
-    from core.models import File
+    from core.tables import File
 
     file = session.get(File, batch.input_file_id)
     if file is None:

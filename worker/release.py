@@ -10,7 +10,7 @@ total shard concurrency of the model's workers (``worker_shard_concurrency`` tim
 larger bound only queues released shards in the broker, where FIFO order, not fairness, applies.
 
 When a slot frees, the next shard is chosen by :func:`choose`, in this order (the tier, aging
-and deadline rules are the engine host's own, from ``engine.admission.order``):
+and deadline rules are the engine host's own, from ``engine.host.order``):
 
 1. tier: the priority of its batch, ``high`` before ``normal`` before ``low``; a ``low`` batch
    that has waited longer than ``settings.low_priority_aging_s`` (the engine host's aging
@@ -18,7 +18,7 @@ and deadline rules are the engine host's own, from ``engine.admission.order``):
    release, competes as ``normal`` (so steady ``normal`` load cannot starve it until it
    expires: it gets a shard at least once per aging time);
 2. tenant, within the tier: deficit round-robin on tokens, as in the engine host
-   (``engine.admission.fair_queue``), with each shard costing its estimated tokens. The release layer
+   (``engine.host.fair_queue``), with each shard costing its estimated tokens. The release layer
    keeps no state between calls (many processes release), so a tenant's deficit is read from
    the database: the tokens of its released-and-unfinished shards of this model. The tenant
    holding the fewest goes next, and among equals the one served longest ago (round-robin);
@@ -67,11 +67,11 @@ from sqlalchemy.orm import Session
 
 from core.db import session_scope
 from core.lifecycle import BatchStatus, ShardStatus, now
-from core.models import Batch, Shard
 from core.priority import Priority
 from core.queue import TASK_RELEASE_SWEEP, TASK_RUN_SHARD, model_queue
 from core.settings import get_settings
-from engine.admission.order import aged_tier, deadline_key
+from core.tables import Batch, Shard
+from engine.host.order import aged_tier, deadline_key
 from worker.celery_app import app
 from worker.common import retrying, send
 
@@ -229,7 +229,7 @@ def tier(cand: Candidate, last_release: float | None, aging_s: float | None, clo
     """The tier ``cand`` competes in, as the engine numbers tiers (lower first): its batch's
     priority, except that a ``low`` batch waiting longer than ``aging_s`` since its last
     release (or, before any, since it started running) competes as ``normal``
-    (``engine.admission.order.aged_tier``)."""
+    (``engine.host.order.aged_tier``)."""
     since = _ts(cand.started_at or cand.created_at)
     if last_release is not None:
         since = max(since, last_release)

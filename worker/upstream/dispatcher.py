@@ -2,7 +2,7 @@
 
 Every shard of an upstream model in this process hands its requests to one
 :class:`Dispatcher`, which keeps the server saturated across shard boundaries: it holds them in
-the same fair queue the engine host uses (``engine.admission.fair_queue``: tiers, deficit
+the same fair queue the engine host uses (``engine.host.fair_queue``: tiers, deficit
 round robin across tenants, earliest deadline first, aging; one policy, not a copy), sends the
 next one whenever fewer than its share of the upstream's limit are in flight, and finds that
 limit itself (:mod:`worker.upstream.shared`). Inside a batch, lines that share a prompt prefix
@@ -39,8 +39,8 @@ from typing import Any
 
 import httpx
 
-from core.served_models import UpstreamSpec
-from engine.admission.fair_queue import FairQueue
+from core.llms.specs import UpstreamSpec
+from engine.host.fair_queue import FairQueue
 from worker.upstream.concurrency import ConcurrencyController
 from worker.upstream.guard import LiveGuard
 from worker.upstream.shared import Counters, LocalLimit, SharedLimit
