@@ -1,5 +1,7 @@
-"""Opening a storage backend from a URL (its own module: the backends import the base module,
-so the base module cannot import them back)."""
+"""Object storage: :func:`open_storage` opens a backend from its URL.
+
+The interface and key rules are in ``base``, the backends in ``local`` and ``s3``; a backend is
+imported only when one is opened (the S3 one brings boto3)."""
 
 from __future__ import annotations
 
