@@ -1,18 +1,11 @@
 """Between two engine steps, the one decision of who enters the engine next.
 
 :class:`Admission` owns the host's pending requests (a :class:`FairQueue`) and applies, in
-this order, every rule of who runs next: the tenants' shares of a full engine
-(``engine.host.fair_share``), the urgent guard and the urgent reservation
-(``engine.host.policy``, ``engine.core.urgent``), the lead episode of an idle engine, then the fair queue's own
-order. The host calls it under its lock on the loop thread and carries out what it says:
-it suspends what the plans name (through the ``suspend`` callback) and hands the chosen
-requests to the engine. The engine's scheduler keeps only the slots of the same
-:class:`~engine.core.urgent.UrgentReservation`.
-
-Invariants: past the in-flight cap only urgent work enters, and at most ``reserved_seqs`` of
-it; while the urgent guard's room for less urgent work is used up, only urgent work enters;
-a request suspended for a share or for urgent work waits first in its batch.
-"""
+order, the tenants' shares of a full engine (``fair_share``), the urgent guard and reservation
+(``policy``, ``engine.core.urgent``), an idle engine's lead, then the queue's own order; the host
+carries it out under its lock. Invariants: past the in-flight cap only urgent work enters, at
+most ``reserved_seqs`` of it; while the urgent guard is full only urgent work enters; a request
+suspended for a share or for urgent work waits first in its batch."""
 
 from __future__ import annotations
 

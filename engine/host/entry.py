@@ -1,12 +1,9 @@
 """The host's record of one request: its :class:`Entry`, its cost, and how its future settles.
 
-Every future resolves once, with an output or an error, and a future the caller cancelled
-while it was pending is left alone.
-
-An ``n > 1`` request is split into ``n`` entries of one completion each (:func:`split`), so
-that it holds ``n`` slots in the fair shares, queues, and is suspended, one completion at a
-time like any other work; its :class:`Fanout` gathers their outputs into the one output (or
-the first error) its caller's future resolves with."""
+Every future resolves once, with an output or an error; one its caller cancelled while pending
+is left alone. An ``n > 1`` request is split into ``n`` entries of one completion each
+(:func:`split`), which hold ``n`` slots like any other work; its :class:`Fanout` gathers their
+outputs into one (or the first error) for its caller (docs/engine.md)."""
 
 from __future__ import annotations
 

@@ -1,18 +1,10 @@
 """Shares of a full engine among tenants: who is due room, and whose requests make it.
 
-In the most urgent tier with pending work, each tenant with work there is due an equal share
-of ``max_num_seqs``; less urgent tiers are due nothing while it waits (tiers are strict). A
-tenant below its share that has requests waiting gets room at once: when the engine is full,
-the newest in-flight requests of less urgent tiers, then of tenants above their share, are
-suspended in the engine (their KV freed, what they generated kept) and wait first in their
-batch; they resume when their tenant is below its share again. One tenant alone keeps every
-slot, and work that fits in the free room suspends nothing.
-
-The policy is pure: :func:`plan_shares` reads the pending queue and the in-flight requests
-and says which requests to suspend (in order, until ``need`` of them are) and which tenants
-hold their share; the host carries it out. (The urgent guard, which holds less urgent work
-back while urgent work runs, is ``engine.host.policy.guard_urgent``.)
-"""
+In the most urgent tier with pending work each tenant is due an equal share of
+``max_num_seqs`` (tiers are strict). A tenant below its share with work waiting gets room at
+once: the newest in-flight requests of less urgent tiers, then of tenants above their share,
+are suspended and wait first in their batch; one tenant alone keeps every slot. Pure:
+:func:`plan_shares` says what to suspend and the host carries it out (docs/engine.md)."""
 
 from __future__ import annotations
 

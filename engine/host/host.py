@@ -1,26 +1,11 @@
 """A thread-safe host that keeps one engine saturated while many producers feed it.
 
-Producers call :meth:`EngineHost.submit` from any thread and get a future; the loop thread,
-the only one that touches the engine, applies submissions, aborts and stats requests between
-two steps, admits what :class:`~engine.host.admit.Admission` chooses, and steps. The
-design (fair queue, shares, urgent reservation and guard, lead, ``n > 1`` splitting, memory
-bounds) is in docs/engine.md.
-
-Invariants a change must keep:
-
-- Only the loop thread calls the engine; everything else goes through the lock-protected
-  queues and is applied between two steps.
-- Every future resolves exactly once, with a :class:`RequestOutput` or an error; an aborted
-  request resolves with ``finish_reason == "abort"``, never as cancelled. A future the caller
-  cancelled while pending is skipped, not resolved.
-- A batch holds at most ``group_window`` pending requests and its even share of
-  ``max_pending`` (``Admission.bound``), and a batch with none pending is always let in:
-  memory stays bounded and a newcomer never waits for a bulk batch to drain.
-- A failure in ``Engine.step()`` fails the in-flight futures with :class:`EngineStepError`,
-  aborts them in the engine (their KV blocks return) and the host keeps serving.
-- Counters count requests; ``pending`` and ``in_flight`` count completions (an ``n > 1``
-  request is ``n`` entries, ``engine.host.entry.split``).
-"""
+Producers call :meth:`EngineHost.submit` from any thread and get a future; only the loop thread
+touches the engine, applying submissions, aborts and stats requests between two steps and
+admitting what :class:`~engine.host.admit.Admission` chooses. Invariants: every future resolves
+exactly once (an abort with ``finish_reason == "abort"``); a batch's pending requests are
+bounded and a batch with none pending is let in; a failing step fails its in-flight futures and
+the host keeps serving. The design is in docs/engine.md."""
 
 from __future__ import annotations
 

@@ -1,29 +1,11 @@
-"""Who runs next: the ordering rules that every place which chooses shares, written once.
+"""Who runs next: the ordering rules every place that chooses shares, written once.
 
-Two places choose, each at its own scale: the shard release window (``worker.release``: which
-shard of a model goes to its broker queue) and the engine host's fair queue
-(``engine.host.fair_queue``: which request enters the engine; the upstream dispatcher
-orders its requests with the same queue). Both apply these rules:
-
-- tiers, strictly: a priority is an integer, the lowest runs first; :data:`NORMAL` is the
-  service's ``normal``, below it is urgent (``high``), above it bulk (``low``). The service's
-  names map onto these numbers in ``core.priority`` (the engine cannot import it);
-- aging (:func:`aged_tier`): a flow less urgent than ``NORMAL`` that has waited longer than
-  ``aging_s`` since it was last served (or since it started waiting) competes one tier more
-  urgently, never past ``NORMAL``: urgent tiers are not reached by aging, the room reserved
-  for them is not for promoted bulk;
-- earliest deadline first among one tenant's batches of a tier (:func:`due`,
-  :func:`deadline_key`): a batch aged into its tier goes before every deadline (aging bounds
-  its wait, and an earlier deadline of the tenant's other work must not undo that); a batch
-  without a deadline goes after every one with one;
-- tenants of a tier share it by tokens, each request or shard costing its estimated tokens.
-  The bookkeeping differs with the place: the host's queue keeps deficits and a rotation in
-  memory (deficit round-robin); the release window keeps no state between calls (many
-  processes release) and reads what each tenant holds from the database, serving the tenant
-  that holds the fewest tokens, the one served longest ago among equals.
-
-Pure functions of their arguments; times are seconds on whatever clock the caller keeps.
-"""
+The shard release window (``worker.release``) and the host's fair queue (which the upstream
+dispatcher uses too) apply them: tiers strictly (an integer, lowest first; :data:`NORMAL` is
+``normal``, below it urgent, above it bulk); aging (:func:`aged_tier`) lifts a waiting bulk
+flow one tier, never past ``NORMAL``; earliest deadline first among a tenant's batches of a
+tier (:func:`due`, :func:`deadline_key`); tenants share a tier by tokens (docs/engine.md).
+Pure functions; times are seconds on the caller's clock."""
 
 from __future__ import annotations
 

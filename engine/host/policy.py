@@ -1,17 +1,10 @@
 """The urgent-work and lead rules of admission, owned here and read by the host.
 
-Urgent work is ``priority < 0`` (the service's ``high`` tier). Three rules serve it:
-
-- :class:`~engine.core.urgent.UrgentReservation`: slots and step tokens kept for urgent work.
-  It lives in ``engine.core.urgent``, since the engine's scheduler holds it too; the host
-  sizes it and lets urgent requests past its in-flight cap by its slots.
-- :func:`guard_urgent`: while urgent work runs, how many less urgent requests may share its
-  steps (by the engine's measured step cost, ``engine.core.step_cost``).
-- :class:`LeadEpisode`: an idle engine runs a lead of a few requests alone, so a new batch's
-  first results come back within a few cheap steps.
-
-Each is pure bookkeeping: the host and the schedulers carry the decisions out.
-"""
+Urgent work is ``priority < 0`` (``high``). Its reservation of slots and step tokens lives
+below host and engine, in ``engine.core.urgent`` (the engine's scheduler holds it too);
+:func:`guard_urgent` bounds how many less urgent requests share its steps, by the engine's
+measured step cost; :class:`LeadEpisode` lets an idle engine run a few requests alone, so a
+new batch's first results come back fast. Pure bookkeeping: the host and schedulers act."""
 
 from __future__ import annotations
 
