@@ -1,19 +1,11 @@
 """The OpenAI batch input format: the streaming line reader (:func:`iter_lines`), one line's
-check and normalisation (:func:`parse_request`) and whole-file validation (:class:`LineValidator`,
-:func:`validate_file`). ``docs/batch-files.md`` gives the line rules, the error codes and how
-the validate and shard tasks use this module.
+check (:func:`parse_request`) and whole-file validation (:class:`LineValidator`,
+:func:`validate_file`). ``docs/batch-files.md`` has the line rules and the error codes.
 
-Invariants a change must keep:
-
-* Line numbers (1-based, blank lines counted) and byte offsets are absolute in the uploaded
-  object, so a shard that re-reads its byte range (``first_line``/``base_offset``) and parses
-  each line again sees the lines, numbers and requests validation saw.
-* Memory stays bounded: a line over ``max_line_bytes`` is never held whole (it comes back
-  ``too_long``), and whole-file validation holds only the ``custom_id`` set.
-* Blank lines never become requests or errors; a UTF-8 BOM is skipped; ``\r\n`` is a newline.
-* ``LineError`` codes and ``param`` paths are part of the API (``errors.data`` and error
-  lines): keep them stable.
-"""
+Invariants: line numbers (1-based, blank lines counted) and byte offsets are absolute in the
+upload, so a shard re-reading its byte range sees what validation saw; memory is bounded (an
+over-long line is never held whole, whole-file validation holds only the ``custom_id`` set);
+blank lines are never requests or errors; ``LineError`` codes and params are API: stable."""
 
 from __future__ import annotations
 

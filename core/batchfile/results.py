@@ -1,32 +1,10 @@
 """The OpenAI batch output format: response bodies, output lines and error lines.
 
-The shard task turns what the engine produced into plain :class:`GenerationResult` values (this
-module never imports the engine), then::
-
-    body = chat_completion_body(req, result)            # or completion_body(...)
-    out.write(dumps_line(output_line(req.custom_id, body)))
-
-Per-request failures (e.g. a prompt longer than the model's context) go to the error file::
-
-    err.write(dumps_line(request_error_line(req.custom_id, status_code=400,
-                                            message="...", code="context_length_exceeded")))
-
-Requests never run because the batch expired or was cancelled get
-``batch_error_line(custom_id, "batch_expired" | "batch_cancelled")``.
-
-Shapes follow OpenAI's documented objects:
-
-* output line: ``{id, custom_id, response: {status_code, request_id, body}, error: null}``
-* per-request error line: the same, ``body`` being ``{"error": {message, type, param, code}}``
-* batch error line: ``{id, custom_id, response: null, error: {code, message}}``
-* chat body: a ``chat.completion`` object; completion body: a ``text_completion`` object,
-  both with ``usage`` including ``prompt_tokens_details.cached_tokens``; responses body: a
-  ``response`` object with ``usage.input_tokens_details.cached_tokens``.
-
-Logprobs are written only when the request asked for them; a non-finite logprob (``-inf``) is
-written as ``-9999.0`` so every line stays valid JSON. Completions' ``text_offset`` counts
-characters from the start of the generated text.
-"""
+The shard task turns engine output into plain :class:`GenerationResult` values (this module
+never imports the engine) and writes ``dumps_line(output_line(custom_id, body))``; a request's
+own failure is a :func:`request_error_line`, a request never run (expired, cancelled) a
+:func:`batch_error_line`. The shapes follow OpenAI's objects (docs/core.md); every line is
+valid JSON (a ``-inf`` logprob is written as ``-9999.0``)."""
 
 from __future__ import annotations
 

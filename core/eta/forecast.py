@@ -1,38 +1,9 @@
 """Projected completion times: a model's recent throughput, the work ahead of a batch, and
-when the batch should start and finish. Pure arithmetic on plain numbers (unix seconds, work
-in estimated tokens); :mod:`core.eta.store` reads the numbers from the database.
-
-Work is counted in *estimated tokens*, the unit shards are planned and released in: a
-request's prompt tokens plus the most output tokens it may produce (``max_tokens × n``, see
-``core.generation.estimate_tokens``). Throughput is measured in the same unit (the estimated
-tokens of the requests a model's batches retired per second), so that output bounds larger
-than the real outputs cancel out instead of making every projection late.
-
-- :func:`throughput`: each batch that ran in the recent window contributes the work it retired,
-  spread evenly over the time it was running and cut to the window; the sum is divided by the
-  time at least one batch was running (idle time is not counted against the model).
-- :func:`work_ahead`: what runs before or beside a batch of ``work`` tokens. Higher tiers run
-  first; the same tenant's same-tier batches with an earlier (or equal) deadline run first
-  (earliest deadline first within a tenant); every other tenant of the same tier shares the
-  model equally, so each one consumes at most as much as this tenant does until this batch
-  ends (``min(theirs, ours)``); lower tiers wait.
-- :func:`project`: start and finish from the work ahead and the throughput.
-- :func:`from_progress`: a running batch's finish from its own observed rate
-  (:func:`own_rate`): the work its shards committed (each shard's estimated tokens prorated
-  by its committed requests) over the time since its first shard was released, blended with
-  the rate of a recent window, the later part of that time (:func:`recent_window_s`).
-
-Why the blend (measured by ``benchmarks.eta``, which records the job's progress, every
-tenant's retired work and the projection over time): a batch's rate is not steady, and the
-rate since its start lags every change. In those runs the job's share of the model's retired
-work stayed between a quarter and a third (three tenants) from its first minute on, while
-the model's whole throughput moved by up to a factor of two within one job, up or down (the
-machine's other load: two cores shared with other work); and nothing is committed until a
-shard's first checkpoint. Counting finished requests rather than tokens was not a cause: the committed
-lines' exact estimated tokens differed from the prorated count by under 1% of the job at
-every point. The recent window follows a change within a fraction of the run; the whole-run
-part damps a short window's noise.
-"""
+when the batch should start and finish. Pure arithmetic on unix seconds and estimated tokens
+(a request's prompt plus ``max_tokens × n``: the unit shards are planned in, and throughput is
+counted in it too, so generous output bounds cancel out); :mod:`core.eta.store` reads the
+numbers from the database. How each function counts, and why a running batch's rate blends its
+whole run with a recent window, is in docs/core.md."""
 
 from __future__ import annotations
 

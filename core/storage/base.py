@@ -1,15 +1,9 @@
-"""Object storage for uploaded files, shard checkpoints and results.
+"""Object storage: the interface every backend implements, and its key rules.
 
-Keys are relative POSIX paths (``files/file-abc``, ``batches/batch_x/shards/0003/00001.jsonl``).
-Writes are atomic: a reader never sees a half-written object, and a writer that fails leaves
-nothing behind. Backends: a local directory (default) and S3-compatible stores, opened by URL with
-:func:`core.storage.open_storage`.
-
-Keys are validated by :func:`validate_key`: no absolute paths, no ``.``/``..``/empty segments,
-no backslashes, NUL or control characters, so no key can reach outside the store's root.
-Prefixes (``list``, ``delete_prefix``) name a "directory": ``list("batches/b1")`` returns the
-keys under ``batches/b1/`` and never ``batches/b10/...``; ``""`` means the whole store.
-"""
+Keys are relative POSIX paths, checked by :func:`validate_key` so that none reaches outside the
+store's root. Writes are atomic: a reader never sees a half-written object, and a failed write
+leaves nothing. A prefix names a "directory": ``list("batches/b1")`` returns the keys under
+``batches/b1/``, never ``batches/b10/...``; ``""`` is the whole store."""
 
 from __future__ import annotations
 

@@ -1,19 +1,11 @@
 """Storage in an S3-compatible bucket (AWS S3, MinIO, Ceph RGW, R2, ...).
 
-Objects live at ``<prefix>/<key>`` in ``bucket``. Credentials and region come from the standard
-AWS sources (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``,
-``AWS_REGION``/``AWS_DEFAULT_REGION``, ``AWS_PROFILE``, ``AWS_ENDPOINT_URL_S3``, instance roles)
-unless given as client keyword arguments.
-
-Writes stream: the ``writer`` buffers one part (``part_size``, at least 5 MiB) at a time and
-uploads it as a multipart-upload part, so an object is never held whole in memory. An object
-smaller than one part goes up with a single ``PutObject``. The multipart upload is completed only
-when the block exits cleanly and aborted otherwise (whatever the error, retried if the abort
-fails too), so a failed write leaves no object and no pending upload. A process killed
-mid-write cannot abort: a bucket that batchd creates gets a lifecycle rule that aborts
-multipart uploads still incomplete a day after they started (:data:`LIFECYCLE_RULE`); give a
-bucket created by hand the same rule.
-"""
+Objects live at ``<prefix>/<key>``; credentials come from the standard AWS sources unless given
+as client arguments. A write streams one part (``part_size``, at least 5 MiB) at a time as a
+multipart upload (a single ``PutObject`` when smaller), completed only when the block exits
+cleanly and aborted otherwise, so a failed write leaves no object and no pending upload. A
+bucket batchd creates gets :data:`LIFECYCLE_RULE`, which aborts what a killed process left
+(docs/operations.md)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
-"""The body fields each endpoint accepts, written once: OpenAI's fields for the endpoint, plus
-the vLLM extensions the engine honours. A field outside its endpoint's list refuses the line
-(``unknown_parameter``, naming it), as OpenAI refuses an unrecognized argument, so a typo such
-as ``max_tokns`` is an error instead of a silently ignored limit. Lines for an upstream model
-are exempt: they are forwarded as written and the upstream decides what it accepts.
-
-Accepting a field is not honouring every value of it: the endpoint's checks refuse what this
-service cannot do (``stream: true``, ``tools``, …) with ``unsupported_parameter`` or
-``unsupported_value``. ``docs/batch-files.md`` lists these same names (a test compares them).
-"""
+"""The body fields each endpoint accepts, written once: OpenAI's fields plus the vLLM extensions
+the engine honours. A field outside its endpoint's list refuses the line
+(``unknown_parameter``), except on lines forwarded as written to an upstream model. Accepting a
+field is not honouring every value of it: the endpoint's checks refuse what this service cannot
+do. ``docs/batch-files.md`` lists these same names (a test compares them)."""
 
 from __future__ import annotations
 

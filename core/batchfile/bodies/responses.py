@@ -1,16 +1,10 @@
-"""The body of ``/v1/responses`` (OpenAI's Responses API), for text generation.
+"""The body of ``/v1/responses`` (OpenAI's Responses API), run as a chat request.
 
-``input`` is a string (one user message) or a list of message items (``role`` user, system,
-developer or assistant; ``content`` a string or ``input_text``/``output_text`` parts);
-``instructions`` becomes a leading system message. The request then runs as a chat request
-through the model's chat template. Read: ``max_output_tokens``, ``temperature``, ``top_p``,
-``text.format`` (structured output), ``metadata`` (echoed in the response), ``user``.
-
-Refused per line, naming the field: tools and tool calls, images, files and audio, stateful
-fields (``previous_response_id``, ``conversation``, stored prompts), ``reasoning``,
-``background`` and ``stream``, ``include``, ``moderation``, ``image``, ``context_management``,
-``access_programs``, ``top_logprobs`` and ``truncation: "auto"``.
-"""
+``input`` (a string, or message items with text parts) and ``instructions`` (a leading system
+message) become the messages of the model's chat template; ``max_output_tokens``,
+``temperature``, ``top_p``, ``text.format``, ``metadata`` and ``user`` are read. What this
+service cannot do (tools, non-text input, stateful fields, ...: docs/api.md) is refused per
+line, naming the field."""
 
 from __future__ import annotations
 

@@ -1,16 +1,11 @@
-"""Structured output requests: OpenAI's ``response_format`` (chat, and completions as an
-extension) and the Responses API's ``text.format``, read into one JSON Schema; vLLM's
-``guided_json`` (the same JSON Schema), ``guided_regex`` and ``guided_choice`` (chat and
-completions), read into the schema, a regular expression or a list of strings. One request
+"""Structured output requests, read into one constraint: OpenAI's ``response_format`` and the
+Responses API's ``text.format`` into a JSON Schema; vLLM's ``guided_json``, ``guided_regex``
+and ``guided_choice`` into the schema, a regular expression or a list of strings. One request
 asks for one of them at most.
 
-``{"type": "text"}`` (or nothing) is free text; ``{"type": "json_object"}`` any JSON object
-(the schema ``{"type": "object"}``); ``json_schema`` the schema given. A schema is checked
-here, at validation, with the grammar compiler the engine uses (llguidance): a keyword it
-cannot enforce (``uniqueItems``, ``if``/``then``, ``not``, …) refuses the line with an error
-that names the keyword, so no request is accepted that the engine could not keep valid; a
-regular expression it cannot compile (a look-around, a back-reference) likewise.
-"""
+A schema or expression is compiled here, at validation, by the engine's grammar compiler
+(llguidance): what it cannot enforce refuses the line, naming the keyword, so no request is
+accepted that the engine could not keep valid."""
 
 from __future__ import annotations
 
