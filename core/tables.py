@@ -149,8 +149,8 @@ class Batch(Base):
     output_expires_after_s: Mapped[int | None] = mapped_column(Integer, nullable=True)
     # Prompt tokens counted at validation: what the batch holds against the tenant's queue limit.
     est_prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
-    # Its projected completion, refreshed from observed progress while it runs (core.eta.forecast), and
-    # whether that projection lies past ``expires_at``.
+    # Its projected completion, refreshed from observed progress while it runs
+    # (core.eta.forecast), and whether that projection lies past ``expires_at``.
     estimated_completion_at: Mapped[datetime | None] = mapped_column(Timestamp, nullable=True)
     at_risk: Mapped[bool] = mapped_column(Boolean, default=False, server_default=sa_false())
     # Validation streams into execution (worker.tasks): the batch is in_progress from its first

@@ -1,7 +1,8 @@
 """``batchd run``: an OpenAI batch file through the engine in this process, no servers.
 
-The same line validation as the service (:mod:`core.batchfile.reader`) and the same output and error
-lines (:mod:`core.batchfile.results`), in input order. Memory stays bounded whatever the file's size:
+The same line validation as the service (:mod:`core.batchfile.reader`) and the same output and
+error lines (:mod:`core.batchfile.results`), in input order. Memory stays bounded whatever the
+file's size:
 
 * the input is read lazily, one line at a time (:func:`core.batchfile.reader.iter_lines`);
 * at most ``window`` requests are in flight (tokenised, in the engine, or finished but waiting

@@ -1,6 +1,5 @@
 """A validated batch request, the error of a line that is not one, and the limits and URLs
-both refer to (``core.batchfile.reader`` reads the lines, ``core.batchfile.bodies`` checks each endpoint's body).
-"""
+both refer to (``reader`` reads the lines, ``bodies`` checks each endpoint's body)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Projected completions from the database: each model's recent batches and their progress
 (the shards' checkpointed ``done_requests``, the same progress the service's metrics count),
-the arithmetic of :mod:`core.eta.forecast`, and the ``estimated_completion_at``/``at_risk`` columns of
-running batches, refreshed every few seconds by the control worker (``worker.estimate``).
+the arithmetic of :mod:`core.eta.forecast`, and the ``estimated_completion_at``/``at_risk``
+columns of running batches, refreshed every few seconds by the control worker
+(``worker.estimate``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ _MOVE_S = 1.0
 
 
 def rank(priority: str) -> int:
-    """The rank :mod:`core.eta.forecast` compares (0 is ``high``); ``normal`` for an unknown name."""
+    """The rank :mod:`core.eta.forecast` compares (0 is ``high``); ``normal`` if unknown."""
     return Priority.parse(priority).rank
 
 

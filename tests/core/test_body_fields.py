@@ -1,7 +1,7 @@
-"""Each endpoint's accepted body fields, written once (``core.batchfile.bodies.fields``): a field outside
-the list refuses the line naming it, every field in it passes, vLLM's extensions are read into
-the request, an upstream model's lines keep fields this service does not know, and the docs
-list the same fields."""
+"""Each endpoint's accepted body fields, written once (``core.batchfile.bodies.fields``): a
+field outside the list refuses the line naming it, every field in it passes, vLLM's extensions
+are read into the request, an upstream model's lines keep fields this service does not know,
+and the docs list the same fields."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""The projections' arithmetic (core.eta.forecast): throughput over a window, the work ahead of a batch
-under tiers, fair shares and earliest deadline first, and a running batch's own rate."""
+"""The projections' arithmetic (core.eta.forecast): throughput over a window, the work ahead
+of a batch under tiers, fair shares and earliest deadline first, and a running batch's own
+rate."""
 
 from __future__ import annotations
 
