@@ -26,11 +26,11 @@ from api.limits import (
 from api.local import local_only
 from core.auth import hash_key, lookup, lookup_hash
 from core.db import new_session
-from core.models import ApiKey
 from core.priority import Priority
 from core.settings import Settings
-from core.storage import Storage
-from core.storage_factory import open_storage
+from core.storage import open_storage
+from core.storage.base import Storage
+from core.tables import ApiKey
 
 T = TypeVar("T")
 

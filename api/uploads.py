@@ -28,7 +28,7 @@ from starlette.requests import ClientDisconnect, Request
 
 from api.errors import APIError, invalid_request
 from core.settings import Settings
-from core.storage import Storage
+from core.storage.base import Storage
 
 #: Room for the multipart framing and the small form fields around the file part.
 MULTIPART_OVERHEAD = 64 * 1024

@@ -57,7 +57,7 @@ def seed_batches(database_url: str, tenant: str, count: int) -> list[str]:
     from core import ids
     from core.db import session_scope
     from core.lifecycle import now
-    from core.models import Batch, File
+    from core.tables import Batch, File
 
     statuses = ("in_progress", "completed", "validating", "finalizing", "failed")
     made: list[str] = []

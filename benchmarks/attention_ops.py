@@ -18,7 +18,7 @@ import random
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from core.demo_models import build
+from core.llms.demo import build
 from engine import Engine, SamplingParams
 
 PROMPT_LEN = 40
@@ -56,7 +56,7 @@ def decode_step_ops(
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="llama-tiny", help="a demo model name (core.demo_models)")
+    ap.add_argument("--model", default="llama-tiny", help="a demo model name (core.llms.demo)")
     ap.add_argument("--seqs", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--backends", nargs="+", default=["flex", "sdpa"])
     ap.add_argument("--threads", type=int, default=1)

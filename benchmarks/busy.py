@@ -110,10 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
-    from core import served_models
+    from core.llms import specs
     from engine import Engine
 
-    model = Path(args.model) if Path(args.model).is_dir() else served_models.spec_dir(args.model)
+    model = Path(args.model) if Path(args.model).is_dir() else specs.spec_dir(args.model)
     options: dict[str, Any] = {"dtype": args.dtype}
     for pair in args.engine_arg:
         key, _, value = pair.partition("=")

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from core.demo_models import build
+from core.llms.demo import build
 from engine import Engine, SamplingParams
 
 

@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from core.served_models import spec_dir
+from core.llms.specs import spec_dir
 from engine.embedding.engine import EmbeddingEngine
 
 

@@ -544,7 +544,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
         model_dir = local_model_dir(str(args.model))
     else:
-        from core.demo_models import build
+        from core.llms.demo import build
 
         model_dir = str(build("llama-25m"))
     engine_config = _parse_engine_args(args.engine_arg)

@@ -5,7 +5,7 @@
 
 The service is meant to be left running for months, so everything the engine and its host keep
 for a request must go when the request does. This runs ``--requests`` requests through one
-:class:`engine.admission.host.EngineHost` over a tiny demo model (``llama-tiny``, so the run measures the
+:class:`engine.host.host.EngineHost` over a tiny demo model (``llama-tiny``, so the run measures the
 engine's bookkeeping, not the model): distinct random prompts of ``--prompt-len`` tokens (by
 default 17-48, so every prompt fills a KV block and has a prefix bucket of its own) and short
 greedy outputs (``--max-tokens``), fed by one producer thread per tenant (``--tenants``) in
@@ -98,13 +98,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from engine import Engine, SamplingParams
-    from engine.admission.host import EngineHost
+    from engine.host.host import EngineHost
 
     torch.set_num_threads(args.threads)
     if args.model:
         model_dir = str(args.model)
     else:
-        from core.demo_models import build
+        from core.llms.demo import build
 
         model_dir = str(build("llama-tiny"))
     config: dict[str, Any] = {"num_kv_blocks": args.kv_blocks}

@@ -2,7 +2,7 @@
 
 What ``benchmarks.eta`` records while its job runs, so that a reader can see the projection's
 curve and why it moves: every half second the job's projected completion and progress (by
-requests, and by estimated tokens as ``core.eta_store`` reads the shards), each tenant's work
+requests, and by estimated tokens as ``core.eta.store`` reads the shards), each tenant's work
 retired so far on the model (its share of the engine), the machine's load, and every result
 line the job has committed (read from ``GET /v1/batches/{id}/results`` as it appears, with its
 usage). Nothing here imports ``tests``.
@@ -16,7 +16,7 @@ from typing import Any
 from sqlalchemy import create_engine, text
 
 # Progress and shares as the projections read them: a shard's estimated tokens prorated by
-# its committed requests (``core.eta_store.model_batches``).
+# its committed requests (``core.eta.store.model_batches``).
 _JOB = text(
     """
     SELECT count(*) AS shards,

@@ -303,7 +303,7 @@ def main() -> None:
     from openai import OpenAI
 
     from benchmarks.harness.stack import Database, EngineStatsProbe
-    from core.demo_models import build
+    from core.llms.demo import build
 
     build("llama-tiny")
     db = Database(args.pg_admin_url)

@@ -90,7 +90,7 @@ def request_line(line: int, model: str, rng: random.Random) -> bytes:
 def result_record(line: int, model: str, ok: bool, rng: random.Random) -> dict[str, Any]:
     """The output line of a chat request with a short reply (about 700 bytes, half of them
     the ids and the usage block), or its error line."""
-    from core.results import (
+    from core.batchfile.results import (
         ChoiceResult,
         GenerationResult,
         output_line,
@@ -141,9 +141,9 @@ def build_job(
     from core import ids
     from core.db import session_scope
     from core.lifecycle import BatchStatus, ShardStatus, now
-    from core.models import Batch, File, Shard
     from core.results_log import ChunkRecord, log_chunk, write_chunk
-    from core.storage_local import LocalStorage
+    from core.storage.local import LocalStorage
+    from core.tables import Batch, File, Shard
     from worker.shards.checkpoints import chunk_key
 
     rng = random.Random(lines)
@@ -214,7 +214,7 @@ def check_files(database_url: str, storage_root: Path, batch_id: str, lines: int
     """The batch completed with every line in its output or error file, in input order;
     returns the output file's mean line size in bytes."""
     from core.db import session_scope
-    from core.models import Batch, File
+    from core.tables import Batch, File
 
     with session_scope(database_url) as session:
         batch = session.get(Batch, batch_id)

@@ -204,15 +204,13 @@ def default_precisions() -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
-    from core import gguf_models, served_models
+    from core.llms import gguf, specs
     from engine.text.tokenizer import load_tokenizer
 
-    model_dir = (
-        Path(args.model) if Path(args.model).is_dir() else served_models.spec_dir(args.model)
-    )
+    model_dir = Path(args.model) if Path(args.model).is_dir() else specs.spec_dir(args.model)
     if model_dir is None:
         raise SystemExit(f"{args.model!r} names no model directory")
-    cache = gguf_models.cache_root()
+    cache = gguf.cache_root()
     python = peer_python(cache.parent)
     ov_dir = exported_dir(python, model_dir, cache)
     tokenizer = load_tokenizer(str(model_dir))

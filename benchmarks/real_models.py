@@ -78,8 +78,8 @@ def build(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    from core.demo_models import build as build_demo
-    from core.demo_models import cache_root
+    from core.llms.demo import build as build_demo
+    from core.llms.demo import cache_root
 
     suffix = "-" + "-".join(f"{k}{v}" for k, v in sorted(overrides.items())) if overrides else ""
     root = Path(root) if root else cache_root()

@@ -117,7 +117,7 @@ def main() -> int:
     args = parser.parse_args()
     extra = [a for a in args.run_args if a != "--"] or ["--max-num-seqs", "256"]
     if args.model is None:
-        from core.demo_models import build
+        from core.llms.demo import build
 
         args.model = str(build("llama-tiny"))
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:

@@ -102,7 +102,7 @@ class EngineRun:
 def run_engine(path: Path, model_dir: Path, warmup: int) -> EngineRun:
     """The batch file through ``LLM`` in this process, converted exactly as a shard does."""
     from core import generation
-    from core.batchfile import iter_lines, parse_request
+    from core.batchfile.reader import iter_lines, parse_request
     from core.settings import get_settings
     from engine import LLM, SamplingParams
     from worker.infra import runtime
@@ -217,7 +217,7 @@ class Sampler:
         from sqlalchemy import func, select
 
         from core.db import session_scope
-        from core.models import Shard
+        from core.tables import Shard
 
         with session_scope(self.database_url) as session:
             rows = session.execute(

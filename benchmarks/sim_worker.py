@@ -31,7 +31,7 @@ from cli.perf.service import wait_for
 from cli.perf.workload import request_line
 from cli.procfs import process_cpu_s as cpu_s
 from core.launch import QUIET, model_worker_command
-from core.served_models import sim_spec
+from core.llms.specs import sim_spec
 
 SIM = "sim-8b"
 

@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
     args = p.parse_args(argv)
 
-    from core.demo_models import build
+    from core.llms.demo import build
 
     build(args.model_preset)  # once, before two processes race to build it
     work = Path(tempfile.mkdtemp(prefix="batchd-bench-upload-"))

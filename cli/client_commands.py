@@ -29,8 +29,8 @@ from cli.downloads import download_results, download_with_retries
 from cli.exit_codes import TERMINAL_STATUSES, ExitCode, exit_codes_help
 from cli.options import ApiKeyOpt, BaseUrlOpt, BatchIdArg, JsonOpt, PollOpt, TimeoutOpt
 from cli.waiting import announce_and_wait, finish_wait, wait_for_batch
-from core.batch_request import CHAT_URL, LineError
-from core.batchfile import file_endpoint
+from core.batchfile.reader import file_endpoint
+from core.batchfile.request import CHAT_URL, LineError
 from core.lifecycle import BatchStatus
 
 

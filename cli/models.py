@@ -15,18 +15,18 @@ def resolve_models(
     then loads them in seconds and two processes never race to make them. Other specs are
     returned as they are. A model whose files cannot be served (or whose package is not
     installed) raises ``ModelSourceError`` naming it; ``say`` reports a conversion (slow)."""
-    from core import gguf_models, served_models
-    from core.demo_models import build
+    from core.llms import gguf, specs
+    from core.llms.demo import build
 
     resolved = {}
     for name, spec in models.items():
-        if served_models.is_upstream(spec):
+        if specs.is_upstream(spec):
             try:
-                upstream = served_models.upstream_spec(spec, name)
+                upstream = specs.upstream_spec(spec, name)
             except ValueError as exc:
-                raise gguf_models.ModelSourceError(f"model {name!r}: {exc}") from None
+                raise gguf.ModelSourceError(f"model {name!r}: {exc}") from None
             if upstream.key_env and upstream.key_env not in os.environ:
-                raise gguf_models.ModelSourceError(
+                raise gguf.ModelSourceError(
                     f"model {name!r}: its key_env {upstream.key_env} is not set in the environment"
                 )
             resolved[name] = spec
@@ -35,27 +35,27 @@ def resolve_models(
             resolved[name] = str(build(spec.split(":", 1)[1]))
             continue
         try:
-            path = gguf_models.gguf_file(spec)
+            path = gguf.gguf_file(spec)
             if path is not None:
-                resolved[name] = str(gguf_models.converted_dir(path, say=say))
+                resolved[name] = str(gguf.converted_dir(path, say=say))
                 continue
             if spec.startswith("pkg:"):
-                served_models.package_dir(spec)  # an installed package, or say how to install
+                specs.package_dir(spec)  # an installed package, or say how to install
         except ValueError as exc:
-            raise gguf_models.ModelSourceError(f"model {name!r} ({spec}): {exc}") from exc
+            raise gguf.ModelSourceError(f"model {name!r} ({spec}): {exc}") from exc
         resolved[name] = spec
     return resolved
 
 
 def describe(name: str, spec: str, path: str) -> str:
     """One line for ``batchd up``: the served name, its spec and where it loads from."""
-    from core import gguf_models, served_models
+    from core.llms import gguf, specs
 
-    if served_models.is_upstream(spec):
-        return f"model {name!r}: {served_models.upstream_spec(spec, name).describe()}"
+    if specs.is_upstream(spec):
+        return f"model {name!r}: {specs.upstream_spec(spec, name).describe()}"
     if path == spec:
         return f"model {name!r}: {spec}"
-    info = gguf_models.conversion_info(path)
+    info = gguf.conversion_info(path)
     if info is None:
         return f"model {name!r}: {spec} ({path})"
     return (
@@ -70,7 +70,7 @@ def local_model_dir(model: str, say: Callable[[str], None] | None = None) -> str
     ``pkg:``) or a name ``BATCHD_MODELS`` serves."""
     from pathlib import Path
 
-    from core import served_models
+    from core.llms import specs
     from core.settings import get_settings
 
     if Path(model).expanduser().is_dir():
@@ -78,5 +78,5 @@ def local_model_dir(model: str, say: Callable[[str], None] | None = None) -> str
     spec = get_settings().models.get(model, model)
     resolved = resolve_models({model: spec}, say=say)[model]
     if resolved.startswith("pkg:"):
-        return str(served_models.package_dir(resolved))
+        return str(specs.package_dir(resolved))
     return resolved

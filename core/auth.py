@@ -1,16 +1,9 @@
 """API keys: generated here, stored only as their SHA-256, shown once at creation.
 
-A key is ``sk-bd-`` followed by 43 URL-safe characters (256 random bits), so a fast hash is
-enough: nobody can search that space, and looking a key up by its hash takes one index probe
-whose timing reveals nothing about the key. Each key belongs to a tenant; every file and batch
-created with it belongs to that tenant too.
-
-Each key has a highest batch priority it may ask for (``max_priority``, ``normal`` unless
-granted more), so no tenant can put its work ahead of everyone else's by itself.
-
-Each key also gets a webhook secret (Standard Webhooks' ``whsec_…`` form) used to sign the
-deliveries of batches created with it, so the client knows it from the moment it gets the key.
-"""
+A key is ``sk-bd-`` and 256 random bits, so a fast hash is enough (docs/core.md). Each key
+belongs to a tenant, which owns every file and batch created with it; it carries the highest
+priority its batches may ask for (``max_priority``, ``normal`` unless granted more) and a
+webhook secret (``whsec_…``) that signs their deliveries."""
 
 from __future__ import annotations
 
@@ -24,8 +17,8 @@ from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
 from core.lifecycle import now
-from core.models import ApiKey, UiSession
 from core.priority import Priority
+from core.tables import ApiKey, UiSession
 
 KEY_PREFIX = "sk-bd-"
 #: How much of a key listings show: enough to tell keys apart, far too little to guess one.

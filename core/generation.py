@@ -13,8 +13,8 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from core.batch_request import COMPLETIONS_DEFAULT_MAX_TOKENS, BatchRequest
-from core.results import (
+from core.batchfile.request import COMPLETIONS_DEFAULT_MAX_TOKENS, BatchRequest
+from core.batchfile.results import (
     ChoiceResult,
     GenerationResult,
     TokenLogprobInfo,
@@ -206,7 +206,7 @@ def _logprobs(tok: Any, entries: Any) -> list[TokenLogprobInfo] | None:
 
 
 def generation_result(tok: Any, req: BatchRequest, output: Any) -> GenerationResult:
-    """The engine's ``RequestOutput`` as the result that ``core.results`` formats."""
+    """The engine's ``RequestOutput`` as the result that ``core.batchfile.results`` formats."""
     return GenerationResult(
         prompt_tokens=len(output.prompt_token_ids),
         cached_tokens=int(getattr(output.metrics, "num_cached_tokens", 0) or 0),

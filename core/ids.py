@@ -1,13 +1,10 @@
-"""Identifiers in OpenAI's shapes: a kind's prefix and random hex, ``file-…``, ``batch_…``,
-``upload_…``, ``part_…``, Anthropic's ``msgbatch_…``,
-``batch_req_…`` for what the service stores, ``chatcmpl-…``, ``cmpl-…``, ``resp_…``,
-``msg_…`` and ``req_…`` inside the result lines it writes.
+"""Identifiers in OpenAI's shapes: a kind's prefix and random hex (``file-…``, ``batch_…``,
+``upload_…``, ``part_…``, ``msgbatch_…``, ``batch_req_…`` for what the service stores;
+``chatcmpl-…``, ``cmpl-…``, ``resp_…``, ``msg_…``, ``req_…`` inside result lines).
 
-Files and batches take their hex from ``secrets``. The ids inside result lines (several per
-line, at fleet rates) take it from a per-process generator seeded from ``secrets`` (again in
-a forked child): as unique, and without an ``os.urandom`` call, which releases and retakes
-the GIL, per id.
-"""
+Stored ids take their hex from ``secrets``; result-line ids from a per-process generator seeded
+from ``secrets`` (again in a forked child): as unique, without an ``os.urandom`` call (which
+releases and retakes the GIL) per id (docs/scaling.md)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,10 @@
 """The command lines of the service's processes, built in one place.
 
-The API under uvicorn, the control worker, a model worker for given served models, a dispatch
-worker for given upstream models, and beat: each as the argv list that ``exec`` or
-``subprocess`` runs. Every launcher of the service builds its processes here: ``python -m
-worker`` (and so compose), ``batchd up`` and ``batchd api``, ``batchd bench``'s embedded
-service, the benchmarks' stacks and the soak, and the tests.
-
-The functions are pure: they read no settings and start nothing. What differs between the
-launchers (ports, worker names, pools, log levels, the settings a role is resolved from) comes
-in as arguments. Only module names appear here, as strings, so importing this imports neither
-the API nor the worker: ``core`` is the one package every launcher may import.
-"""
+The API, the control worker, a model or dispatch worker and beat, each as an argv list. Every
+launcher builds its processes here: ``python -m worker`` (and compose), ``batchd up``,
+``batchd bench``, the benchmarks' stacks, the soak and the tests. Pure: it reads no settings
+and starts nothing (what differs between launchers comes in as arguments), and names modules
+only as strings, so importing it imports neither the API nor the worker."""
 
 from __future__ import annotations
 

@@ -1,18 +1,11 @@
 """The state machines of batches, shards and webhook deliveries, and the batch transitions.
 
-validating -> in_progress -> finalizing -> completed
-validating -> failed
-validating | in_progress -> cancelling -> cancelled
-validating | in_progress | finalizing -> expired   (via the expiry sweep)
+validating -> in_progress -> finalizing -> completed; validating -> failed;
+validating | in_progress -> cancelling -> cancelled; those three -> expired (expiry sweep).
 
-Each batch transition is one conditional UPDATE, so two actors never both win.
-
-Webhook outbox: a transition into a terminal status of a batch that has a ``webhook_url``
-also inserts the event's ``webhook_deliveries`` row (pending, never attempted) in the same
-transaction, so the event is recorded exactly when the transition commits and is lost with
-nothing: the actor enqueues its delivery after the commit, best effort, and the webhook
-sweep enqueues any row left never attempted (``worker.batches.webhooks``).
-"""
+Each batch transition is one conditional UPDATE, so two actors never both win. A transition
+into a terminal status of a batch with a ``webhook_url`` inserts its ``webhook_deliveries`` row
+in the same transaction (the outbox: docs/core.md)."""
 
 from __future__ import annotations
 
@@ -25,7 +18,7 @@ from typing import Any
 from sqlalchemy import insert, update
 from sqlalchemy.orm import Session
 
-from core.models import Batch, WebhookDelivery
+from core.tables import Batch, WebhookDelivery
 
 
 class BatchStatus(StrEnum):

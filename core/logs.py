@@ -1,18 +1,10 @@
 """Log records that say which job they are about, and an opt-in JSON format.
 
-Code that works on a batch, a shard or a request wraps that work in :func:`log_context`; a
-:class:`ContextFilter` on the process's handlers copies the ids into every record logged
-meanwhile (``record.batch_id``, ``record.shard_id``, ``record.request_id`` — the batch line —
-and ``record.http_request_id`` — the API call's ``x-request-id``, see :mod:`core.request_ids`),
-so one batch or one call can be followed across the API, the control worker and the model
-workers by filtering on its id.
-Context variables follow the code, not the process: each thread and each asyncio task has its
-own, so concurrent shards never mix their ids.
-
-``BATCHD_LOG_FORMAT=json`` (``Settings.log_format``) makes every process write one JSON object
-per line (see :class:`JsonFormatter`); the default, ``text``, leaves the familiar Celery and
-uvicorn lines as they are.
-"""
+Work on a batch, shard or request runs inside :func:`log_context`; a :class:`ContextFilter`
+copies its ids into every record (``batch_id``, ``shard_id``, ``request_id`` (the batch line)
+and ``http_request_id`` (the API call's: :mod:`core.request_ids`)), so a batch or a call can
+be followed across processes. The ids are context variables: each thread and asyncio task has
+its own. ``BATCHD_LOG_FORMAT=json`` writes one JSON object per line (:class:`JsonFormatter`)."""
 
 from __future__ import annotations
 

@@ -1,19 +1,11 @@
 """The service's Prometheus metrics: what the API and the workers count, and the gauges read
-from Postgres at scrape time.
+from the database at scrape time.
 
-Every metric is named ``batchd_*`` and its labels take values from small, fixed sets (a status,
-a reason, an outcome) or from configuration and accounts (a served model, a tenant); never a
-batch, shard, file or request id, which would create a series per job
-(``tests/core/test_metrics_lint.py`` checks this).
-
-Counters are incremented where the event happens, in the process it happens in: the API
-counts uploads and rejections; the model workers count requests and tokens as each checkpoint
-commits (exactly once per request: a chunk is counted when its commit succeeds), queue waits
-as shards are claimed; the control worker counts finalizes, webhook deliveries, reclaimed
-shards and token-limit rejections. :class:`ServiceCollector` reads the gauges (batches by
-status, shards by status, pending work per model) from the database at each scrape, so they
-are right whichever process changed the rows; the API exposes it.
-"""
+Every metric is ``batchd_*``; label values come from small fixed sets or from configuration and
+accounts (a model, a tenant), never a job's id (``tests/core/test_metrics_lint.py`` checks).
+Counters count once, in the process where the event happens (docs/core.md);
+:class:`ServiceCollector` reads the gauges from the database at each scrape, so they are right
+whichever process changed the rows."""
 
 from __future__ import annotations
 
@@ -124,7 +116,7 @@ class ServiceCollector(Collector):
         from sqlalchemy import case, func, select
 
         from core.db import session_scope
-        from core.models import Batch, Shard
+        from core.tables import Batch, Shard
 
         batches = GaugeMetricFamily("batchd_batches", "Batches by status", labels=["status"])
         shards = GaugeMetricFamily(
@@ -144,7 +136,7 @@ class ServiceCollector(Collector):
         )
         at_risk = GaugeMetricFamily(
             "batchd_batches_at_risk",
-            "Running batches projected to end after their deadline (core.eta_store)",
+            "Running batches projected to end after their deadline (core.eta.store)",
             labels=["model"],
         )
         up = GaugeMetricFamily("batchd_database_up", "1 if the last scrape read the database")

@@ -1,31 +1,11 @@
 """Where the service may send its own HTTP requests (webhooks): public addresses only, unless
-the operator allows a destination.
+the operator allows a destination (``BATCHD_WEBHOOK_ALLOWED_HOSTS``).
 
-A tenant names a webhook URL and the worker POSTs to it, so without a rule a tenant could make
-the worker call anything the worker can reach: the database, the broker, a cloud metadata
-service (169.254.169.254), an admin port on loopback (server-side request forgery). The rule:
-a destination address must be globally routable. Loopback, private (RFC 1918, unique local),
-link-local, multicast, unspecified, shared (CGNAT), documentation, benchmarking and other
-reserved ranges are refused, in IPv4 and IPv6. An IPv6 address that carries an IPv4 address
-(IPv4-mapped ``::ffff:a.b.c.d``, IPv4-compatible ``::a.b.c.d``, NAT64 ``64:ff9b::/96``, 6to4
-``2002::/16``, Teredo) is judged by the IPv4 address inside it as well.
-
-The operator allow-list (``BATCHD_WEBHOOK_ALLOWED_HOSTS``) names host names, addresses or CIDR
-ranges that are allowed even so: an intranet receiver, or loopback in a test.
-
-The rule is applied twice:
-
-* when a batch is created (:func:`url_problem`): the URL's host, when it is an address (in any
-  spelling ``inet_aton`` accepts, such as ``2130706433``, ``0x7f.1`` or ``127.1``) or a name
-  that is local by definition (``localhost``, ``*.localhost``). Other names are not resolved
-  there: what a name resolves to can change before delivery.
-* at each delivery (:func:`resolve_checked`): the name is resolved, every address it resolves
-  to is checked, and the request then goes to a checked address (the connection is pinned to
-  it), so a name that resolves to a public address at check time and to a private one at
-  connect time (DNS rebinding) cannot get through.
-
-Everything here is pure apart from the resolver, which callers may inject.
-"""
+A destination address must be globally routable (an IPv6 address that carries an IPv4 one is
+judged by both). The rule is applied when a batch is created (:func:`url_problem`) and at each
+delivery (:func:`resolve_checked`: every address the name resolves to is checked and the
+connection pinned to one), so DNS rebinding cannot get through; docs/core.md says why. Pure
+apart from the resolver, which callers may inject."""
 
 from __future__ import annotations
 

@@ -1,15 +1,10 @@
 """A batch's priority, defined once: its three names, their order, and the number the engine
 and the upstream dispatcher are given.
 
-Every place that reads a priority goes through :class:`Priority`: the API's schemas (through
-:data:`PriorityName`, the same names as a ``Literal`` for pydantic and OpenAPI), API keys'
-``max_priority``, the shard release window, the ETA projections and the shard handlers that
-hand work to the engine host or an upstream fleet.
-
-The engine is a leaf and cannot import this module, so it keeps its own convention for the
-number: lower runs first, 0 is ``normal``, below 0 is urgent (``engine.admission.order``).
-:attr:`Priority.engine` follows it, and ``tests/test_structure.py`` checks that the two agree.
-"""
+Every reader of a priority goes through :class:`Priority` (the API's schemas through
+:data:`PriorityName`). The engine cannot import this module, so it keeps its own convention
+(lower runs first, 0 is ``normal``, below 0 urgent: ``engine.host.order``);
+:attr:`Priority.engine` follows it, and ``tests/test_structure.py`` checks that they agree."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from sqlalchemy import text
 
 from core.db import get_engine
 from core.queue import SOCKET_CONNECT_TIMEOUT_S, redis_socket_options
-from core.storage import Storage
+from core.storage.base import Storage
 
 TIMEOUT_S = 3.0
 

@@ -1,22 +1,10 @@
 """The results log: a batch's result lines in the order they became durable.
 
-Shards write their results in checkpoint chunks (``worker.shards.checkpoints``); a chunk counts once
-the transaction that advances its shard's ``num_chunks`` commits. That same transaction logs the
-chunk here: it takes the next ``[first_seq, first_seq + n)`` from ``batches.results_logged``
-(an UPDATE, so the batch row stays locked until the commit and sequence numbers are handed out
-in commit order, without gaps a reader could see), records a ``result_chunks`` row naming the
-chunk's storage key, and one ``result_lines`` row per line id (the paging cursor). The finalize
-of a cancelled or expired batch logs its ``batch_<code>`` lines as one last chunk in the
-transaction that ends the batch. So:
-
-* a line is visible only once it is durable, and exactly once: an attempt that dies before its
-  commit logs nothing, and the retry's chunk takes the place of the one it discards;
-* when the batch has ended, the log holds exactly the lines of its output and error files
-  (the same objects, ids included), in commit order instead of input order.
-
-Chunks are kept after the finalize (it used to delete them) until the batch's output or error
-file is swept by retention, which drops the log with it (:func:`drop`).
-"""
+The transaction that commits a shard's checkpoint chunk logs it here: it takes the next
+sequence numbers from ``batches.results_logged`` (handed out in commit order, without gaps a
+reader could see), a ``result_chunks`` row and one ``result_lines`` row per line. A line is
+visible only once durable, and exactly once; once the batch has ended the log holds exactly the
+lines of its output and error files. Retention drops it with them (:func:`drop`; docs/core.md)."""
 
 from __future__ import annotations
 
@@ -29,8 +17,8 @@ from typing import Any
 from sqlalchemy import delete, insert, select, text, update
 from sqlalchemy.orm import Session
 
-from core.models import Batch, ResultChunk, ResultLine
-from core.storage import Storage
+from core.storage.base import Storage
+from core.tables import Batch, ResultChunk, ResultLine
 
 MAX_PAGE = 1000
 DEFAULT_PAGE = 100

@@ -1,18 +1,10 @@
 """Retrying what did not succeed: which result lines a retry takes, and how a batch's results
 read once its retries have run.
 
-A retry batch (``POST /v1/batches/{id}/retry``) is made of the parent's input lines whose
-results are in :data:`RETRY_KINDS` (by default all three):
-
-* ``expired`` / ``cancelled``: the request never ran (``batch_expired``/``batch_cancelled``);
-* ``failed``: the request ran and failed for a reason that may pass next time: a 5xx (the
-  engine failed, a shard was given up) or a 429. A 4xx is the request's own fault (too long
-  for the context, a value the model cannot honour) and would fail again, so it is never
-  retried; neither is a validation error, which fails the whole batch before anything runs.
-
-A retry may be narrowed to some of the parent's input lines by number (:class:`LineSelection`):
-1-based line numbers as validation errors name them, and inclusive ranges ``[first, last]``.
-"""
+A retry batch is made of the parent's input lines whose results are in :data:`RETRY_KINDS`:
+``expired`` or ``cancelled`` (never ran) and ``failed`` (a 5xx or a 429, which may pass next
+time; a 4xx is the request's own fault and is never retried). :class:`LineSelection` narrows
+it to 1-based line numbers and inclusive ranges ``[first, last]``."""
 
 from __future__ import annotations
 

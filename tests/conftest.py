@@ -135,7 +135,7 @@ def redis_url() -> str:
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Demo models are cached across runs under the user's cache (they are deterministic)."""
-    from core.demo_models import cache_root
+    from core.llms.demo import cache_root
 
     return cache_root()
 

@@ -240,7 +240,7 @@ def test_queues_follow_core_queue() -> None:
 def test_the_fleet_profile_drives_a_vllm_server_from_a_worker_without_a_gpu() -> None:
     """The opt-in profile "fleet": vLLM on a GPU of its own, and a dispatch worker with no GPU
     and no model files that consumes the queue of the upstream model .env.example shows."""
-    from core import served_models as specs
+    from core.llms import specs
     from core.queue import model_queue
 
     all_services = services()
@@ -275,7 +275,7 @@ def test_storage_bucket_is_created_by_the_app() -> None:
     """No bucket-creation service: the S3 backend creates its bucket on first use."""
     import inspect
 
-    from core.storage_s3 import S3Storage
+    from core.storage.s3 import S3Storage
 
     env = service_env(services()["api"])
     assert env["BATCHD_STORAGE_URL"].startswith("s3://")

@@ -1,6 +1,6 @@
 """The structure the packages promise, read from their source: priority is defined once (in
 ``core.priority``), the engine is a leaf, and the engine core imports nothing from the host
-(``engine.admission``). A scan of the syntax trees, so it fails on the commit that breaks
+(``engine.host``). A scan of the syntax trees, so it fails on the commit that breaks
 the rule, whatever the code path."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import get_args
 
 from core.priority import Priority, PriorityName
-from engine.admission.order import NORMAL, aged_tier
 from engine.core.urgent import is_urgent
+from engine.host.order import NORMAL, aged_tier
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("api", "core", "worker", "engine", "cli", "migrations")
@@ -81,7 +81,7 @@ def test_the_engine_core_imports_nothing_from_the_host() -> None:
         f"{path.relative_to(ROOT)} imports {name}"
         for path in _sources("engine/core", "engine/sim")
         for name in _imported(_tree(path))
-        if name == "engine.admission" or name.startswith("engine.admission.")
+        if name == "engine.host" or name.startswith("engine.host.")
     ]
     assert reaching == []
 
@@ -101,8 +101,8 @@ def test_the_scans_see_what_they_look_for() -> None:
     """The scans themselves: a second definition and a reach into the host are caught."""
     second = ast.parse('RANK = {"high": 0, "normal": 1, "low": 2}\nP = Literal["high", "low"]')
     assert _priority_definitions(second) == [1, 2]
-    assert _imported(ast.parse("def f():\n    from engine.admission.policy import x")) == [
-        "engine.admission.policy"
+    assert _imported(ast.parse("def f():\n    from engine.host.policy import x")) == [
+        "engine.host.policy"
     ]
 
 

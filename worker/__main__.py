@@ -13,7 +13,8 @@ import os
 import sys
 import time
 
-from core import launch, served_models
+from core import launch
+from core.llms import specs
 from core.settings import get_settings
 
 
@@ -26,7 +27,7 @@ def command(role: str, names: list[str]) -> list[str]:
     if role == "control":
         return launch.control_worker_command(launch.node_name("control"))
     if role == "dispatch":
-        upstream = [m for m, spec in settings.models.items() if served_models.is_upstream(spec)]
+        upstream = [m for m, spec in settings.models.items() if specs.is_upstream(spec)]
         models = names or upstream
         wrong = [m for m in models if m not in upstream]
         if wrong or not models:

@@ -18,7 +18,7 @@ from api.schemas import MAX_EXPIRY_S, MIN_EXPIRY_S, FileDeleted, FileList, FileP
 from api.services import files
 from api.uploads import Upload, receive_upload
 from core.ids import file_id
-from core.storage import ObjectNotFound
+from core.storage.base import ObjectNotFound
 
 log = logging.getLogger("batchd.api")
 

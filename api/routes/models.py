@@ -8,13 +8,13 @@ from api.deps import CurrentKey, SettingsDep
 from api.errors import not_found
 from api.routes.common import error_responses
 from api.schemas import ModelList, ModelPublic
-from core import served_models
+from core.llms import specs
 
 router = APIRouter(prefix="/models", tags=["models"])
 
 
 def _model(request: Request, name: str, spec: str) -> ModelPublic:
-    kind = served_models.kind_of(spec)
+    kind = specs.kind_of(spec)
     return ModelPublic(
         id=name,
         created=request.app.state.started_at,
@@ -22,15 +22,15 @@ def _model(request: Request, name: str, spec: str) -> ModelPublic:
         # model is served by another server.
         owned_by=_owner(spec),
         kind=kind,
-        endpoints=list(served_models.endpoints(spec)),
+        endpoints=list(specs.endpoints(spec)),
     )
 
 
 def _owner(spec: str) -> str:
-    if served_models.is_sim(spec):
-        return served_models.SIM_OWNER
-    if served_models.is_upstream(spec):
-        return served_models.UPSTREAM_OWNER
+    if specs.is_sim(spec):
+        return specs.SIM_OWNER
+    if specs.is_upstream(spec):
+        return specs.UPSTREAM_OWNER
     return "batchd"
 
 

@@ -17,8 +17,8 @@ from api.services import uploads
 from api.uploads import receive_upload, sanitize_filename
 from core.db import session_scope
 from core.ids import upload_part_id
-from core.models import File, Upload
-from core.storage import Storage
+from core.storage.base import Storage
+from core.tables import File, Upload
 
 router = APIRouter(prefix="/uploads", tags=["uploads"])
 

@@ -25,15 +25,16 @@ from api.log_context import bind_batch
 from api.schemas import BatchCreate
 from api.services import batches, files
 from api.services.common import could_be_id, keyset_page
-from core import anthropic, served_models
-from core.batch_request import CHAT_URL, LineError
-from core.batchfile import LineValidator, RawLine, iter_lines
+from core.batchfile import anthropic
+from core.batchfile.reader import LineValidator, RawLine, iter_lines
+from core.batchfile.request import CHAT_URL, LineError
+from core.batchfile.results import dumps_line
 from core.ids import file_id, message_batch_id
 from core.lifecycle import BatchStatus, now
-from core.models import Batch, MessageBatch
-from core.results import dumps_line
+from core.llms import specs
 from core.settings import Settings
-from core.storage import ObjectNotFound, Storage
+from core.storage.base import ObjectNotFound, Storage
+from core.tables import Batch, MessageBatch
 
 #: Anthropic's batches end within 24 hours.
 WINDOW = "24h"
@@ -90,12 +91,12 @@ def _input_lines(
 ) -> tuple[bytes, dict[str, Any]]:
     """The chat input file of the servable requests, and the errored ones by position. Each
     line is checked as the batch's validation will check it, so no line fails the batch."""
-    served = [m for m, spec in settings.models.items() if served_models.serves(spec, CHAT_URL)]
+    served = [m for m, spec in settings.models.items() if specs.serves(spec, CHAT_URL)]
     validator = LineValidator(
         endpoint=CHAT_URL,
         served_models=served,
         max_requests=anthropic.MAX_REQUESTS,
-        forwarded=served_models.forwarded_models(settings.models),
+        forwarded=specs.forwarded_models(settings.models),
     )
     data = bytearray()
     unservable: dict[str, Any] = {}
@@ -297,7 +298,7 @@ def _lines(storage: Storage, key: str | None) -> Iterator[dict[str, Any]]:
 
 
 def _file_key(session: Session, file_id_: str | None) -> str | None:
-    from core.models import File
+    from core.tables import File
 
     row = session.get(File, file_id_) if file_id_ is not None else None
     return None if row is None else row.storage_key

@@ -25,10 +25,10 @@ from api.services.files import get_file_row
 from core.auth import generate_webhook_secret, priority_allowed
 from core.ids import batch_id as new_batch_id
 from core.lifecycle import CANCELLABLE, TERMINAL, UNFINISHED, BatchStatus, now, transition
-from core.models import Batch, File
 from core.netcheck import url_problem
 from core.queue import TASK_CANCEL, TASK_VALIDATE, enqueue
 from core.settings import Settings
+from core.tables import Batch, File
 from core.windows import duration, window_seconds
 
 log = logging.getLogger("batchd.api")

@@ -22,9 +22,9 @@ from api.deps import Caller
 from core.auth import create_ui_session, end_ui_session, hash_key
 from core.db import session_scope
 from core.lifecycle import TERMINAL, BatchStatus, now
-from core.models import Batch
 from core.queue import engine_stats
 from core.settings import Settings
+from core.tables import Batch
 
 logger = logging.getLogger(__name__)
 
@@ -183,7 +183,7 @@ def dashboard_data(session: Session, caller: Caller, sampler: Sampler) -> dict[s
         eta = (total - done) / rate if rate and total > done else None
         running = b.status in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS)
         if running and b.estimated_completion_at is not None:
-            # The service's projection (core.eta_store), beside the deadline it is held to.
+            # The service's projection (core.eta.store), beside the deadline it is held to.
             eta = max(0.0, (b.estimated_completion_at - now()).total_seconds())
         batches.append(
             {

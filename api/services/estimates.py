@@ -2,7 +2,7 @@
 
 The control worker reads the file as validation would (``worker.validation.estimate``, over the broker:
 ``core.rpc``); the times come from the work queued ahead and the model's recent throughput
-(``core.eta_store``). Without recent throughput the times are null and ``reason`` says why:
+(``core.eta.store``). Without recent throughput the times are null and ``reason`` says why:
 nothing is guessed, and nothing is created.
 """
 
@@ -25,7 +25,8 @@ from api.deps import Caller
 from api.errors import APIError
 from api.schemas import BatchCreate, BatchErrorItem, BatchEstimate, ModelEstimate, unix
 from api.services.batches import batch_input_file, checked_priority, checked_window_s
-from core import eta_store, rpc
+from core import rpc
+from core.eta import store
 from core.lifecycle import now
 from core.queue import TASK_ESTIMATE
 from core.settings import Settings
@@ -151,7 +152,7 @@ def build_estimate(
     times = None
     reason = "The file holds no valid request: there is nothing to run."
     if model and valid:
-        times = eta_store.times_for_new_batch(
+        times = store.times_for_new_batch(
             session,
             model,
             tenant=tenant,

@@ -13,8 +13,8 @@ from api.services.common import could_be_id, keyset_page
 from core import metrics, results_log
 from core.db import session_scope
 from core.lifecycle import TERMINAL, now
-from core.models import Batch, File
-from core.storage import Storage
+from core.storage.base import Storage
+from core.tables import Batch, File
 
 log = logging.getLogger("batchd.api")
 

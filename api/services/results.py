@@ -9,7 +9,7 @@ from api.services.batches import get_batch_row
 from api.services.common import could_be_id
 from core.lifecycle import BatchStatus
 from core.results_log import Page, cursor_seq, read_page
-from core.storage import Storage
+from core.storage.base import Storage
 
 
 def results_visible(status: str, validation_done: bool) -> bool:

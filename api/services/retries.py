@@ -21,10 +21,9 @@ from api.schemas import MAX_METADATA_PAIRS, BatchCreate, ExpiresAfter, RetryCrea
 from api.services.batches import check_create, create_batch, existing_batch, get_batch_row
 from api.services.files import is_expired, new_file_row
 from core.auth import priority_allowed
-from core.batchfile import custom_id_in, iter_lines
+from core.batchfile.reader import custom_id_in, iter_lines
 from core.ids import file_id
 from core.lifecycle import TERMINAL
-from core.models import Batch, File
 from core.retry import (
     RETRY_KINDS,
     RETRY_OF,
@@ -34,7 +33,8 @@ from core.retry import (
     retry_kind,
 )
 from core.settings import Settings
-from core.storage import Storage
+from core.storage.base import Storage
+from core.tables import Batch, File
 
 log = logging.getLogger("batchd.api")
 

@@ -23,9 +23,9 @@ from api.services.common import could_be_id
 from core.ids import file_id
 from core.ids import upload_id as new_upload_id
 from core.lifecycle import now
-from core.models import File, Upload, UploadPart
 from core.settings import Settings
-from core.storage import Storage
+from core.storage.base import Storage
+from core.tables import File, Upload, UploadPart
 
 log = logging.getLogger("batchd.api")
 

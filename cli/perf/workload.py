@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.batch_request import max_tokens_field
+from core.batchfile.request import max_tokens_field
 
 # The synthetic workload's lengths unless told otherwise (a long tail, as real traffic has).
 DEFAULT_INPUT_LEN = "lognormal:128:0.8"

@@ -1,9 +1,10 @@
 """``batchd run``: an OpenAI batch file through the engine in this process, no servers.
 
-The same line validation as the service (:mod:`core.batchfile`) and the same output and error
-lines (:mod:`core.results`), in input order. Memory stays bounded whatever the file's size:
+The same line validation as the service (:mod:`core.batchfile.reader`) and the same output and
+error lines (:mod:`core.batchfile.results`), in input order. Memory stays bounded whatever the
+file's size:
 
-* the input is read lazily, one line at a time (:func:`core.batchfile.iter_lines`);
+* the input is read lazily, one line at a time (:func:`core.batchfile.reader.iter_lines`);
 * at most ``window`` requests are in flight (tokenised, in the engine, or finished but waiting
   for an earlier line) — a bounded reorder buffer in front of the output files;
 * the only per-line state is the validation scan's two 8-byte arrays (custom_id hashes and

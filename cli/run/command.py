@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from cli.exit_codes import ExitCode, exit_codes_help
-from core.batch_request import CHAT_URL
+from core.batchfile.request import CHAT_URL
 
 if TYPE_CHECKING:
     pass

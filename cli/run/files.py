@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from core.storage_local import fsync_dir
+from core.storage.local import fsync_dir
 
 if TYPE_CHECKING:
     pass

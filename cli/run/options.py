@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cli.exit_codes import ExitCode
-from core.batch_request import CHAT_URL, DEFAULT_MAX_LINE_BYTES
+from core.batchfile.request import CHAT_URL, DEFAULT_MAX_LINE_BYTES
 
 if TYPE_CHECKING:
     pass

@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Any
 from cli.run.files import Progress, ResultFiles
 from cli.run.options import ModelLoadError, RunError, RunOptions, RunSummary
 from cli.run.scan import ScanReport, duplicate_error, line_error_record, parse_line, scan_input
-from core.batch_request import GENERATION_URLS, BatchRequest, LineError
-from core.batchfile import RawLine, iter_lines
+from core.batchfile.reader import RawLine, iter_lines
+from core.batchfile.request import GENERATION_URLS, BatchRequest, LineError
+from core.batchfile.results import dumps_line
 from core.generation import (
     aborted_record,
     error_for_exception,
@@ -24,7 +25,6 @@ from core.generation import (
     is_aborted,
     prepare_request,
 )
-from core.results import dumps_line
 
 if TYPE_CHECKING:
     from engine import Engine

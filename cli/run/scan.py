@@ -8,8 +8,8 @@ from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from core.batch_request import BatchRequest, LineError
-from core.batchfile import RawLine, iter_lines, parse_request
+from core.batchfile.reader import RawLine, iter_lines, parse_request
+from core.batchfile.request import BatchRequest, LineError
 from core.generation import (
     error_record,
 )

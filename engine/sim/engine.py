@@ -3,7 +3,7 @@
 ``SimEngine`` runs no neural network. It admits requests, produces tokens at a configured
 rate, and reports them exactly as :class:`engine.Engine` does, so the whole service (API,
 control and model workers, Postgres, Redis, storage) can be driven at fleet rates on a CPU
-machine. It is served as the model spec ``sim:`` (``core.served_models``), e.g.
+machine. It is served as the model spec ``sim:`` (``core.llms.specs``), e.g.
 ``sim:tokens_per_s=4000,max_num_seqs=256,ttft_ms=50``. It is a load-testing model: its text
 is deterministic filler, not an answer.
 

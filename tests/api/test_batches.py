@@ -177,7 +177,7 @@ def test_deleting_the_input_of_an_unfinished_batch_hides_it_but_keeps_its_bytes(
 ):
     """A running batch still reads its input: DELETE answers like OpenAI (deleted) and the
     file is gone from the API at once, but its bytes stay until the batch ends."""
-    from core.storage_factory import open_storage
+    from core.storage import open_storage
 
     batch = _create(client, input_file)
     assert client.files.delete(input_file).deleted is True

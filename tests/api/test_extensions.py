@@ -30,7 +30,7 @@ def _create(client, input_file: str, **kwargs):
 
 def _batch_row(pg_url: str, batch_id: str):
     from core.db import session_scope
-    from core.models import Batch
+    from core.tables import Batch
 
     with session_scope(pg_url) as session:
         return session.get(Batch, batch_id)

@@ -8,7 +8,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from core.storage_factory import open_storage
+from core.storage import open_storage
 
 pytestmark = pytest.mark.services
 

@@ -24,9 +24,9 @@ def _ended_parent(lines: list) -> str:
     from sqlalchemy import update
 
     from core import ids
+    from core.batchfile.results import batch_error_line, dumps_line
     from core.db import session_scope
-    from core.models import Batch, File
-    from core.results import batch_error_line, dumps_line
+    from core.tables import Batch, File
     from worker.infra.common import storage
 
     batch_id = make_batch(lines)
@@ -95,7 +95,7 @@ def _files() -> int:
     from sqlalchemy import func, select
 
     from core.db import session_scope
-    from core.models import File
+    from core.tables import File
 
     with session_scope() as session:
         return session.scalar(select(func.count()).select_from(File))

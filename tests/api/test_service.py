@@ -130,7 +130,7 @@ def test_database_unavailable_is_503(start_server, closed_port):
             call()
         assert caught.value.status_code == 503
         assert caught.value.body["code"] == "database_unavailable"
-    from core.storage_factory import open_storage
+    from core.storage import open_storage
 
     assert open_storage(server.storage_url).list("") == []  # the upload's bytes were dropped
 

@@ -116,7 +116,7 @@ def test_auth_is_required_by_default_and_can_be_switched_off(start_server, make_
 
 def _set_expiry(pg_url: str, file_id: str, delta: timedelta) -> None:
     from core.db import session_scope
-    from core.models import File
+    from core.tables import File
 
     with session_scope(pg_url) as session:
         session.get(File, file_id).expires_at = now() + delta

@@ -43,7 +43,7 @@ def _sign_in(browser: httpx.Client, key: str) -> httpx.Response:
 
 def _session_rows(pg_url: str) -> dict[str, tuple[str, object]]:
     from core.db import session_scope
-    from core.models import UiSession
+    from core.tables import UiSession
 
     with session_scope(pg_url) as session:
         return {r.id: (r.key_hash, r.expires_at) for r in session.query(UiSession).all()}
@@ -152,7 +152,7 @@ def test_revoked_key_or_expired_session_ends_the_sign_in(server, make_key, pg_ur
     from core.auth import revoke_key
     from core.db import session_scope
     from core.lifecycle import now
-    from core.models import ApiKey, UiSession
+    from core.tables import ApiKey, UiSession
 
     revoked, expiring = make_key(name="to revoke"), make_key(name="to expire")
     with _browser(server) as first, _browser(server) as second:

@@ -10,7 +10,7 @@ import pytest
 
 from api.errors import APIError
 from api.services.uploads import join_parts
-from core.storage_s3 import MIN_PART_SIZE
+from core.storage.s3 import MIN_PART_SIZE
 from tests.core.test_storage import _s3, s3_endpoint  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.services

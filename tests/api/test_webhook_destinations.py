@@ -73,8 +73,8 @@ def deliver(service_env, redis_url, monkeypatch) -> Iterator[Any]:
     process, as the control worker would, under this process's settings; returns the
     delivery row. Tasks the code enqueues go to the test Redis (nothing consumes them)."""
     from core.db import session_scope
-    from core.models import WebhookDelivery
     from core.settings import get_settings
+    from core.tables import WebhookDelivery
     from worker.batches import webhooks
     from worker.infra.celery import app
 

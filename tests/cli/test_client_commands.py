@@ -44,7 +44,7 @@ def set_status(batch_id: str, *path: str, **values) -> None:
     from core.lifecycle import transition
 
     with session_scope() as session:
-        from core.models import Batch
+        from core.tables import Batch
 
         current = session.get(Batch, batch_id).status
         for i, target in enumerate(path):
@@ -246,7 +246,7 @@ def test_failed_batch_writes_no_output(cli: CliRunner, api_server, tmp_path: Pat
     out, err = tmp_path / "out.jsonl", tmp_path / "err.jsonl"
     stop = threading.Event()
     from core.db import session_scope
-    from core.models import Batch
+    from core.tables import Batch
 
     def validating() -> set[str]:
         with session_scope() as session:

@@ -27,7 +27,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def tiny_model() -> str:
-    from core.demo_models import build
+    from core.llms.demo import build
 
     return str(build("llama-tiny"))
 

@@ -119,7 +119,7 @@ def through_service(stack, rows: list[dict[str, Any]], endpoint: str, path: Path
 
 def through_batchd_run(stack, rows: list[dict[str, Any]], endpoint: str, root: Path):  # noqa: F811
     """``batchd run``'s entry point with the stack's model directory and engine options."""
-    from core.demo_models import build
+    from core.llms.demo import build
 
     root.mkdir()
     engine_options = json.loads(stack.env["BATCHD_ENGINE_OPTIONS"])

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from core.anthropic import UnservableRequest, chat_body, messages_param, result_of
-from core.results import batch_error_line, request_error_line
+from core.batchfile.anthropic import UnservableRequest, chat_body, messages_param, result_of
+from core.batchfile.results import batch_error_line, request_error_line
 
 BASE = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from core.batch_request import CHAT_URL, COMPLETIONS_URL, BatchRequest, LineError
-from core.batchfile import RawLine, iter_lines, parse_request, validate_file
+from core.batchfile.reader import RawLine, iter_lines, parse_request, validate_file
+from core.batchfile.request import CHAT_URL, COMPLETIONS_URL, BatchRequest, LineError
 
 MODELS = ["m1", "m2"]
 
@@ -723,7 +723,7 @@ def _jsonl(*objs: Any) -> io.BytesIO:
 
 
 def test_file_endpoint_from_first_url() -> None:
-    from core.batchfile import file_endpoint
+    from core.batchfile.reader import file_endpoint
 
     completion = {**chat_line("c"), "url": COMPLETIONS_URL}
     assert file_endpoint(_jsonl(completion, completion)) == (COMPLETIONS_URL, 1)
@@ -735,7 +735,7 @@ def test_file_endpoint_from_first_url() -> None:
 
 
 def test_file_endpoint_refuses_a_mixed_file() -> None:
-    from core.batchfile import file_endpoint
+    from core.batchfile.reader import file_endpoint
 
     completion = {**chat_line("c"), "url": COMPLETIONS_URL}
     with pytest.raises(LineError) as info:

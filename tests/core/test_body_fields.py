@@ -1,7 +1,7 @@
-"""Each endpoint's accepted body fields, written once (``core.bodies.fields``): a field outside
-the list refuses the line naming it, every field in it passes, vLLM's extensions are read into
-the request, an upstream model's lines keep fields this service does not know, and the docs
-list the same fields."""
+"""Each endpoint's accepted body fields, written once (``core.batchfile.bodies.fields``): a
+field outside the list refuses the line naming it, every field in it passes, vLLM's extensions
+are read into the request, an upstream model's lines keep fields this service does not know,
+and the docs list the same fields."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from core.batch_request import CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL, RESPONSES_URL
-from core.batchfile import RawLine, parse_request, validate_file
-from core.bodies import fields
-from core.bodies.fields import FIELDS
-from core.served_models import forwarded_models
+from core.batchfile.bodies import fields
+from core.batchfile.bodies.fields import FIELDS
+from core.batchfile.reader import RawLine, parse_request, validate_file
+from core.batchfile.request import CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL, RESPONSES_URL
+from core.llms.specs import forwarded_models
 
 ROOT = Path(__file__).resolve().parents[2]
 URLS = {"chat": CHAT_URL, "completion": COMPLETIONS_URL, "embedding": EMBEDDINGS_URL,
@@ -46,7 +46,7 @@ def parse(kind: str, forwarded: tuple[str, ...] = (), **body: Any):
 
 
 def refusal(kind: str, **body: Any):
-    from core.batch_request import LineError
+    from core.batchfile.request import LineError
 
     with pytest.raises(LineError) as info:
         parse(kind, **body)
@@ -134,7 +134,7 @@ def test_an_upstream_models_line_keeps_the_fields_this_service_does_not_know() -
     assert req.min_p == 0.2
     for kind in FIELDS:
         assert parse(kind, forwarded=("m1",), bogus=True).body["bogus"] is True
-    from core.batch_request import LineError
+    from core.batchfile.request import LineError
 
     with pytest.raises(LineError) as known:
         parse("chat", forwarded=("m1",), bogus=1, temperature=9)

@@ -192,14 +192,14 @@ def test_webhook_backoff(setenv: Callable[..., None]) -> None:
 
 
 def test_model_cache(setenv: Callable[..., None], tmp_path: Path) -> None:
-    from core import demo_models, gguf_models
+    from core.llms import demo, gguf
 
     default = Path.home() / ".cache" / "batchd" / "models"
-    assert demo_models.cache_root() == gguf_models.cache_root() == default
+    assert demo.cache_root() == gguf.cache_root() == default
     setenv(BATCHD_MODEL_CACHE=str(tmp_path / "models"))
-    assert demo_models.cache_root() == gguf_models.cache_root() == tmp_path / "models"
+    assert demo.cache_root() == gguf.cache_root() == tmp_path / "models"
     setenv(BATCHD_MODEL_CACHE="~/elsewhere")
-    assert demo_models.cache_root() == gguf_models.cache_root() == Path.home() / "elsewhere"
+    assert demo.cache_root() == gguf.cache_root() == Path.home() / "elsewhere"
 
 
 def test_release_resend_after(setenv: Callable[..., None]) -> None:

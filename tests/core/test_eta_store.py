@@ -10,10 +10,10 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from sqlalchemy import select
 
-from core import eta, eta_store
 from core.db import session_scope
+from core.eta import forecast, store
 from core.lifecycle import BatchStatus, ShardStatus
-from core.models import Batch, Shard
+from core.tables import Batch, Shard
 
 
 def _batch(session, model: str, now: datetime, started_s_ago: float) -> str:
@@ -77,12 +77,12 @@ def test_refresh_blends_the_recent_window_read_from_the_shards(pg_url: str):
         idle_id = _batch(session, f"{model}-idle", now, started_s_ago=10)
         _shard(session, idle_id, 0, now, est=500, done_of_10=0, released=10)
     with session_scope(pg_url) as session:
-        eta_store.refresh(session, now, window_s=900)
+        store.refresh(session, now, window_s=900)
     with session_scope(pg_url) as session:
         done, total = 3000 + 2000 + 4000, 14_000
         whole = done / 1000
         recent = (1000 + 4000) / 500
-        rate = eta.RECENT_WEIGHT * recent + (1 - eta.RECENT_WEIGHT) * whole
+        rate = forecast.RECENT_WEIGHT * recent + (1 - forecast.RECENT_WEIGHT) * whole
         want = now.timestamp() + (total - done) / rate
         assert _stored(session, batch_id) == pytest.approx(want, abs=1.0)
         # At the whole-run rate alone it would be later (its recent rate is higher).

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from core.batchfile import RawLine, parse_request
+from core.batchfile.reader import RawLine, parse_request
 from core.generation import (
     PromptError,
     check_prompt,
@@ -114,7 +114,7 @@ TEXTS = [
 
 def _tokenizers() -> list:
     from cli.models import local_model_dir
-    from core.demo_models import build
+    from core.llms.demo import build
     from engine.text.tokenizer import load_tokenizer
 
     return [
@@ -158,7 +158,7 @@ def test_prompt_ids_equal_the_tokenizers_own_encoding(load) -> None:
 def test_an_engine_failure_keeps_its_internals_out_of_the_tenants_line() -> None:
     import json as _json
 
-    from core.batchfile import RawLine, parse_request
+    from core.batchfile.reader import RawLine, parse_request
     from core.generation import error_for_exception
 
     text = _json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",

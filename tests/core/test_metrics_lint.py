@@ -71,7 +71,7 @@ def test_database_gauges_pass_the_lint(pg_url: str) -> None:
 
 
 def test_engine_collector_passes_the_lint() -> None:
-    from core.demo_models import build
+    from core.llms.demo import build
     from engine import Engine, EngineHost, SamplingParams
     from worker.infra.metrics import EngineCollector
 

@@ -11,10 +11,10 @@ import pytest
 from openai.types.chat import ChatCompletion
 from openai.types.responses import Response
 
-from core.batch_request import CHAT_URL, COMPLETIONS_URL, RESPONSES_URL, BatchRequest, LineError
-from core.batchfile import RawLine, parse_request
+from core.batchfile.reader import RawLine, parse_request
+from core.batchfile.request import CHAT_URL, COMPLETIONS_URL, RESPONSES_URL, BatchRequest, LineError
+from core.batchfile.results import ChoiceResult, GenerationResult, response_body
 from core.generation import check_prompt, sampling_kwargs
-from core.results import ChoiceResult, GenerationResult, response_body
 
 SCHEMA = {
     "type": "object",

@@ -10,9 +10,9 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
-from core.batch_request import CHAT_URL, COMPLETIONS_URL, BatchRequest
-from core.batchfile import RawLine, parse_request
-from core.results import (
+from core.batchfile.reader import RawLine, parse_request
+from core.batchfile.request import CHAT_URL, COMPLETIONS_URL, BatchRequest
+from core.batchfile.results import (
     ChoiceResult,
     GenerationResult,
     TokenLogprobInfo,
@@ -274,8 +274,8 @@ def test_embedding_body_is_openais_shape() -> None:
 
     from openai.types import CreateEmbeddingResponse
 
-    from core.batchfile import RawLine, parse_request
-    from core.results import embedding_body
+    from core.batchfile.reader import RawLine, parse_request
+    from core.batchfile.results import embedding_body
 
     line = {"custom_id": "e", "method": "POST", "url": "/v1/embeddings",
             "body": {"model": "m", "input": ["a", "b"]}}  # fmt: skip

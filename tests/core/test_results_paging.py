@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from core.results import batch_error_line, output_line, request_error_line
+from core.batchfile.results import batch_error_line, output_line, request_error_line
 from core.results_log import Slice, plan_page
 from core.retry import merge_with_retries, retry_kind
 

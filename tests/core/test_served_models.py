@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from core.served_models import kind_of, serves, spec_dir, upstream_spec
+from core.llms.specs import kind_of, serves, spec_dir, upstream_spec
 
 
 def test_packaged_embedding_model() -> None:
@@ -74,7 +74,7 @@ def test_bad_upstream_specs_name_the_option(spec: str, message: str) -> None:
 
 
 def test_upstream_prompts_are_counted_without_a_tokenizer() -> None:
-    from core.batchfile import RawLine, parse_request
+    from core.batchfile.reader import RawLine, parse_request
     from core.generation import approx_prompt_tokens
 
     line = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from core.batch_request import CHAT_URL, BatchRequest
-from core.batchfile import iter_lines, parse_request, validate_file
+from core.batchfile.reader import iter_lines, parse_request, validate_file
+from core.batchfile.request import CHAT_URL, BatchRequest
 from core.generation import estimate_tokens
 from core.sharding import ShardPlanner, ShardSpec
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from core.storage import ObjectNotFound, Storage, StorageError, validate_key
-from core.storage_factory import open_storage
-from core.storage_local import LocalStorage
-from core.storage_s3 import MIN_PART_SIZE, S3Storage
+from core.storage import open_storage
+from core.storage.base import ObjectNotFound, Storage, StorageError, validate_key
+from core.storage.local import LocalStorage
+from core.storage.s3 import MIN_PART_SIZE, S3Storage
 
 MiB = 1 << 20
 
@@ -413,7 +413,7 @@ def test_s3_abort_is_retried_when_it_fails_too(s3_endpoint: str) -> None:
 
 
 def test_s3_created_bucket_aborts_incomplete_uploads_after_a_day(s3_endpoint: str) -> None:
-    from core.storage_s3 import LIFECYCLE_RULE
+    from core.storage.s3 import LIFECYCLE_RULE
 
     storage = _s3(s3_endpoint)
     rules = storage.client.get_bucket_lifecycle_configuration(Bucket=storage.bucket)["Rules"]

@@ -56,7 +56,7 @@ def stack(
     import redis
     from openai import OpenAI
 
-    from core.demo_models import build
+    from core.llms.demo import build
 
     build("llama-tiny")  # once, before two processes race to build it
     root = tmp_path_factory.mktemp("e2e")
@@ -116,7 +116,7 @@ def stack(
 
 @pytest.fixture
 def procs(tmp_path: Path) -> Iterator[Procs]:
-    from core.demo_models import build
+    from core.llms.demo import build
 
     build("llama-tiny")  # once, before several processes race to build it
     manager = Procs(tmp_path)

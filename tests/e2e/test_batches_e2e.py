@@ -48,7 +48,7 @@ def _download(stack, file_id: str | None) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def llm():
-    from core.demo_models import build
+    from core.llms.demo import build
     from engine import LLM
 
     return LLM(str(build("llama-tiny")), dtype="float32")  # as the stack's engine

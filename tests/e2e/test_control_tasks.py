@@ -68,7 +68,7 @@ class Service:
 def service(
     pg_url: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Service]:
-    from core.demo_models import build
+    from core.llms.demo import build
     from core.settings import get_settings
 
     build("llama-tiny")  # once, before two processes race to build it
@@ -171,7 +171,7 @@ def test_finalize_after_the_window_completes_a_batch_whose_requests_all_ran(serv
 
     from core.db import session_scope
     from core.lifecycle import now
-    from core.models import Batch
+    from core.tables import Batch
 
     service.signal("model", signal.SIGSTOP)
     frozen = {"model"}

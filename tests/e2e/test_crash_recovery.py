@@ -40,8 +40,8 @@ def _create_batch(lines: list[dict[str, Any]], broker: str) -> str:
     from core import ids
     from core.db import session_scope
     from core.lifecycle import now
-    from core.models import Batch, File
     from core.queue import TASK_VALIDATE, enqueue
+    from core.tables import Batch, File
     from worker.infra.common import storage
 
     data = b"".join(json.dumps(x).encode() + b"\n" for x in lines)
@@ -137,7 +137,7 @@ def test_sigkilled_model_worker_loses_nothing_and_repeats_nothing(
     assert (batch.request_completed, batch.request_failed) == (len(texts), 0)
 
     # Same text as an uninterrupted greedy run.
-    from core.demo_models import build
+    from core.llms.demo import build
     from engine import LLM, SamplingParams
 
     llm = LLM(str(build("llama-tiny")), max_num_seqs=8, dtype="float32")  # as the stack
@@ -175,8 +175,8 @@ def test_api_killed_mid_upload_leaves_nothing_listed_or_usable(
 ):
     import httpx
 
-    from core.storage import TEMP_PREFIX
-    from core.storage_local import LocalStorage
+    from core.storage.base import TEMP_PREFIX
+    from core.storage.local import LocalStorage
 
     env = stack_env(pg_url, private_broker, tmp_path)
     port = free_port()

@@ -77,7 +77,7 @@ def _worker(kind: str, root: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def edf(pg_url: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Edf]:
 
-    from core.demo_models import build
+    from core.llms.demo import build
 
     build("llama-tiny")
     root = tmp_path_factory.mktemp("edf")
@@ -191,7 +191,7 @@ def wait_done(edf: Edf, batch_ids: list[str], timeout: float, key: str | None = 
 def test_estimate_validates_and_counts_exactly_and_creates_nothing(edf: Edf):
     from transformers import AutoTokenizer
 
-    from core.demo_models import build
+    from core.llms.demo import build
 
     good = lines("est", 6, max_tokens=5)
     bad = [

@@ -38,7 +38,7 @@ def rstack(pg_url: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory
     import redis
     from openai import OpenAI
 
-    from core.demo_models import build
+    from core.llms.demo import build
 
     build("llama-tiny")
     root = tmp_path_factory.mktemp("results")

@@ -41,7 +41,7 @@ def test_a_sim_model_serves_batches_with_deterministic_outputs(
 ):
     import httpx
 
-    from core.demo_models import build
+    from core.llms.demo import build
     from engine.sim.engine import SimEngine
     from engine.text.tokenizer import load_tokenizer
 

@@ -115,7 +115,7 @@ def service(
     import httpx
     from openai import OpenAI
 
-    from core.demo_models import build
+    from core.llms.demo import build
     from core.settings import get_settings
 
     build("llama-tiny")  # once, before two processes race to build it
@@ -235,7 +235,7 @@ def _expire_now(batch_id: str) -> None:
 
     from core.db import session_scope
     from core.lifecycle import now
-    from core.models import Batch
+    from core.tables import Batch
 
     with session_scope() as session:
         session.execute(

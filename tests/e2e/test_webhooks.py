@@ -258,7 +258,7 @@ def _outbox(batch_id: str) -> list[dict[str, Any]]:
     from sqlalchemy import select
 
     from core.db import session_scope
-    from core.models import WebhookDelivery
+    from core.tables import WebhookDelivery
 
     with session_scope() as session:
         rows = session.scalars(select(WebhookDelivery).where(WebhookDelivery.batch_id == batch_id))
@@ -281,9 +281,9 @@ def test_a_worker_killed_between_the_terminal_commit_and_the_enqueue_loses_no_ev
     from benchmarks.harness.stack import celery_command, stack_env
     from core.db import session_scope
     from core.lifecycle import transition
-    from core.models import Batch
     from core.queue import TASK_CANCEL, TASK_VALIDATE, enqueue
     from core.settings import get_settings
+    from core.tables import Batch
     from tests.helpers.worker import batch_row, make_batch
 
     faults = tmp_path / "faults"

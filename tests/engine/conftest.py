@@ -35,7 +35,7 @@ def engine_test_device() -> Iterator[str]:
 @pytest.fixture(scope="module")
 def path() -> str:
     """The tiny demo Llama (built on first use), shared by a module's tests."""
-    from core.demo_models import build
+    from core.llms.demo import build
 
     return str(build("llama-tiny"))
 

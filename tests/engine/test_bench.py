@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import engine as bench
-from core.demo_models import build
+from core.llms.demo import build
 
 
 @pytest.fixture(scope="module")

@@ -28,14 +28,14 @@ from typing import Any
 import pytest
 import torch
 
-from core.demo_models import build
+from core.llms.demo import build
 from engine import Engine, RequestError, SamplingParams
-from engine.admission.entry import Entry, Fanout
-from engine.admission.host import EngineHost
 from engine.core.sequence import Request, Sequence
 from engine.embedding.engine import EmbeddingOutput
 from engine.embedding.host import EmbeddingHost
 from engine.embedding.host import _Entry as EmbeddingEntry
+from engine.host.entry import Entry, Fanout
+from engine.host.host import EngineHost
 
 # Containers whose size is fixed when their owner is built, whatever the traffic:
 # ``Class.attribute`` of the object that holds them.

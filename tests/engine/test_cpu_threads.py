@@ -88,7 +88,7 @@ def test_the_team_shrinks_while_others_hold_a_core_and_grows_back(monkeypatch) -
 def test_an_engine_adapts_on_a_cpu_unless_told_not_to(tmp_path: Path) -> None:
     """The library adapts as the worker does: two threads on cores that others hold spin at
     every barrier (a run beside other work was 8x slower), whoever drives the engine."""
-    from core.demo_models import build
+    from core.llms.demo import build
     from engine import Engine
 
     model = build("llama-tiny")

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from core.demo_models import build
+from core.llms.demo import build
 from engine import LLM, Engine, EngineConfig, RequestError, SamplingParams
 from engine.core.outputs import RequestMetrics
 from engine.core.sampler import Sampler

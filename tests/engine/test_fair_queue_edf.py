@@ -1,4 +1,4 @@
-"""Earliest deadline first inside a tenant's turn (engine.admission.fair_queue): a tenant's batch with
+"""Earliest deadline first inside a tenant's turn (engine.host.fair_queue): a tenant's batch with
 the earlier deadline is served before its other batches, tenants still share the tier equally,
 and batches without a deadline keep sharing fairly."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.admission.fair_queue import FairQueue
+from engine.host.fair_queue import FairQueue
 
 
 @dataclass(eq=False)

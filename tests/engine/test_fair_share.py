@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.admission.fair_queue import FairQueue
-from engine.admission.fair_share import plan_shares
-from engine.admission.policy import GuardPlan, guard_urgent
+from engine.host.fair_queue import FairQueue
+from engine.host.fair_share import plan_shares
+from engine.host.policy import GuardPlan, guard_urgent
 
 
 @dataclass(eq=False)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from core.demo_models import build
+from core.llms.demo import build
 from engine import Engine, SamplingParams
 
 NUM_REQUESTS = 32

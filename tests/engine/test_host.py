@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from core.demo_models import build
+from core.llms.demo import build
 from engine import LLM, Engine, RequestError, SamplingParams
-from engine.admission.host import EngineHost, EngineStepError, HostError, HostQueueFull
 from engine.core.step_cost import StepCostCurve
+from engine.host.host import EngineHost, EngineStepError, HostError, HostQueueFull
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 

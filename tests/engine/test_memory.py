@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.demo_models import build
+from core.llms.demo import build
 from engine import LLM, Engine, SamplingParams
 from engine.core import memory
 from engine.core.config import DEFAULT_CPU_KV_BYTES

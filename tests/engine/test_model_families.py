@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.demo_models import FAMILY_MODELS, build
+from core.llms.demo import FAMILY_MODELS, build
 from engine import Engine, SamplingParams
 from engine.attention.paged import check_kwargs, paged_attention
 

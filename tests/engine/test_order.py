@@ -1,9 +1,9 @@
 """The ordering rules the shard release window and the host's fair queue share
-(engine.admission.order), as pure functions."""
+(engine.host.order), as pure functions."""
 
 from __future__ import annotations
 
-from engine.admission.order import AGED_DUE, NO_DEADLINE, NORMAL, aged_tier, deadline_key, due
+from engine.host.order import AGED_DUE, NO_DEADLINE, NORMAL, aged_tier, deadline_key, due
 
 LOW, HIGH = NORMAL + 1, NORMAL - 1
 

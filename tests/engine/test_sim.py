@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from core import served_models
+from core.llms import specs
 from engine import EngineHost, RequestError, RequestOutput, SamplingParams
 from engine.core.urgent import UrgentReservation
 from engine.sim.engine import MAX_CALL_S, SimEngine
@@ -243,18 +243,18 @@ def test_engine_options_of_the_real_engine_are_accepted(tok: Any) -> None:
 
 def test_spec_options_and_their_errors() -> None:
     spec = "sim:tokens_per_s=4000,max_num_seqs=256,ttft_ms=50,tokenizer=demo:llama-tiny"
-    parsed = served_models.sim_spec(spec)
+    parsed = specs.sim_spec(spec)
     assert parsed.engine_kwargs() == {
         "tokens_per_s": 4000.0,
         "ttft_ms": 50.0,
         "lengths": "max",
         "max_num_seqs": 256,
     }
-    assert served_models.kind_of(spec) == "generate"
-    assert served_models.source_spec(spec) == "demo:llama-tiny"
-    assert served_models.source_spec("sim:") == served_models.SIM_DEFAULT_TOKENIZER
+    assert specs.kind_of(spec) == "generate"
+    assert specs.source_spec(spec) == "demo:llama-tiny"
+    assert specs.source_spec("sim:") == specs.SIM_DEFAULT_TOKENIZER
     with pytest.raises(ValueError) as err:
-        served_models.sim_spec("sim:tokens_per_s=10,speed=2")
+        specs.sim_spec("sim:tokens_per_s=10,speed=2")
     assert "'speed'" in str(err.value) and "tokens_per_s, ttft_ms, max_num_seqs" in str(err.value)
     for bad, words in [
         ("sim:tokens_per_s=-1", "tokens_per_s must be a positive number"),
@@ -263,4 +263,4 @@ def test_spec_options_and_their_errors() -> None:
         ("sim:ttft_ms", "'ttft_ms' needs a value"),
     ]:
         with pytest.raises(ValueError, match=words):
-            served_models.sim_spec(bad)
+            specs.sim_spec(bad)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from core.demo_models import build
+from core.llms.demo import build
 from engine import Engine, SamplingParams
 from engine.core.stats import Histogram
 

@@ -32,7 +32,7 @@ def make_batch(
     from core import ids
     from core.db import session_scope
     from core.lifecycle import now
-    from core.models import Batch, File
+    from core.tables import Batch, File
     from worker.infra.common import storage
 
     data = lines if isinstance(lines, bytes) else jsonl(lines)
@@ -68,7 +68,7 @@ def read_file_lines(file_id: str | None) -> list[dict[str, Any]]:
     if file_id is None:
         return []
     from core.db import session_scope
-    from core.models import File
+    from core.tables import File
     from worker.infra.common import storage
 
     with session_scope() as session:
@@ -79,7 +79,7 @@ def read_file_lines(file_id: str | None) -> list[dict[str, Any]]:
 
 def batch_row(batch_id: str) -> Any:
     from core.db import session_scope
-    from core.models import Batch
+    from core.tables import Batch
 
     with session_scope() as session:
         batch = session.get(Batch, batch_id)
@@ -91,7 +91,7 @@ def shard_rows(batch_id: str) -> list[Any]:
     from sqlalchemy import select
 
     from core.db import session_scope
-    from core.models import Shard
+    from core.tables import Shard
 
     with session_scope() as session:
         rows = list(

@@ -32,7 +32,7 @@ JOBS, PER_JOB, OUTPUT_TOKENS = 2, 2, 3
 def running(pg_url: str, redis_url: str, tmp_path: Path) -> Iterator[tuple[str, str, Procs]]:
     """(the API's base URL, the broker URL, its processes) of a service started here."""
     from cli.perf.service import api_up
-    from core.demo_models import build
+    from core.llms.demo import build
 
     build("llama-tiny")  # once, before two processes race to build it
     root = tmp_path / "service"

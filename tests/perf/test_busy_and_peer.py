@@ -8,7 +8,7 @@ from benchmarks import busy, peer
 
 
 def test_busy_reports_a_share_and_stops_its_load() -> None:
-    from core.demo_models import build
+    from core.llms.demo import build
 
     model = build("llama-tiny")
     report = busy.main(
@@ -29,7 +29,7 @@ def test_background_load_is_two_niced_processes_gone_on_exit() -> None:
 
 
 def test_peer_workloads_have_the_shapes_the_comparison_names() -> None:
-    from core.demo_models import build
+    from core.llms.demo import build
     from engine.text.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(str(build("llama-tiny")))

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from core.served_models import upstream_spec
+from core.llms.specs import upstream_spec
 from worker.upstream.concurrency import ConcurrencyController, Window
 from worker.upstream.dispatcher import Dispatcher, _retry_after
 from worker.upstream.guard import LiveGuard, histogram_quantile, read_metrics
@@ -388,7 +388,7 @@ def test_an_upstream_models_prompts_are_counted_for_quotas(
 ) -> None:
     """With ``tokenizer=`` the named local model's tokenizer counts the prompt; without, its
     size does; the ids are never kept for the shard (the server tokenizes its own)."""
-    from core.batchfile import RawLine, parse_request
+    from core.batchfile.reader import RawLine, parse_request
     from core.settings import get_settings
     from worker.infra import runtime
     from worker.validation.token_count import TokenCounter

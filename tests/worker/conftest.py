@@ -45,7 +45,7 @@ def worker_env(
 @pytest.fixture(scope="session")
 def host() -> Iterator[Any]:
     """One engine host on the tiny model for the whole session (as in a model worker)."""
-    from core.demo_models import build
+    from core.llms.demo import build
     from engine import Engine, EngineHost
 
     h = EngineHost(Engine(str(build("llama-tiny")))).start()

@@ -26,7 +26,7 @@ def _update_batch(batch_id: str, **values: Any) -> None:
     from sqlalchemy import update
 
     from core.db import session_scope
-    from core.models import Batch
+    from core.tables import Batch
 
     with session_scope() as session:
         session.execute(update(Batch).where(Batch.id == batch_id).values(**values))
@@ -101,7 +101,7 @@ def test_expiring_batch_whose_every_request_has_a_result_completes(worker_env, h
     from sqlalchemy import update
 
     from core.db import session_scope
-    from core.models import Shard
+    from core.tables import Shard
 
     with session_scope() as session:
         session.execute(update(Shard).where(Shard.batch_id == batch_id).values(status="stopped"))

@@ -28,7 +28,7 @@ def test_two_models_never_load_at_the_same_time(worker_env, monkeypatch):
     loading at once corrupt each other. Each load waits here until the other arrives or a
     few seconds pass, so loads that may overlap do."""
     import engine
-    from core.demo_models import build
+    from core.llms.demo import build
     from core.settings import get_settings
     from worker.infra import runtime
 

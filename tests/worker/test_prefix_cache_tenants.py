@@ -18,7 +18,7 @@ def _cached_tokens(tenant: str, prompt: list[int], host) -> int:
     from sqlalchemy import update
 
     from core.db import session_scope
-    from core.models import Batch
+    from core.tables import Batch
     from worker.batches.finalize import finalize
     from worker.batches.tasks import validate
     from worker.shards.task import ShardEnd, run_shard

@@ -20,7 +20,7 @@ def _set(batch_id: str, **values) -> None:
     from sqlalchemy import update
 
     from core.db import session_scope
-    from core.models import Batch
+    from core.tables import Batch
 
     with session_scope() as session:
         session.execute(update(Batch).where(Batch.id == batch_id).values(**values))
@@ -46,7 +46,7 @@ def _end_batches() -> Iterator[None]:
     from sqlalchemy import update
 
     from core.db import session_scope
-    from core.models import Batch, Shard
+    from core.tables import Batch, Shard
 
     with session_scope() as session:
         session.execute(update(Shard).where(Shard.batch_id.in_(_created)).values(status="closed"))

@@ -34,7 +34,7 @@ def _age_heartbeat(shard_id: int, seconds: float = 3600) -> None:
     from sqlalchemy import update
 
     from core.db import session_scope
-    from core.models import Shard
+    from core.tables import Shard
 
     with session_scope() as session:
         session.execute(
@@ -48,7 +48,7 @@ def _set_shard(shard_id: int, **values: Any) -> None:
     from sqlalchemy import update
 
     from core.db import session_scope
-    from core.models import Shard
+    from core.tables import Shard
 
     with session_scope() as session:
         session.execute(update(Shard).where(Shard.id == shard_id).values(**values))
@@ -73,7 +73,7 @@ def _contents(lines: list[dict]) -> dict[str, str]:
 def fault_host() -> Iterator[Any]:
     """A host whose engine fails every step while a prompt containing POISONPILL is in it, and
     refuses prompts containing REFUSEME (tests.worker.engine_faults)."""
-    from core.demo_models import build
+    from core.llms.demo import build
     from engine import Engine, EngineHost
     from tests.worker.engine_faults import install_test_fault
 

@@ -138,8 +138,8 @@ def model(worker_env, monkeypatch):
     from sqlalchemy import select, update
 
     from core.db import session_scope
-    from core.models import Batch, Shard
     from core.settings import get_settings
+    from core.tables import Batch, Shard
 
     monkeypatch.setenv("BATCHD_MAX_RELEASED_SHARDS_PER_MODEL", "3")
     get_settings.cache_clear()
@@ -168,7 +168,7 @@ def add_batch(
     from core import ids
     from core.db import session_scope
     from core.lifecycle import now
-    from core.models import Batch, File, Shard
+    from core.tables import Batch, File, Shard
 
     file_id, batch_id = ids.file_id(), ids.batch_id()
     created = now() - timedelta(seconds=age_s)
@@ -213,7 +213,7 @@ def released(model: str) -> list[tuple[str, int]]:
     from sqlalchemy import select
 
     from core.db import session_scope
-    from core.models import Batch, Shard
+    from core.tables import Batch, Shard
 
     with session_scope() as session:
         rows = session.execute(
@@ -233,7 +233,7 @@ def finish(batch_id: str, index: int) -> None:
     from sqlalchemy import update
 
     from core.db import session_scope
-    from core.models import Shard
+    from core.tables import Shard
 
     with session_scope() as session:
         session.execute(
@@ -281,7 +281,7 @@ def test_bound_is_respected_and_freed_slots_are_refilled(model):
     from sqlalchemy import update
 
     from core.db import session_scope
-    from core.models import Shard
+    from core.tables import Shard
 
     with session_scope() as session:
         session.execute(update(Shard).where(Shard.batch_id == batch).values(status="running"))
@@ -405,7 +405,7 @@ def test_batches_not_in_progress_or_expired_are_not_released(model):
 
     from core.db import session_scope
     from core.lifecycle import now
-    from core.models import Batch
+    from core.tables import Batch
     from worker.shards.release import release_for_model
 
     cancelling = add_batch(model, "t", 2)
@@ -464,7 +464,7 @@ def test_sweep_resends_a_release_that_was_never_sent(model):
 
     from core.db import session_scope
     from core.lifecycle import now
-    from core.models import Shard
+    from core.tables import Shard
     from worker.shards.release import _resend_lost, release_for_model
 
     batch = add_batch(model, "t", 5)
@@ -555,9 +555,9 @@ def test_a_reclaimed_shard_whose_message_was_lost_does_not_hold_its_slot(model):
 
     from core.db import session_scope
     from core.lifecycle import now
-    from core.models import Shard
     from core.queue import model_queue
     from core.settings import get_settings
+    from core.tables import Shard
     from worker.shards.recovery import reclaim_stale_shards
     from worker.shards.release import release_for_model, resend_after_s
 

@@ -40,7 +40,7 @@ def test_expired_batch_log_equals_its_files_and_retention_drops_it(worker_env, h
 
     from core.db import session_scope
     from core.lifecycle import now
-    from core.models import Batch, File, ResultChunk, ResultLine, Shard
+    from core.tables import Batch, File, ResultChunk, ResultLine, Shard
     from worker.batches.finalize import finalize
     from worker.batches.retention import sweep_files
     from worker.batches.tasks import validate

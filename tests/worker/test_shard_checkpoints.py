@@ -127,7 +127,7 @@ def test_a_line_that_no_longer_parses_gets_an_error_line(worker_env, host):
     """The stored input changed after validation (same length, so the shard's byte range
     still holds its lines): the line that no longer parses is reported, not skipped."""
     from core.db import session_scope
-    from core.models import Batch
+    from core.tables import Batch
     from worker.batches.finalize import finalize
     from worker.infra.common import input_key, storage
     from worker.shards.task import ShardEnd, run_shard
@@ -245,7 +245,7 @@ def test_cancel_finalize_keeps_finished_and_reports_the_rest(worker_env, host):
     assert cancel(batch_id) is None
     from sqlalchemy import update
 
-    from core.models import Shard
+    from core.tables import Shard
 
     with session_scope() as session:  # its heartbeat goes stale
         session.execute(

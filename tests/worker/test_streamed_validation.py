@@ -71,7 +71,7 @@ def _update(batch_id: str, **values) -> None:
     from sqlalchemy import update
 
     from core.db import session_scope
-    from core.models import Batch
+    from core.tables import Batch
 
     with session_scope() as session:
         session.execute(update(Batch).where(Batch.id == batch_id).values(**values))
@@ -83,7 +83,7 @@ def _end(batch_ids: list[str]) -> None:
     from sqlalchemy import update
 
     from core.db import session_scope
-    from core.models import Batch, Shard
+    from core.tables import Batch, Shard
 
     with session_scope() as session:
         session.execute(update(Shard).where(Shard.batch_id.in_(batch_ids)).values(status="closed"))
@@ -135,7 +135,7 @@ def _log_lines(batch_id: str) -> int:
     from sqlalchemy import func, select
 
     from core.db import session_scope
-    from core.models import ResultLine
+    from core.tables import ResultLine
 
     with session_scope() as session:
         return session.scalar(

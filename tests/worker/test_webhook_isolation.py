@@ -93,7 +93,7 @@ def trickler() -> Iterator[Trickler]:
 
 def _status(batch_id: str) -> str:
     from core.db import session_scope
-    from core.models import Batch
+    from core.tables import Batch
 
     with session_scope() as session:
         return session.get(Batch, batch_id).status
@@ -115,10 +115,10 @@ def test_trickling_receivers_do_not_delay_validate_or_finalize(
     from sqlalchemy import update
 
     from core.db import session_scope
-    from core.demo_models import build
     from core.lifecycle import transition
-    from core.models import Batch
+    from core.llms.demo import build
     from core.queue import TASK_CANCEL, TASK_VALIDATE, enqueue
+    from core.tables import Batch
     from tests.helpers.worker import chat_line, make_batch
     from worker.batches import webhooks
 

@@ -19,7 +19,7 @@ def batch_with_webhook(url: str | None = URL) -> str:
     from sqlalchemy import update
 
     from core.db import session_scope
-    from core.models import Batch
+    from core.tables import Batch
     from tests.helpers.worker import chat_line, make_batch
 
     batch_id = make_batch([chat_line("a", "hello", 4)])
@@ -32,7 +32,7 @@ def outbox(batch_id: str) -> list[dict]:
     from sqlalchemy import select
 
     from core.db import session_scope
-    from core.models import WebhookDelivery
+    from core.tables import WebhookDelivery
 
     with session_scope() as session:
         rows = session.scalars(select(WebhookDelivery).where(WebhookDelivery.batch_id == batch_id))
@@ -151,7 +151,7 @@ def test_an_attempt_or_retry_lost_on_the_way_is_sent_again_by_the_sweep(
 
     from core.db import session_scope
     from core.lifecycle import now
-    from core.models import WebhookDelivery
+    from core.tables import WebhookDelivery
     from worker.batches import webhooks
 
     batch_id = batch_with_webhook()
@@ -208,7 +208,7 @@ def test_the_sweep_sends_a_row_once_until_that_send_is_overdue(worker_env, redis
 
     from core.db import session_scope
     from core.lifecycle import now
-    from core.models import WebhookDelivery
+    from core.tables import WebhookDelivery
     from worker.batches import webhooks
 
     batch_id = batch_with_webhook()

@@ -26,7 +26,7 @@ app.Worker(queues=["batchd.control"], pool="threads", concurrency=2, hostname="p
 import transformers
 
 resolved = [n for n in TRANSFORMERS_NAMES if n in vars(transformers)]
-engine_imported = "engine.text.tokenizer" in sys.modules and "engine.admission.host" in sys.modules
+engine_imported = "engine.text.tokenizer" in sys.modules and "engine.host.host" in sys.modules
 
 from engine.text.tokenizer import load_tokenizer
 from worker.infra import runtime
@@ -66,7 +66,7 @@ print("RESULT " + json.dumps({"before": before, "resolved": resolved,
 
 
 def test_worker_init_imports_transformers_then_threads_load_tokenizers_at_once(tmp_path, redis_url):
-    from core.demo_models import build
+    from core.llms.demo import build
 
     path = build("llama-tiny")
     env = {

@@ -24,13 +24,13 @@ from sqlalchemy import select, text, update
 from sqlalchemy.orm import Session
 
 from core import ids, metrics
+from core.batchfile.results import batch_error_line, dumps_line
 from core.db import get_engine, new_session, session_scope
 from core.lifecycle import TERMINAL, BatchStatus, ShardStatus, now, transition
-from core.models import Batch, File, Shard
-from core.results import batch_error_line, dumps_line
 from core.results_log import chunk_line, final_chunk_key, log_chunk
 from core.settings import get_settings
-from core.storage import Storage
+from core.storage.base import Storage
+from core.tables import Batch, File, Shard
 from worker.batches.webhooks import notify
 from worker.infra import input_key, live_shards, past_expiry, storage, unfinished_shards
 from worker.shards.checkpoints import (

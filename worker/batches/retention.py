@@ -15,9 +15,9 @@ from sqlalchemy import delete, exists, select
 from core import results_log
 from core.db import session_scope
 from core.lifecycle import TERMINAL, now
-from core.models import Batch, File
 from core.queue import TASK_SWEEP_FILES
 from core.results_log import batch_log_prefix
+from core.tables import Batch, File
 from worker.infra import app, storage
 
 logger = logging.getLogger(__name__)

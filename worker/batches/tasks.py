@@ -17,16 +17,16 @@ from typing import Any
 
 from sqlalchemy import select
 
-from core import served_models
-from core.batch_request import BatchRequest
-from core.batchfile import ValidationReport, validate_file
+from core.batchfile.reader import ValidationReport, validate_file
+from core.batchfile.request import BatchRequest
 from core.db import session_scope
 from core.lifecycle import UNFINISHED, BatchStatus, now, transition
+from core.llms import specs
 from core.logs import log_context
-from core.models import Batch
 from core.queue import TASK_CANCEL, TASK_FINALIZE, TASK_SWEEP_EXPIRED, TASK_VALIDATE
 from core.settings import get_settings
 from core.sharding import ShardPlanner
+from core.tables import Batch
 from worker.batches.finalize import finalize
 from worker.batches.webhooks import notify
 from worker.infra import (
@@ -78,7 +78,7 @@ def scan_input(key: str, endpoint: str, deadline: float | None = None) -> _Scan:
     :mod:`worker.validation.task`). Past ``deadline`` (unix seconds: when its caller stops
     waiting) it stops with :class:`CallerGone`: nobody reads the rest of a file for nothing."""
     settings = get_settings()
-    served = [m for m, spec in settings.models.items() if served_models.serves(spec, endpoint)]
+    served = [m for m, spec in settings.models.items() if specs.serves(spec, endpoint)]
     planner = ShardPlanner(settings.shard_max_tokens, settings.shard_max_requests)
     count = TokenCounter(served)
 
@@ -96,7 +96,7 @@ def scan_input(key: str, endpoint: str, deadline: float | None = None) -> _Scan:
             max_line_bytes=settings.max_line_bytes,
             max_errors=settings.max_errors_reported,
             on_request=on_request,
-            forwarded=served_models.forwarded_models(settings.models),
+            forwarded=specs.forwarded_models(settings.models),
         )
     return _Scan(report, planner, count.prompt_tokens)
 

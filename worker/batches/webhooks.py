@@ -29,7 +29,6 @@ from sqlalchemy import select, update
 from core import metrics
 from core.db import session_scope
 from core.lifecycle import EVENT_TYPES, DeliveryStatus, now, record_webhook_event, webhook_event_id
-from core.models import Batch, WebhookDelivery
 from core.netcheck import (
     AllowList,
     DestinationRefused,
@@ -40,6 +39,7 @@ from core.netcheck import (
 )
 from core.queue import TASK_DELIVER_WEBHOOK, TASK_SWEEP_WEBHOOKS, WEBHOOK_QUEUE
 from core.settings import get_settings
+from core.tables import Batch, WebhookDelivery
 from worker.infra import app, send
 
 logger = logging.getLogger(__name__)

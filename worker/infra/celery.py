@@ -29,7 +29,8 @@ from kombu.transport import redis as kombu_redis
 from prometheus_client import multiprocess
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from core import served_models, tracing
+from core import tracing
+from core.llms import specs
 from core.logs import install
 from core.queue import (
     CONTROL_QUEUE,
@@ -247,7 +248,7 @@ def create_app() -> Celery:
 # ``ImportError: cannot import name 'AutoTokenizer' from 'transformers'``. ``AutoModel`` loads
 # the embedding models (engine.embedding.engine).
 TRANSFORMERS_NAMES = ("AutoConfig", "AutoTokenizer", "AutoModelForCausalLM", "AutoModel")
-TASK_DEPENDENCIES = ("engine", "engine.admission.host", "engine.text.tokenizer")
+TASK_DEPENDENCIES = ("engine", "engine.host.host", "engine.text.tokenizer")
 
 
 def import_task_dependencies() -> None:
@@ -299,9 +300,7 @@ def _dispatch_only(worker: Any) -> bool:
     except Exception:
         return False
     upstream = {
-        model_queue(name)
-        for name, spec in get_settings().models.items()
-        if served_models.is_upstream(spec)
+        model_queue(name) for name, spec in get_settings().models.items() if specs.is_upstream(spec)
     }
     return bool(consumed) and consumed <= upstream
 

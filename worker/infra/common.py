@@ -20,11 +20,11 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from core.lifecycle import ShardStatus, now
-from core.models import Batch, File, Shard
 from core.queue import CONTROL_QUEUE
 from core.settings import get_settings
-from core.storage import Storage
-from core.storage_factory import open_storage
+from core.storage import open_storage
+from core.storage.base import Storage
+from core.tables import Batch, File, Shard
 from worker.infra.celery import app
 
 logger = logging.getLogger(__name__)

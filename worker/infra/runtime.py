@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 from celery.worker.control import inspect_command
 
-from core import metrics, served_models
-from core.demo_models import build
-from core.gguf_models import ModelSourceError
+from core import metrics
+from core.llms import specs
+from core.llms.demo import build
+from core.llms.gguf import ModelSourceError
 from core.settings import get_settings
 from engine.sim.engine import DEFAULT_MAX_MODEL_LEN, SimEngine
 from worker.upstream.dispatcher import Dispatcher
@@ -90,7 +91,7 @@ def model_spec(model: str) -> str:
 
 def is_upstream(model: str) -> bool:
     """Whether ``model`` is served by an upstream server (its lines go there as written)."""
-    return served_models.is_upstream(get_settings().models.get(model, ""))
+    return specs.is_upstream(get_settings().models.get(model, ""))
 
 
 def model_dir(model: str) -> Path:
@@ -104,10 +105,10 @@ def model_dir(model: str) -> Path:
         raise ModelSourceError(refused)
     spec = model_spec(model)
     try:
-        source = served_models.source_spec(spec)  # a simulated model's: its tokenizer's
-        path = served_models.spec_dir(source)
+        source = specs.source_spec(spec)  # a simulated model's: its tokenizer's
+        path = specs.spec_dir(source)
     except ValueError as exc:
-        if not isinstance(exc, ModelSourceError) and not served_models.is_sim(spec):
+        if not isinstance(exc, ModelSourceError) and not specs.is_sim(spec):
             raise
         message = f"model {model!r} ({spec}) is refused: {exc}"
         with _lock:
@@ -124,8 +125,8 @@ def tokenizer(model: str) -> Any:
     model has the tokenizer its spec names, or none (None: its prompts are counted by their
     size, :func:`core.generation.approx_prompt_tokens`)."""
     spec = model_spec(model)
-    if served_models.is_upstream(spec):
-        source = served_models.upstream_spec(spec, model).tokenizer
+    if specs.is_upstream(spec):
+        source = specs.upstream_spec(spec, model).tokenizer
         return None if source is None else _spec_tokenizer(model, source)
     with _lock:
         host = _hosts.get(model)
@@ -150,7 +151,7 @@ def _spec_tokenizer(model: str, source: str | None) -> Any:
     if source is None:
         path = model_dir(model)
     else:
-        path = served_models.spec_dir(source)
+        path = specs.spec_dir(source)
         if path is None:
             path = build(source.split(":", 1)[1])
     tok = load_tokenizer(str(path))
@@ -165,11 +166,11 @@ def context_length(model: str) -> int:
             return _context[model]
     limit = get_settings().engine_options.get("max_model_len")
     spec = model_spec(model)
-    if served_models.is_upstream(spec):
-        limit = served_models.upstream_spec(spec, model).max_model_len
-    elif served_models.is_sim(spec):
+    if specs.is_upstream(spec):
+        limit = specs.upstream_spec(spec, model).max_model_len
+    elif specs.is_sim(spec):
         model_dir(model)  # a bad spec is refused here as at load
-        limit = served_models.sim_spec(spec).max_model_len or limit or DEFAULT_MAX_MODEL_LEN
+        limit = specs.sim_spec(spec).max_model_len or limit or DEFAULT_MAX_MODEL_LEN
     if limit is None:
         from transformers import AutoConfig  # seconds to import: only for a local model
 
@@ -193,7 +194,7 @@ def host(model: str) -> EngineHost:
         if existing is not None:
             return existing
         spec = model_spec(model)
-        if served_models.is_upstream(spec):
+        if specs.is_upstream(spec):
             return _start_dispatcher(model, spec)
         with _loading:
             return _load_host(model, spec)
@@ -210,10 +211,10 @@ def _load_host(model: str, spec: str) -> EngineHost:
     started_at = time.monotonic()
     path = model_dir(model)
     logger.info("loading model %s from %s", model, path)
-    if served_models.kind_of(spec) == "embedding":
+    if specs.kind_of(spec) == "embedding":
         return _start_embedding_host(model, path, options, started_at)
     options.setdefault("enable_metrics", settings.metrics_enabled)
-    if served_models.is_sim(spec):
+    if specs.is_sim(spec):
         return _start_sim_host(model, spec, path, options, host_options, started_at)
     options.setdefault("adapt_cpu_threads", settings.adapt_cpu_threads)
     engine = Engine(str(path), **options)
@@ -238,7 +239,7 @@ def _load_host(model: str, spec: str) -> EngineHost:
 
 def _start_dispatcher(model: str, spec: str) -> Any:
     """An upstream model's dispatcher: no weights, no torch; it starts at once."""
-    upstream = served_models.upstream_spec(spec, model)
+    upstream = specs.upstream_spec(spec, model)
     started = Dispatcher(model, upstream, aging_s=get_settings().low_priority_aging_s).start()
     with _lock:
         _hosts[model] = started
@@ -272,7 +273,7 @@ def _start_sim_host(
     options over them, and the host options every generation model gets."""
     from engine import EngineHost  # torch: only a process that runs a model gets here
 
-    options.update(served_models.sim_spec(spec).engine_kwargs())
+    options.update(specs.sim_spec(spec).engine_kwargs())
     engine = SimEngine(str(path), **options)
     host = EngineHost(engine, name=f"engine-host-{model}", **_host_policy(host_options))  # type: ignore[arg-type]
     started = host.start()
@@ -288,7 +289,7 @@ def _start_sim_host(
         engine.config.max_num_seqs,
         engine.ttft_ms,
         engine.max_model_len,
-        served_models.source_spec(spec),
+        specs.source_spec(spec),
         time.monotonic() - started_at,
     )
     return started

@@ -13,10 +13,10 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from core.batchfile import custom_id_of, iter_lines
+from core.batchfile.reader import custom_id_of, iter_lines
 from core.results_log import ChunkRecord, read_chunk, write_chunk
 from core.settings import get_settings
-from core.storage import ObjectNotFound, Storage
+from core.storage.base import ObjectNotFound, Storage
 
 logger = logging.getLogger(__name__)
 

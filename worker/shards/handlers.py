@@ -16,13 +16,14 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from core import generation, served_models
-from core.batch_request import EMBEDDINGS_URL, BatchRequest
+from core import generation
+from core.batchfile.request import EMBEDDINGS_URL, BatchRequest
+from core.batchfile.results import GenerationResult, embedding_body, output_line
 from core.generation import error_for_exception, error_record
-from core.models import Batch, Shard
+from core.llms import specs
 from core.priority import Priority
-from core.results import GenerationResult, embedding_body, output_line
 from core.settings import get_settings
+from core.tables import Batch, Shard
 from engine import RequestError, SamplingParams
 from worker.infra import REQUEST_ERRORS, runtime, storage
 from worker.shards import timings
@@ -79,7 +80,7 @@ class Handler(Protocol):
     # rather than run again among the others.
     isolates_failures: bool
     # Whether the bodies go to their server as written (an upstream model): their lines may
-    # hold fields this service does not know (core.bodies.check_body).
+    # hold fields this service does not know (core.batchfile.bodies.check_body).
     forwards_bodies: bool
 
     def prepare(self, req: BatchRequest) -> tuple[Any, Any] | Line:
@@ -104,10 +105,10 @@ class Handler(Protocol):
 
 def handler_for(shard: Shard, batch: Batch, host: Any) -> Handler:
     spec = get_settings().models.get(batch.model or "", "")
-    if served_models.is_upstream(spec):
+    if specs.is_upstream(spec):
         from worker.upstream.handler import UpstreamHandler  # a cycle: it imports this module
 
-        return UpstreamHandler(batch, host, served_models.upstream_spec(spec, batch.model or ""))
+        return UpstreamHandler(batch, host, specs.upstream_spec(spec, batch.model or ""))
     if batch.endpoint == EMBEDDINGS_URL:
         return EmbeddingHandler(batch, host)
     return GenerationHandler(shard, batch, host)
@@ -161,7 +162,7 @@ class GenerationHandler:
 
     def submit(self, prompt: Any, params: Any, done: Callable[[Future], None]) -> None:
         # torch: imported only by a process that runs an engine host
-        from engine.admission.host import HostError
+        from engine.host.host import HostError
 
         try:
             self._submit(prompt, params, done)
@@ -183,7 +184,7 @@ class GenerationHandler:
 
     def outcome(self, req: BatchRequest, future: Future, submitted: float | None) -> RequestOutcome:
         # torch: imported only by a process that runs an engine host
-        from engine.admission.host import HostError
+        from engine.host.host import HostError
 
         exc = future.exception()
         if exc is not None:

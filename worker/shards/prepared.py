@@ -18,7 +18,7 @@ from array import array
 from collections.abc import Iterable
 from typing import Any
 
-from core.storage import ObjectNotFound, Storage
+from core.storage.base import ObjectNotFound, Storage
 
 logger = logging.getLogger(__name__)
 

@@ -24,11 +24,11 @@ from sqlalchemy.orm import Session
 
 from core.db import session_scope
 from core.lifecycle import BatchStatus, ShardStatus, now
-from core.models import Batch, Shard
 from core.priority import Priority
 from core.queue import TASK_RELEASE_SWEEP, TASK_RUN_SHARD, model_queue
 from core.settings import get_settings
-from engine.admission.order import aged_tier, deadline_key
+from core.tables import Batch, Shard
+from engine.host.order import aged_tier, deadline_key
 from worker.infra import app, retrying, send
 
 logger = logging.getLogger(__name__)
@@ -185,7 +185,7 @@ def tier(cand: Candidate, last_release: float | None, aging_s: float | None, clo
     """The tier ``cand`` competes in, as the engine numbers tiers (lower first): its batch's
     priority, except that a ``low`` batch waiting longer than ``aging_s`` since its last
     release (or, before any, since it started running) competes as ``normal``
-    (``engine.admission.order.aged_tier``)."""
+    (``engine.host.order.aged_tier``)."""
     since = _ts(cand.started_at or cand.created_at)
     if last_release is not None:
         since = max(since, last_release)

@@ -11,13 +11,13 @@ from concurrent.futures import Future
 from typing import Any
 
 from core import metrics
-from core.batch_request import BatchRequest, LineError
-from core.batchfile import RawLine, custom_id_of, iter_lines, parse_request
+from core.batchfile.reader import RawLine, custom_id_of, iter_lines, parse_request
+from core.batchfile.request import BatchRequest, LineError
 from core.generation import error_for_exception, error_record
 from core.lifecycle import ShardStatus
 from core.logs import log_context
-from core.models import Batch, Shard
 from core.settings import get_settings
+from core.tables import Batch, Shard
 from worker.infra import runtime, storage
 from worker.shards import timings
 from worker.shards.handlers import (
@@ -77,7 +77,7 @@ class ShardRun:
         self.host = host
         # What differs between generation and embeddings (prepare, submit, read the outcome).
         self.handler = handler_for(shard, batch, host)
-        # an upstream model's lines are parsed as validation parsed them (core.bodies.check_body)
+        # an upstream model's lines are parsed as validation parsed them (core.batchfile.bodies.check_body)
         self.forwarded: tuple[str, ...] = (self.model,) if self.handler.forwards_bodies else ()
         self.every = max(1, settings.checkpoint_every)
         self.interval = settings.checkpoint_interval_s
@@ -237,7 +237,7 @@ class ShardRun:
         ``STATS_PATIENCE`` asks in a row is taken for dead (the attempt fails, the shard is
         reclaimed); until then a slow answer only means not yet."""
         # torch: imported only by a process that runs an engine host
-        from engine.admission.host import HostError
+        from engine.host.host import HostError
 
         try:
             stats = self.host.stats(timeout=STATS_TIMEOUT_S)

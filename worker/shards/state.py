@@ -14,12 +14,12 @@ from typing import Any
 
 from sqlalchemy import select, update
 
+from core.batchfile.results import GenerationResult
 from core.db import session_scope
 from core.lifecycle import BatchStatus, ShardStatus, now, transition
-from core.models import Batch, Shard
 from core.queue import TASK_FINALIZE
-from core.results import GenerationResult
 from core.results_log import log_chunk
+from core.tables import Batch, Shard
 from worker.infra import (
     heartbeat_interval_s,
     live_shards,

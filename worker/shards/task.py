@@ -21,12 +21,12 @@ from celery.signals import worker_ready
 
 from core import metrics
 from core.db import session_scope
-from core.gguf_models import ModelSourceError
 from core.lifecycle import BatchStatus, ShardStatus
+from core.llms.gguf import ModelSourceError
 from core.logs import bind_log_context, log_context
-from core.models import Batch, Shard
 from core.queue import TASK_RUN_SHARD, model_queue
 from core.settings import get_settings
+from core.tables import Batch, Shard
 from worker.infra import app, input_key, past_expiry, retrying, runtime, storage
 from worker.shards.checkpoints import (
     committed_lines,

@@ -24,8 +24,8 @@ from typing import Any
 
 import httpx
 
-from core.served_models import UpstreamSpec
-from engine.admission.fair_queue import FairQueue
+from core.llms.specs import UpstreamSpec
+from engine.host.fair_queue import FairQueue
 from worker.upstream.concurrency import ConcurrencyController
 from worker.upstream.guard import LiveGuard
 from worker.upstream.shared import Counters, LocalLimit, SharedLimit

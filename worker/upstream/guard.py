@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from core.served_models import UpstreamSpec
+from core.llms.specs import UpstreamSpec
 
 logger = logging.getLogger(__name__)
 

@@ -11,12 +11,12 @@ from concurrent.futures import Future
 from typing import Any
 
 from core import generation
-from core.batch_request import BatchRequest
+from core.batchfile.request import BatchRequest
+from core.batchfile.results import ChoiceResult, GenerationResult, output_line, request_error_line
 from core.generation import error_for_exception
-from core.models import Batch
+from core.llms.specs import UpstreamSpec
 from core.priority import Priority
-from core.results import ChoiceResult, GenerationResult, output_line, request_error_line
-from core.served_models import UpstreamSpec
+from core.tables import Batch
 from worker.shards.handlers import SUBMIT_WAIT_S, Aborted, Line, RequestOutcome
 from worker.upstream.dispatcher import Reply
 

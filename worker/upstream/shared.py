@@ -19,7 +19,7 @@ from datetime import UTC, datetime, timedelta
 from sqlalchemy import or_, select, update
 
 from core.db import session_scope
-from core.models import UpstreamLimit, UpstreamMember
+from core.tables import UpstreamLimit, UpstreamMember
 from worker.upstream.concurrency import ConcurrencyController, Window
 
 logger = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Control tasks of the projections: an estimate of an input file (validated and counted
 exactly as the validate task does, nothing created) answered to the API that asked, and the
-beat task that refreshes every running batch's projected completion (``core.eta_store``)."""
+beat task that refreshes every running batch's projected completion (``core.eta.store``)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import logging
 import threading
 from typing import Any
 
-from core import eta_store, rpc
+from core import rpc
 from core.db import session_scope
+from core.eta import store
 from core.lifecycle import now
 from core.queue import TASK_ESTIMATE, TASK_REFRESH_ETAS
 from core.settings import get_settings
@@ -80,7 +81,7 @@ def estimate_task(key: str, endpoint: str, reply_to: str, deadline: float) -> No
 
 def refresh_etas() -> int:
     with session_scope() as session:
-        return eta_store.refresh(session, now(), get_settings().throughput_window_s)
+        return store.refresh(session, now(), get_settings().throughput_window_s)
 
 
 @app.task(name=TASK_REFRESH_ETAS)

@@ -15,11 +15,11 @@ from sqlalchemy import func, select, text, update
 from sqlalchemy.orm import Session
 
 from core import results_log
-from core.batchfile import ValidationReport
+from core.batchfile.reader import ValidationReport
 from core.db import new_session
 from core.lifecycle import ENQUEUED, BatchStatus, ShardStatus, transition
-from core.models import Batch, Shard
 from core.results_log import batch_log_prefix
+from core.tables import Batch, Shard
 from worker.batches.webhooks import notify
 from worker.infra import storage
 from worker.shards.release import release_for_model

@@ -19,9 +19,8 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from core import metrics, served_models
-from core.batch_request import LineError
-from core.batchfile import (
+from core import metrics
+from core.batchfile.reader import (
     FILE_ERRORS,
     LineValidator,
     RawLine,
@@ -29,12 +28,14 @@ from core.batchfile import (
     iter_lines,
     line_error_record,
 )
+from core.batchfile.request import LineError
 from core.db import new_session
 from core.lifecycle import BatchStatus, ShardStatus, now, transition
-from core.models import Batch, Shard
+from core.llms import specs
 from core.results_log import ChunkRecord, batch_log_prefix, log_chunk, write_chunk
 from core.settings import get_settings
 from core.sharding import ShardPlanner, ShardSpec
+from core.tables import Batch, Shard
 from worker.batches.webhooks import notify
 from worker.infra import past_expiry, runtime, storage
 from worker.shards.checkpoints import chunk_key
@@ -132,13 +133,13 @@ class StreamedValidation:
         self.endpoint = endpoint
         self.tenant = tenant
         self.resume = resume
-        served = [m for m, spec in settings.models.items() if served_models.serves(spec, endpoint)]
+        served = [m for m, spec in settings.models.items() if specs.serves(spec, endpoint)]
         self.lines = LineValidator(
             endpoint=endpoint,
             served_models=served,
             max_requests=settings.max_requests_per_batch,
             max_line_bytes=settings.max_line_bytes,
-            forwarded=served_models.forwarded_models(settings.models),
+            forwarded=specs.forwarded_models(settings.models),
         )
         self.count = TokenCounter(served)
         self.planner = ShardPlanner(

@@ -1,0 +1,1 @@
+"""The batch file format: input lines, request bodies, result lines."""

