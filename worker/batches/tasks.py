@@ -11,21 +11,15 @@ from __future__ import annotations
 
 import logging
 import random
-import time
-from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import select
 
-from core.batchfile.reader import ValidationReport, validate_file
-from core.batchfile.request import BatchRequest
 from core.db import session_scope
 from core.lifecycle import UNFINISHED, BatchStatus, now, transition
-from core.llms import specs
 from core.logs import log_context
 from core.queue import TASK_CANCEL, TASK_FINALIZE, TASK_SWEEP_EXPIRED, TASK_VALIDATE
 from core.settings import get_settings
-from core.sharding import ShardPlanner
 from core.tables import Batch
 from worker.batches.finalize import finalize
 from worker.batches.webhooks import notify
@@ -35,7 +29,6 @@ from worker.infra import (
     live_shards,
     send,
     stale_after_s,
-    storage,
     transient_error,
 )
 from worker.validation.failures import (
@@ -44,61 +37,17 @@ from worker.validation.failures import (
     quota_error,
 )
 from worker.validation.task import StreamedValidation, ValidationStop, progress
-from worker.validation.token_count import TokenCounter
 
 __all__ = [
     "cancel",
     "enqueued_tokens",
     "quota_error",
     "run_control_step",
-    "scan_input",
     "sweep_expired",
     "validate",
 ]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class _Scan:
-    """A validated input file: the report, the shards planned and the prompt tokens counted."""
-
-    report: ValidationReport
-    planner: ShardPlanner
-    prompt_tokens: int
-
-
-class CallerGone(TimeoutError):
-    """The caller of a scan stopped waiting for it: the rest of the file is not read."""
-
-
-def scan_input(key: str, endpoint: str, deadline: float | None = None) -> _Scan:
-    """Stream the input file once as a whole: validate every line, count its tokens, plan the
-    shards (what an estimate of the file reports; a batch's validation streams shards instead,
-    :mod:`worker.validation.task`). Past ``deadline`` (unix seconds: when its caller stops
-    waiting) it stops with :class:`CallerGone`: nobody reads the rest of a file for nothing."""
-    settings = get_settings()
-    served = [m for m, spec in settings.models.items() if specs.serves(spec, endpoint)]
-    planner = ShardPlanner(settings.shard_max_tokens, settings.shard_max_requests)
-    count = TokenCounter(served)
-
-    def on_request(req: BatchRequest) -> None:
-        if deadline is not None and req.line % 256 == 0 and time.time() > deadline:
-            raise CallerGone(f"the caller stopped waiting at line {req.line}")
-        planner.add(req.line, req.offset, req.length, count(req))
-
-    with storage().reader(key) as stream:
-        report = validate_file(
-            stream,
-            endpoint=endpoint,
-            served_models=served,
-            max_requests=settings.max_requests_per_batch,
-            max_line_bytes=settings.max_line_bytes,
-            max_errors=settings.max_errors_reported,
-            on_request=on_request,
-            forwarded=specs.forwarded_models(settings.models),
-        )
-    return _Scan(report, planner, count.prompt_tokens)
 
 
 def validate(batch_id: str) -> str | None:
