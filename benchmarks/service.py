@@ -48,9 +48,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import stack as bs
 from cli.perf.service import Ticker
 from cli.perf.workload import CHAT_URL, LengthDist, chat_bodies, request_line
+from tests.harness import stack as bs
 
 ENDPOINT = CHAT_URL
 THROUGHPUT_TARGET = 0.85

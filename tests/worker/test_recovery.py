@@ -277,10 +277,10 @@ def test_request_error_is_retried_then_reported(worker_env, fault_host):
 
 def test_database_outage_mid_shard_is_ridden_out(worker_env, host, pg_url, monkeypatch):
 
-    from benchmarks.harness.tcp_proxy import TcpProxy
     from core import db
     from core.settings import get_settings
     from tests.conftest import PG_HOST, PG_PORT
+    from tests.harness.tcp_proxy import TcpProxy
     from worker.finalize import finalize
     from worker.shard import run_shard
 

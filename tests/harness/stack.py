@@ -26,12 +26,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness.revisions import REPO
 from cli.perf import service
 from cli.perf.service import WorkerProbe, api_up, free_port, wait_for
 from core import launch
 from core.launch import QUIET
 from core.settings import DEMO_MODEL_NAME as MODEL
+
+REPO = Path(__file__).resolve().parents[2]  # the checkout
 
 API_KEY = "sk-e2e-test-key-static"  # the tests' stacks
 BENCH_API_KEY = "sk-bench-key-static"  # the benchmarks' stacks

@@ -26,12 +26,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness.revisions import REPO
-from benchmarks.harness.stack import api_command
-from benchmarks.harness.tcp_proxy import TcpProxy
 from cli.perf.service import Procs, api_up, free_port, memory_kb, wait_for
 from core import launch
 from core.launch import QUIET
+from tests.harness.stack import REPO, api_command
+from tests.harness.tcp_proxy import TcpProxy
 
 CHAT_MODEL = "batchd-demo"
 EMBED_MODEL = "minilm"
