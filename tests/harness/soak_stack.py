@@ -5,7 +5,7 @@ loopback TCP proxy in front of each (every service process connects through them
 closes their connections and refuses new ones), the processes as ``python -m worker`` and
 uvicorn start them (API, control worker, beat, model workers), restarted as a supervisor
 would after each planned kill and after any unplanned exit; API keys made by ``batchd keys
-create``; and a loopback webhook receiver. Nothing here imports ``tests``."""
+create``; and a loopback webhook receiver. Nothing here imports ``benchmarks``."""
 
 from __future__ import annotations
 
