@@ -39,7 +39,7 @@ from api.deps import (
 from api.errors import APIError
 from api.limits import auth_enabled, retry_after_header
 from api.local import local_only
-from api.services.dashboard import Sampler, dashboard_data, end_session, start_session
+from api.services.dashboard import DashboardPoller, dashboard_data, end_session, start_session
 from core.auth import ui_session_key
 from core.settings import Settings
 
@@ -115,12 +115,12 @@ def _csrf_cookie(request: Request) -> str | None:
 UiCaller = Annotated[Caller | None, Depends(ui_caller)]
 
 
-def _sampler(request: Request) -> Sampler:
+def _poller(request: Request) -> DashboardPoller:
     state = request.app.state
-    sampler = getattr(state, "ui_sampler", None)
-    if sampler is None:
-        sampler = state.ui_sampler = Sampler(state.settings)
-    return sampler
+    poller = getattr(state, "ui_poller", None)
+    if poller is None:
+        poller = state.ui_poller = DashboardPoller(state.settings)
+    return poller
 
 
 # -- pages
@@ -189,16 +189,16 @@ def dashboard(
 ) -> Response:
     if caller is None:
         return _login_page(request, settings)
-    sampler = _sampler(request)
-    sampler.watch()
-    data = dashboard_data(session, caller, sampler)
+    poller = _poller(request)
+    poller.watch()
+    data = dashboard_data(session, caller, poller)
     who = "all tenants (admin)" if caller.admin else f"tenant {caller.tenant}"
     body = TEMPLATE.substitute(
         who=html.escape(who),
         admin="true" if caller.admin else "false",
         tenant_header="<th>tenant</th>" if caller.admin else "",
         rows=_batch_rows(data["batches"], caller.admin),
-        interval_ms=int(1000 * sampler.interval),
+        interval_ms=int(1000 * poller.interval),
         csrf=_logout_token(token) if (token := request.cookies.get(SESSION_COOKIE)) else "",
     )
     return HTMLResponse(body, headers={"cache-control": "no-store"})
@@ -208,10 +208,10 @@ def dashboard(
 def data(request: Request, caller: UiCaller, session: SessionDep) -> Response:
     if caller is None:
         return JSONResponse({"error": "not signed in"}, status_code=401)
-    sampler = _sampler(request)
-    sampler.watch()
+    poller = _poller(request)
+    poller.watch()
     return JSONResponse(
-        dashboard_data(session, caller, sampler), headers={"cache-control": "no-store"}
+        dashboard_data(session, caller, poller), headers={"cache-control": "no-store"}
     )
 
 

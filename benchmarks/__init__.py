@@ -1,7 +1,8 @@
 """batchd's benchmarks, each run as ``python -m benchmarks.<name>``.
 
 The parts they share: the workloads (:mod:`cli.perf.workload`, shared with ``batchd bench``
-and ``batchd tune``), the harness that starts the service or the engine and samples its
-processes (:mod:`benchmarks.harness`). Not a runtime package: nothing here ships with the
-service, and nothing in the service imports it; the tests may import the harness.
+and ``batchd tune``), the process handling of :mod:`cli.perf.service`, the service's stack
+(:mod:`tests.harness`) and the benchmarks' own meters (:mod:`benchmarks.harness`). Not a
+runtime package: nothing in the service, ``cli`` or ``tests.harness`` imports it; only tests
+whose subject is a benchmark do.
 """

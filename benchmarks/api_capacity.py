@@ -292,7 +292,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     counts = [int(p) for p in args.processes.split(",")]
 
-    from benchmarks.harness.stack import BENCH_API_KEY, Broker, Database, service_env
+    from tests.harness.stack import BENCH_API_KEY, Broker, Database, service_env
 
     work = Path(tempfile.mkdtemp(prefix="batchd-api-capacity-"))
     db = Database(args.pg_admin_url, prefix="batchd_api_capacity")

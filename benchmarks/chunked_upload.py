@@ -20,8 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.harness import stack as bs
 from cli.perf.service import memory_kb
+from tests.harness import stack as bs
 
 MiB = 1024 * 1024
 

@@ -29,11 +29,11 @@ from typing import Any
 
 from benchmarks.eta_record import Recorder, curve, phases
 from benchmarks.harness.revisions import REPO
-from benchmarks.harness.stack import MODEL, Database, RedisServer, api_command
-from benchmarks.soak_stack import create_key
 from cli.perf.service import Procs, api_up, free_port, wait_for
 from cli.perf.workload import LengthDist, chat_bodies, request_line
 from core.launch import QUIET, beat_command, control_worker_command, model_worker_command
+from tests.harness.soak_stack import create_key
+from tests.harness.stack import MODEL, Database, RedisServer, api_command
 
 MARKS = (0.10, 0.50, 0.90)
 

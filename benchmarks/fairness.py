@@ -246,8 +246,8 @@ def tenant_key(database_url: str, tenant: str) -> str:
 
 
 def _start_stack(root: Path, database_url: str, redis_url: str, args: argparse.Namespace):
-    from benchmarks.harness import stack as bs
     from cli.perf.service import free_port
+    from tests.harness import stack as bs
 
     env = bs.service_env(
         root,
@@ -302,8 +302,8 @@ def main() -> None:
     import redis
     from openai import OpenAI
 
-    from benchmarks.harness.stack import Database, EngineStatsProbe
     from core.llms.demo import build
+    from tests.harness.stack import Database, EngineStatsProbe
 
     build("llama-tiny")
     db = Database(args.pg_admin_url)

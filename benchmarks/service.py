@@ -48,9 +48,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import stack as bs
 from cli.perf.service import Ticker
 from cli.perf.workload import CHAT_URL, LengthDist, chat_bodies, request_line
+from tests.harness import stack as bs
 
 ENDPOINT = CHAT_URL
 THROUGHPUT_TARGET = 0.85
@@ -186,7 +186,7 @@ class Sample:
     shards: dict[str, int]  # shard status -> count, for the batch
 
 
-class Sampler:
+class EngineShardSampler:
     """Polls the model worker's engine stats and the batch's shard rows in a thread."""
 
     def __init__(self, broker_url: str, database_url: str, interval: float):
@@ -198,7 +198,7 @@ class Sampler:
         self.failures = 0
         self._ticker = Ticker(self._sample, interval, name="bench-sampler")
 
-    def start(self) -> Sampler:
+    def start(self) -> EngineShardSampler:
         self._ticker.start()
         return self
 
@@ -253,7 +253,7 @@ class ServiceRun:
     tokens_by_id: dict[str, int] = field(repr=False, default_factory=dict)
 
 
-def run_service(client: Any, path: Path, sampler: Sampler, poll: float) -> ServiceRun:
+def run_service(client: Any, path: Path, sampler: EngineShardSampler, poll: float) -> ServiceRun:
     start = time.monotonic()
     batch, upload_done = bs.upload_and_create(client, path, ENDPOINT)
     created = time.monotonic()
@@ -453,7 +453,7 @@ def measure(args: argparse.Namespace) -> Measured:
         stack.start_roles(("api", "control", "model", "beat"), settings.worker_shard_concurrency)
         stack.wait_ready()
         client = stack.client(timeout=600)
-        sampler = Sampler(run.broker.url, run.db.url, args.stats_interval)
+        sampler = EngineShardSampler(run.broker.url, run.db.url, args.stats_interval)
         if sampler.once() is None:
             raise RuntimeError("the model worker does not answer engine_stats" + stack.logs())
         # Warm the service (first-request costs in every process), then the engine alone.

@@ -26,12 +26,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import stack as bs
 from cli.perf.service import wait_for
 from cli.perf.workload import request_line
 from cli.procfs import process_cpu_s as cpu_s
 from core.launch import QUIET, model_worker_command
 from core.llms.specs import sim_spec
+from tests.harness import stack as bs
 
 SIM = "sim-8b"
 

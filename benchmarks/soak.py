@@ -86,10 +86,19 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness.revisions import REPO
-from benchmarks.harness.stack import Database
-from benchmarks.harness.tcp_proxy import TcpProxy
-from benchmarks.harness.upstream_server import UpstreamServer
-from benchmarks.soak_checks import (
+from benchmarks.soak_hostile import (
+    HOSTILE,
+    HostileOptions,
+    HostileTenant,
+    HostileTracker,
+    PgSampler,
+    Phases,
+    TrickleReceiver,
+    hostile_invariant,
+)
+from cli.perf.service import Ticker
+from cli.perf.workload import request_line
+from tests.harness.soak_checks import (
     TERMINAL,
     Api,
     BatchRecord,
@@ -102,17 +111,7 @@ from benchmarks.soak_checks import (
     task_time,
     webhook_invariant,
 )
-from benchmarks.soak_hostile import (
-    HOSTILE,
-    HostileOptions,
-    HostileTenant,
-    HostileTracker,
-    PgSampler,
-    Phases,
-    TrickleReceiver,
-    hostile_invariant,
-)
-from benchmarks.soak_stack import (
+from tests.harness.soak_stack import (
     CHAT_MODEL,
     EMBED_MODEL,
     UPSTREAM_MODEL,
@@ -126,8 +125,9 @@ from benchmarks.soak_stack import (
     proxied,
     service_env,
 )
-from cli.perf.service import Ticker
-from cli.perf.workload import request_line
+from tests.harness.stack import Database
+from tests.harness.tcp_proxy import TcpProxy
+from tests.harness.upstream_server import UpstreamServer
 
 FAULTS = ("kill-model", "redis-cut", "kill-control", "pg-cut", "api-restart", "kill-dispatch",
           "upstream-cut")  # fmt: skip

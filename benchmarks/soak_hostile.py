@@ -41,9 +41,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from benchmarks.soak_checks import TERMINAL, Api, BatchRecord, HttpLog, Tracker
-from benchmarks.soak_stack import CHAT_MODEL
 from cli.perf.workload import request_line
+from tests.harness.soak_checks import TERMINAL, Api, BatchRecord, HttpLog, Tracker
+from tests.harness.soak_stack import CHAT_MODEL
 
 HOSTILE = "hostile"
 CHAT = "/v1/chat/completions"

@@ -33,9 +33,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import stack as bs
 from cli.perf.service import Ticker, memory_kb
 from cli.perf.workload import request_line
+from tests.harness import stack as bs
 
 TARGET_MB = 150.0
 ENDPOINT = "/v1/chat/completions"

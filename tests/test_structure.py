@@ -97,6 +97,18 @@ def test_the_engine_is_a_leaf() -> None:
     assert reaching == []
 
 
+def test_benchmarks_are_imported_by_nothing_they_measure() -> None:
+    """The arrows point one way: ``benchmarks`` uses ``cli.perf`` and the tests' harness,
+    never the reverse (nor does the service), so either can change without the benchmarks."""
+    reaching = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in _sources(*PACKAGES, "tests/harness", "tests/helpers")
+        for name in _imported(_tree(path))
+        if name.split(".")[0] == "benchmarks"
+    ]
+    assert reaching == []
+
+
 def test_the_scans_see_what_they_look_for() -> None:
     """The scans themselves: a second definition and a reach into the host are caught."""
     second = ast.parse('RANK = {"high": 0, "normal": 1, "low": 2}\nP = Literal["high", "low"]')

@@ -1,6 +1,6 @@
-"""The dashboard's data: a sampler of batch progress and engine figures, and what a page shows.
+"""The dashboard's data: a poller of batch progress and engine figures, and what a page shows.
 
-The sampler runs in the API process only while someone watches (a dashboard request in the last
+The poller runs in the API process only while someone watches (a dashboard request in the last
 ``WATCH_S``): every ``ui_sample_interval_s`` it records the progress of unfinished batches and
 the engine figures of every model worker (``engine_stats`` over the broker), keeping the last
 ``HISTORY_S``. A caller sees only its tenant's batches unless its key is an admin's.
@@ -29,14 +29,14 @@ from core.tables import Batch
 logger = logging.getLogger(__name__)
 
 HISTORY_S = 600.0  # how much of the past the charts show
-WATCH_S = 60.0  # the sampler stops this long after the last dashboard request
+WATCH_S = 60.0  # the poller stops this long after the last dashboard request
 RATE_WINDOW_S = 60.0  # throughput and ETA: over this much of the recent past
 SMOOTH_S = 10.0  # the throughput chart: each point over this much of the past
 MAX_BATCHES = 50
 
 
-class Sampler:
-    """Samples batch progress and engine figures while the dashboard is watched."""
+class DashboardPoller:
+    """Polls batch progress and engine figures while the dashboard is watched."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -170,8 +170,8 @@ def _visible_batches(session: Session, caller: Caller) -> list[Batch]:
     return (unfinished + recent)[:MAX_BATCHES]
 
 
-def dashboard_data(session: Session, caller: Caller, sampler: Sampler) -> dict[str, Any]:
-    history = sampler.history()
+def dashboard_data(session: Session, caller: Caller, poller: DashboardPoller) -> dict[str, Any]:
+    history = poller.history()
     batches = []
     visible = _visible_batches(session, caller)
     ids = {b.id for b in visible}
@@ -215,7 +215,7 @@ def dashboard_data(session: Session, caller: Caller, sampler: Sampler) -> dict[s
         throughput[0].append(t1)
         throughput[1].append(moved / (t1 - t0))
     models: dict[str, Any] = {}
-    for name, m in sampler.latest_models.items():
+    for name, m in poller.latest_models.items():
         models[name] = {
             "workers": m["workers"],
             "running": m["running"],

@@ -1,1 +1,3 @@
-"""The processes a benchmark measures and the readings it takes of them."""
+"""What only the benchmarks use: CPU meters, a private Postgres, other revisions' trees.
+
+The service's processes, proxies and the soak's stack are the tests' (:mod:`tests.harness`)."""

@@ -12,7 +12,7 @@ import tarfile
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.harness.stack import REPO
 
 
 def worktree(rev: str, dest: Path) -> Path:

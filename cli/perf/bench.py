@@ -286,7 +286,10 @@ class Sample:
     rss_kb: dict[str, int]
 
 
-class Sampler:
+class ServiceSampler:
+    """Samples the service while a bench runs: the model workers' ``engine_stats`` and the RSS
+    of every service process (and its children), at ``interval``."""
+
     def __init__(self, probe: WorkerProbe | None, pids: dict[str, int], interval: float):
         self.probe = probe
         self.pids = dict(pids)
@@ -375,7 +378,7 @@ def _engine_series(samples: list[Sample]) -> dict[str, list[tuple[float, float]]
 def report(
     runs: list[JobRun],
     timings: list[dict[str, Any]],
-    sampler: Sampler,
+    sampler: ServiceSampler,
     *,
     start: float,
     end: float,
@@ -519,7 +522,7 @@ def run_workload(
             return clients[tenant]
 
     runs = [JobRun(job) for job in jobs]
-    sampler = Sampler(probe, pids, interval)
+    sampler = ServiceSampler(probe, pids, interval)
     sampler.start()
     start = time.time()
     threads = [

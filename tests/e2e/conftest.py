@@ -2,7 +2,7 @@
 beat as subprocesses on Postgres, Redis and a local storage directory, serving the tiny demo
 model. Started once per test module; tests talk to it with the official ``openai`` client.
 
-The processes, their command lines and environment come from :mod:`benchmarks.harness.stack`."""
+The processes, their command lines and environment come from :mod:`tests.harness.stack`."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from benchmarks.harness.stack import (
+from cli.perf.service import free_port, wait_for
+from tests.harness.stack import (
     API_KEY,
     Procs,
     api_command,
@@ -22,7 +23,6 @@ from benchmarks.harness.stack import (
     private_redis,
     stack_env,
 )
-from cli.perf.service import free_port, wait_for
 from tests.helpers.lines import MODEL
 
 

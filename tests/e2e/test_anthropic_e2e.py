@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.harness.stack import API_KEY
+from tests.harness.stack import API_KEY
 from tests.helpers.lines import MODEL, jsonl
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]

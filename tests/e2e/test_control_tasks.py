@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from benchmarks.harness.stack import Procs, celery_command, private_redis, stack_env
 from cli.perf.service import wait_for
+from tests.harness.stack import Procs, celery_command, private_redis, stack_env
 from tests.helpers.lines import MODEL
 from tests.helpers.worker import batch_row, chat_line, make_batch, read_file_lines
 

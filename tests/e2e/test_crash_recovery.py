@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from benchmarks.harness.stack import API_KEY, Procs, api_command, celery_command, stack_env
 from cli.perf.service import free_port, wait_for
+from tests.harness.stack import API_KEY, Procs, api_command, celery_command, stack_env
 from tests.helpers.lines import MODEL
 from tests.helpers.worker import batch_row, chat_line, read_file_lines, shard_rows
 

@@ -15,9 +15,9 @@ import time
 
 import pytest
 
-from benchmarks.harness.stack import API_KEY, Procs, api_command, stack_env
-from benchmarks.harness.stack import celery_command as celery
 from cli.perf.service import free_port, wait_for
+from tests.harness.stack import API_KEY, Procs, api_command, stack_env
+from tests.harness.stack import celery_command as celery
 from tests.helpers.lines import MODEL, chat_line, create_batch
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]

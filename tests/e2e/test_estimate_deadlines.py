@@ -25,9 +25,9 @@ from typing import Any
 
 import pytest
 
-from benchmarks.harness.stack import API_KEY, Procs, api_command, private_redis, stack_env
 from cli.perf.service import free_port, wait_for
 from core.launch import QUIET, beat_command, control_worker_command, model_worker_command
+from tests.harness.stack import API_KEY, Procs, api_command, private_redis, stack_env
 from tests.helpers.lines import chat_line, jsonl
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]

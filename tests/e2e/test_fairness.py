@@ -140,7 +140,7 @@ def test_low_priority_job_is_released_while_normal_shards_keep_the_slots_busy(cl
 @pytest.fixture(scope="module")
 def probe(stack, bench):
     """The model worker's engine counters (``engine_stats``)."""
-    from benchmarks.harness.stack import EngineStatsProbe
+    from tests.harness.stack import EngineStatsProbe
 
     probe = EngineStatsProbe(stack.env["BATCHD_BROKER_URL"], worker="model@e2e")
     yield probe

@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from benchmarks.harness.stack import API_KEY
+from tests.harness.stack import API_KEY
 from tests.helpers.lines import MODEL
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]

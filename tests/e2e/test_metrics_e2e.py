@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from benchmarks.harness.stack import API_KEY, Procs, api_command, stack_env
-from benchmarks.harness.stack import celery_command as celery
 from cli.perf.service import free_port, wait_for
+from tests.harness.stack import API_KEY, Procs, api_command, stack_env
+from tests.harness.stack import celery_command as celery
 from tests.helpers.lines import MODEL, chat_line, create_batch
 from tests.helpers.metrics_lint import sample_problems
 from tests.helpers.scrape import Samples, scrape, total, value

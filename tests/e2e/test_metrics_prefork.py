@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from benchmarks.harness.stack import API_KEY, Procs, api_command, stack_env
 from cli.perf.service import free_port, wait_for
 from core.launch import QUIET, control_worker_command
+from tests.harness.stack import API_KEY, Procs, api_command, stack_env
 from tests.helpers.lines import chat_line, create_batch
 from tests.helpers.scrape import scrape, value
 

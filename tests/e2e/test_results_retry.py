@@ -19,11 +19,11 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from benchmarks.harness.stack import API_KEY, REPO, Procs, api_command, celery_command, stack_env
 from cli.exit_codes import ExitCode
 from cli.main import app
 from cli.perf.service import free_port, wait_for
 from tests.e2e.conftest import Stack, _own_redis_db
+from tests.harness.stack import API_KEY, REPO, Procs, api_command, celery_command, stack_env
 from tests.helpers.lines import MODEL, chat_line
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]

@@ -217,7 +217,7 @@ def test_deleting_a_batch_output_file_drops_its_results_and_chunks(stack):
     will ever meet another file of the batch."""
     import httpx
 
-    from benchmarks.harness.stack import API_KEY
+    from tests.harness.stack import API_KEY
 
     batch = stack.client.batches.create(
         input_file_id=_upload(stack, [_chat(f"d{i}", 3) for i in range(6)]),

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from benchmarks.harness.stack import API_KEY, Procs, api_command, stack_env
-from benchmarks.harness.stack import celery_command as celery
 from cli.perf.service import free_port, wait_for
 from core.launch import QUIET, model_worker_command
+from tests.harness.stack import API_KEY, Procs, api_command, stack_env
+from tests.harness.stack import celery_command as celery
 from tests.helpers.lines import chat_line, create_batch
 from tests.helpers.scrape import scrape, value
 

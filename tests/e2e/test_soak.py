@@ -22,18 +22,6 @@ import httpx
 import pytest
 
 from benchmarks.soak import FAULTS, Options, fault_plan
-from benchmarks.soak_checks import (
-    Answer,
-    BatchRecord,
-    HttpLog,
-    Tracker,
-    Window,
-    http_invariant,
-    neighbour_invariant,
-    rss_invariant,
-    task_time,
-    webhook_invariant,
-)
 from benchmarks.soak_hostile import (
     HostileTracker,
     Phases,
@@ -45,6 +33,18 @@ from benchmarks.soak_hostile import (
     nested_file,
     nested_lines,
     slow_upload,
+)
+from tests.harness.soak_checks import (
+    Answer,
+    BatchRecord,
+    HttpLog,
+    Tracker,
+    Window,
+    http_invariant,
+    neighbour_invariant,
+    rss_invariant,
+    task_time,
+    webhook_invariant,
 )
 
 REPO = Path(__file__).resolve().parents[2]

@@ -24,7 +24,8 @@ from typing import Any
 
 import pytest
 
-from benchmarks.harness.stack import (
+from cli.perf.service import free_port, wait_for
+from tests.harness.stack import (
     API_KEY,
     Procs,
     api_command,
@@ -32,7 +33,6 @@ from benchmarks.harness.stack import (
     private_redis,
     stack_env,
 )
-from cli.perf.service import free_port, wait_for
 from tests.helpers.lines import MODEL
 from tests.helpers.worker import batch_row, chat_line, read_file_lines
 

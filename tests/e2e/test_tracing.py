@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from benchmarks.harness.stack import API_KEY, Procs, api_command, celery_command, stack_env
 from cli.perf.service import free_port, wait_for
 from core.tracing import REQUEST_ID_ATTRIBUTE
+from tests.harness.stack import API_KEY, Procs, api_command, celery_command, stack_env
 from tests.helpers.lines import chat_line, create_batch
 
 

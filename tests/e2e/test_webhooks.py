@@ -278,12 +278,12 @@ def test_a_worker_killed_between_the_terminal_commit_and_the_enqueue_loses_no_ev
     webhook sweep sends each one, and the receiver gets it exactly once, under that id."""
     from sqlalchemy import update
 
-    from benchmarks.harness.stack import celery_command, stack_env
     from core.db import session_scope
     from core.lifecycle import transition
     from core.queue import TASK_CANCEL, TASK_VALIDATE, enqueue
     from core.settings import get_settings
     from core.tables import Batch
+    from tests.harness.stack import celery_command, stack_env
     from tests.helpers.worker import batch_row, make_batch
 
     faults = tmp_path / "faults"

@@ -9,10 +9,41 @@ import random
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.attention_ops import decode_step_ops
 from engine import Engine, SamplingParams
 from engine.attention.cuda_graph import DecodeGraphs, bucket_for, graph_buckets
+
+
+def decode_step_ops(
+    path: str, backend: str, num_seqs: int, prompt_len: int, dtype: str = "float32"
+) -> int:
+    """Operator calls (``torch.profiler`` events) of one engine step in which all ``num_seqs``
+    sequences decode."""
+    blocks_per_seq = -(-(prompt_len + 8) // 16)
+    engine = Engine(
+        path,
+        attention_backend=backend,
+        dtype=dtype,
+        max_num_seqs=num_seqs,
+        num_kv_blocks=num_seqs * blocks_per_seq,
+        max_num_batched_tokens=max(2048, num_seqs * prompt_len),
+        enable_prefix_caching=False,
+    )
+    rng = random.Random(num_seqs)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    for i in range(num_seqs):
+        engine.add_request(
+            str(i), [rng.randrange(3, engine.vocab_size) for _ in range(prompt_len)], params
+        )
+    engine.step()  # every prompt in one step
+    engine.step()  # a first decode step, unmeasured (lazy initialisation)
+    running = engine.scheduler.running
+    if len(running) != num_seqs or any(s.num_computed_tokens != len(s) - 1 for s in running):
+        raise RuntimeError("the measured step is not a decode step of every sequence")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.step()
+    return len(prof.events())
 
 
 @pytest.mark.parametrize("backend, dtype", [("flex", "float32"), ("sdpa", "bfloat16")])

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from benchmarks.harness.stack import (
+from cli.main import app
+from cli.perf.service import free_port, wait_for
+from tests.harness.stack import (
     API_KEY,
     Procs,
     api_command,
@@ -19,8 +21,6 @@ from benchmarks.harness.stack import (
     private_redis,
     stack_env,
 )
-from cli.main import app
-from cli.perf.service import free_port, wait_for
 from tests.helpers.lines import MODEL
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]

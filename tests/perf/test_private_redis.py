@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from benchmarks.harness import stack
 from cli.perf.service import free_port
+from tests.harness import stack
 
 pytestmark = pytest.mark.skipif(
     shutil.which("redis-server") is None, reason="needs the redis-server binary"

@@ -24,12 +24,12 @@ from typing import Any
 import httpx
 import pytest
 
-from benchmarks.harness.fault_proxy import FaultProxy
-from benchmarks.harness.stack import API_KEY, Procs, api_command, stack_env
-from benchmarks.harness.tcp_proxy import TcpProxy
-from benchmarks.harness.upstream_server import UpstreamServer
 from cli.perf.service import free_port, wait_for
 from core.launch import QUIET, beat_command, control_worker_command, dispatch_worker_command
+from tests.harness.fault_proxy import FaultProxy
+from tests.harness.stack import API_KEY, Procs, api_command, stack_env
+from tests.harness.tcp_proxy import TcpProxy
+from tests.harness.upstream_server import UpstreamServer
 from tests.helpers.lines import chat_line, completion_line, jsonl
 from tests.helpers.metrics_lint import sample_problems
 from tests.helpers.scrape import parse, value

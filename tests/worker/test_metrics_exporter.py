@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.harness.stack import Procs, stack_env
 from cli.perf.service import free_port
 from core.launch import QUIET, control_worker_command
+from tests.harness.stack import Procs, stack_env
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.harness.stack import Procs, stack_env
 from core.launch import QUIET, control_worker_command
+from tests.harness.stack import Procs, stack_env
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 

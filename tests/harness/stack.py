@@ -1,4 +1,4 @@
-"""The whole service as subprocesses, for the benchmarks and the end-to-end tests.
+"""The whole service as subprocesses, for the end-to-end tests and the benchmarks.
 
 The API under uvicorn, control and model workers and beat (their command lines from
 :mod:`core.launch`, their environment), each in its own process group and logging to
@@ -6,8 +6,8 @@ The API under uvicorn, control and model workers and beat (their command lines f
 for readiness; the model worker's engine stats over Celery remote control.
 
 The process handling, the engine-stats probe and the memory readings are ``batchd bench``'s
-(:mod:`cli.perf.service`); the benchmarks and the e2e tests start the service through this
-module, and nothing here imports the test suite.
+(:mod:`cli.perf.service`); the e2e tests and the benchmarks start the service through this
+module, and nothing here imports ``benchmarks``.
 """
 
 from __future__ import annotations
@@ -26,12 +26,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness.revisions import REPO
 from cli.perf import service
 from cli.perf.service import WorkerProbe, api_up, free_port, wait_for
 from core import launch
 from core.launch import QUIET
 from core.settings import DEMO_MODEL_NAME as MODEL
+
+REPO = Path(__file__).resolve().parents[2]  # the checkout
 
 API_KEY = "sk-e2e-test-key-static"  # the tests' stacks
 BENCH_API_KEY = "sk-bench-key-static"  # the benchmarks' stacks

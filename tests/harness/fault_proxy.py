@@ -7,7 +7,7 @@ them. A client that disconnects while its request is forwarded closes the reques
 (the server sees its connection close, as vLLM needs to abort it). ``in_flight`` is the
 requests forwarded and not yet answered; ``max_in_flight`` the most seen at once.
 
-(``benchmarks.harness.tcp_proxy`` cuts and stalls connections; this one speaks HTTP.)
+(``tests.harness.tcp_proxy`` cuts and stalls connections; this one speaks HTTP.)
 """
 
 from __future__ import annotations

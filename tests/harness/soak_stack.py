@@ -5,7 +5,7 @@ loopback TCP proxy in front of each (every service process connects through them
 closes their connections and refuses new ones), the processes as ``python -m worker`` and
 uvicorn start them (API, control worker, beat, model workers), restarted as a supervisor
 would after each planned kill and after any unplanned exit; API keys made by ``batchd keys
-create``; and a loopback webhook receiver. Nothing here imports ``tests``."""
+create``; and a loopback webhook receiver. Nothing here imports ``benchmarks``."""
 
 from __future__ import annotations
 
@@ -26,12 +26,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness.revisions import REPO
-from benchmarks.harness.stack import api_command
-from benchmarks.harness.tcp_proxy import TcpProxy
 from cli.perf.service import Procs, api_up, free_port, memory_kb, wait_for
 from core import launch
 from core.launch import QUIET
+from tests.harness.stack import REPO, api_command
+from tests.harness.tcp_proxy import TcpProxy
 
 CHAT_MODEL = "batchd-demo"
 EMBED_MODEL = "minilm"
