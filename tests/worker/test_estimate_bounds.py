@@ -13,9 +13,8 @@ pytestmark = pytest.mark.services
 
 
 def test_a_scan_stops_when_its_caller_has_gone(worker_env) -> None:
-    from worker.validation.task.scan import CallerGone, scan_input
-
     from worker.infra.common import storage
+    from worker.validation.scan import CallerGone, scan_input
 
     with storage().writer("files/estimate-me") as out:
         out.write(jsonl([chat_line(f"r{i}", "count the stars") for i in range(600)]))

@@ -105,7 +105,7 @@ def test_reclaim_requeues_a_silent_shard_which_resumes_from_its_checkpoint(
     from core.queue import model_queue
     from worker.batches.finalize import finalize
     from worker.shards.recovery import reclaim_stale_shards
-    from worker.shards.task import claim, run_shard
+    from worker.shards.task import ShardEnd, claim, run_shard
 
     ids = [f"r{i}" for i in range(10)]
     batch_id = validated_batch([chat_line(c, f"tell me about {c}", max_tokens=5) for c in ids])
@@ -133,7 +133,7 @@ def test_reclaim_requeues_a_silent_shard_which_resumes_from_its_checkpoint(
     assert shard.id not in reclaim_stale_shards().requeued  # once
 
     outcome = run_shard(shard.id, host=host)
-    assert (outcome.status, outcome.ran) == ("done", 9)  # only what was not committed
+    assert (outcome.end, outcome.ran) == (ShardEnd.DONE, 9)  # only what was not committed
     assert finalize(batch_id) == "completed"
     out, err = _one_line_each(batch_id, ids)
     assert not err and [r["custom_id"] for r in out] == ids
@@ -143,7 +143,7 @@ def test_shard_given_up_after_max_attempts_reports_shard_failed(worker_env, host
     from core.settings import get_settings
     from worker.batches.finalize import finalize
     from worker.shards.recovery import reclaim_stale_shards
-    from worker.shards.task import run_shard
+    from worker.shards.task import ShardEnd, run_shard
 
     ids = [f"q{i}" for i in range(10)]
     batch_id = validated_batch(
@@ -162,7 +162,7 @@ def test_shard_given_up_after_max_attempts_reports_shard_failed(worker_env, host
     row = shard_rows(batch_id)[1]
     assert (row.status, row.done_requests) == ("done", 5)
     assert batch_row(batch_id).status == "in_progress"  # the first shard still runs
-    assert run_shard(first.id, host=host).status == "done"
+    assert run_shard(first.id, host=host).end == ShardEnd.DONE
     assert finalize(batch_id) == "completed"
     out, err = _one_line_each(batch_id, ids)
     assert len(out) == 6
@@ -178,13 +178,13 @@ def test_shard_given_up_after_max_attempts_reports_shard_failed(worker_env, host
 def test_redelivered_task_past_max_attempts_fails_the_rest(worker_env, host):
     from core.settings import get_settings
     from worker.batches.finalize import finalize
-    from worker.shards.task import run_shard
+    from worker.shards.task import ShardEnd, run_shard
 
     ids = ["x0", "x1", "x2"]
     batch_id = validated_batch([chat_line(c, "hello", max_tokens=3) for c in ids])
     (shard,) = shard_rows(batch_id)
     _set_shard(shard.id, attempts=get_settings().max_shard_attempts)
-    assert run_shard(shard.id, host=host).status == "failed"
+    assert run_shard(shard.id, host=host).end == ShardEnd.FAILED
     assert finalize(batch_id) == "completed"
     out, err = _one_line_each(batch_id, ids)
     assert not out and {r["response"]["body"]["error"]["code"] for r in err} == {"shard_failed"}
@@ -192,7 +192,7 @@ def test_redelivered_task_past_max_attempts_fails_the_rest(worker_env, host):
 
 def test_heartbeat_thread_beats_and_stops_a_reclaimed_attempt(worker_env, host, monkeypatch):
     from core.settings import get_settings
-    from worker.shards.task import run_shard
+    from worker.shards.task import ShardEnd, run_shard
 
     monkeypatch.setenv("BATCHD_HEARTBEAT_INTERVAL_S", "0.2")
     monkeypatch.setenv("BATCHD_CHECKPOINT_EVERY", "1000")
@@ -215,14 +215,14 @@ def test_heartbeat_thread_beats_and_stops_a_reclaimed_attempt(worker_env, host, 
     stopped_at = time.monotonic()
     _set_shard(shard.id, status="pending")
     t.join(30)
-    assert not t.is_alive() and outcome[0].status == "lost"
+    assert not t.is_alive() and outcome[0].end == ShardEnd.LOST
     assert time.monotonic() - stopped_at < 5
     assert shard_rows(batch_id)[0].num_chunks == 0  # nothing committed by the fenced attempt
 
 
 def test_step_failure_retries_each_request_alone(worker_env, host, fault_host):
     from worker.batches.finalize import finalize
-    from worker.shards.task import run_shard
+    from worker.shards.task import ShardEnd, run_shard
 
     texts = {f"s{i}": f"short story number {i}" for i in range(7)}
     texts["poison"] = "a POISONPILL story"
@@ -232,7 +232,7 @@ def test_step_failure_retries_each_request_alone(worker_env, host, fault_host):
     (shard,) = shard_rows(batch_id)
     before = fault_host.stats()
     outcome = run_shard(shard.id, host=fault_host)
-    assert outcome.status == "done"
+    assert outcome.end == ShardEnd.DONE
     assert finalize(batch_id) == "completed"
     out, err = _one_line_each(batch_id, order)
     (bad,) = err
@@ -249,7 +249,7 @@ def test_step_failure_retries_each_request_alone(worker_env, host, fault_host):
         [chat_line(c, texts[c], max_tokens=10) for c in order if c != "poison"]
     )
     (clean,) = shard_rows(clean_id)
-    assert run_shard(clean.id, host=host).status == "done"
+    assert run_shard(clean.id, host=host).end == ShardEnd.DONE
     assert finalize(clean_id) == "completed"
     clean_out, _ = _one_line_each(clean_id, [c for c in order if c != "poison"])
     assert _contents(out) == _contents(clean_out)
@@ -257,7 +257,7 @@ def test_step_failure_retries_each_request_alone(worker_env, host, fault_host):
 
 def test_request_error_is_retried_then_reported(worker_env, fault_host):
     from worker.batches.finalize import finalize
-    from worker.shards.task import run_shard
+    from worker.shards.task import ShardEnd, run_shard
 
     order = ["ok0", "refused", "ok1"]
     lines = [
@@ -266,7 +266,7 @@ def test_request_error_is_retried_then_reported(worker_env, fault_host):
     batch_id = validated_batch(lines)
     (shard,) = shard_rows(batch_id)
     before = fault_host.stats()
-    assert run_shard(shard.id, host=fault_host).status == "done"
+    assert run_shard(shard.id, host=fault_host).end == ShardEnd.DONE
     assert fault_host.stats().failed - before.failed == 2  # max_request_attempts tries
     assert finalize(batch_id) == "completed"
     out, err = _one_line_each(batch_id, order)
@@ -282,7 +282,7 @@ def test_database_outage_mid_shard_is_ridden_out(worker_env, host, pg_url, monke
     from tests.conftest import PG_HOST, PG_PORT
     from tests.harness.tcp_proxy import TcpProxy
     from worker.batches.finalize import finalize
-    from worker.shards.task import run_shard
+    from worker.shards.task import ShardEnd, run_shard
 
     def use_database(url: str) -> None:
         monkeypatch.setenv("BATCHD_DATABASE_URL", url)
@@ -307,7 +307,7 @@ def test_database_outage_mid_shard_is_ridden_out(worker_env, host, pg_url, monke
         started = time.monotonic()
         outcome = run_shard(shard.id, host=host, after_commit=outage_after_first)
         took = time.monotonic() - started
-        assert outcome.status == "done" and outcome.ran == 16
+        assert outcome.end == ShardEnd.DONE and outcome.ran == 16
         assert cut and proxy.refused > 0, "the shard hit the outage"
         assert took >= 3.0
     finally:

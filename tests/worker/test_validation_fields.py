@@ -75,11 +75,10 @@ def test_a_local_models_unknown_field_fails_the_batch_naming_it(models: None) ->
 
 
 def test_an_upstream_models_lines_reach_it_as_written(models: None) -> None:
-    from worker.validation.task.scan import scan_input
-
     from worker.batches.finalize import finalize
     from worker.batches.tasks import validate
     from worker.shards.task import run_shard
+    from worker.validation.scan import scan_input
 
     lines = [
         chat_line("a", "hi", model=FLEET, max_tokns=3, vendor_knob={"x": [1]}),

@@ -16,7 +16,7 @@ from core.queue import TASK_ESTIMATE, TASK_REFRESH_ETAS
 from core.settings import get_settings
 from worker.infra import app
 from worker.validation.failures import validation_errors
-from worker.validation.task.scan import CallerGone, scan_input
+from worker.validation.scan import CallerGone, scan_input
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ def scan_file(key: str, endpoint: str, deadline: float | None = None) -> dict[st
     """What validation finds in the stored file ``key``: request counts, the errors the
     batch would fail with, its model, and its exact prompt tokens and estimated tokens
     (prompt + output bounds, the unit of shards and of the projections). Stops with
-    :class:`~worker.validation.task.scan.CallerGone` past ``deadline``."""
+    :class:`~worker.validation.scan.CallerGone` past ``deadline``."""
     scan = scan_input(key, endpoint, deadline)
     report = scan.report
     est_tokens = sum(spec.est_tokens for spec in scan.planner.finish())
