@@ -1,15 +1,10 @@
 """A fixed pool of KV blocks with ref counts and prefix caching.
 
-A full block is identified by a key chain: SHA-256 of the parent block's key and the block's
-token ids (``engine.core.sequence.block_digest``), so equal keys mean equal prefixes. A block whose
-K/V are computed is registered under (its request's cache salt, its key); when its last user
-frees it, it stays cached in an LRU free list and is reused (evicted) only when a fresh block
-is needed. Sequences free their blocks tail first, so the end of a prompt is evicted before its
-shared beginning.
-
-Isolation does not rest on the digest alone: the salt is part of the lookup key, compared for
-equality, and a hit must also hold the same token ids. Requests with different salts (the
-service salts each tenant's) never share a block, even if two digests were to collide.
+A full block is keyed by a chain digest (SHA-256 of its parent's key and its token ids). A
+computed block is registered under (its request's cache salt, its key); freed by its last user
+it stays cached in an LRU free list until a fresh block is needed, and sequences free tail
+first. A hit needs the same salt and the same token ids, not only the digest: requests with
+different salts (the service salts each tenant's) never share a block.
 """
 
 from __future__ import annotations

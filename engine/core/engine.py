@@ -1,23 +1,10 @@
 """The engine: add requests, call ``step()`` until none are left.
 
-``step()`` is schedule -> run the model -> postprocess (sample, detokenize, check stops,
-free finished sequences). It returns the requests that finished during the step.
-
-Decisions worth knowing:
-
-- ``prompt + max_tokens`` beyond ``max_model_len`` is clamped: the completion ends with
-  finish_reason "length" when the sequence reaches ``max_model_len``. A prompt of
-  ``max_model_len`` tokens or more is rejected (no room for one output token).
-- ``abort_request`` frees the request's KV blocks at once; the request is reported by the
-  next ``step()`` with finish_reason "abort" and the tokens generated so far.
-- ``n > 1``: the request's prompt is computed once; when it is, the sequence forks into ``n``
-  completions sharing the prompt's full KV blocks (each recomputes only the partial last
-  block). Completion ``i`` samples with ``seed + i`` when a seed is given. Forks never push
-  the running set past ``max_num_seqs``: those that do not fit wait first in line and take
-  the prompt's blocks from the prefix cache when admitted (they recompute the prompt when
-  prefix caching is off). A caller that schedules completions one by one (the host, so that
-  an ``n > 1`` request holds ``n`` slots of the fair shares and each can be suspended) adds
-  them as single requests with ``completion_index``: same tokens, counted once.
+``step()`` is schedule -> run the model -> postprocess (sample, detokenize, check stops, free
+finished sequences); it returns the requests that finished during the step. A prompt that
+fills ``max_model_len`` is rejected, a longer ``max_tokens`` clamped; ``abort_request`` frees
+KV at once and the next ``step()`` reports "abort"; ``n > 1`` forks after the prompt. The
+rules in full: docs/engine.md ("The step loop").
 """
 
 from __future__ import annotations

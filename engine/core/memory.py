@@ -1,14 +1,10 @@
 """How many KV blocks fit: the memory budget, from the device when there is one.
 
-On an accelerator the budget follows vLLM's recipe: load the weights, run one profiling
-forward at the largest step the scheduler can build (``max_num_batched_tokens`` tokens) and
-record its activation peak, then give the KV cache ``kv_cache_memory`` (a fraction) of the
-device memory still free once that peak is set aside. Without that step a fraction of free
-memory would leave no room for the activations of a full step, and the first long prefill
-would run out of memory mid-batch. On CPU there is no device pool to read, so a fraction
-applies to a fixed 1 GiB (``DEFAULT_CPU_KV_BYTES``); an integer is bytes everywhere.
-
-The arithmetic is kept apart from the measurement so it can be tested without a GPU.
+On an accelerator the KV cache gets ``kv_cache_memory`` (a fraction) of the device memory left
+free after the weights and the activation peak of one profiling forward at
+``max_num_batched_tokens`` (vLLM's recipe). On CPU a fraction applies to a fixed 1 GiB
+(``DEFAULT_CPU_KV_BYTES``); an integer is bytes everywhere. The arithmetic is kept apart from
+the measurement so it can be tested without a GPU. Why: docs/engine.md ("The KV budget").
 """
 
 from __future__ import annotations

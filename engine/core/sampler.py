@@ -1,18 +1,9 @@
 """Turns a step's logits into next tokens (and logprobs), batched over sequences.
 
-Order of operations per row (vLLM's): the repetition penalty over the prompt's and the
-completion's tokens (transformers' semantics), presence/frequency penalties over the tokens
-this completion has generated (OpenAI's), the end-of-sequence and stop token ids masked while
-the completion is shorter than ``min_tokens``, temperature, then min-p, top-k and top-p
-truncation, then sampling. Logprobs are the log-softmax of the logits after penalties, the
-``min_tokens`` mask and temperature, before truncation (greedy rows: temperature 1), so
-alternatives outside the top-p set stay finite.
-
-A structured-output row is not masked for ``min_tokens``: its grammar decides where it ends.
-
-Sampling draws exponential noise ``E`` and takes ``argmax(p / E)``, which samples from ``p``.
-A sequence with a seed draws its noise from its own generator, so the same seed yields the same
-tokens whatever batch the sequence runs in; sequences without a seed share the engine's.
+Per row, in vLLM's order: penalties, the ``min_tokens`` mask (not on structured-output rows),
+temperature, min-p/top-k/top-p truncation, sampling. Logprobs are taken before truncation.
+Sampling takes ``argmax(p / E)`` for exponential noise ``E``; a seeded sequence draws from its
+own generator, so its tokens do not depend on its batch. In full: docs/engine.md ("Sampling").
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
-"""Iteration-level scheduling (vLLM v1 semantics).
+"""Iteration-level scheduling (vLLM v1 semantics): who gets each step's tokens.
 
-There is no prefill phase and no decode phase: each sequence has ``num_computed_tokens`` and a
-target (all its tokens). Every step hands out tokens from a budget (``max_num_batched_tokens``)
-to at most ``max_num_seqs`` sequences: running ones first (decodes and unfinished prefill
-chunks, oldest first), then waiting ones in admission order. When the KV pool runs dry the
-newest running sequence is preempted by recompute: its blocks are freed and it goes back to
-the front of the waiting queue.
-
-Admission: preempted sequences always come first, then by request priority (lower value first,
-vLLM's convention; 0 by default). Within a priority, under "batch" admission the rest are taken
-from buckets keyed by the hash of their first full block: members of a bucket that already has
-running sequences come first (their shared prefix is cached), then the longest expected work
-(prompt + max_tokens). Under "fcfs" arrival order is kept. Under either, a sequence whose next
-uncached block is being computed right now by another sequence waits a step, so it hits the
-cache instead of computing the same prefix twice.
-
-Which requests reach this queue is the engine host's decision; the rule for urgent work that
-is already here, the slots kept for it, is sized by the host too
-(``engine.core.urgent.UrgentReservation``): this scheduler holds it and carries it out.
+Each step hands out up to ``max_num_batched_tokens`` to at most ``max_num_seqs`` sequences:
+running ones first, then waiting ones in admission order. When the KV pool runs dry the newest
+running sequence is preempted by recompute. Which requests reach this queue, and the slots kept
+for urgent work (``engine.core.urgent.UrgentReservation``), the host decides; this scheduler
+holds the reservation and carries it out. Admission order: docs/engine.md ("The scheduler").
 """
 
 from __future__ import annotations

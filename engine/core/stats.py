@@ -1,23 +1,9 @@
 """Engine metrics cheap enough to leave on: counters and fixed-bucket histograms.
 
-They are recorded by the engine's loop thread and read by anyone (a metrics exporter, a
-benchmark).
-
-The engine stays a leaf: nothing here knows Prometheus. A histogram is a list of bucket
-counts and a sum, so recording one value is a bisect and two additions; a reader copies the
-lists (atomic under the GIL) and exposes them in whatever format it speaks (the worker turns
-them into Prometheus histograms). Counts only grow, so a reader never sees one go back.
-
-What is recorded, named like vLLM's metrics where the meaning is the same:
-
-- ``time_to_first_token_s``: from ``add_request`` to the step that sampled the request's first
-  token (per request; an ``n > 1`` request counts once).
-- ``inter_token_latency_s``: per generated token after a sequence's first, the time since the
-  previous step that sampled tokens. A sequence resumed after preemption is counted from the
-  last sampling step, not from its own previous token.
-- ``e2e_request_latency_s``: from ``add_request`` to the step that finished the request.
-- ``step_time_s`` and ``tokens_per_step``: each ``step()`` that scheduled work.
-- ``finished``: finished requests by finish reason (``stop``, ``length``).
+Recorded by the engine's loop thread, read by anyone (a metrics exporter, a benchmark). A
+histogram is bucket counts and a sum; a reader copies the lists (atomic under the GIL), and
+counts only grow. Nothing here knows Prometheus (the worker exports them). Names follow vLLM's
+metrics where the meaning is the same; what each measures: docs/engine.md ("Engine metrics").
 """
 
 from __future__ import annotations

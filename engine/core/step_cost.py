@@ -1,17 +1,10 @@
 """What a decode step costs as its running sequences grow, as this engine measured it.
 
-Every step that is mostly decode (at most ``DECODE_TOKENS_PER_SEQ`` scheduled tokens per
-sequence: prefill chunks cost differently per token) updates a moving average of its seconds
-for its number of sequences. :meth:`StepCostCurve.line` fits ``seconds = a + b * seqs`` over
-the counts measured so far; :meth:`StepCostCurve.room` answers the host's question while
-urgent work runs: how many other sequences may share its steps before each step costs more
-than ``slowdown`` times what it would cost without them.
-
-The answer follows the hardware. On an accelerator a decode step is bound by reading the
-weights, so ``b`` is near zero and the answer is "every free slot" (nothing is held back). On a
-CPU a step's cost grows with its sequences, so it is a handful: bulk sequences beyond that
-would make the urgent job pay for bulk tokens, step after step. Until the measured counts
-span a quarter of ``max_num_seqs`` the curve cannot tell, and the answer is every free slot.
+Mostly-decode steps update a moving average of their seconds per sequence count;
+:meth:`StepCostCurve.line` fits ``seconds = a + b * seqs`` and :meth:`StepCostCurve.room` tells
+the host how many other sequences may share urgent work's steps within ``slowdown`` of their
+cost without them. Until the counts span a quarter of ``max_num_seqs``, the answer is every free
+slot. Why it follows the hardware: docs/engine.md ("Urgent work").
 """
 
 from __future__ import annotations

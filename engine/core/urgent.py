@@ -1,12 +1,9 @@
-"""Urgent work, as the engine core and the host both read it: what counts as urgent, and the
-slots and step tokens kept for it.
+"""Urgent work (``priority < 0``), as the engine core and the host both read it.
 
-Urgent work is ``priority < 0`` (the service's ``high`` tier). The engine host sizes the
-:class:`UrgentReservation` and lets urgent requests past its in-flight cap by its slots; the
-engine's scheduler (``engine.core.scheduler``, and the simulated one) holds the same
-reservation and asks it which running sequences to preempt and whether only urgent work may
-be admitted this step. It lives here, below both, so that the engine core imports nothing
-from the host.
+What counts as urgent, and the :class:`UrgentReservation` of slots and step tokens kept for it:
+the host sizes it and lets urgent requests past its in-flight cap; the engine's schedulers hold
+it and ask it what to preempt and whether only urgent work may be admitted. It lives here,
+below both, so that the engine core imports nothing from the host (docs/engine.md).
 """
 
 from __future__ import annotations

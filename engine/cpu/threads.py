@@ -1,20 +1,9 @@
 """Intra-op threads that follow the CPU the rest of the machine leaves free.
 
-Torch runs each operator on a team of OpenMP threads that splits the work statically: an
-operator ends when the slowest member of its team does. When other processes keep some of
-the cores busy (``batchd up`` runs the API, Postgres and the control worker beside the model;
-validating a large file keeps a core busy for seconds), a member of the team waits for the
-scheduler at every operator, and a step can take several times as long as on fewer threads.
-Measured on 2 cores, SmolLM2 in bf16, 128 requests x 16 tokens, with one core kept busy by
-another process: 2 threads 17-19 s, 1 thread 8 s (idle machine: 2 threads 6.8 s, 1 thread
-8.7 s).
-
 :class:`CpuThreads` samples, every ``interval_s``, how busy this process's CPUs were (Linux
-``/proc/stat``) less the engine's own share (the stepping thread's CPU time times its team, at
-most the process's CPU time),
-and sizes the team to the cores left free: never below 1, never above the team it started
-with. Off the CPU, or where ``/proc/stat`` cannot be read, it does nothing. The same design
-has no GPU counterpart: there the team only launches kernels.
+``/proc/stat``) less the engine's own share, and sizes torch's team to the cores left free:
+never below 1, never above the team it started with. Off the CPU, or where ``/proc/stat``
+cannot be read, it does nothing. Why: docs/engine.md ("Threads on a shared CPU").
 """
 
 from __future__ import annotations

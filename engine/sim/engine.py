@@ -1,37 +1,11 @@
 """A simulated engine for load tests: the real engine's interface and statistics, no model.
 
-``SimEngine`` runs no neural network. It admits requests, produces tokens at a configured
-rate, and reports them exactly as :class:`engine.Engine` does, so the whole service (API,
-control and model workers, Postgres, Redis, storage) can be driven at fleet rates on a CPU
-machine. It is served as the model spec ``sim:`` (``core.llms.specs``), e.g.
-``sim:tokens_per_s=4000,max_num_seqs=256,ttft_ms=50``. It is a load-testing model: its text
-is deterministic filler, not an answer.
-
-The clock. The engine counts virtual decode steps of ``1 / tokens_per_s`` seconds; each step
-gives one token to every running sequence that is past its first-token latency (a GPU decode
-step costs about the same for 1 or 256 sequences). A sequence admitted before step ``S + 1``
-produces its first token at step ``S + ceil(ttft_ms * tokens_per_s / 1000)`` (at least
-``S + 1``) and one token per step after it. One call of :meth:`SimEngine.step` covers several
-virtual steps: up to the step where the next running sequence finishes, but at least
-``MIN_CALL_S`` and at most ``MAX_CALL_S`` seconds of them, and it returns when their time is
-up (it sleeps the rest). Time spent outside the calls (the caller's work between two of them)
-or over a call's budget is made up by the next calls' sleeps, unless the clock is more than
-``MAX_LAG_S`` behind (idle, or a caller that cannot keep up): then it restarts from now, so
-the virtual steps never run faster than the configured rate. Requests that finish inside a
-call are reported at its end, and the slots they free are refilled then: the measured rate
-is the configured one less at most ``MIN_CALL_S`` per request. A call costs work per event
-(an admission, a first token, a finish), never per token per sequence.
-
-Who waits and who runs is ``engine.sim.scheduler``; what each completion is, a pure function
-of its request, is ``engine.sim.requests``.
-
-Statistics (``EngineStats``) and metrics (``engine.core.stats.EngineMetrics``) have the real
-engine's fields and meanings: prompt tokens counted once per request at its first admission,
-output tokens as they are produced (so an abort's partial tokens count), time to first token,
-inter-token latency and step time per virtual step. There is no prefix cache (no cached
-tokens); the KV blocks a sequence would hold (``block_size`` tokens each) are reported
-against a pool of ``max_num_seqs`` full-length sequences. Engine options meant for the real
-engine (``dtype``, ``device``, ``kv_cache_memory``, …) are accepted and have no effect.
+``SimEngine`` admits requests, produces deterministic filler tokens at a configured rate and
+reports them as :class:`engine.Engine` does, so the whole service can be driven at fleet rates
+on a CPU. It is the model spec ``sim:`` (e.g. ``sim:tokens_per_s=4000,ttft_ms=50``). Its
+virtual clock never runs faster than the configured rate, and a call costs work per event,
+never per token. Clock and statistics: docs/engine.md ("The simulated engine"); who runs:
+``engine.sim.scheduler``; what each completion is: ``engine.sim.requests``.
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """What a simulated completion is: a pure function of its request, never of the batch it ran in.
 
-A completion's
-
-- length: ``max_tokens`` (finish_reason "length"), clamped so prompt + output fits
-  ``max_model_len``. With ``lengths="hash"``, a length drawn from ``[1, max_tokens]`` by a hash
-  of the prompt ids and the completion index, finish_reason "stop" when it ends before
-  ``max_tokens`` (``ignore_eos`` keeps ``max_tokens``);
-- token ids: position ``j`` of completion ``i`` is entry ``(h + i * 7919 + j) mod P`` of a
-  fixed pseudo-random stream of ``P`` ordinary word tokens of the tokenizer (``h`` a hash of
-  the prompt ids); its text is the tokenizer's decoding of those ids;
-- logprobs (when asked for): each token at logprob 0, with ``top_logprobs`` alternatives below it.
-
-Stop strings, stop token ids, sampling values, penalties and structured output are accepted
-and ignored. The prompt is checked as the real engine checks it (empty, a token id outside
-the tokenizer's vocabulary, no room under ``max_model_len``: ``RequestError``).
+Its length is ``max_tokens`` (clamped to ``max_model_len``) or, with ``lengths="hash"``, drawn
+by a hash of the prompt; its tokens come from a fixed pseudo-random stream of ordinary word
+tokens; logprobs are 0. Sampling options are accepted and ignored; the prompt is checked as the
+real engine checks it (``RequestError``). In full: docs/engine.md ("The simulated engine").
 """
 
 from __future__ import annotations

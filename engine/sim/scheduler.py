@@ -1,14 +1,10 @@
 """Who runs in the simulated engine: its running set and waiting line.
 
-At most ``max_num_seqs`` sequences run; the rest wait first come, first served (lower
-``priority`` first, then arrival, as the real scheduler's "fcfs" admission), with preempted
-and resumed sequences first in line. The urgent reservation
-(``engine.core.urgent.UrgentReservation``) is kept as the real scheduler keeps it:
-urgent work (``engine.core.urgent.is_urgent``) that waits preempts the newest
-non-urgent sequences, up to the reservation. A preempted, suspended and then resumed
-sequence keeps its tokens and waits the first-token latency again (it recomputes its
-context). ``n > 1`` requests run ``n`` sequences; ``completion_index`` works as in the real
-engine.
+At most ``max_num_seqs`` sequences run; the rest wait as under the real scheduler's "fcfs"
+admission (preempted and resumed first, then lower ``priority``, then arrival). Urgent work
+preempts the newest non-urgent sequences up to the ``engine.core.urgent.UrgentReservation``, as
+in the real scheduler. A resumed sequence keeps its tokens and waits the first-token latency
+again; ``n > 1`` runs ``n`` sequences, and ``completion_index`` works as in the real engine.
 """
 
 from __future__ import annotations

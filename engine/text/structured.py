@@ -1,22 +1,10 @@
-"""Structured output: decoding constrained by a JSON Schema, a regular expression or a
-list of choices, valid by construction.
+"""Structured output: decoding constrained by a JSON Schema, a regular expression or choices.
 
-A request whose ``SamplingParams.json_schema``, ``regex`` or ``choice`` is set gets a grammar
-matcher (llguidance, which compiles JSON Schema or a regular expression to an Earley parser
-over the model's tokens; a list of choices is the regular expression of their alternation). Before each step the
-matchers of the sequences about to sample compute their token masks, on llguidance's own
-threads while the model's forward pass runs, so the mask does not serialise the step; the
-sampler then sees ``-inf`` for every token the grammar forbids, and the sampled token advances
-the matcher. Constrained and unconstrained sequences share the step: only the constrained rows
-are masked.
-
-When the JSON value closes (or the text can match nothing longer), the grammar allows only
-the end-of-sequence token, so the completion ends with finish_reason "stop"; a completion that
-reaches ``max_tokens`` first ends with "length" (its text is then an unfinished JSON prefix,
-as OpenAI's is).
-
-JSON is generated compact (no whitespace between tokens of the value): a model is not free to
-pad the output with blanks until ``max_tokens``.
+A request with ``json_schema``, ``regex`` or ``choice`` set gets an llguidance grammar matcher.
+Its token mask is computed on llguidance's threads while the forward pass runs; the sampler
+sees ``-inf`` for every forbidden token, and only constrained rows are masked. A closed value
+allows only end-of-sequence ("stop"); ``max_tokens`` first gives "length". JSON is generated
+compact. Why: docs/engine.md ("Structured output").
 """
 
 from __future__ import annotations
