@@ -1,16 +1,10 @@
 """Decode steps replayed as CUDA graphs at bucketed batch sizes (flex backend on CUDA).
 
-A decode-only step of ``n`` sequences runs in the graph of the smallest bucket ``b >= n``.
-Its inputs are copied into that bucket's static buffers; rows ``n .. b-1`` are padding: each
-is its own sequence that owns only the runner's scratch block, writes its K/V there and
-attends to it, so padding never touches a real sequence's cache. The graph holds the whole
-forward (embedding, every layer with its block-mask construction and FlexAttention call, the
-head), so a step costs a handful of copies and one replay; the only host sync left is the
-sampler reading the chosen token ids.
-
-Buffers and padding are plain tensor code and tested on CPU (``load`` and ``step`` without a
-graph); capture and replay need CUDA. When capture fails (an operation that cannot be
-captured), the runner logs why and keeps running eagerly.
+A decode-only step of ``n`` sequences runs in the graph of the smallest bucket ``b >= n``, its
+inputs copied into that bucket's static buffers. Rows ``n .. b-1`` are padding that own only
+the runner's scratch block, so padding never touches a real sequence's cache. Buffers and
+padding are plain tensor code, tested on CPU; capture and replay need CUDA. When capture
+fails, the runner logs why and keeps running eagerly. See docs/engine-step.md.
 """
 
 from __future__ import annotations

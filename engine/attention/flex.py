@@ -1,25 +1,11 @@
 """The CUDA attention backend: one FlexAttention call per layer over the whole packed step.
 
-The query is the packed step ``[1, H, num_tokens, D]``; the keys and values are the layer's
-whole paged cache seen in place as ``[1, KV, num_slots, D]`` (no gather, no copy). A mask
-function maps each (query row, cache slot) pair to a yes/no:
-
-- the query row belongs to sequence ``q_seq[row]`` at position ``q_pos[row]``;
-- the slot lies in physical block ``slot // block_size``, which that sequence holds as logical
-  block ``block_to_logical[seq, block]`` (-1: not one of its blocks), so the key's position is
-  ``logical * block_size + slot % block_size``;
-- attend when the block is the sequence's, the key is not after the query (causal), and, on a
-  sliding-window layer, the key is within the window.
-
-Decodes and prefill chunks (fresh or continuing a cached context) are all rows of the same call.
-The block mask is built once per step and window and shared by every layer, so the number of
-kernel launches per layer per step is independent of the number of sequences. Soft-capping is
-a score modification. Prefix-cached blocks shared by several sequences are fine: ownership is
-per (sequence, block).
-
-On CUDA the attention kernel is compiled (``torch.compile(flex_attention)``), and the block
-mask lets it skip cache blocks no query of a tile needs. On CPU the same function runs
-uncompiled (dense math over the whole pool): correct, used by the tests, but slow.
+Keys and values are the layer's whole paged cache seen in place as ``[1, KV, num_slots, D]``;
+a mask function lets a query row attend a cache slot when the slot's block is one of the row's
+sequence's, the key is not after the query, and (sliding-window layers) within the window.
+Decodes and prefill chunks are rows of the same call; the block mask is built once per step
+and window. Compiled on CUDA; on CPU it runs uncompiled (correct, slow: for the tests).
+The mask in full: docs/engine-step.md ("The flex mask").
 """
 
 from __future__ import annotations

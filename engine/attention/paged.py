@@ -1,32 +1,11 @@
 """Paged attention, registered with transformers' attention interface as ``batchd_paged``.
 
-A step's tokens are packed into one flat sequence (batch 1, no padding). The model's attention
-layers call :func:`paged_attention` with that packed query/key/value and an
-:class:`AttentionContext` passed as the ``batchd_ctx`` forward kwarg (transformers forwards
-unknown kwargs down to the attention function). The function writes the new K/V into the
-layer's paged cache at ``slot_mapping``, then hands the step to the context's backend.
-
-The cache of a layer is laid out as the kernels read it: ``[kv_heads, num_blocks, block_size,
-head_dim]``, so a KV head's keys of one block are one contiguous run, a gather of a sequence's
-blocks (``index_select`` on dim 1) yields ``[kv_heads, tokens, head_dim]`` ready for a matmul,
-and the whole pool of one head is ``[slots, head_dim]`` in place (slot = block * size + offset).
-
-- ``sdpa`` (:mod:`engine.attention.sdpa`, the CPU backend): the decode rows of a step attend
-  together, in a few padded batched matmuls over their gathered blocks (sequences grouped by
-  length so padding stays small); each prefill chunk attends with its own SDPA call.
-- ``flex`` (:mod:`engine.attention.flex`, the CUDA backend): one FlexAttention call per layer
-  over the whole packed step, reading K/V in place from the paged cache through the block
-  tables, so the kernel launches of a step do not grow with the number of sequences.
-
-Every backend honours the attention features the model families pass: ``sliding_window``
-(Mistral, Qwen2 with ``use_sliding_window``, Gemma-2/3 local layers: a query at position p sees
-keys at positions p - window < k <= p) and ``softcap`` (Gemma-2: scores become
-``softcap * tanh(scores / softcap)`` before the softmax). Any other keyword the model passes is
-refused with an error naming it, never dropped; the runner makes one probe forward at load so a
-model whose attention needs something the backends lack fails there, not mid-run.
-
-Because ``batchd_paged`` has no entry in transformers' mask interface, the model builds no
-attention mask over the packed sequence at all.
+A step's tokens are packed into one flat sequence (batch 1, no padding). :func:`paged_attention`
+gets an :class:`AttentionContext` as the ``batchd_ctx`` forward kwarg, writes the new K/V into
+the layer's cache (``[kv_heads, num_blocks, block_size, head_dim]``) at ``slot_mapping``, and
+hands the step to the backend: ``sdpa`` on CPU, ``flex`` on CUDA. Every backend honours
+``sliding_window`` and ``softcap``; any other keyword is refused by name, never dropped. No
+attention mask is built over the packed sequence. See docs/engine-step.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """The CPU attention backend: the decode rows of a step in groups, each prefill chunk on its own.
 
-1. Decode rows (one query per sequence): where the compiled kernel builds
-   (:mod:`engine.cpu.kernels`, float32 or bf16, no soft-capping), one call per layer attends
-   every row, reading K/V in place through the block tables. Otherwise they come in groups of
-   similar length (:class:`engine.attention.paged.DecodeGroup`), query heads folded onto their
-   KV head (``[kv_heads, n, group, head_dim]``, no K/V repeat): in bf16 one ``index_select``
-   of the group's blocks and one masked SDPA call per layer; in float32 one SDPA call per
-   sequence over exactly its keys (twice the padded group's speed there).
-2. Each prefill chunk attends on its own: a chunk that starts the sequence uses the fresh K/V
-   with a causal SDPA; a chunk that continues one (chunked prefill, prefix-cache hit) gathers
-   the sequence's cached K/V and uses a causal mask offset by the context already computed.
-   A sliding window adds its lower bound to the mask.
-
-SDPA has no soft-capping, so a layer with ``softcap`` runs the same shapes through explicit
-matmul -> softcap -> mask -> float32 softmax -> matmul (transformers' eager order).
+Decode rows attend in one compiled-kernel call per layer where :mod:`engine.cpu.kernels` builds
+(float32 or bf16, no soft-capping), otherwise in groups of similar length
+(:class:`engine.attention.paged.DecodeGroup`), query heads folded onto their KV head. Each
+prefill chunk attends with its own causal SDPA call, offset by its cached context. A ``softcap``
+layer runs explicit matmuls in transformers' eager order. See docs/engine-step.md ("CPU").
 """
 
 from __future__ import annotations

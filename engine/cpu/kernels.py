@@ -1,12 +1,10 @@
 """Compiled CPU kernels: C sources beside this module, built once per machine, loaded by ctypes.
 
-A kernel is built at first use with the system's C compiler (``$CC``, else ``cc``) and
-``-O3 -march=native`` into ``$XDG_CACHE_HOME/batchd/kernels`` (``~/.cache`` without it), under
-a name digesting its source, the compiler's version, the flags and this CPU's model and
-features: a cache shared between machines never hands one CPU another's build. The build is
-written beside and renamed into place, so processes building at once do not see half a file.
-Where no compiler is found or the build fails, :func:`decode_attention` returns None, once
-logged, and the engine keeps its torch path.
+Built at first use with ``$CC`` (else ``cc``) and ``-O3 -march=native`` into
+``$XDG_CACHE_HOME/batchd/kernels``, under a name digesting source, compiler, flags and CPU, so a
+shared cache never hands one CPU another's build; written beside and renamed into place. Where
+no compiler is found or the build fails, :func:`decode_attention` returns None (logged once)
+and the engine keeps its torch path.
 """
 
 from __future__ import annotations

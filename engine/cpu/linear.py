@@ -1,13 +1,10 @@
 """Linear layers with their weights packed once for oneDNN, on a CPU.
 
-``F.linear`` on a CPU hands the GEMM library a plain weight on every call; a weight reordered
-once into oneDNN's blocked layout skips that work, which at decode sizes (16-128 rows) is
-10-25% of a bf16 matmul and, on some CPUs, a third of a float32 one (the lm_head's 1.5-2x).
-:func:`pack_linears` swaps every ``nn.Linear`` of a module for a :class:`PackedLinear`
-holding the packed weight; the plain weight is dropped, so memory does not grow. bf16 always
-packs; float32 packs where :func:`packing_pays` measures it faster on this CPU (it is not on
-every one). The operators are PyTorch's own (those ``torch.compile`` uses for the same
-purpose); where they are missing the model is left as it is.
+:func:`pack_linears` swaps every ``nn.Linear`` of a module for a :class:`PackedLinear` holding
+the weight in oneDNN's blocked layout (the plain weight dropped, so memory does not grow). bf16
+always packs; float32 packs where :func:`packing_pays` measures it faster on this CPU. The
+operators are PyTorch's own; where they are missing the model is left as it is. What packing
+saves: docs/engine-step.md ("Packed linear layers").
 """
 
 from __future__ import annotations
