@@ -1,33 +1,11 @@
 """``batchd bench``: the service measured as production runs it.
 
-A workload is a list of **jobs** (batches), each arriving at its own time (a Poisson process
-of ``rate`` jobs per second, or a schedule file), belonging to a tenant and a priority, made
-of requests whose shapes come from a real JSONL batch file (lines drawn at random, the model
-name replaced) or from named length distributions (``/v1/completions`` requests whose prompts
-are token ids, ``ignore_eos``, so each request has exactly its prompt and output lengths),
-both made by ``cli.perf.workload`` (:func:`job_lines`).
-
-Each job runs in its own client thread: upload, create, poll until the batch ends, download
-its output and error files. Meanwhile a sampler asks the model workers for ``engine_stats``
-(worker.infra.runtime) and reads every service process's memory from ``/proc``. At the end the
-model workers hand over each request's timings (worker.shards.timings). The report:
-
-- **ttft_s**: a request handed to the engine host by its shard → its first token (the time it
-  waits in the worker's queues, plus its prefill).
-- **itl_s**: per request, (finished − first token) / (output tokens − 1).
-- **request_e2e_s**: the job's arrival (its upload starts) → the request finished.
-- **job_e2e_s**: the job's arrival → its output and error files downloaded.
-- **batch_queue_s**: a batch created → its first request handed to an engine.
-- **shard_queue_s**: a batch created → each shard's first request handed to an engine.
-- **input_tok_s**, **output_tok_s**: prompt tokens admitted and tokens generated per second
-  by the engines, per sampling interval while they had work; the totals over the run too.
-- **engine_occupancy**: running sequences / max_num_seqs, per sampling interval with work.
-- **rss_mb.<process>**: resident memory of each service process per sample; ``peak_rss_mb``
-  is the kernel's high-water mark (VmHWM).
-- **counts**: jobs and requests submitted, completed, failed (error lines, by code) and
-  rejected (an upload or create the API refused, or a batch that failed validation).
-
-Every distribution is reported with n, mean, p50, p90, p99 and max.
+Jobs (batches) arrive over time (Poisson or a schedule file), each with a tenant and a
+priority, their requests from a real JSONL file or named length distributions
+(``cli.perf.workload``). Each job runs in its own client thread (upload, create, poll,
+download); a sampler reads the model workers' ``engine_stats`` and every service process's
+memory, and the workers hand over per-request timings at the end. Every distribution is
+reported with n, mean, p50, p90, p99 and max: the metrics in docs/measuring.md.
 """
 
 from __future__ import annotations

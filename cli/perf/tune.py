@@ -1,44 +1,10 @@
-"""``batchd tune``: the engine's operating point for a model, a workload and a memory budget.
+"""``batchd tune``: the engine's operating point for a model, a workload and a KV memory budget.
 
-``batchd tune``: find the engine's operating point for a model, a workload and a KV memory
-budget, with the engine alone (no service).
-
-Each point of the sweep is one engine built with those options (``max_num_seqs``,
-``max_num_batched_tokens``, ``block_size``) and the memory budget, kept backlogged: the
-workload's requests are fed round and round so the waiting queue never empties, as in a long
-batch job, in an order that spreads long and short requests evenly (``spread_order``). After
-a warm-up (until half of ``max_num_seqs`` requests have finished, so the
-running batch holds requests of every age, as in steady state, or ``warmup_s``), a
-window of at least ``measure_s`` seconds and ``min_steps`` steps is measured from the engine's
-own counters: output tokens, tokens run through the model, steps, the running batch size per
-step, preemptions and the peak of KV blocks in use. The window also lasts until half of
-``max_num_seqs`` (and at least 16) requests have finished in it (at most ``max_measure_s``), so
-it holds admissions
-(prefill) and decodes in their steady-state proportion.
-
-Time is the process CPU time when the engine runs on the CPU with one intra-op thread (a
-machine shared with other work then gives the same figure run after run; wall time swings
-with whoever else runs) and wall time otherwise (``clock``).
-
-The search (``adaptive``): ``max_num_seqs`` doubles from 1 at the base token budget until the
-running batch stops growing (KV memory bounds it), throughput has fallen twice in a row or
-gained less than ``COMPUTE_GAIN`` on two doublings in a row, or ``max_seqs`` is reached; the
-two geometric midpoints around the best are measured; then the token budget at the best
-``max_num_seqs`` is halved and doubled (``TOKEN_BUDGETS``), going on in a direction while it
-gains; then each other block size at the best point. A grid
-(``max_num_seqs`` and ``max_num_batched_tokens`` lists) measures every combination instead.
-The ``confirm`` best points are then measured ``confirm_runs`` more times each, in turn
-(A, B, C, A, B, C, …, so a drift of the machine's load touches them alike), and their windows
-pooled (the best of many noisy measurements is flattered by its own noise). The chosen point is the best
-measured by ``objective`` (output tokens per second, or "total":
-every token run through the model per second) that is not KV-bound (unless all are),
-among the points whose mean step time is within ``max_step_ms`` when one is given (a step is
-one token of every running sequence: its time is the inter-token latency).
-
-Saturation marks (``saturation``): KV memory saturates at the first ``max_num_seqs`` whose
-sequences are preempted, or whose running batch stays below 95% of it while the KV pool is
-over 90% full; compute saturates at the first running batch size past which doubling the batch
-adds less than ``COMPUTE_GAIN`` throughput.
+The engine runs alone (no service). Each point of the sweep (``max_num_seqs``,
+``max_num_batched_tokens``, ``block_size``) is one engine kept backlogged with the workload,
+measured after a warm-up over a window from the engine's own counters; the adaptive search or a
+grid picks the points, the best are measured again in turn and pooled, and the best point that
+is not KV-bound wins. The search, the clock and the saturation marks: docs/measuring.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """The workloads every benchmark, ``batchd bench`` and ``batchd tune`` run.
 
 One type (:class:`Workload`, prompt token ids and output lengths) made from a real JSONL batch
-file, from chat questions through the model's template, or from named length distributions;
-and, from the same generators, the request lines the service benchmarks send: a
-:class:`Workload` as ``/v1/completions`` lines (:func:`completion_lines`), chat bodies
-(:func:`chat_bodies`), or lines drawn from a real batch file (:func:`sampled_lines`).
-
-A length distribution is ``fixed:N``, ``uniform:LO:HI`` or ``lognormal:MEAN:SIGMA`` (MEAN is
-the mean; samples are clipped to [1, 4 * MEAN]).
+file, chat questions through the model's template, or named length distributions (``fixed:N``,
+``uniform:LO:HI``, ``lognormal:MEAN:SIGMA``, samples clipped to [1, 4 * MEAN]); and from the
+same generators the service benchmarks' request lines (:func:`completion_lines`,
+:func:`chat_bodies`, :func:`sampled_lines`).
 """
 
 from __future__ import annotations
