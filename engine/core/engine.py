@@ -2,9 +2,9 @@
 
 ``step()`` is schedule -> run the model -> postprocess (sample, detokenize, check stops, free
 finished sequences); it returns the requests that finished during the step. A prompt that
-fills ``max_model_len`` is rejected, a longer ``max_tokens`` clamped; ``abort_request`` frees
-KV at once and the next ``step()`` reports "abort"; ``n > 1`` forks after the prompt. The
-rules in full: docs/engine.md ("The step loop").
+fills ``max_model_len`` is rejected; ``prompt + max_tokens`` beyond it is clamped ("length");
+``abort_request`` frees KV at once and the next ``step()`` reports "abort"; ``n > 1`` forks
+after the prompt. The rules in full: docs/engine.md ("The step loop").
 """
 
 from __future__ import annotations
