@@ -8,9 +8,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
+from typing import Any, cast
 
 import sqlalchemy
-from sqlalchemy import Engine, event
+from sqlalchemy import CursorResult, Delete, Engine, Update, event
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.settings import get_settings
@@ -61,3 +62,11 @@ def session_scope(url: str | None = None) -> Iterator[Session]:
         raise
     finally:
         session.close()
+
+
+def updated(session: Session, statement: Update | Delete) -> int:
+    """Run an UPDATE or DELETE and return the number of rows it matched.
+
+    ``Session.execute`` is typed as returning a plain ``Result``; a DML statement's is a
+    ``CursorResult``, which has ``rowcount``."""
+    return cast(CursorResult[Any], session.execute(statement)).rowcount

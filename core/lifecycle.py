@@ -18,6 +18,7 @@ from typing import Any
 from sqlalchemy import insert, update
 from sqlalchemy.orm import Session
 
+from core.db import updated
 from core.tables import Batch, WebhookDelivery
 
 
@@ -149,7 +150,7 @@ def transition(
         .execution_options(synchronize_session=False)
     )
     if target not in TERMINAL:
-        return session.execute(statement).rowcount == 1
+        return updated(session, statement) == 1
     won = session.execute(statement.returning(Batch.webhook_url)).first()
     if won is None:
         return False

@@ -20,6 +20,7 @@ from api.deps import Caller
 from api.errors import APIError, invalid_request, not_found
 from api.services import files
 from api.services.common import could_be_id
+from core.db import updated
 from core.ids import file_id
 from core.ids import upload_id as new_upload_id
 from core.lifecycle import now
@@ -191,9 +192,10 @@ def complete(
 
 def _claim(session: Session, upload: str, expected: str, status: str) -> bool:
     """Move the upload from ``expected`` to ``status`` in one conditional UPDATE."""
-    won = session.execute(
-        update(Upload).where(Upload.id == upload, Upload.status == expected).values(status=status)
-    ).rowcount
+    won = updated(
+        session,
+        update(Upload).where(Upload.id == upload, Upload.status == expected).values(status=status),
+    )
     session.commit()
     return bool(won)
 

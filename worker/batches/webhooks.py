@@ -27,7 +27,7 @@ import httpx
 from sqlalchemy import select, update
 
 from core import metrics
-from core.db import session_scope
+from core.db import session_scope, updated
 from core.lifecycle import EVENT_TYPES, DeliveryStatus, now, record_webhook_event, webhook_event_id
 from core.netcheck import (
     AllowList,
@@ -259,7 +259,8 @@ def attempt(delivery_id: str, *, resolver: Resolver = system_resolver) -> float 
         url = delivery.url
         # Claim this attempt: one conditional UPDATE, so duplicate task deliveries never
         # POST twice for the same attempt number.
-        claimed = session.execute(
+        claimed = updated(
+            session,
             update(WebhookDelivery)
             .where(
                 WebhookDelivery.id == delivery_id,
@@ -274,8 +275,8 @@ def attempt(delivery_id: str, *, resolver: Resolver = system_resolver) -> float 
                 next_attempt_at=now()
                 + timedelta(seconds=settings.webhook_timeout_s + ATTEMPT_GRACE_S),
             )
-            .execution_options(synchronize_session=False)
-        ).rowcount
+            .execution_options(synchronize_session=False),
+        )
     if claimed != 1:
         return None
     number = seen + 1

@@ -18,7 +18,7 @@ from sqlalchemy import select, update
 
 from core import metrics
 from core.batchfile.results import request_error_line
-from core.db import session_scope
+from core.db import session_scope, updated
 from core.lifecycle import BatchStatus, ShardStatus, now
 from core.queue import TASK_FINALIZE, TASK_RECLAIM, TASK_RUN_SHARD, TASK_VALIDATE, model_queue
 from core.settings import get_settings
@@ -125,7 +125,7 @@ def _stale_shards(cutoff: Any) -> list[tuple[int, int, str | None]]:
 def _requeue(shard_id: int, attempts: int, cutoff: Any) -> bool:
     """``running -> pending`` if the shard is still the same stale attempt's."""
     with session_scope() as session:
-        result = session.execute(
+        statement = (
             update(Shard)
             .where(
                 Shard.id == shard_id,
@@ -136,7 +136,7 @@ def _requeue(shard_id: int, attempts: int, cutoff: Any) -> bool:
             .values(status=ShardStatus.PENDING, worker=None)
             .execution_options(synchronize_session=False)
         )
-        return result.rowcount == 1
+        return updated(session, statement) == 1
 
 
 def _unclaimed_requeues(cutoff: Any) -> list[tuple[int, str | None]]:

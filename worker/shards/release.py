@@ -22,7 +22,7 @@ from celery.signals import task_postrun
 from sqlalchemy import and_, func, select, text, update
 from sqlalchemy.orm import Session
 
-from core.db import session_scope
+from core.db import session_scope, updated
 from core.lifecycle import BatchStatus, ShardStatus, now
 from core.priority import Priority
 from core.queue import TASK_RELEASE_SWEEP, TASK_RUN_SHARD, model_queue
@@ -271,7 +271,8 @@ def _release(model: str, limit: int) -> list[int]:
         base = now()
         released = []
         for k, pick in enumerate(picks):
-            won = session.execute(
+            won = updated(
+                session,
                 update(Shard)
                 .where(
                     Shard.id == pick.shard_id,
@@ -279,8 +280,8 @@ def _release(model: str, limit: int) -> list[int]:
                     Shard.released_at.is_(None),
                 )
                 .values(released_at=base + timedelta(microseconds=k))
-                .execution_options(synchronize_session=False)
-            ).rowcount
+                .execution_options(synchronize_session=False),
+            )
             if won == 1:
                 released.append(pick.shard_id)
         return released

@@ -15,7 +15,7 @@ from typing import Any
 from sqlalchemy import select, update
 
 from core.batchfile.results import GenerationResult
-from core.db import session_scope
+from core.db import session_scope, updated
 from core.lifecycle import BatchStatus, ShardStatus, now, transition
 from core.queue import TASK_FINALIZE
 from core.results_log import log_chunk
@@ -223,7 +223,7 @@ def set_shard_status(shard_id: int, attempt: int, status: str) -> bool:
 
     def attempt_once() -> bool:
         with session_scope() as session:
-            result = session.execute(
+            statement = (
                 update(Shard)
                 .where(
                     Shard.id == shard_id,
@@ -233,7 +233,7 @@ def set_shard_status(shard_id: int, attempt: int, status: str) -> bool:
                 .values(status=status, heartbeat_at=now())
                 .execution_options(synchronize_session=False)
             )
-            return result.rowcount == 1
+            return updated(session, statement) == 1
 
     return retrying(attempt_once, f"ending shard {shard_id} as {status}")
 
@@ -291,7 +291,7 @@ def finalize_if_idle(batch_id: str) -> bool:
 def _heartbeat(shard_id: int, attempt: int) -> bool:
     """Stamp the attempt's heartbeat; False if the attempt no longer owns the shard."""
     with session_scope() as session:
-        result = session.execute(
+        statement = (
             update(Shard)
             .where(
                 Shard.id == shard_id, Shard.attempts == attempt, Shard.status == ShardStatus.RUNNING
@@ -299,7 +299,7 @@ def _heartbeat(shard_id: int, attempt: int) -> bool:
             .values(heartbeat_at=now())
             .execution_options(synchronize_session=False)
         )
-        return result.rowcount == 1
+        return updated(session, statement) == 1
 
 
 def abandon(shard_id: int, attempt: int) -> None:

@@ -18,7 +18,7 @@ from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import or_, select, update
 
-from core.db import session_scope
+from core.db import session_scope, updated
 from core.tables import UpstreamLimit, UpstreamMember
 from worker.upstream.concurrency import ConcurrencyController, Window
 
@@ -166,7 +166,8 @@ class SharedLimit:
             if state is None:
                 session.add(UpstreamLimit(upstream=self.upstream, limit=self.limit, updated_at=now))
         with session_scope() as session:
-            took = session.execute(
+            took = updated(
+                session,
                 update(UpstreamLimit)
                 .where(
                     UpstreamLimit.upstream == self.upstream,
@@ -176,8 +177,8 @@ class SharedLimit:
                         UpstreamLimit.leader_until < now,
                     ),
                 )
-                .values(leader=self.member, leader_until=now + timedelta(seconds=LEASE_S))
-            ).rowcount
+                .values(leader=self.member, leader_until=now + timedelta(seconds=LEASE_S)),
+            )
             if not took and self.leader:
                 self.windows = Windows(self.controller, self.upstream)  # another member leads
                 self._last.clear()
