@@ -81,6 +81,8 @@ def prompt_token_ids(tok: Any, req: BatchRequest) -> list[int]:
         return encode(tok, text, add_special_tokens=False)
     if isinstance(req.prompt, list):
         return [int(t) for t in req.prompt]
+    if req.prompt is None:
+        raise ValueError(f"a {req.kind} request without a prompt")
     return encode(tok, req.prompt, add_special_tokens=True)
 
 

@@ -86,7 +86,9 @@ ALLOWED: dict[str, frozenset[str]] = {
     BatchStatus.CANCELLING: frozenset({BatchStatus.CANCELLED}),
 }
 # The timestamp column stamped when a batch enters each status.
-STAMP = {status: f"{status}_at" for status in BatchStatus if status != BatchStatus.VALIDATING}
+STAMP: dict[str, str] = {
+    status: f"{status}_at" for status in BatchStatus if status != BatchStatus.VALIDATING
+}
 
 
 def now() -> datetime:
@@ -95,7 +97,7 @@ def now() -> datetime:
 
 
 # The webhook event type of each terminal status.
-EVENT_TYPES = {status: f"batch.{status}" for status in TERMINAL}
+EVENT_TYPES: dict[str, str] = {status: f"batch.{status}" for status in TERMINAL}
 
 
 def webhook_event_id() -> str:

@@ -44,7 +44,7 @@ class Priority(StrEnum):
         """``value`` as a priority: ``normal`` for None and for anything that is not one of the
         three names (a stored row is read, never refused)."""
         try:
-            return cls(value)
+            return cls(value) if value is not None else cls.NORMAL
         except ValueError:
             return cls.NORMAL
 

@@ -24,7 +24,8 @@ def retry_kind(line: dict[str, Any]) -> str | None:
     response = line.get("response")
     if response is None:
         error = line.get("error")
-        return _NEVER_RAN.get(error.get("code")) if isinstance(error, dict) else None
+        code = error.get("code") if isinstance(error, dict) else None
+        return _NEVER_RAN.get(code) if isinstance(code, str) else None
     if not isinstance(response, dict):
         return None
     status = response.get("status_code")

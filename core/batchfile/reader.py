@@ -68,7 +68,7 @@ def _chunks(source: BinaryIO | Iterable[bytes], chunk_size: int) -> Iterator[byt
         while chunk := read(chunk_size):
             yield chunk
     else:
-        for chunk in source:  # type: ignore[union-attr]
+        for chunk in source:
             if chunk:
                 yield chunk
 

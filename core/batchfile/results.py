@@ -257,7 +257,9 @@ def responses_body(
     cut = choice.finish_reason == "length"
     created = options.get("created")
     status = "incomplete" if cut else "completed"
-    text = body.get("text") if isinstance(body.get("text"), dict) else {}
+    text = body.get("text")
+    if not isinstance(text, dict):
+        text = {}
     message = {
         "type": "message",
         "id": message_id(),

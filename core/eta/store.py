@@ -195,13 +195,13 @@ def refresh(session: Session, now: datetime, window_s: float) -> int:
     """Store every running batch's projected completion and at-risk mark; the number of
     batches whose stored values changed. The caller commits."""
     models = session.scalars(
-        select(Batch.model)
-        .distinct()
-        .where(Batch.status == BatchStatus.IN_PROGRESS, Batch.model.is_not(None))
+        select(Batch.model).distinct().where(Batch.status == BatchStatus.IN_PROGRESS)
     ).all()
     clock = now.timestamp()
     changes = []
     for model in models:
+        if model is None:  # a batch without a model has no throughput to project
+            continue
         batches = model_batches(session, model, now, window_s)
         rate = model_rate(batches, clock, window_s)
         running = [b for b in batches if b.status == BatchStatus.IN_PROGRESS]

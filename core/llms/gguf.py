@@ -23,10 +23,13 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Literal
 
 from core.llms.demo import cache_root  # one cache: converted models beside built ones
 
 logger = logging.getLogger(__name__)
+
+_Mode = Literal["r", "r+", "c"]  # gguf.GGUFReader's modes
 
 GGUF_PREFIX = "gguf:"
 GGUF_MAGIC = b"GGUF"
@@ -225,13 +228,13 @@ def _parse_once() -> Iterator[None]:
     import gguf
 
     reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    readers: dict[str, object] = {}
+    readers: dict[str, gguf.GGUFReader] = {}
 
     @functools.cache
-    def tensor_name_map(arch: object, n_blocks: int) -> object:
+    def tensor_name_map(arch: gguf.MODEL_ARCH, n_blocks: int) -> gguf.TensorNameMap:
         return name_map(arch, n_blocks)
 
-    def reader(path: os.PathLike | str, mode: str = "r") -> object:
+    def reader(path: os.PathLike[str] | str, mode: _Mode = "r") -> gguf.GGUFReader:
         if mode != "r":
             return reader_class(path, mode)
         key = os.fspath(path)
@@ -239,11 +242,13 @@ def _parse_once() -> Iterator[None]:
             readers[key] = reader_class(path, mode)
         return readers[key]
 
-    gguf.GGUFReader, gguf.get_tensor_name_map = reader, tensor_name_map
+    # A function stands in for the class: transformers only calls it.
+    gguf.GGUFReader = reader  # type: ignore[misc,assignment]
+    gguf.get_tensor_name_map = tensor_name_map
     try:
         yield
     finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map  # type: ignore[misc]
 
 
 def _convert(path: Path, out: Path) -> dict:

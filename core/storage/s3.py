@@ -13,7 +13,7 @@ import io
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from typing import Any, BinaryIO
 from urllib.parse import urlsplit
@@ -360,7 +360,7 @@ class S3Storage(Storage):
             raise self._error(exc, key, "download") from exc
 
     def _open(self, key: str) -> BinaryIO:
-        return io.BufferedReader(_BodyRaw(self, key), buffer_size=MiB)  # type: ignore[return-value]
+        return io.BufferedReader(_BodyRaw(self, key), buffer_size=MiB)
 
     def read_range(
         self, key: str, start: int, end: int, *, chunk_size: int = 1 << 20
@@ -441,7 +441,7 @@ class S3Storage(Storage):
         if batch:
             self._delete_batch(batch)
 
-    def _delete_batch(self, batch: list[dict[str, str]]) -> None:
+    def _delete_batch(self, batch: Sequence[dict[str, str]]) -> None:
         try:
             response = self.client.delete_objects(
                 Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True}
