@@ -47,7 +47,7 @@ def local_only(settings: Settings, connection: HTTPConnection) -> bool:
     if bound_beyond_loopback(settings):
         return False
     server = connection.scope.get("server")
-    return bool(server) and is_loopback(str(server[0]))
+    return server is not None and is_loopback(str(server[0]))
 
 
 def check_auth_off_is_local(settings: Settings, auth_enabled: bool) -> None:

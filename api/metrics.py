@@ -55,7 +55,7 @@ def _bound_method(info: Any) -> None:
 def _count_rejections(info: Any) -> None:
     response = getattr(info, "response", None)
     status = getattr(response, "status_code", None)
-    reason = metrics.REJECTION_REASONS.get(status)
+    reason = metrics.REJECTION_REASONS.get(status) if isinstance(status, int) else None
     if reason is not None:
         metrics.REJECTIONS.labels(reason=reason).inc()
 

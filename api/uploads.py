@@ -16,10 +16,10 @@ import re
 import threading
 import unicodedata
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import anyio
 from python_multipart.exceptions import FormParserError
@@ -366,7 +366,7 @@ async def _receive(
             raise too_large(max_bytes, file_field)
         return chunk
 
-    def ingest(receive: Callable[[], Awaitable[bytes | None]]) -> Upload:
+    def ingest(receive: Callable[[], Coroutine[Any, Any, bytes | None]]) -> Upload:
         with ExitStack() as stack:
             sink = _Ingest(stack, storage, key, max_bytes, file_field)
             parser = _parser(boundary, sink.callbacks())

@@ -26,6 +26,7 @@ from core.auth import generate_webhook_secret, priority_allowed
 from core.ids import batch_id as new_batch_id
 from core.lifecycle import CANCELLABLE, TERMINAL, UNFINISHED, BatchStatus, now, transition
 from core.netcheck import url_problem
+from core.priority import PriorityName, priority_name
 from core.queue import TASK_CANCEL, TASK_VALIDATE, enqueue
 from core.settings import Settings
 from core.tables import Batch, File
@@ -76,7 +77,7 @@ def checked_window_s(window: str, caller: Caller, settings: Settings) -> int:
     return seconds
 
 
-def checked_priority(body: BatchCreate, caller: Caller) -> str:
+def checked_priority(body: BatchCreate, caller: Caller) -> PriorityName:
     """A priority is an entitlement of the key: asking for more than the key's
     ``max_priority`` is a 403. Without one, a batch gets ``normal``, or the key's maximum
     where that is lower."""
@@ -84,7 +85,7 @@ def checked_priority(body: BatchCreate, caller: Caller) -> str:
     if priority_allowed(requested, caller.max_priority):
         return requested
     if "priority" not in body.model_fields_set:
-        return caller.max_priority
+        return priority_name(caller.max_priority)
     raise APIError(
         403,
         f"This API key may create batches with priority up to '{caller.max_priority}'; "

@@ -28,6 +28,7 @@ from api.services.batches import batch_input_file, checked_priority, checked_win
 from core import rpc
 from core.eta import store
 from core.lifecycle import now
+from core.priority import PriorityName
 from core.queue import TASK_ESTIMATE
 from core.settings import Settings
 
@@ -93,7 +94,7 @@ async def estimate_batch(
 
 def _checked(
     session: Session, settings: Settings, caller: Caller, body: BatchCreate
-) -> tuple[str, int, str]:
+) -> tuple[PriorityName, int, str]:
     priority = checked_priority(body, caller)
     seconds = checked_window_s(body.completion_window, caller, settings)
     input_file = batch_input_file(session, caller.tenant, body.input_file_id)
@@ -139,7 +140,7 @@ def build_estimate(
     settings: Settings,
     body: BatchCreate,
     tenant: str,
-    priority: str,
+    priority: PriorityName,
     window_s: int,
     scan: dict[str, Any],
 ) -> BatchEstimate:
@@ -150,7 +151,7 @@ def build_estimate(
     valid = int(scan["valid_requests"])
     work = float(scan["est_tokens"])
     times = None
-    reason = "The file holds no valid request: there is nothing to run."
+    reason: str | None = "The file holds no valid request: there is nothing to run."
     if model and valid:
         times = store.times_for_new_batch(
             session,
@@ -175,7 +176,7 @@ def build_estimate(
     return BatchEstimate(
         endpoint=body.endpoint,
         completion_window=body.completion_window,
-        priority=priority,  # type: ignore[arg-type]
+        priority=priority,
         model=model,
         total_requests=int(scan["total_requests"]),
         valid_requests=valid,

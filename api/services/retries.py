@@ -24,6 +24,7 @@ from core.auth import priority_allowed
 from core.batchfile.reader import custom_id_in, iter_lines
 from core.ids import file_id
 from core.lifecycle import TERMINAL
+from core.priority import priority_name
 from core.retry import (
     RETRY_KINDS,
     RETRY_OF,
@@ -196,6 +197,7 @@ def _replay(row: Batch, request: dict[str, Any]) -> Batch:
     is now, when asked for the same; else (another parent or selection, or a key a create
     used) a 409 naming the difference."""
     asked = row.retry_request
+    differs: str | None
     if asked is None:
         differs = "request: it was not a retry"
     else:
@@ -217,7 +219,7 @@ def _replay(row: Batch, request: dict[str, Any]) -> Batch:
 def _create_body(
     parent: Batch, body: RetryCreate, caller: Caller, input_file_id: str
 ) -> BatchCreate:
-    priority = body.priority or parent.priority
+    priority = body.priority or priority_name(parent.priority)
     explicit = body.priority is not None or priority_allowed(priority, caller.max_priority)
     return BatchCreate(
         **({"priority": priority} if explicit else {}),  # an ask above the key's is a 403

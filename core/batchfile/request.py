@@ -6,14 +6,14 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 RequestKind = Literal["chat", "completion", "embedding", "response"]
 
-CHAT_URL = "/v1/chat/completions"
-COMPLETIONS_URL = "/v1/completions"
-EMBEDDINGS_URL = "/v1/embeddings"
-RESPONSES_URL = "/v1/responses"
+CHAT_URL: Final = "/v1/chat/completions"
+COMPLETIONS_URL: Final = "/v1/completions"
+EMBEDDINGS_URL: Final = "/v1/embeddings"
+RESPONSES_URL: Final = "/v1/responses"
 SUPPORTED_URLS: tuple[str, ...] = (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL, RESPONSES_URL)
 GENERATION_URLS: tuple[str, ...] = (CHAT_URL, COMPLETIONS_URL, RESPONSES_URL)
 # OpenAI's limit on the inputs of one embeddings request.
