@@ -113,8 +113,9 @@ class FairQueue(Generic[E]):
     def __len__(self) -> int:
         return self._len
 
-    def group_len(self, group: str) -> int:
-        return self._per_group.get(group, 0)
+    def group_len(self, group: str | None) -> int:
+        """Entries pending of ``group``; entries without a group are not counted."""
+        return self._per_group.get(group, 0) if group is not None else 0
 
     @property
     def num_groups(self) -> int:

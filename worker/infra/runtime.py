@@ -25,17 +25,18 @@ from core.llms.demo import build
 from core.llms.gguf import ModelSourceError
 from core.settings import get_settings
 from engine.sim.engine import DEFAULT_MAX_MODEL_LEN, SimEngine
+from worker.host import Host
 from worker.upstream.dispatcher import Dispatcher
 
 if TYPE_CHECKING:
-    from engine import EngineHost
+    from engine.embedding.host import EmbeddingHost
 
 logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _tokenizers: dict[str, Any] = {}
 _context: dict[str, int] = {}
-_hosts: dict[str, EngineHost] = {}
+_hosts: dict[str, Host] = {}
 _load_locks: dict[str, threading.Lock] = {}
 # One model loads at a time in a process: transformers' loading is not thread-safe (its
 # meta-device initialisation is process-global), and two at once corrupt each other.
@@ -70,10 +71,10 @@ class IsolationGate:
         return current is not None and current is not owner
 
 
-_gates: weakref.WeakKeyDictionary[Any, IsolationGate] = weakref.WeakKeyDictionary()
+_gates: weakref.WeakKeyDictionary[Host, IsolationGate] = weakref.WeakKeyDictionary()
 
 
-def isolation_gate(engine_host: Any) -> IsolationGate:
+def isolation_gate(engine_host: Host) -> IsolationGate:
     """The isolation gate of ``engine_host`` (one per host, created on first use)."""
     with _lock:
         gate = _gates.get(engine_host)
@@ -151,9 +152,8 @@ def _spec_tokenizer(model: str, source: str | None) -> Any:
     if source is None:
         path = model_dir(model)
     else:
-        path = specs.spec_dir(source)
-        if path is None:
-            path = build(source.split(":", 1)[1])
+        found = specs.spec_dir(source)
+        path = found if found is not None else build(source.split(":", 1)[1])
     tok = load_tokenizer(str(path))
     with _lock:
         return _tokenizers.setdefault(model, tok)
@@ -181,7 +181,7 @@ def context_length(model: str) -> int:
     return int(limit)
 
 
-def host(model: str) -> EngineHost:
+def host(model: str) -> Host:
     """The process-wide engine host for ``model``, loaded and started on first use."""
     with _lock:
         existing = _hosts.get(model)
@@ -200,7 +200,7 @@ def host(model: str) -> EngineHost:
             return _load_host(model, spec)
 
 
-def _load_host(model: str, spec: str) -> EngineHost:
+def _load_host(model: str, spec: str) -> Host:
     """Load ``model``'s engine (or embedding engine) and start its host (under ``_loading``)."""
     # torch: imported only by a process that runs a model
     from engine import Engine, EngineHost
@@ -237,7 +237,7 @@ def _load_host(model: str, spec: str) -> EngineHost:
     return started
 
 
-def _start_dispatcher(model: str, spec: str) -> Any:
+def _start_dispatcher(model: str, spec: str) -> Dispatcher:
     """An upstream model's dispatcher: no weights, no torch; it starts at once."""
     upstream = specs.upstream_spec(spec, model)
     started = Dispatcher(model, upstream, aging_s=get_settings().low_priority_aging_s).start()
@@ -268,7 +268,7 @@ def _start_sim_host(
     options: dict[str, Any],
     host_options: dict[str, Any],
     started_at: float,
-) -> EngineHost:
+) -> Host:
     """A simulated model's host (``engine.sim.engine``): the engine options, with the spec's own
     options over them, and the host options every generation model gets."""
     from engine import EngineHost  # torch: only a process that runs a model gets here
@@ -297,7 +297,7 @@ def _start_sim_host(
 
 def _start_embedding_host(
     model: str, path: Path, options: dict[str, Any], started_at: float
-) -> Any:
+) -> EmbeddingHost:
     """An embedding model's host: its device and dtype from the engine options; its batches
     sized by ``embedding_max_batch_tokens`` (default 16,384 padded tokens)."""
     # torch: imported only by a process that runs a model
@@ -325,7 +325,7 @@ def _start_embedding_host(
     return started
 
 
-def loaded_hosts() -> dict[str, EngineHost]:
+def loaded_hosts() -> dict[str, Host]:
     with _lock:
         return dict(_hosts)
 
@@ -358,10 +358,14 @@ def engine_stats_snapshot(timeout: float = 5.0) -> dict[str, dict[str, Any]]:
     """Each loaded host's stats (a host that cannot answer reports ``{"error": …}``)."""
     out: dict[str, dict[str, Any]] = {}
     for model, engine_host in loaded_hosts().items():
-        if hasattr(engine_host, "snapshot"):  # an upstream's dispatcher
+        if isinstance(engine_host, Dispatcher):  # an upstream's
             out[model] = _json_safe(engine_host.snapshot())
             continue
-        if not hasattr(engine_host, "stats"):  # an embedding host: its own few counters
+        # torch: the process that runs this host has imported it
+        from engine.embedding.host import EmbeddingHost
+        from engine.host.host import EngineHost
+
+        if isinstance(engine_host, EmbeddingHost):  # its own few counters
             out[model] = {
                 "kind": "embedding",
                 "pending": engine_host.pending(),
@@ -369,14 +373,14 @@ def engine_stats_snapshot(timeout: float = 5.0) -> dict[str, dict[str, Any]]:
                 "failed": engine_host.failed,
                 "aborted": engine_host.aborted,
             }
-            continue
-        try:
-            stats = engine_host.stats(timeout=timeout).as_dict()
-            stats["max_num_seqs"] = int(engine_host.engine.config.max_num_seqs)
-            stats["alive"] = engine_host.is_alive
-            out[model] = _json_safe(stats)
-        except Exception as exc:  # a dead loop or a stats timeout: say so, answer the rest
-            out[model] = {"error": repr(exc)}
+        elif isinstance(engine_host, EngineHost):
+            try:
+                stats = engine_host.stats(timeout=timeout).as_dict()
+                stats["max_num_seqs"] = engine_host.engine.config.max_num_seqs
+                stats["alive"] = engine_host.is_alive
+                out[model] = _json_safe(stats)
+            except Exception as exc:  # a dead loop or a stats timeout: say so, answer the rest
+                out[model] = {"error": repr(exc)}
     return out
 
 

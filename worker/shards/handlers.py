@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from core import generation
 from core.batchfile.request import EMBEDDINGS_URL, BatchRequest
@@ -25,9 +25,15 @@ from core.priority import Priority
 from core.settings import get_settings
 from core.tables import Batch, Shard
 from engine import RequestError, SamplingParams
+from worker.host import Host
 from worker.infra import REQUEST_ERRORS, runtime, storage
 from worker.shards import timings
 from worker.shards.prepared import read_prepared, tokenizer_fingerprint
+
+if TYPE_CHECKING:
+    from engine.embedding.host import EmbeddingHost
+    from engine.host.host import EngineHost
+    from worker.upstream.dispatcher import Dispatcher
 
 logger = logging.getLogger(__name__)
 
@@ -102,16 +108,25 @@ class Handler(Protocol):
         """The error line of a request that failed every try."""
         ...
 
+    def drained(self, timeout: float) -> bool:
+        """Whether the host has nothing pending or in flight (asked of a handler that isolates
+        failures, before a suspect runs alone); ``TimeoutError`` when the host does not answer
+        within ``timeout``, :class:`EngineUnavailable` when it is dead."""
+        ...
 
-def handler_for(shard: Shard, batch: Batch, host: Any) -> Handler:
+
+def handler_for(shard: Shard, batch: Batch, host: Host) -> Handler:
+    """The handler of the batch's requests. The model's spec and the batch's endpoint say
+    which kind of host ``host`` is (``runtime.host`` started it from the same spec)."""
     spec = get_settings().models.get(batch.model or "", "")
     if specs.is_upstream(spec):
         from worker.upstream.handler import UpstreamHandler  # a cycle: it imports this module
 
-        return UpstreamHandler(batch, host, specs.upstream_spec(spec, batch.model or ""))
+        upstream = specs.upstream_spec(spec, batch.model or "")
+        return UpstreamHandler(batch, cast("Dispatcher", host), upstream)
     if batch.endpoint == EMBEDDINGS_URL:
-        return EmbeddingHandler(batch, host)
-    return GenerationHandler(shard, batch, host)
+        return EmbeddingHandler(batch, cast("EmbeddingHost", host))
+    return GenerationHandler(shard, batch, cast("EngineHost", host))
 
 
 class GenerationHandler:
@@ -120,7 +135,7 @@ class GenerationHandler:
     isolates_failures = True
     forwards_bodies = False
 
-    def __init__(self, shard: Shard, batch: Batch, host: Any):
+    def __init__(self, shard: Shard, batch: Batch, host: EngineHost):
         settings = get_settings()
         self.shard = shard
         self.batch_id = batch.id
@@ -225,6 +240,16 @@ class GenerationHandler:
             type="server_error",
         )
 
+    def drained(self, timeout: float) -> bool:
+        # torch: imported only by a process that runs an engine host
+        from engine.host.host import HostError
+
+        try:
+            stats = self.host.stats(timeout=timeout)
+        except HostError as exc:
+            raise EngineUnavailable(str(exc)) from exc
+        return stats.pending + stats.in_flight == 0
+
 
 class EmbeddingHandler:
     """Embeddings on the model's embedding host (``runtime.host``)."""
@@ -232,7 +257,7 @@ class EmbeddingHandler:
     isolates_failures = False
     forwards_bodies = False
 
-    def __init__(self, batch: Batch, host: Any):
+    def __init__(self, batch: Batch, host: EmbeddingHost):
         self.batch_id = batch.id
         self.host = host
 
@@ -281,3 +306,6 @@ class EmbeddingHandler:
 
     def failed_line(self, req: BatchRequest, exc: BaseException, tries: int) -> dict[str, Any]:
         return error_for_exception(req, exc)
+
+    def drained(self, timeout: float) -> bool:
+        return self.host.pending() == 0  # not asked: its failures are not isolated

@@ -18,6 +18,7 @@ from core.lifecycle import ShardStatus
 from core.logs import log_context
 from core.settings import get_settings
 from core.tables import Batch, Shard
+from worker.host import Host
 from worker.infra import runtime, storage
 from worker.shards import timings
 from worker.shards.handlers import (
@@ -61,7 +62,7 @@ class ShardRun:
         attempt: int,
         num_chunks: int,
         done_lines: set[int],
-        host: Any,
+        host: Host,
         after_commit: Callable[[int], None] | None = None,
     ):
         settings = get_settings()
@@ -236,11 +237,8 @@ class ShardRun:
         """Whether the engine has drained. A host that does not answer for
         ``STATS_PATIENCE`` asks in a row is taken for dead (the attempt fails, the shard is
         reclaimed); until then a slow answer only means not yet."""
-        # torch: imported only by a process that runs an engine host
-        from engine.host.host import HostError
-
         try:
-            stats = self.host.stats(timeout=STATS_TIMEOUT_S)
+            drained = self.handler.drained(STATS_TIMEOUT_S)
         except TimeoutError:
             self.stats_timeouts += 1
             logger.warning(
@@ -251,10 +249,8 @@ class ShardRun:
             if self.stats_timeouts >= STATS_PATIENCE:
                 raise EngineUnavailable("the engine host stopped answering") from None
             return False
-        except HostError as exc:
-            raise EngineUnavailable(str(exc)) from exc
         self.stats_timeouts = 0
-        return stats.pending + stats.in_flight == 0
+        return drained
 
     def _advance_suspects(self) -> None:
         """Run the next suspect alone once the engine has drained (see the class docstring)."""

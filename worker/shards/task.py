@@ -27,6 +27,7 @@ from core.logs import bind_log_context, log_context
 from core.queue import TASK_RUN_SHARD, model_queue
 from core.settings import get_settings
 from core.tables import Batch, Shard
+from worker.host import Host
 from worker.infra import app, input_key, past_expiry, retrying, runtime, storage
 from worker.shards.checkpoints import (
     committed_lines,
@@ -96,7 +97,7 @@ def run_shard(
     shard_id: int,
     *,
     worker: str | None = None,
-    host: Any = None,
+    host: Host | None = None,
     after_commit: Callable[[int], None] | None = None,
 ) -> ShardOutcome:
     """Run (or resume) one shard; see the module docstring. ``host`` defaults to the
@@ -108,7 +109,7 @@ def run_shard(
 
 
 def _run_shard(
-    shard_id: int, worker: str, host: Any, after_commit: Callable[[int], None] | None
+    shard_id: int, worker: str, host: Host | None, after_commit: Callable[[int], None] | None
 ) -> ShardOutcome:
     """Load, claim, resume, run, finish: each step below, in that order."""
     loaded = _load(shard_id)
@@ -159,7 +160,7 @@ def _runnable(shard: Shard, batch: Batch) -> bool:
     )
 
 
-def _host(batch: Batch) -> Any:
+def _host(batch: Batch) -> Host:
     """The process's host for the batch's model. Loaded before the claim: a model that cannot
     load here costs the shard no attempt (it waits for this or another worker), and never
     turns its requests into shard_failed lines."""

@@ -13,6 +13,7 @@ import asyncio
 import collections
 import contextlib
 import email.utils
+import functools
 import logging
 import os
 import threading
@@ -233,7 +234,9 @@ class Dispatcher:
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def shutdown(self, wait: bool = True, abort_pending: bool = True, timeout: float = 30) -> None:
+    def shutdown(
+        self, wait: bool = True, abort_pending: bool = True, timeout: float | None = 30
+    ) -> None:
         self._closing = True
         if abort_pending:
             with self._lock:
@@ -325,7 +328,7 @@ class Dispatcher:
             self._account(+1)
             task = asyncio.ensure_future(self._send(job))
             self._running[job.group].add(task)
-            task.add_done_callback(lambda t, g=job.group: self._finished(g, t))
+            task.add_done_callback(functools.partial(self._finished, job.group))
 
     def _finished(self, group: str | None, task: asyncio.Task) -> None:
         running = self._running.get(group)
@@ -334,7 +337,7 @@ class Dispatcher:
             if not running:
                 del self._running[group]
                 with self._lock:
-                    if self._queue.group_len(group) == 0:  # type: ignore[arg-type]
+                    if self._queue.group_len(group) == 0:
                         self._ranks.pop(group, None)
         self._account(-1)
         if self._wake is not None:

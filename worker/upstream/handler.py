@@ -18,7 +18,7 @@ from core.llms.specs import UpstreamSpec
 from core.priority import Priority
 from core.tables import Batch
 from worker.shards.handlers import SUBMIT_WAIT_S, Aborted, Line, RequestOutcome
-from worker.upstream.dispatcher import Reply
+from worker.upstream.dispatcher import Dispatcher, Reply
 
 PREFIX_CHARS = 512  # lines whose prompts agree this far are sent together
 
@@ -57,14 +57,16 @@ def reply_error(req: BatchRequest, reply: Reply) -> dict[str, Any]:
     where its body has them (OpenAI's ``{"error": {…}}``, vLLM's ``{"message": …}``,
     FastAPI's ``{"detail": …}``)."""
     body = reply.body if isinstance(reply.body, dict) else {}
-    error = body.get("error") if isinstance(body.get("error"), dict) else body
-    message = error.get("message") if isinstance(error, dict) else None
+    error = body.get("error")
+    if not isinstance(error, dict):
+        error = body
+    message = error.get("message")
     if not isinstance(message, str) or not message:  # FastAPI's {"detail": …}
         detail = body.get("detail")
         message = detail if isinstance(detail, str) else json.dumps(detail) if detail else None
     if not isinstance(message, str) or not message:
         message = (reply.text or "").strip()[:500] or "no message"
-    code = error.get("code") if isinstance(error, dict) else None
+    code = error.get("code")
     server_error = reply.status >= 500
     return request_error_line(
         req.custom_id,
@@ -82,7 +84,7 @@ class UpstreamHandler:
     isolates_failures = False
     forwards_bodies = True
 
-    def __init__(self, batch: Batch, host: Any, spec: UpstreamSpec):
+    def __init__(self, batch: Batch, host: Dispatcher, spec: UpstreamSpec):
         self.batch_id = batch.id
         self.host = host
         self.spec = spec
@@ -123,3 +125,6 @@ class UpstreamHandler:
 
     def failed_line(self, req: BatchRequest, exc: BaseException, tries: int) -> dict[str, Any]:
         return error_for_exception(req, exc)
+
+    def drained(self, timeout: float) -> bool:
+        return self.host.pending() == 0  # not asked: its failures are not isolated
