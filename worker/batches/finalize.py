@@ -295,11 +295,16 @@ class _Merged:
         return keys + ([self.final.key] if self.final.line_ids else [])
 
 
+# The error code of a request that never ran because its batch stopped, by the batch's status.
+_STOPPED_CODES: dict[str, str] = {
+    BatchStatus.CANCELLED: "batch_cancelled",
+    BatchStatus.EXPIRED: "batch_expired",
+}
+
+
 def _merge(sto: Storage, batch_id: str, shards: list[_ShardView], key: str, target: str) -> _Merged:
     """Write the output and error files of the batch, in input-line order."""
-    code = {BatchStatus.CANCELLED: "batch_cancelled", BatchStatus.EXPIRED: "batch_expired"}.get(
-        target
-    )
+    code = _STOPPED_CODES.get(target)
     with ExitStack() as stack:
         merged = _Merged(
             _LazyFile(sto, stack, f"{batch_id}_output.jsonl"),

@@ -9,6 +9,7 @@ so are reclaimed shards whose message was lost. Reasoning: ``docs/worker.md``.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -64,8 +65,8 @@ def fail_claimed(shard_id: int, attempt: int, num_chunks: int, message: str) -> 
 
     def read() -> tuple[Shard, Batch, str]:
         with session_scope() as session:
-            shard = session.get(Shard, shard_id)
-            batch = session.get(Batch, shard.batch_id)
+            shard = session.get_one(Shard, shard_id)
+            batch = session.get_one(Batch, shard.batch_id)
             key = input_key(session, batch)
             session.expunge_all()
         return shard, batch, key
@@ -234,7 +235,7 @@ def reclaim_stale_shards() -> SweepReport:
                 logger.exception("giving up shard %s failed; the next sweep tries again", shard_id)
             continue
         requeued = retrying(
-            lambda shard_id=shard_id, attempts=attempts: _requeue(shard_id, attempts, cutoff),
+            functools.partial(_requeue, shard_id, attempts, cutoff),
             f"requeueing shard {shard_id}",
         )
         if requeued:

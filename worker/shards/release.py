@@ -120,6 +120,8 @@ def _load(session: Session, model: str) -> Load:
         .group_by(Batch.tenant, Shard.batch_id)
     ).all()
     for tenant, batch_id, when in last:
+        if when is None:  # not so (the WHERE); the column is nullable
+            continue
         ts = _ts(when)
         load.batch_last[batch_id] = ts
         load.tenant_last[tenant] = max(ts, load.tenant_last.get(tenant, ts))
@@ -135,7 +137,7 @@ def _candidates(session: Session, model: str, per_batch_limit: int) -> list[Cand
     ranked = (
         select(
             Shard.id.label("shard_id"),
-            Shard.index.label("index"),
+            Shard.index.label("shard_index"),
             Shard.batch_id.label("batch_id"),
             Shard.est_tokens.label("est_tokens"),
             func.row_number().over(partition_by=Shard.batch_id, order_by=Shard.index).label("rn"),
@@ -153,7 +155,7 @@ def _candidates(session: Session, model: str, per_batch_limit: int) -> list[Cand
     rows = session.execute(
         select(
             ranked.c.shard_id,
-            ranked.c.index,
+            ranked.c.shard_index,
             ranked.c.batch_id,
             Batch.tenant,
             Batch.priority,
@@ -168,7 +170,7 @@ def _candidates(session: Session, model: str, per_batch_limit: int) -> list[Cand
     return [
         Candidate(
             shard_id=r.shard_id,
-            index=r.index,
+            index=r.shard_index,
             batch_id=r.batch_id,
             tenant=r.tenant,
             priority=r.priority,
@@ -379,13 +381,13 @@ def _resend_lost(model: str) -> int:
 def sweep() -> int:
     """Release for every model that has runnable pending shards; re-send lost releases."""
     with session_scope() as session:
-        models = set(
-            session.scalars(
-                select(Batch.model)
-                .distinct()
-                .where(Batch.status == BatchStatus.IN_PROGRESS, Batch.model.is_not(None))
+        models = {
+            model
+            for model in session.scalars(
+                select(Batch.model).distinct().where(Batch.status == BatchStatus.IN_PROGRESS)
             )
-        )
+            if model is not None
+        }
     sent = 0
     for model in sorted(models):
         try:

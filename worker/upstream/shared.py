@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from datetime import UTC, datetime, timedelta
 
@@ -209,7 +209,7 @@ class SharedLimit:
         self.limit = limit
         return share_of(limit, demand, total_demand, len(others) + 1)
 
-    def _lead(self, members: list[UpstreamMember], demand: int) -> int:
+    def _lead(self, members: Sequence[UpstreamMember], demand: int) -> int:
         """Sum each member's progress since the last read (a member seen for the first time
         adds nothing: its counters start its baseline) and feed the windows."""
         for m in members:

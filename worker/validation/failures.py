@@ -122,7 +122,7 @@ def fail_running(batch_id: str, error: dict[str, Any]) -> bool:
             request_completed=0,
             request_failed=0,
         )
-        if not won:
+        if row is None or not won:
             session.rollback()
             return False
         model = row.model

@@ -65,13 +65,20 @@ class Progress:
 
 def progress(session: Session, batch_id: str) -> Progress | None:
     """The batch's validation progress, from its shard rows (None: no shard yet)."""
-    last = session.execute(
-        select(Shard.index, Shard.end_line, Shard.end_offset)
-        .where(Shard.batch_id == batch_id)
-        .order_by(Shard.index.desc())
-        .limit(1)
-    ).first()
-    return None if last is None else Progress(last.index + 1, last.end_line, last.end_offset)
+    last = (
+        session.execute(
+            select(Shard.index, Shard.end_line, Shard.end_offset)
+            .where(Shard.batch_id == batch_id)
+            .order_by(Shard.index.desc())
+            .limit(1)
+        )
+        .tuples()
+        .first()
+    )
+    if last is None:
+        return None
+    index, end_line, end_offset = last
+    return Progress(index + 1, end_line, end_offset)
 
 
 class ValidationStop(StrEnum):
@@ -273,8 +280,11 @@ class StreamedValidation:
     def _create(self, spec: ShardSpec, *, last: bool) -> RunEnd | None:
         """Create ``spec`` with the open shard's error lines and release it; None to go on."""
         shard, self.open = self.open, _OpenShard()
-        if shard.ids:  # before the row: a shard that exists finds its ids stored
-            tok = runtime.tokenizer(self.lines.model)
+        model = self.lines.model
+        # Before the row: a shard that exists finds its ids stored. Ids were counted with the
+        # model's tokenizer: there are none without a model.
+        if shard.ids and model is not None:
+            tok = runtime.tokenizer(model)
             write_prepared(
                 storage(), self.batch_id, spec.index, shard.ids, tokenizer_fingerprint(tok)
             )
