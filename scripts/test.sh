@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Installs batchd with its test dependencies into .venv, makes sure Postgres and Redis are
 # running on 127.0.0.1 and Debian's chromium and chromium-driver are installed (the dashboard's
-# browser test), checks lint and formatting (ruff), and runs the whole test suite on two
-# pytest-xdist workers.
+# browser test), checks lint and formatting (ruff) and the types of core, api and worker (mypy,
+# configured in pyproject.toml), and runs the whole test suite on two pytest-xdist workers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_services.sh
@@ -21,6 +21,7 @@ ensure_chromium
 
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
+.venv/bin/mypy
 # Two pytest-xdist workers (BATCHD_TEST_WORKERS; 0 runs everything in this one process), each
 # running whole test modules, the longest first (tests/conftest.py), so that one worker's
 # service stacks wait on their subprocesses while the other computes. Arguments after these
