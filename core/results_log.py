@@ -181,8 +181,8 @@ def read_page(session: Session, storage: Storage, batch_id: str, *, start: int, 
         )
         .order_by(ResultChunk.first_seq)
         .limit(limit + 1)  # every chunk holds a line: enough to know whether more follow
-    ).tuples()
-    slices, has_more = plan_page(rows.all(), start, limit)
+    ).all()
+    slices, has_more = plan_page([(first, n, key) for first, n, key in rows], start, limit)
     data: list[dict[str, Any]] = []
     for part in slices:
         for i, rec in enumerate(read_chunk(storage, part.key)):

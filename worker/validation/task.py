@@ -65,16 +65,12 @@ class Progress:
 
 def progress(session: Session, batch_id: str) -> Progress | None:
     """The batch's validation progress, from its shard rows (None: no shard yet)."""
-    last = (
-        session.execute(
-            select(Shard.index, Shard.end_line, Shard.end_offset)
-            .where(Shard.batch_id == batch_id)
-            .order_by(Shard.index.desc())
-            .limit(1)
-        )
-        .tuples()
-        .first()
-    )
+    last = session.execute(
+        select(Shard.index, Shard.end_line, Shard.end_offset)
+        .where(Shard.batch_id == batch_id)
+        .order_by(Shard.index.desc())
+        .limit(1)
+    ).first()
     if last is None:
         return None
     index, end_line, end_offset = last
