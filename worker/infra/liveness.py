@@ -14,6 +14,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,7 +114,7 @@ class Watchdog:
         hang_timeout_s: float = 300.0,
         stall_timeout_s: float = 0.0,
         control_tasks: frozenset[str] = frozenset(),
-        exit: Any = os._exit,
+        exit: Callable[[int], object] = os._exit,
     ) -> None:
         self.consumer = consumer
         self.path = Path(path) if path else None

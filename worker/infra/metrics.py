@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, multiprocess, start_http_server
@@ -19,6 +19,7 @@ from prometheus_client.core import (
     GaugeMetricFamily,
     HistogramMetricFamily,
 )
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -41,15 +42,15 @@ HISTOGRAM_HELP = {
 class EngineCollector(Collector):
     """The engines of this process (``runtime.loaded_hosts()``), read at each scrape."""
 
-    def __init__(self, hosts: Any = None) -> None:
-        self._hosts = hosts  # a callable returning {model: host}; default: worker.infra.runtime's
+    def __init__(self, hosts: Callable[[], Mapping[str, Any]] | None = None) -> None:
+        self._hosts = hosts  # default: worker.infra.runtime's loaded hosts
 
-    def _loaded(self) -> dict[str, Any]:
+    def _loaded(self) -> Mapping[str, Any]:
         if self._hosts is not None:
             return dict(self._hosts())
         return runtime.loaded_hosts()
 
-    def collect(self) -> Iterator[Any]:
+    def collect(self) -> Iterator[Metric]:
         m = ["model"]
         running = GaugeMetricFamily(
             "batchd_engine_num_requests_running", "Sequences in the engine's running set", labels=m
@@ -190,10 +191,10 @@ class UpstreamCollector(Collector):
     scrape: the limit they share, this worker's share of it, requests in flight and pending,
     what came back, and the back-offs and live-traffic cap that held them back."""
 
-    def __init__(self, hosts: Any = None) -> None:
+    def __init__(self, hosts: Callable[[], Mapping[str, Any]] | None = None) -> None:
         self._hosts = hosts
 
-    def collect(self) -> Iterator[Any]:
+    def collect(self) -> Iterator[Metric]:
         loaded = dict(self._hosts()) if self._hosts is not None else runtime.loaded_hosts()
         m = ["model"]
         limit = GaugeMetricFamily(

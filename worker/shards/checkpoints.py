@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from typing import Any
+from typing import Protocol
 
 from core.batchfile.reader import custom_id_of, iter_lines
 from core.results_log import ChunkRecord, read_chunk, write_chunk
@@ -80,11 +80,25 @@ def discard_uncommitted(storage: Storage, batch_id: str, shard_index: int, num_c
     return removed
 
 
+class ShardSpan(Protocol):
+    """What is read of a shard: its index and its range of the input file (a ``Shard`` row,
+    or finalize's view of one)."""
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def start_line(self) -> int: ...
+    @property
+    def start_offset(self) -> int: ...
+    @property
+    def end_offset(self) -> int: ...
+
+
 def lines_without_result(
     storage: Storage,
     input_key: str,
     batch_id: str,
-    shard: Any,
+    shard: ShardSpan,
     num_chunks: int,
 ) -> Iterator[tuple[int, str | None]]:
     """(line, custom_id) of the shard's input lines that its committed chunks hold no result

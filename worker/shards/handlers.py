@@ -157,7 +157,7 @@ class GenerationHandler:
             storage(), batch.id, shard.index, tokenizer_fingerprint(self.tok)
         )
 
-    def prepare(self, req: BatchRequest) -> tuple[Any, Any] | Line:
+    def prepare(self, req: BatchRequest) -> tuple[list[int], SamplingParams] | Line:
         try:
             return generation.prepare_request(
                 self.tok,
@@ -175,7 +175,9 @@ class GenerationHandler:
             )
             raise
 
-    def submit(self, prompt: Any, params: Any, done: Callable[[Future], None]) -> None:
+    def submit(
+        self, prompt: list[int], params: SamplingParams, done: Callable[[Future], None]
+    ) -> None:
         # torch: imported only by a process that runs an engine host
         from engine.host.host import HostError
 
@@ -184,7 +186,9 @@ class GenerationHandler:
         except HostError as exc:
             raise EngineUnavailable(str(exc)) from exc
 
-    def _submit(self, prompt: Any, params: Any, done: Callable[[Future], None]) -> None:
+    def _submit(
+        self, prompt: list[int], params: SamplingParams, done: Callable[[Future], None]
+    ) -> None:
         self.host.submit(
             prompt,
             params,
@@ -282,7 +286,7 @@ class EmbeddingHandler:
             return Line(error_record(req.custom_id, exc.code, message, param=param))
         return inputs, dims
 
-    def submit(self, prompt: Any, params: Any, done: Callable[[Future], None]) -> None:
+    def submit(self, prompt: list[list[int]], params: int, done: Callable[[Future], None]) -> None:
         self.host.submit(
             prompt, dimensions=params, group=self.batch_id, timeout=SUBMIT_WAIT_S
         ).add_done_callback(done)

@@ -108,7 +108,7 @@ def fail_shard(shard_id: int, message: str) -> bool:
     return fail_claimed(shard_id, attempt, num_chunks, message)
 
 
-def _stale_shards(cutoff: Any) -> list[tuple[int, int, str | None]]:
+def _stale_shards(cutoff: datetime) -> list[tuple[int, int, str | None]]:
     with session_scope() as session:
         rows = session.execute(
             select(Shard.id, Shard.attempts, Batch.model)
@@ -123,7 +123,7 @@ def _stale_shards(cutoff: Any) -> list[tuple[int, int, str | None]]:
     return [(r.id, r.attempts, r.model) for r in rows]
 
 
-def _requeue(shard_id: int, attempts: int, cutoff: Any) -> bool:
+def _requeue(shard_id: int, attempts: int, cutoff: datetime) -> bool:
     """``running -> pending`` if the shard is still the same stale attempt's."""
     with session_scope() as session:
         statement = (
@@ -140,7 +140,7 @@ def _requeue(shard_id: int, attempts: int, cutoff: Any) -> bool:
         return updated(session, statement) == 1
 
 
-def _unclaimed_requeues(cutoff: Any) -> list[tuple[int, str | None]]:
+def _unclaimed_requeues(cutoff: datetime) -> list[tuple[int, str | None]]:
     """(shard id, model) of the reclaimed shards of running batches that no worker has claimed
     since ``cutoff`` (their message was lost), stamped now so the next sweep waits again."""
     with session_scope() as session:

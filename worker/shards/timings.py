@@ -13,9 +13,12 @@ import collections
 import os
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery.worker.control import inspect_command
+
+if TYPE_CHECKING:
+    from engine import RequestOutput
 
 MAX_RECORDS = 200_000
 FIELDS = (
@@ -36,7 +39,9 @@ _records: collections.deque[tuple[Any, ...]] = collections.deque(maxlen=MAX_RECO
 _lags: collections.deque[tuple[str, float]] = collections.deque(maxlen=MAX_RECORDS)
 
 
-def record(batch_id: str, shard: int, custom_id: str, submitted: float | None, output: Any) -> None:
+def record(
+    batch_id: str, shard: int, custom_id: str, submitted: float | None, output: RequestOutput
+) -> None:
     """Keep the timings of one finished request (an engine ``RequestOutput``)."""
     metrics = getattr(output, "metrics", None)
     if metrics is None:

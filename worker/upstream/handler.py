@@ -92,12 +92,17 @@ class UpstreamHandler:
         self.priority = Priority.parse(batch.priority).engine
         self.deadline = batch.expires_at.timestamp() if batch.expires_at is not None else None
 
-    def prepare(self, req: BatchRequest) -> tuple[Any, Any] | Line:
+    def prepare(self, req: BatchRequest) -> tuple[tuple[str, dict[str, Any]], tuple[str, int]]:
         body = dict(req.body, model=self.spec.model)
         cost = max(1, len(json.dumps(body, ensure_ascii=False)) // 4) + (req.max_tokens or 16)
         return (req.url.removeprefix("/v1"), body), (prompt_prefix(body), cost)
 
-    def submit(self, prompt: Any, params: Any, done: Callable[[Future], None]) -> None:
+    def submit(
+        self,
+        prompt: tuple[str, dict[str, Any]],
+        params: tuple[str, int],
+        done: Callable[[Future], None],
+    ) -> None:
         path, body = prompt
         prefix, cost = params
         self.host.submit(
