@@ -21,14 +21,8 @@ from core.tables import Batch, Shard
 from worker.host import Host
 from worker.infra import runtime, storage
 from worker.shards import timings
-from worker.shards.handlers import (
-    Aborted,
-    EngineUnavailable,
-    Failed,
-    Line,
-    Refused,
-    handler_for,
-)
+from worker.shards.handlers import handler_for
+from worker.shards.outcomes import Aborted, EngineUnavailable, Failed, Line, Refused
 from worker.shards.state import Heartbeat, Pending, ShardLost, batch_stopping, commit_chunk
 
 logger = logging.getLogger(__name__)

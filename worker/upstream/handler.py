@@ -17,7 +17,7 @@ from core.generation import error_for_exception
 from core.llms.specs import UpstreamSpec
 from core.priority import Priority
 from core.tables import Batch
-from worker.shards.handlers import SUBMIT_WAIT_S, Aborted, Line, RequestOutcome
+from worker.shards.outcomes import SUBMIT_WAIT_S, Aborted, Line, RequestOutcome
 from worker.upstream.dispatcher import Dispatcher, Reply
 
 PREFIX_CHARS = 512  # lines whose prompts agree this far are sent together
