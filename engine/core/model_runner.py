@@ -67,14 +67,24 @@ class ModelRunner:
         self.base = getattr(hf_model, hf_model.base_model_prefix)
         self.lm_head = hf_model.get_output_embeddings()
         rows = config.max_num_seqs or 64
-        if cpu_linear.packable(self.dtype, self.device) and (
-            self.dtype == torch.bfloat16 or cpu_linear.packing_pays(self.base, rows)
-        ):
-            packed = cpu_linear.pack_linears(self.base, rows)
-            if packed and type(self.lm_head) is torch.nn.Linear:
+        if cpu_linear.packable(self.dtype, self.device):
+            bf16 = self.dtype == torch.bfloat16
+            body = cpu_linear.largest_linear(self.base)
+            packed = 0
+            if body is not None and (bf16 or cpu_linear.packing_pays(body, rows)):
+                packed = cpu_linear.pack_linears(self.base, rows)
+            head = self.lm_head
+            if type(head) is torch.nn.Linear and (
+                (bf16 and packed) or (not bf16 and cpu_linear.packing_pays(head, rows))
+            ):
                 # A copy: the output layer may share its weight with the input embedding.
-                self.lm_head = cpu_linear.PackedLinear.of(self.lm_head, rows)
-            log.info("%d linear layers packed for oneDNN (%s on CPU)", packed, self.dtype)
+                self.lm_head = cpu_linear.PackedLinear.of(head, rows)
+            log.info(
+                "%d linear layers packed for oneDNN (%s on CPU), output layer %s",
+                packed,
+                self.dtype,
+                "packed" if self.lm_head is not head else "plain",
+            )
         text_config = hf_model.config.get_text_config()
         attention.check_config(text_config)
         self.model_config = text_config

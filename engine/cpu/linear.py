@@ -72,28 +72,38 @@ def pack_linears(module: torch.nn.Module, rows_hint: int) -> int:
     return len(swaps)
 
 
-def packing_pays(module: torch.nn.Module, rows: int, repeats: int = 12) -> bool:
-    """Whether a packed copy of ``module``'s largest linear layer multiplies ``rows`` rows at
-    most 0.9x the time ``nn.Linear`` takes here (median of alternating calls; a few ms)."""
+def largest_linear(module: torch.nn.Module) -> torch.nn.Linear | None:
     linears = [m for m in module.modules() if type(m) is torch.nn.Linear]
-    if not linears:
-        return False
-    largest = max(linears, key=lambda m: m.weight.numel())
+    return max(linears, key=lambda m: m.weight.numel()) if linears else None
+
+
+def packing_pays(layer: torch.nn.Linear, rows: int, repeats: int = 6) -> bool:
+    """Whether a packed copy of ``layer`` multiplies at most 0.9x the time ``nn.Linear`` takes
+    here, summed over 16, 64 and ``rows`` rows (decode steps run anywhere from a few rows to
+    the running cap; medians of alternating calls)."""
     try:
-        packed = PackedLinear.of(largest, rows)
+        packed = PackedLinear.of(layer, rows)
     except (RuntimeError, AttributeError):
         return False
-    x = torch.randn(rows, largest.in_features, dtype=largest.weight.dtype)
-    times: dict[str, list[float]] = {"plain": [], "packed": []}
+    total = {"plain": 0.0, "packed": 0.0}
     with torch.inference_mode():
-        for i in range(repeats + 2):
-            for name, layer in (("plain", largest), ("packed", packed)):
-                start = time.perf_counter()
-                layer(x)
-                if i >= 2:  # the first calls warm caches and the library
-                    times[name].append(time.perf_counter() - start)
-    plain, fast = statistics.median(times["plain"]), statistics.median(times["packed"])
+        for n in sorted({16, 64, rows}):
+            x = torch.randn(n, layer.in_features, dtype=layer.weight.dtype)
+            times: dict[str, list[float]] = {"plain": [], "packed": []}
+            for i in range(repeats + 2):
+                for name, candidate in (("plain", layer), ("packed", packed)):
+                    start = time.perf_counter()
+                    candidate(x)
+                    if i >= 2:  # the first calls warm caches and the library
+                        times[name].append(time.perf_counter() - start)
+            for name, seen in times.items():
+                total[name] += statistics.median(seen)
     log.info(
-        "packed linear %.0f us against %.0f us plain at %d rows", fast * 1e6, plain * 1e6, rows
+        "%dx%d packed %.0f us against %.0f us plain (16, 64 and %d rows)",
+        layer.out_features,
+        layer.in_features,
+        total["packed"] * 1e6,
+        total["plain"] * 1e6,
+        rows,
     )
-    return fast <= 0.9 * plain
+    return total["packed"] <= 0.9 * total["plain"]

@@ -175,7 +175,7 @@ def test_packed_float32_linears_and_the_decode_kernel(
     decode kernel, the output is still generate()'s."""
     from engine.cpu import linear
 
-    monkeypatch.setattr(linear, "packing_pays", lambda module, rows: True)
+    monkeypatch.setattr(linear, "packing_pays", lambda layer, rows: True)
     cases, ref = model["plain"]
     engine = Engine(model["path"])
     runner = engine.runner
