@@ -377,6 +377,8 @@ def test_dockerfiles(dockerfile: str) -> None:
                 .replace('"', "").split(",")}  # fmt: skip
     copied = {src.rstrip("/") for ln in lines if ln.startswith("COPY") for src in ln.split()[1:-1]}
     assert packages <= copied, f"{dockerfile}: packages not copied: {packages - copied}"
+    if dockerfile == "Dockerfile":  # CPU model workers build the engine's kernel at start
+        assert any("gcc" in ln for ln in runs), "the CPU image needs a C compiler"
 
 
 def test_api_runs_as_many_processes_as_batchd_up_with_metrics_of_its_own() -> None:
