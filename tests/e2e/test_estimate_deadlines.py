@@ -151,32 +151,32 @@ def tenant_key(env: dict[str, str], tenant: str, **entitlements: Any) -> str:
     return plaintext
 
 
-def last_shard_end(edf: Edf, batch_id: str) -> Any:
-    """When the batch's last shard changed (its end), to the microsecond: the API's timestamps
-    are whole seconds, and two batches can end in the same one."""
+def scalars(edf: Edf, *queries: tuple[str, dict[str, Any]]) -> list[Any]:
+    """One value of each SQL query, read from the stack's database."""
     from sqlalchemy import create_engine, text
 
     engine = create_engine(edf.env["BATCHD_DATABASE_URL"])
     with engine.connect() as conn:
-        end = conn.execute(
-            text("SELECT max(updated_at) FROM shards WHERE batch_id = :b"), {"b": batch_id}
-        ).scalar_one()
+        values = [conn.execute(text(sql), params).scalar_one() for sql, params in queries]
     engine.dispose()
-    return end
+    return values
+
+
+def last_shard_end(edf: Edf, batch_id: str) -> Any:
+    """When the batch's last shard changed (its end), to the microsecond: the API's timestamps
+    are whole seconds, and two batches can end in the same one."""
+    sql = "SELECT max(updated_at) FROM shards WHERE batch_id = :b"
+    return scalars(edf, (sql, {"b": batch_id}))[0]
 
 
 def counts(edf: Edf) -> tuple[int, int]:
     """Batches, and files other than results: a batch of an earlier test of this module that
     ends meanwhile adds its output and error files, which say nothing of the request."""
-    from sqlalchemy import create_engine, text
-
-    engine = create_engine(edf.env["BATCHD_DATABASE_URL"])
-    with engine.connect() as conn:
-        batches = conn.execute(text("SELECT count(*) FROM batches")).scalar_one()
-        files = conn.execute(
-            text("SELECT count(*) FROM files WHERE purpose <> 'batch_output'")
-        ).scalar_one()
-    engine.dispose()
+    batches, files = scalars(
+        edf,
+        ("SELECT count(*) FROM batches", {}),
+        ("SELECT count(*) FROM files WHERE purpose <> 'batch_output'", {}),
+    )
     return batches, files
 
 

@@ -107,3 +107,22 @@ def test_a_build_is_cached_per_machine(monkeypatch: pytest.MonkeyPatch, tmp_path
     assert kernels.build("decode_attention") == first
     assert first.stat().st_mtime_ns == stamp  # taken from the cache, not rebuilt
     assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporary left
+
+
+def test_packing_is_timed_once_per_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whether packing pays depends on the CPU and the layer's shape, not its weights: a second
+    engine load in the process reuses the verdict instead of timing again."""
+    from engine.cpu import linear
+
+    timed: list[tuple[int, int]] = []
+
+    def fake(layer: torch.nn.Linear, rows: int, repeats: int) -> bool:
+        timed.append((layer.out_features, rows))
+        return True
+
+    monkeypatch.setattr(linear, "_VERDICTS", {})
+    monkeypatch.setattr(linear, "_time_packing", fake)
+    a, b, c = torch.nn.Linear(8, 24), torch.nn.Linear(8, 24), torch.nn.Linear(8, 40)
+    assert linear.packing_pays(a, 32) and linear.packing_pays(b, 32)
+    assert linear.packing_pays(c, 32) and linear.packing_pays(a, 64)
+    assert timed == [(24, 32), (40, 32), (24, 64)]
