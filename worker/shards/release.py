@@ -1,8 +1,9 @@
 """Shard release: a bounded, fair window of each model's shards on the broker.
 
 At most ``max_released_shards_per_model`` shards of a model are released and unfinished at
-once; :func:`choose` picks the next by tier (with aging), tenant (deficit round robin on
-tokens, read from the database) and batch deadline: the engine host's own rules. Callers race
+once; :func:`choose` picks the next by the engine host's own rules (``engine.host.order``):
+tier (with aging), tenant and batch sharing by tokens (the tokens each holds released and
+unfinished, read from the database) and batch deadline. Callers race
 freely: a per-model lock serializes the choice and a conditional UPDATE releases a shard once;
 messages go after the commit. Reasoning: ``docs/worker.md``.
 """
@@ -28,7 +29,7 @@ from core.priority import Priority
 from core.queue import TASK_RELEASE_SWEEP, TASK_RUN_SHARD, model_queue
 from core.settings import get_settings
 from core.tables import Batch, Shard
-from engine.host.order import aged_tier, deadline_key
+from engine.host.order import NEVER, aged_tier, flow_key, share_key
 from worker.infra import app, retrying, send
 
 logger = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ class Load:
 
 
 def shard_cost(est_tokens: int | None) -> int:
-    """A shard's cost in the release's round-robin: its estimated tokens, at least 1."""
+    """A shard's cost in the release's token share: its estimated tokens, at least 1."""
     return max(1, int(est_tokens or 0))
 
 
@@ -202,15 +203,16 @@ def choose(
     aging_s: float | None = None,
     clock: float | None = None,
 ) -> list[Candidate]:
-    """Pick up to ``slots`` shards in release order (see the module docstring): the most
+    """Pick up to ``slots`` shards in release order, ``engine.host.order.flow_key``: the most
     urgent tier first (``low`` aged into ``normal`` after ``aging_s``); in it, the tenant
     holding the fewest released tokens, and among equals the one served longest ago; in the
-    tenant, the batch with the earliest deadline, then the same as for tenants. ``clock`` is the current unix time. A pure function: it reads only its arguments."""
+    tenant, the batch with the earliest deadline, then the same as for tenants; then the
+    oldest batch, and a batch's shards in index order. ``clock`` is the current unix time. A
+    pure function: it reads only its arguments."""
     tenant_tokens = defaultdict(int, load.tenant_tokens)
     batch_tokens = defaultdict(int, load.batch_tokens)
     tenant_last = dict(load.tenant_last)
     batch_last = dict(load.batch_last)
-    never = float("-inf")
     current = time.time() if clock is None else clock
     # Release stamps of this call: after every earlier release, in pick order.
     stamp = max([current, *tenant_last.values(), *batch_last.values()])
@@ -226,18 +228,14 @@ def choose(
             aged = rank < Priority.parse(c.priority).engine
             # An aged low batch goes first in its tenant: aging bounds its wait, and an earlier
             # deadline of the tenant's normal work must not undo that.
-            due = deadline_key(_ts(c.deadline) if c.deadline else None, aged)
-            return (
+            key = flow_key(
                 rank,
-                tenant_tokens[c.tenant],
-                tenant_last.get(c.tenant, never),
-                due,
-                batch_tokens[c.batch_id],
-                batch_last.get(c.batch_id, never),
-                _ts(c.created_at),
-                c.batch_id,
-                c.index,
+                share_key(tenant_tokens[c.tenant], tenant_last.get(c.tenant, NEVER)),
+                _ts(c.deadline) if c.deadline else None,
+                aged,
+                share_key(batch_tokens[c.batch_id], batch_last.get(c.batch_id, NEVER)),
             )
+            return (*key, _ts(c.created_at), c.batch_id, c.index)
 
         head = min((q[0] for q in queues.values()), key=order)
         chosen.append(head)
