@@ -1,9 +1,10 @@
-"""The host's queue of pending requests, released by deficit round-robin on tokens.
+"""The host's queue of pending requests, in the order ``engine.host.order`` writes once.
 
-Strictly by priority tier, fairly across tenants, earliest deadline first across a tenant's
-batches (fairly among batches without one), longest work first inside a batch (see
-:class:`FairQueue`). The tier, aging and deadline rules are the ones the shard release window
-applies too, from ``engine.host.order``; this module keeps the deficits and rotations.
+Strictly by priority tier, tenants sharing a tier by tokens, earliest deadline first across a
+tenant's batches (sharing its tokens among equal deadlines and among batches without one),
+longest work first inside a batch (see :class:`FairQueue`). The tier, aging, deadline and
+token-share rules (``flow_key``) are the ones the shard release window applies too; this module
+keeps the tokens charged to each flow.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Generic, Protocol, TypeVar
 
-from engine.host.order import aged_tier, due
+from engine.host.order import NEVER, aged_tier, flow_key, share_key
 
 Flow = tuple[str | None, str | None, int]
 
@@ -33,64 +34,115 @@ class Queued(Protocol):
 
 
 E = TypeVar("E", bound=Queued)
+K = TypeVar("K")
 
 
-class _BatchQueue(Generic[E]):
-    """One batch's pending entries (a DRR flow inside its tenant), longest work first; arrival
+class _Share:
+    """A flow's standing in ``engine.host.order.share_key``: the tokens charged to it since it
+    became active, and when it was last served (the queue's sequence; NEVER before)."""
+
+    __slots__ = ("tokens", "served")
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.served = NEVER
+
+
+F = TypeVar("F", bound=_Share)
+
+
+class _Level(Generic[K, F]):
+    """The flows that share one level by tokens (the tenants of a tier, a tenant's batches):
+    the active ones, in the order they became active, and the standing of those that emptied
+    while charged more than the least charged active one (their debt, until it catches up)."""
+
+    __slots__ = ("flows", "owed")
+
+    def __init__(self) -> None:
+        self.flows: dict[K, F] = {}
+        self.owed: dict[K, tuple[int, float]] = {}
+
+    def join(self, key: K, flow: F) -> None:
+        """``flow`` becomes active: charged as much as the least charged active flow (a flow
+        saves up no credit while idle), or its debt from when it emptied where that is more
+        (nor does it shed its charge by emptying)."""
+        floor = min((f.tokens for f in self.flows.values()), default=0)
+        tokens, served = self.owed.pop(key, (floor, NEVER))
+        flow.tokens, flow.served = max(tokens, floor), served
+        self.flows[key] = flow
+
+    def leave(self, key: K) -> None:
+        """The flow of ``key`` emptied; what it was charged beyond the others is kept."""
+        flow = self.flows.pop(key)
+        if not self.flows:
+            self.owed.clear()  # nobody left to owe it to
+            return
+        floor = min(f.tokens for f in self.flows.values())
+        if flow.tokens > floor:
+            self.owed[key] = (flow.tokens, flow.served)
+        for stale in [k for k, (tokens, _) in self.owed.items() if tokens <= floor]:
+            del self.owed[stale]
+
+    def forget(self, keep: Callable[[K], bool]) -> None:
+        """Drop the debts of the flows ``keep`` rejects (they will not come back)."""
+        for gone in [k for k in self.owed if not keep(k)]:
+            del self.owed[gone]
+
+
+class _BatchQueue(_Share, Generic[E]):
+    """One batch's pending entries (a flow inside its tenant), longest work first; arrival
     order for requests without a batch."""
 
-    __slots__ = ("key", "tier", "heap", "deficit", "in_turn", "waiting_since", "max_cost",
-                 "deadline")  # fmt: skip
+    __slots__ = ("key", "tier", "heap", "waiting_since", "deadline", "aged", "arrived")
 
-    def __init__(self, key: Flow, tier: int, now: float, deadline: float | None = None) -> None:
+    def __init__(
+        self, key: Flow, tier: int, now: float, deadline: float | None, aged: bool, arrived: int
+    ) -> None:
+        super().__init__()
         self.key = key
-        self.deadline = deadline  # the batch's deadline (unix seconds), None: none
         self.tier = tier
+        self.arrived = arrived  # the queue's sequence when it started waiting: oldest first
         self.heap: list[tuple[int, int, E]] = []
-        self.deficit = 0
-        self.in_turn = False
         self.waiting_since = now  # last admission, or when it started waiting
-        self.max_cost = 0  # the largest request it has held since it started waiting
+        self.deadline = deadline  # the batch's deadline (unix seconds), None: none
+        self.aged = aged  # aged into its tier: due before every deadline of its tenant
 
 
-class _TenantQueue:
-    """A tenant's batches within one tier (a DRR flow inside the tier)."""
+class _TenantQueue(_Share):
+    """A tenant's batches within one tier (a flow inside the tier)."""
 
-    __slots__ = ("batches", "rotation", "deficit", "in_turn")
-
-    def __init__(self) -> None:
-        self.batches: dict[Flow, _BatchQueue] = {}
-        self.rotation: collections.deque[Flow] = collections.deque()
-        self.deficit = 0
-        self.in_turn = False
-
-
-class _Tier:
-    __slots__ = ("tenants", "rotation")
+    __slots__ = ("batches",)
 
     def __init__(self) -> None:
-        self.tenants: dict[str | None, _TenantQueue] = {}
-        self.rotation: collections.deque[str | None] = collections.deque()
+        super().__init__()
+        self.batches: _Level[Flow, _BatchQueue] = _Level()
+
+
+_Tier = _Level[str | None, _TenantQueue]
 
 
 class FairQueue(Generic[E]):
-    """Pending requests, released by deficit round-robin on tokens. Not thread-safe: the host
-    calls it under its lock.
+    """Pending requests, released in the order of ``engine.host.order.flow_key``. Not
+    thread-safe: the host calls it under its lock.
 
     :meth:`pop` serves the most urgent tier (lowest ``priority``) that has work, strictly. In
-    a tier, tenants take turns; each turn adds a quantum of tokens to the tenant's deficit,
-    and the tenant is served while the cost of its next request fits in it. A tenant's turn
-    goes to its batch with the earliest deadline (an entry's ``deadline``; batches with equal
-    deadlines take turns request by request; a batch aged into a more urgent tier counts as
-    due before every deadline); batches without a deadline come after those
-    with one and share the turn the same way as tenants do. A batch's own order is its
-    entries' ``rank`` where they carry one (lowest first: the upstream dispatcher's prefix
-    clusters), else longest work first, as the engine's batch admission does (with few
-    requests in the engine at a time, that order has to be applied here). The quantum is the largest request cost pending, the smallest
-    that lets every turn serve at least one request (DRR's O(1) condition), so turns stay
-    short: a batch that arrives joins the rotation at the back and is served after at most one
-    turn of every other flow, never behind everything already queued. A flow that empties
-    leaves the rotation and loses its deficit (no credit is saved up while idle).
+    a tier, tenants share by tokens: the tenant charged the fewest tokens goes next, among
+    equals the one served longest ago, and each admission charges its tenant and its batch the
+    entry's ``cost``. A tenant's turn goes to its batch with the earliest deadline (an entry's
+    ``deadline``; a batch aged into a more urgent tier counts as due before every deadline;
+    batches without a deadline come after those with one); batches with equal deadlines, and
+    those without one, share the tenant's turns by tokens the same way as tenants do. A
+    batch's own order is its entries' ``rank`` where they carry one (lowest first: the
+    upstream dispatcher's prefix clusters), else longest work first, as the engine's batch
+    admission does (with few requests in the engine at a time, that order has to be applied
+    here).
+
+    A flow (a tenant in its tier, a batch in its tenant) that becomes active is charged as
+    much as the least charged active flow beside it: it saves up no credit while idle, and a
+    batch that arrives is served after at most one turn of every other flow, never behind
+    everything already queued. A flow that empties is forgotten, unless it was charged more
+    than the least charged flow still active: then it keeps that charge until the others catch
+    up, so emptying and refilling gains it nothing.
 
     Aging: a batch of a tier above 0 (``low``) that has waited ``aging_s`` seconds without an
     admission moves one tier up, at most to 0 (``normal``), and stays there while it has work
@@ -128,10 +180,11 @@ class FairQueue(Generic[E]):
         if bq is None:
             tier = self._promoted.get(entry.flow, entry.priority)
             # An aged batch goes first in its tenant (see _age).
-            deadline = due(getattr(entry, "deadline", None), aged=entry.flow in self._promoted)
-            bq = self._batches[entry.flow] = _BatchQueue(entry.flow, tier, self._clock(), deadline)
+            deadline, aged = getattr(entry, "deadline", None), entry.flow in self._promoted
+            bq = self._batches[entry.flow] = _BatchQueue(
+                entry.flow, tier, self._clock(), deadline, aged, next(self._order)
+            )
             self._activate(bq)
-        bq.max_cost = max(bq.max_cost, entry.cost)
         rank = getattr(entry, "rank", None)
         if front:
             rank = -(1 << 62)
@@ -164,8 +217,8 @@ class FairQueue(Generic[E]):
             len(bq.heap)
             for priority, tier in self._tiers.items()
             if priority <= max_priority
-            for tenant in tier.tenants.values()
-            for bq in tenant.batches.values()
+            for tenant in tier.flows.values()
+            for bq in tenant.batches.flows.values()
         )
 
     def tenants_in(self, tier: int) -> dict[str | None, int]:
@@ -174,8 +227,8 @@ class FairQueue(Generic[E]):
         if t is None:
             return {}
         return {
-            name: sum(len(bq.heap) for bq in tenant.batches.values())
-            for name, tenant in t.tenants.items()
+            name: sum(len(bq.heap) for bq in tenant.batches.flows.values())
+            for name, tenant in t.flows.items()
         }
 
     def remove(self, entries: Iterable[E]) -> None:
@@ -196,9 +249,13 @@ class FairQueue(Generic[E]):
                 self._deactivate(bq)
 
     def forget_group(self, group: str) -> None:
-        """``group`` has nothing pending or in flight any more: drop its promotions."""
+        """``group`` has nothing pending or in flight any more: drop its promotions and what
+        its batches were charged."""
         for flow in [f for f in self._promoted if f[1] == group]:
             del self._promoted[flow]
+        for tier in self._tiers.values():
+            for tenant in tier.flows.values():
+                tenant.batches.forget(lambda flow: flow[1] != group)
 
     def clear(self) -> list[E]:
         entries = [item[2] for bq in self._batches.values() for item in bq.heap]
@@ -215,26 +272,23 @@ class FairQueue(Generic[E]):
                 del self._per_group[entry.group]
 
     def _activate(self, bq: _BatchQueue[E]) -> None:
-        tier = self._tiers.setdefault(bq.tier, _Tier())
-        tenant_name = bq.key[0]
-        tenant = tier.tenants.get(tenant_name)
+        tier = self._tiers.get(bq.tier)
+        if tier is None:
+            tier = self._tiers[bq.tier] = _Level()
+        tenant = tier.flows.get(bq.key[0])
         if tenant is None:
-            tenant = tier.tenants[tenant_name] = _TenantQueue()
-            tier.rotation.append(tenant_name)
-        tenant.batches[bq.key] = bq
-        tenant.rotation.append(bq.key)
+            tenant = _TenantQueue()
+            tier.join(bq.key[0], tenant)
+        tenant.batches.join(bq.key, bq)
 
     def _deactivate(self, bq: _BatchQueue[E], keep: bool = False) -> None:
         tier = self._tiers[bq.tier]
-        tenant_name = bq.key[0]
-        tenant = tier.tenants[tenant_name]
-        del tenant.batches[bq.key]
-        tenant.rotation.remove(bq.key)
-        if not tenant.batches:
-            del tier.tenants[tenant_name]
-            tier.rotation.remove(tenant_name)
-        if not tier.tenants:
-            del self._tiers[bq.tier]
+        tenant = tier.flows[bq.key[0]]
+        tenant.batches.leave(bq.key)
+        if not tenant.batches.flows:
+            tier.leave(bq.key[0])
+            if not tier.flows:
+                del self._tiers[bq.tier]
         if not keep:
             del self._batches[bq.key]
 
@@ -245,63 +299,37 @@ class FairQueue(Generic[E]):
             if tier != bq.tier:
                 self._deactivate(bq, keep=True)
                 bq.tier = tier
-                bq.deficit, bq.in_turn = 0, False
                 # Aging bounds the batch's wait: an earlier deadline of its tenant's other
                 # work in the tier it joins must not undo that.
-                bq.deadline = due(bq.deadline, aged=True)
+                bq.aged = True
                 bq.waiting_since = self._clock()
                 if bq.key[1] is not None:
                     self._promoted[bq.key] = bq.tier
                 self._activate(bq)
 
-    def _quantum(self) -> int:
-        return max(bq.max_cost for bq in self._batches.values())
-
     def _pop_tier(self, tier: _Tier, skip: frozenset[str | None] = frozenset()) -> E | None:
-        if skip and all(name in skip for name in tier.rotation):
+        best: tuple[_TenantQueue, _BatchQueue[E]] | None = None
+        best_key: tuple[float, ...] = ()
+        for name, tenant in tier.flows.items():
+            if name in skip:
+                continue
+            tenant_share = share_key(tenant.tokens, tenant.served)
+            for bq in tenant.batches.flows.values():
+                share = share_key(bq.tokens, bq.served)
+                # Among equals, the batch waiting longest (as the release window's oldest).
+                key = (*flow_key(bq.tier, tenant_share, bq.deadline, bq.aged, share), bq.arrived)
+                if best is None or key < best_key:
+                    best, best_key = (tenant, bq), key
+        if best is None:
             return None
-        while True:
-            if tier.rotation[0] in skip:
-                tier.rotation.rotate(-1)
-                continue
-            tenant = tier.tenants[tier.rotation[0]]
-            if not tenant.in_turn:
-                tenant.in_turn, tenant.deficit = True, tenant.deficit + self._quantum()
-            earliest = _earliest_deadline(tenant)
-            bq = earliest or tenant.batches[tenant.rotation[0]]
-            cost = bq.heap[0][2].cost
-            if tenant.deficit < cost:  # the tenant's turn is spent
-                tenant.in_turn = False
-                tier.rotation.rotate(-1)
-                continue
-            if earliest is not None:
-                # Equal deadlines take turns: the one served goes behind the others.
-                tenant.rotation.remove(bq.key)
-                tenant.rotation.append(bq.key)
-            else:
-                if not bq.in_turn:
-                    bq.in_turn, bq.deficit = True, bq.deficit + self._quantum()
-                if bq.deficit < cost:  # this batch's part of the turn is spent
-                    bq.in_turn = False
-                    tenant.rotation.rotate(-1)
-                    continue
-                bq.deficit -= cost
-            entry = heapq.heappop(bq.heap)[2]
-            self._count(entry, -1)
-            tenant.deficit -= cost
-            bq.waiting_since = self._clock()
-            entry.priority = min(entry.priority, bq.tier)  # what the engine is told
-            if not bq.heap:
-                self._deactivate(bq)
-            return entry
-
-
-def _earliest_deadline(tenant: _TenantQueue) -> _BatchQueue | None:
-    """The tenant's batch with the earliest deadline (the first in its rotation among equal
-    ones); None when none of its batches has a deadline."""
-    best: _BatchQueue | None = None
-    for key in tenant.rotation:
-        bq = tenant.batches[key]
-        if bq.deadline is not None and (best is None or bq.deadline < best.deadline):  # type: ignore[operator]
-            best = bq
-    return best
+        tenant, bq = best
+        entry = heapq.heappop(bq.heap)[2]
+        self._count(entry, -1)
+        tenant.tokens += entry.cost
+        bq.tokens += entry.cost
+        tenant.served = bq.served = next(self._order)
+        bq.waiting_since = self._clock()
+        entry.priority = min(entry.priority, bq.tier)  # what the engine is told
+        if not bq.heap:
+            self._deactivate(bq)
+        return entry

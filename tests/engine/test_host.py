@@ -252,10 +252,10 @@ def _completion_order(host: EngineHost, submissions: list[tuple[str, dict]]) -> 
     return order
 
 
-def test_drr_admission_order_across_tiers_tenants_batches_and_lengths(model_dir: Path) -> None:
-    """Costs are 5 prompt tokens + max_tokens; the quantum is the largest pending cost (11).
-    Urgent first; in the normal tier tenants A and B take turns by tokens, A's two batches
-    share A's turns, each batch runs its longest request first; low last."""
+def test_admission_order_across_tiers_tenants_batches_and_lengths(model_dir: Path) -> None:
+    """Costs are 5 prompt tokens + max_tokens. Urgent first; in the normal tier tenants A and
+    B share by tokens (the one charged fewer goes next), A's two batches share A's turns the
+    same way, each batch runs its longest request first; low last."""
     host = EngineHost(_engine(model_dir, max_num_seqs=1), max_pending=16, group_window=16)
     a1 = [("a1-cost7", 2), ("a1-cost11", 6), ("a1-cost9", 4)]
     submissions = [
@@ -268,10 +268,10 @@ def test_drr_admission_order_across_tiers_tenants_batches_and_lengths(model_dir:
     ]
     assert _completion_order(host, submissions) == [
         "c1-urgent",
-        "a1-cost11",  # A's turn (11 tokens): a1's longest
-        "b1-first",  # B's turn
-        "a2-cost8",  # A again: a1 spent its part of A's turn, so a2
-        "b1-second",
+        "a1-cost11",  # A and B at 0, A arrived first: a1's longest (A: 11)
+        "b1-first",  # B: 7
+        "b1-second",  # B (7) is still below A (11): 14
+        "a2-cost8",  # A (11): a2 was charged nothing yet, a1 11
         "a1-cost9",
         "a1-cost7",
         "d1-low",
