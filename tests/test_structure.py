@@ -1,7 +1,7 @@
 """The structure the packages promise, read from their source: priority is defined once (in
-``core.priority``), the engine is a leaf, and the engine core imports nothing from the host
-(``engine.host``). A scan of the syntax trees, so it fails on the commit that breaks
-the rule, whatever the code path."""
+``core.priority``), who runs next once (in ``engine.host.order``), the engine is a leaf, and
+the engine core imports nothing from the host (``engine.host``). A scan of the syntax trees,
+so it fails on the commit that breaks the rule, whatever the code path."""
 
 from __future__ import annotations
 
@@ -17,6 +17,10 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("api", "core", "worker", "engine", "cli", "migrations")
 NAMES = {"high", "normal", "low"}
 PRIORITY_HOME = Path("core/priority.py")
+ORDER_HOME = Path("engine/host/order.py")
+# The places that choose who runs next (the upstream dispatcher through the fair queue).
+ORDER_USERS = (Path("engine/host/fair_queue.py"), Path("worker/shards/release.py"))
+ORDER_RULES = {"aged_tier", "due", "deadline_key", "share_key", "flow_key"}
 
 
 def _sources(*packages: str) -> list[Path]:
@@ -74,6 +78,31 @@ def test_priority_is_defined_once_in_core_priority() -> None:
         + ", ".join(elsewhere)
     )
     assert _priority_definitions(_tree(ROOT / PRIORITY_HOME)), "the scan no longer sees it"
+
+
+def test_who_runs_next_is_written_once_in_engine_host_order() -> None:
+    """The tier, aging, deadline and token-share rules are defined in ``engine.host.order``
+    only; the places that choose take the whole order from it (``flow_key``), and none keeps
+    a scheme of its own (such as the deficit round robin the fair queue once ran)."""
+    elsewhere = [
+        f"{path.relative_to(ROOT)}:{node.lineno} {node.name}"
+        for path in _sources(*PACKAGES)
+        if path.relative_to(ROOT) != ORDER_HOME
+        for node in ast.walk(_tree(path))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name in ORDER_RULES
+    ]
+    assert elsewhere == []
+    for path in ORDER_USERS:
+        taken = {
+            alias.name
+            for node in ast.walk(_tree(ROOT / path))
+            if isinstance(node, ast.ImportFrom) and node.module == "engine.host.order"
+            for alias in node.names
+        }
+        assert {"flow_key", "share_key"} <= taken, f"{path} does not use engine.host.order"
+        assert "deficit" not in (ROOT / path).read_text(encoding="utf-8").lower(), path
+    dispatcher = _imported(_tree(ROOT / "worker/upstream/dispatcher.py"))
+    assert "engine.host.fair_queue" in dispatcher
 
 
 def test_the_engine_core_imports_nothing_from_the_host() -> None:

@@ -1,5 +1,5 @@
 """Shard release: the policy as a pure function (:func:`worker.shards.release.choose`: ``low`` aging
-into ``normal``, deficit round-robin on tokens across tenants), and on real Postgres the
+into ``normal``, tenants sharing by tokens, engine.host.order), and on real Postgres the
 per-model bound, the order (priority, then round-robin across tenants, then across a tenant's
 batches, then shard index), and concurrent releasers."""
 
@@ -82,7 +82,7 @@ def test_aging_lifts_low_to_normal_never_above():
     assert picks(chosen) == [("high", 0), ("low", 0)]
 
 
-def test_two_tenants_in_a_tier_share_by_deficit_round_robin_on_shard_tokens():
+def test_two_tenants_in_a_tier_share_by_shard_tokens():
     small = shards("a1", "tenant-a", 10, cost=100, started_s=0)
     big = shards("b1", "tenant-b", 10, cost=300, started_s=1)
     chosen = choose(small + big, 8, Load(), aging_s=60, clock=CLOCK)
@@ -93,7 +93,7 @@ def test_two_tenants_in_a_tier_share_by_deficit_round_robin_on_shard_tokens():
     tokens = {t: sum(c.cost for c in chosen if c.tenant == t) for t in ("tenant-a", "tenant-b")}
     assert tokens == {"tenant-a": 600, "tenant-b": 600}
     assert [i for b, i in picks(chosen) if b == "a1"] == list(range(6))  # index order
-    # The deficit carries over between calls through what is in flight: with tenant a holding
+    # The share carries over between calls through what is in flight: with tenant a holding
     # 600 released tokens and b 300, b's next shard goes first (600 each), then a, served
     # longest ago (700), then b (900), then a (800).
     load = Load(
