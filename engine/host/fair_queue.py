@@ -308,16 +308,26 @@ class FairQueue(Generic[E]):
                 self._activate(bq)
 
     def _pop_tier(self, tier: _Tier, skip: frozenset[str | None] = frozenset()) -> E | None:
+        shares = {
+            name: share_key(tenant.tokens, tenant.served)
+            for name, tenant in tier.flows.items()
+            if name not in skip
+        }
+        if not shares:
+            return None
+        # flow_key ranks tenants before their batches: only the batches of the tenants with
+        # the lowest share can come first, so only theirs are ranked.
+        low = min(shares.values())
         best: tuple[_TenantQueue, _BatchQueue[E]] | None = None
         best_key: tuple[float, ...] = ()
-        for name, tenant in tier.flows.items():
-            if name in skip:
+        for name, share in shares.items():
+            if share != low:
                 continue
-            tenant_share = share_key(tenant.tokens, tenant.served)
+            tenant = tier.flows[name]
             for bq in tenant.batches.flows.values():
-                share = share_key(bq.tokens, bq.served)
+                batch = share_key(bq.tokens, bq.served)
                 # Among equals, the batch waiting longest (as the release window's oldest).
-                key = (*flow_key(bq.tier, tenant_share, bq.deadline, bq.aged, share), bq.arrived)
+                key = (*flow_key(bq.tier, share, bq.deadline, bq.aged, batch), bq.arrived)
                 if best is None or key < best_key:
                     best, best_key = (tenant, bq), key
         if best is None:
