@@ -2,19 +2,18 @@
  * float32 or bfloat16 tensors (bf16 widened on load, every sum in float32, the output rounded
  * to the nearest even bf16).
  *
- * Built and loaded by engine/cpu/kernels.py. A task is one (sequence, KV head): its query heads
- * score the sequence's keys (read in place through its block table), a two-pass softmax in
- * float32, then the weighted sum of the values. Tasks are dealt round-robin to `threads`
- * POSIX threads (the caller is one of them); a thread that cannot start leaves its tasks to
- * the caller. Returns 0, 1 when scratch memory could not be had, 2 for a head_dim over
- * MAX_DIM. */
+ * Built and loaded by engine/cpu/kernels.py, after torch: its OpenMP runtime is the one torch
+ * already loaded, so the kernel runs on torch's own threads and never beside them. A task is
+ * one (sequence, KV head): its query heads score the sequence's keys, read in place block by
+ * block through its block table, each key row read once for the whole group; a two-pass
+ * softmax in float32; then the weighted sum of the values, again one read of each value row.
+ * Head sizes 64 and 128 have their own builds (the head's loops unrolled). Returns 0, 1 when
+ * scratch memory could not be had, 2 for a head_dim over MAX_DIM. */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define MAX_THREADS 64
 #define MAX_DIM 1024
 
 typedef struct {
@@ -28,7 +27,6 @@ typedef struct {
     int n, heads, kv_heads, dim, block_size, window, bf16;
     float scale;
     void *out; /* [n, heads, dim] contiguous */
-    int first, step;
 } job_t;
 
 static inline float widen(uint16_t x) {
@@ -45,87 +43,190 @@ static inline uint16_t narrow(float f) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-static inline int64_t slot(const job_t *a, const int64_t *table, int64_t p) {
-    return table[p / a->block_size] * a->block_size + p % a->block_size;
+static inline float load(const void *base, int64_t i, int bf16) {
+    return bf16 ? widen(((const uint16_t *)base)[i]) : ((const float *)base)[i];
 }
 
-static float dot(const job_t *a, const float *q, const void *base, int64_t offset) {
-    float acc = 0.f;
-    const int dim = a->dim;
-    if (a->bf16) {
-        const uint16_t *r = (const uint16_t *)base + offset;
-#pragma omp simd reduction(+ : acc)
-        for (int d = 0; d < dim; d++) acc += q[d] * widen(r[d]);
+/* e^x for x <= 0 (a score less the largest), to about 1 ulp: x = n ln2 + r, |r| <= ln2/2, a
+ * degree-6 polynomial for e^r, 2^n put into the exponent bits. Branch-free, so the loops that
+ * call it vectorize (the C library's expf does not). */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return p * two_n;
+}
+
+/* Sixteen floats: GCC and Clang lower it to what the CPU has (one AVX-512 register, two AVX
+ * ones, four SSE ones). */
+typedef float vf __attribute__((vector_size(64), aligned(4)));
+typedef uint16_t vh __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+#define LANES 16
+#define MAX_VECS (MAX_DIM / LANES)
+
+static inline vf vload(const void *base, int64_t i, const int bf16) {
+    vf f;
+    if (bf16) {
+        vh h;
+        memcpy(&h, (const uint16_t *)base + i, sizeof h);
+        const vu u = __builtin_convertvector(h, vu) << 16;
+        memcpy(&f, &u, sizeof f);
     } else {
-        const float *r = (const float *)base + offset;
-#pragma omp simd reduction(+ : acc)
-        for (int d = 0; d < dim; d++) acc += q[d] * r[d];
+        memcpy(&f, (const float *)base + i, sizeof f);
     }
-    return acc;
+    return f;
 }
 
-static void axpy(const job_t *a, float *o, float w, const void *base, int64_t offset) {
-    const int dim = a->dim;
-    if (a->bf16) {
-        const uint16_t *r = (const uint16_t *)base + offset;
-#pragma omp simd
-        for (int d = 0; d < dim; d++) o[d] += w * widen(r[d]);
-    } else {
-        const float *r = (const float *)base + offset;
-#pragma omp simd
-        for (int d = 0; d < dim; d++) o[d] += w * r[d];
-    }
+static inline float hsum(vf v) {
+#if defined(__clang__) || __GNUC__ >= 12
+    typedef float v8 __attribute__((vector_size(32)));
+    typedef float v4 __attribute__((vector_size(16)));
+    const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                 __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+#else
+    float s = 0.f;
+    for (int l = 0; l < LANES; l++) s += v[l];
+    return s;
+#endif
 }
 
-static void run_task(const job_t *a, int task, float *scores) {
+/* Softmax numerators of `keys` scores in place; returns 1 / their sum. */
+static inline float softmax(float *s, int64_t keys) {
+    float top = -INFINITY;
+    for (int64_t x = 0; x < keys; x++) top = s[x] > top ? s[x] : top;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t x = 0; x < keys; x++) {
+        s[x] = exp_nonpositive(s[x] - top);
+        sum += s[x];
+    }
+    return 1.f / sum;
+}
+
+/* One task, for a head size that is a multiple of LANES: `vecs` (dim / LANES) and `bf16` are
+ * constants in each build below (always inlined), so the head's loops unroll; `work` holds
+ * group * keys floats. */
+static inline __attribute__((always_inline)) void attend(const job_t *a, int task, float *work,
+                                                         const int vecs, const int bf16) {
     const int i = task / a->kv_heads, kvh = task % a->kv_heads;
-    const int group = a->heads / a->kv_heads, dim = a->dim;
+    const int group = a->heads / a->kv_heads, bs = a->block_size, dim = vecs * LANES;
     const int64_t len = a->lens[i];
     const int64_t lo = a->window > 0 && len > a->window ? len - a->window : 0;
     const int64_t keys = len - lo;
     const int64_t *table = a->blocks + (int64_t)i * a->max_blocks;
     const int64_t head = kvh * a->kv_head;
-    float q[MAX_DIM], o[MAX_DIM];
+    float *scores = work;
+    vf q[group][vecs], o[group][vecs];
+    float inv[group];
     for (int g = 0; g < group; g++) {
-        const int h = kvh * group + g;
-        const int64_t qoff = i * a->q_row + h * a->q_head;
-        for (int d = 0; d < dim; d++)
-            q[d] = a->bf16 ? widen(((const uint16_t *)a->q)[qoff + d]) : ((const float *)a->q)[qoff + d];
-        float *s = scores + (int64_t)g * keys;
-        float top = -INFINITY;
-        for (int64_t j = 0; j < keys; j++) {
-            s[j] = dot(a, q, a->k, head + slot(a, table, lo + j) * dim) * a->scale;
-            if (s[j] > top) top = s[j];
+        const int64_t qoff = i * a->q_row + (int64_t)(kvh * group + g) * a->q_head;
+        for (int c = 0; c < vecs; c++) q[g][c] = vload(a->q, qoff + c * LANES, bf16) * a->scale;
+    }
+    /* Scores: each key row once, against every query head of the group. */
+    int64_t j = 0;
+    for (int64_t p = lo; p < len;) {
+        const int64_t off = p % bs, run = bs - off < len - p ? bs - off : len - p;
+        const int64_t first = head + (table[p / bs] * bs + off) * dim;
+        for (int64_t r = 0; r < run; r++, j++) {
+            vf k[vecs];
+            for (int c = 0; c < vecs; c++) k[c] = vload(a->k, first + r * dim + c * LANES, bf16);
+            for (int g = 0; g < group; g++) {
+                vf acc = q[g][0] * k[0];
+                for (int c = 1; c < vecs; c++) acc += q[g][c] * k[c];
+                scores[g * keys + j] = hsum(acc);
+            }
         }
-        float sum = 0.f;
-        for (int64_t j = 0; j < keys; j++) {
-            s[j] = expf(s[j] - top);
-            sum += s[j];
+        p += run;
+    }
+    for (int g = 0; g < group; g++) inv[g] = softmax(scores + g * keys, keys);
+    /* Values: each row once, into every head's sum. */
+    for (int g = 0; g < group; g++)
+        for (int c = 0; c < vecs; c++) o[g][c] = (vf){0};
+    j = 0;
+    for (int64_t p = lo; p < len;) {
+        const int64_t off = p % bs, run = bs - off < len - p ? bs - off : len - p;
+        const int64_t first = head + (table[p / bs] * bs + off) * dim;
+        for (int64_t r = 0; r < run; r++, j++) {
+            vf v[vecs];
+            for (int c = 0; c < vecs; c++) v[c] = vload(a->v, first + r * dim + c * LANES, bf16);
+            for (int g = 0; g < group; g++) {
+                const float w = scores[g * keys + j];
+                for (int c = 0; c < vecs; c++) o[g][c] += w * v[c];
+            }
         }
-        const float inv = 1.f / sum;
-        memset(o, 0, sizeof(float) * (size_t)dim);
-        for (int64_t j = 0; j < keys; j++)
-            axpy(a, o, s[j] * inv, a->v, head + slot(a, table, lo + j) * dim);
-        const int64_t ooff = ((int64_t)i * a->heads + h) * dim;
-        if (a->bf16) {
-            for (int d = 0; d < dim; d++) ((uint16_t *)a->out)[ooff + d] = narrow(o[d]);
-        } else {
-            memcpy((float *)a->out + ooff, o, sizeof(float) * (size_t)dim);
+        p += run;
+    }
+    for (int g = 0; g < group; g++) {
+        const int64_t ooff = ((int64_t)i * a->heads + kvh * group + g) * dim;
+        for (int c = 0; c < vecs; c++) {
+            const vf r = o[g][c] * inv[g];
+            if (bf16) {
+                for (int l = 0; l < LANES; l++)
+                    ((uint16_t *)a->out)[ooff + c * LANES + l] = narrow(r[l]);
+            } else {
+                memcpy((float *)a->out + ooff + c * LANES, &r, sizeof r);
+            }
         }
     }
 }
 
-static void *worker(void *arg) {
-    const job_t *a = (const job_t *)arg;
-    int64_t longest = 1;
-    for (int i = 0; i < a->n; i++)
-        if (a->lens[i] > longest) longest = a->lens[i];
-    float *scores = malloc(sizeof(float) * (size_t)(a->heads / a->kv_heads) * (size_t)longest);
-    if (scores == NULL) return (void *)1;
-    for (int t = a->first; t < a->n * a->kv_heads; t += a->step) run_task(a, t, scores);
-    free(scores);
-    return NULL;
+/* The same for any head size, one element at a time. */
+static void attend_any(const job_t *a, int task, float *work) {
+    const int i = task / a->kv_heads, kvh = task % a->kv_heads;
+    const int group = a->heads / a->kv_heads, bs = a->block_size, dim = a->dim, bf16 = a->bf16;
+    const int64_t len = a->lens[i];
+    const int64_t lo = a->window > 0 && len > a->window ? len - a->window : 0;
+    const int64_t keys = len - lo;
+    const int64_t *table = a->blocks + (int64_t)i * a->max_blocks;
+    const int64_t head = kvh * a->kv_head;
+    float *scores = work, *q = work + group * keys, *o = q + dim;
+    for (int g = 0; g < group; g++) {
+        const int h = kvh * group + g;
+        const int64_t qoff = i * a->q_row + (int64_t)h * a->q_head;
+        for (int d = 0; d < dim; d++) q[d] = load(a->q, qoff + d, bf16) * a->scale;
+        float *s = scores + g * keys;
+        for (int64_t x = 0; x < keys; x++) {
+            const int64_t p = lo + x, row = head + (table[p / bs] * bs + p % bs) * dim;
+            float acc = 0.f;
+            for (int d = 0; d < dim; d++) acc += q[d] * load(a->k, row + d, bf16);
+            s[x] = acc;
+        }
+        const float inv = softmax(s, keys);
+        memset(o, 0, sizeof(float) * (size_t)dim);
+        for (int64_t x = 0; x < keys; x++) {
+            const int64_t p = lo + x, row = head + (table[p / bs] * bs + p % bs) * dim;
+            for (int d = 0; d < dim; d++) o[d] += s[x] * load(a->v, row + d, bf16);
+        }
+        const int64_t ooff = ((int64_t)i * a->heads + h) * dim;
+        for (int d = 0; d < dim; d++) {
+            if (bf16)
+                ((uint16_t *)a->out)[ooff + d] = narrow(o[d] * inv);
+            else
+                ((float *)a->out)[ooff + d] = o[d] * inv;
+        }
+    }
 }
+
+typedef void (*task_fn)(const job_t *, int, float *);
+
+static void f32_64(const job_t *a, int t, float *w) { attend(a, t, w, 4, 0); }
+static void f32_128(const job_t *a, int t, float *w) { attend(a, t, w, 8, 0); }
+static void bf16_64(const job_t *a, int t, float *w) { attend(a, t, w, 4, 1); }
+static void bf16_128(const job_t *a, int t, float *w) { attend(a, t, w, 8, 1); }
 
 int batchd_decode_attention(const void *q, int64_t q_row, int64_t q_head, const void *k,
                             const void *v, int64_t kv_head, const int64_t *blocks,
@@ -133,24 +234,35 @@ int batchd_decode_attention(const void *q, int64_t q_row, int64_t q_head, const 
                             int kv_heads, int dim, int block_size, int window, int bf16,
                             float scale, void *out, int threads) {
     if (dim > MAX_DIM) return 2;
-    if (threads < 1) threads = 1;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if (threads > n * kv_heads) threads = n * kv_heads > 0 ? n * kv_heads : 1;
-    job_t jobs[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
-    int rc = 0;
-    for (int t = 0; t < threads; t++)
-        jobs[t] = (job_t){q, q_row, q_head, k, v, kv_head, blocks, max_blocks, lens, n, heads,
-                          kv_heads, dim, block_size, window, bf16, scale, out, t, threads};
-    for (int t = 1; t < threads; t++)
-        started[t] = pthread_create(&ids[t], NULL, worker, &jobs[t]) == 0;
-    for (int t = 0; t < threads; t++)
-        if (t == 0 || !started[t]) rc |= worker(&jobs[t]) != NULL;
-    for (int t = 1; t < threads; t++) {
-        void *failed = NULL;
-        if (started[t]) pthread_join(ids[t], &failed);
-        rc |= failed != NULL;
+    const job_t a = {q,    q_row, q_head,   k,   v,          kv_head, blocks, max_blocks, lens,
+                     n,    heads, kv_heads, dim, block_size, window,  bf16,   scale,      out};
+    const task_fn fn = dim == 64    ? (bf16 ? bf16_64 : f32_64)
+                       : dim == 128 ? (bf16 ? bf16_128 : f32_128)
+                                    : attend_any;
+    int64_t longest = 1;
+    for (int i = 0; i < n; i++)
+        if (lens[i] > longest) longest = lens[i];
+    const size_t words = (size_t)(heads / kv_heads) * (size_t)longest + 2 * (size_t)dim;
+    const int tasks = n * kv_heads;
+    if (threads > tasks) threads = tasks;
+    int failed = 0;
+    if (threads <= 1) {
+        float *work = malloc(sizeof(float) * words);
+        if (work == NULL) return 1;
+        for (int t = 0; t < tasks; t++) fn(&a, t, work);
+        free(work);
+        return 0;
     }
-    return rc;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        float *work = malloc(sizeof(float) * words);
+        failed = work == NULL;
+        /* Every thread takes part in the loop (a worksharing loop must be met by all); one
+         * without scratch memory skips its tasks and the call reports it. */
+#pragma omp for schedule(dynamic, 4)
+        for (int t = 0; t < tasks; t++)
+            if (work != NULL) fn(&a, t, work);
+        free(work);
+    }
+    return failed;
 }

@@ -1,10 +1,11 @@
 """Compiled CPU kernels: C sources beside this module, built once per machine, loaded by ctypes.
 
-Built at first use with ``$CC`` (else ``cc``) and ``-O3 -march=native`` into
+Built at first use with ``$CC`` (else ``cc``) and ``-O3 -march=native -fopenmp`` into
 ``$XDG_CACHE_HOME/batchd/kernels``, under a name digesting source, compiler, flags and CPU, so a
-shared cache never hands one CPU another's build; written beside and renamed into place. Where
-no compiler is found or the build fails, :func:`decode_attention` returns None (logged once)
-and the engine keeps its torch path.
+shared cache never hands one CPU another's build; written beside and renamed into place. Loaded
+after torch, a kernel's OpenMP regions run on the runtime torch already holds (one team of
+threads, never two spinning beside each other). Where no compiler is found or the build fails,
+:func:`decode_attention` returns None (logged once) and the engine keeps its torch path.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 log = logging.getLogger("engine")
 
 HERE = Path(__file__).resolve().parent
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
 DecodeAttention = Callable[..., None]
 
@@ -72,7 +73,7 @@ def build(name: str) -> Path | None:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         proc = subprocess.run(
-            [compiler, *FLAGS, "-o", tmp, str(source), "-lm", "-lpthread"],
+            [compiler, *FLAGS, "-o", tmp, str(source), "-lm"],
             capture_output=True,
             text=True,
             timeout=120,

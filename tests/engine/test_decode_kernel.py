@@ -1,6 +1,7 @@
 """The compiled decode-attention kernel against the torch path it replaces: the same rows (to
 float32 rounding; to bf16's in bf16) for sequences of mixed lengths, GQA, a sliding window,
-one and two threads and a query with the model's strides; no compiler means the torch path."""
+one and two threads, the head sizes with their own builds (64, 128) and any other, and a query
+with the model's strides; no compiler means the torch path."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ KV, HEADS, DIM, BS = 3, 9, 64, 16
 
 
 def _case(
-    lens: list[int], seed: int = 0
+    lens: list[int], seed: int = 0, dim: int = DIM
 ) -> tuple[DecodeGroup, torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     tables, free = [], torch.randperm(sum((n - 1) // BS + 1 for n in lens) + 4, generator=gen)
@@ -29,20 +30,20 @@ def _case(
     num_blocks = len(free)
     width = max(len(t) for t in tables)
     blocks = torch.tensor([t + [num_blocks] * (width - len(t)) for t in tables])
-    k = torch.randn(KV, num_blocks + 1, BS, DIM, generator=gen)
-    v = torch.randn(KV, num_blocks + 1, BS, DIM, generator=gen)
+    k = torch.randn(KV, num_blocks + 1, BS, dim, generator=gen)
+    v = torch.randn(KV, num_blocks + 1, BS, dim, generator=gen)
     # The model's layout: [1, H, T, D] as a transposed view of [T, H, D].
-    query = torch.randn(len(lens), HEADS, DIM, generator=gen).transpose(0, 1).unsqueeze(0)
+    query = torch.randn(len(lens), HEADS, dim, generator=gen).transpose(0, 1).unsqueeze(0)
     return DecodeGroup(0, len(lens), blocks, torch.tensor(lens), BS, list(lens)), query, k, v
 
 
 def _torch_path(
     g: DecodeGroup, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None
 ) -> torch.Tensor:
-    n = g.end - g.start
-    qd = query[0].reshape(KV, HEADS // KV, n, DIM)
-    out = _attend_decodes(g, qd, k, v, DIM**-0.5, window, None)  # [KV, n, group, D]
-    return out.transpose(0, 1).reshape(n, HEADS, DIM)
+    n, dim = g.end - g.start, query.shape[-1]
+    qd = query[0].reshape(KV, HEADS // KV, n, dim)
+    out = _attend_decodes(g, qd, k, v, dim**-0.5, window, None)  # [KV, n, group, D]
+    return out.transpose(0, 1).reshape(n, HEADS, dim)
 
 
 @pytest.fixture(scope="module")
@@ -55,29 +56,31 @@ def kernel() -> kernels.DecodeAttention:
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("dim", [DIM, 128, 40])
 def test_kernel_rows_equal_the_torch_path(
-    kernel: kernels.DecodeAttention, threads: int, window: int | None
+    kernel: kernels.DecodeAttention, threads: int, window: int | None, dim: int
 ) -> None:
     lens = [1, 2, 15, 16, 17, 33, 100, 257, 700]
-    g, query, k, v = _case(lens, seed=threads)
+    g, query, k, v = _case(lens, seed=threads, dim=dim)
     want = _torch_path(g, query, k, v, window)
-    got = torch.empty(len(lens), HEADS, DIM)
+    got = torch.empty(len(lens), HEADS, dim)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        kernel(query[0].transpose(0, 1), k, v, g.blocks, g.lens, window or 0, DIM**-0.5, got)
+        kernel(query[0].transpose(0, 1), k, v, g.blocks, g.lens, window or 0, dim**-0.5, got)
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_bfloat16_rows_equal_the_torch_path(kernel: kernels.DecodeAttention) -> None:
+@pytest.mark.parametrize("dim", [DIM, 40])
+def test_bfloat16_rows_equal_the_torch_path(kernel: kernels.DecodeAttention, dim: int) -> None:
     lens = [3, 31, 64, 300]
-    g, query, k, v = _case(lens, seed=7)
+    g, query, k, v = _case(lens, seed=7, dim=dim)
     query, k, v = query.bfloat16(), k.bfloat16(), v.bfloat16()
     want = _torch_path(g, query, k, v, None)
-    got = torch.empty(len(lens), HEADS, DIM, dtype=torch.bfloat16)
-    kernel(query[0].transpose(0, 1), k, v, g.blocks, g.lens, 0, DIM**-0.5, got)
+    got = torch.empty(len(lens), HEADS, dim, dtype=torch.bfloat16)
+    kernel(query[0].transpose(0, 1), k, v, g.blocks, g.lens, 0, dim**-0.5, got)
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
