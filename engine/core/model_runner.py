@@ -15,6 +15,7 @@ from engine.core import memory
 from engine.core.config import EngineConfig
 from engine.core.sequence import Sequence
 from engine.core.step import StepBatch
+from engine.cpu import layers as cpu_layers
 from engine.cpu import linear as cpu_linear
 
 log = logging.getLogger("engine")
@@ -67,6 +68,8 @@ class ModelRunner:
         self.base = getattr(hf_model, hf_model.base_model_prefix)
         self.lm_head = hf_model.get_output_embeddings()
         rows = config.max_num_seqs or 64
+        if self.device.type == "cpu" and config.cpu_kernels:
+            log.info("%d projection sets fused (CPU)", cpu_layers.fuse_projections(self.base))
         if cpu_linear.packable(self.dtype, self.device):
             bf16 = self.dtype == torch.bfloat16
             body = cpu_linear.largest_linear(self.base)

@@ -259,7 +259,7 @@ int batchd_decode_attention(const void *q, int64_t q_row, int64_t q_head, const 
         failed = work == NULL;
         /* Every thread takes part in the loop (a worksharing loop must be met by all); one
          * without scratch memory skips its tasks and the call reports it. */
-#pragma omp for schedule(dynamic, 4)
+#pragma omp for schedule(dynamic, 1)
         for (int t = 0; t < tasks; t++)
             if (work != NULL) fn(&a, t, work);
         free(work);

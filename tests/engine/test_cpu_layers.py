@@ -1,0 +1,103 @@
+"""Fused projections (engine/cpu/layers.py): each layer's part of the one matmul equals what the
+layer computed alone, in any order of asking, with or without bias, packed or not; what cannot
+be fused is left as it was; nothing of a step is held once every part has been handed out."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from engine.cpu import layers, linear
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self, hidden: int, q: int, kv: int, bias: bool) -> None:
+        super().__init__()
+        self.q_proj = torch.nn.Linear(hidden, q, bias=bias)
+        self.k_proj = torch.nn.Linear(hidden, kv, bias=bias)
+        self.v_proj = torch.nn.Linear(hidden, kv, bias=bias)
+        self.o_proj = torch.nn.Linear(q, hidden, bias=False)
+
+
+class _Mlp(torch.nn.Module):
+    def __init__(self, hidden: int, inner: int) -> None:
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(hidden, inner, bias=False)
+        self.up_proj = torch.nn.Linear(hidden, inner, bias=False)
+        self.down_proj = torch.nn.Linear(inner, hidden, bias=False)
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, bias: bool = False) -> None:
+        super().__init__()
+        self.self_attn = _Attention(48, 48, 16, bias)
+        self.mlp = _Mlp(48, 96)
+
+
+def _outputs(layer: _Layer, x: torch.Tensor, order: list[str]) -> dict[str, torch.Tensor]:
+    owners = {"q_proj": layer.self_attn, "k_proj": layer.self_attn, "v_proj": layer.self_attn}
+    owners |= {"gate_proj": layer.mlp, "up_proj": layer.mlp}
+    return {name: getattr(owners[name], name)(x).clone() for name in order}
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(
+    "order",
+    [
+        ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"],
+        ["v_proj", "q_proj", "k_proj", "up_proj", "gate_proj"],
+    ],
+)
+def test_each_part_equals_its_layer(bias: bool, order: list[str]) -> None:
+    torch.manual_seed(0)
+    plain = _Layer(bias)
+    fused = copy.deepcopy(plain)
+    assert layers.fuse_projections(fused) == 2
+    x = torch.randn(1, 5, 48)
+    with torch.inference_mode():
+        want, got = _outputs(plain, x, order), _outputs(fused, x, order)
+    for name in order:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5)
+    assert isinstance(fused.self_attn.q_proj, layers.Slice)
+    assert fused.self_attn.fused_q_k_v._output is None  # released once all parts were served
+    assert fused.mlp.fused_gate_up._output is None
+    # The slices own no weights: the model is not bigger than before.
+    count = sum(p.numel() for p in fused.parameters())
+    assert count == sum(p.numel() for p in plain.parameters())
+
+
+def test_a_new_input_recomputes() -> None:
+    torch.manual_seed(1)
+    plain = _Layer()
+    fused = copy.deepcopy(plain)
+    layers.fuse_projections(fused)
+    with torch.inference_mode():
+        a, b = torch.randn(3, 48), torch.randn(3, 48)
+        fused.self_attn.q_proj(a)  # a step that asks only for part of its input's projections
+        got = fused.self_attn.q_proj(b)
+        torch.testing.assert_close(got, plain.self_attn.q_proj(b))
+
+
+def test_packing_swaps_the_fused_matmul() -> None:
+    if not linear.packable(torch.float32, torch.device("cpu")):
+        pytest.skip("this torch has no oneDNN packed linear")
+    torch.manual_seed(2)
+    plain = _Layer()
+    fused = copy.deepcopy(plain)
+    layers.fuse_projections(fused)
+    assert linear.pack_linears(fused, 8) == 4  # two fused, o_proj, down_proj
+    assert isinstance(fused.self_attn.fused_q_k_v.linear, linear.PackedLinear)
+    x = torch.randn(4, 48)
+    with torch.inference_mode():
+        torch.testing.assert_close(fused.mlp.up_proj(x), plain.mlp.up_proj(x), rtol=1e-4, atol=1e-4)
+
+
+def test_what_differs_is_left_alone() -> None:
+    layer = _Layer()
+    layer.self_attn.v_proj = torch.nn.Linear(32, 16)  # another input size
+    layer.mlp.up_proj = torch.nn.Linear(48, 96, bias=True)  # bias where gate has none
+    assert layers.fuse_projections(layer) == 0
+    assert type(layer.self_attn.q_proj) is torch.nn.Linear
+    assert type(layer.mlp.gate_proj) is torch.nn.Linear
