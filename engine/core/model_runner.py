@@ -17,6 +17,7 @@ from engine.core.sequence import Sequence
 from engine.core.step import StepBatch
 from engine.cpu import layers as cpu_layers
 from engine.cpu import linear as cpu_linear
+from engine.cpu.lean import LeanLlama
 
 log = logging.getLogger("engine")
 
@@ -88,6 +89,12 @@ class ModelRunner:
                 self.dtype,
                 "packed" if self.lm_head is not head else "plain",
             )
+        # transformers' Llama layers without their per-layer Python, where the model is one.
+        self.lean = (
+            LeanLlama.of(self.base)
+            if self.device.type == "cpu" and config.cpu_kernels and self.backend_name == "sdpa"
+            else None
+        )
         text_config = hf_model.config.get_text_config()
         attention.check_config(text_config)
         self.model_config = text_config
@@ -268,13 +275,16 @@ class ModelRunner:
         return self.eager_forward(batch)
 
     def eager_forward(self, batch: StepBatch) -> torch.Tensor:
-        out = self.base(
-            input_ids=batch.input_ids.unsqueeze(0),
-            position_ids=batch.positions.unsqueeze(0),
-            use_cache=False,
-            batchd_ctx=batch.ctx,
-        )
-        return self.logits(out.last_hidden_state[0].index_select(0, batch.sample_rows))
+        if self.lean is not None:
+            hidden = self.lean(batch.input_ids, batch.positions, batch.ctx)
+        else:
+            hidden = self.base(
+                input_ids=batch.input_ids.unsqueeze(0),
+                position_ids=batch.positions.unsqueeze(0),
+                use_cache=False,
+                batchd_ctx=batch.ctx,
+            ).last_hidden_state[0]
+        return self.logits(hidden.index_select(0, batch.sample_rows))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of hidden rows, final soft-capping (Gemma-2) applied."""

@@ -48,6 +48,8 @@ FIXED_SIZE = frozenset(
         "BlockManager.free",
         "ModelRunner.k_cache",  # one tensor per layer
         "ModelRunner.v_cache",
+        "LeanLlama.layers",  # one entry per model layer
+        "FusedLinear.bounds",  # one pair per fused projection
         "DecodeGraphs.buckets",  # one graph per batch-size bucket
         "DecodeGraphs.static",
         "Engine.eos_token_ids",

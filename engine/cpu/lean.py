@@ -1,0 +1,127 @@
+"""The forward of a Llama decoder stack on a CPU without transformers' per-layer Python.
+
+The operators of transformers' ``LlamaModel`` forward, in its order (so the same numbers), from
+one loop: no module hooks, keyword plumbing or deprecation wrappers a layer, q/k/v and gate/up
+through the fused projections (engine/cpu/layers.py), attention straight to the paged function.
+Only where every part is transformers' own Llama class; any other model keeps its forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.attention.paged import AttentionContext, paged_attention
+from engine.cpu.layers import FusedLinear
+
+_CLASSES = {
+    "model": "LlamaModel",
+    "layer": "LlamaDecoderLayer",
+    "attention": "LlamaAttention",
+    "mlp": "LlamaMLP",
+    "norm": "LlamaRMSNorm",
+}
+
+
+@dataclass(slots=True)
+class _Layer:
+    attention: torch.nn.Module  # read by the paged function (its layer_idx)
+    norm_in: torch.nn.Module
+    qkv: FusedLinear
+    o_proj: torch.nn.Module
+    norm_post: torch.nn.Module
+    gate_up: FusedLinear
+    act: Any
+    down: torch.nn.Module
+    scaling: float
+
+
+class LeanLlama:
+    """``base``'s forward over a packed step: embeddings, every layer, the final norm."""
+
+    def __init__(self, base: torch.nn.Module) -> None:
+        self.base = base
+        self.layers = [
+            _Layer(
+                layer.self_attn,
+                layer.input_layernorm,
+                layer.self_attn.fused_q_k_v,
+                layer.self_attn.o_proj,
+                layer.post_attention_layernorm,
+                layer.mlp.fused_gate_up,
+                layer.mlp.act_fn,
+                layer.mlp.down_proj,
+                float(layer.self_attn.scaling),
+            )
+            for layer in base.layers[: base.config.num_hidden_layers]
+        ]
+        attention = base.layers[0].self_attn
+        self.head_dim = int(attention.head_dim)
+        self.q_end, self.k_end = (end for _, end in attention.fused_q_k_v.bounds[:2])
+        self.inner = base.layers[0].mlp.fused_gate_up.bounds[0][1]
+
+    @classmethod
+    def of(cls, base: torch.nn.Module) -> LeanLlama | None:
+        """The lean forward of ``base``, or None where it is not exactly a Llama stack with
+        its projections fused."""
+        if type(base).__name__ != _CLASSES["model"]:
+            return None
+        config = base.config
+        if getattr(config, "pretraining_tp", 1) != 1 or getattr(config, "mlp_bias", False):
+            return None
+        for layer in base.layers:
+            parts = {
+                "layer": layer,
+                "attention": getattr(layer, "self_attn", None),
+                "mlp": getattr(layer, "mlp", None),
+            }
+            if any(type(m).__name__ != _CLASSES[k] for k, m in parts.items()):
+                return None
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if any(type(n).__name__ != _CLASSES["norm"] for n in norms):
+                return None
+            if not isinstance(getattr(layer.self_attn, "fused_q_k_v", None), FusedLinear):
+                return None
+            if not isinstance(getattr(layer.mlp, "fused_gate_up", None), FusedLinear):
+                return None
+        if type(base.norm).__name__ != _CLASSES["norm"]:
+            return None
+        return cls(base)
+
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        """Hidden states ``[tokens, hidden]`` after the final norm."""
+        base = self.base
+        hidden = base.embed_tokens(input_ids.unsqueeze(0))
+        cos, sin = base.rotary_emb(hidden, position_ids=positions.unsqueeze(0))
+        # transformers rotates [1, heads, T, D] with cos [1, 1, T, D]; here [T, heads, D].
+        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)
+        tokens, d = input_ids.shape[0], self.head_dim
+        for layer in self.layers:
+            x = layer.norm_in(hidden)
+            qkv = layer.qkv.linear(x)[0]
+            q = _rotate(qkv[:, : self.q_end].view(tokens, -1, d), cos, sin)
+            k = _rotate(qkv[:, self.q_end : self.k_end].view(tokens, -1, d), cos, sin)
+            v = qkv[:, self.k_end :].view(tokens, -1, d)
+            out, _ = paged_attention(
+                layer.attention,
+                q.transpose(0, 1).unsqueeze(0),
+                k.transpose(0, 1).unsqueeze(0),
+                v.transpose(0, 1).unsqueeze(0),
+                None,
+                scaling=layer.scaling,
+                batchd_ctx=ctx,
+            )
+            hidden = hidden + layer.o_proj(out.reshape(1, tokens, -1).contiguous())
+            x = layer.gate_up.linear(layer.norm_post(hidden))
+            hidden = hidden + layer.down(layer.act(x[..., : self.inner]) * x[..., self.inner :])
+        return base.norm(hidden)[0]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' ``apply_rotary_pos_emb`` for one tensor: ``x * cos + rotate_half(x) * sin``."""
+    half = x.shape[-1] // 2
+    return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
