@@ -104,13 +104,43 @@ static inline float hsum(vf v) {
 #endif
 }
 
+typedef int32_t vi __attribute__((vector_size(64)));
+
+/* exp_nonpositive on sixteen lanes: the same reduction (n rounded the other way at exact
+ * halves), the same polynomial. */
+static inline vf vexp_nonpositive(vf x) {
+    const vf low = (vf){0} - 87.0f;
+    const vi under = x < low;
+    x = (vf)(((vi)x & ~under) | ((vi)low & under));
+    const vi neg_n = __builtin_convertvector(0.5f - x * 1.44269504088896341f, vi);
+    const vf n = (vf){0} - __builtin_convertvector(neg_n, vf);
+    vf r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    vf p = (vf){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    return p * (vf)((127 - neg_n) << 23);
+}
+
 /* Softmax numerators of `keys` scores in place; returns 1 / their sum. */
 static inline float softmax(float *s, int64_t keys) {
     float top = -INFINITY;
     for (int64_t x = 0; x < keys; x++) top = s[x] > top ? s[x] : top;
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t x = 0; x < keys; x++) {
+    vf sums = {0};
+    int64_t x = 0;
+    for (; x + LANES <= keys; x += LANES) {
+        vf v;
+        memcpy(&v, s + x, sizeof v);
+        v = vexp_nonpositive(v - top);
+        memcpy(s + x, &v, sizeof v);
+        sums += v;
+    }
+    float sum = hsum(sums);
+    for (; x < keys; x++) {
         s[x] = exp_nonpositive(s[x] - top);
         sum += s[x];
     }
@@ -119,7 +149,7 @@ static inline float softmax(float *s, int64_t keys) {
 
 /* One task, for a head size that is a multiple of LANES: `vecs` (dim / LANES) and `bf16` are
  * constants in each build below (always inlined), so the head's loops unroll; `work` holds
- * group * keys floats. */
+ * keys int64 and group * keys floats. */
 static inline __attribute__((always_inline)) void attend(const job_t *a, int task, float *work,
                                                          const int vecs, const int bf16) {
     const int i = task / a->kv_heads, kvh = task % a->kv_heads;
@@ -129,8 +159,9 @@ static inline __attribute__((always_inline)) void attend(const job_t *a, int tas
     const int64_t keys = len - lo;
     const int64_t *table = a->blocks + (int64_t)i * a->max_blocks;
     const int64_t head = kvh * a->kv_head;
-    float *scores = work;
-    vf q[group][vecs], o[group][vecs];
+    int64_t *rows = (int64_t *)work; /* each key's row, found once through the block table */
+    float *scores = (float *)(rows + keys);
+    vf q[group][vecs];
     float inv[group];
     for (int g = 0; g < group; g++) {
         const int64_t qoff = i * a->q_row + (int64_t)(kvh * group + g) * a->q_head;
@@ -142,8 +173,9 @@ static inline __attribute__((always_inline)) void attend(const job_t *a, int tas
         const int64_t off = p % bs, run = bs - off < len - p ? bs - off : len - p;
         const int64_t first = head + (table[p / bs] * bs + off) * dim;
         for (int64_t r = 0; r < run; r++, j++) {
+            rows[j] = first + r * dim;
             vf k[vecs];
-            for (int c = 0; c < vecs; c++) k[c] = vload(a->k, first + r * dim + c * LANES, bf16);
+            for (int c = 0; c < vecs; c++) k[c] = vload(a->k, rows[j] + c * LANES, bf16);
             for (int g = 0; g < group; g++) {
                 vf acc = q[g][0] * k[0];
                 for (int c = 1; c < vecs; c++) acc += q[g][c] * k[c];
@@ -153,27 +185,16 @@ static inline __attribute__((always_inline)) void attend(const job_t *a, int tas
         p += run;
     }
     for (int g = 0; g < group; g++) inv[g] = softmax(scores + g * keys, keys);
-    /* Values: each row once, into every head's sum. */
-    for (int g = 0; g < group; g++)
-        for (int c = 0; c < vecs; c++) o[g][c] = (vf){0};
-    j = 0;
-    for (int64_t p = lo; p < len;) {
-        const int64_t off = p % bs, run = bs - off < len - p ? bs - off : len - p;
-        const int64_t first = head + (table[p / bs] * bs + off) * dim;
-        for (int64_t r = 0; r < run; r++, j++) {
-            vf v[vecs];
-            for (int c = 0; c < vecs; c++) v[c] = vload(a->v, first + r * dim + c * LANES, bf16);
-            for (int g = 0; g < group; g++) {
-                const float w = scores[g * keys + j];
-                for (int c = 0; c < vecs; c++) o[g][c] += w * v[c];
-            }
-        }
-        p += run;
-    }
+    /* Values: a head at a time, its sum in registers (the task's rows stay in cache). */
     for (int g = 0; g < group; g++) {
+        const float *w = scores + g * keys;
+        vf o[vecs];
+        for (int c = 0; c < vecs; c++) o[c] = (vf){0};
+        for (int64_t x = 0; x < keys; x++)
+            for (int c = 0; c < vecs; c++) o[c] += w[x] * vload(a->v, rows[x] + c * LANES, bf16);
         const int64_t ooff = ((int64_t)i * a->heads + kvh * group + g) * dim;
         for (int c = 0; c < vecs; c++) {
-            const vf r = o[g][c] * inv[g];
+            const vf r = o[c] * inv[g];
             if (bf16) {
                 for (int l = 0; l < LANES; l++)
                     ((uint16_t *)a->out)[ooff + c * LANES + l] = narrow(r[l]);
@@ -242,7 +263,7 @@ int batchd_decode_attention(const void *q, int64_t q_row, int64_t q_head, const 
     int64_t longest = 1;
     for (int i = 0; i < n; i++)
         if (lens[i] > longest) longest = lens[i];
-    const size_t words = (size_t)(heads / kv_heads) * (size_t)longest + 2 * (size_t)dim;
+    const size_t words = (size_t)(heads / kv_heads + 2) * (size_t)longest + 2 * (size_t)dim;
     const int tasks = n * kv_heads;
     if (threads > tasks) threads = tasks;
     int failed = 0;
