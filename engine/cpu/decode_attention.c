@@ -1,6 +1,6 @@
 /* Decode attention over the paged KV cache: one call per layer for every decode row, for
- * float32 or bfloat16 tensors (bf16 widened on load, every sum in float32, the output rounded
- * to the nearest even bf16).
+ * float32 or bfloat16 tensors (bf16 widened on load, every sum in float32, the softmax
+ * numerators and the output rounded to the nearest even bf16).
  *
  * Built and loaded by engine/cpu/kernels.py, after torch: its OpenMP runtime is the one torch
  * already loaded, so the kernel runs on torch's own threads and never beside them. A task is
@@ -147,6 +147,12 @@ static inline float softmax(float *s, int64_t keys) {
     return 1.f / sum;
 }
 
+/* bf16: the softmax numerators rounded to bf16 before they weight the values, their sum kept
+ * from the unrounded ones, as torch's CPU flash attention (generate()'s decode) rounds them. */
+static inline void round_weights(float *w, int64_t n) {
+    for (int64_t x = 0; x < n; x++) w[x] = widen(narrow(w[x]));
+}
+
 /* One task, for a head size that is a multiple of LANES: `vecs` (dim / LANES) and `bf16` are
  * constants in each build below (always inlined), so the head's loops unroll; `work` holds
  * keys int64 and group * keys floats. */
@@ -185,6 +191,7 @@ static inline __attribute__((always_inline)) void attend(const job_t *a, int tas
         p += run;
     }
     for (int g = 0; g < group; g++) inv[g] = softmax(scores + g * keys, keys);
+    if (bf16) round_weights(scores, group * keys);
     /* Values: a head at a time, its sum in registers (the task's rows stay in cache). */
     for (int g = 0; g < group; g++) {
         const float *w = scores + g * keys;
@@ -227,6 +234,7 @@ static void attend_any(const job_t *a, int task, float *work) {
             s[x] = acc;
         }
         const float inv = softmax(s, keys);
+        if (bf16) round_weights(s, keys);
         memset(o, 0, sizeof(float) * (size_t)dim);
         for (int64_t x = 0; x < keys; x++) {
             const int64_t p = lo + x, row = head + (table[p / bs] * bs + p % bs) * dim;
