@@ -72,22 +72,26 @@ class ModelRunner:
         if self.device.type == "cpu" and config.cpu_kernels:
             log.info("%d projection sets fused (CPU)", cpu_layers.fuse_projections(self.base))
         if cpu_linear.packable(self.dtype, self.device):
-            bf16 = self.dtype == torch.bfloat16
-            body = cpu_linear.largest_linear(self.base)
-            packed = 0
-            if body is not None and (bf16 or cpu_linear.packing_pays(body, rows)):
-                packed = cpu_linear.pack_linears(self.base, rows)
             head = self.lm_head
-            if type(head) is torch.nn.Linear and (
-                (bf16 and packed) or (not bf16 and cpu_linear.packing_pays(head, rows))
-            ):
+            plain_head = type(head) is torch.nn.Linear
+            body = cpu_linear.largest_linear(self.base)
+            if self.dtype == torch.bfloat16:  # bf16 always packs for oneDNN (AMX, AVX-512 BF16)
+                kind = "onednn" if body is not None else None
+                packed = cpu_linear.pack_linears(self.base, rows, kind) if kind else 0
+                head_kind = "onednn" if packed and plain_head else None
+            else:  # float32 packs for the library that measures fastest here, if any pays
+                kind = cpu_linear.packing_for(body, rows) if body is not None else None
+                packed = cpu_linear.pack_linears(self.base, rows, kind) if kind else 0
+                head_kind = cpu_linear.packing_for(head, rows) if plain_head else None
+            if head_kind is not None:
                 # A copy: the output layer may share its weight with the input embedding.
-                self.lm_head = cpu_linear.PackedLinear.of(head, rows)
+                self.lm_head = cpu_linear.PackedLinear.of(head, rows, head_kind)
             log.info(
-                "%d linear layers packed for oneDNN (%s on CPU), output layer %s",
+                "%d linear layers packed (%s, %s on CPU), output layer %s",
                 packed,
+                kind if packed else "none",
                 self.dtype,
-                "packed" if self.lm_head is not head else "plain",
+                head_kind or "plain",
             )
         # transformers' Llama layers without their per-layer Python, where the model is one.
         self.lean = (

@@ -1,10 +1,11 @@
-"""Linear layers with their weights packed once for oneDNN, on a CPU.
+"""Linear layers with their weights packed once, on a CPU: for oneDNN or for MKL's packed GEMM.
 
 :func:`pack_linears` swaps every ``nn.Linear`` of a module for a :class:`PackedLinear` holding
-the weight in oneDNN's blocked layout (the plain weight dropped, so memory does not grow). bf16
-always packs; float32 packs where :func:`packing_pays` measures it faster on this CPU. The
-operators are PyTorch's own; where they are missing the model is left as it is. What packing
-saves: docs/engine-step.md ("Packed linear layers").
+the weight in the library's blocked layout (the plain weight dropped, so memory does not grow).
+bf16 always packs for oneDNN; float32 packs for whichever library :func:`packing_for` measures
+fastest on this CPU, if either beats the plain weight. The operators are PyTorch's own; where
+they are missing the model is left as it is. What packing saves: docs/engine-step.md ("Packed
+linear layers").
 """
 
 from __future__ import annotations
@@ -18,19 +19,35 @@ import torch
 log = logging.getLogger("engine")
 
 
-class PackedLinear(torch.nn.Module):
-    """``x @ weight.T + bias`` through a weight packed for ``rows_hint`` rows a call."""
+KINDS = ("onednn", "mkl")  # the libraries a weight packs for
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows_hint: int) -> None:
+
+class PackedLinear(torch.nn.Module):
+    """``x @ weight.T + bias`` through a weight packed for ``kind``, blocked for ``rows_hint``
+    rows a call (oneDNN; MKL's packed weight serves any number of rows)."""
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, rows_hint: int, kind: str = "onednn"
+    ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows_hint)
+        self.kind = kind
+        w = weight.detach()
+        if kind == "mkl":
+            self.packed = torch.ops.mkl._mkl_reorder_linear_weight(w, rows_hint)
+            # MKL's operator reads only the plain weight's sizes when it multiplies the packed
+            # one (with the true row count as its batch size): a stand-in with no storage.
+            self.sizes = torch.empty((), dtype=w.dtype).expand(self.out_features, self.in_features)
+        elif kind == "onednn":
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w, rows_hint)
+        else:
+            raise ValueError(f"unknown packing {kind!r}: one of {KINDS}")
         self.bias = None if bias is None else bias.detach().clone()
 
     @classmethod
-    def of(cls, linear: torch.nn.Linear, rows_hint: int) -> PackedLinear:
+    def of(cls, linear: torch.nn.Linear, rows_hint: int, kind: str = "onednn") -> PackedLinear:
         """A packed copy of ``linear``, checked against it on a probe input."""
-        packed = cls(linear.weight, linear.bias, rows_hint)
+        packed = cls(linear.weight, linear.bias, rows_hint, kind)
         probe = torch.randn(3, linear.in_features, dtype=linear.weight.dtype)
         with torch.inference_mode():
             want, got = linear(probe), packed(probe)
@@ -40,7 +57,11 @@ class PackedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+        if self.kind == "mkl":
+            rows = flat.shape[0]
+            out = torch.ops.mkl._mkl_linear(flat, self.packed, self.sizes, self.bias, rows)
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
         return out.view(*x.shape[:-1], self.out_features)
 
 
@@ -53,9 +74,16 @@ def packable(dtype: torch.dtype, device: torch.device) -> bool:
     )
 
 
-def pack_linears(module: torch.nn.Module, rows_hint: int) -> int:
-    """Swap the ``nn.Linear`` children of ``module`` (recursively) for packed ones whose output
-    equals theirs on a probe; return how many were swapped (0 when the operators fail)."""
+def kinds_for(dtype: torch.dtype) -> tuple[str, ...]:
+    """The packings this torch offers for ``dtype``: MKL's packed GEMM is float32 only."""
+    mkl = dtype == torch.float32 and torch.backends.mkl.is_available()
+    return ("onednn", "mkl") if mkl and hasattr(torch.ops.mkl, "_mkl_linear") else ("onednn",)
+
+
+def pack_linears(module: torch.nn.Module, rows_hint: int, kind: str = "onednn") -> int:
+    """Swap the ``nn.Linear`` children of ``module`` (recursively) for ones packed for ``kind``
+    whose output equals theirs on a probe; return how many were swapped (0 when the operators
+    fail)."""
     swaps = [
         (parent, name, child)
         for parent in module.modules()
@@ -64,7 +92,7 @@ def pack_linears(module: torch.nn.Module, rows_hint: int) -> int:
     ]
     for parent, name, child in swaps:
         try:
-            packed = PackedLinear.of(child, rows_hint)
+            packed = PackedLinear.of(child, rows_hint, kind)
         except (RuntimeError, AttributeError) as exc:
             log.info("linear layers left unpacked (%s)", exc)
             return 0
@@ -77,33 +105,36 @@ def largest_linear(module: torch.nn.Module) -> torch.nn.Linear | None:
     return max(linears, key=lambda m: m.weight.numel()) if linears else None
 
 
-# Verdicts of packing_pays by (out, in, dtype, rows): they hold for the process's CPU, so an
+# Verdicts of packing_for by (out, in, dtype, rows): they hold for the process's CPU, so an
 # engine loaded again (a restarted host, a second model of the same shape) does not re-time.
-_VERDICTS: dict[tuple[int, int, torch.dtype, int], bool] = {}
+_VERDICTS: dict[tuple[int, int, torch.dtype, int], str | None] = {}
 
 
-def packing_pays(layer: torch.nn.Linear, rows: int, repeats: int = 6) -> bool:
-    """Whether a packed copy of ``layer`` multiplies at most 0.9x the time ``nn.Linear`` takes
-    here, summed over 16, 64 and ``rows`` rows (decode steps run anywhere from a few rows to
-    the running cap; medians of alternating calls). Measured once per shape in a process."""
+def packing_for(layer: torch.nn.Linear, rows: int, repeats: int = 6) -> str | None:
+    """The packing (one of :data:`KINDS`) that multiplies fastest here, if it takes at most
+    0.9x the time ``nn.Linear`` takes, summed over 16, 64 and ``rows`` rows (decode steps run
+    anywhere from a few rows to the running cap; medians of alternating calls); None when none
+    pays. Measured once per shape in a process."""
     key = (layer.out_features, layer.in_features, layer.weight.dtype, rows)
     if key not in _VERDICTS:
         _VERDICTS[key] = _time_packing(layer, rows, repeats)
     return _VERDICTS[key]
 
 
-def _time_packing(layer: torch.nn.Linear, rows: int, repeats: int) -> bool:
-    try:
-        packed = PackedLinear.of(layer, rows)
-    except (RuntimeError, AttributeError):
-        return False
-    total = {"plain": 0.0, "packed": 0.0}
+def _time_packing(layer: torch.nn.Linear, rows: int, repeats: int) -> str | None:
+    candidates: dict[str, torch.nn.Module] = {"plain": layer}
+    for kind in kinds_for(layer.weight.dtype):
+        try:
+            candidates[kind] = PackedLinear.of(layer, rows, kind)
+        except (RuntimeError, AttributeError):
+            continue
+    total = dict.fromkeys(candidates, 0.0)
     with torch.inference_mode():
         for n in sorted({16, 64, rows}):
             x = torch.randn(n, layer.in_features, dtype=layer.weight.dtype)
-            times: dict[str, list[float]] = {"plain": [], "packed": []}
+            times: dict[str, list[float]] = {name: [] for name in candidates}
             for i in range(repeats + 2):
-                for name, candidate in (("plain", layer), ("packed", packed)):
+                for name, candidate in candidates.items():
                     start = time.perf_counter()
                     candidate(x)
                     if i >= 2:  # the first calls warm caches and the library
@@ -111,11 +142,17 @@ def _time_packing(layer: torch.nn.Linear, rows: int, repeats: int) -> bool:
             for name, seen in times.items():
                 total[name] += statistics.median(seen)
     log.info(
-        "%dx%d packed %.0f us against %.0f us plain (16, 64 and %d rows)",
+        "%dx%d over 16, 64 and %d rows: %s",
         layer.out_features,
         layer.in_features,
-        total["packed"] * 1e6,
-        total["plain"] * 1e6,
         rows,
+        ", ".join(f"{name} {t * 1e6:.0f} us" for name, t in total.items()),
     )
-    return total["packed"] <= 0.9 * total["plain"]
+    return fastest(total)
+
+
+def fastest(times: dict[str, float]) -> str | None:
+    """The packing of least time in ``times`` (which holds ``plain`` too), if it takes at most
+    0.9x the plain weight's time; None otherwise."""
+    best = min((k for k in times if k != "plain"), key=times.__getitem__, default=None)
+    return best if best is not None and times[best] <= 0.9 * times["plain"] else None

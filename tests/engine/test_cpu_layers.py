@@ -101,3 +101,33 @@ def test_what_differs_is_left_alone() -> None:
     assert layers.fuse_projections(layer) == 0
     assert type(layer.self_attn.q_proj) is torch.nn.Linear
     assert type(layer.mlp.gate_proj) is torch.nn.Linear
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 64, 300])
+def test_mkl_packing_serves_any_number_of_rows(rows: int) -> None:
+    """MKL's packed weight is packed once (for 64 rows here) and multiplies any row count, with
+    a bias, from a strided input, to float32 rounding of the plain layer."""
+    if "mkl" not in linear.kinds_for(torch.float32):
+        pytest.skip("this torch has no MKL packed linear")
+    torch.manual_seed(3)
+    plain = torch.nn.Linear(96, 160)
+    packed = linear.PackedLinear.of(plain, 64, "mkl")
+    x = torch.randn(rows, 192)[:, ::2]
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x), plain(x), rtol=1e-5, atol=1e-5)
+        assert packed(x.reshape(1, rows, 96)).shape == (1, rows, 160)
+
+
+def test_the_fastest_packing_wins_if_it_pays() -> None:
+    """The verdict is the fastest packing, and only where it beats the plain weight by 10%."""
+    assert linear.fastest({"plain": 1.0, "onednn": 0.8, "mkl": 0.7}) == "mkl"
+    assert linear.fastest({"plain": 1.0, "onednn": 0.8, "mkl": 0.85}) == "onednn"
+    assert linear.fastest({"plain": 1.0, "onednn": 0.95, "mkl": 0.91}) is None
+    assert linear.fastest({"plain": 1.0}) is None
+
+
+def test_timing_packing_measures_every_kind_here() -> None:
+    if not linear.packable(torch.float32, torch.device("cpu")):
+        pytest.skip("this torch has no oneDNN packed linear")
+    verdict = linear._time_packing(torch.nn.Linear(64, 96), 32, 2)
+    assert verdict is None or verdict in linear.kinds_for(torch.float32)

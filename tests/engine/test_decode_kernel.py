@@ -141,13 +141,13 @@ def test_packing_is_timed_once_per_shape(monkeypatch: pytest.MonkeyPatch) -> Non
 
     timed: list[tuple[int, int]] = []
 
-    def fake(layer: torch.nn.Linear, rows: int, repeats: int) -> bool:
+    def fake(layer: torch.nn.Linear, rows: int, repeats: int) -> str:
         timed.append((layer.out_features, rows))
-        return True
+        return "mkl"
 
     monkeypatch.setattr(linear, "_VERDICTS", {})
     monkeypatch.setattr(linear, "_time_packing", fake)
     a, b, c = torch.nn.Linear(8, 24), torch.nn.Linear(8, 24), torch.nn.Linear(8, 40)
-    assert linear.packing_pays(a, 32) and linear.packing_pays(b, 32)
-    assert linear.packing_pays(c, 32) and linear.packing_pays(a, 64)
+    assert linear.packing_for(a, 32) == linear.packing_for(b, 32) == "mkl"
+    assert linear.packing_for(c, 32) == linear.packing_for(a, 64) == "mkl"
     assert timed == [(24, 32), (40, 32), (24, 64)]

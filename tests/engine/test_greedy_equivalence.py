@@ -12,6 +12,7 @@ import torch
 
 from core.llms.demo import build
 from engine import Engine, SamplingParams
+from engine.cpu.kernels import layer_ops
 
 NUM_REQUESTS = 32
 
@@ -168,20 +169,26 @@ def test_prefix_caching_with_chunks_and_preemption(model: dict) -> None:
     assert stats.num_chunked_prefills > 0
 
 
+@pytest.mark.parametrize("kind", ["onednn", "mkl"])
 def test_packed_float32_linears_and_the_decode_kernel(
-    model: dict, monkeypatch: pytest.MonkeyPatch
+    model: dict, monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
-    """Whether float32 packing pays is measured at load; pinned on here, with the compiled
-    decode kernel, the output is still generate()'s."""
+    """Which float32 packing pays is measured at load; pinned to each here, with the compiled
+    decode kernel and layer ops, the output is still generate()'s."""
     from engine.cpu import linear
 
-    monkeypatch.setattr(linear, "packing_pays", lambda layer, rows: True)
+    if kind not in linear.kinds_for(torch.float32):
+        pytest.skip(f"this torch has no {kind} packed linear")
+    monkeypatch.setattr(linear, "packing_for", lambda layer, rows: kind)
     cases, ref = model["plain"]
-    engine = Engine(model["path"])
+    engine = Engine(model["path"], dtype="float32")
     runner = engine.runner
     assert runner.backend.kernel is not None
-    assert any(isinstance(m, linear.PackedLinear) for m in runner.base.modules())
-    assert isinstance(runner.lm_head, linear.PackedLinear)
+    if runner.lean is not None:  # llama: the compiled layer ops between the matmuls
+        assert runner.lean.ops is not None or layer_ops() is None
+    packed = [m for m in runner.base.modules() if isinstance(m, linear.PackedLinear)]
+    assert packed and all(m.kind == kind for m in packed)
+    assert isinstance(runner.lm_head, linear.PackedLinear) and runner.lm_head.kind == kind
     _check(engine, cases, ref)
 
 
