@@ -151,3 +151,100 @@ def decode_attention() -> DecodeAttention | None:
             raise MemoryError("decode attention kernel: no scratch memory")
 
     return run
+
+
+class LayerOps:
+    """The float32 work of a Llama layer between its matmuls (``layer_ops.c``), on torch's
+    current number of intra-op threads. Every tensor float32 on the CPU, rows contiguous."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+        self._norm = lib.batchd_rms_norm
+        self._norm.argtypes = [ptr, ptr, i64, ptr, f32, i32, i32, ptr, i32]
+        self._norm.restype = None
+        self._rope = lib.batchd_rope_store
+        self._rope.argtypes = [ptr, i64, i32, i32, i32, i32, ptr, ptr, ptr, ptr, i64, ptr, i32]
+        self._rope.restype = i32
+        self._silu = lib.batchd_silu_mul
+        self._silu.argtypes = [ptr, i64, i32, i32, ptr, i32]
+        self._silu.restype = None
+
+    def rms_norm(
+        self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """``hidden += delta`` in place (``delta`` None: nothing added), then the RMS norm of
+        ``hidden`` [rows, dim] times ``weight``, a new tensor."""
+        rows, dim = hidden.shape
+        out = torch.empty_like(hidden)
+        self._norm(
+            hidden.data_ptr(),
+            None if delta is None else delta.data_ptr(),
+            0 if delta is None else delta.stride(0),
+            weight.data_ptr(),
+            eps,
+            rows,
+            dim,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return out
+
+    def rope_store(
+        self,
+        qkv: torch.Tensor,
+        heads: int,
+        kv_heads: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> None:
+        """Rotate the query and key heads of ``qkv`` [rows, (heads + 2 kv_heads) * dim] in place
+        by ``cos``/``sin`` [rows, dim]; write keys and values to the caches
+        ``[kv_heads, blocks, block_size, dim]`` at ``slots`` [rows] (int64)."""
+        dim = k_cache.shape[-1]
+        rc = self._rope(
+            qkv.data_ptr(),
+            qkv.stride(0),
+            qkv.shape[0],
+            heads,
+            kv_heads,
+            dim,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            k_cache.stride(0),
+            slots.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise ValueError(f"rope kernel: head_dim {dim} odd or over its 1,024")
+
+    def silu_mul(self, gate_up: torch.Tensor, inner: int) -> torch.Tensor:
+        """``silu(gate) * up`` of ``gate_up`` [rows, 2 inner] (gate first), a new tensor."""
+        rows = gate_up.shape[0]
+        out = gate_up.new_empty(rows, inner)
+        self._silu(
+            gate_up.data_ptr(),
+            gate_up.stride(0),
+            rows,
+            inner,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return out
+
+
+@functools.cache
+def layer_ops() -> LayerOps | None:
+    """The compiled :class:`LayerOps`, or None where they cannot be built here."""
+    path = build("layer_ops")
+    if path is None:
+        return None
+    try:
+        return LayerOps(ctypes.CDLL(str(path)))
+    except (OSError, AttributeError) as exc:
+        log.warning("loading %s failed (%s), torch path kept", path, exc)
+        return None

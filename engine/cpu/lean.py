@@ -3,7 +3,10 @@
 The operators of transformers' ``LlamaModel`` forward, in its order (so the same numbers), from
 one loop: no module hooks, keyword plumbing or deprecation wrappers a layer, q/k/v and gate/up
 through the fused projections (engine/cpu/layers.py), attention straight to the paged function.
-Only where every part is transformers' own Llama class; any other model keeps its forward.
+In float32, where the compiled layer ops build (engine/cpu/kernels.py), the work between the
+matmuls is one call each: the residual add with the next norm, rotary embedding with the K/V
+cache write, SiLU with the gate/up product. Only where every part is transformers' own Llama
+class; any other model keeps its forward.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any
 import torch
 
 from engine.attention.paged import AttentionContext, paged_attention
+from engine.cpu.kernels import LayerOps, layer_ops
 from engine.cpu.layers import FusedLinear
 
 _CLASSES = {
@@ -22,6 +26,7 @@ _CLASSES = {
     "attention": "LlamaAttention",
     "mlp": "LlamaMLP",
     "norm": "LlamaRMSNorm",
+    "rotary": "LlamaRotaryEmbedding",
 }
 
 
@@ -43,6 +48,13 @@ class LeanLlama:
 
     def __init__(self, base: torch.nn.Module) -> None:
         self.base = base
+        config = base.config
+        fusable = (
+            base.embed_tokens.weight.dtype == torch.float32
+            and getattr(config, "hidden_act", None) == "silu"
+            and type(getattr(base, "rotary_emb", None)).__name__ == _CLASSES["rotary"]
+        )
+        self.ops: LayerOps | None = layer_ops() if fusable else None
         self.layers = [
             _Layer(
                 layer.self_attn,
@@ -61,6 +73,8 @@ class LeanLlama:
         self.head_dim = int(attention.head_dim)
         self.q_end, self.k_end = (end for _, end in attention.fused_q_k_v.bounds[:2])
         self.inner = base.layers[0].mlp.fused_gate_up.bounds[0][1]
+        # Each layer's input norm, then the final one: the norm after layer i is norms[i + 1].
+        self.norms = [_norm(layer.norm_in) for layer in self.layers] + [_norm(base.norm)]
 
     @classmethod
     def of(cls, base: torch.nn.Module) -> LeanLlama | None:
@@ -99,6 +113,8 @@ class LeanLlama:
         cos, sin = base.rotary_emb(hidden, position_ids=positions.unsqueeze(0))
         # transformers rotates [1, heads, T, D] with cos [1, 1, T, D]; here [T, heads, D].
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)
+        if self.ops is not None:
+            return self._fused(hidden[0], cos, sin, ctx)
         tokens, d = input_ids.shape[0], self.head_dim
         for layer in self.layers:
             x = layer.norm_in(hidden)
@@ -119,6 +135,40 @@ class LeanLlama:
             x = layer.gate_up.linear(layer.norm_post(hidden))
             hidden = hidden + layer.down(layer.act(x[..., : self.inner]) * x[..., self.inner :])
         return base.norm(hidden)[0]
+
+    def _fused(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        """The same forward with the compiled layer ops: ``hidden`` [T, hidden] (updated in
+        place), ``cos``/``sin`` [T, 1, D]."""
+        ops, d = self.ops, self.head_dim
+        assert ops is not None
+        tokens = hidden.shape[0]
+        cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()
+        heads, kv_heads = self.q_end // d, (self.k_end - self.q_end) // d
+        norms = self.norms
+        x = ops.rms_norm(hidden, None, *norms[0])
+        for i, layer in enumerate(self.layers):
+            qkv = layer.qkv.linear(x)
+            index = layer.attention.layer_idx
+            k_cache, v_cache = ctx.k_cache[index], ctx.v_cache[index]
+            ops.rope_store(qkv, heads, kv_heads, cos, sin, k_cache, v_cache, ctx.slot_mapping)
+            q = qkv[:, : self.q_end].view(tokens, heads, d).transpose(0, 1).unsqueeze(0)
+            k = qkv[:, self.q_end : self.k_end].view(tokens, kv_heads, d).transpose(0, 1)
+            v = qkv[:, self.k_end :].view(tokens, kv_heads, d).transpose(0, 1)
+            assert ctx.backend is not None
+            out = ctx.backend.attend(
+                ctx, index, q, k.unsqueeze(0), v.unsqueeze(0), layer.scaling, None, None
+            )
+            x = ops.rms_norm(hidden, layer.o_proj(out.view(tokens, -1)), *_norm(layer.norm_post))
+            x = layer.down(ops.silu_mul(layer.gate_up.linear(x), self.inner))
+            x = ops.rms_norm(hidden, x, *norms[i + 1])
+        return x
+
+
+def _norm(norm: torch.nn.Module) -> tuple[torch.Tensor, float]:
+    """An RMS norm's weight and epsilon, as the compiled norm takes them."""
+    return norm.weight, float(norm.variance_epsilon)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -49,6 +49,7 @@ FIXED_SIZE = frozenset(
         "ModelRunner.k_cache",  # one tensor per layer
         "ModelRunner.v_cache",
         "LeanLlama.layers",  # one entry per model layer
+        "LeanLlama.norms",  # one per layer and the final norm
         "FusedLinear.bounds",  # one pair per fused projection
         "DecodeGraphs.buckets",  # one graph per batch-size bucket
         "DecodeGraphs.static",

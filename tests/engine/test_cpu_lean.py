@@ -12,6 +12,7 @@ import torch
 from core.llms.demo import build
 from engine import Engine, SamplingParams
 from engine.core.step import StepBatch
+from engine.cpu.kernels import layer_ops
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +25,8 @@ def test_every_step_matches_the_models_own_forward(llama: str) -> None:
     runner = engine.runner
     lean = runner.lean
     assert lean is not None
+    # float32: the compiled layer ops between the matmuls, where a C compiler builds them
+    assert (lean.ops is not None) == (layer_ops() is not None)
     lean_forward = runner.eager_forward
     compared: list[tuple[int, int]] = []
 
@@ -51,6 +54,21 @@ def test_every_step_matches_the_models_own_forward(llama: str) -> None:
         engine.step()
     assert any(d and p for d, p in compared), "some step mixed decodes with a prefill chunk"
     assert engine.stats().total_cached_tokens > 0, "some prompt hit the prefix cache"
+
+
+def test_without_the_layer_ops_too(llama: str) -> None:
+    """Where the layer ops are not built (no compiler) the lean forward keeps torch's
+    operators: the same logits as with them."""
+    engine = Engine(llama, dtype="float32")
+    runner = engine.runner
+    assert runner.lean is not None
+    if runner.lean.ops is None:
+        pytest.skip("no C compiler here: the layer ops are not built")
+    engine.add_request("a", list(range(3, 90)), SamplingParams(max_tokens=1, temperature=0.0))
+    batch = runner.prepare(engine.scheduler.schedule())
+    fused = runner.eager_forward(batch)
+    runner.lean.ops = None
+    torch.testing.assert_close(runner.eager_forward(batch), fused, rtol=1e-5, atol=1e-5)
 
 
 def test_only_llama_takes_it() -> None:

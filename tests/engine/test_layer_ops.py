@@ -1,0 +1,96 @@
+"""The compiled float32 layer ops (engine/cpu/layer_ops.c) against transformers' Llama
+operators: rotary embedding and the cache write exact, the RMS norm and SiLU to float32
+rounding, for one row, a decode step's rows and a prefill's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, rotate_half
+
+from engine.cpu import kernels
+
+
+@pytest.fixture(scope="module")
+def ops() -> kernels.LayerOps:
+    built = kernels.layer_ops()
+    if built is None:
+        pytest.skip("no C compiler here: the lean forward keeps torch's operators")
+    return built
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 600])
+def test_rms_norm_adds_the_residual_then_normalizes(
+    ops: kernels.LayerOps, threads: int, rows: int
+) -> None:
+    torch.manual_seed(rows)
+    norm = LlamaRMSNorm(576, eps=1e-5)
+    norm.weight.data = torch.randn(576)
+    hidden, delta = torch.randn(rows, 576), torch.randn(rows, 1152)[:, :576]
+    want_hidden = hidden + delta
+    with torch.inference_mode():
+        want = norm(want_hidden)
+        got = ops.rms_norm(hidden, delta, norm.weight, 1e-5)
+        assert torch.equal(hidden, want_hidden)  # the residual stream, updated in place
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+        torch.testing.assert_close(ops.rms_norm(hidden, None, norm.weight, 1e-5), want)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 600])
+def test_rope_rotates_in_place_and_writes_the_cache(
+    ops: kernels.LayerOps, threads: int, rows: int
+) -> None:
+    torch.manual_seed(rows)
+    heads, kv_heads, dim = 9, 3, 64
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim)
+    cos, sin = torch.randn(rows, dim), torch.randn(rows, dim)
+    q = qkv[:, : heads * dim].view(rows, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(rows, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim :].view(rows, kv_heads, dim)
+    want_q = q * cos[:, None] + rotate_half(q) * sin[:, None]
+    want_k = k * cos[:, None] + rotate_half(k) * sin[:, None]
+    want_v = v.clone()
+    k_cache = torch.zeros(kv_heads, 50, 16, dim)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.randperm(50 * 16)[:rows]
+    ops.rope_store(qkv, heads, kv_heads, cos, sin, k_cache, v_cache, slots)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k) and torch.equal(v, want_v)
+    assert torch.equal(k_cache.view(kv_heads, -1, dim)[:, slots].transpose(0, 1), want_k)
+    assert torch.equal(v_cache.view(kv_heads, -1, dim)[:, slots].transpose(0, 1), want_v)
+    untouched = torch.ones(50 * 16, dtype=torch.bool)
+    untouched[slots] = False
+    assert not k_cache.view(kv_heads, -1, dim)[:, untouched].any()
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 600])
+@pytest.mark.parametrize("inner", [1536, 37])
+def test_silu_mul(ops: kernels.LayerOps, threads: int, rows: int, inner: int) -> None:
+    torch.manual_seed(rows)
+    gate_up = torch.randn(rows, 2 * inner + 8)[:, : 2 * inner] * 6
+    gate_up[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -0.0])  # where e^x clamps, and zero
+    want = torch.nn.functional.silu(gate_up[:, :inner]) * gate_up[:, inner:]
+    torch.testing.assert_close(ops.silu_mul(gate_up, inner), want, rtol=2e-6, atol=1e-6)
+
+
+def test_odd_or_wide_heads_are_refused(ops: kernels.LayerOps) -> None:
+    qkv = torch.randn(2, 5 * 3)
+    cache = torch.zeros(1, 4, 16, 3)
+    with pytest.raises(ValueError, match="head_dim 3"):
+        ops.rope_store(
+            qkv,
+            3,
+            1,
+            torch.ones(2, 3),
+            torch.ones(2, 3),
+            cache,
+            cache.clone(),
+            torch.tensor([0, 1]),
+        )
