@@ -31,6 +31,7 @@ from engine.core.scheduler import Scheduler
 from engine.core.sequence import Request, Sequence, Status
 from engine.core.stats import EngineMetrics
 from engine.core.step_cost import StepCostCurve
+from engine.cpu.kernels import layer_ops
 from engine.cpu.threads import CpuThreads
 from engine.text.structured import GrammarBackend
 from engine.text.tokenizer import detokenize_step, find_stop, load_tokenizer, start_detokenizer
@@ -52,7 +53,13 @@ class Engine:
         )
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.eos_token_ids = _eos_ids(self.tokenizer, self.runner.model)
-        self.sampler = Sampler(self.config.seed, self.runner.device, self.eos_token_ids)
+        ops = layer_ops() if self.runner.device.type == "cpu" and self.config.cpu_kernels else None
+        self.sampler = Sampler(
+            self.config.seed,
+            self.runner.device,
+            self.eos_token_ids,
+            argmax=ops.argmax if ops is not None else None,
+        )
         self.requests: dict[str, Request] = {}
         self._aborted: list[RequestOutput] = []
         self._stats = EngineStats(kv_blocks_total=self.runner.num_blocks)

@@ -8,10 +8,14 @@ own generator, so its tokens do not depend on its batch. In full: docs/engine.md
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from engine.core.outputs import TokenLogprob
 from engine.core.sequence import Sequence
+
+Argmax = Callable[[torch.Tensor], torch.Tensor]
 
 
 def min_p_filter(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -35,9 +39,16 @@ def repetition_penalty_(row: torch.Tensor, token_ids: list[int], penalty: float)
 
 class Sampler:
     def __init__(
-        self, seed: int, device: torch.device, eos_token_ids: frozenset[int] = frozenset()
+        self,
+        seed: int,
+        device: torch.device,
+        eos_token_ids: frozenset[int] = frozenset(),
+        argmax: Argmax | None = None,
     ) -> None:
+        """``argmax``: a faster ``argmax(dim=-1)`` of contiguous float32 rows on the CPU (the
+        compiled one of engine/cpu/kernels.py), used for an all-greedy step's logits."""
         self.device = device
+        self.argmax = argmax
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.eos_token_ids = eos_token_ids  # masked with stop token ids below min_tokens
@@ -59,7 +70,7 @@ class Sampler:
             if s.num_output_tokens < s.params.min_tokens and s.matcher is None
         ]
         if all(greedy) and not penalized and not held and not want_logprobs:
-            return logits.argmax(dim=-1).tolist(), None
+            return self._greedy(logits).tolist(), None
 
         if penalized or held:
             logits = logits.clone()
@@ -109,6 +120,16 @@ class Sampler:
                 top = list(zip(ids.tolist(), values.tolist(), strict=True))
             entries.append(TokenLogprob(token_list[i], float(row[token_list[i]]), top))
         return token_list, entries
+
+    def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        fits = (
+            self.argmax is not None
+            and logits.dtype == torch.float32
+            and logits.device.type == "cpu"
+            and logits.dim() == 2
+            and logits.stride(1) == 1
+        )
+        return self.argmax(logits) if fits else logits.argmax(dim=-1)  # type: ignore[misc]
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         params = [s.params for s in seqs]

@@ -168,6 +168,9 @@ class LayerOps:
         self._silu = lib.batchd_silu_mul
         self._silu.argtypes = [ptr, i64, i32, i32, ptr, i32]
         self._silu.restype = None
+        self._argmax = lib.batchd_argmax
+        self._argmax.argtypes = [ptr, i64, i32, i64, ptr, i32]
+        self._argmax.restype = None
 
     def rms_norm(
         self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -231,6 +234,21 @@ class LayerOps:
             gate_up.stride(0),
             rows,
             inner,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return out
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits.argmax(dim=-1)`` of ``logits`` [rows, cols] (int64): the first largest, a
+        NaN counting as largest."""
+        rows, cols = logits.shape
+        out = torch.empty(rows, dtype=torch.long)
+        self._argmax(
+            logits.data_ptr(),
+            logits.stride(0),
+            rows,
+            cols,
             out.data_ptr(),
             torch.get_num_threads(),
         )

@@ -6,6 +6,7 @@
  *                      (x * cos + rotate_half(x) * sin) and write its keys and values to the
  *                      layer's paged cache at each row's slot
  *   batchd_silu_mul    out = silu(gate) * up, gate and up the halves of a fused gate/up row
+ *   batchd_argmax      the greedy token of each row of logits (torch.argmax's answer)
  *
  * Each element is rounded where transformers' Llama rounds it (no multiply-add contraction);
  * only the order of the squares' sum differs. Built and loaded by engine/cpu/kernels.py; rows
@@ -14,6 +15,11 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+/* Sixteen floats: GCC and Clang lower it to what the CPU has. */
+typedef float vf __attribute__((vector_size(64), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(64)));
+#define LANES 16
 
 /* Rows of at least this many elements in all are worth a second thread. */
 #define PARALLEL_ELEMENTS 32768
@@ -40,14 +46,30 @@ void batchd_rms_norm(float *hidden, const float *delta, int64_t delta_row, const
     }
 }
 
+/* x * cos + rotate_half(x) * sin for one head, in place: halves of 16 lanes a vector where
+ * the half is a multiple of 16, one element at a time otherwise. */
 static inline void rotate(float *x, const float *cos, const float *sin, int dim) {
     const int half = dim / 2;
-    float rotated[1024];
-    for (int d = 0; d < half; d++) {
-        rotated[d] = x[d] * cos[d] + (-x[d + half]) * sin[d];
-        rotated[d + half] = x[d + half] * cos[d + half] + x[d] * sin[d + half];
+    if (half % LANES == 0) {
+        for (int d = 0; d < half; d += LANES) {
+            vf a, b, c1, c2, s1, s2;
+            memcpy(&a, x + d, sizeof a);
+            memcpy(&b, x + d + half, sizeof b);
+            memcpy(&c1, cos + d, sizeof c1);
+            memcpy(&c2, cos + d + half, sizeof c2);
+            memcpy(&s1, sin + d, sizeof s1);
+            memcpy(&s2, sin + d + half, sizeof s2);
+            const vf lo = a * c1 + (-b) * s1, hi = b * c2 + a * s2;
+            memcpy(x + d, &lo, sizeof lo);
+            memcpy(x + d + half, &hi, sizeof hi);
+        }
+        return;
     }
-    memcpy(x, rotated, sizeof(float) * (size_t)dim);
+    for (int d = 0; d < half; d++) {
+        const float a = x[d], b = x[d + half];
+        x[d] = a * cos[d] + (-b) * sin[d];
+        x[d + half] = b * cos[d + half] + a * sin[d + half];
+    }
 }
 
 /* qkv [rows, qkv_row]: q_heads query heads, then kv_heads key heads, then kv_heads value
@@ -71,11 +93,6 @@ int batchd_rope_store(float *qkv, int64_t qkv_row, int rows, int q_heads, int kv
     }
     return 0;
 }
-
-/* Sixteen floats: GCC and Clang lower it to what the CPU has. */
-typedef float vf __attribute__((vector_size(64), aligned(4)));
-typedef int32_t vi __attribute__((vector_size(64)));
-#define LANES 16
 
 /* e^x to about 1 ulp on sixteen lanes, for any x (clamped where it would overflow or vanish):
  * x = n ln2 + r, a degree-6 polynomial for e^r, 2^n put into the exponent bits. */
@@ -120,5 +137,43 @@ void batchd_silu_mul(const float *gu, int64_t gu_row, int rows, int inner, float
             const vf ov = gv / (1.0f + vexp((vf){0} - gv));
             o[c] = ov[0] * u[c];
         }
+    }
+}
+
+/* out[r] = the first column of row r holding its largest value (a NaN counts as largest), as
+ * torch.argmax gives it: the greedy token of each row of logits [rows, cols], row stride
+ * `row`. One pass for the largest value in 16 lanes, one for where it first is. */
+void batchd_argmax(const float *x, int64_t row, int rows, int64_t cols, int64_t *out,
+                   int threads) {
+#pragma omp parallel for num_threads(threads) if (threads > 1 && (int64_t)rows * cols >= 4 * PARALLEL_ELEMENTS)
+    for (int r = 0; r < rows; r++) {
+        const float *v = x + (int64_t)r * row;
+        vf top = (vf){0} - INFINITY;
+        vi nan = {0};
+        int64_t c = 0;
+        for (; c + LANES <= cols; c += LANES) {
+            vf a;
+            memcpy(&a, v + c, sizeof a);
+            nan |= a != a;
+            const vi more = a > top;
+            top = (vf)(((vi)a & more) | ((vi)top & ~more));
+        }
+        float best = -INFINITY;
+        int any_nan = 0;
+        for (int l = 0; l < LANES; l++) {
+            best = top[l] > best ? top[l] : best;
+            any_nan |= nan[l];
+        }
+        for (; c < cols; c++) {
+            any_nan |= v[c] != v[c];
+            best = v[c] > best ? v[c] : best;
+        }
+        int64_t at = 0;
+        if (any_nan) {
+            while (v[at] == v[at]) at++;
+        } else {
+            while (v[at] != best) at++;
+        }
+        out[r] = at;
     }
 }

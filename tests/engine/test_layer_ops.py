@@ -4,6 +4,9 @@ rounding, for one row, a decode step's rows and a prefill's."""
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, rotate_half
@@ -15,6 +18,8 @@ from engine.cpu import kernels
 def ops() -> kernels.LayerOps:
     built = kernels.layer_ops()
     if built is None:
+        # A source that does not compile must fail here, not skip every test below.
+        assert shutil.which(os.environ.get("CC") or "cc") is None, "layer_ops.c did not build"
         pytest.skip("no C compiler here: the lean forward keeps torch's operators")
     return built
 
@@ -94,3 +99,23 @@ def test_odd_or_wide_heads_are_refused(ops: kernels.LayerOps) -> None:
             cache.clone(),
             torch.tensor([0, 1]),
         )
+
+
+@pytest.mark.parametrize("shape", [(1, 49152), (64, 49152), (3, 17), (300, 1000)])
+def test_argmax_is_torchs(ops: kernels.LayerOps, threads: int, shape: tuple[int, int]) -> None:
+    torch.manual_seed(shape[0])
+    logits = torch.randn(shape[0], shape[1] + 5)[:, : shape[1]]  # a row stride past its end
+    logits[0, shape[1] // 2] = logits[0, -1] = 1e9  # ties: the first wins
+    if shape[0] > 2:
+        logits[1, :] = -torch.inf
+        logits[2, 3 % shape[1]] = torch.nan  # a NaN counts as largest, as torch counts it
+    assert torch.equal(ops.argmax(logits), logits.argmax(dim=-1))
+
+
+def test_the_engine_samples_greedy_steps_with_it() -> None:
+    from core.llms.demo import build
+    from engine import Engine
+
+    engine = Engine(str(build("llama-tiny")), dtype="float32")
+    assert engine.sampler.argmax is not None
+    assert Engine(str(build("llama-tiny")), cpu_kernels=False).sampler.argmax is None
