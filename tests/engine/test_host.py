@@ -611,8 +611,11 @@ def test_a_new_tenant_gets_its_share_beside_n_completion_requests(model_dir: Pat
     # As beside single requests (test_a_new_tenant_gets_its_share_of_a_full_engine_at_once):
     # B's share is 2 of the 4 slots, its three 6-token requests run in two waves (about 14
     # steps). Before n > 1 requests were split, B waited for A's 128 completions (~380 steps).
+    # Its two slots come from suspending A's completions or from ones that end by themselves
+    # between the snapshot above and B's arrival (a completion ends every ~3 steps here, and a
+    # fast engine or a descheduled test thread runs several steps there): how many of each is
+    # timing, not fairness, so only the steps B took are asserted.
     assert steps_for_b <= 24, steps_for_b
-    assert stats.suspended >= 2
     assert got_b == want_b
     for out, want in zip(outs_a, want_a, strict=True):
         assert [c.index for c in out.outputs] == list(range(64))
