@@ -122,14 +122,16 @@ class Sampler:
         return token_list, entries
 
     def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
-        fits = (
-            self.argmax is not None
+        argmax = self.argmax
+        if (
+            argmax is not None
             and logits.dtype == torch.float32
             and logits.device.type == "cpu"
             and logits.dim() == 2
             and logits.stride(1) == 1
-        )
-        return self.argmax(logits) if fits else logits.argmax(dim=-1)  # type: ignore[misc]
+        ):
+            return argmax(logits)
+        return logits.argmax(dim=-1)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         params = [s.params for s in seqs]
