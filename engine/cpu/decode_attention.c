@@ -15,6 +15,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vector.h"
+
 #define MAX_DIM 1024
 #define KEY_AHEAD 8 /* how many keys ahead the key pass prefetches a key row */
 
@@ -72,10 +74,8 @@ static inline float exp_nonpositive(float x) {
 
 /* Sixteen floats: GCC and Clang lower it to what the CPU has (one AVX-512 register, two AVX
  * ones, four SSE ones). */
-typedef float vf __attribute__((vector_size(64), aligned(4)));
 typedef uint16_t vh __attribute__((vector_size(32), aligned(2)));
 typedef uint32_t vu __attribute__((vector_size(64)));
-#define LANES 16
 #define MAX_VECS (MAX_DIM / LANES)
 
 static inline vf vload(const void *base, int64_t i, const int bf16) {
@@ -106,8 +106,6 @@ static inline float hsum(vf v) {
 #endif
 }
 
-typedef int32_t vi __attribute__((vector_size(64)));
-
 /* exp_nonpositive on sixteen lanes: the same reduction (n rounded the other way at exact
  * halves), the same polynomial. */
 static inline vf vexp_nonpositive(vf x) {
@@ -115,17 +113,7 @@ static inline vf vexp_nonpositive(vf x) {
     const vi under = x < low;
     x = (vf)(((vi)x & ~under) | ((vi)low & under));
     const vi neg_n = __builtin_convertvector(0.5f - x * 1.44269504088896341f, vi);
-    const vf n = (vf){0} - __builtin_convertvector(neg_n, vf);
-    vf r = x - n * 0.693359375f;
-    r = r + n * 2.12194440e-4f;
-    vf p = (vf){0} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    return p * (vf)((127 - neg_n) << 23);
+    return vexp_reduced(x, -neg_n);
 }
 
 /* Softmax numerators of `keys` scores in place; returns 1 / their sum. */

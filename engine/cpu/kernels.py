@@ -1,7 +1,7 @@
 """Compiled CPU kernels: C sources beside this module, built once per machine, loaded by ctypes.
 
 Built at first use with ``$CC`` (else ``cc``) and ``-O3 -march=native -fopenmp`` into
-``$XDG_CACHE_HOME/batchd/kernels``, under a name digesting source, compiler, flags and CPU, so a
+``$XDG_CACHE_HOME/batchd/kernels``, under a name digesting source, headers, compiler, flags and CPU, so a
 shared cache never hands one CPU another's build; written beside and renamed into place. Loaded
 after torch, a kernel's OpenMP regions run on the runtime torch already holds (one team of
 threads, never two spinning beside each other). Where no compiler is found or the build fails,
@@ -62,7 +62,8 @@ def build(name: str) -> Path | None:
         log.info("C compiler %s unusable (%s): %s runs on its torch path", compiler, exc, name)
         return None
     digest = hashlib.sha256()
-    for part in (source.read_bytes(), version.encode(), " ".join(FLAGS).encode()):
+    headers = [h.read_bytes() for h in sorted(HERE.glob("*.h"))]  # what the sources include
+    for part in (source.read_bytes(), *headers, version.encode(), " ".join(FLAGS).encode()):
         digest.update(part)
     digest.update(_cpu_identity().encode())
     target = cache_dir() / f"{name}-{digest.hexdigest()[:16]}.so"

@@ -16,10 +16,7 @@
 #include <stdint.h>
 #include <string.h>
 
-/* Sixteen floats: GCC and Clang lower it to what the CPU has. */
-typedef float vf __attribute__((vector_size(64), aligned(4)));
-typedef int32_t vi __attribute__((vector_size(64)));
-#define LANES 16
+#include "vector.h"
 
 /* Rows of at least this many elements in all are worth a second thread. */
 #define PARALLEL_ELEMENTS 32768
@@ -103,17 +100,7 @@ static inline vf vexp(vf x) {
     const vf t = x * 1.44269504088896341f + 0.5f;
     vi ni = __builtin_convertvector(t, vi); /* toward zero, then down where t was negative */
     ni += (vi)(t < __builtin_convertvector(ni, vf));
-    const vf n = __builtin_convertvector(ni, vf);
-    vf r = x - n * 0.693359375f;
-    r = r + n * 2.12194440e-4f;
-    vf p = (vf){0} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    return p * (vf)((ni + 127) << 23);
+    return vexp_reduced(x, ni);
 }
 
 /* gu [rows, gu_row]: gate in columns 0 .. inner - 1, up in inner .. 2 inner - 1; out [rows,

@@ -141,8 +141,8 @@ class LeanLlama:
     ) -> torch.Tensor:
         """The same forward with the compiled layer ops: ``hidden`` [T, hidden] (updated in
         place), ``cos``/``sin`` [T, 1, D]."""
-        ops, d = self.ops, self.head_dim
-        assert ops is not None
+        ops, d, backend = self.ops, self.head_dim, ctx.backend
+        assert ops is not None and backend is not None
         tokens = hidden.shape[0]
         cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()
         heads, kv_heads = self.q_end // d, (self.k_end - self.q_end) // d
@@ -156,8 +156,7 @@ class LeanLlama:
             q = qkv[:, : self.q_end].view(tokens, heads, d).transpose(0, 1).unsqueeze(0)
             k = qkv[:, self.q_end : self.k_end].view(tokens, kv_heads, d).transpose(0, 1)
             v = qkv[:, self.k_end :].view(tokens, kv_heads, d).transpose(0, 1)
-            assert ctx.backend is not None
-            out = ctx.backend.attend(
+            out = backend.attend(
                 ctx, index, q, k.unsqueeze(0), v.unsqueeze(0), layer.scaling, None, None
             )
             x = ops.rms_norm(hidden, layer.o_proj(out.view(tokens, -1)), *_norm(layer.norm_post))

@@ -1,0 +1,28 @@
+/* Sixteen-float vectors for the CPU kernels (GCC and Clang lower them to what the CPU has: one
+ * AVX-512 register, two AVX ones, four SSE ones) and the exponential they share. Included by
+ * the kernels' C files; engine/cpu/kernels.py digests it into each build's name. */
+#ifndef BATCHD_VECTOR_H
+#define BATCHD_VECTOR_H
+#include <stdint.h>
+
+typedef float vf __attribute__((vector_size(64), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(64)));
+#define LANES 16
+
+/* e^x for x in [-87, 88] given n, x / ln2 rounded to an integer: x = n ln2 + r, a degree-6
+ * polynomial for e^r (about 1 ulp), 2^n put into the exponent bits. Callers clamp x and round
+ * n as their range needs. */
+static inline vf vexp_reduced(vf x, vi n_int) {
+    const vf n = __builtin_convertvector(n_int, vf);
+    vf r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    vf p = (vf){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    return p * (vf)((n_int + 127) << 23);
+}
+#endif
