@@ -6,6 +6,7 @@ server whose answers the test scripts."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -381,6 +382,67 @@ def test_an_aborted_group_gets_aborted_replies(scripted: Any) -> None:
         dispatcher.shutdown()
     assert all(r.aborted for r in replies)
     assert len(scripted.seen) == 1  # the three queued ones were never sent
+
+
+class Holding:
+    """A loopback server that takes requests and never answers: it counts the connections a
+    client holds open (one closes when the client hangs up)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.lock = threading.Lock()
+        self.open = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.sock.getsockname()[1]}/v1"
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._hold, args=(conn,), daemon=True).start()
+
+    def _hold(self, conn: socket.socket) -> None:
+        with self.lock:
+            self.open += 1
+        try:
+            while conn.recv(65536):
+                pass
+        finally:
+            conn.close()
+            with self.lock:
+                self.open -= 1
+
+
+def test_an_abort_said_twice_still_closes_the_connections() -> None:
+    """Both shards of a batch abort it, each twice: a second cancel that lands while httpx
+    closes the connection of the first must not leave it open (the server would go on
+    generating what nobody reads). The second abort here comes one loop turn after the first,
+    where it used to interrupt that cleanup."""
+    server = Holding()
+    spec = upstream_spec(f"upstream:{server.url}?max_concurrency=4", "m")
+    dispatcher = Dispatcher("m", spec, shared=False).start()
+    try:
+        futures = [dispatcher.submit("/chat/completions", _chat(f"x{i}"), group="g")
+                   for i in range(4)]  # fmt: skip
+        _wait_until(lambda: server.open == 4)
+        loop = dispatcher._loop
+        assert loop is not None
+
+        def twice() -> None:
+            dispatcher.abort_group("g")
+            loop.call_soon(dispatcher.abort_group, "g")
+
+        loop.call_soon_threadsafe(twice)
+        assert all(f.result(5).aborted for f in futures)
+        _wait_until(lambda: server.open == 0, timeout=5)
+    finally:
+        dispatcher.shutdown()
+        server.sock.close()
 
 
 def test_an_upstream_models_prompts_are_counted_for_quotas(

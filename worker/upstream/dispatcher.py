@@ -275,7 +275,7 @@ class Dispatcher:
     def _stop_loop(self) -> None:
         for tasks in self._running.values():
             for task in tasks:
-                task.cancel()
+                _cancel_once(task)
         if self._wake is not None:
             self._wake.set()
 
@@ -302,7 +302,7 @@ class Dispatcher:
                 task.cancel()
             running = [t for tasks in self._running.values() for t in tasks]
             for task in running:
-                task.cancel()
+                _cancel_once(task)
             await asyncio.gather(*running, *helpers, return_exceptions=True)
         if isinstance(self.limit, SharedLimit):
             try:
@@ -351,7 +351,7 @@ class Dispatcher:
 
     def _cancel_group(self, group: str | None) -> None:
         for task in list(self._running.get(group, ())):
-            task.cancel()
+            _cancel_once(task)
 
     async def _sync_loop(self) -> None:
         while True:
@@ -460,6 +460,15 @@ class Dispatcher:
             self.allowed(),
             f", pausing {pause_s:.1f} s" if pause_s else "",
         )
+
+
+def _cancel_once(task: asyncio.Task) -> None:
+    """Cancel ``task`` unless it is already being cancelled. httpx closes the connection of a
+    cancelled request in a cleanup that a second cancel interrupts, leaving it open: the server
+    would go on generating a request nobody waits for (two shards of a batch abort it, each
+    twice)."""
+    if not task.cancelling():
+        task.cancel()
 
 
 def _settle(job: Job, reply: Reply) -> None:
