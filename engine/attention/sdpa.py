@@ -3,7 +3,9 @@
 Decode rows attend in one compiled-kernel call per layer where :mod:`engine.cpu.kernels` builds
 (float32 or bf16, no soft-capping), otherwise in groups of similar length
 (:class:`engine.attention.paged.DecodeGroup`), query heads folded onto their KV head. Each
-prefill chunk attends with its own causal SDPA call, offset by its cached context. A ``softcap``
+float32 prefill chunk of 16 or more queries goes to the compiled prefill kernel where it builds,
+the keys read in place; any other chunk attends with its own causal SDPA call, offset by its
+cached context. A ``softcap``
 layer runs explicit matmuls in transformers' eager order. See docs/engine-step.md ("CPU").
 """
 
@@ -13,7 +15,14 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.paged import AttentionContext, DecodeGroup, PrefillChunk, softcapped
-from engine.cpu.kernels import DecodeAttention, decode_attention
+from engine.cpu.kernels import (
+    DecodeAttention,
+    PrefillAttention,
+    decode_attention,
+    prefill_attention,
+)
+
+MIN_KERNEL_QUERIES = 16  # below, torch's flash operator is as fast or faster at long contexts
 
 
 def _attend(
@@ -102,12 +111,14 @@ def _attend_decodes(
 
 
 class SdpaBackend:
-    """``compiled``: decode rows go to the compiled kernel where it builds here."""
+    """``compiled``: decode rows and float32 prefill chunks go to the compiled kernels where
+    they build here."""
 
     name = "sdpa"
 
     def __init__(self, compiled: bool = True) -> None:
         self.kernel: DecodeAttention | None = decode_attention() if compiled else None
+        self.prefill: PrefillAttention | None = prefill_attention() if compiled else None
 
     def attend(
         self,
@@ -148,7 +159,12 @@ class SdpaBackend:
                     g, qd[:, :, g.start : g.end], k_cache, v_cache, scaling, window, softcap
                 )  # [KV, n, group, D]
                 out[g.start : g.end].view(-1, kv_heads, group, head_dim).copy_(o.transpose(0, 1))
+        prefill = self.prefill if window is None and softcap is None else None
         for chunk in ctx.prefills:
+            if prefill is not None and self._compiled(
+                prefill, chunk, q, key, value, k_cache, v_cache, scaling, out
+            ):
+                continue
             n_q = chunk.end - chunk.start
             qp = q[:, chunk.start : chunk.end].unsqueeze(0)  # [1, H, q, D]
             if chunk.blocks is not None and _splits(qp, window, softcap):
@@ -174,6 +190,49 @@ class SdpaBackend:
                 op = _attend(qp, kp, vp, scaling, mask, False, softcap)
             out[chunk.start : chunk.end] = op[0].transpose(0, 1)
         return out
+
+    @staticmethod
+    def _compiled(
+        prefill: PrefillAttention,
+        chunk: PrefillChunk,
+        q: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scaling: float | None,
+        out: torch.Tensor,
+    ) -> bool:
+        """Attend ``chunk`` with the compiled float32 kernel; False where it does not apply
+        (another dtype or layout, a head size it has no loop for, fewer than
+        :data:`MIN_KERNEL_QUERIES` queries: the kernel first transposes every key the chunk
+        sees, which a handful of queries does not repay)."""
+        n = chunk.end - chunk.start
+        if n < MIN_KERNEL_QUERIES or q.dtype != torch.float32 or k_cache.dtype != torch.float32:
+            return False
+        if chunk.blocks is None:  # the chunk starts its sequence: its own keys are all
+            k, v = key[0, :, chunk.start : chunk.end], value[0, :, chunk.start : chunk.end]
+            if k.stride() != v.stride() and k.stride(-1) == 1:  # one layout the kernel reads
+                v = torch.empty_strided(k.shape, k.stride(), dtype=v.dtype).copy_(v)
+        else:
+            k, v = k_cache, v_cache
+            if not (k.is_contiguous() and v.is_contiguous()):
+                return False
+        rows = q[:, chunk.start : chunk.end].transpose(0, 1)  # [n, H, D]
+        if k.stride() != v.stride() or k.stride(-1) != 1 or rows.stride(-1) != 1:
+            return False
+        scale = q.shape[-1] ** -0.5 if scaling is None else scaling
+        block_size = k_cache.shape[2]
+        return prefill(
+            rows,
+            k,
+            v,
+            chunk.blocks,
+            block_size,
+            chunk.first_pos,
+            scale,
+            out[chunk.start : chunk.end],
+        )
 
 
 def _splits(q: torch.Tensor, window: int | None, softcap: float | None) -> bool:

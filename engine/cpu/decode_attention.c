@@ -91,31 +91,6 @@ static inline vf vload(const void *base, int64_t i, const int bf16) {
     return f;
 }
 
-static inline float hsum(vf v) {
-#if defined(__clang__) || __GNUC__ >= 12
-    typedef float v8 __attribute__((vector_size(32)));
-    typedef float v4 __attribute__((vector_size(16)));
-    const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                 __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-    return (b[0] + b[2]) + (b[1] + b[3]);
-#else
-    float s = 0.f;
-    for (int l = 0; l < LANES; l++) s += v[l];
-    return s;
-#endif
-}
-
-/* exp_nonpositive on sixteen lanes: the same reduction (n rounded the other way at exact
- * halves), the same polynomial. */
-static inline vf vexp_nonpositive(vf x) {
-    const vf low = (vf){0} - 87.0f;
-    const vi under = x < low;
-    x = (vf)(((vi)x & ~under) | ((vi)low & under));
-    const vi neg_n = __builtin_convertvector(0.5f - x * 1.44269504088896341f, vi);
-    return vexp_reduced(x, -neg_n);
-}
-
 /* Softmax numerators of `keys` scores in place; returns 1 / their sum. */
 static inline float softmax(float *s, int64_t keys) {
     float top = -INFINITY;

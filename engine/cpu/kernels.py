@@ -30,6 +30,7 @@ HERE = Path(__file__).resolve().parent
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
 DecodeAttention = Callable[..., None]
+PrefillAttention = Callable[..., bool]
 
 
 def cache_dir() -> Path:
@@ -150,6 +151,69 @@ def decode_attention() -> DecodeAttention | None:
             raise ValueError(f"decode attention kernel: head_dim {dim} over its 1,024")
         if rc != 0:
             raise MemoryError("decode attention kernel: no scratch memory")
+
+    return run
+
+
+@functools.cache
+def prefill_attention() -> PrefillAttention | None:
+    """``f(q, k, v, blocks, block_size, first_pos, scale, out) -> bool``: causal float32
+    attention of one prefill chunk, or None where the kernel cannot be built here.
+
+    ``q`` [n, heads, dim] (any row and head strides, dim contiguous) at positions
+    ``first_pos .. first_pos + n - 1``; ``k``/``v`` the layer's cache ``[kv_heads, blocks,
+    block_size, dim]`` (contiguous) read through ``blocks`` (the sequence's block ids, int64),
+    or, with ``blocks`` None, the chunk's own keys ``[kv_heads, n, dim]`` (any strides, dim
+    contiguous; ``first_pos`` 0); ``out`` [n, heads, dim] with contiguous heads. Returns False
+    (nothing written) for a head size the kernel has no loop for (16, 32, 64 and 128 have)."""
+    path = build("prefill_attention")
+    if path is None:
+        return None
+    try:
+        fn = ctypes.CDLL(str(path)).batchd_prefill_attention
+    except (OSError, AttributeError) as exc:
+        log.warning("loading %s failed (%s), torch path kept", path, exc)
+        return None
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, i32, i64, i32, i32, i32, i32]
+    fn.argtypes += [ctypes.c_float, ptr, i64, i32]
+    fn.restype = i32
+
+    def run(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        blocks: torch.Tensor | None,
+        block_size: int,
+        first_pos: int,
+        scale: float,
+        out: torch.Tensor,
+    ) -> bool:
+        n, heads, dim = q.shape
+        paged = blocks is not None
+        rc = fn(
+            q.data_ptr(),
+            q.stride(0),
+            q.stride(1),
+            k.data_ptr(),
+            v.data_ptr(),
+            k.stride(0),
+            dim if paged else k.stride(1),
+            blocks.data_ptr() if paged else None,
+            block_size,
+            first_pos,
+            n,
+            heads,
+            k.shape[0],
+            dim,
+            scale,
+            out.data_ptr(),
+            out.stride(0),
+            torch.get_num_threads(),
+        )
+        if rc == 1:
+            raise MemoryError("prefill attention kernel: no scratch memory")
+        return rc == 0
 
     return run
 

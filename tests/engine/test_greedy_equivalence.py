@@ -201,14 +201,35 @@ def test_torch_attention_path(model: dict) -> None:
     _check(engine, cases, ref)
 
 
-def test_float32_chunks_continue_in_two_parts(model: dict) -> None:
-    """In float32 a chunk that continues its sequence (chunked prefill, a prefix-cache hit, a
-    preempted sequence read back) attends its cached keys and its own apart, merged by their
-    log-sum-exps (engine/attention/sdpa.py): still generate()'s output."""
+@pytest.mark.parametrize("prefill_kernel", [True, False], ids=["prefill-kernel", "two-parts"])
+def test_float32_prefill_chunks(model: dict, prefill_kernel: bool) -> None:
+    """In float32 a prefill chunk of 16 or more queries attends in the compiled prefill kernel,
+    its keys read in place through the block table; without the kernel, a chunk that continues
+    its sequence (chunked prefill, a prefix-cache hit, a preempted sequence read back) attends
+    its cached keys and its own apart, merged by their log-sum-exps (engine/attention/sdpa.py).
+    Either way: generate()'s output."""
     for cases, ref, config in (
         (*model["plain"], {"max_num_batched_tokens": 48, "enable_prefix_caching": False}),
         (*model["shared"], {"num_kv_blocks": 40, "max_num_batched_tokens": 64}),
     ):
         engine = Engine(model["path"], dtype="float32", admission="fcfs", **config)
+        backend = engine.runner.backend
+        taken: list[tuple[bool, int]] = []  # (attended, first position) of each chunk sent
+        if not prefill_kernel:
+            backend.prefill = None
+        elif backend.prefill is None:
+            pytest.skip("no C compiler here: prefill chunks keep torch's flash operator")
+        else:
+            kernel = backend.prefill
+
+            def counted(*args, kernel=kernel, taken=taken):  # type: ignore[no-untyped-def]
+                done = kernel(*args)
+                taken.append((done, args[5]))
+                return done
+
+            backend.prefill = counted
         _check(engine, cases, ref)
         assert engine.stats().num_chunked_prefills > 0
+        if prefill_kernel:
+            assert any(done and pos == 0 for done, pos in taken), taken  # a first chunk
+            assert any(done and pos > 0 for done, pos in taken), taken  # a continued one

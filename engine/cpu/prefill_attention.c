@@ -1,0 +1,285 @@
+/* Causal float32 attention of one prefill chunk: queries at positions first_pos .. first_pos +
+ * n_q - 1 of a sequence, each attending every key up to its own position. The keys and values
+ * are read in place, from the paged cache through the sequence's block table or, for a chunk
+ * that starts its sequence, from the step's own strided K/V tensors.
+ *
+ * Flash attention in blocks: the keys of each KV head are first transposed into a scratch
+ * [dim][keys] (each key row read once per call); a task is then (KV head, QB query positions):
+ * the group's query heads at those positions, group x QB rows, score 64 keys at a time
+ * (register-blocked rows x 64 keys), fold them into a running softmax (float32, the largest
+ * score so far subtracted) and add the weighted values (rows x dim in registers). Only the
+ * blocks a row's position reaches are scored; the diagonal block is masked. Tasks run on
+ * torch's OpenMP team, the longest first.
+ *
+ * Built and loaded by engine/cpu/kernels.py. Returns 0, 1 when scratch memory could not be
+ * had, 2 for a head size this build has no loop for (16, 32, 64 and 128 have). */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "vector.h"
+
+#define KB 64              /* keys a block */
+#define KV (KB / LANES)    /* vectors of scores a row holds for one block */
+#define QB 16              /* query positions a task */
+#ifdef __AVX512F__
+#define QK_ROWS 6 /* rows scored at once: 6 x 4 accumulators */
+#define PV_ROWS 6 /* rows of values summed at once (head size 64; 3 for 128) */
+#else
+#define QK_ROWS 2
+#define PV_ROWS 2
+#endif
+
+typedef struct {
+    const float *q; /* position t, head h at q + t * q_row + h * q_head; dim contiguous */
+    int64_t q_row, q_head;
+    const float *k, *v; /* key j of KV head h at k + h * kv_head + rows[j] */
+    int64_t kv_head;
+    const int64_t *rows;
+    const float *kt; /* [kv_heads][kpad / KB][dim][KB]: each block of keys transposed, zero
+                      * past `keys` (a block's 16 KiB contiguous, never a long stride) */
+    int64_t kpad;
+    int64_t first_pos, keys; /* keys = first_pos + n_q */
+    int n_q, heads, kv_heads, dim;
+    float scale;
+    float *out; /* position t, head h at out + t * out_row + h * dim */
+    int64_t out_row;
+} job_t;
+
+static inline vf vload(const float *p) {
+    vf f;
+    memcpy(&f, p, sizeof f);
+    return f;
+}
+
+static inline void vstore(float *p, vf f) { memcpy(p, &f, sizeof f); }
+
+static inline vf vmax(vf a, vf b) {
+    const vi more = a > b;
+    return (vf)(((vi)a & more) | ((vi)b & ~more));
+}
+
+static inline float hmax(vf v) {
+#if defined(__clang__) || __GNUC__ >= 12
+    v = vmax(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+    v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+    v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+    v = vmax(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+    return v[0];
+#else
+    float m = v[0];
+    for (int l = 1; l < LANES; l++) m = v[l] > m ? v[l] : m;
+    return m;
+#endif
+}
+
+/* s[r][0..KB) = q[r] . the block's keys, rows r0 .. r0 + QK_ROWS; `kt` the block's [dim][KB]. */
+static inline __attribute__((always_inline)) void score(const float *q, const float *kt, int dim,
+                                                        float *s) {
+    vf acc[QK_ROWS][KV];
+    for (int r = 0; r < QK_ROWS; r++)
+        for (int c = 0; c < KV; c++) acc[r][c] = (vf){0};
+    for (int d = 0; d < dim; d++) {
+        const float *row = kt + d * KB;
+        vf k[KV];
+        for (int c = 0; c < KV; c++) {
+            k[c] = vload(row + c * LANES);
+            /* In a register, loaded once for all the rows: a compiler that folds the load
+             * into each multiply-add loads it QK_ROWS times (the load ports then bind). */
+#if defined(__x86_64__)
+            __asm__("" : "+v"(k[c]));
+#endif
+        }
+        for (int r = 0; r < QK_ROWS; r++) {
+            const float x = q[r * dim + d];
+            for (int c = 0; c < KV; c++) acc[r][c] += x * k[c];
+        }
+    }
+    for (int r = 0; r < QK_ROWS; r++)
+        for (int c = 0; c < KV; c++) vstore(s + r * KB + c * LANES, acc[r][c]);
+}
+
+/* o[r] += sum_j p[r][j] v[j], rows r0 .. r0 + ROWS, keys 0 .. n. */
+static inline __attribute__((always_inline)) void weigh(const float *p, const float *v,
+                                                        const int64_t *rows, int n, float *o,
+                                                        const int vecs, const int nrows) {
+    vf acc[PV_ROWS][8]; /* fixed sizes: the loops unroll onto registers */
+    for (int r = 0; r < nrows; r++)
+        for (int c = 0; c < vecs; c++) acc[r][c] = vload(o + r * vecs * LANES + c * LANES);
+    for (int j = 0; j < n; j++) {
+        const float *vr = v + rows[j];
+        vf x[8];
+        for (int c = 0; c < vecs; c++) x[c] = vload(vr + c * LANES);
+        for (int r = 0; r < nrows; r++) {
+            const float w = p[r * KB + j];
+            for (int c = 0; c < vecs; c++) acc[r][c] += w * x[c];
+        }
+    }
+    for (int r = 0; r < nrows; r++)
+        for (int c = 0; c < vecs; c++) vstore(o + r * vecs * LANES + c * LANES, acc[r][c]);
+}
+
+/* One task: KV head h, query positions a .. b. `work` holds rows x (dim + KB + dim + 3)
+ * floats; rows is group x QB rounded up to a multiple of QK_ROWS and PV rows (the rows past
+ * group x (b - a) are zero queries whose results are dropped). */
+static inline __attribute__((always_inline)) void attend(const job_t *a, int h, int64_t t0,
+                                                         int64_t t1, int nrows, float *work,
+                                                         const int vecs, const int pv_rows) {
+    const int dim = vecs * LANES, group = a->heads / a->kv_heads, span = (int)(t1 - t0);
+    float *q = work, *s = q + nrows * dim, *o = s + nrows * KB, *m = o + nrows * dim;
+    float *l = m + nrows;
+    int64_t *last = (int64_t *)(l + nrows); /* each row's last key (its position) */
+    for (int r = 0; r < nrows; r++) {
+        const int g = r / span, t = r % span;
+        float *qr = q + r * dim;
+        if (g < group) {
+            const float *src = a->q + (t0 + t) * a->q_row + (int64_t)(h * group + g) * a->q_head;
+            for (int d = 0; d < dim; d++) qr[d] = src[d] * a->scale;
+            last[r] = a->first_pos + t0 + t;
+        } else {
+            memset(qr, 0, sizeof(float) * (size_t)dim);
+            last[r] = a->first_pos + t0;
+        }
+        memset(o + r * dim, 0, sizeof(float) * (size_t)dim);
+        m[r] = -INFINITY;
+        l[r] = 0.f;
+    }
+    const float *kt = a->kt + (int64_t)h * dim * a->kpad;
+    const float *v = a->v + h * a->kv_head;
+    const int64_t end = a->first_pos + t1; /* keys the task's last position sees */
+    for (int64_t j0 = 0; j0 < end; j0 += KB) {
+        const int n = end - j0 < KB ? (int)(end - j0) : KB;
+        for (int r = 0; r < nrows; r += QK_ROWS) score(q + r * dim, kt + j0 * dim, dim, s + r * KB);
+        for (int r = 0; r < nrows; r++) {
+            float *sr = s + r * KB;
+            const int64_t allowed = last[r] - j0 + 1; /* keys of this block the row sees */
+            if (allowed <= 0) { /* a row whose position the block is past: weights zero */
+                memset(sr, 0, sizeof(float) * KB);
+                continue;
+            }
+            if (allowed < KB)
+                for (int j = (int)allowed; j < KB; j++) sr[j] = -INFINITY;
+            vf top = vload(sr);
+            for (int c = 1; c < KV; c++) top = vmax(top, vload(sr + c * LANES));
+            const float mx = hmax(top), m_new = mx > m[r] ? mx : m[r];
+            const float alpha = m[r] == -INFINITY ? 0.f : expf(m[r] - m_new);
+            vf sum = {0};
+            for (int c = 0; c < KV; c++) {
+                vf p = vexp_nonpositive(vload(sr + c * LANES) - m_new);
+                if (allowed < (c + 1) * LANES) /* masked lanes: exactly zero */
+                    for (int x = 0; x < LANES; x++)
+                        if (c * LANES + x >= allowed) p[x] = 0.f;
+                vstore(sr + c * LANES, p);
+                sum += p;
+            }
+            l[r] = l[r] * alpha + hsum(sum);
+            if (alpha != 1.f) {
+                float *orow = o + r * dim;
+                for (int c = 0; c < vecs; c++) vstore(orow + c * LANES, vload(orow + c * LANES) * alpha);
+            }
+            m[r] = m_new;
+        }
+        for (int r = 0; r < nrows; r += pv_rows)
+            weigh(s + r * KB, v, a->rows + j0, n, o + r * dim, vecs, pv_rows);
+    }
+    for (int r = 0; r < group * span; r++) {
+        const int g = r / span, t = r % span;
+        float *dst = a->out + (t0 + t) * a->out_row + (int64_t)(h * group + g) * dim;
+        const float inv = 1.f / l[r];
+        for (int c = 0; c < vecs; c++) vstore(dst + c * LANES, vload(o + r * dim + c * LANES) * inv);
+    }
+}
+
+static void f32_16(const job_t *a, int h, int64_t t0, int64_t t1, int nrows, float *w) {
+    attend(a, h, t0, t1, nrows, w, 1, PV_ROWS);
+}
+
+static void f32_32(const job_t *a, int h, int64_t t0, int64_t t1, int nrows, float *w) {
+    attend(a, h, t0, t1, nrows, w, 2, PV_ROWS);
+}
+
+static void f32_64(const job_t *a, int h, int64_t t0, int64_t t1, int nrows, float *w) {
+    attend(a, h, t0, t1, nrows, w, 4, PV_ROWS);
+}
+
+static void f32_128(const job_t *a, int h, int64_t t0, int64_t t1, int nrows, float *w) {
+    attend(a, h, t0, t1, nrows, w, 8, PV_ROWS > 3 ? 3 : PV_ROWS);
+}
+
+/* Scratch that lives as long as the calling thread: the transposed keys and row offsets. */
+static __thread float *kt_buf;
+static __thread size_t kt_cap;
+static __thread int64_t *rows_buf;
+static __thread size_t rows_cap;
+
+static int reserve(void **buf, size_t *cap, size_t bytes) {
+    if (bytes <= *cap) return 0;
+    void *p = realloc(*buf, bytes);
+    if (p == NULL) return 1;
+    *buf = p;
+    *cap = bytes;
+    return 0;
+}
+
+int batchd_prefill_attention(const float *q, int64_t q_row, int64_t q_head, const float *k,
+                             const float *v, int64_t kv_head, int64_t key_row,
+                             const int64_t *blocks, int block_size, int64_t first_pos, int n_q,
+                             int heads, int kv_heads, int dim, float scale, float *out,
+                             int64_t out_row, int threads) {
+    typedef void (*task_fn)(const job_t *, int, int64_t, int64_t, int, float *);
+    const task_fn fn = dim == 16 ? f32_16 : dim == 32 ? f32_32 : dim == 64 ? f32_64
+                     : dim == 128 ? f32_128 : NULL;
+    if (fn == NULL) return 2;
+    const int64_t keys = first_pos + n_q;
+    const int64_t kpad = (keys + KB - 1) / KB * KB;
+    if (reserve((void **)&kt_buf, &kt_cap, sizeof(float) * (size_t)(kv_heads * dim * kpad)) ||
+        reserve((void **)&rows_buf, &rows_cap, sizeof(int64_t) * (size_t)kpad))
+        return 1;
+    /* The buffers are this thread's: the team's other threads reach them through locals. */
+    int64_t *rows = rows_buf;
+    float *kt = kt_buf;
+    for (int64_t j = 0; j < keys; j++)
+        rows[j] = blocks != NULL ? (blocks[j / block_size] * block_size + j % block_size) * key_row
+                                 : j * key_row;
+    const job_t a = {q, q_row, q_head, k, v, kv_head, rows, kt, kpad, first_pos, keys,
+                     n_q, heads, kv_heads, dim, scale, out, out_row};
+    const int group = heads / kv_heads;
+    const int step = QK_ROWS % PV_ROWS == 0 ? QK_ROWS : QK_ROWS * PV_ROWS; /* both blocks' multiple */
+    const int nrows = (group * QB + step - 1) / step * step;
+    const size_t words = (size_t)nrows * (size_t)(2 * dim + KB + 2) + 2 * (size_t)nrows;
+    const int qblocks = (n_q + QB - 1) / QB, tasks = qblocks * kv_heads;
+    const int64_t blocks_t = kpad / KB * kv_heads;
+    if (threads > tasks) threads = tasks;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1) reduction(| : failed)
+    {
+        /* Transpose each head's keys, a block of KB keys a piece; zeros past the last. */
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks_t; b++) {
+            const int h = (int)(b % kv_heads);
+            const int64_t j0 = b / kv_heads * KB;
+            float *dst = kt + (int64_t)h * dim * kpad + j0 * dim;
+            for (int j = 0; j < KB; j++) {
+                if (j0 + j < keys) {
+                    const float *src = k + h * kv_head + rows[j0 + j];
+                    for (int d = 0; d < dim; d++) dst[d * KB + j] = src[d];
+                } else {
+                    for (int d = 0; d < dim; d++) dst[d * KB + j] = 0.f;
+                }
+            }
+        }
+        float *work = malloc(sizeof(float) * words);
+        failed = work == NULL;
+        /* The last query blocks see the most keys: they go first. */
+#pragma omp for schedule(dynamic, 1)
+        for (int t = 0; t < tasks; t++) {
+            if (work == NULL) continue;
+            const int h = t % kv_heads, qb = qblocks - 1 - t / kv_heads;
+            const int64_t t0 = (int64_t)qb * QB, t1 = t0 + QB < n_q ? t0 + QB : n_q;
+            fn(&a, h, t0, t1, nrows, work);
+        }
+        free(work);
+    }
+    return failed;
+}

@@ -1,0 +1,175 @@
+"""The compiled float32 prefill attention (engine/cpu/prefill_attention.c) against causal
+attention computed in float64: chunks that start their sequence (keys from the step's own
+strided K/V) and chunks that continue it (keys read through a scattered block table), head
+sizes 64 and 128, grouped and plain heads, one and two threads, and the backend's choice."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from engine.attention.paged import AttentionContext, PrefillChunk
+from engine.attention.sdpa import MIN_KERNEL_QUERIES, SdpaBackend
+from engine.cpu import kernels
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def kernel() -> kernels.PrefillAttention:
+    built = kernels.prefill_attention()
+    if built is None:
+        # A source that does not compile must fail here, not skip every test below.
+        assert shutil.which(os.environ.get("CC") or "cc") is None, (
+            "prefill_attention.c did not build"
+        )
+        pytest.skip("no C compiler here: prefill chunks keep torch's flash operator")
+    return built
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int, scale: float):
+    """Causal attention in float64: ``q`` [n, H, D] at positions first_pos.., ``k``/``v``
+    [KV, keys, D]; returns [n, H, D] float32."""
+    n, heads, _ = q.shape
+    group = heads // k.shape[0]
+    k, v = k.repeat_interleave(group, 0).double(), v.repeat_interleave(group, 0).double()
+    scores = torch.einsum("nhd,hkd->hnk", q.double(), k) * scale
+    pos = torch.arange(n)[:, None] + first_pos
+    scores = scores.masked_fill(torch.arange(k.shape[1])[None] > pos, float("-inf"))
+    return torch.einsum("hnk,hkd->nhd", torch.softmax(scores, -1), v).float()
+
+
+def _step(n: int, heads: int, kv_heads: int, dim: int) -> tuple[torch.Tensor, ...]:
+    """A fused q/k/v output of ``n`` rows, as the lean forward has it, and its q/k/v views."""
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * dim)
+    q = qkv[:, : heads * dim].view(n, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(n, kv_heads, dim).transpose(0, 1)
+    v = qkv[:, (heads + kv_heads) * dim :].view(n, kv_heads, dim).transpose(0, 1)
+    return q, k, v
+
+
+def _paged(keys: int, kv_heads: int, dim: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """A layer's cache with ``keys`` keys scattered over its blocks, the sequence's block
+    table, and the same keys and values in order ([KV, keys, D])."""
+    g = torch.Generator().manual_seed(seed)
+    width = -(-keys // BLOCK)
+    total = width + 7
+    k_cache = torch.randn(kv_heads, total, BLOCK, dim, generator=g)
+    v_cache = torch.randn(kv_heads, total, BLOCK, dim, generator=g)
+    blocks = torch.randperm(total, generator=g)[:width].long()
+    slots = (blocks[:, None] * BLOCK + torch.arange(BLOCK)).reshape(-1)[:keys]
+    k = k_cache.view(kv_heads, -1, dim)[:, slots]
+    v = v_cache.view(kv_heads, -1, dim)[:, slots]
+    return k_cache, v_cache, blocks, k, v
+
+
+@pytest.mark.parametrize("dim", [16, 32, 64, 128])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 2)])
+@pytest.mark.parametrize("n", [1, 16, 17, 130, 700])
+def test_a_chunk_that_starts_its_sequence(
+    kernel: kernels.PrefillAttention, threads: int, dim: int, heads: int, kv_heads: int, n: int
+) -> None:
+    torch.manual_seed(n + dim + heads)
+    q, k, v = _step(n, heads, kv_heads, dim)
+    out = torch.full((n, heads, dim), float("nan"))
+    assert kernel(q, k, v, None, BLOCK, 0, 0.125, out)
+    torch.testing.assert_close(out, _reference(q, k, v, 0, 0.125), rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (3, 1)])
+@pytest.mark.parametrize("first_pos,n", [(5, 1), (37, 16), (100, 64), (513, 200), (1000, 3)])
+def test_a_chunk_that_continues_its_sequence(
+    kernel: kernels.PrefillAttention,
+    threads: int,
+    dim: int,
+    heads: int,
+    kv_heads: int,
+    first_pos: int,
+    n: int,
+) -> None:
+    """Every key, the chunk's own included, read from the cache through a shuffled block
+    table: the queries see all the cached keys and their own causally."""
+    k_cache, v_cache, blocks, k, v = _paged(first_pos + n, kv_heads, dim, seed=first_pos + n)
+    q = torch.randn(n, 2 * heads, dim)[:, ::2]  # a head stride other than dim
+    out = torch.full((n, heads, dim), float("nan"))
+    assert kernel(q, k_cache, v_cache, blocks, BLOCK, first_pos, 0.1, out)
+    torch.testing.assert_close(out, _reference(q, k, v, first_pos, 0.1), rtol=1e-5, atol=2e-5)
+
+
+def test_large_scores_stay_finite(kernel: kernels.PrefillAttention) -> None:
+    """Scores in the hundreds: the running maximum keeps every exponential in range, and a
+    row whose first block it leaves early is not rescaled into NaN."""
+    torch.manual_seed(0)
+    q, k, v = _step(300, 9, 3, 64)
+    q.mul_(30.0)
+    out = torch.empty(300, 9, 64)
+    assert kernel(q, k, v, None, BLOCK, 0, 0.125, out)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, _reference(q, k, v, 0, 0.125), rtol=1e-4, atol=1e-4)
+
+
+def test_other_head_sizes_are_declined(kernel: kernels.PrefillAttention) -> None:
+    q, k, v = _step(32, 4, 2, 96)
+    out = torch.zeros(32, 4, 96)
+    assert not kernel(q, k, v, None, BLOCK, 0, 0.1, out)
+    assert not out.any()  # nothing written
+
+
+def _backend_case(first_pos: int, n: int) -> tuple:
+    heads, kv_heads, dim = 9, 3, 64
+    k_cache, v_cache, blocks, k, v = _paged(first_pos + n, kv_heads, dim, seed=n)
+    q = torch.randn(1, heads, n, dim)
+    chunk = PrefillChunk(0, n, first_pos + n if first_pos else 0, first_pos=first_pos)
+    if first_pos:
+        chunk.blocks = blocks
+    ctx = AttentionContext([k_cache], [v_cache], torch.zeros(n, dtype=torch.long))
+    ctx.prefills.append(chunk)
+    own_k, own_v = k[:, first_pos:].unsqueeze(0), v[:, first_pos:].unsqueeze(0)
+    return ctx, q, own_k, own_v, k, v
+
+
+@pytest.mark.parametrize("first_pos", [0, 40])
+def test_the_backend_sends_float32_chunks_to_the_kernel(
+    kernel: kernels.PrefillAttention, monkeypatch: pytest.MonkeyPatch, first_pos: int
+) -> None:
+    """A chunk of at least MIN_KERNEL_QUERIES float32 queries goes to the kernel (its keys in
+    place: the step's own for a first chunk, the cache's for a later one); a shorter one
+    keeps torch's operator. Either way the output is causal attention's."""
+    backend = SdpaBackend()
+    assert backend.prefill is not None
+    calls: list[int] = []
+
+    def counted(*args):  # type: ignore[no-untyped-def]
+        calls.append(args[0].shape[0])
+        return kernel(*args)
+
+    monkeypatch.setattr(backend, "prefill", counted)
+    for n in (MIN_KERNEL_QUERIES - 1, MIN_KERNEL_QUERIES, 90):
+        ctx, q, own_k, own_v, k, v = _backend_case(first_pos, n)
+        out = backend.attend(ctx, 0, q, own_k, own_v, 0.125, None, None)
+        want = _reference(q[0].transpose(0, 1), k, v, first_pos, 0.125)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=2e-5)
+    assert calls == [MIN_KERNEL_QUERIES, 90]
+
+
+def test_a_window_or_softcap_keeps_torchs_path(
+    kernel: kernels.PrefillAttention, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = SdpaBackend()
+    monkeypatch.setattr(backend, "prefill", lambda *a: pytest.fail("the kernel was called"))
+    ctx, q, own_k, own_v, _, _ = _backend_case(0, 64)
+    backend.attend(ctx, 0, q, own_k, own_v, 0.125, 32, None)
+    ctx, q, own_k, own_v, _, _ = _backend_case(0, 64)
+    backend.attend(ctx, 0, q, own_k, own_v, 0.125, None, 30.0)
