@@ -7,9 +7,9 @@
  * one (sequence, KV head): its query heads score the sequence's keys, read in place block by
  * block through its block table, each key row read once for the whole group; a two-pass
  * softmax in float32; then the weighted sum of the values, one read of each value row for
- * every head (two heads at once where AVX-512 has the registers), the rows prefetched during
- * the key pass. Head sizes 64 and 128 have their own builds (the head's loops unrolled). Returns 0, 1 when
- * scratch memory could not be had, 2 for a head_dim over MAX_DIM. */
+ * every head (three or two heads at once where AVX-512 has the registers), the rows
+ * prefetched during the key pass. Head sizes 64 and 128 have their own builds (the head's loops
+ * unrolled). Returns 0, 1 when scratch memory could not be had, 2 for a head_dim over MAX_DIM. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -179,11 +179,28 @@ static inline __attribute__((always_inline)) void attend(const job_t *a, int tas
     }
     for (int g = 0; g < group; g++) inv[g] = softmax(scores + g * keys, keys);
     if (bf16) round_weights(scores, group * keys);
-    /* Values: the sums in registers (the task's rows stay in cache); two heads a pass where
-     * the CPU has the registers for both (AVX-512), each value row then read half as often. */
+    /* Values: the sums in registers (the task's rows stay in cache); three heads a pass (head
+     * size 64) or two where the CPU has the registers (AVX-512), each value row then read a
+     * third or half as often. */
     const int64_t out_head = ((int64_t)i * a->heads + kvh * group) * dim;
     int g = 0;
 #ifdef __AVX512F__
+    if (vecs <= 4) /* three heads' sums and a value row: 16 of the 32 registers */
+        for (; g + 3 <= group; g += 3) {
+            const float *w0 = scores + g * keys, *w1 = w0 + keys, *w2 = w1 + keys;
+            vf o0[vecs], o1[vecs], o2[vecs];
+            for (int c = 0; c < vecs; c++) o0[c] = o1[c] = o2[c] = (vf){0};
+            for (int64_t y = 0; y < keys; y++)
+                for (int c = 0; c < vecs; c++) {
+                    const vf v = vload(a->v, rows[y] + c * LANES, bf16);
+                    o0[c] += w0[y] * v;
+                    o1[c] += w1[y] * v;
+                    o2[c] += w2[y] * v;
+                }
+            store_head(a->out, out_head + g * dim, o0, inv[g], vecs, bf16);
+            store_head(a->out, out_head + (g + 1) * dim, o1, inv[g + 1], vecs, bf16);
+            store_head(a->out, out_head + (g + 2) * dim, o2, inv[g + 2], vecs, bf16);
+        }
     for (; g + 2 <= group; g += 2) {
         const float *w0 = scores + g * keys, *w1 = w0 + keys;
         vf o0[vecs], o1[vecs];
