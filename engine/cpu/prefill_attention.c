@@ -3,8 +3,8 @@
  * are read in place, from the paged cache through the sequence's block table or, for a chunk
  * that starts its sequence, from the step's own strided K/V tensors.
  *
- * Flash attention in blocks: the keys of each KV head are first transposed into a scratch
- * [dim][keys] (each key row read once per call); a task is then (KV head, QB query positions):
+ * Flash attention in blocks: the keys of each KV head are first transposed into blocks of 64,
+ * [dim][64] each (each key row read once per call); a task is then (KV head, QB query positions):
  * the group's query heads at those positions, group x QB rows, score 64 keys at a time
  * (register-blocked rows x 64 keys), fold them into a running softmax (float32, the largest
  * score so far subtracted) and add the weighted values (rows x dim in registers). Only the
@@ -120,9 +120,9 @@ static inline __attribute__((always_inline)) void weigh(const float *p, const fl
         for (int c = 0; c < vecs; c++) vstore(o + r * vecs * LANES + c * LANES, acc[r][c]);
 }
 
-/* One task: KV head h, query positions a .. b. `work` holds rows x (dim + KB + dim + 3)
- * floats; rows is group x QB rounded up to a multiple of QK_ROWS and PV rows (the rows past
- * group x (b - a) are zero queries whose results are dropped). */
+/* One task: KV head h, query positions t0 .. t1. `work` holds nrows x (2 dim + KB + 4) floats;
+ * nrows is group x QB rounded up to a multiple of QK_ROWS and PV rows (the rows past
+ * group x (t1 - t0) are zero queries whose results are dropped). */
 static inline __attribute__((always_inline)) void attend(const job_t *a, int h, int64_t t0,
                                                          int64_t t1, int nrows, float *work,
                                                          const int vecs, const int pv_rows) {
@@ -207,7 +207,9 @@ static void f32_128(const job_t *a, int h, int64_t t0, int64_t t1, int nrows, fl
     attend(a, h, t0, t1, nrows, w, 8, PV_ROWS > 3 ? 3 : PV_ROWS);
 }
 
-/* Scratch that lives as long as the calling thread: the transposed keys and row offsets. */
+/* Scratch that lives as long as the calling thread, grown to the largest call: the transposed
+ * keys (kv_heads x dim x keys floats, a fraction of one layer's K/V for the sequence) and the
+ * key rows' offsets. */
 static __thread float *kt_buf;
 static __thread size_t kt_cap;
 static __thread int64_t *rows_buf;
@@ -215,11 +217,10 @@ static __thread size_t rows_cap;
 
 static int reserve(void **buf, size_t *cap, size_t bytes) {
     if (bytes <= *cap) return 0;
-    void *p = realloc(*buf, bytes);
-    if (p == NULL) return 1;
-    *buf = p;
-    *cap = bytes;
-    return 0;
+    free(*buf); /* nothing in it is kept between calls */
+    *buf = malloc(bytes);
+    *cap = *buf == NULL ? 0 : bytes;
+    return *buf == NULL;
 }
 
 int batchd_prefill_attention(const float *q, int64_t q_row, int64_t q_head, const float *k,
