@@ -165,14 +165,19 @@ def prefill_attention() -> PrefillAttention | None:
     block_size, dim]`` (contiguous) read through ``blocks`` (the sequence's block ids, int64),
     or, with ``blocks`` None, the chunk's own keys ``[kv_heads, n, dim]`` (any strides, dim
     contiguous; ``first_pos`` 0); ``out`` [n, heads, dim] with contiguous heads. Returns False
-    (nothing written) for a head size the kernel has no loop for (16, 32, 64 and 128 have)."""
+    (nothing written) for a head size the kernel has no loop for (16, 32, 64 and 128 have).
+    None too where the CPU has no AVX-512: the build there is slower than torch's operator."""
     path = build("prefill_attention")
     if path is None:
         return None
     try:
-        fn = ctypes.CDLL(str(path)).batchd_prefill_attention
+        lib = ctypes.CDLL(str(path))
+        fn, fast = lib.batchd_prefill_attention, lib.batchd_prefill_attention_fast
     except (OSError, AttributeError) as exc:
         log.warning("loading %s failed (%s), torch path kept", path, exc)
+        return None
+    if not fast():
+        log.info("no AVX-512 here: prefill chunks keep torch's flash operator")
         return None
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, i32, i64, i32, i32, i32, i32]

@@ -12,7 +12,10 @@
  * torch's OpenMP team, the longest first.
  *
  * Built and loaded by engine/cpu/kernels.py. Returns 0, 1 when scratch memory could not be
- * had, 2 for a head size this build has no loop for (16, 32, 64 and 128 have). */
+ * had, 2 for a head size this build has no loop for (16, 32, 64 and 128 have). Without
+ * AVX-512 the sixteen-float vectors are pairs of registers that the row blocks spill (10x
+ * slower than torch's flash operator on AVX2), so such a build says it is not worth calling:
+ * batchd_prefill_attention_fast() is 0 there, and the engine keeps torch's operator. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -86,8 +89,9 @@ static inline __attribute__((always_inline)) void score(const float *q, const fl
         for (int c = 0; c < KV; c++) {
             k[c] = vload(row + c * LANES);
             /* In a register, loaded once for all the rows: a compiler that folds the load
-             * into each multiply-add loads it QK_ROWS times (the load ports then bind). */
-#if defined(__x86_64__)
+             * into each multiply-add loads it QK_ROWS times (the load ports then bind). Only
+             * where sixteen floats are one register (AVX-512). */
+#if defined(__x86_64__) && defined(__AVX512F__)
             __asm__("" : "+v"(k[c]));
 #endif
         }
@@ -221,6 +225,14 @@ static int reserve(void **buf, size_t *cap, size_t bytes) {
     *buf = malloc(bytes);
     *cap = *buf == NULL ? 0 : bytes;
     return *buf == NULL;
+}
+
+int batchd_prefill_attention_fast(void) {
+#ifdef __AVX512F__
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 int batchd_prefill_attention(const float *q, int64_t q_row, int64_t q_head, const float *k,
