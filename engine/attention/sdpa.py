@@ -3,10 +3,10 @@
 Decode rows attend in one compiled-kernel call per layer where :mod:`engine.cpu.kernels` builds
 (float32 or bf16, no soft-capping), otherwise in groups of similar length
 (:class:`engine.attention.paged.DecodeGroup`), query heads folded onto their KV head. Each
-float32 prefill chunk of 16 or more queries goes to the compiled prefill kernel where it builds,
-the keys read in place; any other chunk attends with its own causal SDPA call, offset by its
-cached context. A ``softcap`` layer runs explicit matmuls in transformers' eager order. See
-docs/engine-step.md ("CPU").
+float32 prefill chunk of 16 or more queries goes to the compiled prefill kernel where it builds
+with AVX-512, the keys read in place; any other chunk attends with its own causal SDPA call,
+offset by its cached context. A ``softcap`` layer runs explicit matmuls in transformers' eager
+order. See docs/engine-step.md ("CPU").
 """
 
 from __future__ import annotations
