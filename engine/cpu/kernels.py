@@ -223,6 +223,68 @@ def prefill_attention() -> PrefillAttention | None:
     return run
 
 
+class Sgemm:
+    """float32 linear layers on weights packed once (``sgemm.c``), on torch's current number
+    of intra-op threads."""
+
+    PANEL = 32  # output columns a packed panel holds
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self._pack = lib.batchd_sgemm_pack
+        self._pack.argtypes = [ptr, i32, i32, ptr]
+        self._pack.restype = None
+        self._run = lib.batchd_sgemm
+        self._run.argtypes = [ptr, i64, i32, i32, ptr, i32, ptr, ptr, i64, i32]
+        self._run.restype = None
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` [n, k] float32 in 32-column panels (the last zero-padded), a new tensor."""
+        n, k = weight.shape
+        w = weight.detach().contiguous()
+        packed = torch.empty(-(-n // self.PANEL) * self.PANEL * k, dtype=torch.float32)
+        self._pack(w.data_ptr(), n, k, packed.data_ptr())
+        return packed
+
+    def linear(
+        self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``x`` [m, k] (rows contiguous) times the packed weight of ``n`` outputs, plus
+        ``bias``: a new [m, n] tensor."""
+        m, k = x.shape
+        out = x.new_empty(m, n)
+        self._run(
+            x.data_ptr(),
+            x.stride(0),
+            m,
+            k,
+            packed.data_ptr(),
+            n,
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            n,
+            torch.get_num_threads(),
+        )
+        return out
+
+
+@functools.cache
+def sgemm() -> Sgemm | None:
+    """The compiled :class:`Sgemm`, or None where it cannot be built here or the CPU has no
+    AVX-512 (there its tiles spill and oneDNN is faster)."""
+    path = build("sgemm")
+    if path is None:
+        return None
+    try:
+        lib = ctypes.CDLL(str(path))
+        fast = lib.batchd_sgemm_fast()
+        built = Sgemm(lib)
+    except (OSError, AttributeError) as exc:
+        log.warning("loading %s failed (%s), torch path kept", path, exc)
+        return None
+    return built if fast else None
+
+
 class LayerOps:
     """The float32 work of a Llama layer between its matmuls (``layer_ops.c``), on torch's
     current number of intra-op threads. Every tensor float32 on the CPU, rows contiguous."""

@@ -1,4 +1,5 @@
-"""Linear layers with their weights packed once, on a CPU: for oneDNN or for MKL's packed GEMM.
+"""Linear layers with their weights packed once, on a CPU: for oneDNN, MKL's packed GEMM or the
+compiled float32 GEMM (engine/cpu/sgemm.c).
 
 :func:`pack_linears` swaps every ``nn.Linear`` of a module for a :class:`PackedLinear` holding
 the weight in the library's blocked layout (the plain weight dropped, so memory does not grow).
@@ -16,10 +17,12 @@ import time
 
 import torch
 
+from engine.cpu.kernels import sgemm
+
 log = logging.getLogger("engine")
 
 
-KINDS = ("onednn", "mkl")  # the libraries a weight packs for
+KINDS = ("onednn", "mkl", "batchd")  # the libraries a weight packs for
 
 
 class PackedLinear(torch.nn.Module):
@@ -40,6 +43,12 @@ class PackedLinear(torch.nn.Module):
             self.sizes = torch.empty((), dtype=w.dtype).expand(self.out_features, self.in_features)
         elif kind == "onednn":
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w, rows_hint)
+        elif kind == "batchd":
+            gemm = sgemm()
+            if gemm is None:
+                raise RuntimeError("the compiled float32 GEMM is not built here")
+            self.gemm = gemm
+            self.packed = gemm.pack(w)
         else:
             raise ValueError(f"unknown packing {kind!r}: one of {KINDS}")
         self.bias = None if bias is None else bias.detach().clone()
@@ -57,7 +66,9 @@ class PackedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if self.kind == "mkl":
+        if self.kind == "batchd":
+            out = self.gemm.linear(flat.contiguous(), self.packed, self.out_features, self.bias)
+        elif self.kind == "mkl":
             rows = flat.shape[0]
             out = torch.ops.mkl._mkl_linear(flat, self.packed, self.sizes, self.bias, rows)
         else:
@@ -75,9 +86,12 @@ def packable(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def kinds_for(dtype: torch.dtype) -> tuple[str, ...]:
-    """The packings this torch offers for ``dtype``: MKL's packed GEMM is float32 only."""
-    mkl = dtype == torch.float32 and torch.backends.mkl.is_available()
-    return ("onednn", "mkl") if mkl and hasattr(torch.ops.mkl, "_mkl_linear") else ("onednn",)
+    """The packings at hand for ``dtype``: MKL's packed GEMM and the compiled one are float32
+    only (the compiled one where it builds with AVX-512)."""
+    if dtype != torch.float32:
+        return ("onednn",)
+    mkl = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+    return ("onednn",) + (("mkl",) if mkl else ()) + (("batchd",) if sgemm() is not None else ())
 
 
 def pack_linears(module: torch.nn.Module, rows_hint: int, kind: str = "onednn") -> int:

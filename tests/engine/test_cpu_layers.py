@@ -5,11 +5,15 @@ be fused is left as it was; nothing of a step is held once every part has been h
 from __future__ import annotations
 
 import copy
+import os
+import platform
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
-from engine.cpu import layers, linear
+from engine.cpu import kernels, layers, linear
 
 
 class _Attention(torch.nn.Module):
@@ -116,6 +120,45 @@ def test_mkl_packing_serves_any_number_of_rows(rows: int) -> None:
     with torch.inference_mode():
         torch.testing.assert_close(packed(x), plain(x), rtol=1e-5, atol=1e-5)
         assert packed(x.reshape(1, rows, 96)).shape == (1, rows, 160)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 4, 8, 11, 12, 13, 64, 300])
+def test_the_compiled_gemm_serves_any_rows_and_columns(rows: int, bias: bool) -> None:
+    """engine/cpu/sgemm.c: 12-row tiles with 8-, 4- and 1-row tails, 32-column panels with a
+    partial last one (50 outputs), a strided input, a bias: float32 rounding of the plain
+    layer."""
+    if "batchd" not in linear.kinds_for(torch.float32):
+        if shutil.which(os.environ.get("CC") or "cc") is not None:
+            assert kernels.build("sgemm") is not None, "sgemm.c did not build"
+        pytest.skip("no compiler or no AVX-512 here: float32 linears keep oneDNN or MKL")
+    torch.manual_seed(rows)
+    for outputs in (50, 96):
+        plain = torch.nn.Linear(96, outputs, bias=bias)
+        packed = linear.PackedLinear.of(plain, 64, "batchd")
+        x = torch.randn(rows, 192)[:, ::2]
+        with torch.inference_mode():
+            torch.testing.assert_close(packed(x), plain(x), rtol=1e-5, atol=1e-5)
+            assert packed(x.reshape(1, rows, 96)).shape == (1, rows, outputs)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 instruction sets")
+def test_the_compiled_gemm_is_not_offered_without_avx512(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Built for AVX2 its 24 accumulators spill: the packing is not offered there."""
+    if shutil.which(os.environ.get("CC") or "cc") is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    flags = tuple("-march=x86-64-v3" if f == "-march=native" else f for f in kernels.FLAGS)
+    monkeypatch.setattr(kernels, "FLAGS", flags)
+    kernels.sgemm.cache_clear()
+    try:
+        assert kernels.build("sgemm") is not None
+        assert kernels.sgemm() is None
+        assert "batchd" not in linear.kinds_for(torch.float32)
+    finally:
+        kernels.sgemm.cache_clear()
 
 
 def test_the_fastest_packing_wins_if_it_pays() -> None:

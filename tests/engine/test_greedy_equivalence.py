@@ -169,7 +169,7 @@ def test_prefix_caching_with_chunks_and_preemption(model: dict) -> None:
     assert stats.num_chunked_prefills > 0
 
 
-@pytest.mark.parametrize("kind", ["onednn", "mkl"])
+@pytest.mark.parametrize("kind", ["onednn", "mkl", "batchd"])
 def test_packed_float32_linears_and_the_decode_kernel(
     model: dict, monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
