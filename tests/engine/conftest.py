@@ -7,7 +7,10 @@ builds (through ``Engine``, ``LLM``, ``EngineHost`` or the benchmark) gets these
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import platform
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -46,3 +49,38 @@ def llm(path: str) -> Any:
     from engine import LLM
 
     return LLM(path)
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    """torch's intra-op threads (which the compiled kernels run on) set to 1, then 2."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def avx2_build(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> Iterator[Callable[[str], Path | None]]:
+    """``build(name)`` of a compiled kernel for AVX2 (``-march=x86-64-v3``) into a private
+    cache, the kernels' loaders' caches cleared around the test; skips off x86-64 or without
+    a C compiler."""
+    from engine.cpu import kernels
+
+    if platform.machine() != "x86_64":
+        pytest.skip("x86-64 instruction sets")
+    if shutil.which(os.environ.get("CC") or "cc") is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    flags = tuple("-march=x86-64-v3" if f == "-march=native" else f for f in kernels.FLAGS)
+    monkeypatch.setattr(kernels, "FLAGS", flags)
+    loaders = (kernels.prefill_attention, kernels.sgemm)
+    for loader in loaders:
+        loader.cache_clear()
+    yield kernels.build
+    for loader in loaders:
+        loader.cache_clear()

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import copy
 import os
-import platform
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -142,23 +140,11 @@ def test_the_compiled_gemm_serves_any_rows_and_columns(rows: int, bias: bool) ->
             assert packed(x.reshape(1, rows, 96)).shape == (1, rows, outputs)
 
 
-@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 instruction sets")
-def test_the_compiled_gemm_is_not_offered_without_avx512(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+def test_the_compiled_gemm_is_not_offered_without_avx512(avx2_build) -> None:  # type: ignore[no-untyped-def]
     """Built for AVX2 its 24 accumulators spill: the packing is not offered there."""
-    if shutil.which(os.environ.get("CC") or "cc") is None:
-        pytest.skip("no C compiler here")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    flags = tuple("-march=x86-64-v3" if f == "-march=native" else f for f in kernels.FLAGS)
-    monkeypatch.setattr(kernels, "FLAGS", flags)
-    kernels.sgemm.cache_clear()
-    try:
-        assert kernels.build("sgemm") is not None
-        assert kernels.sgemm() is None
-        assert "batchd" not in linear.kinds_for(torch.float32)
-    finally:
-        kernels.sgemm.cache_clear()
+    assert avx2_build("sgemm") is not None
+    assert kernels.sgemm() is None
+    assert "batchd" not in linear.kinds_for(torch.float32)
 
 
 def test_the_fastest_packing_wins_if_it_pays() -> None:

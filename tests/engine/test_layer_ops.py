@@ -24,14 +24,6 @@ def ops() -> kernels.LayerOps:
     return built
 
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("rows", [1, 7, 64, 600])
 def test_rms_norm_adds_the_residual_then_normalizes(
     ops: kernels.LayerOps, threads: int, rows: int
