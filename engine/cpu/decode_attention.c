@@ -18,7 +18,7 @@
 #include "vector.h"
 
 #define MAX_DIM 1024
-#define KEY_AHEAD 8 /* how many keys ahead the key pass prefetches a key row */
+#define KEY_AHEAD 32 /* how many keys ahead the key pass prefetches a key row */
 
 typedef struct {
     const void *q; /* row i, head h at q + i * q_row + h * q_head (elements); dim contiguous */
@@ -161,13 +161,16 @@ static inline __attribute__((always_inline)) void attend(const job_t *a, int tas
     /* Scores: each key row once, against every query head of the group; each value row is
      * fetched beside its key row, as the second pass wants it (two streams keep more reads in
      * flight than one: 1.1-1.2x here), and the key row KEY_AHEAD keys on, across the block
-     * boundaries the CPU's own prefetcher stops at (1.04-1.12x more). */
+     * boundaries the CPU's own prefetcher stops at. Both into L2, not L1 (locality 1), so
+     * more reads stay in flight (a prefetch to L1 likely holds one of the core's few L1 miss
+     * buffers until its line arrives): L2 and 32 keys ahead rather than L1 and 8 made the
+     * kernel 1.07-1.25x faster over blocks in order, 1.24-1.46x over scattered ones (Zen 4). */
     for (int64_t x = 0; x < keys; x++) {
         const char *vrow = (const char *)a->v + rows[x] * (bf16 ? 2 : 4);
-        for (int c = 0; c < dim * (bf16 ? 2 : 4); c += 64) __builtin_prefetch(vrow + c, 0, 3);
+        for (int c = 0; c < dim * (bf16 ? 2 : 4); c += 64) __builtin_prefetch(vrow + c, 0, 1);
         if (x + KEY_AHEAD < keys) {
             const char *krow = (const char *)a->k + rows[x + KEY_AHEAD] * (bf16 ? 2 : 4);
-            for (int c = 0; c < dim * (bf16 ? 2 : 4); c += 64) __builtin_prefetch(krow + c, 0, 3);
+            for (int c = 0; c < dim * (bf16 ? 2 : 4); c += 64) __builtin_prefetch(krow + c, 0, 1);
         }
         vf k[vecs];
         for (int c = 0; c < vecs; c++) k[c] = vload(a->k, rows[x] + c * LANES, bf16);
