@@ -9,8 +9,10 @@
  * A tile is 12 rows x 32 columns in 24 vector accumulators: per k the panel's two weight
  * vectors are loaded once (pinned to registers: a compiler that folds them into the twelve
  * multiply-adds reloads them twelve times) and each row's element is broadcast; the panel is
- * prefetched 8 k ahead. Panels are split over torch's OpenMP team. On a 2-core Zen 4 this is
- * 1.2-1.5x oneDNN's packed GEMM from 4 to 64 rows and 1.06-1.13x from 128 to 2,048. Without
+ * prefetched 8 k ahead. Panels are split over torch's OpenMP team; the rows left after
+ * whole tiles make one tile of their own size (rather than 8-, 4- and 1-row tails: 1.03-1.4x
+ * from 3 to 47 rows). On a 2-core Zen 4 this was 1.2-1.5x oneDNN's packed GEMM from 4 to 64
+ * rows and 1.06-1.13x from 128 to 2,048 before that change. Without
  * AVX-512 the accumulators do not fit the registers, so batchd_sgemm_fast() is 0 there and the
  * engine keeps oneDNN. Built and loaded by engine/cpu/kernels.py. */
 #include <stdint.h>
@@ -84,16 +86,22 @@ void batchd_sgemm(const float *a, int64_t lda, int m, int k, const float *packed
         const float *pb = bias != NULL ? bias + p * NB : NULL;
         const int cols = n - p * NB < NB ? n - p * NB : NB;
         float *c = out + p * NB;
+        /* Whole tiles of MR rows, then the rest as one tile of exactly its rows: a tile of
+         * two or more rows keeps four or more multiply-add chains in flight, where 1-row
+         * tails kept two. Every tile adds in the same order, so a row's result does not
+         * depend on the tile it falls in. */
         int r = 0;
         for (; r + MR <= m; r += MR) tile(a + r * lda, lda, b, k, pb, c + r * ldc, ldc, cols, MR);
-        if (m - r >= 8) {
-            tile(a + r * lda, lda, b, k, pb, c + r * ldc, ldc, cols, 8);
-            r += 8;
+        switch (m - r) {
+#define REST(rows)                                                               \
+    case rows:                                                                   \
+        tile(a + r * lda, lda, b, k, pb, c + r * ldc, ldc, cols, rows);          \
+        break;
+            REST(1) REST(2) REST(3) REST(4) REST(5) REST(6)
+            REST(7) REST(8) REST(9) REST(10) REST(11)
+#undef REST
+        default:
+            break;
         }
-        if (m - r >= 4) {
-            tile(a + r * lda, lda, b, k, pb, c + r * ldc, ldc, cols, 4);
-            r += 4;
-        }
-        for (; r < m; r++) tile(a + r * lda, lda, b, k, pb, c + r * ldc, ldc, cols, 1);
     }
 }

@@ -123,8 +123,8 @@ def test_mkl_packing_serves_any_number_of_rows(rows: int) -> None:
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 4, 8, 11, 12, 13, 64, 300])
 def test_the_compiled_gemm_serves_any_rows_and_columns(rows: int, bias: bool) -> None:
-    """engine/cpu/sgemm.c: 12-row tiles with 8-, 4- and 1-row tails, 32-column panels with a
-    partial last one (50 outputs), a strided input, a bias: float32 rounding of the plain
+    """engine/cpu/sgemm.c: 12-row tiles and a last tile of the rows left, 32-column panels with
+    a partial last one (50 outputs), a strided input, a bias: float32 rounding of the plain
     layer."""
     if "batchd" not in linear.kinds_for(torch.float32):
         if shutil.which(os.environ.get("CC") or "cc") is not None:
@@ -138,6 +138,21 @@ def test_the_compiled_gemm_serves_any_rows_and_columns(rows: int, bias: bool) ->
         with torch.inference_mode():
             torch.testing.assert_close(packed(x), plain(x), rtol=1e-5, atol=1e-5)
             assert packed(x.reshape(1, rows, 96)).shape == (1, rows, outputs)
+
+
+def test_a_row_of_the_compiled_gemm_is_the_same_in_any_step() -> None:
+    """A row's output does not depend on how many rows share the call (so on the tile it lands
+    in): a sequence's logits are the same whatever else the step holds, as greedy equality
+    with generate() one request at a time needs. Bit for bit, every row count 1-40."""
+    if "batchd" not in linear.kinds_for(torch.float32):
+        pytest.skip("no compiler or no AVX-512 here: float32 linears keep oneDNN or MKL")
+    torch.manual_seed(7)
+    packed = linear.PackedLinear.of(torch.nn.Linear(96, 80), 64, "batchd")
+    x = torch.randn(40, 96)
+    with torch.inference_mode():
+        alone = torch.cat([packed(x[i : i + 1]) for i in range(40)])
+        for rows in range(1, 41):
+            assert torch.equal(packed(x[:rows]), alone[:rows]), rows
 
 
 def test_the_compiled_gemm_is_not_offered_without_avx512(avx2_build) -> None:  # type: ignore[no-untyped-def]
