@@ -11,6 +11,7 @@ class; any other model keeps its forward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,14 +33,19 @@ _CLASSES = {
 
 @dataclass(slots=True)
 class _Layer:
+    """One layer's parts; the linear layers as their ``forward`` functions, called without
+    ``nn.Module.__call__`` (no hooks are set on them): a step calls four of them a layer."""
+
     attention: torch.nn.Module  # read by the paged function (its layer_idx)
+    index: int  # the layer's KV cache
     norm_in: torch.nn.Module
-    qkv: FusedLinear
-    o_proj: torch.nn.Module
+    qkv: Callable[[torch.Tensor], torch.Tensor]
+    o_proj: Callable[[torch.Tensor], torch.Tensor]
     norm_post: torch.nn.Module
-    gate_up: FusedLinear
+    post: tuple[torch.Tensor, float]  # norm_post's weight and epsilon
+    gate_up: Callable[[torch.Tensor], torch.Tensor]
     act: Any
-    down: torch.nn.Module
+    down: Callable[[torch.Tensor], torch.Tensor]
     scaling: float
 
 
@@ -58,13 +64,15 @@ class LeanLlama:
         self.layers = [
             _Layer(
                 layer.self_attn,
+                int(layer.self_attn.layer_idx),
                 layer.input_layernorm,
-                layer.self_attn.fused_q_k_v,
-                layer.self_attn.o_proj,
+                layer.self_attn.fused_q_k_v.linear.forward,
+                layer.self_attn.o_proj.forward,
                 layer.post_attention_layernorm,
-                layer.mlp.fused_gate_up,
+                _norm(layer.post_attention_layernorm),
+                layer.mlp.fused_gate_up.linear.forward,
                 layer.mlp.act_fn,
-                layer.mlp.down_proj,
+                layer.mlp.down_proj.forward,
                 float(layer.self_attn.scaling),
             )
             for layer in base.layers[: base.config.num_hidden_layers]
@@ -118,7 +126,7 @@ class LeanLlama:
         tokens, d = input_ids.shape[0], self.head_dim
         for layer in self.layers:
             x = layer.norm_in(hidden)
-            qkv = layer.qkv.linear(x)[0]
+            qkv = layer.qkv(x)[0]
             q = _rotate(qkv[:, : self.q_end].view(tokens, -1, d), cos, sin)
             k = _rotate(qkv[:, self.q_end : self.k_end].view(tokens, -1, d), cos, sin)
             v = qkv[:, self.k_end :].view(tokens, -1, d)
@@ -132,7 +140,7 @@ class LeanLlama:
                 batchd_ctx=ctx,
             )
             hidden = hidden + layer.o_proj(out.reshape(1, tokens, -1).contiguous())
-            x = layer.gate_up.linear(layer.norm_post(hidden))
+            x = layer.gate_up(layer.norm_post(hidden))
             hidden = hidden + layer.down(layer.act(x[..., : self.inner]) * x[..., self.inner :])
         return base.norm(hidden)[0]
 
@@ -149,8 +157,8 @@ class LeanLlama:
         norms = self.norms
         x = ops.rms_norm(hidden, None, *norms[0])
         for i, layer in enumerate(self.layers):
-            qkv = layer.qkv.linear(x)
-            index = layer.attention.layer_idx
+            qkv = layer.qkv(x)
+            index = layer.index
             k_cache, v_cache = ctx.k_cache[index], ctx.v_cache[index]
             ops.rope_store(qkv, heads, kv_heads, cos, sin, k_cache, v_cache, ctx.slot_mapping)
             q = qkv[:, : self.q_end].view(tokens, heads, d).transpose(0, 1).unsqueeze(0)
@@ -159,8 +167,8 @@ class LeanLlama:
             out = backend.attend(
                 ctx, index, q, k.unsqueeze(0), v.unsqueeze(0), layer.scaling, None, None
             )
-            x = ops.rms_norm(hidden, layer.o_proj(out.view(tokens, -1)), *_norm(layer.norm_post))
-            x = layer.down(ops.silu_mul(layer.gate_up.linear(x), self.inner))
+            x = ops.rms_norm(hidden, layer.o_proj(out.view(tokens, -1)), *layer.post)
+            x = layer.down(ops.silu_mul(layer.gate_up(x), self.inner))
             x = ops.rms_norm(hidden, x, *norms[i + 1])
         return x
 
