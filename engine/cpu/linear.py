@@ -65,9 +65,8 @@ class PackedLinear(torch.nn.Module):
         return packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kind == "batchd" and x.dim() == 2:  # a step's rows, as the lean forward has them
-            return self.gemm.linear(x.contiguous(), self.packed, self.out_features, self.bias)
-        flat = x.reshape(-1, self.in_features)
+        two_d = x.dim() == 2  # a step's rows, as the lean forward passes them: no reshapes
+        flat = x if two_d else x.reshape(-1, self.in_features)
         if self.kind == "batchd":
             out = self.gemm.linear(flat.contiguous(), self.packed, self.out_features, self.bias)
         elif self.kind == "mkl":
@@ -75,7 +74,7 @@ class PackedLinear(torch.nn.Module):
             out = torch.ops.mkl._mkl_linear(flat, self.packed, self.sizes, self.bias, rows)
         else:
             out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
-        return out.view(*x.shape[:-1], self.out_features)
+        return out if two_d else out.view(*x.shape[:-1], self.out_features)
 
 
 def packable(dtype: torch.dtype, device: torch.device) -> bool:
