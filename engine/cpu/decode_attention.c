@@ -78,7 +78,7 @@ typedef uint16_t vh __attribute__((vector_size(32), aligned(2)));
 typedef uint32_t vu __attribute__((vector_size(64)));
 #define MAX_VECS (MAX_DIM / LANES)
 
-static inline vf vload(const void *base, int64_t i, const int bf16) {
+static inline vf vload_any(const void *base, int64_t i, const int bf16) {
     vf f;
     if (bf16) {
         vh h;
@@ -131,6 +131,27 @@ static inline void store_head(void *out, int64_t at, const vf *o, float inv, con
     }
 }
 
+/* The outputs of query heads g .. g + n - 1 of a task: one pass over its value rows, each row
+ * read once for the n heads, weighted by their softmax numerators (`scores`, `keys` a head);
+ * n (at most 3), `vecs` and `bf16` are constants where it is inlined. */
+static inline __attribute__((always_inline)) void values(const job_t *a, const int64_t *rows,
+                                                         const float *scores, int64_t keys,
+                                                         const float *inv, int64_t out_head,
+                                                         int g, const int n, const int vecs,
+                                                         const int bf16) {
+    const int dim = vecs * LANES;
+    vf o[3][vecs];
+    for (int h = 0; h < n; h++)
+        for (int c = 0; c < vecs; c++) o[h][c] = (vf){0};
+    for (int64_t y = 0; y < keys; y++)
+        for (int c = 0; c < vecs; c++) {
+            const vf v = vload_any(a->v, rows[y] + c * LANES, bf16);
+            for (int h = 0; h < n; h++) o[h][c] += scores[(g + h) * keys + y] * v;
+        }
+    for (int h = 0; h < n; h++)
+        store_head(a->out, out_head + (g + h) * dim, o[h], inv[g + h], vecs, bf16);
+}
+
 /* One task, for a head size that is a multiple of LANES: `vecs` (dim / LANES) and `bf16` are
  * constants in each build below (always inlined), so the head's loops unroll; `work` holds
  * keys int64 and group * keys floats. */
@@ -149,7 +170,7 @@ static inline __attribute__((always_inline)) void attend(const job_t *a, int tas
     float inv[group];
     for (int g = 0; g < group; g++) {
         const int64_t qoff = i * a->q_row + (int64_t)(kvh * group + g) * a->q_head;
-        for (int c = 0; c < vecs; c++) q[g][c] = vload(a->q, qoff + c * LANES, bf16) * a->scale;
+        for (int c = 0; c < vecs; c++) q[g][c] = vload_any(a->q, qoff + c * LANES, bf16) * a->scale;
     }
     int64_t j = 0;
     for (int64_t p = lo; p < len;) {
@@ -173,7 +194,7 @@ static inline __attribute__((always_inline)) void attend(const job_t *a, int tas
             for (int c = 0; c < dim * (bf16 ? 2 : 4); c += 64) __builtin_prefetch(krow + c, 0, 1);
         }
         vf k[vecs];
-        for (int c = 0; c < vecs; c++) k[c] = vload(a->k, rows[x] + c * LANES, bf16);
+        for (int c = 0; c < vecs; c++) k[c] = vload_any(a->k, rows[x] + c * LANES, bf16);
         for (int g = 0; g < group; g++) {
             vf acc = q[g][0] * k[0];
             for (int c = 1; c < vecs; c++) acc += q[g][c] * k[c];
@@ -189,43 +210,10 @@ static inline __attribute__((always_inline)) void attend(const job_t *a, int tas
     int g = 0;
 #ifdef __AVX512F__
     if (vecs <= 4) /* three heads' sums and a value row: 16 of the 32 registers */
-        for (; g + 3 <= group; g += 3) {
-            const float *w0 = scores + g * keys, *w1 = w0 + keys, *w2 = w1 + keys;
-            vf o0[vecs], o1[vecs], o2[vecs];
-            for (int c = 0; c < vecs; c++) o0[c] = o1[c] = o2[c] = (vf){0};
-            for (int64_t y = 0; y < keys; y++)
-                for (int c = 0; c < vecs; c++) {
-                    const vf v = vload(a->v, rows[y] + c * LANES, bf16);
-                    o0[c] += w0[y] * v;
-                    o1[c] += w1[y] * v;
-                    o2[c] += w2[y] * v;
-                }
-            store_head(a->out, out_head + g * dim, o0, inv[g], vecs, bf16);
-            store_head(a->out, out_head + (g + 1) * dim, o1, inv[g + 1], vecs, bf16);
-            store_head(a->out, out_head + (g + 2) * dim, o2, inv[g + 2], vecs, bf16);
-        }
-    for (; g + 2 <= group; g += 2) {
-        const float *w0 = scores + g * keys, *w1 = w0 + keys;
-        vf o0[vecs], o1[vecs];
-        for (int c = 0; c < vecs; c++) o0[c] = o1[c] = (vf){0};
-        for (int64_t y = 0; y < keys; y++)
-            for (int c = 0; c < vecs; c++) {
-                const vf v = vload(a->v, rows[y] + c * LANES, bf16);
-                o0[c] += w0[y] * v;
-                o1[c] += w1[y] * v;
-            }
-        store_head(a->out, out_head + g * dim, o0, inv[g], vecs, bf16);
-        store_head(a->out, out_head + (g + 1) * dim, o1, inv[g + 1], vecs, bf16);
-    }
+        for (; g + 3 <= group; g += 3) values(a, rows, scores, keys, inv, out_head, g, 3, vecs, bf16);
+    for (; g + 2 <= group; g += 2) values(a, rows, scores, keys, inv, out_head, g, 2, vecs, bf16);
 #endif
-    for (; g < group; g++) {
-        const float *w = scores + g * keys;
-        vf o[vecs];
-        for (int c = 0; c < vecs; c++) o[c] = (vf){0};
-        for (int64_t y = 0; y < keys; y++)
-            for (int c = 0; c < vecs; c++) o[c] += w[y] * vload(a->v, rows[y] + c * LANES, bf16);
-        store_head(a->out, out_head + g * dim, o, inv[g], vecs, bf16);
-    }
+    for (; g < group; g++) values(a, rows, scores, keys, inv, out_head, g, 1, vecs, bf16);
 }
 
 /* The same for any head size, one element at a time. */

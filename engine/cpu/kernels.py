@@ -21,6 +21,7 @@ import subprocess
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -31,6 +32,7 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
 DecodeAttention = Callable[..., None]
 PrefillAttention = Callable[..., bool]
+T = TypeVar("T")
 
 
 def cache_dir() -> Path:
@@ -91,6 +93,19 @@ def build(name: str) -> Path | None:
     return target
 
 
+def _load(name: str, take: Callable[[ctypes.CDLL], T]) -> T | None:
+    """``take`` applied to the shared library of ``name``, built here if need be; None (the
+    reason logged) where it cannot be built, loaded or lacks what ``take`` reads."""
+    path = build(name)
+    if path is None:
+        return None
+    try:
+        return take(ctypes.CDLL(str(path)))
+    except (OSError, AttributeError) as exc:
+        log.warning("loading %s failed (%s), torch path kept", path, exc)
+        return None
+
+
 @functools.cache
 def decode_attention() -> DecodeAttention | None:
     """``f(q, k_cache, v_cache, blocks, lens, window, scale, out)``: decode attention of ``n``
@@ -101,13 +116,8 @@ def decode_attention() -> DecodeAttention | None:
     one layer's cache, ``[kv_heads, blocks, block_size, dim]`` contiguous; ``blocks`` [n, width]
     and ``lens`` [n] int64 (each sequence's block ids and keys); ``window`` 0 for none; ``out``
     [n, heads, dim] contiguous. Runs on torch's current number of intra-op threads."""
-    path = build("decode_attention")
-    if path is None:
-        return None
-    try:
-        fn = ctypes.CDLL(str(path)).batchd_decode_attention
-    except (OSError, AttributeError) as exc:
-        log.warning("loading %s failed (%s), torch path kept", path, exc)
+    fn = _load("decode_attention", lambda lib: lib.batchd_decode_attention)
+    if fn is None:
         return None
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, ptr]
@@ -167,15 +177,13 @@ def prefill_attention() -> PrefillAttention | None:
     contiguous; ``first_pos`` 0); ``out`` [n, heads, dim] with contiguous heads. Returns False
     (nothing written) for a head size the kernel has no loop for (16, 32, 64 and 128 have).
     None too where the CPU has no AVX-512: the build there is slower than torch's operator."""
-    path = build("prefill_attention")
-    if path is None:
+    loaded = _load(
+        "prefill_attention",
+        lambda lib: (lib.batchd_prefill_attention, lib.batchd_prefill_attention_fast),
+    )
+    if loaded is None:
         return None
-    try:
-        lib = ctypes.CDLL(str(path))
-        fn, fast = lib.batchd_prefill_attention, lib.batchd_prefill_attention_fast
-    except (OSError, AttributeError) as exc:
-        log.warning("loading %s failed (%s), torch path kept", path, exc)
-        return None
+    fn, fast = loaded
     if not fast():
         log.info("no AVX-512 here: prefill chunks keep torch's flash operator")
         return None
@@ -272,17 +280,8 @@ class Sgemm:
 def sgemm() -> Sgemm | None:
     """The compiled :class:`Sgemm`, or None where it cannot be built here or the CPU has no
     AVX-512 (there its tiles spill and oneDNN is faster)."""
-    path = build("sgemm")
-    if path is None:
-        return None
-    try:
-        lib = ctypes.CDLL(str(path))
-        fast = lib.batchd_sgemm_fast()
-        built = Sgemm(lib)
-    except (OSError, AttributeError) as exc:
-        log.warning("loading %s failed (%s), torch path kept", path, exc)
-        return None
-    return built if fast else None
+    loaded = _load("sgemm", lambda lib: (Sgemm(lib), lib.batchd_sgemm_fast()))
+    return loaded[0] if loaded is not None and loaded[1] else None
 
 
 class LayerOps:
@@ -390,11 +389,4 @@ class LayerOps:
 @functools.cache
 def layer_ops() -> LayerOps | None:
     """The compiled :class:`LayerOps`, or None where they cannot be built here."""
-    path = build("layer_ops")
-    if path is None:
-        return None
-    try:
-        return LayerOps(ctypes.CDLL(str(path)))
-    except (OSError, AttributeError) as exc:
-        log.warning("loading %s failed (%s), torch path kept", path, exc)
-        return None
+    return _load("layer_ops", LayerOps)

@@ -50,14 +50,6 @@ typedef struct {
     int64_t out_row;
 } job_t;
 
-static inline vf vload(const float *p) {
-    vf f;
-    memcpy(&f, p, sizeof f);
-    return f;
-}
-
-static inline void vstore(float *p, vf f) { memcpy(p, &f, sizeof f); }
-
 static inline vf vmax(vf a, vf b) {
     const vi more = a > b;
     return (vf)(((vi)a & more) | ((vi)b & ~more));
@@ -88,12 +80,7 @@ static inline __attribute__((always_inline)) void score(const float *q, const fl
         vf k[KV];
         for (int c = 0; c < KV; c++) {
             k[c] = vload(row + c * LANES);
-            /* In a register, loaded once for all the rows: a compiler that folds the load
-             * into each multiply-add loads it QK_ROWS times (the load ports then bind). Only
-             * where sixteen floats are one register (AVX-512). */
-#if defined(__x86_64__) && defined(__AVX512F__)
-            __asm__("" : "+v"(k[c]));
-#endif
+            PIN(k[c]); /* loaded once for all the rows */
         }
         for (int r = 0; r < QK_ROWS; r++) {
             const float x = q[r * dim + d];
@@ -227,13 +214,7 @@ static int reserve(void **buf, size_t *cap, size_t bytes) {
     return *buf == NULL;
 }
 
-int batchd_prefill_attention_fast(void) {
-#ifdef __AVX512F__
-    return 1;
-#else
-    return 0;
-#endif
-}
+int batchd_prefill_attention_fast(void) { return one_register_vectors(); }
 
 int batchd_prefill_attention(const float *q, int64_t q_row, int64_t q_head, const float *k,
                              const float *v, int64_t kv_head, int64_t key_row,

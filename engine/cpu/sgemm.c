@@ -23,13 +23,7 @@
 #define NB 32 /* output columns a panel */
 #define MR 12 /* rows a tile */
 
-int batchd_sgemm_fast(void) {
-#ifdef __AVX512F__
-    return 1;
-#else
-    return 0;
-#endif
-}
+int batchd_sgemm_fast(void) { return one_register_vectors(); }
 
 void batchd_sgemm_pack(const float *w, int n, int k, float *out) {
     const int panels = (n + NB - 1) / NB;
@@ -41,12 +35,6 @@ void batchd_sgemm_pack(const float *w, int n, int k, float *out) {
             }
 }
 
-static inline vf vload(const float *p) {
-    vf v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
 /* rows x 32 of out (cols of them kept) from `rows` rows of a and one panel b [k][32]. */
 static inline __attribute__((always_inline)) void tile(const float *a, int64_t lda,
                                                        const float *b, int k, const float *bias,
@@ -56,9 +44,8 @@ static inline __attribute__((always_inline)) void tile(const float *a, int64_t l
     for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = (vf){0};
     for (int kk = 0; kk < k; kk++) {
         vf b0 = vload(b + kk * NB), b1 = vload(b + kk * NB + LANES);
-#if defined(__x86_64__) && defined(__AVX512F__)
-        __asm__("" : "+v"(b0), "+v"(b1));
-#endif
+        PIN(b0);
+        PIN(b1);
         __builtin_prefetch(b + (kk + 8) * NB, 0, 3);
         __builtin_prefetch(b + (kk + 8) * NB + LANES, 0, 3);
         for (int r = 0; r < rows; r++) {

@@ -9,6 +9,34 @@ typedef float vf __attribute__((vector_size(64), aligned(4)));
 typedef int32_t vi __attribute__((vector_size(64)));
 #define LANES 16
 
+static inline vf vload(const float *p) {
+    vf v;
+    __builtin_memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void vstore(float *p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
+
+/* Keeps vector v in a register for the statements after it: a compiler that folds its load
+ * into each multiply-add reading it loads it again for every one (the load ports then bind).
+ * Only where sixteen floats are one register (AVX-512). */
+#if defined(__x86_64__) && defined(__AVX512F__)
+#define PIN(v) __asm__("" : "+v"(v))
+#else
+#define PIN(v) ((void)0)
+#endif
+
+/* 1 where sixteen floats are one register (AVX-512). Kernels that hold many vectors at once
+ * (the GEMM's tiles, the prefill kernel's row blocks) spill without it and are slower than
+ * torch's own operators there: their libraries report this so the engine does not call them. */
+static inline int one_register_vectors(void) {
+#ifdef __AVX512F__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* e^x for x in [-87, 88] given n, x / ln2 rounded to an integer: x = n ln2 + r, a degree-6
  * polynomial for e^r (about 1 ulp), 2^n put into the exponent bits. Callers clamp x and round
  * n as their range needs. */
