@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import threading
 from importlib.util import find_spec
 from typing import Any
 
@@ -133,6 +134,51 @@ REDIS_TRANSPORT = "redis-batchd"
 SOCKET_TIMEOUT_S = 30.0  # a consumer's read (BRPOP blocks on the server for a second at most)
 
 
+logger = logging.getLogger(__name__)
+
+
+class _Unrestored:
+    """Delivery tags of messages that a closing channel held unacknowledged and could not put
+    back on their queue (the broker was gone), by broker; the next channel opened to that
+    broker puts them back. Without this they wait in Redis's unacknowledged set for the
+    visibility timeout (hours): a control step's retry held for its countdown, or a task that
+    was running, when the broker went away."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tags: dict[tuple[Any, ...], set[str]] = {}
+
+    @staticmethod
+    def broker(channel: kombu_redis.Channel) -> tuple[Any, ...]:
+        conninfo = channel.connection.client if channel.connection is not None else None
+        if conninfo is None:
+            return ()
+        return (conninfo.hostname, conninfo.port, conninfo.virtual_host, channel.unacked_key)
+
+    def remember(self, channel: kombu_redis.Channel, tags: list[str]) -> None:
+        with self._lock:
+            self._tags.setdefault(self.broker(channel), set()).update(tags)
+
+    def take(self, channel: kombu_redis.Channel) -> set[str]:
+        with self._lock:
+            return self._tags.pop(self.broker(channel), set())
+
+
+UNRESTORED = _Unrestored()
+
+
+class RedisQoS(kombu_redis.QoS):
+    """kombu's Redis QoS, except that the messages a restore at close fails to put back are
+    remembered (:data:`UNRESTORED`); the failure still raises, as before."""
+
+    def restore_unacked(self, client: Any = None) -> None:
+        try:
+            super().restore_unacked(client)
+        except Exception:
+            UNRESTORED.remember(self.channel, list(self._delivered))
+            raise
+
+
 class RedisChannel(kombu_redis.Channel):
     """kombu's Redis channel, except that one already closed raises a connection error when it
     is used (a pooled producer that still holds it publishes; a task delivered on it finishes
@@ -140,8 +186,23 @@ class RedisChannel(kombu_redis.Channel):
     'client'``: a closed channel is detached from its transport (``connection`` None), which
     ``_connparams`` reads. A connection error is what callers handle: kombu's ``ensure``
     reconnects and revives the producer; an acknowledgement is logged as not sent (its message
-    was restored to the queue when the channel closed, or is after the visibility timeout; its
-    task runs again, and tasks are idempotent)."""
+    was restored to the queue when the channel closed, or, the broker gone then, when the
+    next channel to it opens (:data:`UNRESTORED`); its task runs again, and tasks are
+    idempotent)."""
+
+    QoS = RedisQoS
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # reaches the broker (a ping) or raises
+        tags = sorted(UNRESTORED.take(self))
+        for n, tag in enumerate(tags):
+            try:
+                self.qos.restore_by_tag(tag, client=self.client)
+            except Exception:
+                UNRESTORED.remember(self, tags[n:])
+                raise
+        if tags:
+            logger.warning("%d message(s) held when the broker went away queued again", len(tags))
 
     def _connparams(self, asynchronous: bool = False) -> dict[str, Any]:
         if self.connection is None:
