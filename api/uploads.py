@@ -135,6 +135,12 @@ _UNSAFE_FILENAME_CHARS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 def sanitize_filename(raw: str) -> str:
     """The last path component, without control characters, trimmed; never empty."""
+    return clean_filename(raw) or "upload.jsonl"
+
+
+def clean_filename(raw: str) -> str:
+    """The last path component, without control characters, trimmed; empty when nothing
+    usable is left."""
     name = raw.replace("\\", "/").rsplit("/", 1)[-1]
     name = unicodedata.normalize("NFC", name)
     name = _UNSAFE_FILENAME_CHARS.sub("", name)
@@ -148,7 +154,7 @@ def sanitize_filename(raw: str) -> str:
             name = stem[: MAX_FILENAME_CHARS - len(ext) - 1] + "." + ext
         else:
             name = name[:MAX_FILENAME_CHARS]
-    return name or "upload.jsonl"
+    return name
 
 
 @dataclass

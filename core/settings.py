@@ -170,6 +170,20 @@ class Settings(BaseSettings):
         default=200 * 1024 * 1024,
         description="The largest file POST /v1/files takes (413 above it).",
     )
+    max_chunked_upload_bytes: int = Field(
+        default=8 * 1024**3,
+        ge=1,
+        description="The largest file the Uploads API (POST /v1/uploads, sent in parts) takes, "
+        "OpenAI's 8 GB: a create declaring more `bytes` gets 400, and no upload's parts ever "
+        "hold more than its declared `bytes`.",
+    )
+    max_upload_parts: int = Field(
+        default=1000,
+        ge=1,
+        description="Parts one upload may hold (400 beyond): with 64 MB parts, 1,000 carry "
+        "more than `max_chunked_upload_bytes`; it bounds the rows and objects one upload "
+        "makes and the objects its complete reads.",
+    )
     max_concurrent_uploads: int = Field(
         default=16,
         ge=1,
@@ -243,6 +257,20 @@ class Settings(BaseSettings):
     )
     file_sweep_interval_s: float = Field(
         default=3600.0, description="How often beat deletes expired files."
+    )
+    upload_sweep_interval_s: float = Field(
+        default=60.0,
+        gt=0.0,
+        description="How often beat marks uploads past their hour `expired` and deletes their "
+        "parts, and gives back an upload whose complete stopped holding its claim.",
+    )
+    upload_complete_lease_s: float = Field(
+        default=300.0,
+        gt=0.0,
+        description="A complete of an upload renews its claim at least every quarter of this "
+        "while it joins the parts; a claim older than this belongs to a complete that died, "
+        "and a retried complete (or the upload sweep) takes the upload back to pending, "
+        "deleting what the dead one had written.",
     )
 
     # Quotas and backpressure.

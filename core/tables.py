@@ -345,10 +345,18 @@ class Upload(Base):
     purpose: Mapped[str] = mapped_column(String(32))
     mime_type: Mapped[str] = mapped_column(String(128))
     bytes: Mapped[int] = mapped_column(BigInteger)  # as declared at create
-    status: Mapped[str] = mapped_column(String(16))  # pending | completed | cancelled | expired
+    # pending | completing | completed | cancelled | expired
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    # While completing, the file the complete that holds the claim writes; then the file made.
     file_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
     created_at: Mapped[datetime] = mapped_column(Timestamp, server_default=func.now())
     expires_at: Mapped[datetime] = mapped_column(Timestamp, index=True)
+    # The parts recorded and their bytes, moved in the same conditional UPDATE that admits a
+    # part, so that concurrent parts can never take the upload past its bounds.
+    part_count: Mapped[int] = mapped_column(Integer, server_default="0", default=0)
+    received_bytes: Mapped[int] = mapped_column(BigInteger, server_default="0", default=0)
+    # When the complete holding the claim last renewed it (upload_complete_lease_s).
+    completing_since: Mapped[datetime | None] = mapped_column(Timestamp, nullable=True)
 
 
 class UploadPart(Base):

@@ -10,13 +10,14 @@ from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict, Field
 
 from api.deps import CurrentKey, SessionDep, SettingsDep, StorageDep, UploadingKey
-from api.errors import invalid_request
+from api.errors import APIError
 from api.routes.common import error_responses
 from api.schemas import FilePublic, unix
 from api.services import uploads
-from api.uploads import receive_upload, sanitize_filename
+from api.uploads import receive_upload
 from core.db import session_scope
 from core.ids import upload_part_id
+from core.settings import Settings
 from core.storage.base import Storage
 from core.tables import File, Upload
 
@@ -26,10 +27,11 @@ router = APIRouter(prefix="/uploads", tags=["uploads"])
 class UploadCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    filename: str = Field(min_length=1, max_length=1024)
+    # The characters and sizes these may hold are the service's to check (400 naming them).
+    filename: str = Field(max_length=uploads.MAX_FILENAME_CHARS)
     purpose: Literal["batch"]
-    bytes: int = Field(ge=1, le=uploads.MAX_UPLOAD_BYTES)
-    mime_type: str = Field(max_length=128)
+    bytes: int
+    mime_type: str = Field(max_length=uploads.MAX_MIME_TYPE_CHARS)
 
 
 class UploadComplete(BaseModel):
@@ -77,16 +79,13 @@ class UploadPartPublic(BaseModel):
     "", response_model=UploadPublic, responses=error_responses(400), summary="Create an upload"
 )
 def create_upload(
-    body: UploadCreate, caller: CurrentKey, session: SessionDep, storage: StorageDep
+    body: UploadCreate, caller: CurrentKey, session: SessionDep, settings: SettingsDep
 ) -> UploadPublic:
-    filename = sanitize_filename(body.filename)
-    if not filename:
-        raise invalid_request("Invalid value for 'filename': it holds no usable name.", "filename")
     row = uploads.create(
         session,
-        storage,
         caller,
-        filename=filename,
+        settings,
+        filename=body.filename,
         purpose=body.purpose,
         size=body.bytes,
         mime_type=body.mime_type,
@@ -94,9 +93,9 @@ def create_upload(
     return UploadPublic.of(row)
 
 
-def _check_pending(database_url: str, tenant: str, upload: str) -> None:
-    with session_scope(database_url) as session:
-        uploads.pending_upload(session, tenant, upload)
+def _admit(settings: Settings, tenant: str, upload: str) -> Upload:
+    with session_scope(settings.database_url) as session:
+        return uploads.admit_part(session, tenant, upload, settings.max_upload_parts)
 
 
 _PART_SCHEMA = {
@@ -129,29 +128,38 @@ async def add_part(
     settings: SettingsDep,
     storage: StorageDep,
 ) -> UploadPartPublic:
-    await run_in_threadpool(_check_pending, settings.database_url, caller.tenant, upload_id)
+    row = await run_in_threadpool(_admit, settings, caller.tenant, upload_id)
     new_part = upload_part_id()
     key = uploads.part_key(upload_id, new_part)
-
-    received = await receive_upload(
-        request, storage, key, uploads.MAX_PART_BYTES, lambda _received: None,
-        tenant=caller.tenant, settings=settings, file_field="data",
-    )  # fmt: skip
+    # The body stops at the bytes the upload still has room for (the parts recorded
+    # meanwhile are counted when this one is: add_part decides).
+    room = max(0, row.bytes - row.received_bytes)
+    limit = min(uploads.MAX_PART_BYTES, room)
+    try:
+        received = await receive_upload(
+            request, storage, key, limit, lambda _received: None,
+            tenant=caller.tenant, settings=settings, file_field="data",
+        )  # fmt: skip
+    except APIError as error:
+        if error.status_code == 413 and limit < uploads.MAX_PART_BYTES:
+            raise uploads.over_declared(row, None) from error
+        raise
     return await run_in_threadpool(
-        _record_part, settings.database_url, storage, caller.tenant, upload_id, new_part, key,
-        received.bytes,
-    )  # fmt: skip
+        _record_part, settings, storage, caller.tenant, upload_id, new_part, key, received.bytes
+    )
 
 
 def _record_part(
-    database_url: str, storage: Storage, tenant: str, upload: str, new_part: str, key: str,
+    settings: Settings, storage: Storage, tenant: str, upload: str, new_part: str, key: str,
     size: int,
 ) -> UploadPartPublic:  # fmt: skip
-    """Record a stored part; if the upload stopped being pending meanwhile, drop its bytes."""
+    """Record a stored part; if the upload refuses it (no longer pending, no room), drop its
+    bytes."""
     try:
-        with session_scope(database_url) as session:
-            row = uploads.pending_upload(session, tenant, upload)
-            part = uploads.add_part(session, row, new_part, key, size)
+        with session_scope(settings.database_url) as session:
+            part = uploads.add_part(
+                session, tenant, upload, new_part, key, size, settings.max_upload_parts
+            )
             return UploadPartPublic(
                 id=part.id, created_at=unix(part.created_at) or 0, upload_id=upload
             )
@@ -187,6 +195,10 @@ def complete_upload(
     summary="Cancel an upload: its parts are deleted",
 )
 def cancel_upload(
-    upload_id: str, caller: CurrentKey, session: SessionDep, storage: StorageDep
-) -> UploadPublic:
-    return UploadPublic.of(uploads.cancel(session, storage, caller.tenant, upload_id))
+    upload_id: str, caller: CurrentKey, session: SessionDep, settings: SettingsDep,
+    storage: StorageDep,
+) -> UploadPublic:  # fmt: skip
+    row = uploads.cancel(
+        session, storage, caller.tenant, upload_id, settings.upload_complete_lease_s
+    )
+    return UploadPublic.of(row)

@@ -1,7 +1,8 @@
 """OpenAI's Uploads API against a real server, with the ``openai`` SDK unmodified: a chunked
 upload in bounded memory, a part sent twice, an upload resumed after its client was killed,
 the md5 and size checks, cancel and expiry; the completed upload is an ordinary file that a
-batch can run."""
+batch can run. Its bounds, races and recovery: ``test_upload_bounds.py``; the sweep:
+``test_upload_sweep.py``."""
 
 from __future__ import annotations
 
@@ -68,12 +69,23 @@ def test_a_part_sent_twice_md5_and_size_checks(server: Server) -> None:
     assert upload.status == "pending" and upload.object == "upload"
     first = client.uploads.parts.create(upload.id, data=head)
     again = client.uploads.parts.create(upload.id, data=head)  # a retry after a lost answer
-    last = client.uploads.parts.create(upload.id, data=tail)
     assert first.id != again.id and first.object == "upload.part"
-
-    with pytest.raises(BadRequestError) as caught:  # both copies: more bytes than declared
-        client.uploads.complete(upload.id, part_ids=[first.id, again.id, last.id])
+    # The copy counts towards the declared size: the last part no longer fits.
+    with pytest.raises(BadRequestError) as caught:
+        client.uploads.parts.create(upload.id, data=tail)
+    assert caught.value.body["param"] == "data"
+    assert f"the {len(data)} bytes it was created for" in caught.value.message
+    assert f"hold {2 * len(head)} bytes so far" in caught.value.message
+    with pytest.raises(BadRequestError) as caught:  # both copies: not the bytes declared
+        client.uploads.complete(upload.id, part_ids=[first.id, again.id])
     assert caught.value.body["param"] == "part_ids" and str(len(data)) in caught.value.message
+    assert client.uploads.cancel(upload.id).status == "cancelled"
+
+    upload = client.uploads.create(
+        bytes=len(data), filename="in.jsonl", mime_type="application/jsonl", purpose="batch"
+    )
+    first = client.uploads.parts.create(upload.id, data=head)
+    last = client.uploads.parts.create(upload.id, data=tail)
     with pytest.raises(BadRequestError) as caught:
         client.uploads.complete(upload.id, part_ids=[first.id, last.id], md5="0" * 32)
     assert caught.value.body["param"] == "md5"
@@ -82,7 +94,7 @@ def test_a_part_sent_twice_md5_and_size_checks(server: Server) -> None:
     assert caught.value.body["param"] == "part_ids[1]"
 
     done = client.uploads.complete(
-        upload.id, part_ids=[again.id, last.id], md5=hashlib.md5(data).hexdigest()
+        upload.id, part_ids=[first.id, last.id], md5=hashlib.md5(data).hexdigest()
     )
     assert done.status == "completed" and done.file.bytes == len(data)
     assert client.files.content(done.file.id).content == data
@@ -147,6 +159,8 @@ def test_cancel_and_expiry_drop_the_parts(server: Server, pg_url: str, make_key)
     from openai import BadRequestError, NotFoundError
     from sqlalchemy import create_engine, text
 
+    from worker.batches.uploads import sweep_uploads
+
     client = server.client()
     cancelled = client.uploads.create(
         bytes=10, filename="a.jsonl", mime_type="application/jsonl", purpose="batch"
@@ -169,13 +183,18 @@ def test_cancel_and_expiry_drop_the_parts(server: Server, pg_url: str, make_key)
             text("UPDATE uploads SET expires_at = now() - interval '1 second' WHERE id = :id"),
             {"id": expiring.id},
         )
-    engine.dispose()
     with pytest.raises(BadRequestError) as caught:
         client.uploads.parts.create(expiring.id, data=b"67890")
     assert "expired" in caught.value.message
-    # The next create sweeps the expired upload's parts.
-    client.uploads.create(bytes=1, filename="c", mime_type="text/plain", purpose="batch")
+    # The upload sweep (beat's, run here by hand) marks it expired and deletes its parts.
+    assert sweep_uploads() >= 1
     assert _stored_parts(server) == []
+    with engine.connect() as connection:
+        status = connection.scalar(
+            text("SELECT status FROM uploads WHERE id = :id"), {"id": expiring.id}
+        )
+    engine.dispose()
+    assert status == "expired"
 
     with pytest.raises(BadRequestError) as caught:
         client.uploads.create(bytes=10, filename="d", mime_type="text/plain", purpose="assistants")

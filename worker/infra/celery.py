@@ -44,6 +44,7 @@ from core.queue import (
     TASK_RELEASE_SWEEP,
     TASK_SWEEP_EXPIRED,
     TASK_SWEEP_FILES,
+    TASK_SWEEP_UPLOADS,
     TASK_SWEEP_WEBHOOKS,
     TASK_VALIDATE,
     WEBHOOK_QUEUE,
@@ -56,13 +57,15 @@ from worker.infra.metrics import start_exporter
 
 # The tasks of the control queue (what the liveness watchdog's pool check watches).
 CONTROL_TASKS = frozenset({TASK_VALIDATE, TASK_FINALIZE, TASK_CANCEL, TASK_SWEEP_EXPIRED,
-                           TASK_RELEASE_SWEEP, TASK_SWEEP_FILES, TASK_SWEEP_WEBHOOKS, TASK_RECLAIM,
-                           TASK_ESTIMATE, TASK_REFRESH_ETAS})  # fmt: skip
+                           TASK_RELEASE_SWEEP, TASK_SWEEP_FILES, TASK_SWEEP_UPLOADS,
+                           TASK_SWEEP_WEBHOOKS, TASK_RECLAIM, TASK_ESTIMATE,
+                           TASK_REFRESH_ETAS})  # fmt: skip
 
 # Task modules every process registers. ``worker.shards.recovery`` (heartbeats and the reclaim
 # sweep) is included when it is present.
 INCLUDE = ["worker.batches.tasks", "worker.batches.webhooks", "worker.batches.retention",
-           "worker.shards.task", "worker.shards.release", "worker.validation.estimate"]  # fmt: skip
+           "worker.batches.uploads", "worker.shards.task", "worker.shards.release",
+           "worker.validation.estimate"]  # fmt: skip
 
 
 def _has_recovery() -> bool:
@@ -275,6 +278,7 @@ def create_app() -> Celery:
         "sweep-expired": _every(TASK_SWEEP_EXPIRED, settings.expiry_sweep_interval_s),
         "release-shards": _every(TASK_RELEASE_SWEEP, settings.release_sweep_interval_s),
         "sweep-files": _every(TASK_SWEEP_FILES, settings.file_sweep_interval_s),
+        "sweep-uploads": _every(TASK_SWEEP_UPLOADS, settings.upload_sweep_interval_s),
         "sweep-webhooks": _every(TASK_SWEEP_WEBHOOKS, settings.webhook_sweep_interval_s),
         "refresh-etas": _every(TASK_REFRESH_ETAS, settings.eta_refresh_interval_s),
     }
