@@ -73,21 +73,23 @@ def test_validation_failure_exit_code(stack, tmp_path: Path) -> None:  # noqa: F
 
 
 def test_cancel_then_wait_exits_cancelled(stack, tmp_path: Path) -> None:  # noqa: F811
-    rows = [chat_line(f"long-{i}", f"river {i}", 400, ignore_eos=True) for i in range(32)]
-    result = batchd(stack, "submit", str(write_jsonl(tmp_path / "in.jsonl", rows)))
-    assert result.exit_code == ExitCode.OK, result.output
-    batch_id = result.stdout.strip()
-    deadline = time.monotonic() + 90
-    while True:
-        status = json.loads(batchd(stack, "status", batch_id, "--json").stdout)["status"]
-        if status == "in_progress" or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert status == "in_progress"
-    result = batchd(stack, "cancel", batch_id)
-    assert result.exit_code == ExitCode.OK and result.stdout.split() == [batch_id, "cancelling"]
-    result = batchd(stack, "wait", batch_id, "--poll-interval", "0.2", "--timeout", "60")
-    assert result.exit_code == ExitCode.CANCELLED, result.output
+    rows = [chat_line(f"long-{i}", f"river {i}", 16, ignore_eos=True) for i in range(31)]
+    with stack.gate("cli_cancel") as gate:  # the last line holds the batch until cancelled
+        rows.append(chat_line("long-31", f"river {gate.marker}", 16, ignore_eos=True))
+        result = batchd(stack, "submit", str(write_jsonl(tmp_path / "in.jsonl", rows)))
+        assert result.exit_code == ExitCode.OK, result.output
+        batch_id = result.stdout.strip()
+        deadline = time.monotonic() + 90
+        while True:
+            status = json.loads(batchd(stack, "status", batch_id, "--json").stdout)["status"]
+            if status == "in_progress" or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert status == "in_progress"
+        result = batchd(stack, "cancel", batch_id)
+        assert result.exit_code == ExitCode.OK and result.stdout.split() == [batch_id, "cancelling"]
+        result = batchd(stack, "wait", batch_id, "--poll-interval", "0.2", "--timeout", "60")
+        assert result.exit_code == ExitCode.CANCELLED, result.output
     out, err = tmp_path / "out.jsonl", tmp_path / "err.jsonl"
     result = batchd(stack, "download", batch_id, "-o", str(out), "--errors", str(err))
     assert result.exit_code == ExitCode.OK, result.output
@@ -98,18 +100,22 @@ def test_cancel_then_wait_exits_cancelled(stack, tmp_path: Path) -> None:  # noq
 
 def test_expired_batch_exits_expired(stack, tmp_path: Path) -> None:  # noqa: F811
     """A real expiry: an 8-second window (time to validate even on a busy machine) over a
-    workload far longer than that; the beat sweep expires it and `submit --wait` exits with the
-    expired code, the finished results and `batch_expired` lines downloaded."""
-    rows = [chat_line(f"slow-{i}", f"ocean {i}", 900, ignore_eos=True) for i in range(64)]
-    out, err = tmp_path / "out.jsonl", tmp_path / "err.jsonl"
-    result = batchd(
-        stack, "submit", str(write_jsonl(tmp_path / "in.jsonl", rows)), "--window", "8s",
-        "--wait", "-o", str(out), "--errors", str(err), "--poll-interval", "0.2",
-        "--timeout", "120",
-    )  # fmt: skip
+    workload held past it (its last line holds the engine, however fast the machine); the
+    beat sweep expires it and `submit --wait` exits with the expired code, the finished
+    results and `batch_expired` lines downloaded."""
+    with stack.gate("cli_expiry") as gate:
+        rows = [chat_line(f"slow-{i}", f"ocean {i}", 16, ignore_eos=True) for i in range(15)]
+        rows.append(chat_line("slow-15", f"ocean {gate.marker}", 16, ignore_eos=True))
+        out, err = tmp_path / "out.jsonl", tmp_path / "err.jsonl"
+        result = batchd(
+            stack, "submit", str(write_jsonl(tmp_path / "in.jsonl", rows)), "--window", "8s",
+            "--wait", "-o", str(out), "--errors", str(err), "--poll-interval", "0.2",
+            "--timeout", "120",
+        )  # fmt: skip
     assert result.exit_code == ExitCode.EXPIRED, result.output
     errors = [json.loads(x) for x in err.read_text().splitlines()] if err.exists() else []
     assert errors, (result.output, out.exists(), err.exists())
     assert all(e["error"]["code"] == "batch_expired" for e in errors)
     done = out.read_text().splitlines() if out.exists() else []
-    assert len(done) + len(errors) == 64
+    assert len(done) + len(errors) == len(rows)
+    assert "slow-15" in {e["custom_id"] for e in errors}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,8 @@ from typing import Any
 import pytest
 
 from cli.perf.service import free_port, wait_for
+from tests.harness.engine_gate import ENV as GATE_ENV
+from tests.harness.engine_gate import MODEL_WORKER_GATE, FileGate, closed_gate
 from tests.harness.stack import (
     API_KEY,
     Procs,
@@ -35,6 +38,13 @@ class Stack:
 
     def log(self, name: str) -> str:
         return (self.root / f"{name}.log").read_text(errors="replace")
+
+    def gate(self, name: str) -> AbstractContextManager[FileGate]:
+        """A gate in the model worker's engine, closed for the block: a line whose prompt
+        carries ``gate.marker`` holds the engine once admitted (and cannot finish), so its
+        batch is still running when the test acts, however fast the machine
+        (:mod:`tests.harness.engine_gate`)."""
+        return closed_gate(Path(self.env[GATE_ENV]), name)
 
 
 def _own_redis_db(redis_url: str) -> str:
@@ -72,16 +82,17 @@ def stack(
         BATCHD_SHARD_MAX_REQUESTS="16",
         BATCHD_WORKER_SHARD_CONCURRENCY="2",
         BATCHD_EXPIRY_SWEEP_INTERVAL_S="1",
-        # A small running batch keeps long workloads long enough to cancel or expire mid-way.
-        # Arrival order (not longest-first) so the quick requests at the head finish first.
+        # A small running batch, in arrival order (not longest-first): the requests at the
+        # head finish first, and a gated line at the end is admitted last.
         BATCHD_ENGINE_OPTIONS=json.dumps({"max_num_seqs": 4, "admission": "fcfs"}),
+        **{GATE_ENV: str(root / "gates")},
         **getattr(request.module, "STACK_ENV", {}),
     )
     procs = Procs(root)
     try:
         procs.start("api", api_command(port), env)
         procs.start("control", celery_command("control", "control", root), env)
-        procs.start("model", celery_command("model", "model", root), env)
+        procs.start("model", [*celery_command("model", "model", root), *MODEL_WORKER_GATE], env)
         procs.start("beat", celery_command("beat", "beat", root), env)
         stack = Stack(
             f"http://127.0.0.1:{port}/v1",

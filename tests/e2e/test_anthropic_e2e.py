@@ -173,18 +173,21 @@ def test_cancel_delete_list_and_the_error_envelope(stack, claude):
     import httpx
     import openai
 
-    long = [
-        {"custom_id": f"r{i}", "params": _params(f"write a long story number {i}", 400)}
-        for i in range(24)
-    ]
-    running = claude.messages.batches.create(requests=long)
-    with pytest.raises(anthropic.BadRequestError) as caught:
-        claude.messages.batches.delete(running.id)
-    assert caught.value.body["error"]["type"] == "invalid_request_error"
-    cancelling = claude.messages.batches.cancel(running.id)
-    assert cancelling.processing_status in {"canceling", "ended"}
-    assert cancelling.cancel_initiated_at is not None
-    ended = _ended(stack, claude, running.id)
+    # The last request cannot end before the cancel: it holds the engine once admitted.
+    with stack.gate("anthropic_cancel") as gate:
+        long = [
+            {"custom_id": f"r{i}", "params": _params(f"write a long story number {i}", 64)}
+            for i in range(23)
+        ]
+        long.append({"custom_id": "r23", "params": _params(f"a story {gate.marker}", 64)})
+        running = claude.messages.batches.create(requests=long)
+        with pytest.raises(anthropic.BadRequestError) as caught:
+            claude.messages.batches.delete(running.id)
+        assert caught.value.body["error"]["type"] == "invalid_request_error"
+        cancelling = claude.messages.batches.cancel(running.id)
+        assert cancelling.processing_status in {"canceling", "ended"}
+        assert cancelling.cancel_initiated_at is not None
+        ended = _ended(stack, claude, running.id)
     counts = ended.request_counts
     assert counts.canceled > 0, counts
     assert counts.succeeded + counts.errored + counts.canceled + counts.expired == 24

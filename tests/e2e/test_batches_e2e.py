@@ -248,37 +248,41 @@ def test_validation_failure_names_the_lines(stack):
     assert batch.output_file_id is None
 
 
-def _long_workload(n: int, tokens: int) -> list[dict[str, Any]]:
+def _long_workload(n: int, tokens: int, *, held: str) -> list[dict[str, Any]]:
     """Each shard (16 requests) starts with three quick requests, so results arrive early
-    whichever shard the engine takes first; the long rest keeps the batch running until it is
-    cancelled or expires."""
-    return [
+    whichever shard the engine takes first; the last request's prompt carries ``held`` (a
+    gate's marker): it holds the engine once admitted, so the batch runs until it is
+    cancelled or expires however fast the machine."""
+    lines = [
         chat_line(
             f"long-{i}", f"write about the river {i}", 12 if i % 16 < 3 else tokens, ignore_eos=True
         )
         for i in range(n)
     ]
+    lines[-1] = chat_line(f"long-{n - 1}", f"write about the river {held}", 12, ignore_eos=True)
+    return lines
 
 
 def test_live_counts_then_cancel_keeps_partial_results(stack):
-    lines = _long_workload(48, 400)
-    batch = _submit(stack, lines)
-    # request_counts advance while the batch runs.
-    running = _wait(stack, batch.id, 90, until=lambda b: b.request_counts.completed >= 1)
-    assert running.status == "in_progress", running
-    assert 0 < running.request_counts.completed < 48
-    later = _wait(
-        stack,
-        batch.id,
-        60,
-        until=lambda b: b.request_counts.completed > running.request_counts.completed,
-    )
-    assert later.status == "in_progress"
+    with stack.gate("live_counts") as gate:  # the last line holds the batch until cancelled
+        lines = _long_workload(48, 64, held=gate.marker)
+        batch = _submit(stack, lines)
+        # request_counts advance while the batch runs.
+        running = _wait(stack, batch.id, 90, until=lambda b: b.request_counts.completed >= 1)
+        assert running.status == "in_progress", running
+        assert 0 < running.request_counts.completed < 48
+        later = _wait(
+            stack,
+            batch.id,
+            60,
+            until=lambda b: b.request_counts.completed > running.request_counts.completed,
+        )
+        assert later.status == "in_progress"
 
-    cancelled_at = time.monotonic()
-    assert stack.client.batches.cancel(batch.id).status == "cancelling"
-    batch = _wait(stack, batch.id, 30)
-    took = time.monotonic() - cancelled_at
+        cancelled_at = time.monotonic()
+        assert stack.client.batches.cancel(batch.id).status == "cancelling"
+        batch = _wait(stack, batch.id, 30)
+        took = time.monotonic() - cancelled_at
     assert batch.status == "cancelled", batch
     assert took < 15, f"cancel took {took:.1f}s"
 
@@ -294,9 +298,10 @@ def test_live_counts_then_cancel_keeps_partial_results(stack):
 
 
 def test_expiry_keeps_finished_results_and_reports_the_rest(stack):
-    # 96 requests, most of 1,000 tokens: over 10 s of engine work however fast a step is.
-    batch = _submit(stack, _long_workload(96, 1000), window="10s")
-    batch = _wait(stack, batch.id, 60)
+    # The last line holds the engine past the 10 s window, however fast a step is.
+    with stack.gate("expiry") as gate:
+        batch = _submit(stack, _long_workload(96, 64, held=gate.marker), window="10s")
+        batch = _wait(stack, batch.id, 60)
     assert batch.status == "expired", batch
     out = _download(stack, batch.output_file_id)
     err = _download(stack, batch.error_file_id)

@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 
 from cli.perf.service import free_port, wait_for
+from tests.harness.engine_gate import AFTER_ENV as GATE_AFTER
+from tests.harness.engine_gate import MODEL_WORKER_GATE
 from tests.harness.stack import API_KEY, Procs, api_command, celery_command, stack_env
 from tests.helpers.lines import MODEL
 from tests.helpers.worker import batch_row, chat_line, read_file_lines, shard_rows
@@ -63,9 +65,11 @@ def _create_batch(lines: list[dict[str, Any]], broker: str) -> str:
     return batch_id
 
 
-# 96 requests of this many tokens on two sequence slots outlast the three kills even on a quiet
-# machine (the tiny model decodes ~2,000 tokens/s there).
-MAX_TOKENS = 256
+MAX_TOKENS = 64
+# Each killed worker finishes at most this many requests, then its engine holds them in flight
+# until the kill (tests.harness.engine_gate): three of them finish at most 48 of the 96, so the
+# job outlasts the kills by construction, however fast the machine.
+FINISHED_PER_KILLED_WORKER = 16
 
 
 def test_sigkilled_model_worker_loses_nothing_and_repeats_nothing(
@@ -79,7 +83,6 @@ def test_sigkilled_model_worker_loses_nothing_and_repeats_nothing(
         BATCHD_CHECKPOINT_INTERVAL_S="0.5",
         BATCHD_SHARD_MAX_REQUESTS="6",
         BATCHD_WORKER_SHARD_CONCURRENCY="2",
-        # Small batches keep the job running through all three kills, even on a quiet machine.
         BATCHD_ENGINE_OPTIONS=json.dumps({"max_num_seqs": 2}),
         BATCHD_HEARTBEAT_INTERVAL_S="0.5",
         BATCHD_SHARD_STALE_AFTER_S="3",
@@ -93,7 +96,13 @@ def test_sigkilled_model_worker_loses_nothing_and_repeats_nothing(
     _use_env(env, monkeypatch)
     procs.start("control", celery_command("control", "control", tmp_path), env)
     procs.start("beat", celery_command("beat", "beat", tmp_path), env)
-    procs.start("model-0", celery_command("model", "model-0", tmp_path), env)
+
+    def start_model(k: int) -> None:
+        command = [*celery_command("model", f"model-{k}", tmp_path), *MODEL_WORKER_GATE]
+        capped = {GATE_AFTER: str(FINISHED_PER_KILLED_WORKER)} if k < 3 else {}
+        procs.start(f"model-{k}", command, {**env, **capped})
+
+    start_model(0)
     texts = {f"k{i:02d}": f"tell me about the mountain number {i}" for i in range(96)}
     batch_id = _create_batch(
         [chat_line(c, t, MAX_TOKENS, ignore_eos=True) for c, t in texts.items()], private_broker
@@ -115,10 +124,10 @@ def test_sigkilled_model_worker_loses_nothing_and_repeats_nothing(
         delay = rng.uniform(0.0, 2.5)
         time.sleep(delay)
         batch = batch_row(batch_id)
-        assert batch.status == "in_progress", f"the job ended before kill {k}; make it longer"
+        assert batch.status == "in_progress", f"the job ended before kill {k}"
         procs.kill(name)
         kills.append((round(delay, 2), batch.request_completed))
-        procs.start(f"model-{k + 1}", celery_command("model", f"model-{k + 1}", tmp_path), env)
+        start_model(k + 1)
 
     wait_for(
         lambda: batch_row(batch_id).status in ("completed", "failed", "expired", "cancelled"),

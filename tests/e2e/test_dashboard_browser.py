@@ -16,6 +16,8 @@ import time
 import pytest
 
 from cli.perf.service import free_port, wait_for
+from tests.harness.engine_gate import ENV as GATE_ENV
+from tests.harness.engine_gate import MODEL_WORKER_GATE, FileGate
 from tests.harness.stack import API_KEY, Procs, api_command, stack_env
 from tests.harness.stack import celery_command as celery
 from tests.helpers.lines import MODEL, chat_line, create_batch
@@ -83,14 +85,15 @@ def test_dashboard_in_a_browser(pg_url, private_broker, tmp_path, procs: Procs):
             BATCHD_CHECKPOINT_INTERVAL_S="0.5",
             BATCHD_SHARD_MAX_REQUESTS="8",
             BATCHD_WORKER_SHARD_CONCURRENCY="2",
-            BATCHD_ENGINE_OPTIONS=json.dumps({"max_num_seqs": 2}),
+            BATCHD_ENGINE_OPTIONS=json.dumps({"max_num_seqs": 2, "admission": "fcfs"}),
             BATCHD_RELEASE_SWEEP_INTERVAL_S="1",
             BATCHD_UI_SAMPLE_INTERVAL_S="1",
+            **{GATE_ENV: str(tmp_path / "gates")},
         )
         procs.start("api", api_command(port), env)
         procs.start("control", celery("control", "control", tmp_path), env)
         procs.start("beat", celery("beat", "beat", tmp_path), env)
-        procs.start("model", celery("model", "model", tmp_path), env)
+        procs.start("model", [*celery("model", "model", tmp_path), *MODEL_WORKER_GATE], env)
         procs.wait_log("model", f"model {MODEL} ready", 120)
 
         # Signed out: the page asks for a key; a wrong key is refused.
@@ -99,15 +102,16 @@ def test_dashboard_in_a_browser(pg_url, private_broker, tmp_path, procs: Procs):
         assert httpx.get(f"{base}/ui/data").status_code == 401
 
         client = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {API_KEY}"})
-        # Sized in engine work, not wall time: a batch that ends within a second or two
-        # (32 x 40 tokens did on a fast machine) leaves the polling page no time to see the
-        # bar move.
+        # The batch advances in stages, however fast the machine: every 16th line holds the
+        # engine (tests.harness.engine_gate) until the page has shown the progress so far.
+        gates = [FileGate(tmp_path / "gates", f"dashboard_{k}") for k in range(4)]
+        texts = [f"a long dashboard story {i}" for i in range(64)]
+        for k, gate in enumerate(gates):
+            gate.close()
+            texts[16 * k + 15] = f"a dashboard story {gate.marker}"
         data = b"".join(
-            json.dumps(
-                chat_line(f"d{i:02d}", f"a long dashboard story {i}", 160, ignore_eos=True)
-            ).encode()
-            + b"\n"
-            for i in range(64)
+            json.dumps(chat_line(f"d{i:02d}", text, 16, ignore_eos=True)).encode() + b"\n"
+            for i, text in enumerate(texts)
         )
         batch_id = create_batch(client, data)
 
@@ -118,10 +122,14 @@ def test_dashboard_in_a_browser(pg_url, private_broker, tmp_path, procs: Procs):
 
         def advanced() -> bool:
             value = _progress(driver, batch_id)
+            if value and value not in seen:  # shown: let the batch go on to its next stage
+                next((g for g in gates if g.path.exists()), gates[-1]).open()
             seen.append(value or 0.0)
             return value is not None and value > 0 and len(set(seen)) >= 3
 
         wait_for(advanced, 120, "the progress bar to advance", procs.logs)
+        for gate in gates:
+            gate.open()
         assert seen == sorted(seen), seen
         # The model panel: workers, occupancy, KV, tokens/s, with its charts.
         from selenium.webdriver.common.by import By

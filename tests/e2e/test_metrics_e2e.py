@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 
 from cli.perf.service import free_port, wait_for
+from tests.harness.engine_gate import ENV as GATE_ENV
+from tests.harness.engine_gate import MODEL_WORKER_GATE, FileGate
 from tests.harness.stack import API_KEY, Procs, api_command, stack_env
 from tests.harness.stack import celery_command as celery
 from tests.helpers.lines import MODEL, chat_line, create_batch
@@ -42,6 +44,7 @@ def test_counters_move_by_exactly_the_batch(pg_url, private_broker, tmp_path, pr
         BATCHD_LOG_FORMAT="json",
         BATCHD_WORKER_METRICS_HOST="127.0.0.1",
         BATCHD_METRICS_CACHE_S="0",  # the gauges as they are now at every scrape
+        **{GATE_ENV: str(tmp_path / "gates")},
     )
     procs.start("api", api_command(api_port), env)
     procs.start(
@@ -52,7 +55,7 @@ def test_counters_move_by_exactly_the_batch(pg_url, private_broker, tmp_path, pr
     procs.start("beat", celery("beat", "beat", tmp_path), env)
     procs.start(
         "model",
-        celery("model", "model", tmp_path),
+        [*celery("model", "model", tmp_path), *MODEL_WORKER_GATE],
         {**env, "BATCHD_WORKER_METRICS_PORT": str(model_port)},
     )
     procs.wait_log("model", f"model {MODEL} ready", 120)
@@ -68,12 +71,14 @@ def test_counters_move_by_exactly_the_batch(pg_url, private_broker, tmp_path, pr
     client = httpx.Client(
         base_url=f"http://127.0.0.1:{api_port}", headers={"Authorization": f"Bearer {API_KEY}"}
     )
+    # The last line holds the engine until the scrapes below have seen the work pending,
+    # however fast the machine runs the rest.
+    gate = FileGate(tmp_path / "gates", "metrics")
+    gate.close()
+    texts = [f"count the metrics {i}" for i in range(NUM_REQUESTS - 1)] + [gate.marker]
     data = b"".join(
-        json.dumps(
-            chat_line(f"m{i:02d}", f"count the metrics {i}", 6 + i % 5, ignore_eos=True)
-        ).encode()
-        + b"\n"
-        for i in range(NUM_REQUESTS)
+        json.dumps(chat_line(f"m{i:02d}", text, 6 + i % 5, ignore_eos=True)).encode() + b"\n"
+        for i, text in enumerate(texts)
     )
     batch_id = create_batch(client, data)
 
@@ -99,6 +104,7 @@ def test_counters_move_by_exactly_the_batch(pg_url, private_broker, tmp_path, pr
     assert value(engine_now, "batchd_engine_up", model=MODEL) == 1
     assert value(engine_now, "batchd_engine_max_num_seqs", model=MODEL) == 4
     assert 0 <= value(engine_now, "batchd_engine_kv_cache_usage_perc", model=MODEL) <= 1
+    gate.open()
 
     wait_for(lambda: batch()["status"] in ("completed", "failed"), 180, "the batch", procs.logs)
     final = batch()

@@ -23,6 +23,8 @@ from cli.exit_codes import ExitCode
 from cli.main import app
 from cli.perf.service import free_port, wait_for
 from tests.e2e.conftest import Stack, _own_redis_db
+from tests.harness.engine_gate import ENV as GATE_ENV
+from tests.harness.engine_gate import MODEL_WORKER_GATE
 from tests.harness.stack import API_KEY, REPO, Procs, api_command, celery_command, stack_env
 from tests.helpers.lines import MODEL, chat_line
 
@@ -61,12 +63,13 @@ def rstack(pg_url: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory
         BATCHD_RELEASE_RESEND_AFTER_S="6",
         BATCHD_MAX_SHARD_ATTEMPTS="20",
         BATCHD_EXPIRY_SWEEP_INTERVAL_S="1",
+        **{GATE_ENV: str(root / "gates")},
     )
     procs = Procs(root)
     try:
         procs.start("api", api_command(port), env)
         procs.start("control", celery_command("control", "control", root), env)
-        procs.start("model", celery_command("model", "model", root), env)
+        procs.start("model", [*celery_command("model", "model", root), *MODEL_WORKER_GATE], env)
         procs.start("beat", celery_command("beat", "beat", root), env)
         base = f"http://127.0.0.1:{port}"
 
@@ -173,7 +176,8 @@ def test_pages_equal_the_files_across_a_model_worker_sigkill(rstack) -> None:
                 assert batch.status == "in_progress"
                 killed_at = len(seen)
                 procs.kill("model")
-                procs.start("model-2", celery_command("model", "model-2", stack.root), stack.env)
+                model_2 = [*celery_command("model", "model-2", stack.root), *MODEL_WORKER_GATE]
+                procs.start("model-2", model_2, stack.env)
             elif killed_at is not None and resumed_at is None:
                 if "resumes:" in procs.log("model-2"):
                     resumed_at = len(seen)
@@ -239,34 +243,37 @@ def test_cursor_limit_and_tenancy_errors(rstack, monkeypatch) -> None:
 
 def test_follow_cancel_retry_and_download_with_retries(rstack, tmp_path: Path) -> None:
     stack = rstack
-    # Long enough to be running still once the follower has lines, however fast a step is
-    # (the batch is cancelled then, not run to its end).
-    rows = _rows("c", "river", 16, long_tokens=900)
-    batch_id = _submit(stack, rows)
-    partial = tmp_path / "partial.jsonl"
-    follower = subprocess.Popen(
-        [sys.executable, "-m", "cli", "results", batch_id, "--follow", "-o", str(partial),
-         "--poll-interval", "0.2", "--timeout", "200", "--base-url", stack.base_url,
-         "--api-key", API_KEY],
-        cwd=REPO, env={**os.environ, **stack.env}, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    try:
+    # The last line holds the engine once admitted: the batch is still running when the
+    # follower has lines, however fast a step is (it is cancelled then, not run to its end).
+    rows = _rows("c", "river", 16, long_tokens=64)
+    held = rows[-1]["custom_id"]
+    with stack.gate("follow_cancel") as gate:
+        rows[-1] = chat_line(held, f"river {gate.marker}", 64, ignore_eos=True)
+        batch_id = _submit(stack, rows)
+        partial = tmp_path / "partial.jsonl"
+        follower = subprocess.Popen(
+            [sys.executable, "-m", "cli", "results", batch_id, "--follow", "-o", str(partial),
+             "--poll-interval", "0.2", "--timeout", "200", "--base-url", stack.base_url,
+             "--api-key", API_KEY],
+            cwd=REPO, env={**os.environ, **stack.env}, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
 
-        def lines_arrived() -> bool:
-            return partial.exists() and len(partial.read_text().splitlines()) >= 2
+            def lines_arrived() -> bool:
+                return partial.exists() and len(partial.read_text().splitlines()) >= 2
 
-        wait_for(lines_arrived, 120, "the follower to append lines", stack.procs.logs)
-        assert stack.client.batches.retrieve(batch_id).status == "in_progress"
-        with _http(stack) as http:  # a running batch cannot be retried
-            response = http.post(f"batches/{batch_id}/retry")
-        assert response.status_code == 409, response.text
-        assert "in_progress" in response.json()["error"]["message"]
-        stack.client.batches.cancel(batch_id)
-        output, _ = follower.communicate(timeout=120)
-    finally:
-        if follower.poll() is None:
-            follower.kill()
+            wait_for(lines_arrived, 120, "the follower to append lines", stack.procs.logs)
+            assert stack.client.batches.retrieve(batch_id).status == "in_progress"
+            with _http(stack) as http:  # a running batch cannot be retried
+                response = http.post(f"batches/{batch_id}/retry")
+            assert response.status_code == 409, response.text
+            assert "in_progress" in response.json()["error"]["message"]
+            stack.client.batches.cancel(batch_id)
+            output, _ = follower.communicate(timeout=120)
+        finally:
+            if follower.poll() is None:
+                follower.kill()
     assert follower.returncode == ExitCode.CANCELLED, output
     batch = stack.client.batches.retrieve(batch_id)
     assert batch.status == "cancelled"

@@ -160,24 +160,25 @@ def test_output_expires_after_out_of_range_is_400(stack, value, param, message):
 
 
 def test_running_batch_keeps_its_expired_input_until_it_ends(stack):
-    # Long enough to outlast three sweeps even on a quiet machine (quick ones finish first).
-    lines = [_chat(f"r{i}", 4 if i % 8 == 0 else 800) for i in range(32)]
-    file_id = _upload(stack, lines)
-    batch = stack.client.batches.create(
-        input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
-    )
-    _until(
-        lambda: stack.client.batches.retrieve(batch.id).request_counts.completed >= 1,
-        90,
-        "the batch to make progress",
-    )
-    row = _file(stack, file_id)
-    _expire_now(stack, file_id)
-    time.sleep(3)  # three sweeps while the batch runs
-    assert stack.client.batches.retrieve(batch.id).status == "in_progress", (
-        "the workload finished too early for this test"
-    )
-    assert _file(stack, file_id) is not None and _object(stack, row).exists()
+    with stack.gate("retention") as gate:
+        # The last line holds the engine once admitted: the batch runs across the sweeps
+        # however fast the machine; the lines before it finish first.
+        lines = [_chat(f"r{i}", 16) for i in range(31)]
+        lines.append(chat_line("held", f"write about the sea {gate.marker}", 16, ignore_eos=True))
+        file_id = _upload(stack, lines)
+        batch = stack.client.batches.create(
+            input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        _until(
+            lambda: stack.client.batches.retrieve(batch.id).request_counts.completed >= 1,
+            90,
+            "the batch to make progress",
+        )
+        row = _file(stack, file_id)
+        _expire_now(stack, file_id)
+        time.sleep(3)  # three sweeps while the batch runs
+        assert stack.client.batches.retrieve(batch.id).status == "in_progress"
+        assert _file(stack, file_id) is not None and _object(stack, row).exists()
 
     done = _until(
         lambda: (b := stack.client.batches.retrieve(batch.id)).status in TERMINAL and b,

@@ -1,11 +1,14 @@
 """An HTTP reverse proxy on loopback that injects an upstream server's refusals on demand.
 
-Put it in front of a real OpenAI-compatible server: it forwards every request as it came and
-counts what passed. ``refuse(n, status, retry_after)`` answers the next ``n`` requests itself
-(429 or 503 with a ``Retry-After`` header, as a busy vLLM or a gateway does) without forwarding
-them. A client that disconnects while its request is forwarded closes the request upstream too
+Put it in front of a real OpenAI-compatible server: it forwards every request as it came,
+counts what passed and keeps each request's path and body (``received``).
+``refuse(n, status, retry_after)`` answers the next ``n`` requests itself (429 or 503 with a
+``Retry-After`` header, as a busy vLLM or a gateway does) without forwarding them. A client that disconnects while its request is forwarded closes the request upstream too
 (the server sees its connection close, as vLLM needs to abort it). ``in_flight`` is the
 requests forwarded and not yet answered; ``max_in_flight`` the most seen at once.
+``hold()`` keeps every answer from the client (the request is forwarded and answered
+upstream, the answer waits here) until ``release()``: the requests stay in flight however fast
+the server answers, for a test that must act while they are.
 
 (``tests.harness.tcp_proxy`` cuts and stalls connections; this one speaks HTTP.)
 """
@@ -35,7 +38,9 @@ class FaultProxy:
         self.closed_by_client = 0
         self.in_flight = 0
         self.max_in_flight = 0
+        self.received: list[tuple[str, bytes]] = []  # (path, body) of every request, in order
         self._refusals: list[tuple[int, float | None]] = []
+        self._holding = False
         self._client: httpx.AsyncClient | None = None
         self._server = uvicorn.Server(
             uvicorn.Config(
@@ -67,6 +72,13 @@ class FaultProxy:
         with self.lock:
             self._refusals += [(status, retry_after)] * n
 
+    def hold(self) -> None:
+        """Keep every answer (forwarded ones included) until :meth:`release`."""
+        self._holding = True
+
+    def release(self) -> None:
+        self._holding = False
+
     def reset_peak(self) -> None:
         with self.lock:
             self.max_in_flight = self.in_flight
@@ -85,6 +97,7 @@ class FaultProxy:
             body += message.get("body", b"")
             more = message.get("more_body", False)
         with self.lock:
+            self.received.append((scope["path"], body))
             refusal = self._refusals.pop(0) if self._refusals else None
             if refusal is not None:
                 self.refused += 1
@@ -137,6 +150,8 @@ class FaultProxy:
             content = await response.aread()
         finally:
             await response.aclose()
+        while self._holding:  # the client may leave meanwhile: the caller watches for that
+            await asyncio.sleep(0.01)
         return response.status_code, list(response.headers.items()), content
 
 

@@ -37,6 +37,7 @@ from tests.helpers.scrape import parse, value
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 
 MODEL = "fleet"
+SALT_IN_PROMPT_CACHE_KEY = "cache_salt_field=prompt_cache_key"
 
 
 @dataclass
@@ -114,7 +115,11 @@ def fleet(pg_url: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory)
             pg_url,
             broker,
             root,
-            BATCHD_MODELS=json.dumps({MODEL: f"upstream:{upstream}?model={server.model}"}),
+            # transformers serve refuses vLLM's cache_salt: the tenant's salt goes in
+            # prompt_cache_key (worker.upstream.cache_salt)
+            BATCHD_MODELS=json.dumps(
+                {MODEL: f"upstream:{upstream}?model={server.model}&{SALT_IN_PROMPT_CACHE_KEY}"}
+            ),
             BATCHD_CHECKPOINT_EVERY="2",
             BATCHD_CHECKPOINT_INTERVAL_S="0.5",
             BATCHD_SHARD_MAX_REQUESTS="8",
@@ -312,14 +317,18 @@ def test_a_busy_server_is_waited_for_not_failed(fleet: Fleet, status: int) -> No
 def test_cancel_closes_the_requests_in_flight(fleet: Fleet) -> None:
     """vLLM and SGLang abort a request when its connection closes: a cancel must close the
     batch's requests in flight, within about a second (the 2 s promise, polled)."""
-    lines = [chat_line(f"x{i}", "Tell a very long story.", 400, model=MODEL) for i in range(12)]
-    batch_id = fleet.submit(lines)
-    wait_for(lambda: fleet.faults.in_flight >= 2, 120, "requests in flight", fleet.procs.logs)
-    closed = fleet.faults.closed_by_client
-    assert fleet.http.post(f"/v1/batches/{batch_id}/cancel").status_code == 200
-    cancelled = time.monotonic()
-    wait_for(lambda: fleet.faults.in_flight == 0, 10, "the requests to close", fleet.procs.logs)
-    assert time.monotonic() - cancelled < 2.5
-    assert fleet.faults.closed_by_client > closed
+    lines = [chat_line(f"x{i}", "Tell a story.", 16, model=MODEL) for i in range(12)]
+    fleet.faults.hold()  # the answers wait in the proxy: in flight however fast the server is
+    try:
+        batch_id = fleet.submit(lines)
+        wait_for(lambda: fleet.faults.in_flight >= 2, 120, "requests in flight", fleet.procs.logs)
+        closed = fleet.faults.closed_by_client
+        assert fleet.http.post(f"/v1/batches/{batch_id}/cancel").status_code == 200
+        cancelled = time.monotonic()
+        wait_for(lambda: fleet.faults.in_flight == 0, 10, "the requests to close", fleet.procs.logs)
+        assert time.monotonic() - cancelled < 2.5
+        assert fleet.faults.closed_by_client > closed
+    finally:
+        fleet.faults.release()
     done = fleet.wait(batch_id, ("cancelled",))
     assert done["request_counts"]["total"] == 12

@@ -190,16 +190,25 @@ def test_redelivered_task_past_max_attempts_fails_the_rest(worker_env, host):
     assert not out and {r["response"]["body"]["error"]["code"] for r in err} == {"shard_failed"}
 
 
-def test_heartbeat_thread_beats_and_stops_a_reclaimed_attempt(worker_env, host, monkeypatch):
+def test_heartbeat_thread_beats_and_stops_a_reclaimed_attempt(worker_env, monkeypatch):
+    from core.llms.demo import build
     from core.settings import get_settings
+    from engine import Engine, EngineHost
+    from tests.harness import engine_gate
     from worker.shards.task import ShardEnd, run_shard
 
     monkeypatch.setenv("BATCHD_HEARTBEAT_INTERVAL_S", "0.2")
     monkeypatch.setenv("BATCHD_CHECKPOINT_EVERY", "1000")
     get_settings.cache_clear()
-    lines = [chat_line(f"h{i}", f"story {i}", max_tokens=800, ignore_eos=True) for i in range(12)]
+    # The last line holds the engine (its gate never opens): the shard runs until the
+    # reclaim, however fast the machine.
+    lines = [chat_line(f"h{i}", f"story {i}", max_tokens=16, ignore_eos=True) for i in range(11)]
+    lines.append(chat_line("h11", f"story {engine_gate.marker('beats')}", 16, ignore_eos=True))
     batch_id = validated_batch(lines)
     (shard,) = shard_rows(batch_id)
+    engine = Engine(str(build("llama-tiny")))
+    engine_gate.install(engine, lambda name: True)
+    host = EngineHost(engine).start()
     outcome: list[Any] = []
     t = threading.Thread(target=lambda: outcome.append(run_shard(shard.id, host=host)))
     t.start()
@@ -218,6 +227,7 @@ def test_heartbeat_thread_beats_and_stops_a_reclaimed_attempt(worker_env, host, 
     assert not t.is_alive() and outcome[0].end == ShardEnd.LOST
     assert time.monotonic() - stopped_at < 5
     assert shard_rows(batch_id)[0].num_chunks == 0  # nothing committed by the fenced attempt
+    host.shutdown(wait=True, abort_pending=True, timeout=30)
 
 
 def test_step_failure_retries_each_request_alone(worker_env, host, fault_host):
