@@ -9,6 +9,7 @@ cannot serve (an image block, tools, an unknown field) is not a line at all: it 
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -96,11 +97,28 @@ def _number(params: dict[str, Any], name: str, low: float, high: float) -> None:
         raise _fail(f"params.{name}", f"expected a number from {low} to {high}, got {show(value)}")
 
 
+def _finite(params: dict[str, Any]) -> None:
+    """Refuse a NaN or an infinity anywhere in ``params``. JSON has neither, but Python's
+    parser reads ``NaN``, ``Infinity`` and ``1e999`` as floats: one would pass the range checks
+    and only fail where the line is written (the whole create, not its request)."""
+    stack: list[tuple[str, Any]] = [("params", params)]
+    while stack:
+        param, value = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            shown = "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+            raise _fail(param, f"{shown} is not a number JSON allows; expected a finite number")
+        if isinstance(value, dict):
+            stack.extend((f"{param}.{k}", v) for k, v in reversed(list(value.items())))
+        elif isinstance(value, list):
+            stack.extend((f"{param}[{i}]", v) for i, v in reversed(list(enumerate(value))))
+
+
 def chat_body(params: Any) -> dict[str, Any]:
     """The chat completions body that serves the Messages ``params``, or
     :class:`UnservableRequest` naming the first field that cannot be served."""
     if not isinstance(params, dict):
         raise _fail("params", f"expected an object, got {show(params)}")
+    _finite(params)
     for name in params:
         if name in UNSERVED_FIELDS and params[name] not in (None, [], {}):
             raise _fail(f"params.{name}", UNSERVED_FIELDS[name])
