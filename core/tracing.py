@@ -4,18 +4,25 @@ With the ``otel`` extra and the endpoint, each process exports its spans over OT
 API's requests, the Celery tasks they enqueue (under the call that caused them), SQLAlchemy,
 Redis and httpx calls (docs/operations.md); the rest is the SDK's standard environment.
 Without the endpoint nothing is imported; with it but without the extra, one warning says what
-to install and the process runs untraced."""
+to install and the process runs untraced. Whatever headers the operator asks the spans to
+capture (``OTEL_INSTRUMENTATION_HTTP_CAPTURE_HEADERS_*``), credentials are kept out of them
+(:func:`sanitize_credentials`)."""
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import MutableMapping
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
 ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
 REQUEST_ID_ATTRIBUTE = "batchd.request_id"
+SANITIZE_VARIABLE = "OTEL_INSTRUMENTATION_HTTP_CAPTURE_HEADERS_SANITIZE_FIELDS"
+#: Header names (the instrumentations' regular expressions, matched anywhere in a name, any
+#: case) whose values a span never holds: the keys batchd takes and sends, and cookies.
+CREDENTIAL_HEADERS = ("authorization", "x-api-key", "api-key", "cookie")
 
 _on = False
 
@@ -27,6 +34,18 @@ def wanted() -> bool:
 
 def is_on() -> bool:
     return _on
+
+
+def sanitize_credentials(environ: MutableMapping[str, str] = os.environ) -> str:
+    """Make the instrumentations redact :data:`CREDENTIAL_HEADERS` in any header they capture:
+    add them to ``OTEL_INSTRUMENTATION_HTTP_CAPTURE_HEADERS_SANITIZE_FIELDS``, keeping the
+    operator's entries. The instrumentations read it when they instrument, so this runs first.
+    Returns the value set."""
+    given = [f.strip() for f in environ.get(SANITIZE_VARIABLE, "").split(",") if f.strip()]
+    have = {f.lower() for f in given}
+    fields = given + [h for h in CREDENTIAL_HEADERS if h not in have]
+    environ[SANITIZE_VARIABLE] = ",".join(fields)
+    return environ[SANITIZE_VARIABLE]
 
 
 def setup(role: str) -> bool:
@@ -55,6 +74,7 @@ def setup(role: str) -> bool:
         return False
     from core.version import version
 
+    sanitize_credentials()
     name = os.environ.get("OTEL_SERVICE_NAME") or f"batchd-{role}"
     resource = Resource.create({"service.name": name, "service.version": version()})
     provider = TracerProvider(resource=resource)
