@@ -1,7 +1,7 @@
 """How a shard's lines run on an upstream model: the body as the user wrote it, only ``model``
 rewritten, sent by the process's :class:`~worker.upstream.dispatcher.Dispatcher`; the
 server's answer becomes the output line (its body as it came) or an error line with the
-server's status and message."""
+server's status and message (any key it quotes redacted)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from core.batchfile.results import ChoiceResult, GenerationResult, output_line, 
 from core.generation import error_for_exception
 from core.llms.specs import UpstreamSpec
 from core.priority import Priority
+from core.redaction import redact
 from core.tables import Batch
 from worker.shards.outcomes import SUBMIT_WAIT_S, Aborted, Line, RequestOutcome
 from worker.upstream.dispatcher import Dispatcher, Reply
@@ -55,7 +56,8 @@ def _count(value: Any) -> int:
 def reply_error(req: BatchRequest, reply: Reply) -> dict[str, Any]:
     """The error line of a request the server refused: its status, and its message and code
     where its body has them (OpenAI's ``{"error": {…}}``, vLLM's ``{"message": …}``,
-    FastAPI's ``{"detail": …}``)."""
+    FastAPI's ``{"detail": …}``), with anything that looks like a key redacted (a server may
+    quote the operator's key, or its fingerprint)."""
     body = reply.body if isinstance(reply.body, dict) else {}
     error = body.get("error")
     if not isinstance(error, dict):
@@ -67,13 +69,16 @@ def reply_error(req: BatchRequest, reply: Reply) -> dict[str, Any]:
     if not isinstance(message, str) or not message:
         message = (reply.text or "").strip()[:500] or "no message"
     code = error.get("code")
+    param = error.get("param")
     server_error = reply.status >= 500
+    if not isinstance(code, str):
+        code = "upstream_error" if server_error else None
     return request_error_line(
         req.custom_id,
         status_code=reply.status,
-        message=f"The upstream answered {reply.status}: {message}",
-        code=code if isinstance(code, str) else ("upstream_error" if server_error else None),
-        param=error.get("param") if isinstance(error.get("param"), str) else None,
+        message=f"The upstream answered {reply.status}: {redact(message)}",
+        code=redact(code) if code is not None else None,
+        param=redact(param) if isinstance(param, str) else None,
         type="server_error" if server_error else "invalid_request_error",
     )
 
