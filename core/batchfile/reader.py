@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
@@ -278,21 +278,28 @@ def file_endpoint(
     return first
 
 
+#: The models whose lines go to an upstream as written: a mapping to the reserved fields each
+#: upstream's operator allows (:func:`core.llms.specs.forwarded_models`), or just their names.
+Forwarded = Mapping[str, Collection[str]] | Collection[str]
+
+
 def parse_request(
     raw: RawLine,
     *,
     endpoint: str,
     served_models: Collection[str] | None,
     max_line_bytes: int | None = None,
-    forwarded: Collection[str] = (),
+    forwarded: Forwarded = (),
 ) -> BatchRequest:
     """Validate and normalise one line; raise :class:`LineError` on the first problem.
 
     ``endpoint`` is the batch's endpoint; ``served_models`` the model names accepted (None
     skips the check, e.g. when re-parsing in a shard task). ``max_line_bytes`` only names the
     limit in the ``line_too_long`` message. ``forwarded``: the models whose bodies go to an
-    upstream server as written (:func:`core.llms.specs.forwarded_models`); their lines may
-    hold fields this service does not know (see :func:`core.batchfile.bodies.check_body`).
+    upstream server as written, each with the reserved fields its operator allows
+    (:func:`core.llms.specs.forwarded_models`; a plain collection of names allows none); their
+    lines may hold fields this service does not know (see
+    :func:`core.batchfile.bodies.check_body`).
     """
     line = raw.line
     obj = _load_object(raw, max_line_bytes)
@@ -353,7 +360,8 @@ def parse_request(
         body=body,
         kind=KINDS[url],
     )
-    check_body(req, forwarded=model in forwarded)
+    allowed = forwarded.get(model, ()) if isinstance(forwarded, Mapping) else ()
+    check_body(req, forwarded=model in forwarded, allowed=allowed)
     return req
 
 
@@ -416,7 +424,7 @@ class LineValidator:
         served_models: Collection[str] | None,
         max_requests: int,
         max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
-        forwarded: Collection[str] = (),
+        forwarded: Forwarded = (),
     ):
         self.endpoint = endpoint
         self.served_models = served_models
@@ -516,7 +524,7 @@ def validate_file(
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
     max_errors: int = 100,
     on_request: Callable[[BatchRequest], None] | None = None,
-    forwarded: Collection[str] = (),
+    forwarded: Forwarded = (),
 ) -> ValidationReport:
     """Stream every line of ``stream`` through a :class:`LineValidator` (:func:`parse_request`
     and the file-wide checks: unique ``custom_id``, one model per batch, at most

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
+from core.batchfile.bodies.fields import UPSTREAM_RESERVED
 from core.batchfile.request import EMBEDDINGS_URL, GENERATION_URLS, SUPPORTED_URLS
 from core.llms import gguf
 
@@ -126,6 +127,9 @@ def _sim_value(spec: str, name: str, value: str) -> Any:
 
 UPSTREAM_PREFIX = "upstream:"
 UPSTREAM_OWNER = "batchd-upstream"  # the ``owned_by`` of an upstream model in ``/v1/models``
+#: How a tenant's prefix-cache salt reaches an upstream (worker.upstream.cache_salt): vLLM's
+#: ``cache_salt``, the ``prompt_cache_key`` of OpenAI-style servers, or ``none``.
+CACHE_SALT_FIELDS = ("cache_salt", "prompt_cache_key", "none")
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +143,11 @@ class UpstreamSpec:
     p99 the dispatcher keeps it under; ``metrics_url`` is its Prometheus endpoint (default:
     ``/metrics`` beside the base URL); ``tokenizer`` a local model spec whose tokenizer counts
     prompts for quotas and estimates (default: 4 bytes a token); ``max_model_len`` the context
-    estimates assume; ``timeout_s`` bounds one request."""
+    estimates assume; ``timeout_s`` bounds one request. ``metrics_key_env`` names the variable
+    of the key sent to ``metrics_url`` (without it, the server's key goes only to a metrics URL
+    of the base URL's origin); ``allow_fields`` the fields of
+    :data:`~core.batchfile.bodies.fields.UPSTREAM_RESERVED` its lines may carry;
+    ``cache_salt_field`` the body field that carries each tenant's prefix-cache salt."""
 
     base_url: str
     model: str
@@ -150,6 +158,9 @@ class UpstreamSpec:
     tokenizer: str | None = None
     max_model_len: int = 32768
     timeout_s: float = 600.0
+    metrics_key_env: str | None = None
+    allow_fields: frozenset[str] = frozenset()
+    cache_salt_field: str = "cache_salt"
 
     @property
     def live(self) -> bool:
@@ -177,10 +188,19 @@ def is_upstream(spec: str) -> bool:
     return spec.startswith(UPSTREAM_PREFIX)
 
 
-def forwarded_models(models: Mapping[str, str]) -> list[str]:
+def forwarded_models(models: Mapping[str, str]) -> dict[str, frozenset[str]]:
     """The served names, of ``models`` (name -> spec), whose lines go to an upstream server
-    with their bodies as written: validation leaves fields it does not know to that server."""
-    return [name for name, spec in models.items() if is_upstream(spec)]
+    with their bodies as written (validation leaves fields it does not know to that server),
+    each with the reserved fields its spec allows (``allow_fields``; none for a spec that does
+    not parse: its dispatcher refuses to start, naming the problem)."""
+    forwarded: dict[str, frozenset[str]] = {}
+    for name, spec in models.items():
+        if is_upstream(spec):
+            try:
+                forwarded[name] = upstream_spec(spec, name).allow_fields
+            except ValueError:
+                forwarded[name] = frozenset()
+    return forwarded
 
 
 def upstream_spec(spec: str, served_name: str) -> UpstreamSpec:
@@ -224,9 +244,19 @@ def _upstream_value(spec: str, name: str, value: str) -> Any:
         if not math.isfinite(number) or number <= 0:
             raise bad("a positive number")
         return number
-    if name == "key_env":
+    if name in ("key_env", "metrics_key_env"):
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
             raise bad("the name of an environment variable (the key itself never goes here)")
+        return value
+    if name == "allow_fields":
+        fields = [part.strip() for part in value.split(",")]
+        unknown = [f for f in fields if f not in UPSTREAM_RESERVED]
+        if not value or unknown:
+            raise bad(f"a comma-separated list of {', '.join(UPSTREAM_RESERVED)}")
+        return frozenset(fields)
+    if name == "cache_salt_field":
+        if value not in CACHE_SALT_FIELDS:
+            raise bad(" or ".join(CACHE_SALT_FIELDS))
         return value
     if not value:
         raise bad("a value")

@@ -147,7 +147,7 @@ def test_an_upstream_models_line_keeps_the_fields_this_service_does_not_know() -
 
 def test_validation_of_a_file_forwards_only_upstream_models() -> None:
     models = {"local": "demo:llama-tiny", "fleet": "upstream:http://127.0.0.1:9/v1"}
-    assert forwarded_models(models) == ["fleet"]
+    assert forwarded_models(models) == {"fleet": frozenset()}
     for model, ok in (("fleet", True), ("local", False)):
         data = line("chat", "a", model=model, max_tokns=5) + "\n"
         data += line("chat", "b", model=model, max_tokens=5) + "\n"

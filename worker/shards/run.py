@@ -15,6 +15,7 @@ from core.batchfile.reader import RawLine, custom_id_of, iter_lines, parse_reque
 from core.batchfile.request import BatchRequest, LineError
 from core.generation import error_for_exception, error_record
 from core.lifecycle import ShardStatus
+from core.llms import specs
 from core.logs import log_context
 from core.settings import get_settings
 from core.tables import Batch, Shard
@@ -72,8 +73,13 @@ class ShardRun:
         self.host = host
         # What differs between generation and embeddings (prepare, submit, read the outcome).
         self.handler = handler_for(shard, batch, host)
-        # an upstream model's lines are parsed as validation parsed them (core.batchfile.bodies.check_body)
-        self.forwarded: tuple[str, ...] = (self.model,) if self.handler.forwards_bodies else ()
+        # an upstream model's lines are parsed as validation parsed them (core.batchfile.bodies.check_body),
+        # with the reserved fields its spec allows now
+        self.forwarded: dict[str, frozenset[str]] = (
+            specs.forwarded_models({self.model: settings.models.get(self.model, "")})
+            if self.handler.forwards_bodies
+            else {}
+        )
         self.every = max(1, settings.checkpoint_every)
         self.interval = settings.checkpoint_interval_s
         self.max_request_attempts = max(1, settings.max_request_attempts)

@@ -139,3 +139,15 @@ FIELDS: dict[RequestKind, tuple[str, ...]] = {
     "embedding": OPENAI_EMBEDDINGS,
     "response": OPENAI_RESPONSES,
 }
+
+# Fields that change the operator's service or bill rather than the request's answer. A line
+# for an upstream model (forwarded as written) may not carry them, unless the operator allows
+# them for that upstream (``allow_fields=`` in its spec, core.llms.specs); each says why.
+UPSTREAM_RESERVED: dict[str, str] = {
+    "priority": "would let batch lines overtake the live traffic the upstream serves",
+    "service_tier": "chooses the upstream's service tier, which the operator pays for",
+    "store": "asks the upstream to keep the request and its answer",
+    "request_id": "sets the id the upstream logs and bills the request under",
+    "kv_transfer_params": "steers the upstream's KV cache transfer between its servers",
+    "vllm_xargs": "passes extra arguments to the upstream's own plugins",
+}
