@@ -4,7 +4,8 @@ For a spec with ``ttft_p99_ms``, :class:`LiveGuard` reads the live traffic's tim
 token every ``INTERVAL_S`` (the server's Prometheus metrics, or a streamed probe) and keeps a
 cap on bulk requests in flight: halved under pressure down to none, grown by a quarter after
 ``CALM_READINGS`` calm readings while the cap is what holds bulk work back. Without bulk work
-it neither probes nor moves the cap. Details: ``docs/upstream.md``.
+it neither probes nor moves the cap. The upstream's key goes to its metrics endpoint only when
+that has the base URL's origin (:func:`scrape_headers`). Details: ``docs/upstream.md``.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ import asyncio
 import json
 import logging
 import math
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -32,6 +35,46 @@ CALM_READINGS = 3  # readings in a row under RELIEF before the cap grows
 MIN_SAMPLES = 10  # histogram samples in an interval before its p99 counts
 TTFT_HISTOGRAMS = ("vllm:time_to_first_token_seconds", "sglang:time_to_first_token_seconds")
 WAITING_GAUGES = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
+
+
+#: Request headers that carry a credential: never sent to a metrics endpoint of another origin.
+CREDENTIAL_HEADERS = frozenset(
+    {"authorization", "proxy-authorization", "x-api-key", "api-key", "cookie"}
+)
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def same_origin(a: str, b: str) -> bool:
+    """Whether two URLs have one origin: scheme, host and port (a default port spelled out or
+    not); a URL whose port does not parse has none."""
+
+    def origin(url: str) -> tuple[str, str, int | None] | None:
+        parts = urlsplit(url)
+        scheme = parts.scheme.lower()
+        try:
+            port = parts.port or DEFAULT_PORTS.get(scheme)
+        except ValueError:
+            return None
+        return scheme, (parts.hostname or "").lower(), port
+
+    first = origin(a)
+    return first is not None and first == origin(b)
+
+
+def scrape_headers(
+    spec: UpstreamSpec, headers: Mapping[str, str], environ: Mapping[str, str] = os.environ
+) -> dict[str, str]:
+    """The headers of a metrics scrape. ``metrics_url`` may name another host than the
+    upstream: its key (``headers``' credentials) goes there only when the metrics URL has the
+    base URL's origin. With ``metrics_key_env`` the scrape carries that variable's key as a
+    bearer token instead, wherever the endpoint is."""
+    if not spec.metrics_key_env and same_origin(spec.scrape_url(), spec.base_url):
+        return dict(headers)
+    out = {k: v for k, v in headers.items() if k.lower() not in CREDENTIAL_HEADERS}
+    key = environ.get(spec.metrics_key_env) if spec.metrics_key_env else None
+    if key:
+        out["Authorization"] = f"Bearer {key}"
+    return out
 
 
 def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
@@ -106,7 +149,9 @@ class LiveGuard:
         headers: dict[str, str],
         load: Callable[[], tuple[int, int]],
     ) -> None:
-        """Watch while ``load()`` (bulk requests pending, in flight) says there is bulk work."""
+        """Watch while ``load()`` (bulk requests pending, in flight) says there is bulk work;
+        ``headers`` are the upstream's own (its key included)."""
+        metrics_headers = scrape_headers(self.spec, headers)
         while True:
             started = time.monotonic()
             if not sum(load()):
@@ -114,7 +159,7 @@ class LiveGuard:
                 await asyncio.sleep(INTERVAL_S)
                 continue
             try:
-                reading = await self._scrape(client, headers)
+                reading = await self._scrape(client, metrics_headers)
                 if reading is None:
                     reading = await self._probe(client, headers)
                 if reading is not None:
