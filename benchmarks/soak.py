@@ -677,8 +677,11 @@ def run(opts: Options) -> dict[str, Any]:
             up_proxy = TcpProxy("127.0.0.1", server.port).start()
             cleanup.append(up_proxy.close)
             proxies["upstream"] = up_proxy
+            # transformers serve refuses vLLM's cache_salt: each tenant's salt goes in
+            # prompt_cache_key (worker.upstream.cache_salt)
             models[UPSTREAM_MODEL] = (
                 f"upstream:http://127.0.0.1:{up_proxy.port}/v1?model={server.model}"
+                "&cache_salt_field=prompt_cache_key"
             )
         env = service_env(work, pg_url, rd_url, models, opts.threads, opts.env)
         admin_env = {**env, "BATCHD_DATABASE_URL": db.url}  # the operator's own connection

@@ -156,7 +156,9 @@ class Batchd:
         self, run: Run, base_url: str, model: str, ttft_p99_ms: float, key_env: str | None
     ):
         key = f"&key_env={key_env}" if key_env else ""
-        spec = f"upstream:{base_url}?model={model}{key}"
+        # One tenant: its prefix-cache salt would be the same on every line, so none is added
+        # (a strict server such as transformers serve refuses vLLM's cache_salt).
+        spec = f"upstream:{base_url}?model={model}{key}&cache_salt_field=none"
         env = run.env(
             BATCHD_MODELS=json.dumps(
                 {PLAIN: spec, GUARDED: f"{spec}&ttft_p99_ms={ttft_p99_ms:.0f}"}

@@ -22,13 +22,15 @@ from core.netcheck import AllowList
 CHAT_MODEL_NAME = "smollm2-135m-instruct"
 EMBEDDING_MODEL_NAME = "minilm"
 DEMO_MODEL_NAME = "batchd-demo"  # the random demo model, where speed matters more than words
-#: The shortest static secret accepted (``api_keys``, ``admin_api_keys``, ``metrics_token``):
-#: each is a bearer credential compared as it is, so a short one can be guessed.
+#: The shortest static secret accepted (``api_keys``, ``admin_api_keys``, ``metrics_token``,
+#: ``cache_salt_secret``): each is a bearer credential compared as it is, or a key, so a short
+#: one can be guessed.
 MIN_STATIC_KEY_CHARS = 16
 _STATIC_SECRETS = {
     "api_keys": "BATCHD_API_KEYS",
     "admin_api_keys": "BATCHD_ADMIN_API_KEYS",
     "metrics_token": "BATCHD_METRICS_TOKEN",
+    "cache_salt_secret": "BATCHD_CACHE_SALT_SECRET",
 }
 
 
@@ -436,7 +438,17 @@ class Settings(BaseSettings):
         default=False,
         description="Off: each tenant's requests reuse cached prompt blocks only of the same "
         "tenant (no tenant can learn, from cached_tokens or timing, what another's prompts "
-        "begin with). On: one cache for all, for single-tenant deployments.",
+        "begin with). On: one cache for all, for single-tenant deployments. Upstream models "
+        "get a salt per tenant in each body (docs/upstream.md).",
+    )
+    cache_salt_secret: str = Field(
+        default="",
+        description="The HMAC key that turns a tenant (and any `cache_salt` or "
+        "`prompt_cache_key` its line holds) into the prefix-cache salt sent to upstream models "
+        "while `share_prefix_cache_across_tenants` is off; at least "
+        f"{MIN_STATIC_KEY_CHARS} characters, the same for every dispatch worker. Empty: each "
+        "process draws its own (tenants stay apart, but a tenant's lines share the upstream's "
+        "cache only within one process and until it restarts).",
     )
     adapt_cpu_threads: bool = Field(
         default=True,
@@ -551,7 +563,7 @@ class Settings(BaseSettings):
     def _csv_list(cls, value: Any) -> Any:
         return _json_or_items(value, "[", lambda items: [v.strip() for v in items])
 
-    @field_validator("api_keys", "admin_api_keys", "metrics_token")
+    @field_validator("api_keys", "admin_api_keys", "metrics_token", "cache_salt_secret")
     @classmethod
     def _long_enough(cls, value: Any, info: ValidationInfo) -> Any:
         """Refuse, at start, a static secret shorter than :data:`MIN_STATIC_KEY_CHARS` (naming

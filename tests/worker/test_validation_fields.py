@@ -1,7 +1,7 @@
 """The accepted body fields through a batch's real validation and shard run, on real Postgres
 and local storage: a local model's line with a field its endpoint does not accept fails the
 batch naming it; an upstream model's lines reach the server as written, fields this service
-does not know and all."""
+does not know and all (with their tenant's prefix-cache salt added)."""
 
 from __future__ import annotations
 
@@ -90,7 +90,11 @@ def test_an_upstream_models_lines_reach_it_as_written(models: None) -> None:
     for shard in shard_rows(batch_id):
         run_shard(shard.id, host=server)
     assert finalize(batch_id) == "completed"
-    want = [dict(line["body"], model="big") for line in lines]
+    from core.settings import get_settings
+    from worker.upstream.cache_salt import salt_key, tenant_salt
+
+    salt = tenant_salt(salt_key(get_settings()), "default")  # each tenant its own prefix cache
+    want = [dict(line["body"], model="big", cache_salt=salt) for line in lines]
     assert [body for _, body in server.sent] == want
     batch = batch_row(batch_id)
     out = read_file_lines(batch.output_file_id)

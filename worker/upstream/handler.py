@@ -1,7 +1,8 @@
 """How a shard's lines run on an upstream model: the body as the user wrote it, only ``model``
-rewritten, sent by the process's :class:`~worker.upstream.dispatcher.Dispatcher`; the
-server's answer becomes the output line (its body as it came) or an error line with the
-server's status and message (any key it quotes redacted)."""
+rewritten and the tenant's prefix-cache salt set (:mod:`worker.upstream.cache_salt`), sent by
+the process's :class:`~worker.upstream.dispatcher.Dispatcher`; the server's answer becomes the
+output line (its body as it came) or an error line with the server's status and message (any
+key it quotes redacted)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ from core.generation import error_for_exception
 from core.llms.specs import UpstreamSpec
 from core.priority import Priority
 from core.redaction import redact
+from core.settings import get_settings
 from core.tables import Batch
 from worker.shards.outcomes import SUBMIT_WAIT_S, Aborted, Line, RequestOutcome
+from worker.upstream.cache_salt import salt_key, salted_body
 from worker.upstream.dispatcher import Dispatcher, Reply
 
 PREFIX_CHARS = 512  # lines whose prompts agree this far are sent together
@@ -96,9 +99,20 @@ class UpstreamHandler:
         self.tenant = batch.tenant
         self.priority = Priority.parse(batch.priority).engine
         self.deadline = batch.expires_at.timestamp() if batch.expires_at is not None else None
+        # Each tenant its own prefix cache (see Settings.share_prefix_cache_across_tenants).
+        settings = get_settings()
+        self.salt_key = None if settings.share_prefix_cache_across_tenants else salt_key(settings)
 
     def prepare(self, req: BatchRequest) -> tuple[tuple[str, dict[str, Any]], tuple[str, int]]:
         body = dict(req.body, model=self.spec.model)
+        if self.salt_key is not None:
+            body = salted_body(
+                body,
+                url=req.url,
+                tenant=self.tenant,
+                key=self.salt_key,
+                salt_field=self.spec.cache_salt_field,
+            )
         cost = max(1, len(json.dumps(body, ensure_ascii=False)) // 4) + (req.max_tokens or 16)
         return (req.url.removeprefix("/v1"), body), (prompt_prefix(body), cost)
 
