@@ -45,7 +45,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from cli.perf.workload import request_line
 
@@ -55,6 +55,16 @@ TERMINAL = {"completed", "failed", "expired", "cancelled"}
 
 # ---------------------------------------------------------------------------------------------
 # Helpers shared with the e2e test
+
+
+class Hold(Protocol):
+    """A gate in the model worker's engine (tests.harness.engine_gate.FileGate)."""
+
+    marker: str
+
+    def close(self) -> None: ...
+
+    def open(self) -> None: ...
 
 
 def chat_lines(prefix: str, n: int, max_tokens: int) -> list[dict[str, Any]]:
@@ -188,11 +198,22 @@ def contended(
     finish_big: bool = True,
     probe: Probe | None = None,
     cpu: CpuClock | None = None,
+    hold: Hold | None = None,
 ) -> Contended:
     """The big job first; the small one ``delay_s`` seconds after the big one was created
-    (default: once the big one has completed requests); measure both."""
+    (default: once the big one has completed requests); measure both.
+
+    ``hold`` (a gate in the model worker's engine, tests.harness.engine_gate): the big job's
+    fifth line carries its marker, so the engine holds once the big job's first requests are
+    done and its next ones admitted, until the small job has been validated: its start-up
+    (wall time) then costs no engine steps, and the big job has as much left when the small
+    one can run on a fast machine as on a slow one."""
     cpu0 = cpu() if cpu else None
-    big_batch, big_started = submit(big_client, chat_lines("big", big, max_tokens))
+    big_lines = chat_lines("big", big, max_tokens)
+    if hold is not None:
+        hold.close()
+        big_lines[4]["body"]["messages"][0]["content"] += f" {hold.marker}"
+    big_batch, big_started = submit(big_client, big_lines)
     big_first_s = None
     if delay_s is None:
         _, first_at = wait(
@@ -204,6 +225,11 @@ def contended(
     before = engine_counters(probe)
     small_lines = chat_lines("small", small, small_max_tokens or max_tokens)
     small_batch, small_started = submit(small_client, small_lines, **(small_extra or {}))
+    if hold is not None:
+        try:
+            wait(small_client, small_batch.id, timeout, until=lambda b: b.status != "validating")
+        finally:
+            hold.open()
     small_done, small_ended = wait(small_client, small_batch.id, timeout, poll_s=SMALL_POLL_S)
     small_timing = _timing(small_ended - small_started, before, engine_counters(probe))
     assert small_done.status == "completed", small_done

@@ -27,6 +27,8 @@ import pytest
 
 from cli.perf.service import free_port, wait_for
 from core.launch import QUIET, beat_command, control_worker_command, model_worker_command
+from tests.harness.engine_gate import ENV as GATE_ENV
+from tests.harness.engine_gate import MODEL_WORKER_GATE, FileGate, closed_gate
 from tests.harness.stack import API_KEY, Procs, api_command, private_redis, stack_env
 from tests.helpers.lines import chat_line, jsonl
 
@@ -71,7 +73,7 @@ def _worker(kind: str, root: Path) -> list[str]:
         return beat_command(root / "beat-schedule", extra=["--loglevel", "INFO"])
     if kind == "control":
         return control_worker_command(f"{kind}@edf", extra=QUIET)
-    return model_worker_command([MODEL], 4, f"{kind}@edf", extra=QUIET)
+    return model_worker_command([MODEL], 4, f"{kind}@edf", extra=[*QUIET, *MODEL_WORKER_GATE])
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +108,7 @@ def _stack(pg_url: str, broker: str, root: Path) -> Iterator[Edf]:
         BATCHD_ETA_REFRESH_INTERVAL_S="0.5",
         BATCHD_METRICS_CACHE_S="0",
         BATCHD_ENGINE_OPTIONS=json.dumps({"max_num_seqs": 32}),
+        **{GATE_ENV: str(root / "gates")},
     )
     procs = Procs(root)
     try:
@@ -292,23 +295,31 @@ def test_a_keys_shortest_window_is_an_entitlement(edf: Edf):
 
 def test_a_tenants_one_hour_job_overtakes_its_earlier_day_long_job(edf: Edf):
     key = tenant_key(edf.env, "tenant-edf")
-    first = edf.upload(lines("day", FIRST), key=key)
+    # The day job's first line (its longest prompt, admitted first) holds the engine until the
+    # hour job has arrived and runs: most of the day job is still to run then, however fast
+    # the machine.
+    gate = FileGate(Path(edf.env[GATE_ENV]), "edf")
+    gate.close()
+    day_lines = lines("day", FIRST)
+    day_lines[0] = chat_line("day-0", f"item 0 of day {gate.marker}", MAX_TOKENS, model=MODEL)
+    first = edf.upload(day_lines, key=key)
     second = edf.upload(lines("hour", SECOND), key=key)
     body = {"endpoint": "/v1/chat/completions"}
-    day = edf.post("/batches", {**body, "input_file_id": first, "completion_window": "24h"}, key)
-    assert day.status_code == 200, day.text
-    # 5 s later, or as soon as the day job shows results if that is sooner: with one torch
-    # thread a step of the tiny model takes about a millisecond, and the hour job must arrive
-    # while most of the day job is still to run.
-    start = time.monotonic()
-    while time.monotonic() - start < 5:
-        if edf.batch(day.json()["id"], key)["request_counts"]["completed"]:
-            break
-        time.sleep(0.1)
-    hour = edf.post("/batches", {**body, "input_file_id": second, "completion_window": "1h"}, key)
-    assert hour.status_code == 200, hour.text
-    ids = [day.json()["id"], hour.json()["id"]]
-    day_done_then = edf.batch(ids[0], key)["request_counts"]["completed"]
+    try:
+        day = edf.post(
+            "/batches", {**body, "input_file_id": first, "completion_window": "24h"}, key
+        )
+        assert day.status_code == 200, day.text
+        hour = edf.post(
+            "/batches", {**body, "input_file_id": second, "completion_window": "1h"}, key
+        )
+        assert hour.status_code == 200, hour.text
+        ids = [day.json()["id"], hour.json()["id"]]
+        wait_for(lambda: edf.batch(ids[1], key)["status"] == "in_progress", 120, "the hour job",
+                 edf.procs.logs)  # fmt: skip
+        day_done_then = edf.batch(ids[0], key)["request_counts"]["completed"]
+    finally:
+        gate.open()
     seen, ended = wait_done(edf, ids, 240, key)
     day_end, hour_end = (ended[b] for b in ids)
     assert day_end["status"] == hour_end["status"] == "completed", ended
@@ -342,8 +353,16 @@ def test_a_tenants_one_hour_job_overtakes_its_earlier_day_long_job(edf: Edf):
 
 
 def test_a_batch_that_cannot_make_its_window_is_marked_at_risk(edf: Edf):
-    # Over 8 s of engine work however fast a step is.
-    file_id = edf.upload(lines("risk", SECOND, max_tokens=128, ignore_eos=True))
+    # It cannot end in its window however fast a step is: a line of its second shard (the
+    # shortest, admitted last in it) holds the engine until the batch is cancelled.
+    risky = lines("risk", SECOND, max_tokens=128, ignore_eos=True)
+    with closed_gate(Path(edf.env[GATE_ENV]), "at_risk") as gate:
+        risky[99] = chat_line("risk-99", f"risk {gate.marker}", 4, model=MODEL, ignore_eos=True)
+        _at_risk(edf, risky)
+
+
+def _at_risk(edf: Edf, risky: list[dict[str, Any]]) -> None:
+    file_id = edf.upload(risky)
     r = edf.post(
         "/batches",
         {"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "8s"},

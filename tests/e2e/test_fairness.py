@@ -14,18 +14,22 @@ bound) a ``low`` job through, instead of feeding the engine all of its requests 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+
+from tests.harness.engine_gate import ENV as GATE_ENV
+from tests.harness.engine_gate import FileGate
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 
 BIG, BIG_SHARD = 160, 16  # requests (10 shards of 16)
-BIG_TOKENS = 128  # each: the big job lasts seconds of engine steps, however fast a step is
+BIG_TOKENS = 128  # each (the big job holds the engine while the small one starts: _hold)
 SMALL = 20
 MAX_TOKENS = 8
 # One shard (the stack's shard_max_requests is 16) of long requests: with 4 sequence slots it
 # runs in 4 waves, and a small job that waited for the whole shard would finish after it.
-SHARD, SHARD_TOKENS = 16, 512  # a bulk wave outlasts the small job's start-up in steps
+SHARD, SHARD_TOKENS = 16, 512  # a bulk wave: 513 steps
 AGING_S = 0.05  # short beside the bulk work in engine steps, however fast a step is
 
 
@@ -50,6 +54,11 @@ def _release_settings(pg_url: str) -> Iterator[None]:
         # under the default 5 s (the small job is created once the bulk shows results).
         mp.setenv("BATCHD_CHECKPOINT_INTERVAL_S", "0.2")
         yield
+
+
+def _hold(stack) -> FileGate:
+    """The big job holds the engine while the small one starts up (benchmarks.fairness)."""
+    return FileGate(Path(stack.env[GATE_ENV]), "fairness")
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +87,7 @@ def small_alone(clients, bench) -> float:
     return min(bench.alone(clients["tenant-b"], SMALL, MAX_TOKENS, 60).s for _ in range(2))
 
 
-def test_small_job_is_not_stuck_behind_another_tenants_big_job(clients, bench, small_alone):
+def test_small_job_is_not_stuck_behind_another_tenants_big_job(stack, clients, bench, small_alone):
     r = bench.contended(
         clients["tenant-a"],
         clients["tenant-b"],
@@ -88,6 +97,7 @@ def test_small_job_is_not_stuck_behind_another_tenants_big_job(clients, bench, s
         small_max_tokens=MAX_TOKENS,
         timeout=180,
         finish_big=False,
+        hold=_hold(stack),
     )
     print(f"small job alone {small_alone:.2f}s, behind the big job {r.small.s:.2f}s")
     assert r.small_done_first, r
@@ -98,7 +108,9 @@ def test_small_job_is_not_stuck_behind_another_tenants_big_job(clients, bench, s
     assert r.big_done_at_small_end <= 3 * BIG_SHARD, (r, small_alone)
 
 
-def test_high_priority_overtakes_a_normal_bulk_job_of_the_same_tenant(clients, bench, small_alone):
+def test_high_priority_overtakes_a_normal_bulk_job_of_the_same_tenant(
+    stack, clients, bench, small_alone
+):
     r = bench.contended(
         clients["tenant-a"],
         clients["tenant-a"],
@@ -109,13 +121,16 @@ def test_high_priority_overtakes_a_normal_bulk_job_of_the_same_tenant(clients, b
         timeout=180,
         small_extra={"priority": "high"},
         finish_big=False,
+        hold=_hold(stack),
     )
     print(f"high job alone {small_alone:.2f}s, behind the bulk job {r.small.s:.2f}s")
     assert r.small_done_first, r
     assert r.big_done_at_small_end <= 3 * BIG_SHARD, (r, small_alone)  # as for another tenant
 
 
-def test_low_priority_job_is_released_while_normal_shards_keep_the_slots_busy(clients, bench):
+def test_low_priority_job_is_released_while_normal_shards_keep_the_slots_busy(
+    stack, clients, bench
+):
     """The bulk job's ten shards keep both release slots busy the whole time. Without aging at
     release the low job's first shard would go only once the bulk job's last shard had been
     released, i.e. with at least eight of its shards (128 requests) done; aged into normal
@@ -130,6 +145,7 @@ def test_low_priority_job_is_released_while_normal_shards_keep_the_slots_busy(cl
         timeout=180,
         small_extra={"priority": "low"},
         finish_big=False,
+        hold=_hold(stack),
     )
     print(f"low job behind the bulk job {r.small.s:.2f}s, {r.big_done_at_small_end}/{BIG} "
           "bulk requests done when it completed")  # fmt: skip
@@ -147,7 +163,7 @@ def probe(stack, bench):
     probe.close()
 
 
-def _behind_one_shard(clients, bench, probe, small_client: str, **small_extra):
+def _behind_one_shard(stack, clients, bench, probe, small_client: str, **small_extra):
     """Tenant A's single-shard bulk job, then a small job once the bulk has finished its
     first requests; the bulk job is cancelled once the small one is done.
 
@@ -168,6 +184,7 @@ def _behind_one_shard(clients, bench, probe, small_client: str, **small_extra):
         timeout=600,
         small_extra=small_extra or None,
         finish_big=False,
+        hold=_hold(stack),
         probe=probe,
     )
     print(f"small job {r.small.s:.2f}s, {r.small.steps} engine steps; first bulk requests "
@@ -179,16 +196,16 @@ def _behind_one_shard(clients, bench, probe, small_client: str, **small_extra):
     return r
 
 
-def test_small_job_overtakes_another_tenants_single_shard_bulk_job(clients, bench, probe):
-    r = _behind_one_shard(clients, bench, probe, "tenant-b")
+def test_small_job_overtakes_another_tenants_single_shard_bulk_job(stack, clients, bench, probe):
+    r = _behind_one_shard(stack, clients, bench, probe, "tenant-b")
     assert r.small.steps < 3 * (SHARD_TOKENS + 1), r
 
 
-def test_high_priority_overtakes_its_own_tenants_single_shard_bulk(clients, bench, probe):
+def test_high_priority_overtakes_its_own_tenants_single_shard_bulk(stack, clients, bench, probe):
     """Tiers are strict: bulk sequences are suspended (or preempted, within the reserved
     room), so the high job starts at once and does not wait for the running bulk requests."""
     before = bench.engine_counters(probe)
-    r = _behind_one_shard(clients, bench, probe, "tenant-a", priority="high")
+    r = _behind_one_shard(stack, clients, bench, probe, "tenant-a", priority="high")
     after = bench.engine_counters(probe)
 
     def made_room(c: dict) -> int:
@@ -198,8 +215,8 @@ def test_high_priority_overtakes_its_own_tenants_single_shard_bulk(clients, benc
     assert r.small.steps < 2 * (SHARD_TOKENS + 1), r
 
 
-def test_low_priority_job_completes_while_normal_work_keeps_arriving(clients, bench, probe):
+def test_low_priority_job_completes_while_normal_work_keeps_arriving(stack, clients, bench, probe):
     """Normal requests keep arriving from the bulk job's shard the whole time; without the
     aging bound the low job would wait for the last of them."""
-    r = _behind_one_shard(clients, bench, probe, "tenant-b", priority="low")
+    r = _behind_one_shard(stack, clients, bench, probe, "tenant-b", priority="low")
     assert r.small.steps < 3 * (SHARD_TOKENS + 1), r
