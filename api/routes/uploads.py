@@ -27,11 +27,21 @@ router = APIRouter(prefix="/uploads", tags=["uploads"])
 class UploadCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    # The characters and sizes these may hold are the service's to check (400 naming them).
-    filename: str = Field(max_length=uploads.MAX_FILENAME_CHARS)
+    # The characters these may hold are checked by the service (400 naming the field, with
+    # its reason); the patterns only tell the OpenAPI document the same rules.
+    filename: str = Field(
+        min_length=1,
+        max_length=uploads.MAX_FILENAME_CHARS,
+        json_schema_extra={"pattern": uploads.FILENAME_PATTERN},
+    )
     purpose: Literal["batch"]
-    bytes: int
-    mime_type: str = Field(max_length=uploads.MAX_MIME_TYPE_CHARS)
+    # At most max_chunked_upload_bytes, a setting: the service checks it.
+    bytes: int = Field(ge=1)
+    mime_type: str = Field(
+        min_length=1,
+        max_length=uploads.MAX_MIME_TYPE_CHARS,
+        json_schema_extra={"pattern": uploads.MIME_TYPE_PATTERN},
+    )
 
 
 class UploadComplete(BaseModel):

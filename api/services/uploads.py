@@ -80,6 +80,10 @@ MAX_MIME_TYPE_CHARS = 128
 #: surrogates (not Unicode text: the database cannot store them), line and paragraph
 #: separators.
 _FORBIDDEN_IN_NAMES = {"Cc", "Cs", "Zl", "Zp"}
+#: The same rules as regular expressions, for the OpenAPI document (lone surrogates, which
+#: are no Unicode text, are left out: many regular expression engines cannot name them).
+FILENAME_PATTERN = "^[^\\u0000-\\u001f\\u007f-\\u009f\\u2028\\u2029]*$"
+MIME_TYPE_PATTERN = "^[ -~]*$"
 
 
 def get_upload(session: Session, tenant: str, upload: str) -> Upload:

@@ -40,14 +40,15 @@ def api_app(service_env, monkeypatch):
 #: Schema-valid values that only the server's state, its settings or rules a schema cannot say
 #: refuse (400): a cursor naming no object, a window longer than the server's maximum, a
 #: webhook URL whose host part is not a host, an Idempotency-Key header and body field that
-#: disagree, an upload's file name with nothing left once sanitised. (param, words in the
-#: message)
+#: disagree, an upload's file name with nothing left once sanitised, an upload larger than the
+#: server's maximum. (param, words in the message)
 SEMANTIC_REFUSALS = {
     ("idempotency_key", "differ"),
     ("after", "No such"),
     ("completion_window", "maximum"),
     ("webhook_url", ""),
     ("filename", "no usable name"),
+    ("bytes", "max_chunked_upload_bytes"),
 }
 
 
