@@ -1,24 +1,40 @@
 """Compiled CPU kernels: C sources beside this module, built once per machine, loaded by ctypes.
 
 Built at first use with ``$CC`` (else ``cc``) and ``-O3 -march=native -fopenmp`` into
-``$XDG_CACHE_HOME/batchd/kernels``, under a name digesting source, headers, compiler, flags and CPU, so a
-shared cache never hands one CPU another's build; written beside and renamed into place. Loaded
-after torch, a kernel's OpenMP regions run on the runtime torch already holds (one team of
-threads, never two spinning beside each other). Where no compiler is found or the build fails,
-:func:`decode_attention` returns None (logged once) and the engine keeps its torch path.
+``$XDG_CACHE_HOME/batchd/kernels`` (:func:`cache_dir`). A build is found by a name that digests
+the source, headers, compiler, flags and CPU (:func:`_cpu_identity`: the compiler's own reading
+of ``-march=native`` and the CPU lines of ``/proc/cpuinfo``), so a shared cache never hands one
+CPU another's build, followed by the sha256 of the library's bytes, checked before it is
+loaded: a library whose bytes no longer match is removed and built again, never loaded. The
+cache directory must belong to this process's user and be writable by no one else (nor may
+the directory above it, unless sticky); where it is not, a warning names it and why, and the
+process builds into a private temporary directory instead (removed at exit). A build is
+compiled in a private directory inside the cache (the compiler's own temporary files too) and
+renamed into place, so processes building at once never load half a file, and a build that
+fails or runs past :data:`COMPILE_TIMEOUT_S` (its whole process group killed) leaves nothing
+behind. Loaded after torch, a kernel's OpenMP regions run on the runtime torch already holds
+(one team of threads, never two spinning beside each other). Where no compiler is found or the
+build fails, :func:`decode_attention` returns None (logged once) and the engine keeps its torch
+path.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import ctypes
 import functools
 import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
+import signal
+import stat
 import subprocess
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -29,6 +45,33 @@ log = logging.getLogger("engine")
 
 HERE = Path(__file__).resolve().parent
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+COMPILE_TIMEOUT_S = 120.0
+CPUINFO = Path("/proc/cpuinfo")
+# The /proc/cpuinfo fields that say what a CPU executes, on x86 (vendor, family, model, flags),
+# ARM (Features, implementer, architecture, variant, part), RISC-V (isa, uarch), POWER (cpu)
+# and s390x (features); not those that change from boot to boot (MHz, BogoMIPS).
+CPU_FIELDS = frozenset(
+    {
+        "vendor_id",
+        "cpu family",
+        "model",
+        "model name",
+        "flags",
+        "Features",
+        "CPU implementer",
+        "CPU architecture",
+        "CPU variant",
+        "CPU part",
+        "CPU revision",
+        "Processor",
+        "isa",
+        "uarch",
+        "mvendorid",
+        "marchid",
+        "cpu",
+        "features",
+    }
+)
 
 DecodeAttention = Callable[..., None]
 PrefillAttention = Callable[..., bool]
@@ -36,22 +79,213 @@ T = TypeVar("T")
 
 
 def cache_dir() -> Path:
+    """Where builds are cached: ``$XDG_CACHE_HOME/batchd/kernels`` (``~/.cache`` without it)."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "batchd" / "kernels"
 
 
-def _cpu_identity() -> str:
-    """This CPU's model name and feature flags (what ``-march=native`` compiles for)."""
+def _unsafe(st: os.stat_result, *, ours: bool) -> str | None:
+    """Why a directory or file of this ``st`` may not hold what this process loads, or None.
+    ``ours``: it must belong to this user and be writable by no one else; otherwise (the
+    directory above the cache) root may own it and a sticky bit makes others' write harmless."""
+    uid = os.geteuid()
+    if st.st_uid != uid and (ours or st.st_uid != 0):
+        return f"owned by uid {st.st_uid}, not this process's uid {uid}"
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o022 and (ours or not mode & stat.S_ISVTX):
+        return f"writable by group or others (mode {mode:o})"
+    return None
+
+
+def _prepare(directory: Path) -> str | None:
+    """Create ``directory`` (``base/batchd/kernels``) where missing, private to this user;
+    return why it may not be used, or None."""
+    base = directory.parent.parent
+    base.mkdir(mode=0o700, parents=True, exist_ok=True)
+    reason = _unsafe(base.stat(), ours=False)
+    if reason is not None:
+        return f"{base} is {reason}"
+    for path in (directory.parent, directory):
+        path.mkdir(mode=0o700, exist_ok=True)  # the mode only removes bits from the umask's
+        reason = _unsafe(path.stat(), ours=True)
+        if reason is not None:
+            return f"{path} is {reason}"
+    return None
+
+
+_REFUSED: set[Path] = set()
+
+
+@functools.cache
+def _private_dir() -> Path:
+    """A directory of this process alone, removed when it exits (not by a forked child)."""
+    path = Path(tempfile.mkdtemp(prefix="batchd-kernels-"))
+    owner = os.getpid()
+
+    def remove() -> None:
+        if os.getpid() == owner:
+            shutil.rmtree(path, ignore_errors=True)
+
+    atexit.register(remove)
+    return path
+
+
+def _kernel_dir() -> Path:
+    """:func:`cache_dir` where it is safe to load from, else this process's private directory
+    (a warning once per refused directory, naming it and why)."""
+    wanted = cache_dir()
     try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        reason = _prepare(wanted)
+    except OSError as exc:
+        reason = f"not usable ({exc})"
+    if reason is None:
+        return wanted
+    if wanted not in _REFUSED:
+        _REFUSED.add(wanted)
+        log.warning(
+            "kernel cache %s refused: %s; this process builds its kernels in a private "
+            "directory instead (give the directory to this user and chmod go-w, or remove it)",
+            wanted,
+            reason,
+        )
+    return _private_dir()
+
+
+@functools.cache
+def _native_target(compiler: str) -> str:
+    """The target options ``compiler`` makes of ``-march=native`` here (GCC's ``cc1`` line,
+    Clang's ``-cc1`` line): what the build's instructions follow, on every architecture, or
+    "" where the compiler does not say."""
+    try:
+        proc = subprocess.run(
+            [compiler, "-march=native", "-E", "-v", "-x", "c", "-", "-o", os.devnull],
+            input="",
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    for line in proc.stderr.splitlines():
+        try:
+            words = shlex.split(line)
+        except ValueError:
+            continue
+        if not words or not (words[0].endswith("cc1") or "-cc1" in words):
+            continue
+        kept = []
+        for i, word in enumerate(words):
+            if word in ("-triple", "-target-cpu", "-target-feature", "-target-abi"):
+                kept.append(f"{word} {words[i + 1] if i + 1 < len(words) else ''}")
+            elif word.startswith("-m"):
+                kept.append(word)
+        return " ".join(kept)
+    return ""
+
+
+def _cpu_identity(compiler: str | None, cpuinfo: Path | None = None) -> str:
+    """What ``-march=native`` compiles for on this CPU: the compiler's reading of it and the
+    lines of :data:`CPU_FIELDS` in ``cpuinfo`` (``/proc/cpuinfo``); "" where neither says
+    anything (then no build is shared)."""
+    try:
+        lines = (cpuinfo or CPUINFO).read_text(errors="replace").splitlines()
     except OSError:
-        return platform.processor() or platform.machine()
-    keep = [ln for ln in lines if ln.split(":")[0].strip() in ("model name", "flags")]
-    return "\n".join(sorted(set(keep))) or platform.machine()
+        lines = []
+    keep = sorted({ln.strip() for ln in lines if ln.split(":")[0].strip() in CPU_FIELDS})
+    native = _native_target(compiler) if compiler else ""
+    if not keep and not native:
+        return ""
+    return "\n".join([platform.machine(), native, *keep])
+
+
+def _sha256_of(fd: int) -> str:
+    digest = hashlib.sha256()
+    os.lseek(fd, 0, os.SEEK_SET)
+    while chunk := os.read(fd, 1 << 20):
+        digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _sound(path: Path, fd: int) -> bool:
+    """Whether the open library ``fd`` of ``path`` belongs to this user, is writable by no
+    one else and has the sha256 its name ends with."""
+    return _unsafe(os.fstat(fd), ours=True) is None and path.stem.endswith(f"-{_sha256_of(fd)}")
+
+
+def _verified(path: Path) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        return _sound(path, fd)
+    finally:
+        os.close(fd)
+
+
+def _kill_group(pgid: int) -> None:
+    """Kill what is left of process group ``pgid`` (a compiler's own children) and wait, up to
+    5 s, until none of it is left to write a file."""
+    with contextlib.suppress(OSError):
+        os.killpg(pgid, signal.SIGKILL)
+    for _ in range(500):
+        try:
+            os.killpg(pgid, 0)
+        except OSError:
+            return
+        time.sleep(0.01)
+
+
+def _compile(compiler: str, source: Path, directory: Path, stem: str) -> Path | None:
+    """``source`` built in a private directory inside ``directory`` (the compiler's temporary
+    files there too), renamed to ``stem-<sha256>.so``; the private directory removed, whatever
+    happened, once nothing the compiler started is left running."""
+    name = source.stem
+    work = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=directory))
+    try:
+        out = work / f"{name}.so"
+        proc = subprocess.Popen(
+            [compiler, *FLAGS, "-o", str(out), str(source), "-lm"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,  # its own process group: all of it can be killed
+            env={**os.environ, "TMPDIR": str(work)},
+        )
+        err: str | None = None
+        try:
+            _, err = proc.communicate(timeout=COMPILE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(OSError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+        finally:
+            _kill_group(proc.pid)
+        if err is None:
+            log.warning("building %s ran past %s s, torch path kept", name, COMPILE_TIMEOUT_S)
+            return None
+        if proc.returncode != 0:
+            log.warning("building %s failed, torch path kept:\n%s", name, err[-2000:])
+            return None
+        out.chmod(0o755)
+        fd = os.open(out, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            target = directory / f"{stem}-{_sha256_of(fd)}.so"
+        finally:
+            os.close(fd)
+        os.replace(out, target)
+        return target
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("building %s failed (%s), torch path kept", name, exc)
+        return None
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def build(name: str) -> Path | None:
-    """The shared library of ``HERE/name.c`` for this machine, built if it is not cached."""
+    """The shared library of ``HERE/name.c`` for this machine, built if it is not cached (or
+    its cached bytes no longer match their digest)."""
     source = HERE / f"{name}.c"
     compiler = shutil.which(os.environ.get("CC") or "cc")
     if compiler is None:
@@ -64,33 +298,33 @@ def build(name: str) -> Path | None:
     except (OSError, subprocess.SubprocessError) as exc:
         log.info("C compiler %s unusable (%s): %s runs on its torch path", compiler, exc, name)
         return None
+    identity = _cpu_identity(compiler)
     digest = hashlib.sha256()
     headers = [h.read_bytes() for h in sorted(HERE.glob("*.h"))]  # what the sources include
     for part in (source.read_bytes(), *headers, version.encode(), " ".join(FLAGS).encode()):
         digest.update(part)
-    digest.update(_cpu_identity().encode())
-    target = cache_dir() / f"{name}-{digest.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        proc = subprocess.run(
-            [compiler, *FLAGS, "-o", tmp, str(source), "-lm"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        if proc.returncode != 0:
-            os.unlink(tmp)
-            log.warning("building %s failed, torch path kept:\n%s", name, proc.stderr[-2000:])
-            return None
-        os.replace(tmp, target)
-    except (OSError, subprocess.SubprocessError) as exc:
-        log.warning("building %s failed (%s), torch path kept", name, exc)
+    digest.update(identity.encode())
+    if identity:
+        directory = _kernel_dir()
+    else:
+        log.info("neither %s nor %s names this CPU: kernels built privately", compiler, CPUINFO)
+        directory = _private_dir()
+    stem = f"{name}-{digest.hexdigest()[:16]}"
+    for found in sorted(directory.glob(f"{stem}-*.so")):
+        if _verified(found):
+            return found
+        log.warning("%s does not match its digest: removed, built again", found)
+        found.unlink(missing_ok=True)
+    return _compile(compiler, source, directory, stem)
+
+
+def _open(path: Path) -> ctypes.CDLL | None:
+    """``path`` loaded if its bytes still match their digest, else None. (Loaded by its path,
+    not ``/proc/self/fd``: the dynamic loader takes a path it has loaded before for the same
+    library, and descriptor numbers are reused.)"""
+    if not _verified(path):
         return None
-    return target
+    return ctypes.CDLL(str(path))
 
 
 def _load(name: str, take: Callable[[ctypes.CDLL], T]) -> T | None:
@@ -100,7 +334,11 @@ def _load(name: str, take: Callable[[ctypes.CDLL], T]) -> T | None:
     if path is None:
         return None
     try:
-        return take(ctypes.CDLL(str(path)))
+        lib = _open(path)
+        if lib is None:
+            log.warning("%s changed after it was checked: not loaded, torch path kept", path)
+            return None
+        return take(lib)
     except (OSError, AttributeError) as exc:
         log.warning("loading %s failed (%s), torch path kept", path, exc)
         return None
