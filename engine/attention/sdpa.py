@@ -1,26 +1,31 @@
 """The CPU attention backend: the decode rows of a step in groups, each prefill chunk on its own.
 
 Decode rows attend in one compiled-kernel call per layer where :mod:`engine.cpu.kernels` builds
-(float32 or bf16, no soft-capping), otherwise in groups of similar length
-(:class:`engine.attention.paged.DecodeGroup`), query heads folded onto their KV head. Each
-float32 prefill chunk of 16 or more queries goes to the compiled prefill kernel where it builds
-with AVX-512, the keys read in place; any other chunk attends with its own causal SDPA call,
-offset by its cached context. A ``softcap`` layer runs explicit matmuls in transformers' eager
-order. See docs/engine-step.md ("CPU").
+(float32 or bf16, no soft-capping, heads of at most ``MAX_HEAD_DIM``), otherwise in groups of
+similar length (:class:`engine.attention.paged.DecodeGroup`), query heads folded onto their KV
+head. Each float32 prefill chunk of 16 or more queries goes to the compiled prefill kernel where
+it builds with AVX-512, the keys read in place; any other chunk attends with its own causal SDPA
+call, offset by its cached context. A ``softcap`` layer runs explicit matmuls in transformers'
+eager order. See docs/engine-step.md ("CPU").
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
 
 from engine.attention.paged import AttentionContext, DecodeGroup, PrefillChunk, softcapped
 from engine.cpu.kernels import (
+    MAX_HEAD_DIM,
     DecodeAttention,
     PrefillAttention,
     decode_attention,
     prefill_attention,
 )
+
+log = logging.getLogger("engine")
 
 MIN_KERNEL_QUERIES = 16  # below, torch's flash operator is as fast or faster at long contexts
 
@@ -133,6 +138,14 @@ class SdpaBackend:
     ) -> torch.Tensor:
         k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
         _, num_heads, num_tokens, head_dim = query.shape
+        if self.kernel is not None and head_dim > MAX_HEAD_DIM:
+            # Decided once, at the model's first step: its decodes keep torch's path.
+            log.info(
+                "head_dim %d over the decode kernel's %d: decode rows keep torch's path",
+                head_dim,
+                MAX_HEAD_DIM,
+            )
+            self.kernel = None
         kv_heads = key.shape[1]
         group = num_heads // kv_heads
         q = query[0]  # [H, T, D]

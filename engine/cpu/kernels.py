@@ -72,6 +72,9 @@ CPU_FIELDS = frozenset(
         "features",
     }
 )
+# The head sizes the compiled decode attention and rotary embedding take at most (MAX_DIM in
+# decode_attention.c, the check in layer_ops.c): a model with larger heads keeps torch's path.
+MAX_HEAD_DIM = 1024
 
 DecodeAttention = Callable[..., None]
 PrefillAttention = Callable[..., bool]
@@ -396,7 +399,7 @@ def decode_attention() -> DecodeAttention | None:
             torch.get_num_threads(),
         )
         if rc == 2:
-            raise ValueError(f"decode attention kernel: head_dim {dim} over its 1,024")
+            raise ValueError(f"decode attention kernel: head_dim {dim} over its {MAX_HEAD_DIM}")
         if rc != 0:
             raise MemoryError("decode attention kernel: no scratch memory")
 
@@ -541,6 +544,12 @@ class LayerOps:
         self._argmax.argtypes = [ptr, i64, i32, i64, ptr, i32]
         self._argmax.restype = None
 
+    @staticmethod
+    def takes_head_dim(head_dim: int) -> bool:
+        """Whether the rotary embedding takes heads of ``head_dim`` (even, at most
+        :data:`MAX_HEAD_DIM`)."""
+        return head_dim % 2 == 0 and head_dim <= MAX_HEAD_DIM
+
     def rms_norm(
         self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> torch.Tensor:
@@ -592,7 +601,7 @@ class LayerOps:
             torch.get_num_threads(),
         )
         if rc != 0:
-            raise ValueError(f"rope kernel: head_dim {dim} odd or over its 1,024")
+            raise ValueError(f"rope kernel: head_dim {dim} odd or over its {MAX_HEAD_DIM}")
 
     def silu_mul(self, gate_up: torch.Tensor, inner: int) -> torch.Tensor:
         """``silu(gate) * up`` of ``gate_up`` [rows, 2 inner] (gate first), a new tensor."""

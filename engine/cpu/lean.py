@@ -11,6 +11,7 @@ class; any other model keeps its forward.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,8 @@ import torch
 from engine.attention.paged import AttentionContext, paged_attention
 from engine.cpu.kernels import LayerOps, layer_ops
 from engine.cpu.layers import FusedLinear
+
+log = logging.getLogger("engine")
 
 _CLASSES = {
     "model": "LlamaModel",
@@ -55,11 +58,15 @@ class LeanLlama:
     def __init__(self, base: torch.nn.Module) -> None:
         self.base = base
         config = base.config
+        head_dim = int(base.layers[0].self_attn.head_dim)
         fusable = (
             base.embed_tokens.weight.dtype == torch.float32
             and getattr(config, "hidden_act", None) == "silu"
             and type(getattr(base, "rotary_emb", None)).__name__ == _CLASSES["rotary"]
         )
+        if fusable and not LayerOps.takes_head_dim(head_dim):
+            log.info("head_dim %d: the compiled layer ops do not take it, torch's kept", head_dim)
+            fusable = False
         self.ops: LayerOps | None = layer_ops() if fusable else None
         self.layers = [
             _Layer(

@@ -151,3 +151,81 @@ def test_packing_is_timed_once_per_shape(monkeypatch: pytest.MonkeyPatch) -> Non
     assert linear.packing_for(a, 32) == linear.packing_for(b, 32) == "mkl"
     assert linear.packing_for(c, 32) == linear.packing_for(a, 64) == "mkl"
     assert timed == [(24, 32), (40, 32), (24, 64)]
+
+
+def test_the_limit_is_the_kernels(kernel: kernels.DecodeAttention) -> None:
+    """MAX_HEAD_DIM is where the C kernel stops; the backend's choice reads it from there."""
+    lens = [3, 20]
+    g, query, k, v = _case(lens, dim=kernels.MAX_HEAD_DIM)
+    got = torch.empty(len(lens), HEADS, kernels.MAX_HEAD_DIM)
+    kernel(query[0].transpose(0, 1), k, v, g.blocks, g.lens, 0, 0.03, got)
+    g, query, k, v = _case(lens, dim=kernels.MAX_HEAD_DIM + 16)
+    with pytest.raises(ValueError, match="over its 1024"):
+        kernel(query[0].transpose(0, 1), k, v, g.blocks, g.lens, 0, 0.03, got)
+
+
+def test_heads_over_the_kernels_limit_keep_torchs_path(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A model whose heads are larger than the compiled kernels take runs on torch's path,
+    chosen once (logged once), and gives generate()'s text; no kernel is called."""
+    import logging
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from core.llms.demo import build
+    from engine import Engine, SamplingParams
+    from engine.attention import sdpa
+
+    tiny = build("llama-tiny")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tiny / name).exists():
+            shutil.copy(tiny / name, tmp_path / name)
+    config = AutoConfig.from_pretrained(tiny)
+    config.num_hidden_layers, config.head_dim = 1, kernels.MAX_HEAD_DIM + 16
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+
+    called: list[str] = []
+    real = kernels.decode_attention()
+    assert real is not None
+
+    def decode(*args):  # type: ignore[no-untyped-def]
+        called.append("decode attention")
+        return real(*args)
+
+    rope = kernels.LayerOps.rope_store
+
+    def rope_store(self, *args):  # type: ignore[no-untyped-def]
+        called.append("rope")
+        return rope(self, *args)
+
+    monkeypatch.setattr(sdpa, "decode_attention", lambda: decode)
+    monkeypatch.setattr(kernels.LayerOps, "rope_store", rope_store)
+    prompts = [[5, 9, 100, 7], list(range(20, 60))]
+    with caplog.at_level(logging.INFO, logger="engine"):
+        engine = Engine(str(tmp_path), dtype="float32")
+        assert engine.runner.lean is None or engine.runner.lean.ops is None
+        for i, prompt in enumerate(prompts):
+            params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+            engine.add_request(str(i), prompt, params)
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                done[out.request_id] = list(out.outputs[0].token_ids)
+    assert called == []
+    assert caplog.text.count("over the decode kernel's 1024") == 1
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    for i, prompt in enumerate(prompts):
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            ref = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=6,
+                min_new_tokens=6,
+                do_sample=False,
+                eos_token_id=None,
+            )
+        assert done[str(i)] == ref[0, len(prompt) :].tolist()
