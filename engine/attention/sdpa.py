@@ -217,11 +217,13 @@ class SdpaBackend:
         out: torch.Tensor,
     ) -> bool:
         """Attend ``chunk`` with the compiled float32 kernel; False where it does not apply
-        (another dtype or layout, a head size it has no loop for, fewer than
+        (another device, dtype or layout, a head size it has no loop for, fewer than
         :data:`MIN_KERNEL_QUERIES` queries: the kernel first transposes every key the chunk
         sees, which a handful of queries does not repay)."""
         n = chunk.end - chunk.start
         if n < MIN_KERNEL_QUERIES or q.dtype != torch.float32 or k_cache.dtype != torch.float32:
+            return False
+        if q.device.type != "cpu" or k_cache.device.type != "cpu":  # it reads host memory
             return False
         if chunk.blocks is None:  # the chunk starts its sequence: its own keys are all
             k, v = key[0, :, chunk.start : chunk.end], value[0, :, chunk.start : chunk.end]

@@ -3,8 +3,10 @@
 On an accelerator the KV cache gets ``kv_cache_memory`` (a fraction) of the device memory left
 free after the weights and the activation peak of one profiling forward at
 ``max_num_batched_tokens`` (vLLM's recipe). On CPU a fraction applies to a fixed 1 GiB
-(``DEFAULT_CPU_KV_BYTES``); an integer is bytes everywhere. The arithmetic is kept apart from
-the measurement so it can be tested without a GPU. Why: docs/engine.md ("The KV budget").
+(``DEFAULT_CPU_KV_BYTES``); an integer is bytes everywhere. What the compiled CPU kernels keep
+between steps outside the cache (:func:`kernel_scratch_bytes`) comes off the budget too. The
+arithmetic is kept apart from the measurement so it can be tested without a GPU. Why:
+docs/engine.md ("The KV budget").
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 import torch
 
 from engine.core.config import DEFAULT_CPU_KV_BYTES
+from engine.cpu.kernels import PrefillKernel
 
 
 def blocks_per_sequence(max_model_len: int, block_size: int) -> int:
@@ -35,6 +38,18 @@ def kv_budget_bytes(
     if free_bytes is None:
         return int(DEFAULT_CPU_KV_BYTES * kv_cache_memory)
     return int(max(0, free_bytes - activation_peak_bytes) * kv_cache_memory)
+
+
+def kernel_scratch_bytes(
+    backend: Any, *, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+) -> int:
+    """Bytes the compiled CPU kernels keep between steps, outside the KV cache, while
+    ``backend`` serves a model of this shape: the prefill kernel's tile of transposed keys
+    (one stepping thread; float32 on the CPU only, what it attends), 0 where it is not used."""
+    prefill = getattr(backend, "prefill", None)
+    if device.type != "cpu" or dtype != torch.float32 or not isinstance(prefill, PrefillKernel):
+        return 0
+    return prefill.scratch_bound(kv_heads, head_dim)
 
 
 def num_kv_blocks(

@@ -181,6 +181,13 @@ class ModelRunner:
             cfg.kv_cache_memory, free_bytes=free, activation_peak_bytes=peak
         )
         budget -= self.bytes_per_block  # the scratch block (see __init__)
+        budget -= memory.kernel_scratch_bytes(  # the compiled kernels' (engine/cpu/kernels.py)
+            self.backend,
+            kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
         return memory.num_kv_blocks(
             budget,
             bytes_per_block=self.bytes_per_block,

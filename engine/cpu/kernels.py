@@ -406,34 +406,40 @@ def decode_attention() -> DecodeAttention | None:
     return run
 
 
-@functools.cache
-def prefill_attention() -> PrefillAttention | None:
-    """``f(q, k, v, blocks, block_size, first_pos, scale, out) -> bool``: causal float32
-    attention of one prefill chunk, or None where the kernel cannot be built here.
+class PrefillKernel:
+    """The compiled prefill attention (``prefill_attention.c``) and the scratch it keeps.
 
-    ``q`` [n, heads, dim] (any row and head strides, dim contiguous) at positions
-    ``first_pos .. first_pos + n - 1``; ``k``/``v`` the layer's cache ``[kv_heads, blocks,
-    block_size, dim]`` (contiguous) read through ``blocks`` (the sequence's block ids, int64),
-    or, with ``blocks`` None, the chunk's own keys ``[kv_heads, n, dim]`` (any strides, dim
-    contiguous; ``first_pos`` 0); ``out`` [n, heads, dim] with contiguous heads. Returns False
-    (nothing written) for a head size the kernel has no loop for (16, 32, 64 and 128 have).
-    None too where the CPU has no AVX-512: the build there is slower than torch's operator."""
-    loaded = _load(
-        "prefill_attention",
-        lambda lib: (lib.batchd_prefill_attention, lib.batchd_prefill_attention_fast),
-    )
-    if loaded is None:
-        return None
-    fn, fast = loaded
-    if not fast():
-        log.info("no AVX-512 here: prefill chunks keep torch's flash operator")
-        return None
-    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, i32, i64, i32, i32, i32, i32]
-    fn.argtypes += [ctypes.c_float, ptr, i64, i32]
-    fn.restype = i32
+    Called as ``f(q, k, v, blocks, block_size, first_pos, scale, out) -> bool``: causal
+    float32 attention of one prefill chunk. ``q`` [n, heads, dim] (any row and head strides,
+    dim contiguous) at positions ``first_pos .. first_pos + n - 1``; ``k``/``v`` the layer's
+    cache ``[kv_heads, blocks, block_size, dim]`` (contiguous) read through ``blocks`` (the
+    sequence's block ids, int64), or, with ``blocks`` None, the chunk's own keys ``[kv_heads,
+    n, dim]`` (any strides, dim contiguous; ``first_pos`` 0); ``out`` [n, heads, dim] with
+    contiguous heads. Returns False (nothing written) for a head size the kernel has no loop
+    for (16, 32, 64 and 128 have). Runs on torch's current number of intra-op threads.
 
-    def run(
+    A calling thread keeps the transposed keys of one tile between calls, at most
+    :meth:`scratch_bound` bytes whatever the prompt's length (the engine's memory budget
+    subtracts it), freed when the thread exits or by :meth:`release`."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self._run = lib.batchd_prefill_attention
+        self._run.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, i32, i64, i32, i32, i32]
+        self._run.argtypes += [i32, ctypes.c_float, ptr, i64, i32]
+        self._run.restype = i32
+        self._bound = lib.batchd_prefill_attention_bound
+        self._bound.argtypes = [i32, i32]
+        self._bound.restype = i64
+        self._held = lib.batchd_prefill_attention_held
+        self._held.argtypes = []
+        self._held.restype = i64
+        self._release = lib.batchd_prefill_attention_release
+        self._release.argtypes = []
+        self._release.restype = None
+
+    def __call__(
+        self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
@@ -445,7 +451,7 @@ def prefill_attention() -> PrefillAttention | None:
     ) -> bool:
         n, heads, dim = q.shape
         paged = blocks is not None
-        rc = fn(
+        rc = self._run(
             q.data_ptr(),
             q.stride(0),
             q.stride(1),
@@ -453,7 +459,7 @@ def prefill_attention() -> PrefillAttention | None:
             v.data_ptr(),
             k.stride(0),
             dim if paged else k.stride(1),
-            blocks.data_ptr() if paged else None,
+            None if blocks is None else blocks.data_ptr(),
             block_size,
             first_pos,
             n,
@@ -469,7 +475,34 @@ def prefill_attention() -> PrefillAttention | None:
             raise MemoryError("prefill attention kernel: no scratch memory")
         return rc == 0
 
-    return run
+    def scratch_bound(self, kv_heads: int, head_dim: int) -> int:
+        """Bytes a calling thread keeps, at most, for a model of this shape."""
+        return int(self._bound(kv_heads, head_dim))
+
+    def scratch_bytes(self) -> int:
+        """Bytes every thread keeps now."""
+        return int(self._held())
+
+    def release(self) -> None:
+        """Free the calling thread's scratch (its next call takes it again)."""
+        self._release()
+
+
+@functools.cache
+def prefill_attention() -> PrefillKernel | None:
+    """The compiled :class:`PrefillKernel`, or None where it cannot be built here, or where
+    the CPU has no AVX-512: the build there is slower than torch's operator."""
+    loaded = _load(
+        "prefill_attention",
+        lambda lib: (PrefillKernel(lib), lib.batchd_prefill_attention_fast),
+    )
+    if loaded is None:
+        return None
+    kernel, fast = loaded
+    if not fast():
+        log.info("no AVX-512 here: prefill chunks keep torch's flash operator")
+        return None
+    return kernel
 
 
 class Sgemm:

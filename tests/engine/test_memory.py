@@ -94,3 +94,51 @@ def test_profiling_forward_runs_and_restores_the_paged_attention() -> None:
         min_new_tokens=6,
     )[0, len(prompt) :].tolist()
     assert list(out.outputs[0].token_ids) == ref
+
+
+def test_the_prefill_kernels_scratch_comes_off_the_budget(
+    avx2_build,
+    monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
+) -> None:
+    """Where the engine takes the compiled prefill kernel, the tile of keys it keeps between
+    steps is memory outside the KV cache: the budget that sizes the cache subtracts it. (Built
+    for AVX2 here, where the engine would not take it, to run on any x86-64 machine; it
+    computes the same, so the output is the torch path's.)"""
+    import ctypes
+
+    from engine.attention import sdpa
+    from engine.cpu import kernels
+
+    kernel = kernels.PrefillKernel(ctypes.CDLL(str(avx2_build("prefill_attention"))))
+    kernel.release()
+    cpu = torch.device("cpu")
+
+    class Backend:
+        prefill: object = kernel
+
+    shape = {"kv_heads": 2, "head_dim": 16}
+    bound = kernel.scratch_bound(2, 16)
+    assert memory.kernel_scratch_bytes(Backend(), **shape, dtype=torch.float32, device=cpu) == bound
+    assert memory.kernel_scratch_bytes(Backend(), **shape, dtype=torch.bfloat16, device=cpu) == 0
+    cuda = torch.device("cuda")
+    assert memory.kernel_scratch_bytes(Backend(), **shape, dtype=torch.float32, device=cuda) == 0
+    Backend.prefill = None
+    assert memory.kernel_scratch_bytes(Backend(), **shape, dtype=torch.float32, device=cpu) == 0
+
+    path = build("llama-tiny")  # two KV heads of 16
+    budget = 300 * 8192  # 300 blocks of 16 tokens: 2 layers x K/V x 2 heads x 16 x 4 bytes
+    prompt = list(range(5, 200))
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    runs = {}
+    for name, prefill in (("kernel", kernel), ("torch", None)):
+        monkeypatch.setattr(sdpa, "prefill_attention", lambda prefill=prefill: prefill)
+        llm = LLM(path, kv_cache_memory=budget, dtype="float32", max_model_len=512)
+        runner = llm.engine.runner
+        assert runner.bytes_per_block == 8192
+        assert runner.backend.prefill is prefill
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        runs[name] = (runner.num_blocks, list(out.outputs[0].token_ids))
+    assert runs["torch"][0] == 300 - 1  # less the scratch block
+    assert runs["kernel"][0] == (budget - 8192 - bound) // 8192
+    assert runs["kernel"][1] == runs["torch"][1]
+    assert 0 < kernel.scratch_bytes() <= bound  # the kernel did run

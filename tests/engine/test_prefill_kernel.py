@@ -5,8 +5,10 @@ sizes 64 and 128, grouped and plain heads, one and two threads, and the backend'
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
+import time
 
 import pytest
 import torch
@@ -167,8 +169,112 @@ def test_a_window_or_softcap_keeps_torchs_path(
     backend.attend(ctx, 0, q, own_k, own_v, 0.125, None, 30.0)
 
 
+def test_a_chunk_off_the_cpu_never_reaches_the_kernel() -> None:
+    """The kernel reads host memory: a float32 chunk on another device (``attention_backend
+    "sdpa"`` on a GPU) keeps torch's operator. Meta tensors stand in for the device here."""
+    n, heads, kv_heads, dim = 64, 9, 3, 64
+    q = torch.empty(heads, n, dim, device="meta")
+    key = value = torch.empty(1, kv_heads, n, dim, device="meta")
+    cache = torch.empty(kv_heads, 8, BLOCK, dim, device="meta")
+    chunk = PrefillChunk(0, n, 2 * n, first_pos=n)
+    chunk.blocks = torch.arange(8, device="meta")
+    out = torch.empty(n, heads, dim, device="meta")
+
+    def kernel(*args):  # type: ignore[no-untyped-def]
+        pytest.fail("the kernel was called")
+
+    assert not SdpaBackend._compiled(kernel, chunk, q, key, value, cache, cache, 0.125, out)
+
+
 def test_a_build_without_avx512_is_not_used(avx2_build) -> None:  # type: ignore[no-untyped-def]
     """Built for AVX2 the kernel compiles and computes right but runs at a tenth of torch's
     operator (its sixteen-float row blocks spill): the engine does not take it there."""
     assert avx2_build("prefill_attention") is not None
     assert kernels.prefill_attention() is None
+
+
+# -- the scratch it keeps -----------------------------------------------------------------------
+# Built for AVX2 the kernel is slow (the engine does not take it there) but computes the same: it
+# checks the tiles and the scratch on any x86-64 machine, AVX-512 or not.
+
+TILE_KEYS = 2048  # prefill_attention.c's default
+
+
+@pytest.fixture
+def avx2_kernel(avx2_build) -> kernels.PrefillKernel:  # type: ignore[no-untyped-def]
+    path = avx2_build("prefill_attention")
+    assert path is not None, "prefill_attention.c did not build"
+    kernel = kernels.PrefillKernel(ctypes.CDLL(str(path)))
+    kernel.release()
+    return kernel
+
+
+def _continued(kernel: kernels.PrefillKernel, keys: int, n: int, kv_heads: int, dim: int) -> None:
+    """A chunk of ``n`` queries ending at ``keys`` keys through a scattered block table,
+    against the float64 reference."""
+    heads = kv_heads * 2
+    k_cache, v_cache, blocks, k, v = _paged(keys, kv_heads, dim, seed=keys)
+    q = torch.randn(n, heads, dim)
+    out = torch.empty(n, heads, dim)
+    assert kernel(q, k_cache, v_cache, blocks, BLOCK, keys - n, 0.1, out)
+    torch.testing.assert_close(out, _reference(q, k, v, keys - n, 0.1), rtol=1e-4, atol=1e-4)
+
+
+def test_the_scratch_grows_to_one_tile_and_no_further(
+    avx2_kernel: kernels.PrefillKernel, threads: int
+) -> None:
+    """Prompts of growing length: what a calling thread keeps is the bound at most (one tile of
+    transposed keys), whatever the length, and the output stays right past a tile."""
+    kv_heads, dim = 2, 64
+    bound = avx2_kernel.scratch_bound(kv_heads, dim)
+    assert bound == 4 * kv_heads * dim * TILE_KEYS + 8 * TILE_KEYS
+    assert avx2_kernel.scratch_bytes() == 0
+    held = []
+    for keys in (40, 700, TILE_KEYS - 1, TILE_KEYS + 1, 3 * TILE_KEYS + 77, 9000):
+        _continued(avx2_kernel, keys, 24, kv_heads, dim)
+        held.append(avx2_kernel.scratch_bytes())
+    assert 0 < held[0] < held[1] < bound
+    assert held[2:] == [bound] * 4
+    avx2_kernel.release()
+    assert avx2_kernel.scratch_bytes() == 0
+
+
+def test_a_threads_scratch_goes_with_it(avx2_kernel: kernels.PrefillKernel) -> None:
+    import threading
+
+    worker = threading.Thread(target=_continued, args=(avx2_kernel, 300, 16, 2, 16))
+    worker.start()
+    worker.join()
+    # join() returns when Python is done with the thread, a moment before the thread exits.
+    deadline = time.monotonic() + 5
+    while avx2_kernel.scratch_bytes() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert avx2_kernel.scratch_bytes() == 0
+
+
+def test_tiles_give_the_same_bits(
+    avx2_build,
+    monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
+) -> None:
+    """A build whose tile is two blocks (128 keys) returns what the one-tile build returns, to
+    the bit: the running softmax carries across tiles exactly, over the same blocks."""
+    whole = kernels.PrefillKernel(ctypes.CDLL(str(avx2_build("prefill_attention"))))
+    monkeypatch.setattr(kernels, "FLAGS", (*kernels.FLAGS, "-DTILE_KEYS=128"))
+    small = kernels.PrefillKernel(ctypes.CDLL(str(kernels.build("prefill_attention"))))
+    assert small.scratch_bound(3, 64) == 4 * 3 * 64 * 128 + 8 * 128
+    torch.manual_seed(5)
+    for dim, heads, kv_heads, n in ((64, 9, 3, 300), (16, 4, 2, 130), (128, 8, 2, 40)):
+        q, k, v = _step(n, heads, kv_heads, dim)
+        a, b = torch.empty(n, heads, dim), torch.empty(n, heads, dim)
+        assert whole(q, k, v, None, BLOCK, 0, 0.125, a)
+        assert small(q, k, v, None, BLOCK, 0, 0.125, b)
+        assert torch.equal(a, b)
+        torch.testing.assert_close(b, _reference(q, k, v, 0, 0.125), rtol=1e-5, atol=2e-5)
+    for first_pos, n in ((500, 90), (100, 16), (1000, 200)):
+        k_cache, v_cache, blocks, k, v = _paged(first_pos + n, 3, 64, seed=n)
+        q = torch.randn(n, 9, 64)
+        a, b = torch.empty(n, 9, 64), torch.empty(n, 9, 64)
+        assert whole(q, k_cache, v_cache, blocks, BLOCK, first_pos, 0.1, a)
+        assert small(q, k_cache, v_cache, blocks, BLOCK, first_pos, 0.1, b)
+        assert torch.equal(a, b)
+        torch.testing.assert_close(b, _reference(q, k, v, first_pos, 0.1), rtol=1e-5, atol=2e-5)
