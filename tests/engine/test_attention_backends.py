@@ -62,8 +62,14 @@ def decode_step_ops(
     ],
 )
 def test_operator_calls_per_decode_step_are_flat(
-    path: str, backend: str, dtype: str, cpu_kernels: bool
+    path: str, backend: str, dtype: str, cpu_kernels: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # Both engines pack their float32 linears the same way: the packing is timed per running
+    # cap, and on a busy machine the 16- and 64-row verdicts could differ (a packed linear is
+    # fewer operator calls), which would say nothing of the attention measured here.
+    from engine.cpu import linear
+
+    monkeypatch.setattr(linear, "packing_for", lambda layer, rows, repeats=6: None)
     ops = [
         decode_step_ops(path, backend, n, prompt_len=12, dtype=dtype, cpu_kernels=cpu_kernels)
         for n in (16, 64)
