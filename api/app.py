@@ -8,6 +8,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from api import errors, log_context, metrics, ui
+from api.gate import RequestGate
 from api.limits import auth_enabled
 from api.local import check_auth_off_is_local
 from api.routes import anthropic, batch_results, batches, files, health, models, uploads
@@ -34,6 +35,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.started_at = int(time.time())
     errors.install(app)
+    # Inside the metrics middleware (added next, so outside it): its refusals are counted.
+    app.add_middleware(RequestGate, settings=settings, routes=app.routes)
     metrics.install(app, settings)
     configure_process(settings.log_format, UVICORN_LOGGERS)
     app.include_router(health.router)

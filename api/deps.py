@@ -267,7 +267,7 @@ def rate_buckets(request: Request, settings: Settings) -> Buckets:
     )
 
 
-def authenticate(request: Request, settings: SettingsDep, session: SessionDep) -> Caller:
+def identify_and_limit(request: Request, settings: Settings, session: Session) -> Caller:
     """Require ``Authorization: Bearer <key>`` (a key from ``api_keys`` or a static
     ``BATCHD_API_KEYS`` key, whose tenant is ``default``) unless auth is switched off; then
     take one token from the key's rate-limit bucket."""
@@ -284,6 +284,31 @@ def authenticate(request: Request, settings: SettingsDep, session: SessionDep) -
                 headers={"Retry-After": retry_after_header(wait)},
             )
     return caller
+
+
+#: Where :func:`authenticate_request`'s caller is kept for the route (``request.state``).
+CALLER_STATE = "caller"
+
+
+def authenticate_request(request: Request, settings: Settings) -> Caller:
+    """:func:`identify_and_limit` from the request's headers alone, on a session of its own
+    (closed before returning): what :class:`api.gate.RequestGate` calls before any byte of the
+    body is read."""
+    session = new_session(settings.database_url)
+    try:
+        return identify_and_limit(request, settings, session)
+    finally:
+        _close(session)
+
+
+async def authenticate(request: Request, settings: SettingsDep) -> Caller:
+    """The caller :class:`api.gate.RequestGate` identified from the headers (and charged to its
+    rate limit) before the body was read; in an app assembled without the gate, that check
+    is made here."""
+    caller = getattr(request.state, CALLER_STATE, None)
+    if isinstance(caller, Caller):
+        return caller
+    return await run_in_threadpool(authenticate_request, request, settings)
 
 
 CurrentKey = Annotated[Caller, Depends(authenticate)]

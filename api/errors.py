@@ -34,6 +34,13 @@ ERROR_TYPES = {
 }
 
 DATABASE_UNAVAILABLE = "The database is unavailable; please retry shortly."
+#: A body that is not JSON, on a route that reads JSON (OpenAI's words).
+JSON_INVALID = (
+    "We could not parse the JSON body of your request. (HINT: This likely means you aren't "
+    "using your HTTP library correctly. The OpenAI API expects a JSON payload.)"
+)
+#: What FastAPI answers for a body it could not read as text (bytes that are not UTF-8).
+BODY_UNREADABLE = "There was an error parsing the body"
 
 
 class APIError(Exception):
@@ -128,7 +135,7 @@ def _validation_message(err: dict[str, Any], param: str | None) -> str:
     if err.get("type") == "missing":
         return f"Missing required parameter: '{param}'." if param else "Missing required parameter."
     if err.get("type") == "json_invalid":
-        return "We could not parse the JSON body of your request. (HINT: This likely means you aren't using your HTTP library correctly. The OpenAI API expects a JSON payload.)"
+        return JSON_INVALID
     return f"Invalid value for '{param}': {msg}" if param else msg
 
 
@@ -138,18 +145,32 @@ def is_database_unavailable(error: BaseException) -> bool:
     return isinstance(error, sa_exc.DBAPIError) and bool(error.connection_invalidated)
 
 
+def api_error_response(request: Request, error: APIError) -> JSONResponse:
+    """The answer to an :class:`APIError`, in the envelope of the route's family."""
+    return respond(
+        request,
+        error.status_code,
+        error.message,
+        type=error.type,
+        param=error.param,
+        code=error.code,
+        headers=error.headers,
+    )
+
+
+def database_error_response(request: Request, error: sa_exc.SQLAlchemyError) -> JSONResponse:
+    """503 when the database is unavailable (a warning logged), else 500 (the error logged)."""
+    if is_database_unavailable(error):
+        log.warning("database unavailable on %s %s: %s", request.method, request.url.path, error)
+        return respond(request, 503, DATABASE_UNAVAILABLE, code="database_unavailable")
+    log.exception("database error on %s %s", request.method, request.url.path)
+    return respond(request, 500, "The server had an error while processing your request.")
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, error: APIError) -> JSONResponse:
-        return respond(
-            request,
-            error.status_code,
-            error.message,
-            type=error.type,
-            param=error.param,
-            code=error.code,
-            headers=error.headers,
-        )
+        return api_error_response(request, error)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
@@ -168,13 +189,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(sa_exc.SQLAlchemyError)
     async def _database_error(request: Request, error: sa_exc.SQLAlchemyError) -> JSONResponse:
-        if is_database_unavailable(error):
-            log.warning(
-                "database unavailable on %s %s: %s", request.method, request.url.path, error
-            )
-            return respond(request, 503, DATABASE_UNAVAILABLE, code="database_unavailable")
-        log.exception("database error on %s %s", request.method, request.url.path)
-        return respond(request, 500, "The server had an error while processing your request.")
+        return database_error_response(request, error)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, error: Exception) -> JSONResponse:

@@ -172,6 +172,27 @@ class Settings(BaseSettings):
         default=200 * 1024 * 1024,
         description="The largest file POST /v1/files takes (413 above it).",
     )
+    max_upload_part_bytes: int = Field(
+        default=64 * 1024 * 1024,
+        ge=1,
+        le=64 * 1024 * 1024,
+        description="The largest part POST /v1/uploads/{id}/parts takes (413 above it); at most "
+        "OpenAI's 64 MiB.",
+    )
+    max_message_batch_bytes: int = Field(
+        default=256 * 1024 * 1024,
+        ge=1,
+        description="The largest body POST /v1/messages/batches takes (413 above it), "
+        "Anthropic's 256 MB. The body is spooled to a temporary file as it arrives and read "
+        "back one request at a time.",
+    )
+    max_request_body_bytes: int = Field(
+        default=1024 * 1024,
+        ge=1,
+        description="The largest body of every other route (the JSON calls, the dashboard's "
+        "forms): 413 above it, before a byte is read when the Content-Length says so, else "
+        "once that many bytes have streamed. Each body is read only once its key is known.",
+    )
     max_chunked_upload_bytes: int = Field(
         default=8 * 1024**3,
         ge=1,

@@ -5,10 +5,14 @@ Anthropic's envelope (see :mod:`api.errors`)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+import email.message
+import tempfile
+from typing import Annotated, Any, BinaryIO
 
-from fastapi import APIRouter, Body, Depends, Header, Query, Request
+from fastapi import APIRouter, Depends, Header, Query, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from api.deps import CurrentKey, SessionDep, SettingsDep, StorageDep
 from api.errors import invalid_request
@@ -26,19 +30,64 @@ async def _version(
 router = APIRouter(prefix="/messages/batches", tags=["anthropic"], dependencies=[Depends(_version)])
 
 _RESPONSES = error_responses(400, 404)
+#: The body is written to its temporary file this many bytes at a time.
+SPOOL_WRITE_BYTES = 1024 * 1024
+
+
+def _is_json(content_type: str | None) -> bool:
+    """Whether FastAPI would read a body of this type as JSON (``application/json`` or
+    ``application/*+json``; no type at all is not)."""
+    if not content_type:
+        return False
+    message = email.message.Message()
+    message["content-type"] = content_type
+    subtype = message.get_content_subtype()
+    return message.get_content_maintype() == "application" and (
+        subtype == "json" or subtype.endswith("+json")
+    )
+
+
+async def _spool(request: Request, spool: BinaryIO) -> bool:
+    """Write the body to ``spool`` as it arrives (the gate cuts it at the route's limit),
+    a few chunks per write in the thread pool; whether it held a byte."""
+    pending = bytearray()
+    size = 0
+    try:
+        async for chunk in request.stream():
+            pending += chunk
+            if len(pending) >= SPOOL_WRITE_BYTES:
+                await run_in_threadpool(spool.write, pending)
+                size += len(pending)
+                pending.clear()
+    except ClientDisconnect as error:
+        raise invalid_request("The client went away before the request body ended.") from error
+    if pending:
+        await run_in_threadpool(spool.write, pending)
+        size += len(pending)
+    spool.seek(0)
+    return size > 0
 
 
 @router.post("", responses=_RESPONSES, summary="Create a message batch")
-def create(
+async def create(
     request: Request,
     caller: CurrentKey,
     session: SessionDep,
     settings: SettingsDep,
     storage: StorageDep,
-    body: Annotated[Any, Body()] = None,
 ) -> dict[str, Any]:
-    row = anthropic.create(session, settings, storage, caller, body)
-    return anthropic.view(session, storage, row).public(str(request.base_url))
+    """The body (at most ``max_message_batch_bytes``) goes to a temporary file as it arrives
+    and is read back one request at a time: never whole in memory, nor parsed whole."""
+
+    def create_and_show(body: BinaryIO | None) -> dict[str, Any]:
+        row = anthropic.create(session, settings, storage, caller, body)
+        return anthropic.view(session, storage, row).public(str(request.base_url))
+
+    if not _is_json(request.headers.get("content-type")):
+        return await run_in_threadpool(create_and_show, None)
+    with tempfile.TemporaryFile(prefix="batchd-message-batch-body-") as spool:
+        held = await _spool(request, spool)
+        return await run_in_threadpool(create_and_show, spool if held else None)
 
 
 @router.get("", responses=_RESPONSES, summary="List message batches")

@@ -9,18 +9,21 @@ at create, kept by position so that the results come back in the order they were
 
 from __future__ import annotations
 
+import codecs
 import json
-from collections.abc import Iterator
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
 from contextlib import suppress
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, BinaryIO
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.deps import Caller
-from api.errors import APIError, invalid_request, not_found
+from api.errors import BODY_UNREADABLE, JSON_INVALID, APIError, invalid_request, not_found
 from api.log_context import bind_batch
 from api.schemas import BatchCreate
 from api.services import batches, files
@@ -29,6 +32,7 @@ from core.batchfile import anthropic
 from core.batchfile.reader import LineValidator, RawLine, iter_lines
 from core.batchfile.request import CHAT_URL, LineError
 from core.batchfile.results import dumps_line
+from core.batchfile.streamed_json import JsonReader
 from core.ids import file_id, message_batch_id
 from core.lifecycle import BatchStatus, now
 from core.llms import specs
@@ -42,119 +46,223 @@ ENDED = {BatchStatus.COMPLETED, BatchStatus.FAILED, BatchStatus.EXPIRED, BatchSt
 #: No result line the service writes comes near this (it bounds one line's buffer).
 RESULT_LINE_BYTES = 256 * 1024 * 1024
 COUNT_NAMES = ("processing", "succeeded", "errored", "canceled", "expired")
+COPY_BYTES = 1024 * 1024
 
 
 def _rfc3339(value: datetime | None) -> str | None:
     return None if value is None else value.isoformat().replace("+00:00", "Z")
 
 
-def _checked_requests(body: Any, limit: int) -> list[dict[str, Any]]:
-    """The body's ``requests``, each with a valid and unique ``custom_id`` (400 otherwise)."""
-    if not isinstance(body, dict) or not isinstance(body.get("requests"), list):
-        raise invalid_request(
-            "requests: Field required (an array of {custom_id, params}).", "requests"
-        )
-    requests = body["requests"]
-    extra = sorted(set(body) - {"requests"})
-    if extra:
-        raise invalid_request(f"{extra[0]}: Extra inputs are not permitted", extra[0])
-    if not requests:
-        raise invalid_request("requests: at least one request is required.", "requests")
-    if len(requests) > limit:
-        raise invalid_request(
-            f"requests: at most {limit} requests per batch, got {len(requests)}.", "requests"
-        )
-    seen: dict[str, int] = {}
-    for i, request in enumerate(requests):
-        if not isinstance(request, dict):
-            raise invalid_request(f"requests.{i}: expected an object.", f"requests.{i}")
-        custom_id = request.get("custom_id")
-        if not isinstance(custom_id, str) or not anthropic.CUSTOM_ID_PATTERN.fullmatch(custom_id):
-            raise invalid_request(
-                f"requests.{i}.custom_id: must match ^[a-zA-Z0-9_-]{{1,64}}$.",
-                f"requests.{i}.custom_id",
-            )
-        if custom_id in seen:
-            raise invalid_request(
-                f"requests.{i}.custom_id: {custom_id!r} is already the custom_id of request "
-                f"{seen[custom_id]}; custom_id must be unique within a batch.",
-                f"requests.{i}.custom_id",
-            )
-        seen[custom_id] = i
-        if "params" not in request:
-            raise invalid_request(f"requests.{i}.params: Field required", f"requests.{i}.params")
-    return requests
-
-
-def _input_lines(
-    settings: Settings, requests: list[dict[str, Any]]
-) -> tuple[bytes, dict[str, Any]]:
-    """The chat input file of the servable requests, and the errored ones by position. Each
-    line is checked as the batch's validation will check it, so no line fails the batch."""
-    served = [m for m, spec in settings.models.items() if specs.serves(spec, CHAT_URL)]
-    validator = LineValidator(
-        endpoint=CHAT_URL,
-        served_models=served,
-        max_requests=anthropic.MAX_REQUESTS,
-        forwarded=specs.forwarded_models(settings.models),
+def _requests_required() -> APIError:
+    return invalid_request(
+        "requests: Field required (an array of {custom_id, params}).", "requests"
     )
-    data = bytearray()
-    unservable: dict[str, Any] = {}
-    for i, request in enumerate(requests):
+
+
+def _request_problem(i: int, request: Any, seen: dict[str, int]) -> APIError | None:
+    """Why request ``i`` makes the whole create a 400, or None."""
+    if not isinstance(request, dict):
+        return invalid_request(f"requests.{i}: expected an object.", f"requests.{i}")
+    custom_id = request.get("custom_id")
+    if not isinstance(custom_id, str) or not anthropic.CUSTOM_ID_PATTERN.fullmatch(custom_id):
+        return invalid_request(
+            f"requests.{i}.custom_id: must match ^[a-zA-Z0-9_-]{{1,64}}$.",
+            f"requests.{i}.custom_id",
+        )
+    if custom_id in seen:
+        return invalid_request(
+            f"requests.{i}.custom_id: {custom_id!r} is already the custom_id of request "
+            f"{seen[custom_id]}; custom_id must be unique within a batch.",
+            f"requests.{i}.custom_id",
+        )
+    if "params" not in request:
+        return invalid_request(f"requests.{i}.params: Field required", f"requests.{i}.params")
+    return None
+
+
+def _text(body: BinaryIO) -> Callable[[int], str]:
+    """``body`` read as text the way ``json.loads`` reads bytes (UTF-8, -16 or -32 by its first
+    bytes, lone surrogates let through), a piece at a time."""
+    head = body.read(4)
+    decoder = codecs.getincrementaldecoder(json.detect_encoding(head))("surrogatepass")
+    pending = decoder.decode(head)
+
+    def read(chars: int) -> str:
+        nonlocal pending
+        text, pending = pending, ""
+        while not text:
+            data = body.read(chars)
+            text = decoder.decode(data, final=not data)
+            if not data:
+                break
+        return text
+
+    return read
+
+
+class _Intake:
+    """One pass over a create's body, spooled to a file: each request checked as it is read,
+    and the servable ones written to ``lines`` as chat lines, the others kept as errored
+    results by position. The answer is the one the whole body, parsed, would get: which 400
+    wins when several apply does not depend on where the requests are in the body, and
+    ``requests`` named twice counts once, the last time (as ``json.loads`` reads it)."""
+
+    def __init__(self, settings: Settings, limit: int, lines: BinaryIO) -> None:
+        self.settings = settings
+        self.limit = limit
+        self.lines = lines
+        self.has_requests = False
+        self.extra: str | None = None  # the first, in sorted order, of the other members
+        self._start()
+
+    def _start(self) -> None:
+        self.count = 0
+        self.custom_ids: list[str] = []
+        self.seen: dict[str, int] = {}
+        self.unservable: dict[str, Any] = {}
+        self.problem: APIError | None = None
+        self.failure: Exception | None = None  # converting a request failed unexpectedly
+        self.written = 0
+        self.lines.seek(0)
+        self.lines.truncate()
+        served = [m for m, spec in self.settings.models.items() if specs.serves(spec, CHAT_URL)]
+        self.validator = LineValidator(
+            endpoint=CHAT_URL,
+            served_models=served,
+            max_requests=anthropic.MAX_REQUESTS,
+            forwarded=specs.forwarded_models(self.settings.models),
+        )
+
+    def read(self, body: BinaryIO | None) -> None:
+        """Read the body (None: the request had no JSON body), or a 400 saying why not."""
+        if body is None:
+            raise _requests_required()
         try:
-            line = dumps_line(
-                anthropic.chat_line(request["custom_id"], anthropic.chat_body(request["params"]))
+            self._walk(JsonReader(_text(body)))
+        except json.JSONDecodeError as error:
+            raise invalid_request(JSON_INVALID) from error
+        except UnicodeDecodeError as error:
+            raise invalid_request(BODY_UNREADABLE) from error
+        if not self.has_requests:
+            raise _requests_required()
+        if self.extra is not None:
+            raise invalid_request(f"{self.extra}: Extra inputs are not permitted", self.extra)
+        if not self.count:
+            raise invalid_request("requests: at least one request is required.", "requests")
+        if self.count > self.limit:
+            raise invalid_request(
+                f"requests: at most {self.limit} requests per batch, got {self.count}.",
+                "requests",
             )
-            validator.check(RawLine(validator.request_lines + 1, len(data), len(line), line[:-1]))
+        if self.problem is not None:
+            raise self.problem
+        if self.failure is not None:
+            raise self.failure
+
+    def _walk(self, reader: JsonReader) -> None:
+        if reader.peek() != "{":
+            reader.value()
+            reader.end()
+            return
+        for name in reader.members():
+            if name != "requests":
+                self.extra = name if self.extra is None else min(self.extra, name)
+                reader.value()
+                continue
+            self._start()
+            self.has_requests = reader.peek() == "["
+            if not self.has_requests:
+                reader.value()
+                continue
+            for request in reader.items():
+                self._add(request)
+        reader.end()
+
+    def _add(self, request: Any) -> None:
+        i = self.count
+        self.count += 1
+        if self.problem is not None or self.count > self.limit:
+            return  # the create is refused: the rest is only counted (and parsed)
+        self.problem = _request_problem(i, request, self.seen)
+        if self.problem is not None:
+            return
+        custom_id = request["custom_id"]
+        self.custom_ids.append(custom_id)
+        self.seen[custom_id] = i
+        if self.failure is None:
+            try:
+                self._convert(i, custom_id, request["params"])
+            except Exception as error:  # raised once the body is known to have no 400
+                self.failure = error
+
+    def _convert(self, i: int, custom_id: str, params: Any) -> None:
+        """Request ``i`` as a chat line, checked as the batch's validation will check it (so
+        that no line fails the batch), or an errored result naming why not."""
+        try:
+            line = dumps_line(anthropic.chat_line(custom_id, anthropic.chat_body(params)))
+            number = self.validator.request_lines + 1
+            self.validator.check(RawLine(number, self.written, len(line), line[:-1]))
         except anthropic.UnservableRequest as error:
-            unservable[str(i)] = {"type": "invalid_request_error", "message": error.message}
-            continue
+            self.unservable[str(i)] = {"type": "invalid_request_error", "message": error.message}
+            return
         except LineError as error:
             param = anthropic.messages_param(error.param)
             message = error.message if param is None else f"{param}: {error.message}"
-            unservable[str(i)] = {"type": "invalid_request_error", "message": message}
-            continue
-        data += line
-    return bytes(data), unservable
+            self.unservable[str(i)] = {"type": "invalid_request_error", "message": message}
+            return
+        self.lines.write(line)
+        self.written += len(line)
 
 
 def create(
-    session: Session, settings: Settings, storage: Storage, caller: Caller, body: Any
+    session: Session, settings: Settings, storage: Storage, caller: Caller, body: BinaryIO | None
 ) -> MessageBatch:
-    requests = _checked_requests(body, min(anthropic.MAX_REQUESTS, settings.max_requests_per_batch))
-    data, unservable = _input_lines(settings, requests)
-    created = now()
-    row = MessageBatch(
-        id=message_batch_id(),
-        tenant=caller.tenant,
-        custom_ids=[r["custom_id"] for r in requests],
-        unservable=unservable,
-        created_at=created,
-        expires_at=created + timedelta(hours=24),
-    )
-    if data:
-        row.batch_id = _start_batch(session, settings, storage, caller, data).id
-    else:  # nothing to run: every request is an errored result already
-        row.ended_at = created
-        row.counts = {**dict.fromkeys(COUNT_NAMES, 0), "errored": len(unservable)}
+    """A message batch from a create's JSON body (a file, read one request at a time; None
+    when the request had no JSON body)."""
+    limit = min(anthropic.MAX_REQUESTS, settings.max_requests_per_batch)
+    with tempfile.TemporaryFile(prefix="batchd-message-batch-") as lines:
+        intake = _Intake(settings, limit, lines)
+        intake.read(body)
+        created = now()
+        row = MessageBatch(
+            id=message_batch_id(),
+            tenant=caller.tenant,
+            custom_ids=intake.custom_ids,
+            unservable=intake.unservable,
+            created_at=created,
+            expires_at=created + timedelta(hours=24),
+        )
+        if intake.written:
+            lines.seek(0)
+            row.batch_id = _start_batch(
+                session, settings, storage, caller, lines, intake.written
+            ).id
+        else:  # nothing to run: every request is an errored result already
+            row.ended_at = created
+            row.counts = {**dict.fromkeys(COUNT_NAMES, 0), "errored": len(intake.unservable)}
     session.add(row)
     session.commit()
     return row
 
 
 def _start_batch(
-    session: Session, settings: Settings, storage: Storage, caller: Caller, data: bytes
+    session: Session,
+    settings: Settings,
+    storage: Storage,
+    caller: Caller,
+    lines: BinaryIO,
+    size: int,
 ) -> Batch:
     new_id = file_id()
     key = f"files/{new_id}"
     with storage.writer(key) as out:
-        out.write(data)
+        shutil.copyfileobj(lines, out, COPY_BYTES)
     upload = files.new_file_row(
         caller.tenant,
         new_id,
         "batch",
         "message_batch.jsonl",
-        len(data),
+        size,
         key,
         settings.file_expiry_s,
     )
