@@ -541,10 +541,11 @@ def test_a_gigabyte_body_moves_the_servers_memory_by_megabytes(
     for path, headers, status, limit, head in cases:
         with RssWatch(server.pid) as watch:
             exchange = _stream(server, path, headers, gib, mark=limit, head=head, watch=watch)
+        since = "the limit" if limit else "the start"
         figures.append(
             f"{path} {'key' if 'authorization' in headers else 'no key'}: {exchange.status} "
             f"after {exchange.sent / MIB:.1f} MiB sent, answered "
-            f"{exchange.answered_after_s or 0:.3f} s after the limit; RSS "
+            f"{exchange.answered_after_s or 0:.3f} s after {since}; RSS "
             f"{watch.before / MIB:.1f} -> peak {watch.peak / MIB:.1f} MiB "
             f"(+{watch.growth / MIB:.1f} MiB, {watch.samples} samples)"
         )
