@@ -144,14 +144,14 @@ async def add_part(
     # The body stops at the bytes the upload still has room for (the parts recorded
     # meanwhile are counted when this one is: add_part decides).
     room = max(0, row.bytes - row.received_bytes)
-    limit = min(uploads.MAX_PART_BYTES, room)
+    limit = min(settings.max_upload_part_bytes, room)
     try:
         received = await receive_upload(
             request, storage, key, limit, lambda _received: None,
             tenant=caller.tenant, settings=settings, file_field="data",
         )  # fmt: skip
     except APIError as error:
-        if error.status_code == 413 and limit < uploads.MAX_PART_BYTES:
+        if error.status_code == 413 and limit < settings.max_upload_part_bytes:
             raise uploads.over_declared(row, None) from error
         raise
     return await run_in_threadpool(

@@ -53,7 +53,6 @@ __all__ = [
     "COMPLETED",
     "COMPLETING",
     "EXPIRED",
-    "MAX_PART_BYTES",
     "PENDING",
     "UPLOAD_LIFETIME",
     "add_part",
@@ -70,8 +69,7 @@ __all__ = [
 
 log = logging.getLogger("batchd.api")
 
-#: OpenAI's limits: a part holds at most 64 MB, an upload lives an hour.
-MAX_PART_BYTES = 64 * 1024 * 1024
+#: OpenAI's limit: an upload lives an hour (a part's limit: settings.max_upload_part_bytes).
 UPLOAD_LIFETIME = timedelta(hours=1)
 #: The longest ``filename`` and ``mime_type`` a create takes (the name is then cut to 255).
 MAX_FILENAME_CHARS = 1024
