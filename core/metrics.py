@@ -5,17 +5,25 @@ Every metric is ``batchd_*``; label values come from small fixed sets or from co
 accounts (a model, a tenant), never a job's id (``tests/core/test_metrics_lint.py`` checks).
 Counters count once, in the process where the event happens (docs/core.md);
 :class:`ServiceCollector` reads the gauges from the database at each scrape, so they are right
-whichever process changed the rows."""
+whichever process changed the rows. A model's pending work is defined once, here
+(:func:`pending_shards`, :func:`remaining_tokens`): the gauges and the autoscaler's query
+(:func:`pending_tokens_sql`, in deploy/kubernetes) read the same rows.
+
+    python -m core.metrics MODEL   # print MODEL's autoscaler query"""
 
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from sqlalchemy import ColumnElement, Select
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +103,62 @@ def record_chunk(model: str, tenant: str, pending: Any) -> None:
         COMPLETION_TOKENS.labels(**labels).inc(pending.output_tokens)
 
 
+# -- a model's pending work
+
+
+def pending_shards() -> ColumnElement[bool]:
+    """The shards that are a model's pending work: those of ``in_progress`` batches that are
+    ``pending`` (not released yet, or released to the model's queue) or ``running``."""
+    from sqlalchemy import and_
+
+    from core.lifecycle import BatchStatus, ShardStatus
+    from core.tables import Batch, Shard
+
+    return and_(
+        Batch.status == BatchStatus.IN_PROGRESS,
+        Shard.status.in_((ShardStatus.PENDING, ShardStatus.RUNNING)),
+    )
+
+
+def remaining_tokens() -> ColumnElement[Any]:
+    """A shard's estimated prompt + output tokens still to do: its estimate, less the share of
+    its requests whose results are committed."""
+    from sqlalchemy import case
+
+    from core.tables import Shard
+
+    left = Shard.est_tokens * (Shard.num_requests - Shard.done_requests) / Shard.num_requests
+    return case((Shard.num_requests > 0, left), else_=0)
+
+
+def pending_tokens_query(model: str) -> Select[int]:
+    """One row, one column: ``model``'s pending tokens (the sum of ``batchd_pending_tokens``
+    over its states), rounded up to a whole token, 0 when nothing waits."""
+    from sqlalchemy import BigInteger, cast, func, select
+
+    from core.tables import Batch, Shard
+
+    total = func.ceil(func.coalesce(func.sum(remaining_tokens()), 0))
+    return (
+        select(cast(total, BigInteger).label("pending_tokens"))
+        .select_from(Shard)
+        .join(Batch, Batch.id == Shard.batch_id)
+        .where(pending_shards(), Batch.model == model)
+    )
+
+
+def pending_tokens_sql(model: str) -> str:
+    """:func:`pending_tokens_query` as PostgreSQL text with ``model`` written in (quoted): the
+    query of KEDA's PostgreSQL scaler, which takes no parameters, in each model's
+    ScaledObject (deploy/kubernetes; tests/test_kubernetes.py compares them)."""
+    from sqlalchemy.dialects import postgresql
+
+    compiled = pending_tokens_query(model).compile(
+        dialect=postgresql.dialect(), compile_kwargs={"literal_binds": True}
+    )
+    return "\n".join(line.rstrip() for line in str(compiled).splitlines())
+
+
 # -- gauges read from the database
 
 
@@ -154,15 +218,6 @@ class ServiceCollector(Collector):
                     (Shard.released_at.is_(None), "unreleased"),
                     else_="released",
                 )
-                remaining = case(
-                    (
-                        Shard.num_requests > 0,
-                        Shard.est_tokens
-                        * (Shard.num_requests - Shard.done_requests)
-                        / Shard.num_requests,
-                    ),
-                    else_=0,
-                )
                 unfinished = Batch.status.in_(("validating", "in_progress", "finalizing",
                                                "cancelling"))  # fmt: skip
                 by_shard = session.execute(
@@ -177,9 +232,9 @@ class ServiceCollector(Collector):
                     .group_by(Batch.model)
                 ).all()
                 work = session.execute(
-                    select(Batch.model, state, func.count(), func.sum(remaining))
+                    select(Batch.model, state, func.count(), func.sum(remaining_tokens()))
                     .join(Batch, Batch.id == Shard.batch_id)
-                    .where(Batch.status == "in_progress", Shard.status.in_(("pending", "running")))
+                    .where(pending_shards())
                     .group_by(Batch.model, state)
                 ).all()
         except Exception as exc:  # a database outage: say so in batchd_database_up
@@ -213,3 +268,9 @@ def observe_queue_wait(model: str, released_at: Any) -> None:
         released_at = released_at.replace(tzinfo=UTC)
     wait = (datetime.now(UTC) - released_at).total_seconds()
     SHARD_QUEUE_WAIT.labels(model=model or "").observe(max(0.0, wait))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python -m core.metrics MODEL  (prints its autoscaler query)")
+    print(pending_tokens_sql(sys.argv[1]))
