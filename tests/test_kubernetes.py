@@ -135,15 +135,28 @@ def component(doc: dict[str, Any]) -> str:
     return doc["metadata"]["labels"]["app.kubernetes.io/component"]
 
 
+def launched(role: str, names: tuple[str, ...] = (), extra: tuple[str, ...] = ()) -> list[str]:
+    """``python -m worker role [NAME…] -- extra`` as core.launch builds it, with the image's
+    ``python`` for this interpreter: the manifests' commands are compared with it."""
+    from core import launch
+
+    return ["python", *launch.worker_module_command(role, names, extra=extra)[1:]]
+
+
+#: The options every worker Deployment passes to Celery.
+WORKER_OPTIONS = ("--loglevel", "INFO")
+
+
 def worker_of(doc: dict[str, Any]) -> tuple[str, str] | None:
     """(role, served model) of a model or dispatch worker Deployment, else None."""
     if doc["kind"] != "Deployment":
         return None
     main = doc["spec"]["template"]["spec"]["containers"][0]
     args = main.get("args", [])
-    if main.get("command") == ["python", "-m", "worker"] and args[:1] in (["model"], ["dispatch"]):
-        return args[0], args[1]
-    return None
+    if args[:1] not in (["model"], ["dispatch"]):
+        return None
+    assert main["command"] + args == launched(args[0], (args[1],), WORKER_OPTIONS)
+    return args[0], args[1]
 
 
 def secret_template() -> dict[str, str]:
@@ -455,9 +468,10 @@ def test_the_other_commands_run_in_this_code(overlay: str) -> None:
     assert api["command"][:4] == ["python", "-m", "cli", "api"]
     assert "api" in {c.name for c in app.registered_commands}
     control = one(docs, "Deployment", "batchd-control-worker")["spec"]["template"]["spec"]
-    assert control["containers"][0]["args"][0] == "control"
+    main = control["containers"][0]
+    assert main["command"] + main["args"] == launched("control", extra=WORKER_OPTIONS)
     beat = one(docs, "Deployment", "batchd-beat")["spec"]["template"]["spec"]["containers"][0]
-    assert beat["command"] == ["python", "-m", "worker", "beat"]
+    assert beat["command"] == launched("beat")
     assert "beat" in celery_cli.commands
     job = one(docs, "Job", "batchd-migrate")["spec"]["template"]["spec"]["containers"][0]
     assert job["command"] == ["alembic", "upgrade", "head"]  # test_compose: one head
@@ -481,7 +495,7 @@ def test_probes_and_grace(overlay: str) -> None:
             continue
         main = pod["containers"][0]
         for probe in ("livenessProbe", "startupProbe"):
-            assert main[probe]["exec"]["command"] == ["python", "-m", "worker", "health"]
+            assert main[probe]["exec"]["command"] == launched("health")
         assert writable(pod, main, liveness_file)
         if worker_of(doc) is not None:  # shards run here: the drain's time
             grace = pod["terminationGracePeriodSeconds"]
