@@ -23,16 +23,26 @@ import pytest
 
 from benchmarks.soak import FAULTS, Options, fault_plan
 from benchmarks.soak_hostile import (
+    BODY_PLANS,
+    MIB,
+    ApiMemory,
+    BodyAttempt,
     HostileTracker,
+    MemorySample,
     Phases,
     SlowUpload,
     Trickle,
     TrickleReceiver,
+    UploadAnswer,
     amplifying_file,
+    api_memory_invariant,
     hostile_invariant,
+    large_body_invariant,
     nested_file,
     nested_lines,
+    send_large_body,
     slow_upload,
+    upload_abuse_invariant,
 )
 from tests.harness.soak_checks import (
     Answer,
@@ -395,3 +405,150 @@ def test_task_time_adds_up_a_workers_tasks_by_phase() -> None:
     quiet, hostile = task_time(log, phases, lambda unix: unix - start, threads=2)
     assert quiet["seconds_by_task"] == {"estimate_batch": 10.0, "validate_batch": 2.5}
     assert quiet["busy_share"] == 0.62 and hostile["seconds_by_task"] == {"cancel_batch": 4.0}
+
+
+def _refuser(read_bytes: int, answer: bytes | None) -> tuple[socket.socket, threading.Thread]:
+    """A loopback server that reads a request's head and ``read_bytes`` more, then answers
+    ``answer`` (or nothing) and closes with the rest of the body unread."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        with conn:
+            got = b""
+            while b"\r\n\r\n" not in got:
+                got += conn.recv(65536)
+            body = len(got.partition(b"\r\n\r\n")[2])
+            while body < read_bytes:
+                body += len(conn.recv(65536))
+            if answer is not None:
+                conn.sendall(answer)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return server, thread
+
+
+def test_large_body_sender_stops_at_the_answer() -> None:
+    chunked_keyed = next(p for p in BODY_PLANS if p.keyed and p.framing == "chunked")
+    no_key = next(p for p in BODY_PLANS if not p.keyed and p.framing == "declared")
+    refusal = b"HTTP/1.1 413 Request Entity Too Large\r\nconnection: close\r\n\r\n"
+    server, thread = _refuser(MIB, refusal)
+    with server:
+        record = BodyAttempt(chunked_keyed.name, True, 0.0, limit=MIB)
+        send_large_body(server.getsockname()[1], chunked_keyed, "key", 256 * MIB, record,
+                        time.monotonic)  # fmt: skip
+        thread.join(5)
+    assert record.status == 413 and record.ended == "answered"
+    assert MIB < record.bytes_sent < 128 * MIB  # what the sockets held, not the body
+    assert record.limit_s is not None and record.answer_s is not None
+    assert record.limit_s <= record.answer_s < 10
+
+    server, thread = _refuser(0, None)  # closed without a word
+    with server:
+        closed = BodyAttempt(no_key.name, False, 0.0, limit=0)
+        send_large_body(server.getsockname()[1], no_key, None, 256 * MIB, closed,
+                        time.monotonic)  # fmt: skip
+        thread.join(5)
+    assert closed.status is None and closed.ended in ("closed", "reset")
+
+    with socket.create_server(("127.0.0.1", 0)) as gone:
+        port = gone.getsockname()[1]
+    unconnected = BodyAttempt(no_key.name, False, 0.0, limit=0)
+    send_large_body(port, no_key, None, MIB, unconnected, time.monotonic)
+    assert unconnected.ended.startswith("could not connect")
+
+
+def test_large_body_rule_wants_quick_refusals() -> None:
+    def a(plan: str, status: int | None, answer_s: float, *, keyed: bool = False,
+          limit: int = 0, limit_s: float | None = None, ended: str = "answered",
+          sent: int = 3 * MIB, began: float = 10.0) -> BodyAttempt:  # fmt: skip
+        return BodyAttempt(plan, keyed, began, limit, status, ended, sent, answer_s, limit_s)
+
+    attempts = [
+        a("no key", 401, 0.02),
+        a("no key", None, 0.05, ended="reset"),  # closed on it: refused
+        a("key, chunked", 413, 1.9, keyed=True, limit=MIB, limit_s=0.5),  # 1.4 s after it
+        a("key, declared", 503, 4.0, keyed=True, began=101.0),  # its key looked up in a cut
+        a("no key", None, 1.0, ended="could not connect (ConnectionRefusedError)"),
+        a("no key", None, 0.0, ended=""),  # still in flight: not judged
+        a("no key", 200, 0.1),  # accepted
+        a("no key", 500, 0.1),
+        a("key, declared", 503, 0.1, keyed=True),  # outside a cut
+        a("no key", 401, 2.5),  # read the body first
+        a("key, chunked", 413, 4.0, keyed=True, limit=MIB, limit_s=1.0),
+        a("no key", None, 30.0, ended="timed out"),
+        a("no key", 401, 0.1, sent=80 * MIB),
+    ]
+    inv = large_body_invariant(attempts, [Window("pg-cut", 100, 106)], grace_s=15)
+    assert not inv["ok"] and inv["attempts"] == 12 and inv["could_not_connect"] == 1
+    problems = [(v["status"], set(v) - {"t", "plan", "ended", "status"}) for v in inv["violations"]]
+    assert problems == [
+        (200, {"wrong_status"}), (500, {"wrong_status"}), (503, {"wrong_status"}),
+        (401, {"answered_after_s"}),
+        (413, {"answered_after_s"}), (None, {"unanswered_after_s"}), (401, {"bytes_sent"}),
+    ]  # fmt: skip
+    assert inv["after_limit_s"]["max"] == 3.0 and inv["answer_s"]["max"] == 2.5
+    assert inv["by_plan"]["no key"]["401"] == 3 and inv["by_plan"]["no key"]["reset"] == 1
+    assert inv["bytes_sent_max_mib"]["no key"] == 80.0
+    assert large_body_invariant(attempts[:5], [Window("redis-cut", 100, 106)], 15)["ok"]
+
+
+def test_upload_rule_wants_each_step_answered_as_it_must() -> None:
+    answers = [
+        UploadAnswer(1, 2, "create", 200),
+        UploadAnswer(2, 3, "part past bytes", 400, "upload_bytes_exceeded"),
+        UploadAnswer(3, 4, "part after complete", 400, "upload_not_pending"),
+        UploadAnswer(4, 5, "part past the parts bound", 400, "too_many_parts"),
+        UploadAnswer(101, 102, "cancel", 503, "database_unavailable"),  # in the cut
+        UploadAnswer(110, 111, "part within bytes", None),  # the API restarting
+        UploadAnswer(111, 112, "part within bytes", 429, "too_many_concurrent_uploads"),
+        UploadAnswer(200, 201, "part past bytes", 200),  # taken past the declared bytes
+        UploadAnswer(201, 202, "part after cancel", 500),
+        UploadAnswer(202, 203, "complete", 503),  # no cut
+    ]
+    inv = upload_abuse_invariant(answers, [Window("pg-cut", 100, 106)], grace_s=15)
+    assert not inv["ok"] and inv["unanswered"] == 1 and inv["busy"] == 1 and inv["answers"] == 10
+    assert [(v["kind"], v["status"]) for v in inv["violations"]] == [
+        ("part past bytes", 200), ("part after cancel", 500), ("complete", 503),
+    ]  # fmt: skip
+    assert inv["by_kind"]["part past bytes"] == {"400 upload_bytes_exceeded": 1, "200": 1}
+    assert upload_abuse_invariant(answers[:7], [Window("pg-cut", 100, 106)], 15)["ok"]
+
+
+def test_api_memory_rule_bounds_the_peak_while_bodies_are_sent() -> None:
+    def m(t: float, pid: int, rss_mib: float, hwm_mib: float, active: bool) -> MemorySample:
+        return MemorySample(t, pid, int(rss_mib * 1024), int(hwm_mib * 1024), active)
+
+    samples = [
+        m(1, 7, 90, 120, False),  # started higher (imports): not the senders' doing
+        m(2, 7, 100, 120, False),
+        m(3, 7, 110, 120, True),
+        m(4, 7, 105, 300, True),  # a peak of 300 MiB between two samples
+        m(5, 7, 100, 300, False),
+        m(6, 8, 80, 80, False),  # the API restarted: judged from its own baseline
+        m(7, 8, 85, 85, True),
+        m(8, 9, 70, 70, False),  # never sampled with the senders at work
+    ]
+    inv = api_memory_invariant(samples, bound_mib=256)
+    assert inv["ok"] and inv["judged"] == 2
+    seven, eight, nine = inv["processes"]
+    assert (seven["baseline_mib"], seven["peak_mib"], seven["growth_mib"]) == (100, 300, 200)
+    assert (eight["baseline_mib"], eight["peak_mib"]) == (80, 85) and not nine["judged"]
+    assert inv["peak_mib"] == 300 and inv["high_water_mib"] == 300
+    tight = api_memory_invariant(samples, bound_mib=100)
+    assert not tight["ok"] and [v["pid"] for v in tight["violations"]] == [7]
+    quiet = api_memory_invariant([m(1, 7, 100, 120, False), m(2, 7, 100, 125, True)], 4)
+    assert quiet["processes"][0]["peak_mib"] == 125 and not quiet["ok"]
+
+
+def test_api_memory_samples_a_live_process() -> None:
+    import os
+
+    memory = ApiMemory(os.getpid, time.monotonic, lambda: True)
+    memory.sample()
+    gone = ApiMemory(lambda: None, time.monotonic, lambda: True)
+    gone.sample()
+    (sample,) = memory.snapshot()
+    assert sample.pid == os.getpid() and 0 < sample.rss_kib <= sample.hwm_kib and sample.active
+    assert gone.snapshot() == []
