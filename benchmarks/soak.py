@@ -45,10 +45,15 @@ with its own key that, in alternate phases of the run (``--hostile-phases``, def
 in the 2nd and 4th quarter), uploads files of lines nested 2,000 levels deep and of a million
 tiny ``a`` lines and cancels their batches at once, submits batches whose webhook goes to a
 loopback receiver that answers one byte a second and never finishes, holds slow raw-socket
-uploads open (headers, then a byte every few seconds) and floods ``POST
-/v1/batches/estimate`` with clients of which half disconnect early (``benchmarks.soak_hostile``
-has the details). Its own batches are exempt from the invariants above (they are made to fail
-or be cancelled); two more invariants judge it and its effect:
+uploads open (headers, then a byte every few seconds), floods ``POST
+/v1/batches/estimate`` with clients of which half disconnect early, sends 256 MiB bodies (made
+as they are sent, chunked or announced by a ``Content-Length``) from 4 senders at once, without
+a key to ``POST /v1/batches`` and ``POST /v1/messages/batches`` and with its key past the JSON
+routes' limit to ``POST /v1/batches``, and goes past the Uploads API's bounds (parts past an
+upload's declared bytes or past ``max_upload_parts``, which the soak sets to 50, parts after a
+complete or a cancel) (``benchmarks.soak_hostile`` has the details). Its own batches are exempt
+from the invariants above (they are made to fail or be cancelled); five more invariants judge
+it and its effect:
 
 * hostile: every hostile batch ended by the end of the drain; a cancelled one's output and
   error files hold at most ``min(its lines, max_requests_per_batch) + 1`` lines; none of its
@@ -56,6 +61,18 @@ or be cancelled); two more invariants judge it and its effect:
   ``webhook_timeout_s`` (plus 5 s). The slow uploads' fate (cut by the server or given up at
   the end of the phase) and Postgres's idle-in-transaction connections with them open are
   reported;
+* large_bodies: every large body refused, answered 401 or 413 or its connection closed (one
+  with the key may get 503 during a cut), never another answer or none; within 2 s of when the
+  refusal was due (the request's start, or for a 413 counted as the body streams, when the
+  client had sent past the limit; the p50 and max are reported); and never more than 64 MiB
+  (what the sockets' buffers hold) sent past that limit before the answer;
+* upload_bounds: each step of the upload abuser answered as it must: 400 for a part past the
+  declared bytes or the parts bound, after a complete or a cancel, for a cancel after a
+  complete and a complete after a cancel; 200 for the steps between (429, the tenant's upload
+  slots taken by its slow uploads, is sent again; 503 only during a cut);
+* api_memory: the API's RSS (sampled every second, with its high-water mark for the peaks
+  between samples) while the large bodies are sent stays within 256 MiB of its RSS before they
+  began, for each run of the API; the baseline, peak and high-water mark are reported;
 * neighbours: the normal tenants' batches that completed, by the phase they were created in:
   the median turnaround (create to end) of those created in the hostile phases is at most
   ``--neighbour-tolerance`` (default 2) times that of those created in the quiet ones. A
@@ -81,20 +98,25 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from benchmarks.harness.revisions import REPO
 from benchmarks.soak_hostile import (
     HOSTILE,
+    MIB,
+    ApiMemory,
     HostileOptions,
     HostileTenant,
     HostileTracker,
     PgSampler,
     Phases,
     TrickleReceiver,
+    api_memory_invariant,
     hostile_invariant,
+    large_body_invariant,
+    upload_abuse_invariant,
 )
 from cli.perf.service import Ticker
 from cli.perf.workload import request_line
@@ -604,13 +626,25 @@ def _log_excerpt(work: Path, ident: str, lines: int = 12) -> list[str]:
 
 class _Hostile:
     """The hostile tenant with what watches it: its own API client and answer log, its
-    batches' tracker, the trickling webhook receiver and the Postgres sampler."""
+    batches' tracker, the trickling webhook receiver, the Postgres sampler and the API's
+    memory sampler."""
 
     def __init__(self, opts: Options, env: dict[str, str], stack: Stack, key: Key, db_url: str,
                  clock: Clock, t0: float):  # fmt: skip
         from core.settings import Settings
 
         default = Settings.model_fields["max_requests_per_batch"].default
+        body_field = Settings.model_fields.get("max_request_body_bytes")
+        body_limit = int(
+            env.get("BATCHD_MAX_REQUEST_BODY_BYTES") or (body_field.default if body_field else MIB)
+        )
+        hostile_opts = replace(
+            opts.hostile_opts,
+            upload_parts=int(
+                env.get("BATCHD_MAX_UPLOAD_PARTS")
+                or Settings.model_fields["max_upload_parts"].default
+            ),
+        )
         self.webhook_timeout_s = float(env["BATCHD_WEBHOOK_TIMEOUT_S"])
         self.phases = Phases(t0, opts.duration, opts.hostile_phases)
         self.http = HttpLog()
@@ -619,17 +653,43 @@ class _Hostile:
         self.tracker = HostileTracker(self.api, clock, opts.poll_s, max_requests).start()
         self.trickle = TrickleReceiver(clock, lambda: self.phases.hostile_at(clock()))
         self.tenant = HostileTenant(
-            opts.hostile_opts, self.api, key.key, stack.port, self.tracker, self.trickle,
+            hostile_opts, self.api, key.key, stack.port, self.tracker, self.trickle,
             self.phases, clock, t0 + opts.duration, int(env["BATCHD_SHARD_MAX_REQUESTS"]),
+            body_limit,
         )  # fmt: skip
         self.pg = PgSampler(db_url, clock, self.tenant.slow_open)
         self.pg_ticker = Ticker(self.pg.sample, 5.0, name="soak-pg").start()
-        self.invariant: dict[str, Any] = {"ok": False, "not_judged": True, "violations": []}
 
-    def judge(self) -> None:
+        def api_pid() -> int | None:
+            inc = stack.current("api")
+            return inc.pid if inc is not None and inc.ended is None else None
+
+        def senders_at_work() -> bool:
+            return hostile_opts.body_senders > 0 and (
+                self.phases.hostile_at(clock()) or self.tenant.bodies_open() > 0
+            )
+
+        self.memory = ApiMemory(api_pid, clock, senders_at_work)
+        self.memory_ticker = Ticker(self.memory.sample, 1.0, name="soak-api-memory").start()
+        self.invariant: dict[str, Any] = {"ok": False, "not_judged": True, "violations": []}
+        self.abuse: dict[str, dict[str, Any]] = {}
+
+    def judge(self, faults: list[Window], outage_grace_s: float) -> None:
         self.invariant = hostile_invariant(
             self.tracker, self.http, self.trickle.snapshot(), self.webhook_timeout_s
         )
+        outages = [w for w in faults if w.kind in OUTAGES]
+        o = self.tenant.opts
+        with self.tenant.stats.lock:
+            bodies = list(self.tenant.stats.bodies)
+            uploads = list(self.tenant.stats.upload_answers)
+        self.abuse = {
+            "large_bodies": large_body_invariant(
+                bodies, outages, outage_grace_s, o.answer_within_s
+            ),
+            "upload_bounds": upload_abuse_invariant(uploads, outages, outage_grace_s),
+            "api_memory": api_memory_invariant(self.memory.snapshot(), o.api_rss_bound_mib),
+        }
 
     def report(self) -> dict[str, Any]:
         return {
@@ -646,6 +706,7 @@ class _Hostile:
     def close(self) -> None:
         self.tenant.close()
         self.tracker.stop()
+        self.memory_ticker.stop()
         self.pg_ticker.stop()
         self.pg.close()
         self.trickle.close()
@@ -683,7 +744,12 @@ def run(opts: Options) -> dict[str, Any]:
                 f"upstream:http://127.0.0.1:{up_proxy.port}/v1?model={server.model}"
                 "&cache_salt_field=prompt_cache_key"
             )
-        env = service_env(work, pg_url, rd_url, models, opts.threads, opts.env)
+        # The hostile tenant abuses the parts bound of the Uploads API: a bound of tens of
+        # parts, not a thousand, so that one round of it is a few seconds of requests.
+        hostile_env = (
+            {"BATCHD_MAX_UPLOAD_PARTS": str(opts.hostile_opts.upload_parts)} if opts.hostile else {}
+        )
+        env = service_env(work, pg_url, rd_url, models, opts.threads, {**hostile_env, **opts.env})
         admin_env = {**env, "BATCHD_DATABASE_URL": db.url}  # the operator's own connection
         print(f"soak: database {db.name}, broker {opts.redis_url}, work {work}", flush=True)
         _build_models(models, admin_env)
@@ -742,7 +808,7 @@ def run(opts: Options) -> dict[str, Any]:
         traffic.close()
         drain_end = clock()
         if hostile is not None:  # judged now: every hostile batch ended by the end of the drain
-            hostile.judge()
+            hostile.judge(faults.windows(), opts.outage_grace_s)
 
         def webhooks_done() -> bool:
             delivered = {d.batch_id for d in receiver.snapshot() if 200 <= d.answered < 300}
@@ -813,6 +879,7 @@ def run(opts: Options) -> dict[str, Any]:
     inv["http"] = http_invariant(http.snapshot(), faults.windows(), OUTAGES, opts.outage_grace_s)
     if hostile is not None:
         inv["hostile"] = hostile.invariant
+        inv.update(hostile.abuse)
         inv["neighbours"] = neighbour_invariant(
             records, http.snapshot(), hostile.phases.windows(), clock.at_wall,
             opts.neighbour_tolerance, opts.neighbour_min_samples, faults.windows(),
@@ -956,7 +1023,8 @@ def _progress(
     if hostile is not None:
         mine = Counter(r.status for r in hostile.tracker.records())
         on = "on" if hostile.phases.hostile_at(clock()) else "off"
-        extra = f"; hostile {on}: {dict(mine)}, {hostile.tenant.slow_open()} slow uploads open"
+        extra = (f"; hostile {on}: {dict(mine)}, {hostile.tenant.slow_open()} slow uploads "
+                 f"open, {len(hostile.tenant.stats.bodies)} large bodies sent")  # fmt: skip
     print(
         f"[{clock():7.1f}s] {len(records)} batches {dict(statuses)}; "
         f"{len(tracker.line_violations)} line, {len(tracker.overdue)} expiry violations; "
@@ -1076,6 +1144,26 @@ def _summary(name: str, inv: dict[str, Any]) -> str:
                 f"{inv.get('answers_by_status')}; {inv.get('webhook_attempts_trickled')} webhook "
                 f"attempts trickled, held {inv.get('webhook_held_s')} (webhook_timeout_s "
                 f"{inv.get('webhook_timeout_s')})")  # fmt: skip
+    if name == "large_bodies":
+        start, limit = inv["answer_s"] or {}, inv["after_limit_s"] or {}
+        return (f"{inv['attempts']} large bodies {inv['by_outcome']}; answered p50 "
+                f"{start.get('p50')} max {start.get('max')} s after the start (401s, 413s on "
+                f"a Content-Length), p50 {limit.get('p50')} max {limit.get('max')} s after "
+                f"the limit (413s counted as the body streamed), allowed {inv['within_s']} s; "
+                f"at most {max(inv['bytes_sent_max_mib'].values(), default=0)} MiB sent before "
+                f"the answer")  # fmt: skip
+    if name == "upload_bounds":
+        return (f"{inv['answers']} answers, {inv['unanswered']} unanswered, {inv['busy']} 429 "
+                f"(sent again), {inv['violation_count']} not as expected: "
+                f"{inv['by_kind']}")  # fmt: skip
+    if name == "api_memory":
+        runs = "; ".join(
+            f"pid {p['pid']} {p['baseline_mib']} -> {p['peak_mib']} MiB ({p['growth_mib']:+.1f})"
+            for p in inv["processes"] if p["judged"]
+        )  # fmt: skip
+        return (f"API RSS while the large bodies were sent, baseline -> peak: {runs or 'none'} "
+                f"(bound +{inv['bound_mib']:g} MiB); high-water mark "
+                f"{inv['high_water_mib']} MiB")  # fmt: skip
     if name == "neighbours":
         q, h, latency = inv["quiet"], inv["hostile"], inv["api_latency_s"]
         return (f"normal batches' turnaround, hostile/quiet: p50 x{inv['ratio']['p50']}, p90 "
@@ -1156,6 +1244,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
                     help="slow uploads it holds open in each of its phases")  # fmt: skip
     ap.add_argument("--hostile-estimates", type=int, default=d.hostile_opts.estimates,
                     help="concurrent estimates in each of its floods")  # fmt: skip
+    ap.add_argument("--hostile-body-senders", type=int, default=d.hostile_opts.body_senders,
+                    help="concurrent senders of large bodies (no key, or over a limit)")  # fmt: skip
     ap.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                     help="the report as JSON: to PATH, or alone on stdout (text to stderr)")  # fmt: skip
     a = ap.parse_args(argv)
@@ -1179,7 +1269,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
         hostile=a.hostile, hostile_phases=a.hostile_phases,
         neighbour_tolerance=a.neighbour_tolerance,
         hostile_opts=HostileOptions(every_s=a.hostile_every, slow_uploads=a.hostile_slow_uploads,
-                                    estimates=a.hostile_estimates),
+                                    estimates=a.hostile_estimates,
+                                    body_senders=a.hostile_body_senders),
     )  # fmt: skip
     return opts, a.json
 
