@@ -450,6 +450,16 @@ class Settings(BaseSettings):
         "`max_released_shards_per_model`: the next shard then starts feeding the engine while "
         "another drains.",
     )
+    worker_drain_s: float = Field(
+        default=90.0,
+        ge=0.0,
+        description="On SIGTERM a worker takes no new shard and its shards feed their model no "
+        "more; the requests in flight have this long to finish and be checkpointed. Then the "
+        "rest are aborted and each unfinished shard is handed back from its last checkpoint "
+        "(another worker resumes it at once), and the worker exits 0. It exits anyway, with "
+        "code 4, 15 s after this, so give the pod a `terminationGracePeriodSeconds` of at "
+        "least this plus 15 (the default fits 120).",
+    )
     engine_options: Annotated[dict[str, Any], NoDecode] = Field(
         default_factory=dict,
         description="The engine's config as JSON (`max_num_seqs`, `kv_cache_memory`, "

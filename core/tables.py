@@ -211,6 +211,8 @@ class Shard(Base):
     done_requests: Mapped[int] = mapped_column(Integer, default=0)
     num_chunks: Mapped[int] = mapped_column(Integer, default=0)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
+    # Attempts that ended by handing the shard back (a draining worker): not failures.
+    handbacks: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     worker: Mapped[str | None] = mapped_column(String(256), nullable=True)
     released_at: Mapped[datetime | None] = mapped_column(Timestamp, nullable=True)
     heartbeat_at: Mapped[datetime | None] = mapped_column(Timestamp, nullable=True)

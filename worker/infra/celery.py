@@ -52,7 +52,7 @@ from core.queue import (
     redis_socket_options,
 )
 from core.settings import get_settings
-from worker.infra import liveness, memory
+from worker.infra import drain, liveness, memory
 from worker.infra.metrics import start_exporter
 
 # The tasks of the control queue (what the liveness watchdog's pool check watches).
@@ -394,6 +394,19 @@ def _stop_liveness(**_: Any) -> None:
     # A requested shutdown: whoever asked for it bounds it (see worker.infra.liveness).
     liveness.stop()
     tracing.flush()
+
+
+@worker_init.connect
+def _arm_drain(**_: Any) -> None:
+    drain.arm()
+
+
+@worker_shutting_down.connect
+def _begin_drain(how: str = "", **_: Any) -> None:
+    # A warm shutdown (SIGTERM): running shards hand back what they cannot finish in time,
+    # and the drain bounds the process's exit (worker.infra.drain).
+    if how == "Warm":
+        drain.begin(get_settings().worker_drain_s)
 
 
 @after_setup_logger.connect

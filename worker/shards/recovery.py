@@ -3,8 +3,9 @@
 Beat runs :func:`reclaim_stale_shards`: a running shard whose heartbeat is older than
 ``shard_stale_after_s`` goes back to ``pending`` and is sent again (it resumes from its last
 committed chunk); one past ``max_shard_attempts`` reports its unfinished requests as
-``shard_failed`` lines; stuck validates and finalizes are sent again (:func:`redrive_due`), and
-so are reclaimed shards whose message was lost. Reasoning: ``docs/worker.md``.
+``shard_failed`` lines (attempts that handed it back do not count); stuck validates and
+finalizes are sent again (:func:`redrive_due`), and so are reclaimed or handed-back shards
+whose message was lost. Reasoning: ``docs/worker.md``.
 """
 
 from __future__ import annotations
@@ -108,10 +109,10 @@ def fail_shard(shard_id: int, message: str) -> bool:
     return fail_claimed(shard_id, attempt, num_chunks, message)
 
 
-def _stale_shards(cutoff: datetime) -> list[tuple[int, int, str | None]]:
+def _stale_shards(cutoff: datetime) -> list[tuple[int, int, int, str | None]]:
     with session_scope() as session:
         rows = session.execute(
-            select(Shard.id, Shard.attempts, Batch.model)
+            select(Shard.id, Shard.attempts, Shard.handbacks, Batch.model)
             .join(Batch, Batch.id == Shard.batch_id)
             .where(
                 Shard.status == ShardStatus.RUNNING,
@@ -120,7 +121,7 @@ def _stale_shards(cutoff: datetime) -> list[tuple[int, int, str | None]]:
             )
             .order_by(Shard.id)
         ).all()
-    return [(r.id, r.attempts, r.model) for r in rows]
+    return [(r.id, r.attempts, r.handbacks, r.model) for r in rows]
 
 
 def _requeue(shard_id: int, attempts: int, cutoff: datetime) -> bool:
@@ -219,12 +220,13 @@ def reclaim_stale_shards() -> SweepReport:
     stale = stale_after_s()
     cutoff = current - timedelta(seconds=stale)
     report = SweepReport([], [], [])
-    for shard_id, attempts, model in retrying(
+    for shard_id, attempts, handbacks, model in retrying(
         lambda: _stale_shards(cutoff), "finding stale shards"
     ):
-        if attempts >= settings.max_shard_attempts:
+        # An attempt that handed the shard back (a drained worker) did not fail.
+        if (failed := attempts - handbacks) >= settings.max_shard_attempts:
             message = (
-                f"The shard holding this request failed {attempts} times (its worker stopped "
+                f"The shard holding this request failed {failed} times (its worker stopped "
                 f"responding; max_shard_attempts={settings.max_shard_attempts}); its unfinished "
                 "requests are reported as errors"
             )

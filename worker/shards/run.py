@@ -21,6 +21,7 @@ from core.settings import get_settings
 from core.tables import Batch, Shard
 from worker.host import Host
 from worker.infra import runtime, storage
+from worker.infra.drain import Drain, process_drain
 from worker.shards import timings
 from worker.shards.handlers import handler_for
 from worker.shards.outcomes import Aborted, EngineUnavailable, Failed, Line, Refused
@@ -31,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 STATUS_POLL_S = 1.0
 MAX_ABORT_RETRIES = 3  # a request aborted while its batch is still running is run again
+ABORT_WAIT_S = 10.0  # a draining shard's wait for its aborted requests to come back
 STATS_TIMEOUT_S = 10.0
 STATS_PATIENCE = 3  # stats asks that time out in a row before the host is taken for dead
 
@@ -47,6 +49,11 @@ class ShardRun:
     submissions), waits for the engine to drain, and runs its suspects one at a time. A
     suspect that fails alone ``max_request_attempts`` times is reported as a ``server_error``
     line; the shard and the worker go on.
+
+    When the worker drains (SIGTERM, :mod:`worker.infra.drain`) the run feeds the host no
+    more; the requests in flight finish and are checkpointed until the drain is due, then the
+    rest are aborted. What did not finish gets no line: :meth:`run` returns ``pending`` and the
+    shard is handed back, for the attempt that resumes it to run.
     """
 
     def __init__(
@@ -59,6 +66,7 @@ class ShardRun:
         done_lines: set[int],
         host: Host,
         after_commit: Callable[[int], None] | None = None,
+        drain: Drain | None = None,
     ):
         settings = get_settings()
         self.shard = shard
@@ -91,6 +99,10 @@ class ShardRun:
         self.in_flight = 0
         self.ran = 0
         self.stopping = False
+        self.drain = drain or process_drain()
+        self.draining = False
+        self.fed_all = False  # every line not done before was handed to the host
+        self.dropped = 0  # requests that came back without a line while draining
         self.retries: dict[int, int] = {}
         self.to_retry: list[tuple[BatchRequest, Any, Any]] = []
         self.refusals: dict[int, int] = {}  # RequestError count per line
@@ -133,6 +145,15 @@ class ShardRun:
     def _poll(self, force: bool = False) -> None:
         if self.heartbeat is not None and self.heartbeat.lost.is_set():
             raise ShardLost(f"shard {self.shard.id} attempt {self.attempt} was reclaimed")
+        if not self.draining and self.drain.started:
+            self.draining = True
+            logger.info(
+                "shard %s attempt %s drains: %s requests in flight, %.0fs to finish",
+                self.shard.id,
+                self.attempt,
+                self.in_flight,
+                self.drain.left_s(),
+            )
         now = time.monotonic()
         if force or now - self._last_poll >= STATUS_POLL_S:
             self._last_poll = now
@@ -172,6 +193,9 @@ class ShardRun:
     ) -> None:
         outcome = self.handler.outcome(req, future, self.submitted_at.pop(req.line, None))
         work = (req, prompt, params)
+        if self.draining and not isinstance(outcome, Line):
+            self.dropped += 1  # no line: the attempt that resumes the shard runs it
+            return
         if isinstance(outcome, Line):
             if outcome.result is None:
                 self.pending.add_error(req.line, outcome.record)
@@ -212,7 +236,7 @@ class ShardRun:
         def done(fut: Future, req: BatchRequest = req) -> None:
             self.done_q.put((req, prompt, params, fut, alone))
 
-        while not self.stopping:
+        while not (self.stopping or self.draining):
             if not alone and self.gate.held_by_other(self):
                 self._collect(block_s=0.05)
                 self._checkpoint()
@@ -254,7 +278,7 @@ class ShardRun:
 
     def _advance_suspects(self) -> None:
         """Run the next suspect alone once the engine has drained (see the class docstring)."""
-        if self.stopping or self.suspect_line is not None:
+        if self.stopping or self.draining or self.suspect_line is not None:
             return
         if not self.suspects:
             self.gate.release(self)
@@ -265,22 +289,28 @@ class ShardRun:
         self.suspect_line = req.line
         if not self._submit(req, ids, params, alone=True):
             self.suspect_line = None
+            self.suspects.insert(0, (req, ids, params))
 
     # -- the loop
 
     def run(self) -> ShardStatus:
-        """Return ``done`` or ``stopped``; raise ShardLost if this attempt lost the shard."""
+        """Return ``done``, ``stopped``, or ``pending`` when the worker drained before the
+        shard's end (it is to be handed back); raise ShardLost if this attempt lost the shard."""
         self.heartbeat = Heartbeat(self.shard.id, self.attempt).start()
         try:
             self._feed()
-            while not self.stopping and (self.in_flight or self.to_retry or self.suspects):
+            while not (self.stopping or self.draining) and (
+                self.in_flight or self.to_retry or self.suspects
+            ):
                 if self.to_retry:
                     self._poll(force=True)  # was the abort a cancel this shard has not seen?
                     if self.stopping:
                         break
                 retry, self.to_retry = self.to_retry, []
-                for req, ids, params in retry:
-                    self._submit(req, ids, params)
+                for k, (req, ids, params) in enumerate(retry):
+                    if not self._submit(req, ids, params):
+                        self.to_retry.extend(retry[k:])  # stopping or draining: not run here
+                        break
                 self._advance_suspects()
                 self._collect(block_s=0.2 if self.in_flight else 0.05)
                 self._checkpoint()
@@ -292,6 +322,8 @@ class ShardRun:
                     self._collect(block_s=0.2)
                 self.to_retry.clear()  # never-finished requests are the finalize's to report
                 self.suspects.clear()
+            elif self.draining:
+                self._drain()
             self._checkpoint(force=True)
         except ShardLost:
             if self.stopping:
@@ -300,7 +332,37 @@ class ShardRun:
         finally:
             self.gate.release(self)
             self.heartbeat.stop()
-        return ShardStatus.STOPPED if self.stopping else ShardStatus.DONE
+        if self.stopping:
+            return ShardStatus.STOPPED
+        if self.draining and not self._complete():
+            return ShardStatus.PENDING
+        return ShardStatus.DONE
+
+    def _drain(self) -> None:
+        """Let the requests in flight finish until the drain is due (or the batch stops), then
+        abort the rest and wait a moment for them to come back."""
+        while self.in_flight and not self.stopping and not self.drain.due():
+            self._collect(block_s=0.2)
+            self._checkpoint()
+            self._poll()
+        if self.in_flight:
+            logger.info(
+                "shard %s attempt %s: the drain is due, %s requests in flight aborted",
+                self.shard.id,
+                self.attempt,
+                self.in_flight,
+            )
+            self.host.abort_group(self.batch_id)
+            deadline = time.monotonic() + ABORT_WAIT_S
+            while self.in_flight and time.monotonic() < deadline:
+                self._collect(block_s=0.2)
+
+    def _complete(self) -> bool:
+        """Whether every request of the shard has its line (committed, or pending the last
+        checkpoint), though the worker drains."""
+        return self.fed_all and not (
+            self.in_flight or self.to_retry or self.suspects or self.dropped
+        )
 
     def _feed(self) -> None:
         sto = storage()
@@ -329,8 +391,9 @@ class ShardRun:
             self._collect()
             self._checkpoint()
             self._poll()
-            if self.stopping:
+            if self.stopping or self.draining:
                 return
+        self.fed_all = True
 
 
 def unparsable_line_error(raw: RawLine, err: LineError) -> dict[str, Any]:

@@ -238,6 +238,44 @@ def set_shard_status(shard_id: int, attempt: int, status: str) -> bool:
     return retrying(attempt_once, f"ending shard {shard_id} as {status}")
 
 
+def hand_back(shard_id: int, attempt: int) -> bool:
+    """This attempt stops before the shard's end (its worker drains): ``running -> pending``
+    with its committed chunks, and one more hand-back counted, so the next claim takes it at
+    once instead of waiting for its heartbeat to go stale. That claim raises ``attempts``,
+    fencing this attempt off. False if the attempt no longer owns the shard."""
+
+    def attempt_once() -> bool:
+        with session_scope() as session:
+            statement = (
+                update(Shard)
+                .where(
+                    Shard.id == shard_id,
+                    Shard.attempts == attempt,
+                    Shard.status == ShardStatus.RUNNING,
+                )
+                .values(
+                    status=ShardStatus.PENDING,
+                    worker=None,
+                    heartbeat_at=None,
+                    handbacks=Shard.handbacks + 1,
+                )
+                .execution_options(synchronize_session=False)
+            )
+            return updated(session, statement) == 1
+
+    return retrying(attempt_once, f"handing back shard {shard_id}")
+
+
+def handbacks(shard_id: int) -> int:
+    """How many of the shard's attempts ended by handing it back (none of them failed)."""
+
+    def attempt() -> int:
+        with session_scope() as session:
+            return session.scalar(select(Shard.handbacks).where(Shard.id == shard_id)) or 0
+
+    return retrying(attempt, f"reading shard {shard_id}")
+
+
 def finish_if_last(batch_id: str) -> bool:
     """Move the batch to finalizing if no shard is unfinished; True for the one caller that
     wins. Callers commit their own shard's ``done`` first, so of two shards finishing at once

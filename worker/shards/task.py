@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from celery.exceptions import Reject
 from celery.signals import worker_ready
 
 from core import metrics
@@ -29,6 +30,7 @@ from core.settings import get_settings
 from core.tables import Batch, Shard
 from worker.host import Host
 from worker.infra import app, input_key, past_expiry, retrying, runtime, storage
+from worker.infra.drain import Drain, process_drain
 from worker.shards.checkpoints import (
     committed_lines,
     discard_uncommitted,
@@ -42,6 +44,8 @@ from worker.shards.state import (
     claim,
     finalize_if_idle,
     finish_if_last,
+    hand_back,
+    handbacks,
     set_shard_status,
 )
 
@@ -56,8 +60,17 @@ class ModelUnavailable(Exception):
         self.model = model
 
 
+class WorkerDraining(Exception):
+    """This worker drains (SIGTERM): the shard was not claimed; its message goes back."""
+
+
 # How long a shard whose model could not be loaded waits before its task is tried again.
 MODEL_RETRY_S = 30.0
+# How long a draining worker tries to send a handed-back shard's task (the reclaim sweep
+# sends it again after ``resend_after_s()`` if this fails).
+HAND_BACK_SEND_S = 5.0
+HAND_BACK_RETRY_POLICY = {"max_retries": 2, "interval_start": 0, "interval_step": 0.5,
+                          "interval_max": 1.0}  # fmt: skip
 
 
 class ShardEnd(StrEnum):
@@ -68,6 +81,7 @@ class ShardEnd(StrEnum):
     FAILED = "failed"  # past max_shard_attempts: its unfinished requests became error lines
     SKIPPED = "skipped"  # nothing to run: gone, ended, claimed elsewhere or batch not running
     LOST = "lost"  # a newer attempt took the shard over meanwhile
+    HANDED_BACK = "handed back"  # the worker drained: pending again, its task sent again
 
 
 @dataclass
@@ -99,17 +113,23 @@ def run_shard(
     worker: str | None = None,
     host: Host | None = None,
     after_commit: Callable[[int], None] | None = None,
+    drain: Drain | None = None,
 ) -> ShardOutcome:
     """Run (or resume) one shard; see the module docstring. ``host`` defaults to the
-    process-wide engine host for the batch's model."""
+    process-wide engine host for the batch's model, ``drain`` to the process's drain; raise
+    :class:`WorkerDraining` instead of claiming the shard once the drain has begun."""
     worker = worker or f"{socket.gethostname()}:{threading.get_ident()}"
     worker = f"{worker}:{uuid.uuid4().hex[:8]}"  # one token per attempt (see claim)
     with log_context(shard_id=shard_id, batch_id=None):
-        return _run_shard(shard_id, worker, host, after_commit)
+        return _run_shard(shard_id, worker, host, after_commit, drain or process_drain())
 
 
 def _run_shard(
-    shard_id: int, worker: str, host: Host | None, after_commit: Callable[[int], None] | None
+    shard_id: int,
+    worker: str,
+    host: Host | None,
+    after_commit: Callable[[int], None] | None,
+    drain: Drain,
 ) -> ShardOutcome:
     """Load, claim, resume, run, finish: each step below, in that order."""
     loaded = _load(shard_id)
@@ -125,24 +145,29 @@ def _run_shard(
         return ShardOutcome(ShardEnd.SKIPPED)
     if host is None:
         host = _host(batch)
+    if drain.started:
+        raise WorkerDraining(f"shard {shard_id} not claimed: this worker drains")
     claimed = _claim(shard, batch, worker)
     if claimed is None:
         return ShardOutcome(ShardEnd.SKIPPED)
     attempt, num_chunks = claimed
     max_attempts = get_settings().max_shard_attempts
-    if attempt > max_attempts:
+    # A hand-back (a drained worker) is no failure: only the other attempts count.
+    if attempt > max_attempts and (failed := attempt - 1 - handbacks(shard_id)) >= max_attempts:
         fail_claimed(
             shard_id,
             attempt,
             num_chunks,
-            f"The shard holding this request failed {attempt - 1} times "
+            f"The shard holding this request failed {failed} times "
             f"(max_shard_attempts={max_attempts}); its unfinished requests are reported as "
             "errors",
         )
         return ShardOutcome(ShardEnd.FAILED)
     done_lines = _resume(shard, attempt, num_chunks)
-    run = ShardRun(shard, batch, key, attempt, num_chunks, done_lines, host, after_commit)
+    run = ShardRun(shard, batch, key, attempt, num_chunks, done_lines, host, after_commit, drain)
     status = _run(run)
+    if status == ShardStatus.PENDING:
+        return _hand_back(run)
     if status is None or not set_shard_status(shard_id, attempt, status):
         return ShardOutcome(ShardEnd.LOST, run.ran, run.chunk)
     logger.info("shard %s attempt %s %s: %s requests run", shard_id, attempt, status, run.ran)
@@ -215,6 +240,37 @@ def _run(run: ShardRun) -> ShardStatus | None:
         raise
 
 
+def _hand_back(run: ShardRun) -> ShardOutcome:
+    """The worker drained before the shard's end: make it pending again, its checkpoints
+    kept, and send its task, so another worker resumes it now (no wait for its heartbeat to go
+    stale). The next claim raises ``attempts``, which fences this attempt off."""
+    shard_id = run.shard.id
+    if not hand_back(shard_id, run.attempt):
+        return ShardOutcome(ShardEnd.LOST, run.ran, run.chunk)
+    logger.info(
+        "shard %s attempt %s handed back (this worker drains): %s requests run, %s chunks "
+        "committed",
+        shard_id,
+        run.attempt,
+        run.ran,
+        run.chunk,
+    )
+    try:
+        retrying(
+            lambda: app.send_task(
+                TASK_RUN_SHARD,
+                args=[shard_id],
+                queue=model_queue(run.model),
+                retry_policy=HAND_BACK_RETRY_POLICY,
+            ),
+            f"sending handed-back shard {shard_id}",
+            patience_s=HAND_BACK_SEND_S,
+        )
+    except Exception:
+        logger.exception("handed-back shard %s not sent; the reclaim sweep sends it", shard_id)
+    return ShardOutcome(ShardEnd.HANDED_BACK, run.ran, run.chunk)
+
+
 def _finish(batch: Batch, *, done: bool) -> None:
     """After a shard ends: finish the batch if it was the last (``done``), or finalize it once
     no shard runs (a stop); then release the model's next shard into the freed slot."""
@@ -229,6 +285,9 @@ def _finish(batch: Batch, *, done: bool) -> None:
 def run_shard_task(self: Any, shard_id: int) -> None:
     try:
         run_shard(int(shard_id), worker=f"{self.request.hostname}:{threading.get_ident()}")
+    except WorkerDraining as exc:
+        # Back on the queue for a worker that stays (a draining one consumes no more).
+        raise Reject(str(exc), requeue=True) from None
     except ModelUnavailable as exc:
         # Tried again later, here or by another worker of the queue, never counted against
         # the shard: its batch is not ended with every line failed by a worker without it.
