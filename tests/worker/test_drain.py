@@ -201,9 +201,9 @@ def test_the_drain_exits_the_process_once_past_its_bound():
     codes: list[int] = []
     exited = threading.Event()
     drain = Drain(exit=lambda code: (codes.append(code), exited.set()))
-    assert not drain.started and not drain.due()
+    assert not drain.started and not drain.time_up()
     drain.begin(0.1, bound_s=0.1)
     drain.begin(60, bound_s=0.1)  # once: a second SIGTERM changes nothing
     assert drain.started
     assert exited.wait(10) and codes == [EXIT_UNDRAINED]
-    assert drain.due()
+    assert drain.time_up()

@@ -3,7 +3,7 @@
 
 Celery's warm shutdown (SIGTERM) stops consuming and waits for the running tasks.
 :func:`begin`, called at ``worker_shutting_down``, tells the running shard attempts
-(``worker.shards.run.ShardRun``) to feed their host no more, and once :meth:`Drain.due` to
+(``worker.shards.run.ShardRun``) to feed their host no more, and once :meth:`Drain.time_up` to
 abort what is still in flight, checkpoint what finished and hand the shard back
 (``worker.shards.state.hand_back``); a shard task that starts meanwhile puts its message back
 on the queue. The tasks then return and the worker exits 0. Should the process still be alive
@@ -47,7 +47,7 @@ class Drain:
     def started(self) -> bool:
         return self._started.is_set()
 
-    def due(self) -> bool:
+    def time_up(self) -> bool:
         """Whether the requests still in flight are to be aborted and handed back now."""
         return self._started.is_set() and time.monotonic() >= self._deadline
 

@@ -341,7 +341,7 @@ class ShardRun:
     def _drain(self) -> None:
         """Let the requests in flight finish until the drain is due (or the batch stops), then
         abort the rest and wait a moment for them to come back."""
-        while self.in_flight and not self.stopping and not self.drain.due():
+        while self.in_flight and not self.stopping and not self.drain.time_up():
             self._collect(block_s=0.2)
             self._checkpoint()
             self._poll()
