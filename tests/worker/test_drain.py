@@ -181,8 +181,11 @@ def test_drain_hands_back_as_soon_as_the_requests_in_flight_finish(
     _resume_and_finish(batch_id, ids, host, opened)
 
 
-def test_a_draining_worker_claims_no_shard(drain_env, host):
+def test_a_draining_worker_claims_no_shard(drain_env, host, monkeypatch):
+    from celery.exceptions import Reject
+
     from worker.infra.drain import Drain
+    from worker.shards import task
     from worker.shards.task import WorkerDraining, run_shard
 
     batch_id = validated_batch([chat_line("a", "hi")])
@@ -191,6 +194,12 @@ def test_a_draining_worker_claims_no_shard(drain_env, host):
     drain.begin(60, bound_s=None)
     with pytest.raises(WorkerDraining):
         run_shard(shard.id, host=host, drain=drain)
+    # The task puts its message back on the queue, for a worker that stays.
+    monkeypatch.setattr(task, "process_drain", lambda: drain)
+    monkeypatch.setattr(task.runtime, "host", lambda model: host)
+    with pytest.raises(Reject) as rejected:
+        task.run_shard_task(shard.id)
+    assert rejected.value.requeue
     (row,) = shard_rows(batch_id)
     assert (row.status, row.attempts) == ("pending", 0)
 
