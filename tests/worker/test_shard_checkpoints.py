@@ -14,6 +14,7 @@ from tests.helpers.worker import (
     make_batch,
     read_file_lines,
     shard_rows,
+    validated_batch,
 )
 
 pytestmark = pytest.mark.services
@@ -266,6 +267,33 @@ def test_cancel_finalize_keeps_finished_and_reports_the_rest(worker_env, host):
     assert finalize(batch_id) is None  # already terminal: a second finalize does nothing
     # A shard task delivered late exits at once.
     assert run_shard(shard.id, host=host).end == ShardEnd.SKIPPED
+
+
+def test_a_shard_that_ends_after_the_cancel_finalizes_it(worker_env, host, monkeypatch):
+    """The cancel finds the shard running and leaves the finalize to the last shard to end;
+    that shard ran to its end (done, not stopped) before it saw the cancel: it must still
+    send the finalize, not leave the batch cancelling until the expiry sweep re-drives it."""
+    import worker.shards.state
+    from core.db import session_scope
+    from core.lifecycle import transition
+    from core.queue import TASK_FINALIZE
+    from worker.batches.tasks import cancel
+    from worker.shards.task import ShardEnd, run_shard
+
+    lines = [chat_line(f"r{i}", f"item {i}", max_tokens=3) for i in range(2)]
+    batch_id = validated_batch(lines, shard_max_requests=1)
+    first, second = shard_rows(batch_id)
+    sent: list[tuple[str, tuple]] = []
+    monkeypatch.setattr(worker.shards.state, "send", lambda task, *a, **_: sent.append((task, a)))
+
+    def cancel_now(chunk: int) -> None:  # the shard's only line is committed: it is ending
+        with session_scope() as session:
+            assert transition(session, batch_id, "in_progress", "cancelling")
+        assert cancel(batch_id) is None  # the shard still runs: its end must finalize
+
+    assert run_shard(first.id, host=host, after_commit=cancel_now).end == ShardEnd.DONE
+    assert (TASK_FINALIZE, (batch_id,)) in sent
+    assert shard_rows(batch_id)[1].status == second.status  # the other never ran
 
 
 def test_each_committed_result_records_its_finish_to_commit_lag(worker_env, host):

@@ -272,11 +272,12 @@ def _hand_back(run: ShardRun) -> ShardOutcome:
 
 
 def _finish(batch: Batch, *, done: bool) -> None:
-    """After a shard ends: finish the batch if it was the last (``done``), or finalize it once
-    no shard runs (a stop); then release the model's next shard into the freed slot."""
-    if done:
-        finish_if_last(batch.id)
-    else:
+    """After a shard ends: finish the batch if it was the last (``done``); otherwise finalize
+    it once no shard runs if it is stopping. A shard that ran to its end before it saw a
+    cancel or an expiry asks that too: it may be the last running shard of a stopping batch,
+    whose cancel found it running and left its finalize to the last shard to end. Then
+    release the model's next shard into the freed slot."""
+    if not (done and finish_if_last(batch.id)):
         finalize_if_idle(batch.id)
     release_next(batch.model)
 
