@@ -158,3 +158,16 @@ def test_the_service_priorities_agree_with_the_engines_numbers() -> None:
     # A low batch that waited ages into normal, and no further.
     assert aged_tier(Priority.LOW.engine, 0.0, 100.0, 1.0) == Priority.NORMAL.engine
     assert aged_tier(Priority.NORMAL.engine, 0.0, 100.0, 1.0) == Priority.NORMAL.engine
+
+
+def test_no_two_test_modules_share_a_name() -> None:
+    """The test folders are not packages: pytest imports each module by its base name, so two
+    files of one name (``tests/e2e/test_x.py`` and ``tests/worker/test_x.py``) fail to collect
+    together, though each passes alone."""
+    seen: dict[str, Path] = {}
+    clashes = []
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        if path.name in seen:
+            clashes.append(f"{seen[path.name].relative_to(ROOT)} and {path.relative_to(ROOT)}")
+        seen.setdefault(path.name, path)
+    assert not clashes, clashes

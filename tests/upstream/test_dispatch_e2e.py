@@ -321,7 +321,9 @@ def test_cancel_closes_the_requests_in_flight(fleet: Fleet) -> None:
     fleet.faults.hold()  # the answers wait in the proxy: in flight however fast the server is
     try:
         batch_id = fleet.submit(lines)
-        wait_for(lambda: fleet.faults.in_flight >= 2, 120, "requests in flight", fleet.procs.logs)
+        # One at least: the dispatcher's in-flight limit adapts, and may start at 1 after the
+        # overloads of the tests before (held answers give it no success to grow on).
+        wait_for(lambda: fleet.faults.in_flight >= 1, 120, "requests in flight", fleet.procs.logs)
         closed = fleet.faults.closed_by_client
         assert fleet.http.post(f"/v1/batches/{batch_id}/cancel").status_code == 200
         cancelled = time.monotonic()
