@@ -10,7 +10,6 @@ import socket
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -19,50 +18,18 @@ from tests.harness.engine_gate import AFTER_ENV as GATE_AFTER
 from tests.harness.engine_gate import MODEL_WORKER_GATE
 from tests.harness.stack import API_KEY, Procs, api_command, celery_command, stack_env
 from tests.helpers.lines import MODEL
-from tests.helpers.worker import batch_row, chat_line, read_file_lines, shard_rows
+from tests.helpers.worker import (
+    batch_row,
+    chat_line,
+    enqueued_batch,
+    read_file_lines,
+    shard_rows,
+    use_service_env,
+)
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 
 SEED = 20261129
-
-
-def _use_env(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
-    """Point this process's settings (database, storage) at the service under test."""
-    from core.settings import get_settings
-
-    for key in ("BATCHD_DATABASE_URL", "BATCHD_STORAGE_URL", "BATCHD_BROKER_URL", "BATCHD_HOME"):
-        monkeypatch.setenv(key, env[key])
-    get_settings.cache_clear()
-
-
-def _create_batch(lines: list[dict[str, Any]], broker: str) -> str:
-    """Store the input, insert its file and batch rows, enqueue the validate task."""
-    from datetime import timedelta
-
-    from core import ids
-    from core.db import session_scope
-    from core.lifecycle import now
-    from core.queue import TASK_VALIDATE, enqueue
-    from core.tables import Batch, File
-    from worker.infra.common import storage
-
-    data = b"".join(json.dumps(x).encode() + b"\n" for x in lines)
-    file_id, batch_id = ids.file_id(), ids.batch_id()
-    with storage().writer(f"files/{file_id}") as out:
-        out.write(data)
-    with session_scope() as session:
-        session.add(
-            File(id=file_id, purpose="batch", filename="in.jsonl", bytes=len(data),
-                 storage_key=f"files/{file_id}")
-        )  # fmt: skip
-        session.flush()
-        session.add(
-            Batch(id=batch_id, endpoint="/v1/chat/completions", input_file_id=file_id,
-                  completion_window="24h", status="validating",
-                  expires_at=now() + timedelta(hours=1))
-        )  # fmt: skip
-    enqueue(TASK_VALIDATE, batch_id, broker_url=broker)
-    return batch_id
 
 
 MAX_TOKENS = 64
@@ -93,7 +60,7 @@ def test_sigkilled_model_worker_loses_nothing_and_repeats_nothing(
         BATCHD_RELEASE_RESEND_AFTER_S="6",
         BATCHD_EXPIRY_SWEEP_INTERVAL_S="5",
     )
-    _use_env(env, monkeypatch)
+    use_service_env(env, monkeypatch)
     procs.start("control", celery_command("control", "control", tmp_path), env)
     procs.start("beat", celery_command("beat", "beat", tmp_path), env)
 
@@ -104,7 +71,7 @@ def test_sigkilled_model_worker_loses_nothing_and_repeats_nothing(
 
     start_model(0)
     texts = {f"k{i:02d}": f"tell me about the mountain number {i}" for i in range(96)}
-    batch_id = _create_batch(
+    batch_id = enqueued_batch(
         [chat_line(c, t, MAX_TOKENS, ignore_eos=True) for c, t in texts.items()], private_broker
     )
 

@@ -23,7 +23,14 @@ from tests.harness.engine_gate import AFTER_ENV as GATE_AFTER
 from tests.harness.engine_gate import MODEL_WORKER_GATE
 from tests.harness.stack import Procs, celery_command, stack_env
 from tests.helpers.lines import MODEL
-from tests.helpers.worker import batch_row, chat_line, read_file_lines, shard_rows
+from tests.helpers.worker import (
+    batch_row,
+    chat_line,
+    enqueued_batch,
+    read_file_lines,
+    shard_rows,
+    use_service_env,
+)
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 
@@ -38,45 +45,6 @@ NEVER_STALE = {
     "BATCHD_RECLAIM_SWEEP_INTERVAL_S": "1",
     "BATCHD_RELEASE_SWEEP_INTERVAL_S": "1",
 }
-
-
-def _use_env(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
-    """Point this process's settings (database, storage) at the service under test."""
-    from core.settings import get_settings
-
-    for key in ("BATCHD_DATABASE_URL", "BATCHD_STORAGE_URL", "BATCHD_BROKER_URL", "BATCHD_HOME"):
-        monkeypatch.setenv(key, env[key])
-    get_settings.cache_clear()
-
-
-def _create_batch(lines: list[dict[str, Any]], broker: str) -> str:
-    """Store the input, insert its file and batch rows, enqueue the validate task."""
-    from datetime import timedelta
-
-    from core import ids
-    from core.db import session_scope
-    from core.lifecycle import now
-    from core.queue import TASK_VALIDATE, enqueue
-    from core.tables import Batch, File
-    from worker.infra.common import storage
-
-    data = b"".join(json.dumps(x).encode() + b"\n" for x in lines)
-    file_id, batch_id = ids.file_id(), ids.batch_id()
-    with storage().writer(f"files/{file_id}") as out:
-        out.write(data)
-    with session_scope() as session:
-        session.add(
-            File(id=file_id, purpose="batch", filename="in.jsonl", bytes=len(data),
-                 storage_key=f"files/{file_id}")
-        )  # fmt: skip
-        session.flush()
-        session.add(
-            Batch(id=batch_id, endpoint="/v1/chat/completions", input_file_id=file_id,
-                  completion_window="24h", status="validating",
-                  expires_at=now() + timedelta(hours=1))
-        )  # fmt: skip
-    enqueue(TASK_VALIDATE, batch_id, broker_url=broker)
-    return batch_id
 
 
 def _batch_ended(batch_id: str) -> bool:
@@ -144,7 +112,7 @@ def test_sigterm_drains_a_model_worker_and_its_shards_resume_at_once_elsewhere(
         BATCHD_WORKER_DRAIN_S=str(DRAIN_S),
         **NEVER_STALE,
     )
-    _use_env(env, monkeypatch)
+    use_service_env(env, monkeypatch)
     procs.start("control", celery_command("control", "control", tmp_path), env)
     procs.start("beat", celery_command("beat", "beat", tmp_path), env)
     held = {GATE_AFTER: str(FINISHED_BEFORE_HOLD)}
@@ -154,7 +122,7 @@ def test_sigterm_drains_a_model_worker_and_its_shards_resume_at_once_elsewhere(
     procs.wait_log("model-a", f"model {MODEL} ready", 120)
     texts = {f"d{i:02d}": f"tell me about the river number {i}" for i in range(N_LINES)}
     ids = list(texts)
-    batch_id = _create_batch(
+    batch_id = enqueued_batch(
         [chat_line(c, t, MAX_TOKENS, ignore_eos=True) for c, t in texts.items()], private_broker
     )
     # Worker A runs two shards, commits what it finished, and holds the rest in flight.
@@ -257,7 +225,7 @@ def test_sigterm_drains_a_dispatch_worker_and_its_shard_resumes_at_once_elsewher
                 BATCHD_WORKER_DRAIN_S=str(UPSTREAM_DRAIN_S),
                 **NEVER_STALE,
             )
-            _use_env(env, monkeypatch)
+            use_service_env(env, monkeypatch)
             procs.start("control", celery_command("control", "control", tmp_path), env)
             procs.start("beat", celery_command("beat", "beat", tmp_path), env)
             for name in ("dispatch-a", "dispatch-b"):
@@ -267,7 +235,7 @@ def test_sigterm_drains_a_dispatch_worker_and_its_shard_resumes_at_once_elsewher
             ids = [f"u{i:02d}" for i in range(UPSTREAM_LINES)]
             lines = [chat_line(c, f"Write a word about {c}.", 8, model=UPSTREAM) for c in ids]
             faults.hold()  # every answer waits in the proxy: the shard stays mid-way
-            batch_id = _create_batch(lines, private_broker)
+            batch_id = enqueued_batch(lines, private_broker)
             wait_for(lambda: faults.in_flight >= 2, 120, "requests in flight", procs.logs)
             (shard,) = shard_rows(batch_id)
             busy = "dispatch-a" if "dispatch-a@" in (shard.worker or "") else "dispatch-b"

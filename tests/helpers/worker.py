@@ -8,6 +8,8 @@ import os
 from datetime import timedelta
 from typing import Any
 
+import pytest
+
 from tests.helpers.lines import MODEL, chat_line, completion_line, jsonl
 
 __all__ = [
@@ -15,9 +17,11 @@ __all__ = [
     "batch_row",
     "chat_line",
     "completion_line",
+    "enqueued_batch",
     "make_batch",
     "read_file_lines",
     "shard_rows",
+    "use_service_env",
     "validated_batch",
 ]
 
@@ -117,4 +121,42 @@ def validated_batch(lines: list[dict[str, Any]], shard_max_requests: int | None 
         if shard_max_requests is not None:
             del os.environ["BATCHD_SHARD_MAX_REQUESTS"]
             get_settings.cache_clear()
+    return batch_id
+
+
+def use_service_env(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Point this process's settings (database, storage) at the service under test."""
+    from core.settings import get_settings
+
+    for key in ("BATCHD_DATABASE_URL", "BATCHD_STORAGE_URL", "BATCHD_BROKER_URL", "BATCHD_HOME"):
+        monkeypatch.setenv(key, env[key])
+    get_settings.cache_clear()
+
+
+def enqueued_batch(lines: list[dict[str, Any]], broker: str) -> str:
+    """Store the input, insert its file and batch rows (``validating``), and enqueue the
+    validate task on ``broker``, as the API would for a service run as subprocesses."""
+    from core import ids
+    from core.db import session_scope
+    from core.lifecycle import now
+    from core.queue import TASK_VALIDATE, enqueue
+    from core.tables import Batch, File
+    from worker.infra.common import storage
+
+    data = b"".join(json.dumps(x).encode() + b"\n" for x in lines)
+    file_id, batch_id = ids.file_id(), ids.batch_id()
+    with storage().writer(f"files/{file_id}") as out:
+        out.write(data)
+    with session_scope() as session:
+        session.add(
+            File(id=file_id, purpose="batch", filename="in.jsonl", bytes=len(data),
+                 storage_key=f"files/{file_id}")
+        )  # fmt: skip
+        session.flush()
+        session.add(
+            Batch(id=batch_id, endpoint="/v1/chat/completions", input_file_id=file_id,
+                  completion_window="24h", status="validating",
+                  expires_at=now() + timedelta(hours=1))
+        )  # fmt: skip
+    enqueue(TASK_VALIDATE, batch_id, broker_url=broker)
     return batch_id
