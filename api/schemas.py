@@ -6,6 +6,7 @@ answer; ORM rows never leave the API directly.
 
 from __future__ import annotations
 
+import math
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
@@ -331,8 +332,11 @@ def _projection(row: Batch) -> dict[str, Any]:
     """``estimated_completion_at`` and ``at_risk`` while the batch may still run."""
     if row.status not in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS):
         return {}
+    # Rounded up, where the other times are rounded down: a projection past the deadline by
+    # less than a second still reads as past ``expires_at`` when it is marked at risk.
+    eta = row.estimated_completion_at
     return {
-        "estimated_completion_at": unix(row.estimated_completion_at),
+        "estimated_completion_at": None if eta is None else math.ceil(eta.timestamp()),
         "at_risk": bool(row.at_risk),
     }
 
