@@ -179,18 +179,22 @@ def test_a_node_lost_mid_job_loses_nothing_and_a_new_node_takes_its_place(
 
         # Node B is mid-job: its engine holds, a shard of a running batch on its worker.
         wait_for(
-            lambda: "engine gate after" in b.log("model") and bool(_running_on("model-b@")),
+            lambda: f"engine gate after {HELD_AFTER} holding requests in flight" in b.log("model"),
             240,
             "node B's model worker to hold a shard",
             logs,
         )
-        held = _running_on("model-b@")
         before = {label: api_a.get(f"/v1/batches/{bid}").json() for label, bid in batches.items()}
+        killed = time.monotonic()
+        b.kill()
+        # The shards B held are those still running on it once it is gone: a shard whose
+        # requests all finished in the step that closed the gate may end just before the
+        # kill, but one with a request in B's engine cannot end.
+        held = _running_on("model-b@")
+        assert held, logs()
         for _shard, batch_id in held:
             label = next(k for k, v in batches.items() if v == batch_id)
             assert before[label]["status"] == "in_progress", before[label]
-        killed = time.monotonic()
-        b.kill()
 
         # A new node in B's place: fresh processes, a new working directory, the beat.
         b2 = node("b2").api().control().model(MODEL, 2).beat()

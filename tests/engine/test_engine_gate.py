@@ -60,7 +60,10 @@ def test_an_abort_releases_a_held_engine(model_dir: Path) -> None:
         assert other.result(timeout=60).outputs[0].finish_reason == "length"
 
 
-def test_a_capped_engine_holds_after_its_quota(model_dir: Path) -> None:
+def test_a_capped_engine_holds_after_its_quota(
+    model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("WARNING", logger="engine_gate")
     engine = Engine(str(model_dir), max_num_seqs=1)
     engine_gate.install(engine, lambda name: False, after=2)
     host = EngineHost(engine).start()
@@ -68,5 +71,7 @@ def test_a_capped_engine_holds_after_its_quota(model_dir: Path) -> None:
     futures[1].result(timeout=60)
     time.sleep(0.5)
     assert [f.done() for f in futures] == [True, True, False, False]
+    # What a test waits for before it kills the worker: a request that cannot finish.
+    assert "engine gate after 2 holding requests in flight" in caplog.messages
     host.shutdown(wait=True, abort_pending=True, timeout=30)  # the aborts still get through
     assert [f.result(timeout=0).outputs[0].finish_reason for f in futures[2:]] == ["abort"] * 2

@@ -20,7 +20,8 @@ A worker can also be given a fixed amount of work: with ``BATCHD_TEST_GATE_AFTER
 engine holds for good once ``n`` requests have finished (until the process is killed), the
 requests then in flight staying in flight. A test that kills workers one after another gives
 each this cap, so the job outlasts the kills by construction, not by its size. It logs
-``engine gate after <n> holding``.
+``engine gate after <n> holding``, and ``engine gate after <n> holding requests in flight``
+once a request is held (its shard cannot end before the kill).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def install(engine: Any, closed: Callable[[str], bool], *, after: int | None = N
     prompt names a gate is in the engine and ``closed(name)`` says that gate is closed, and for
     good once ``after`` requests have finished (if given)."""
     held: dict[str, str] = {}  # request id -> gate name
-    announced: set[str] = set()
+    announced: set[str] = set()  # gates whose hold was logged, and "<name> requests"
     finished = 0
     add_request, step = engine.add_request, engine.step
 
@@ -88,6 +89,10 @@ def install(engine: Any, closed: Callable[[str], bool], *, after: int | None = N
         if name not in announced:
             announced.add(name)
             logger.warning("engine gate %s holding", name)
+        if engine.requests and f"{name} requests" not in announced:
+            # From here a request stays unfinished: its shard cannot end while this holds.
+            announced.add(f"{name} requests")
+            logger.warning("engine gate %s holding requests in flight", name)
         aborted, engine._aborted = engine._aborted, []  # what abort_request left to report
         time.sleep(HOLD_WAIT_S)
         return aborted
