@@ -1,5 +1,5 @@
 """How each kind of request runs in a shard: a handler prepares a parsed request, submits it to
-its host and reads what came back as a :data:`~worker.shards.outcomes.RequestOutcome`.
+its host and reads what came back as a :data:`~worker.handler.RequestOutcome`.
 
 :class:`GenerationHandler` runs chat, completions and responses on the engine host;
 :class:`EmbeddingHandler` runs embeddings on the embedding host;
@@ -24,10 +24,7 @@ from core.priority import Priority
 from core.settings import get_settings
 from core.tables import Batch, Shard
 from engine import RequestError, SamplingParams
-from worker.host import Host
-from worker.infra import REQUEST_ERRORS, runtime, storage
-from worker.shards import timings
-from worker.shards.outcomes import (
+from worker.handler import (
     SUBMIT_WAIT_S,
     Aborted,
     EngineUnavailable,
@@ -37,6 +34,9 @@ from worker.shards.outcomes import (
     Refused,
     RequestOutcome,
 )
+from worker.host import Host
+from worker.infra import REQUEST_ERRORS, runtime, storage
+from worker.shards import timings
 from worker.shards.prepared import read_prepared, tokenizer_fingerprint
 from worker.upstream.handler import UpstreamHandler
 

@@ -19,12 +19,12 @@ from core.llms import specs
 from core.logs import log_context
 from core.settings import get_settings
 from core.tables import Batch, Shard
+from worker.handler import Aborted, EngineUnavailable, Failed, Line, Refused
 from worker.host import Host
 from worker.infra import runtime, storage
 from worker.infra.drain import Drain, process_drain
 from worker.shards import timings
 from worker.shards.handlers import handler_for
-from worker.shards.outcomes import Aborted, EngineUnavailable, Failed, Line, Refused
 from worker.shards.state import Heartbeat, Pending, ShardLost, batch_stopping, commit_chunk
 
 logger = logging.getLogger(__name__)

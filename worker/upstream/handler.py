@@ -20,7 +20,7 @@ from core.priority import Priority
 from core.redaction import redact
 from core.settings import get_settings
 from core.tables import Batch
-from worker.shards.outcomes import SUBMIT_WAIT_S, Aborted, Line, RequestOutcome
+from worker.handler import SUBMIT_WAIT_S, Aborted, Line, RequestOutcome
 from worker.upstream.cache_salt import salt_key, salted_body
 from worker.upstream.dispatcher import Dispatcher, Reply
 

@@ -1,6 +1,9 @@
 """What a handler promises a shard's run: the :class:`Handler` protocol and the outcomes it
 reads back for each request (:data:`RequestOutcome`). The handlers themselves are in
 :mod:`worker.shards.handlers` and :mod:`worker.upstream.handler`.
+
+A room of its own below both (beside :mod:`worker.host`), so that the shard code may choose
+the upstream handler and the upstream handler may answer in these terms without a circle.
 """
 
 from __future__ import annotations
