@@ -76,6 +76,7 @@ def deliver(service_env, redis_url, monkeypatch) -> Iterator[Any]:
     from core.settings import get_settings
     from core.tables import WebhookDelivery
     from worker.batches import webhooks
+    from worker.events import notify
     from worker.infra.celery import app
 
     old_broker = app.conf.broker_url
@@ -87,7 +88,7 @@ def deliver(service_env, redis_url, monkeypatch) -> Iterator[Any]:
         else:
             monkeypatch.setenv("BATCHD_WEBHOOK_ALLOWED_HOSTS", allowed)
         get_settings.cache_clear()
-        delivery_id = webhooks.notify(batch_id, "completed")
+        delivery_id = notify(batch_id, "completed")
         assert delivery_id is not None
         webhooks.attempt(delivery_id, **attempt_options)
         with session_scope() as session:

@@ -121,6 +121,7 @@ def test_trickling_receivers_do_not_delay_validate_or_finalize(
     from core.tables import Batch
     from tests.helpers.worker import chat_line, make_batch
     from worker.batches import webhooks
+    from worker.events import notify
 
     build("llama-tiny")  # the control worker counts tokens with its tokenizer
     deliveries = []
@@ -135,7 +136,7 @@ def test_trickling_receivers_do_not_delay_validate_or_finalize(
                 .values(webhook_url=trickler.url(f"/slow/{n}"), tenant=f"slow-{n}")
             )
             assert transition(session, ended, "validating", "failed")
-        deliveries.append(webhooks.notify(ended, "failed"))
+        deliveries.append(notify(ended, "failed"))
     env = stack_env(
         pg_url,
         redis_url,

@@ -111,6 +111,7 @@ def test_no_event_without_a_webhook_or_before_a_terminal_status(worker_env):
 
 
 def test_a_failing_enqueue_leaves_the_row_for_the_sweep(worker_env, redis_url, monkeypatch):
+    from worker import events
     from worker.batches import webhooks
 
     batch_id = batch_with_webhook()
@@ -120,8 +121,8 @@ def test_a_failing_enqueue_leaves_the_row_for_the_sweep(worker_env, redis_url, m
     def broker_down(*args, **kwargs):
         raise ConnectionError("broker down")
 
-    monkeypatch.setattr(webhooks, "send", broker_down)
-    assert webhooks.notify(batch_id, "failed") == row["id"]  # never raises
+    monkeypatch.setattr(events, "send", broker_down)
+    assert events.notify(batch_id, "failed") == row["id"]  # never raises
     assert outbox(batch_id) == [row]  # still pending, never attempted
     monkeypatch.undo()
     assert webhooks.sweep_unsent(older_than_s=3600) == 0  # too recent for the sweep yet
@@ -130,14 +131,14 @@ def test_a_failing_enqueue_leaves_the_row_for_the_sweep(worker_env, redis_url, m
 
 
 def test_notify_enqueues_the_recorded_event_once(worker_env, redis_url):
-    from worker.batches import webhooks
+    from worker.events import notify
 
     batch_id = batch_with_webhook()
     assert end(batch_id, "failed")
     (row,) = outbox(batch_id)
-    assert webhooks.notify(batch_id, "failed") == row["id"]
+    assert notify(batch_id, "failed") == row["id"]
     assert queued_deliveries(redis_url).count(row["id"]) == 1
-    assert webhooks.notify(batch_id, "completed") is None  # not the status it ended in
+    assert notify(batch_id, "completed") is None  # not the status it ended in
     assert len(outbox(batch_id)) == 1
 
 

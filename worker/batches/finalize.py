@@ -31,7 +31,7 @@ from core.results_log import chunk_line, final_chunk_key, log_chunk
 from core.settings import get_settings
 from core.storage.base import Storage
 from core.tables import Batch, File, Shard
-from worker.batches.webhooks import notify
+from worker.events import notify
 from worker.infra import input_key, live_shards, past_expiry, storage, unfinished_shards
 from worker.shards.checkpoints import (
     ChunkRecord,

@@ -22,7 +22,7 @@ from core.queue import TASK_CANCEL, TASK_FINALIZE, TASK_SWEEP_EXPIRED, TASK_VALI
 from core.settings import get_settings
 from core.tables import Batch
 from worker.batches.finalize import finalize
-from worker.batches.webhooks import notify
+from worker.events import notify
 from worker.infra import (
     app,
     input_key,

@@ -1,10 +1,11 @@
 """Batch webhooks: an event when a batch ends, signed per Standard Webhooks, delivered with
 retries.
 
-The terminal transition inserts the delivery row (an outbox); :func:`notify` only enqueues its
-task and :func:`sweep_unsent` sends any row left overdue, so every event is delivered at least
-once under one event id. Attempts run on the process's own webhook threads, never a control
-thread, each bounded by ``webhook_timeout_s``. Design and reasoning: ``docs/worker.md``.
+The terminal transition inserts the delivery row (an outbox); :func:`worker.events.notify` only
+enqueues its task and :func:`sweep_unsent` sends any row left overdue, so every event is
+delivered at least once under one event id. Attempts run on the process's own webhook threads,
+never a control thread, each bounded by ``webhook_timeout_s``. Design and reasoning:
+``docs/worker.md``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from sqlalchemy import select, update
 
 from core import metrics
 from core.db import session_scope, updated
-from core.lifecycle import EVENT_TYPES, DeliveryStatus, now, record_webhook_event, webhook_event_id
+from core.lifecycle import DeliveryStatus, now, webhook_event_id
 from core.netcheck import (
     AllowList,
     DestinationRefused,
@@ -110,58 +111,6 @@ def event_body(delivery: WebhookDelivery) -> bytes:
         "data": {"id": delivery.batch_id},
     }
     return json.dumps(event, separators=(",", ":")).encode()
-
-
-def notify(batch_id: str, status: str) -> str | None:
-    """Enqueue the delivery of the event of ``batch_id`` having ended in ``status``; call after
-    the terminal transition commits (which recorded the event, see the module docstring).
-    Returns the delivery id, or None when there is nothing to send. A batch ended without
-    :func:`core.lifecycle.transition` (a tool, a test) has its event recorded here first.
-    Never raises: a webhook problem must not undo or fail the transition, and the sweep
-    enqueues what this could not."""
-    event_type = EVENT_TYPES.get(status)
-    if event_type is None:
-        return None
-    try:
-        with session_scope() as session:
-            # A batch ends once: its one event, whatever the status named here.
-            delivery = session.execute(
-                select(
-                    WebhookDelivery.id,
-                    WebhookDelivery.event_type,
-                    WebhookDelivery.status,
-                    WebhookDelivery.attempts,
-                )
-                .where(WebhookDelivery.batch_id == batch_id)
-                .limit(1)
-            ).first()
-            if delivery is not None:
-                if (
-                    delivery.event_type != event_type
-                    or delivery.status != DeliveryStatus.PENDING
-                    or delivery.attempts
-                ):
-                    return None  # another event, or already under way (a repeated call)
-                delivery_id = delivery.id
-            else:
-                url = session.scalar(select(Batch.webhook_url).where(Batch.id == batch_id))
-                if not url:
-                    return None
-                delivery_id = record_webhook_event(session, batch_id, status, url)
-    except Exception:
-        logger.exception("batch %s: could not read its %s webhook event", batch_id, status)
-        return None
-    try:
-        send(TASK_DELIVER_WEBHOOK, delivery_id, queue=WEBHOOK_QUEUE)
-    except Exception:
-        logger.exception(
-            "batch %s: could not enqueue webhook %s (the webhook sweep sends it)",
-            batch_id,
-            delivery_id,
-        )
-        return delivery_id
-    logger.info("batch %s: %s webhook %s enqueued", batch_id, event_type, delivery_id)
-    return delivery_id
 
 
 _tls: ssl.SSLContext | None = None

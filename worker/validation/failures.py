@@ -20,7 +20,7 @@ from core.db import new_session
 from core.lifecycle import ENQUEUED, BatchStatus, ShardStatus, transition
 from core.results_log import batch_log_prefix
 from core.tables import Batch, Shard
-from worker.batches.webhooks import notify
+from worker.events import notify
 from worker.infra import storage
 from worker.shards.release import release_for_model
 

@@ -36,7 +36,7 @@ from core.results_log import ChunkRecord, batch_log_prefix, log_chunk, write_chu
 from core.settings import get_settings
 from core.sharding import ShardPlanner, ShardSpec
 from core.tables import Batch, Shard
-from worker.batches.webhooks import notify
+from worker.events import notify
 from worker.infra import past_expiry, runtime, storage
 from worker.shards.checkpoints import chunk_key
 from worker.shards.prepared import tokenizer_fingerprint, write_prepared
