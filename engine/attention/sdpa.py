@@ -3,8 +3,8 @@
 Decode rows attend in one compiled-kernel call per layer where :mod:`engine.cpu.kernels` builds
 (float32 or bf16, no soft-capping, heads of at most ``MAX_HEAD_DIM``), otherwise in groups of
 similar length (:class:`engine.attention.paged.DecodeGroup`), query heads folded onto their KV
-head. Each float32 prefill chunk of 16 or more queries goes to the compiled prefill kernel where
-it builds with AVX-512, the keys read in place; any other chunk attends with its own causal SDPA
+head. Each float32 or bf16 prefill chunk of 16 or more queries goes to the compiled prefill
+kernel where it builds with AVX-512, the keys read in place; any other chunk attends with its own causal SDPA
 call, offset by its cached context. A ``softcap`` layer runs explicit matmuls in transformers'
 eager order. See docs/engine-step.md ("CPU").
 """
@@ -28,6 +28,7 @@ from engine.cpu.kernels import (
 log = logging.getLogger("engine")
 
 MIN_KERNEL_QUERIES = 16  # below, torch's flash operator is as fast or faster at long contexts
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what the compiled prefill kernel reads
 
 
 def _attend(
@@ -116,8 +117,8 @@ def _attend_decodes(
 
 
 class SdpaBackend:
-    """``compiled``: decode rows and float32 prefill chunks go to the compiled kernels where
-    they build here."""
+    """``compiled``: decode rows and prefill chunks go to the compiled kernels where they build
+    here."""
 
     name = "sdpa"
 
@@ -216,12 +217,12 @@ class SdpaBackend:
         scaling: float | None,
         out: torch.Tensor,
     ) -> bool:
-        """Attend ``chunk`` with the compiled float32 kernel; False where it does not apply
+        """Attend ``chunk`` with the compiled kernel (float32 or bf16); False where it does not apply
         (another device, dtype or layout, a head size it has no loop for, fewer than
         :data:`MIN_KERNEL_QUERIES` queries: the kernel first transposes every key the chunk
         sees, which a handful of queries does not repay)."""
         n = chunk.end - chunk.start
-        if n < MIN_KERNEL_QUERIES or q.dtype != torch.float32 or k_cache.dtype != torch.float32:
+        if n < MIN_KERNEL_QUERIES or q.dtype not in _KERNEL_DTYPES or k_cache.dtype != q.dtype:
             return False
         if q.device.type != "cpu" or k_cache.device.type != "cpu":  # it reads host memory
             return False

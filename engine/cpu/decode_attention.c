@@ -33,24 +33,6 @@ typedef struct {
     void *out; /* [n, heads, dim] contiguous */
 } job_t;
 
-static inline float widen(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t narrow(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu)) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-static inline float load(const void *base, int64_t i, int bf16) {
-    return bf16 ? widen(((const uint16_t *)base)[i]) : ((const float *)base)[i];
-}
-
 /* e^x for x <= 0 (a score less the largest), to about 1 ulp: x = n ln2 + r, |r| <= ln2/2, a
  * degree-6 polynomial for e^r, 2^n put into the exponent bits. Branch-free, so the loops that
  * call it vectorize (the C library's expf does not). */
@@ -72,24 +54,7 @@ static inline float exp_nonpositive(float x) {
     return p * two_n;
 }
 
-/* Sixteen floats: GCC and Clang lower it to what the CPU has (one AVX-512 register, two AVX
- * ones, four SSE ones). */
-typedef uint16_t vh __attribute__((vector_size(32), aligned(2)));
-typedef uint32_t vu __attribute__((vector_size(64)));
 #define MAX_VECS (MAX_DIM / LANES)
-
-static inline vf vload_any(const void *base, int64_t i, const int bf16) {
-    vf f;
-    if (bf16) {
-        vh h;
-        memcpy(&h, (const uint16_t *)base + i, sizeof h);
-        const vu u = __builtin_convertvector(h, vu) << 16;
-        memcpy(&f, &u, sizeof f);
-    } else {
-        memcpy(&f, (const float *)base + i, sizeof f);
-    }
-    return f;
-}
 
 /* Softmax numerators of `keys` scores in place; returns 1 / their sum. */
 static inline float softmax(float *s, int64_t keys) {

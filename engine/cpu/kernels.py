@@ -75,6 +75,7 @@ CPU_FIELDS = frozenset(
 # The head sizes the compiled decode attention and rotary embedding take at most (MAX_DIM in
 # decode_attention.c, the check in layer_ops.c): a model with larger heads keeps torch's path.
 MAX_HEAD_DIM = 1024
+_ELEMENT_TYPES = (torch.float32, torch.bfloat16)  # what the attention kernels read
 
 DecodeAttention = Callable[..., None]
 PrefillAttention = Callable[..., bool]
@@ -410,7 +411,8 @@ class PrefillKernel:
     """The compiled prefill attention (``prefill_attention.c``) and the scratch it keeps.
 
     Called as ``f(q, k, v, blocks, block_size, first_pos, scale, out) -> bool``: causal
-    float32 attention of one prefill chunk. ``q`` [n, heads, dim] (any row and head strides,
+    attention of one prefill chunk, every tensor float32 or every one bfloat16 (widened on
+    load, sums in float32, rounded where torch's CPU flash attention rounds). ``q`` [n, heads, dim] (any row and head strides,
     dim contiguous) at positions ``first_pos .. first_pos + n - 1``; ``k``/``v`` the layer's
     cache ``[kv_heads, blocks, block_size, dim]`` (contiguous) read through ``blocks`` (the
     sequence's block ids, int64), or, with ``blocks`` None, the chunk's own keys ``[kv_heads,
@@ -426,7 +428,7 @@ class PrefillKernel:
         ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self._run = lib.batchd_prefill_attention
         self._run.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, i32, i64, i32, i32, i32]
-        self._run.argtypes += [i32, ctypes.c_float, ptr, i64, i32]
+        self._run.argtypes += [i32, ctypes.c_float, ptr, i64, i32, i32]
         self._run.restype = i32
         self._bound = lib.batchd_prefill_attention_bound
         self._bound.argtypes = [i32, i32]
@@ -451,6 +453,11 @@ class PrefillKernel:
     ) -> bool:
         n, heads, dim = q.shape
         paged = blocks is not None
+        if not q.dtype == k.dtype == v.dtype == out.dtype or q.dtype not in _ELEMENT_TYPES:
+            raise TypeError(
+                f"prefill attention kernel: q, k, v and out all float32 or all bfloat16, not "
+                f"{q.dtype}, {k.dtype}, {v.dtype}, {out.dtype}"
+            )
         rc = self._run(
             q.data_ptr(),
             q.stride(0),
@@ -470,6 +477,7 @@ class PrefillKernel:
             out.data_ptr(),
             out.stride(0),
             torch.get_num_threads(),
+            q.dtype == torch.bfloat16,
         )
         if rc == 1:
             raise MemoryError("prefill attention kernel: no scratch memory")

@@ -1,7 +1,10 @@
-/* Causal float32 attention of one prefill chunk: queries at positions first_pos .. first_pos +
- * n_q - 1 of a sequence, each attending every key up to its own position. The keys and values
- * are read in place, from the paged cache through the sequence's block table or, for a chunk
- * that starts its sequence, from the step's own strided K/V tensors.
+/* Causal attention of one prefill chunk: queries at positions first_pos .. first_pos + n_q - 1
+ * of a sequence, each attending every key up to its own position. The keys and values are read
+ * in place, from the paged cache through the sequence's block table or, for a chunk that starts
+ * its sequence, from the step's own strided K/V tensors. float32 or bfloat16 tensors: bf16 is
+ * widened on load and every sum kept in float32; the softmax numerators are rounded to bf16
+ * before they weight the values, and the output at the end, where torch's CPU flash attention
+ * (generate()'s) rounds them.
  *
  * Flash attention in blocks: the keys of each KV head are first transposed into blocks of 64,
  * [dim][64] each (each key row read once per call); a task is then (KV head, QB query positions):
@@ -49,9 +52,9 @@
 #endif
 
 typedef struct {
-    const float *q; /* position t, head h at q + t * q_row + h * q_head; dim contiguous */
+    const void *q; /* position t, head h at q + t * q_row + h * q_head (elements); dim contiguous */
     int64_t q_row, q_head;
-    const float *k, *v; /* key j of KV head h at k + h * kv_head + rows[j - tile0] */
+    const void *k, *v; /* key j of KV head h at k + h * kv_head + rows[j - tile0] */
     int64_t kv_head;
     const int64_t *rows; /* the tile's keys */
     const float *kt; /* [kv_heads][kcap / KB][dim][KB]: the tile's blocks of keys transposed,
@@ -61,10 +64,14 @@ typedef struct {
     int64_t first_pos, keys; /* keys = first_pos + n_q */
     int n_q, heads, kv_heads, dim;
     float scale;
-    float *out; /* position t, head h at out + t * out_row + h * dim */
+    void *out; /* position t, head h at out + t * out_row + h * dim */
     int64_t out_row;
     float *carry; /* over more than one tile: position t, head h's running maximum and
                    * denominator at carry + 2 (t * heads + h) */
+    float *sums;  /* over more than one tile: its value sums, at sums + t * sum_row + h * dim
+                   * (`out` itself in float32, a float32 buffer beside it in bf16) */
+    int64_t sum_row;
+    int bf16; /* q, k, v and out are bfloat16 */
 } job_t;
 
 static inline vf vmax(vf a, vf b) {
@@ -109,16 +116,16 @@ static inline __attribute__((always_inline)) void score(const float *q, const fl
 }
 
 /* o[r] += sum_j p[r][j] v[j], rows r0 .. r0 + ROWS, keys 0 .. n. */
-static inline __attribute__((always_inline)) void weigh(const float *p, const float *v,
+static inline __attribute__((always_inline)) void weigh(const float *p, const void *v,
                                                         const int64_t *rows, int n, float *o,
-                                                        const int vecs, const int nrows) {
+                                                        const int vecs, const int nrows,
+                                                        const int bf16) {
     vf acc[PV_ROWS][8]; /* fixed sizes: the loops unroll onto registers */
     for (int r = 0; r < nrows; r++)
         for (int c = 0; c < vecs; c++) acc[r][c] = vload(o + r * vecs * LANES + c * LANES);
     for (int j = 0; j < n; j++) {
-        const float *vr = v + rows[j];
         vf x[8];
-        for (int c = 0; c < vecs; c++) x[c] = vload(vr + c * LANES);
+        for (int c = 0; c < vecs; c++) x[c] = vload_any(v, rows[j] + c * LANES, bf16);
         for (int r = 0; r < nrows; r++) {
             const float w = p[r * KB + j];
             for (int c = 0; c < vecs; c++) acc[r][c] += w * x[c];
@@ -135,7 +142,8 @@ static inline __attribute__((always_inline)) void weigh(const float *p, const fl
  * takes them up: the value sums in its rows of `out`, the maximum and denominator in `carry`. */
 static inline __attribute__((always_inline)) void attend(const job_t *a, int h, int64_t t0,
                                                          int64_t t1, int nrows, float *work,
-                                                         const int vecs, const int pv_rows) {
+                                                         const int vecs, const int pv_rows,
+                                                         const int bf16) {
     const int dim = vecs * LANES, group = a->heads / a->kv_heads, span = (int)(t1 - t0);
     const int64_t end = a->first_pos + t1; /* keys the task's last position sees */
     if (a->tile0 >= end) return;           /* a tile past them: the task is done */
@@ -147,12 +155,12 @@ static inline __attribute__((always_inline)) void attend(const job_t *a, int h, 
         const int g = r / span, t = r % span;
         float *qr = q + r * dim;
         if (g < group) {
-            const float *src = a->q + (t0 + t) * a->q_row + (int64_t)(h * group + g) * a->q_head;
-            for (int d = 0; d < dim; d++) qr[d] = src[d] * a->scale;
+            const int64_t src = (t0 + t) * a->q_row + (int64_t)(h * group + g) * a->q_head;
+            for (int d = 0; d < dim; d++) qr[d] = load(a->q, src + d, bf16) * a->scale;
             last[r] = a->first_pos + t0 + t;
             if (resume) { /* the sums of the tiles before */
                 const int64_t at = (t0 + t) * a->heads + h * group + g;
-                memcpy(o + r * dim, a->out + (t0 + t) * a->out_row + (int64_t)(h * group + g) * dim,
+                memcpy(o + r * dim, a->sums + (t0 + t) * a->sum_row + (int64_t)(h * group + g) * dim,
                        sizeof(float) * (size_t)dim);
                 m[r] = a->carry[2 * at];
                 l[r] = a->carry[2 * at + 1];
@@ -167,7 +175,8 @@ static inline __attribute__((always_inline)) void attend(const job_t *a, int h, 
         l[r] = 0.f;
     }
     const float *kt = a->kt + (int64_t)h * dim * a->kcap;
-    const float *v = a->v + h * a->kv_head;
+    const void *v = bf16 ? (const void *)((const uint16_t *)a->v + h * a->kv_head)
+                         : (const void *)((const float *)a->v + h * a->kv_head);
     const int64_t stop = done ? end : a->tile_end; /* a tile ends on a block boundary */
     for (int64_t j0 = a->tile0; j0 < stop; j0 += KB) {
         const int n = end - j0 < KB ? (int)(end - j0) : KB;
@@ -192,7 +201,7 @@ static inline __attribute__((always_inline)) void attend(const job_t *a, int h, 
                 if (allowed < (c + 1) * LANES) /* masked lanes: exactly zero */
                     for (int x = 0; x < LANES; x++)
                         if (c * LANES + x >= allowed) p[x] = 0.f;
-                vstore(sr + c * LANES, p);
+                vstore(sr + c * LANES, bf16 ? vround_bf16(p) : p);
                 sum += p;
             }
             l[r] = l[r] * alpha + hsum(sum);
@@ -203,13 +212,13 @@ static inline __attribute__((always_inline)) void attend(const job_t *a, int h, 
             m[r] = m_new;
         }
         for (int r = 0; r < nrows; r += pv_rows)
-            weigh(s + r * KB, v, a->rows + (j0 - a->tile0), n, o + r * dim, vecs, pv_rows);
+            weigh(s + r * KB, v, a->rows + (j0 - a->tile0), n, o + r * dim, vecs, pv_rows, bf16);
     }
     if (!done) {
         for (int r = 0; r < group * span; r++) {
             const int g = r / span, t = r % span;
             const int64_t at = (t0 + t) * a->heads + h * group + g;
-            memcpy(a->out + (t0 + t) * a->out_row + (int64_t)(h * group + g) * dim, o + r * dim,
+            memcpy(a->sums + (t0 + t) * a->sum_row + (int64_t)(h * group + g) * dim, o + r * dim,
                    sizeof(float) * (size_t)dim);
             a->carry[2 * at] = m[r];
             a->carry[2 * at + 1] = l[r];
@@ -218,27 +227,31 @@ static inline __attribute__((always_inline)) void attend(const job_t *a, int h, 
     }
     for (int r = 0; r < group * span; r++) {
         const int g = r / span, t = r % span;
-        float *dst = a->out + (t0 + t) * a->out_row + (int64_t)(h * group + g) * dim;
+        const int64_t at = (t0 + t) * a->out_row + (int64_t)(h * group + g) * dim;
         const float inv = 1.f / l[r];
-        for (int c = 0; c < vecs; c++) vstore(dst + c * LANES, vload(o + r * dim + c * LANES) * inv);
+        for (int c = 0; c < vecs; c++) {
+            const vf x = vload(o + r * dim + c * LANES) * inv;
+            if (bf16)
+                for (int e = 0; e < LANES; e++) ((uint16_t *)a->out)[at + c * LANES + e] = narrow(x[e]);
+            else
+                vstore((float *)a->out + at + c * LANES, x);
+        }
     }
 }
 
-static void f32_16(const job_t *a, int h, int64_t t0, int64_t t1, int nrows, float *w) {
-    attend(a, h, t0, t1, nrows, w, 1, PV_ROWS);
-}
-
-static void f32_32(const job_t *a, int h, int64_t t0, int64_t t1, int nrows, float *w) {
-    attend(a, h, t0, t1, nrows, w, 2, PV_ROWS);
-}
-
-static void f32_64(const job_t *a, int h, int64_t t0, int64_t t1, int nrows, float *w) {
-    attend(a, h, t0, t1, nrows, w, 4, PV_ROWS);
-}
-
-static void f32_128(const job_t *a, int h, int64_t t0, int64_t t1, int nrows, float *w) {
-    attend(a, h, t0, t1, nrows, w, 8, PV_ROWS > 3 ? 3 : PV_ROWS);
-}
+/* One build of `attend` a head size and element type: the loops unroll on constants. */
+#define TASK(name, vecs, pv_rows, bf16)                                                        \
+    static void name(const job_t *a, int h, int64_t t0, int64_t t1, int nrows, float *w) {    \
+        attend(a, h, t0, t1, nrows, w, vecs, pv_rows, bf16);                                  \
+    }
+TASK(f32_16, 1, PV_ROWS, 0)
+TASK(f32_32, 2, PV_ROWS, 0)
+TASK(f32_64, 4, PV_ROWS, 0)
+TASK(f32_128, 8, PV_ROWS > 3 ? 3 : PV_ROWS, 0)
+TASK(bf16_16, 1, PV_ROWS, 1)
+TASK(bf16_32, 2, PV_ROWS, 1)
+TASK(bf16_64, 4, PV_ROWS, 1)
+TASK(bf16_128, 8, PV_ROWS > 3 ? 3 : PV_ROWS, 1)
 
 /* Scratch a calling thread keeps between calls, at most one tile (TILE_KEYS keys): the
  * transposed keys (kv_heads x dim x TILE_KEYS floats) and the key rows' offsets. Freed when the
@@ -307,14 +320,16 @@ void batchd_prefill_attention_release(void) {
     if (s != NULL && pthread_setspecific(scratch_key, NULL) == 0) drop_scratch(s);
 }
 
-int batchd_prefill_attention(const float *q, int64_t q_row, int64_t q_head, const float *k,
-                             const float *v, int64_t kv_head, int64_t key_row,
+int batchd_prefill_attention(const void *q, int64_t q_row, int64_t q_head, const void *k,
+                             const void *v, int64_t kv_head, int64_t key_row,
                              const int64_t *blocks, int block_size, int64_t first_pos, int n_q,
-                             int heads, int kv_heads, int dim, float scale, float *out,
-                             int64_t out_row, int threads) {
+                             int heads, int kv_heads, int dim, float scale, void *out,
+                             int64_t out_row, int threads, int bf16) {
     typedef void (*task_fn)(const job_t *, int, int64_t, int64_t, int, float *);
-    const task_fn fn = dim == 16 ? f32_16 : dim == 32 ? f32_32 : dim == 64 ? f32_64
-                     : dim == 128 ? f32_128 : NULL;
+    const task_fn fn = bf16 ? (dim == 16 ? bf16_16 : dim == 32 ? bf16_32 : dim == 64 ? bf16_64
+                               : dim == 128 ? bf16_128 : NULL)
+                            : (dim == 16 ? f32_16 : dim == 32 ? f32_32 : dim == 64 ? f32_64
+                               : dim == 128 ? f32_128 : NULL);
     if (fn == NULL) return 2;
     const int64_t keys = first_pos + n_q;
     const int64_t kpad = (keys + KB - 1) / KB * KB;
@@ -324,14 +339,22 @@ int batchd_prefill_attention(const float *q, int64_t q_row, int64_t q_head, cons
         reserve(&mine->kt, &mine->kt_bytes, sizeof(float) * (size_t)kv_heads * (size_t)dim * (size_t)kcap) ||
         reserve(&mine->rows, &mine->rows_bytes, sizeof(int64_t) * (size_t)kcap))
         return 1;
-    float *carry = NULL;
-    if (keys > kcap && (carry = malloc(sizeof(float) * 2 * (size_t)n_q * (size_t)heads)) == NULL)
-        return 1;
+    float *carry = NULL, *sums = bf16 ? NULL : (float *)out;
+    int64_t sum_row = bf16 ? (int64_t)heads * dim : out_row;
+    if (keys > kcap) {
+        carry = malloc(sizeof(float) * 2 * (size_t)n_q * (size_t)heads);
+        if (bf16 && carry != NULL && (sums = malloc(sizeof(float) * (size_t)(n_q * sum_row))) == NULL) {
+            free(carry);
+            return 1;
+        }
+        if (carry == NULL) return 1;
+    }
     /* The buffers are this thread's: the team's other threads reach them through locals. */
     int64_t *rows = mine->rows;
     float *kt = mine->kt;
-    const job_t base = {q, q_row, q_head, k, v, kv_head, rows, kt, kcap, 0, 0, first_pos, keys,
-                        n_q, heads, kv_heads, dim, scale, out, out_row, carry};
+    const job_t base = {q,        q_row, q_head,   k,     v,     kv_head, rows,    kt,
+                        kcap,     0,     0,        first_pos, keys, n_q,  heads,   kv_heads,
+                        dim,      scale, out,      out_row, carry, sums,  sum_row, bf16};
     const int group = heads / kv_heads;
     const int step = QK_ROWS % PV_ROWS == 0 ? QK_ROWS : QK_ROWS * PV_ROWS; /* both blocks' multiple */
     const int nrows = (group * QB + step - 1) / step * step;
@@ -361,8 +384,8 @@ int batchd_prefill_attention(const float *q, int64_t q_row, int64_t q_head, cons
                 float *dst = kt + (int64_t)h * dim * kcap + j0 * dim;
                 for (int j = 0; j < KB; j++) {
                     if (tile0 + j0 + j < tile_end) {
-                        const float *src = k + h * kv_head + rows[j0 + j];
-                        for (int d = 0; d < dim; d++) dst[d * KB + j] = src[d];
+                        const int64_t src = h * kv_head + rows[j0 + j];
+                        for (int d = 0; d < dim; d++) dst[d * KB + j] = load(k, src + d, bf16);
                     } else {
                         for (int d = 0; d < dim; d++) dst[d * KB + j] = 0.f;
                     }
@@ -383,5 +406,6 @@ int batchd_prefill_attention(const float *q, int64_t q_row, int64_t q_head, cons
         free(work);
     }
     free(carry);
+    if (bf16) free(sums);
     return failed;
 }

@@ -17,6 +17,51 @@ static inline vf vload(const float *p) {
 
 static inline void vstore(float *p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
 
+/* bfloat16 elements (the upper half of a float32): widened exactly; narrowed to the nearest
+ * even, NaN kept a NaN. */
+typedef uint16_t vh __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+
+static inline float widen(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    __builtin_memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t narrow(float f) {
+    uint32_t u;
+    __builtin_memcpy(&u, &f, sizeof u);
+    if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu)) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* Element i of a float32 or (bf16 set) bfloat16 array, as a float. */
+static inline float load(const void *base, int64_t i, int bf16) {
+    return bf16 ? widen(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+/* Sixteen elements from i of a float32 or (bf16 set) bfloat16 array, as floats. */
+static inline vf vload_any(const void *base, int64_t i, const int bf16) {
+    vf f;
+    if (bf16) {
+        vh h;
+        __builtin_memcpy(&h, (const uint16_t *)base + i, sizeof h);
+        const vu u = __builtin_convertvector(h, vu) << 16;
+        __builtin_memcpy(&f, &u, sizeof f);
+    } else {
+        __builtin_memcpy(&f, (const float *)base + i, sizeof f);
+    }
+    return f;
+}
+
+/* Sixteen finite floats rounded to the nearest even bfloat16, kept as floats. */
+static inline vf vround_bf16(vf x) {
+    vu u = (vu)x;
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    return (vf)u;
+}
+
 /* Keeps vector v in a register for the statements after it: a compiler that folds its load
  * into each multiply-add reading it loads it again for every one (the load ports then bind).
  * Only where sixteen floats are one register (AVX-512). */

@@ -1,7 +1,7 @@
-"""The compiled float32 prefill attention (engine/cpu/prefill_attention.c) against causal
-attention computed in float64: chunks that start their sequence (keys from the step's own
-strided K/V) and chunks that continue it (keys read through a scattered block table), head
-sizes 64 and 128, grouped and plain heads, one and two threads, and the backend's choice."""
+"""The compiled prefill attention (engine/cpu/prefill_attention.c) against causal attention
+computed in float64: chunks that start their sequence (keys from the step's own strided K/V)
+and chunks that continue it (keys read through a scattered block table), head sizes 16 to 128,
+grouped and plain heads, one and two threads, float32 and bfloat16, and the backend's choice."""
 
 from __future__ import annotations
 
@@ -100,6 +100,74 @@ def test_a_chunk_that_continues_its_sequence(
     out = torch.full((n, heads, dim), float("nan"))
     assert kernel(q, k_cache, v_cache, blocks, BLOCK, first_pos, 0.1, out)
     torch.testing.assert_close(out, _reference(q, k, v, first_pos, 0.1), rtol=1e-5, atol=2e-5)
+
+
+# -- bfloat16 ------------------------------------------------------------------------------------
+# bf16 is widened on load and summed in float32; the softmax numerators are rounded to bf16
+# before they weight the values and the output at the end, as torch's CPU flash attention does.
+# Against float64 attention of the same bf16 inputs the error is that of those two roundings.
+BF16_TOL = {"rtol": 2**-7, "atol": 2**-7}
+
+
+def _bf16(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t.bfloat16() for t in tensors]
+
+
+@pytest.mark.parametrize("dim", [16, 64, 128])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4)])
+@pytest.mark.parametrize("n", [16, 130, 700])
+def test_a_bf16_chunk_that_starts_its_sequence(
+    kernel: kernels.PrefillAttention, threads: int, dim: int, heads: int, kv_heads: int, n: int
+) -> None:
+    torch.manual_seed(n + dim + heads)
+    q, k, v = _bf16(*_step(n, heads, kv_heads, dim))
+    out = torch.full((n, heads, dim), float("nan"), dtype=torch.bfloat16)
+    assert kernel(q, k, v, None, BLOCK, 0, 0.125, out)
+    torch.testing.assert_close(out.float(), _reference(q, k, v, 0, 0.125), **BF16_TOL)
+
+
+@pytest.mark.parametrize("first_pos,n", [(37, 16), (513, 200), (2100, 40)])
+def test_a_bf16_chunk_that_continues_its_sequence(
+    kernel: kernels.PrefillAttention, threads: int, first_pos: int, n: int
+) -> None:
+    """Through a shuffled block table, and past one tile of keys (2,048): the value sums carry
+    across tiles in float32, not in the bf16 output."""
+    k_cache, v_cache, blocks, k, v = _paged(first_pos + n, 3, 64, seed=first_pos + n)
+    k_cache, v_cache, k, v = _bf16(k_cache, v_cache, k, v)
+    q = torch.randn(n, 18, 64).bfloat16()[:, ::2]
+    out = torch.full((n, 9, 64), float("nan"), dtype=torch.bfloat16)
+    assert kernel(q, k_cache, v_cache, blocks, BLOCK, first_pos, 0.1, out)
+    torch.testing.assert_close(out.float(), _reference(q, k, v, first_pos, 0.1), **BF16_TOL)
+
+
+def test_bf16_rounds_where_torchs_flash_operator_rounds(kernel: kernels.PrefillAttention) -> None:
+    """Beside torch's own bf16 flash attention (what ``generate()`` runs): most elements are
+    the same bf16 number, and the kernel is as close to float64 attention as torch is."""
+    torch.manual_seed(3)
+    n, heads, kv_heads, dim = 600, 9, 3, 64
+    q, k, v = _bf16(*_step(n, heads, kv_heads, dim))
+    out = torch.empty(n, heads, dim, dtype=torch.bfloat16)
+    assert kernel(q, k, v, None, BLOCK, 0, dim**-0.5, out)
+    group = heads // kv_heads
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        k.repeat_interleave(group, 0).unsqueeze(0),
+        v.repeat_interleave(group, 0).unsqueeze(0),
+        is_causal=True,
+    )[0].transpose(0, 1)
+    assert (out == want).float().mean() > 0.6  # 0.72 here
+    exact = _reference(q.double(), k.double(), v.double(), 0, dim**-0.5)
+    assert (out.float() - exact).abs().max() <= 2 * (want.float() - exact).abs().max()
+
+
+def test_mixed_element_types_are_refused(kernel: kernels.PrefillAttention) -> None:
+    q, k, v = _step(32, 4, 2, 64)
+    out = torch.zeros(32, 4, 64)
+    with pytest.raises(TypeError, match="all float32 or all bfloat16"):
+        kernel(q.bfloat16(), k, v, None, BLOCK, 0, 0.1, out)
+    with pytest.raises(TypeError, match="all float32 or all bfloat16"):
+        kernel(q.half(), k.half(), v.half(), None, BLOCK, 0, 0.1, out.half())
+    assert not out.any()
 
 
 def test_large_scores_stay_finite(kernel: kernels.PrefillAttention) -> None:
@@ -278,3 +346,9 @@ def test_tiles_give_the_same_bits(
         assert small(q, k_cache, v_cache, blocks, BLOCK, first_pos, 0.1, b)
         assert torch.equal(a, b)
         torch.testing.assert_close(b, _reference(q, k, v, first_pos, 0.1), rtol=1e-5, atol=2e-5)
+        # bf16: the sums carry across tiles in float32 beside the bf16 output.
+        q, k_cache, v_cache = _bf16(q, k_cache, v_cache)
+        a, b = a.bfloat16(), b.bfloat16()
+        assert whole(q, k_cache, v_cache, blocks, BLOCK, first_pos, 0.1, a)
+        assert small(q, k_cache, v_cache, blocks, BLOCK, first_pos, 0.1, b)
+        assert torch.equal(a, b)

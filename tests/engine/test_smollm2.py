@@ -214,12 +214,28 @@ def test_auto_dtype_is_bf16_where_the_cpu_multiplies_it() -> None:
 def test_bf16_equals_generate_except_at_near_ties(path: str, prompts: list[list[int]]) -> None:
     """The engine in bf16, all eight requests batched, against bf16 ``generate()`` one request
     at a time: every request agrees in full or diverges only at a near-tie (the engine took a
-    token generate() scored within NEAR_TIE_GAP of its best), and most agree in full."""
+    token generate() scored within NEAR_TIE_GAP of its best), and most agree in full. Prefill
+    runs in chunks of at most 64 tokens, the shared system prompt from the prefix cache: where
+    the compiled prefill kernel builds, it attends first and continued chunks in bf16."""
     from transformers import AutoModelForCausalLM
 
-    engine = Engine(path, dtype="bfloat16")
+    engine = Engine(path, dtype="bfloat16", max_num_batched_tokens=64)
+    backend = engine.runner.backend
+    taken: list[tuple[bool, int]] = []  # (attended, first position) of each chunk sent
+    if backend.prefill is not None:
+        kernel = backend.prefill
+
+        def counted(*args):  # type: ignore[no-untyped-def]
+            done = kernel(*args)
+            taken.append((done, args[5]))
+            return done
+
+        backend.prefill = counted
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     got = [out.outputs[0].token_ids for out in _run(engine, prompts)]
+    if backend.prefill is not None:
+        assert any(done and pos == 0 for done, pos in taken), taken  # a first chunk
+        assert any(done and pos > 0 for done, pos in taken), taken  # a continued one
     exact = 0
     with torch.inference_mode():
         for i, prompt in enumerate(prompts):
