@@ -482,6 +482,22 @@ def test_an_upstream_models_prompts_are_counted_for_quotas(
         get_settings.cache_clear()
 
 
+def test_the_engine_stats_of_a_process_answer_its_dispatchers_snapshot(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``worker.infra.runtime`` stands below the upstream room and does not import it at module
+    level: ``engine_stats`` tells a dispatcher among the loaded hosts by its ``snapshot``, as
+    the metrics exporter does, and answers it without touching the engine's host classes."""
+    from worker.infra import runtime
+
+    spec = upstream_spec("upstream:http://127.0.0.1:9/v1?max_concurrency=3", "m")
+    dispatcher = Dispatcher("m", spec, shared=False)
+    monkeypatch.setattr(runtime, "_hosts", {"m": dispatcher})
+    stats = runtime.engine_stats_snapshot()
+    assert stats == {"m": runtime._json_safe(dispatcher.snapshot())}
+    assert stats["m"]["kind"] == "upstream" and stats["m"]["pending"] == 0
+
+
 def test_usage_is_read_in_the_servers_terms() -> None:
     from worker.upstream.handler import reply_usage
 

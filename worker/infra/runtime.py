@@ -3,7 +3,9 @@ for the model workers (a dispatcher, :mod:`worker.upstream.dispatcher`, for an u
 
 Everything the worker knows about the engine lives here. Engines load once per process, under
 a lock, on first use or at worker start; the threads pool then shares them, so there is never
-a fork after a model is loaded. The engine and torch are imported only when a model loads.
+a fork after a model is loaded. The engine and torch are imported only when a model loads, and
+so is the dispatcher: ``worker.infra`` is the room the others stand on, and imports none of
+them at module level (``tests/test_structure.py``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from core.llms.gguf import ModelSourceError
 from core.settings import get_settings
 from engine.sim.engine import DEFAULT_MAX_MODEL_LEN, SimEngine
 from worker.host import Host
-from worker.upstream.dispatcher import Dispatcher
 
 if TYPE_CHECKING:
     from engine.embedding.host import EmbeddingHost
@@ -237,8 +238,11 @@ def _load_host(model: str, spec: str) -> Host:
     return started
 
 
-def _start_dispatcher(model: str, spec: str) -> Dispatcher:
+def _start_dispatcher(model: str, spec: str) -> Host:
     """An upstream model's dispatcher: no weights, no torch; it starts at once."""
+    # The upstream room stands above this one: imported only by a process that serves one.
+    from worker.upstream.dispatcher import Dispatcher
+
     upstream = specs.upstream_spec(spec, model)
     started = Dispatcher(model, upstream, aging_s=get_settings().low_priority_aging_s).start()
     with _lock:
@@ -358,8 +362,9 @@ def engine_stats_snapshot(timeout: float = 5.0) -> dict[str, dict[str, Any]]:
     """Each loaded host's stats (a host that cannot answer reports ``{"error": …}``)."""
     out: dict[str, dict[str, Any]] = {}
     for model, engine_host in loaded_hosts().items():
-        if isinstance(engine_host, Dispatcher):  # an upstream's
-            out[model] = _json_safe(engine_host.snapshot())
+        snapshot = getattr(engine_host, "snapshot", None)
+        if snapshot is not None:  # an upstream's dispatcher (as metrics.UpstreamCollector tells)
+            out[model] = _json_safe(snapshot())
             continue
         # torch: the process that runs this host has imported it
         from engine.embedding.host import EmbeddingHost
