@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB on CPU unless told otherwise
 
@@ -18,6 +18,10 @@ DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB on CPU unless told otherwise
 # small job that shares the engine.
 DEFAULT_MAX_NUM_SEQS = {"cpu": 128}
 DEFAULT_MAX_NUM_SEQS_ACCELERATOR = 128
+
+
+#: The packings of EngineConfig.cpu_gemm (engine/cpu/linear.py).
+CpuGemm = Literal["auto", "plain", "onednn", "mkl", "batchd"]
 
 
 @dataclass(slots=True)
@@ -58,10 +62,15 @@ class EngineConfig:
     # threads on cores that others hold spin at every barrier; off keeps the threads torch
     # was given. Never above the team torch had when the engine started.
     adapt_cpu_threads: bool = True
-    # On a CPU, decode rows attend through a compiled kernel that reads the paged cache in
-    # place (engine/cpu/kernels.py), one call per layer; off, or where no C compiler is
-    # found, torch's SDPA (engine/attention/sdpa.py).
+    # On a CPU, the compiled kernels (engine/cpu/kernels.py): decode and prefill attention
+    # reading the paged cache in place, the float32 layer ops of the lean forward and the
+    # float32 GEMM. Off, or where no C compiler is found, every one of them gives way to
+    # torch's operators.
     cpu_kernels: bool = True
+    # On a CPU, the library the linear layers' weights are packed for: "auto" (bf16: oneDNN;
+    # float32: the one this machine recorded as fastest the first time it loaded the shape,
+    # engine/cpu/linear.py), or forced: "plain", "onednn", "mkl" or "batchd" (float32 only).
+    cpu_gemm: CpuGemm = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
@@ -101,6 +110,11 @@ class EngineConfig:
             raise ValueError(f"cuda_graphs must be true or false, got {self.cuda_graphs!r}")
         if not isinstance(self.cpu_kernels, bool):
             raise ValueError(f"cpu_kernels must be true or false, got {self.cpu_kernels!r}")
+        gemms = get_args(CpuGemm)
+        if self.cpu_gemm not in gemms:
+            raise ValueError(
+                f"cpu_gemm must be one of {', '.join(map(repr, gemms))}, got {self.cpu_gemm!r}"
+            )
         _positive_int("cuda_graph_max_batch", self.cuda_graph_max_batch)
         if not isinstance(self.enable_metrics, bool):
             raise ValueError(f"enable_metrics must be true or false, got {self.enable_metrics!r}")

@@ -75,14 +75,16 @@ class ModelRunner:
             head = self.lm_head
             plain_head = type(head) is torch.nn.Linear
             body = cpu_linear.largest_linear(self.base)
-            if self.dtype == torch.bfloat16:  # bf16 always packs for oneDNN (AMX, AVX-512 BF16)
-                kind = "onednn" if body is not None else None
-                packed = cpu_linear.pack_linears(self.base, rows, kind) if kind else 0
-                head_kind = "onednn" if packed and plain_head else None
-            else:  # float32 packs for the library that measures fastest here, if any pays
-                kind = cpu_linear.packing_for(body, rows) if body is not None else None
-                packed = cpu_linear.pack_linears(self.base, rows, kind) if kind else 0
-                head_kind = cpu_linear.packing_for(head, rows) if plain_head else None
+            # bf16 packs for oneDNN (AMX, AVX-512 BF16); float32 for the library this machine
+            # recorded as fastest, if any pays; EngineConfig.cpu_gemm may force one.
+            gemm, compiled = config.cpu_gemm, config.cpu_kernels
+            kind = (
+                cpu_linear.choose_packing(body, rows, gemm, compiled) if body is not None else None
+            )
+            packed = cpu_linear.pack_linears(self.base, rows, kind) if kind else 0
+            head_kind = None
+            if plain_head and (packed or self.dtype == torch.float32):
+                head_kind = cpu_linear.choose_packing(head, rows, gemm, compiled)
             if head_kind is not None:
                 # A copy: the output layer may share its weight with the input embedding.
                 self.lm_head = cpu_linear.PackedLinear.of(head, rows, head_kind)

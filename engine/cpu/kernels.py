@@ -33,6 +33,7 @@ import shutil
 import signal
 import stat
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -285,6 +286,17 @@ def _compile(compiler: str, source: Path, directory: Path, stem: str) -> Path | 
         return None
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def machine_record(name: str) -> Path:
+    """A file of this machine's choices named ``name`` (JSON) in the kernel cache: its name
+    digests the CPU (as builds do) and torch's version, so a record is never read on another
+    CPU or under another torch. The directory is :func:`cache_dir` where it is safe, else this
+    process's private one."""
+    compiler = shutil.which(os.environ.get("CC") or "cc")
+    key = "\n".join([_cpu_identity(compiler), torch.__version__, sys.platform])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return _kernel_dir() / f"{name}-{digest}.json"
 
 
 def build(name: str) -> Path | None:

@@ -7,17 +7,28 @@ bf16 always packs for oneDNN; float32 packs for whichever library :func:`packing
 fastest on this CPU, if either beats the plain weight. The operators are PyTorch's own; where
 they are missing the model is left as it is. What packing saves: docs/engine-step.md ("Packed
 linear layers").
+
+Which library a shape packs for changes the float bits of every step, so it is decided once per
+machine, not at every start: :func:`recorded_packing` times a shape the first time a machine
+sees it and records the verdict in the kernel cache (:func:`engine.cpu.kernels.machine_record`);
+every later start reads it, whatever the machine's load. ``EngineConfig.cpu_gemm`` forces one.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import json
 import logging
+import os
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
-from engine.cpu.kernels import sgemm
+from engine.cpu.kernels import machine_record, sgemm
 
 log = logging.getLogger("engine")
 
@@ -86,13 +97,14 @@ def packable(dtype: torch.dtype, device: torch.device) -> bool:
     )
 
 
-def kinds_for(dtype: torch.dtype) -> tuple[str, ...]:
+def kinds_for(dtype: torch.dtype, compiled: bool = True) -> tuple[str, ...]:
     """The packings at hand for ``dtype``: MKL's packed GEMM and the compiled one are float32
-    only (the compiled one where it builds with AVX-512)."""
+    only (the compiled one where it builds with AVX-512, and ``compiled`` allows it)."""
     if dtype != torch.float32:
         return ("onednn",)
     mkl = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
-    return ("onednn",) + (("mkl",) if mkl else ()) + (("batchd",) if sgemm() is not None else ())
+    ours = compiled and sgemm() is not None
+    return ("onednn",) + (("mkl",) if mkl else ()) + (("batchd",) if ours else ())
 
 
 def pack_linears(module: torch.nn.Module, rows_hint: int, kind: str = "onednn") -> int:
@@ -125,20 +137,116 @@ def largest_linear(module: torch.nn.Module) -> torch.nn.Linear | None:
 _VERDICTS: dict[tuple[int, int, torch.dtype, int], str | None] = {}
 
 
-def packing_for(layer: torch.nn.Linear, rows: int, repeats: int = 6) -> str | None:
+def packing_for(
+    layer: torch.nn.Linear, rows: int, repeats: int = 6, compiled: bool = True
+) -> str | None:
     """The packing (one of :data:`KINDS`) that multiplies fastest here, if it takes at most
     0.9x the time ``nn.Linear`` takes, summed over 16, 64 and ``rows`` rows (decode steps run
     anywhere from a few rows to the running cap; medians of alternating calls); None when none
-    pays. Measured once per shape in a process."""
+    pays. Measured once per shape in a process (``compiled``: the compiled GEMM a candidate)."""
     key = (layer.out_features, layer.in_features, layer.weight.dtype, rows)
+    if not compiled:
+        return _time_packing(layer, rows, repeats, compiled=False)
     if key not in _VERDICTS:
         _VERDICTS[key] = _time_packing(layer, rows, repeats)
     return _VERDICTS[key]
 
 
-def _time_packing(layer: torch.nn.Linear, rows: int, repeats: int) -> str | None:
+RECORD = "gemm-choices"  # the record's name in the kernel cache
+PLAIN = "plain"  # a recorded or forced verdict: the plain weight, nn.Linear's own
+
+
+def recorded_packing(layer: torch.nn.Linear, rows: int, compiled: bool = True) -> str | None:
+    """:func:`packing_for` decided once per machine: the verdict this machine recorded for the
+    shape, else timed now (under a lock on the record, so two processes starting together time
+    it once) and recorded. A recorded packing no longer at hand (the compiled GEMM not built
+    here any more) is timed again. ``compiled`` False: the compiled GEMM is no candidate (a
+    question of its own in the record)."""
+    dtype = str(layer.weight.dtype).removeprefix("torch.")
+    key = f"{layer.out_features}x{layer.in_features}:{dtype}:{rows}" + (
+        "" if compiled else ":torch"
+    )
+    path = machine_record(RECORD)
+    with _locked(path):
+        table = _read_record(path)
+        seen = table.get(key)
+        if seen == PLAIN:
+            return None
+        if seen in kinds_for(layer.weight.dtype, compiled):
+            return seen
+        verdict = packing_for(layer, rows, compiled=compiled)
+        table[key] = verdict or PLAIN
+        _write_record(path, table)
+        log.info("GEMM for %s: %s, recorded in %s", key, verdict or PLAIN, path)
+        return verdict
+
+
+def choose_packing(layer: torch.nn.Linear, rows: int, forced: str, compiled: bool) -> str | None:
+    """The packing ``layer`` takes: ``forced`` (``EngineConfig.cpu_gemm``; ``auto`` decides: bf16
+    packs for oneDNN, float32 as :func:`recorded_packing` says); None for the plain weight.
+    ``compiled`` False: the compiled GEMM is never taken. A forced packing not at hand here is
+    a ValueError naming what is."""
+    dtype = layer.weight.dtype
+    if forced == "auto":
+        if dtype != torch.float32:
+            return "onednn"
+        return recorded_packing(layer, rows, compiled)
+    if forced == PLAIN:
+        return None
+    at_hand = kinds_for(dtype, compiled)
+    if forced not in at_hand:
+        raise ValueError(
+            f"cpu_gemm {forced!r} is not at hand for {dtype} here"
+            + ("" if compiled else " with cpu_kernels off")
+            + f": one of {[PLAIN, *at_hand]}, or 'auto'"
+        )
+    return forced
+
+
+@contextlib.contextmanager
+def _locked(path: Path):  # type: ignore[no-untyped-def]
+    """An exclusive lock on ``path``'s lock file for the block (none where it cannot be had)."""
+    try:
+        fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _read_record(path: Path) -> dict[str, str]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    choices = data.get("choices") if isinstance(data, dict) else None
+    if not isinstance(choices, dict):
+        return {}
+    return {str(k): str(v) for k, v in choices.items() if v in (*KINDS, PLAIN)}
+
+
+def _write_record(path: Path, table: dict[str, str]) -> None:
+    """Replace the record atomically (a reader sees the old one or the new one, whole)."""
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+        with os.fdopen(fd, "w") as fh:
+            json.dump({"torch": torch.__version__, "choices": table}, fh, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning(
+            "GEMM choices not recorded in %s (%s): the next start times them again", path, exc
+        )
+
+
+def _time_packing(
+    layer: torch.nn.Linear, rows: int, repeats: int, compiled: bool = True
+) -> str | None:
     candidates: dict[str, torch.nn.Module] = {"plain": layer}
-    for kind in kinds_for(layer.weight.dtype):
+    for kind in kinds_for(layer.weight.dtype, compiled):
         try:
             candidates[kind] = PackedLinear.of(layer, rows, kind)
         except (RuntimeError, AttributeError):

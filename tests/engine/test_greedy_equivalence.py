@@ -173,15 +173,15 @@ def test_prefix_caching_with_chunks_and_preemption(model: dict) -> None:
 def test_packed_float32_linears_and_the_decode_kernel(
     model: dict, monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
-    """Which float32 packing pays is measured at load; pinned to each here, with the compiled
-    decode kernel and layer ops, the output is still generate()'s."""
+    """Which float32 packing pays is measured once per machine; forced to each here
+    (``cpu_gemm``), with the compiled decode kernel and layer ops, the output is still
+    generate()'s."""
     from engine.cpu import linear
 
     if kind not in linear.kinds_for(torch.float32):
         pytest.skip(f"this torch has no {kind} packed linear")
-    monkeypatch.setattr(linear, "packing_for", lambda layer, rows: kind)
     cases, ref = model["plain"]
-    engine = Engine(model["path"], dtype="float32")
+    engine = Engine(model["path"], dtype="float32", cpu_gemm=kind)
     runner = engine.runner
     assert runner.backend.kernel is not None
     if runner.lean is not None:  # llama: the compiled layer ops between the matmuls
