@@ -1,7 +1,8 @@
 """The structure the packages promise, read from their source: priority is defined once (in
 ``core.priority``), who runs next once (in ``engine.host.order``), the engine is a leaf, and
-the engine core imports nothing from the host (``engine.host``). A scan of the syntax trees,
-so it fails on the commit that breaks the rule, whatever the code path."""
+the engine core imports nothing from the host (``engine.host``), and the rooms of ``worker``
+import one another one way only (``WORKER_ROOMS``). A scan of the syntax trees, so it fails on
+the commit that breaks the rule, whatever the code path."""
 
 from __future__ import annotations
 
@@ -21,6 +22,25 @@ ORDER_HOME = Path("engine/host/order.py")
 # The places that choose who runs next (the upstream dispatcher through the fair queue).
 ORDER_USERS = (Path("engine/host/fair_queue.py"), Path("worker/shards/release.py"))
 ORDER_RULES = {"aged_tier", "due", "deadline_key", "share_key", "flow_key"}
+# The rooms of ``worker`` (each subpackage, each module beside them), from the lowest to the
+# highest: a room's modules import only the rooms below it (docs/worker.md says what each holds).
+WORKER_ROOMS = (
+    "host",  # what the shard code asks of a host: the Host protocol
+    "handler",  # what a handler promises a shard's run: the Handler protocol, the outcomes
+    "infra",  # the Celery app, the engines of the process, the helpers every room shares
+    "events",  # a batch's webhook event, sent when it ends
+    "upstream",  # the dispatcher to an upstream server, and its handler
+    "shards",  # a shard's run: task, attempt, handlers, checkpoints, reclaim, release
+    "validation",  # the one pass over a batch's input that creates its shards
+    "batches",  # the control tasks, finalize, the webhook delivery, retention
+    "__main__",  # ``python -m worker``
+)
+# The imports inside a function that reach a room above their own, each with why it waits.
+LATE_IMPORTS = {
+    ("worker/infra/runtime.py", "worker.upstream.dispatcher"): (
+        "a host's code is imported where the host starts, as the engine's is"
+    ),
+}
 
 
 def _sources(*packages: str) -> list[Path]:
@@ -40,6 +60,61 @@ def _imported(tree: ast.Module) -> list[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             names.append(node.module)
     return names
+
+
+def _worker_imports(path: Path, tree: ast.Module) -> list[tuple[int, str, bool]]:
+    """``(line, module, in a function)`` for each module of ``worker`` that an import statement
+    of the file at ``path`` names: ``from worker import events`` names ``worker.events``, a
+    relative import the module it resolves to. An import in a class body or under ``if
+    TYPE_CHECKING:`` is at module level."""
+    package = path.relative_to(ROOT).with_suffix("").parts[:-1]
+    found: list[tuple[int, str, bool]] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            names: list[str] = []
+            if isinstance(child, ast.Import):
+                names = [alias.name for alias in child.names]
+            elif isinstance(child, ast.ImportFrom):
+                base = list(package[: len(package) - child.level + 1]) if child.level else []
+                module = ".".join([*base, *(child.module or "").split(".")]).strip(".")
+                names = [module]
+                if module == "worker" or child.module is None:
+                    names = [f"{module}.{alias.name}" for alias in child.names]
+            found.extend(
+                (child.lineno, name, in_function)
+                for name in names
+                if name.split(".")[0] == "worker" and "." in name
+            )
+            visit(child, in_function or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef))
+
+    visit(tree, False)
+    return found
+
+
+def _worker_room(path: Path) -> str:
+    """The room of a file of ``worker``: its subpackage, or its own name beside them."""
+    inside = path.relative_to(ROOT / "worker")
+    return inside.parts[0] if len(inside.parts) > 1 else inside.stem
+
+
+def _upward_imports(path: Path, tree: ast.Module) -> list[tuple[str, str, bool]]:
+    """Each import of the file at ``path`` (in ``worker``) that names a room above its own, or
+    one not in ``WORKER_ROOMS``, as ``(where and what, the module, in a function)``;
+    ``worker/__init__.py`` stands below every room."""
+    relative = path.relative_to(ROOT).as_posix()
+    own = _worker_room(path)
+    rank = -1 if own == "__init__" else WORKER_ROOMS.index(own)
+    upward = []
+    for line, module, in_function in _worker_imports(path, tree):
+        room = module.split(".")[1]
+        if room == own or (room in WORKER_ROOMS and WORKER_ROOMS.index(room) < rank):
+            continue
+        where = "above" if room in WORKER_ROOMS else "not in WORKER_ROOMS, so not below"
+        upward.append(
+            (f"{relative}:{line} imports {module} ({room} is {where} {own})", module, in_function)
+        )
+    return upward
 
 
 def _priority_definitions(tree: ast.Module) -> list[int]:
@@ -138,13 +213,66 @@ def test_benchmarks_are_imported_by_nothing_they_measure() -> None:
     assert reaching == []
 
 
+def test_every_room_of_the_worker_has_its_place_in_the_order() -> None:
+    """A new room is placed in ``WORKER_ROOMS`` when it is made: where it stands says which
+    rooms it may use."""
+    rooms = {_worker_room(path) for path in _sources("worker")} - {"__init__"}
+    assert sorted(rooms - set(WORKER_ROOMS)) == [], "place each new room in WORKER_ROOMS"
+    assert sorted(set(WORKER_ROOMS) - rooms) == [], "a room in WORKER_ROOMS is gone"
+    assert len(set(WORKER_ROOMS)) == len(WORKER_ROOMS)
+
+
+def test_the_rooms_of_the_worker_import_only_the_rooms_below_them() -> None:
+    """Imports between ``worker``'s rooms point one way, down ``WORKER_ROOMS``, so no two rooms
+    import each other, round however many others. What two rooms share lives in a room below
+    both (the handler contract below ``shards`` and ``upstream``, a batch's webhook event below
+    ``validation`` and ``batches``), not in one of them. An import inside a function is held to
+    the same order unless ``LATE_IMPORTS`` names it and says why."""
+    upward = [
+        (path.relative_to(ROOT).as_posix(), *found)
+        for path in _sources("worker")
+        for found in _upward_imports(path, _tree(path))
+    ]
+    at_module_level = [what for _, what, _, in_function in upward if not in_function]
+    assert at_module_level == [], "move what both rooms use into a room below them"
+    late = {(path, module): what for path, what, module, in_function in upward if in_function}
+    unnamed = [what for key, what in late.items() if key not in LATE_IMPORTS]
+    assert unnamed == [], "an import in a function reaches up: move it down, or say why"
+    assert sorted(set(LATE_IMPORTS) - set(late)) == [], "LATE_IMPORTS names an import gone"
+
+
 def test_the_scans_see_what_they_look_for() -> None:
-    """The scans themselves: a second definition and a reach into the host are caught."""
+    """The scans themselves: a second definition, a reach into the host and a room of the worker
+    that imports one above it are caught, at module level and in a function."""
     second = ast.parse('RANK = {"high": 0, "normal": 1, "low": 2}\nP = Literal["high", "low"]')
     assert _priority_definitions(second) == [1, 2]
     assert _imported(ast.parse("def f():\n    from engine.host.policy import x")) == [
         "engine.host.policy"
     ]
+    validation = ROOT / "worker/validation/example.py"
+    source = (
+        "from worker.batches.webhooks import notify\n"  # above: caught
+        "from worker import batches, events, shards\n"  # batches caught, events and shards below
+        "from . import task\n"  # its own room
+        "from ..batches import tasks\n"  # above, relatively: caught
+        "if TYPE_CHECKING:\n    import worker.batches.finalize\n"  # module level: caught
+        "def f():\n    from worker.batches import retention\n"  # in a function: caught as such
+    )
+    found = [
+        (what.split()[0], module, late)
+        for what, module, late in _upward_imports(validation, ast.parse(source))
+    ]
+    assert found == [
+        ("worker/validation/example.py:1", "worker.batches.webhooks", False),
+        ("worker/validation/example.py:2", "worker.batches", False),
+        ("worker/validation/example.py:4", "worker.batches", False),
+        ("worker/validation/example.py:6", "worker.batches.finalize", False),
+        ("worker/validation/example.py:8", "worker.batches", True),
+    ]
+    package = ROOT / "worker/__init__.py"  # below every room
+    assert [
+        module for _, module, _ in _upward_imports(package, ast.parse("import worker.host"))
+    ] == ["worker.host"]
 
 
 def test_the_service_priorities_agree_with_the_engines_numbers() -> None:

@@ -1,7 +1,8 @@
 """Celery infrastructure of the workers: the app, the engines of the process, shared helpers.
 
-The other rooms import what they need from here. Importing it loads no engine and no torch:
-``runtime`` imports the engine only when a model is loaded.
+The other rooms import what they need from here, and it imports none of them at module level
+(``tests/test_structure.py``). Importing it loads no engine and no torch: ``runtime`` imports
+the engine only when a model is loaded, and an upstream's dispatcher only when it starts one.
 """
 
 from worker.infra import runtime
