@@ -10,7 +10,7 @@ RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 RUN pip install ${TORCH_INDEX:+--index-url "$TORCH_INDEX"} torch==2.13.0
-COPY pyproject.toml README.md alembic.ini ./
+COPY pyproject.toml README.md LICENSE alembic.ini ./
 COPY api ./api
 COPY core ./core
 COPY engine ./engine

@@ -377,6 +377,9 @@ def test_dockerfiles(dockerfile: str) -> None:
                 .replace('"', "").split(",")}  # fmt: skip
     copied = {src.rstrip("/") for ln in lines if ln.startswith("COPY") for src in ln.split()[1:-1]}
     assert packages <= copied, f"{dockerfile}: packages not copied: {packages - copied}"
+    licenses = set(re.findall(r'^license-files = \[([^\]]*)\]', pyproject, re.M)[0]
+                   .replace('"', "").replace(",", " ").split())  # fmt: skip
+    assert licenses <= copied, f"{dockerfile}: `pip install .` needs {licenses - copied}"
     if dockerfile == "Dockerfile":  # CPU model workers build the engine's kernel at start
         assert any("gcc" in ln for ln in runs), "the CPU image needs a C compiler"
 
