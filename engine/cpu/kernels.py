@@ -525,26 +525,36 @@ def prefill_attention() -> PrefillKernel | None:
     return kernel
 
 
-class Sgemm:
-    """float32 linear layers on weights packed once (``sgemm.c``), on torch's current number
-    of intra-op threads."""
+class Gemm:
+    """Linear layers on weights packed once, on torch's current number of intra-op threads:
+    float32 (``sgemm.c``) or bfloat16 on the CPU's bf16 dot-product unit (``bgemm.c``), one
+    element type a library. A row's output does not depend on the rows beside it in a call."""
 
     PANEL = 32  # output columns a packed panel holds
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, prefix: str, dtype: torch.dtype) -> None:
         ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        self._pack = lib.batchd_sgemm_pack
+        self.dtype = dtype
+        self._pack = getattr(lib, f"{prefix}_pack")
         self._pack.argtypes = [ptr, i32, i32, ptr]
         self._pack.restype = None
-        self._run = lib.batchd_sgemm
+        self._run = getattr(lib, prefix)
         self._run.argtypes = [ptr, i64, i32, i32, ptr, i32, ptr, ptr, i64, i32]
         self._run.restype = None
 
+    def _elements(self, n: int, k: int) -> int:
+        """Elements of the packed weight: float32 panels [k][32]; bf16 panels of k pairs."""
+        k = k if self.dtype == torch.float32 else 2 * -(-k // 2)
+        return -(-n // self.PANEL) * self.PANEL * k
+
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """``weight`` [n, k] float32 in 32-column panels (the last zero-padded), a new tensor."""
+        """``weight`` [n, k] of this library's dtype in 32-column panels (the last zero-padded),
+        a new tensor."""
+        if weight.dtype != self.dtype or weight.dim() != 2:
+            raise TypeError(f"GEMM packing: a 2-D {self.dtype} weight, not {weight.dtype}")
         n, k = weight.shape
         w = weight.detach().contiguous()
-        packed = torch.empty(-(-n // self.PANEL) * self.PANEL * k, dtype=torch.float32)
+        packed = torch.empty(self._elements(n, k), dtype=self.dtype)
         self._pack(w.data_ptr(), n, k, packed.data_ptr())
         return packed
 
@@ -554,6 +564,10 @@ class Sgemm:
         """``x`` [m, k] (rows contiguous) times the packed weight of ``n`` outputs, plus
         ``bias``: a new [m, n] tensor."""
         m, k = x.shape
+        if x.dtype != self.dtype or x.stride(-1) != 1:
+            raise TypeError(f"GEMM: {self.dtype} rows with contiguous columns, not {x.dtype}")
+        if packed.numel() != self._elements(n, k) or (bias is not None and bias.shape != (n,)):
+            raise ValueError(f"GEMM: a weight packed for {n} x {k} (and a bias of {n})")
         out = x.new_empty(m, n)
         self._run(
             x.data_ptr(),
@@ -562,7 +576,7 @@ class Sgemm:
             k,
             packed.data_ptr(),
             n,
-            None if bias is None else bias.data_ptr(),
+            None if bias is None else bias.contiguous().data_ptr(),
             out.data_ptr(),
             n,
             torch.get_num_threads(),
@@ -571,10 +585,22 @@ class Sgemm:
 
 
 @functools.cache
-def sgemm() -> Sgemm | None:
-    """The compiled :class:`Sgemm`, or None where it cannot be built here or the CPU has no
-    AVX-512 (there its tiles spill and oneDNN is faster)."""
-    loaded = _load("sgemm", lambda lib: (Sgemm(lib), lib.batchd_sgemm_fast()))
+def sgemm() -> Gemm | None:
+    """The compiled float32 :class:`Gemm`, or None where it cannot be built here or the CPU
+    has no AVX-512 (there its tiles spill and oneDNN is faster)."""
+    loaded = _load(
+        "sgemm", lambda lib: (Gemm(lib, "batchd_sgemm", torch.float32), lib.batchd_sgemm_fast())
+    )
+    return loaded[0] if loaded is not None and loaded[1] else None
+
+
+@functools.cache
+def bgemm() -> Gemm | None:
+    """The compiled bfloat16 :class:`Gemm`, or None where it cannot be built here or the CPU
+    has no AVX-512 BF16 (nothing to run it on)."""
+    loaded = _load(
+        "bgemm", lambda lib: (Gemm(lib, "batchd_bgemm", torch.bfloat16), lib.batchd_bgemm_fast())
+    )
     return loaded[0] if loaded is not None and loaded[1] else None
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from engine.cpu.kernels import machine_record, sgemm
+from engine.cpu.kernels import Gemm, bgemm, machine_record, sgemm
 
 log = logging.getLogger("engine")
 
@@ -55,9 +55,9 @@ class PackedLinear(torch.nn.Module):
         elif kind == "onednn":
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w, rows_hint)
         elif kind == "batchd":
-            gemm = sgemm()
+            gemm = compiled_gemm(w.dtype)
             if gemm is None:
-                raise RuntimeError("the compiled float32 GEMM is not built here")
+                raise RuntimeError(f"no compiled {w.dtype} GEMM is built here")
             self.gemm = gemm
             self.packed = gemm.pack(w)
         else:
@@ -97,14 +97,22 @@ def packable(dtype: torch.dtype, device: torch.device) -> bool:
     )
 
 
+def compiled_gemm(dtype: torch.dtype) -> Gemm | None:
+    """The compiled GEMM for ``dtype`` built here: float32 with AVX-512, bf16 with AVX-512
+    BF16; None otherwise."""
+    if dtype == torch.float32:
+        return sgemm()
+    return bgemm() if dtype == torch.bfloat16 else None
+
+
 def kinds_for(dtype: torch.dtype, compiled: bool = True) -> tuple[str, ...]:
-    """The packings at hand for ``dtype``: MKL's packed GEMM and the compiled one are float32
-    only (the compiled one where it builds with AVX-512, and ``compiled`` allows it)."""
+    """The packings at hand for ``dtype``: MKL's packed GEMM is float32 only; the compiled one
+    is there where :func:`compiled_gemm` builds it (and ``compiled`` allows it)."""
+    ours = ("batchd",) if compiled and compiled_gemm(dtype) is not None else ()
     if dtype != torch.float32:
-        return ("onednn",)
+        return ("onednn", *ours)
     mkl = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
-    ours = compiled and sgemm() is not None
-    return ("onednn",) + (("mkl",) if mkl else ()) + (("batchd",) if ours else ())
+    return ("onednn",) + (("mkl",) if mkl else ()) + ours
 
 
 def pack_linears(module: torch.nn.Module, rows_hint: int, kind: str = "onednn") -> int:
@@ -182,12 +190,16 @@ def recorded_packing(layer: torch.nn.Linear, rows: int, compiled: bool = True) -
 
 
 def choose_packing(layer: torch.nn.Linear, rows: int, forced: str, compiled: bool) -> str | None:
-    """The packing ``layer`` takes: ``forced`` (``EngineConfig.cpu_gemm``; ``auto`` decides: bf16
-    packs for oneDNN, float32 as :func:`recorded_packing` says); None for the plain weight.
+    """The packing ``layer`` takes: ``forced`` (``EngineConfig.cpu_gemm``; ``auto`` decides: the
+    compiled GEMM where it is built for the layer's dtype, since its rows do not depend on the
+    step; else bf16 packs for oneDNN and float32 as :func:`recorded_packing` says); None for
+    the plain weight.
     ``compiled`` False: the compiled GEMM is never taken. A forced packing not at hand here is
     a ValueError naming what is."""
     dtype = layer.weight.dtype
     if forced == "auto":
+        if "batchd" in kinds_for(dtype, compiled):
+            return "batchd"  # a row's result whatever the step holds (batch-invariant)
         if dtype != torch.float32:
             return "onednn"
         return recorded_packing(layer, rows, compiled)

@@ -78,7 +78,7 @@ def avx2_build(
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     flags = tuple("-march=x86-64-v3" if f == "-march=native" else f for f in kernels.FLAGS)
     monkeypatch.setattr(kernels, "FLAGS", flags)
-    loaders = (kernels.prefill_attention, kernels.sgemm)
+    loaders = (kernels.prefill_attention, kernels.sgemm, kernels.bgemm)
     for loader in loaders:
         loader.cache_clear()
     yield kernels.build

@@ -155,6 +155,67 @@ def test_a_row_of_the_compiled_gemm_is_the_same_in_any_step() -> None:
             assert torch.equal(packed(x[:rows]), alone[:rows]), rows
 
 
+def _bgemm_here() -> None:
+    if "batchd" not in linear.kinds_for(torch.bfloat16):
+        if shutil.which(os.environ.get("CC") or "cc") is not None:
+            assert kernels.build("bgemm") is not None, "bgemm.c did not build"
+        pytest.skip("no compiler or no AVX-512 BF16 here: bf16 linears keep oneDNN")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 4, 11, 12, 13, 64, 300])
+def test_the_compiled_bf16_gemm_serves_any_rows_and_columns(rows: int, bias: bool) -> None:
+    """engine/cpu/bgemm.c: the tiles of the float32 GEMM over pairs of k (an odd k's last
+    element alone), a partial last panel, a strided input, a bias: the float64 product of the
+    same bf16 numbers, rounded once to bf16 (a float32 sum can round the other way at a
+    tie: at most one bf16 step apart), and oneDNN's bf16 linear to the bit nearly always."""
+    _bgemm_here()
+    torch.manual_seed(rows)
+    for inputs, outputs in ((96, 50), (97, 96), (576, 40)):
+        plain = torch.nn.Linear(inputs, outputs, bias=bias).bfloat16()
+        packed = linear.PackedLinear.of(plain, 64, "batchd")
+        onednn = linear.PackedLinear.of(plain, 64, "onednn")
+        x = torch.randn(rows, 2 * inputs).bfloat16()[:, ::2]
+        with torch.inference_mode():
+            got = packed(x)
+            exact = x.double() @ plain.weight.double().T
+            if bias:
+                exact += plain.bias.double()
+            step = 2.0 ** (torch.floor(torch.log2(exact.abs().clamp_min(2**-30))) - 7)
+            assert ((got.double() - exact).abs() <= step).all()
+            assert (got == onednn(x)).float().mean() > 0.99
+            assert packed(x.reshape(1, rows, inputs)).shape == (1, rows, outputs)
+
+
+def test_a_row_of_the_compiled_bf16_gemm_is_the_same_in_any_step() -> None:
+    """As in float32: bit for bit whatever the rows beside it (oneDNN's bf16 GEMM is not: it
+    sums a 1,536-wide row in another order from about 30 rows)."""
+    _bgemm_here()
+    torch.manual_seed(7)
+    packed = linear.PackedLinear.of(torch.nn.Linear(1536, 80).bfloat16(), 64, "batchd")
+    x = torch.randn(70, 1536).bfloat16()
+    with torch.inference_mode():
+        alone = torch.cat([packed(x[i : i + 1]) for i in range(70)])
+        for rows in range(1, 71):
+            assert torch.equal(packed(x[:rows]), alone[:rows]), rows
+
+
+def test_the_gemm_refuses_what_it_was_not_packed_for() -> None:
+    _bgemm_here()
+    packed = linear.PackedLinear.of(torch.nn.Linear(64, 32).bfloat16(), 64, "batchd")
+    with pytest.raises(TypeError, match="torch.bfloat16 rows"):
+        packed(torch.randn(3, 64))
+    with pytest.raises(ValueError, match="packed for 32 x 64"):
+        packed.gemm.linear(torch.randn(3, 64).bfloat16(), packed.packed[:-2], 32, None)
+
+
+def test_the_bf16_gemm_is_not_offered_without_avx512_bf16(avx2_build) -> None:  # type: ignore[no-untyped-def]
+    """Built without the bf16 dot-product instruction the library has nothing to run."""
+    assert avx2_build("bgemm") is not None
+    assert kernels.bgemm() is None
+    assert linear.kinds_for(torch.bfloat16) == ("onednn",)
+
+
 def test_the_compiled_gemm_is_not_offered_without_avx512(avx2_build) -> None:  # type: ignore[no-untyped-def]
     """Built for AVX2 its 24 accumulators spill: the packing is not offered there."""
     assert avx2_build("sgemm") is not None

@@ -1,6 +1,8 @@
-"""Which GEMM a linear layer runs is decided once per machine and recorded, never re-timed at a
-start (engine/cpu/linear.py): the float bits of every step, and with them greedy near-ties,
-do not depend on how loaded the machine was when the engine started."""
+"""The same request gives the same bits (docs/engine.md, "Reproducible"): which GEMM a linear
+layer runs is decided once per machine and recorded, never re-timed at a start
+(engine/cpu/linear.py), so the float bits of every step, and with them greedy near-ties, do not
+depend on how loaded the machine was when the engine started; and where the compiled GEMM
+runs, nor on what else the batch holds."""
 
 from __future__ import annotations
 
@@ -79,7 +81,9 @@ def test_a_forced_packing(record: Path, monkeypatch: pytest.MonkeyPatch) -> None
     layer = torch.nn.Linear(8, 24)
     assert linear.choose_packing(layer, 32, "plain", compiled=True) is None
     assert linear.choose_packing(layer, 32, "onednn", compiled=True) == "onednn"
-    assert linear.choose_packing(layer.bfloat16(), 32, "auto", compiled=True) == "onednn"
+    ours = "batchd" in linear.kinds_for(torch.bfloat16)
+    want = "batchd" if ours else "onednn"
+    assert linear.choose_packing(layer.bfloat16(), 32, "auto", compiled=True) == want
     with pytest.raises(ValueError, match="cpu_gemm 'batchd' is not at hand .* cpu_kernels off"):
         linear.choose_packing(torch.nn.Linear(8, 24), 32, "batchd", compiled=False)
     with pytest.raises(ValueError, match="cpu_gemm 'mkl' is not at hand for torch.bfloat16"):
@@ -121,7 +125,7 @@ def _run(engine: Engine) -> dict[str, list]:
 def _kinds(engine: Engine) -> list[str]:
     return [
         getattr(m, "kind", "plain")
-        for m in [*engine.runner.model.modules(), engine.runner.lm_head]
+        for m in [*engine.runner.base.modules(), engine.runner.lm_head]
         if isinstance(m, linear.PackedLinear | torch.nn.Linear)
     ]
 
@@ -150,3 +154,28 @@ def test_two_starts_under_different_load_give_the_same_bits(
             proc.wait()
     assert _kinds(second) == want_kinds
     assert got == want
+
+
+# -- alone or in a full batch ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_line_gives_the_same_bits_alone_and_in_a_full_batch(record: Path, dtype: str) -> None:
+    """Where the compiled GEMM runs (every linear layer's rows summed in one order whatever
+    the step holds; each sequence's attention its own), a request's tokens and
+    log-probabilities are the same to the bit alone and among a full running batch."""
+    if "batchd" not in linear.kinds_for(getattr(torch, dtype)):
+        pytest.skip(f"no compiled {dtype} GEMM here: oneDNN's rows depend on the step")
+    path = str(build("llama-tiny"))
+    engine = Engine(path, dtype=dtype, max_num_seqs=8)
+    assert set(_kinds(engine)) == {"batchd"}  # auto takes it where it is built
+    target = 3
+    alone = Engine(path, dtype=dtype, max_num_seqs=8)
+    alone.add_request("alone", PROMPTS[target], PARAMS[target])
+    want = None
+    while alone.has_unfinished_requests():
+        for out in alone.step():
+            if out.finished:
+                want = [out.outputs[0].token_ids, out.outputs[0].logprobs]
+    crowded = _run(engine)
+    assert crowded[f"r{target}"] == want
