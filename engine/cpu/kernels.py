@@ -605,19 +605,21 @@ def bgemm() -> Gemm | None:
 
 
 class LayerOps:
-    """The float32 work of a Llama layer between its matmuls (``layer_ops.c``), on torch's
-    current number of intra-op threads. Every tensor float32 on the CPU, rows contiguous."""
+    """The work of a Llama layer between its matmuls (``layer_ops.c``), on torch's current
+    number of intra-op threads. Every tensor of a call float32, or every one bfloat16 (cos/sin
+    and the caches included), on the CPU, rows contiguous."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
         self._norm = lib.batchd_rms_norm
-        self._norm.argtypes = [ptr, ptr, i64, ptr, f32, i32, i32, ptr, i32]
+        self._norm.argtypes = [ptr, ptr, i64, ptr, f32, i32, i32, ptr, i32, i32]
         self._norm.restype = None
         self._rope = lib.batchd_rope_store
         self._rope.argtypes = [ptr, i64, i32, i32, i32, i32, ptr, ptr, ptr, ptr, i64, ptr, i32]
+        self._rope.argtypes += [i32]
         self._rope.restype = i32
         self._silu = lib.batchd_silu_mul
-        self._silu.argtypes = [ptr, i64, i32, i32, ptr, i32]
+        self._silu.argtypes = [ptr, i64, i32, i32, ptr, i32, i32]
         self._silu.restype = None
         self._argmax = lib.batchd_argmax
         self._argmax.argtypes = [ptr, i64, i32, i64, ptr, i32]
@@ -635,6 +637,7 @@ class LayerOps:
         """``hidden += delta`` in place (``delta`` None: nothing added), then the RMS norm of
         ``hidden`` [rows, dim] times ``weight``, a new tensor."""
         rows, dim = hidden.shape
+        _same_type("rms_norm", hidden, weight, *([] if delta is None else [delta]))
         out = torch.empty_like(hidden)
         self._norm(
             hidden.data_ptr(),
@@ -646,6 +649,7 @@ class LayerOps:
             dim,
             out.data_ptr(),
             torch.get_num_threads(),
+            hidden.dtype == torch.bfloat16,
         )
         return out
 
@@ -664,6 +668,7 @@ class LayerOps:
         by ``cos``/``sin`` [rows, dim]; write keys and values to the caches
         ``[kv_heads, blocks, block_size, dim]`` at ``slots`` [rows] (int64)."""
         dim = k_cache.shape[-1]
+        _same_type("rope_store", qkv, cos, sin, k_cache, v_cache)
         rc = self._rope(
             qkv.data_ptr(),
             qkv.stride(0),
@@ -678,6 +683,7 @@ class LayerOps:
             k_cache.stride(0),
             slots.data_ptr(),
             torch.get_num_threads(),
+            qkv.dtype == torch.bfloat16,
         )
         if rc != 0:
             raise ValueError(f"rope kernel: head_dim {dim} odd or over its {MAX_HEAD_DIM}")
@@ -685,6 +691,7 @@ class LayerOps:
     def silu_mul(self, gate_up: torch.Tensor, inner: int) -> torch.Tensor:
         """``silu(gate) * up`` of ``gate_up`` [rows, 2 inner] (gate first), a new tensor."""
         rows = gate_up.shape[0]
+        _same_type("silu_mul", gate_up)
         out = gate_up.new_empty(rows, inner)
         self._silu(
             gate_up.data_ptr(),
@@ -693,6 +700,7 @@ class LayerOps:
             inner,
             out.data_ptr(),
             torch.get_num_threads(),
+            gate_up.dtype == torch.bfloat16,
         )
         return out
 
@@ -710,6 +718,15 @@ class LayerOps:
             torch.get_num_threads(),
         )
         return out
+
+
+def _same_type(op: str, *tensors: torch.Tensor) -> None:
+    """Every tensor float32 or every one bfloat16, on the CPU, or a TypeError naming them."""
+    kinds = {(t.dtype, t.device.type) for t in tensors}
+    if len(kinds) != 1 or next(iter(kinds)) not in {(d, "cpu") for d in _ELEMENT_TYPES}:
+        raise TypeError(
+            f"{op}: all float32 or all bfloat16 on the CPU, not {sorted(map(str, kinds))}"
+        )
 
 
 @functools.cache

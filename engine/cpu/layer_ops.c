@@ -1,5 +1,5 @@
-/* The float32 work of a Llama layer between its matmuls, one call where torch takes several
- * operators (each a dispatch, an allocation and a pass over memory):
+/* The work of a Llama layer between its matmuls, one call where torch takes several operators
+ * (each a dispatch, an allocation and a pass over memory), in float32 or (bf16 set) bfloat16:
  *
  *   batchd_rms_norm    hidden += delta (when given), out = weight * (hidden * rsqrt(mean(hidden^2) + eps))
  *   batchd_rope_store  rotate the query and key heads of a fused q/k/v row in place
@@ -8,8 +8,9 @@
  *   batchd_silu_mul    out = silu(gate) * up, gate and up the halves of a fused gate/up row
  *   batchd_argmax      the greedy token of each row of logits (torch.argmax's answer)
  *
- * Each element is rounded where transformers' Llama rounds it (no multiply-add contraction);
- * only the order of the squares' sum differs. Built and loaded by engine/cpu/kernels.py; rows
+ * Each element is rounded where transformers' Llama rounds it (no multiply-add contraction),
+ * in bf16 to the nearest even bf16 after each of its operators (the norm's sums and scale in
+ * float32, as it casts them); only the order of the squares' sum differs. Built and loaded by engine/cpu/kernels.py; rows
  * are split over `threads` of torch's own OpenMP team where there are enough of them. */
 #pragma GCC optimize("fp-contract=off")
 #include <math.h>
@@ -21,8 +22,39 @@
 /* Rows of at least this many elements in all are worth a second thread. */
 #define PARALLEL_ELEMENTS 32768
 
-void batchd_rms_norm(float *hidden, const float *delta, int64_t delta_row, const float *weight,
-                     float eps, int rows, int dim, float *out, int threads) {
+/* bf16 rows: the residual added and rounded in place, the norm in float32, its output rounded
+ * as transformers rounds it (hidden.to(bf16), then weight * that). */
+static void rms_norm_bf16(uint16_t *hidden, const uint16_t *delta, int64_t delta_row,
+                          const uint16_t *weight, float eps, int rows, int dim, uint16_t *out,
+                          int threads) {
+#pragma omp parallel for num_threads(threads) if (threads > 1 && (int64_t)rows * dim >= PARALLEL_ELEMENTS)
+    for (int r = 0; r < rows; r++) {
+        uint16_t *h = hidden + (int64_t)r * dim;
+        if (delta != NULL) {
+            const uint16_t *d = delta + (int64_t)r * delta_row;
+            for (int c = 0; c < dim; c++) h[c] = narrow(widen(h[c]) + widen(d[c]));
+        }
+        float lanes[16] = {0};
+        int c = 0;
+        for (; c + 16 <= dim; c += 16)
+            for (int l = 0; l < 16; l++) lanes[l] += widen(h[c + l]) * widen(h[c + l]);
+        float sum = 0.f;
+        for (int l = 0; l < 16; l++) sum += lanes[l];
+        for (; c < dim; c++) sum += widen(h[c]) * widen(h[c]);
+        const float scale = 1.f / sqrtf(sum / (float)dim + eps);
+        uint16_t *o = out + (int64_t)r * dim;
+        for (c = 0; c < dim; c++) o[c] = narrow(widen(weight[c]) * widen(narrow(widen(h[c]) * scale)));
+    }
+}
+
+void batchd_rms_norm(void *hidden_, const void *delta_, int64_t delta_row, const void *weight_,
+                     float eps, int rows, int dim, void *out_, int threads, int bf16) {
+    if (bf16) {
+        rms_norm_bf16(hidden_, delta_, delta_row, weight_, eps, rows, dim, out_, threads);
+        return;
+    }
+    float *hidden = hidden_, *out = out_;
+    const float *delta = delta_, *weight = weight_;
 #pragma omp parallel for num_threads(threads) if (threads > 1 && (int64_t)rows * dim >= PARALLEL_ELEMENTS)
     for (int r = 0; r < rows; r++) {
         float *h = hidden + (int64_t)r * dim;
@@ -69,13 +101,49 @@ static inline void rotate(float *x, const float *cos, const float *sin, int dim)
     }
 }
 
+/* The same in bf16, each product and the sum rounded as transformers' bf16 operators round. */
+static inline void rotate_bf16(uint16_t *x, const uint16_t *cos, const uint16_t *sin, int dim) {
+    const int half = dim / 2;
+    for (int d = 0; d < half; d++) {
+        const float a = widen(x[d]), b = widen(x[d + half]);
+        const float lo = widen(narrow(a * widen(cos[d]))) + widen(narrow((-b) * widen(sin[d])));
+        const float hi = widen(narrow(b * widen(cos[d + half]))) + widen(narrow(a * widen(sin[d + half])));
+        x[d] = narrow(lo);
+        x[d + half] = narrow(hi);
+    }
+}
+
+static void rope_store_bf16(uint16_t *qkv, int64_t qkv_row, int rows, int q_heads, int kv_heads,
+                            int dim, const uint16_t *cos, const uint16_t *sin, uint16_t *k_cache,
+                            uint16_t *v_cache, int64_t kv_head, const int64_t *slots, int threads) {
+#pragma omp parallel for num_threads(threads) if (threads > 1 && (int64_t)rows * qkv_row >= PARALLEL_ELEMENTS)
+    for (int r = 0; r < rows; r++) {
+        uint16_t *row = qkv + (int64_t)r * qkv_row;
+        const uint16_t *c = cos + (int64_t)r * dim, *s = sin + (int64_t)r * dim;
+        for (int h = 0; h < q_heads + kv_heads; h++) rotate_bf16(row + (int64_t)h * dim, c, s, dim);
+        const uint16_t *k = row + (int64_t)q_heads * dim, *v = k + (int64_t)kv_heads * dim;
+        for (int h = 0; h < kv_heads; h++) {
+            const int64_t at = h * kv_head + slots[r] * dim;
+            memcpy(k_cache + at, k + (int64_t)h * dim, sizeof(uint16_t) * (size_t)dim);
+            memcpy(v_cache + at, v + (int64_t)h * dim, sizeof(uint16_t) * (size_t)dim);
+        }
+    }
+}
+
 /* qkv [rows, qkv_row]: q_heads query heads, then kv_heads key heads, then kv_heads value
  * heads, each `dim` wide; cos/sin [rows, dim]; the caches [kv_heads, slots, dim] (a head every
  * kv_head elements); slots [rows]. Returns 2 for a dim over 1,024 or odd. */
-int batchd_rope_store(float *qkv, int64_t qkv_row, int rows, int q_heads, int kv_heads, int dim,
-                      const float *cos, const float *sin, float *k_cache, float *v_cache,
-                      int64_t kv_head, const int64_t *slots, int threads) {
+int batchd_rope_store(void *qkv_, int64_t qkv_row, int rows, int q_heads, int kv_heads, int dim,
+                      const void *cos_, const void *sin_, void *k_cache_, void *v_cache_,
+                      int64_t kv_head, const int64_t *slots, int threads, int bf16) {
     if (dim > 1024 || dim % 2) return 2;
+    if (bf16) {
+        rope_store_bf16(qkv_, qkv_row, rows, q_heads, kv_heads, dim, cos_, sin_, k_cache_, v_cache_,
+                        kv_head, slots, threads);
+        return 0;
+    }
+    float *qkv = qkv_, *k_cache = k_cache_, *v_cache = v_cache_;
+    const float *cos = cos_, *sin = sin_;
 #pragma omp parallel for num_threads(threads) if (threads > 1 && (int64_t)rows * qkv_row >= PARALLEL_ELEMENTS)
     for (int r = 0; r < rows; r++) {
         float *row = qkv + (int64_t)r * qkv_row;
@@ -103,10 +171,39 @@ static inline vf vexp(vf x) {
     return vexp_reduced(x, ni);
 }
 
+/* bf16: silu(g) in float32 rounded to bf16 (torch's bf16 SiLU), then times up, rounded. */
+static void silu_mul_bf16(const uint16_t *gu, int64_t gu_row, int rows, int inner, uint16_t *out,
+                          int threads) {
+#pragma omp parallel for num_threads(threads) if (threads > 1 && (int64_t)rows * inner >= PARALLEL_ELEMENTS)
+    for (int r = 0; r < rows; r++) {
+        const uint16_t *g = gu + (int64_t)r * gu_row, *u = g + inner;
+        uint16_t *o = out + (int64_t)r * inner;
+        int c = 0;
+        for (; c + LANES <= inner; c += LANES) {
+            const vf gv = vload_any(g, c, 1), uv = vload_any(u, c, 1);
+            const vf act = vround_bf16(gv / (1.0f + vexp((vf){0} - gv)));
+            const vu ov = (vu)vround_bf16(act * uv) >> 16;
+            const vh packed = __builtin_convertvector(ov, vh);
+            memcpy(o + c, &packed, sizeof packed);
+        }
+        for (; c < inner; c++) {
+            vf gv = (vf){0} + widen(g[c]);
+            const vf act = gv / (1.0f + vexp((vf){0} - gv));
+            o[c] = narrow(widen(narrow(act[0])) * widen(u[c]));
+        }
+    }
+}
+
 /* gu [rows, gu_row]: gate in columns 0 .. inner - 1, up in inner .. 2 inner - 1; out [rows,
  * inner] contiguous. silu(g) = g / (1 + e^-g), as torch computes it. */
-void batchd_silu_mul(const float *gu, int64_t gu_row, int rows, int inner, float *out,
-                     int threads) {
+void batchd_silu_mul(const void *gu_, int64_t gu_row, int rows, int inner, void *out_, int threads,
+                     int bf16) {
+    if (bf16) {
+        silu_mul_bf16(gu_, gu_row, rows, inner, out_, threads);
+        return;
+    }
+    const float *gu = gu_;
+    float *out = out_;
 #pragma omp parallel for num_threads(threads) if (threads > 1 && (int64_t)rows * inner >= PARALLEL_ELEMENTS)
     for (int r = 0; r < rows; r++) {
         const float *g = gu + (int64_t)r * gu_row, *u = g + inner;

@@ -3,8 +3,8 @@
 The operators of transformers' ``LlamaModel`` forward, in its order (so the same numbers), from
 one loop: no module hooks, keyword plumbing or deprecation wrappers a layer, q/k/v and gate/up
 through the fused projections (engine/cpu/layers.py), attention straight to the paged function.
-In float32, where the compiled layer ops build (engine/cpu/kernels.py), the work between the
-matmuls is one call each: the residual add with the next norm, rotary embedding with the K/V
+In float32 and bf16, where the compiled layer ops build (engine/cpu/kernels.py), the work
+between the matmuls is one call each: the residual add with the next norm, rotary embedding with the K/V
 cache write, SiLU with the gate/up product. Only where every part is transformers' own Llama
 class; any other model keeps its forward.
 """
@@ -60,7 +60,7 @@ class LeanLlama:
         config = base.config
         head_dim = int(base.layers[0].self_attn.head_dim)
         fusable = (
-            base.embed_tokens.weight.dtype == torch.float32
+            base.embed_tokens.weight.dtype in (torch.float32, torch.bfloat16)
             and getattr(config, "hidden_act", None) == "silu"
             and type(getattr(base, "rotary_emb", None)).__name__ == _CLASSES["rotary"]
         )

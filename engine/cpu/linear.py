@@ -155,8 +155,11 @@ def packing_for(
     key = (layer.out_features, layer.in_features, layer.weight.dtype, rows)
     if not compiled:
         return _time_packing(layer, rows, repeats, compiled=False)
-    if key not in _VERDICTS:
-        _VERDICTS[key] = _time_packing(layer, rows, repeats)
+    verdict = _VERDICTS.get(key, "")
+    if verdict != "" and (verdict is None or verdict in kinds_for(layer.weight.dtype)):
+        return verdict
+    # Not timed yet, or a packing no longer at hand (a library unloaded since).
+    _VERDICTS[key] = _time_packing(layer, rows, repeats)
     return _VERDICTS[key]
 
 

@@ -76,6 +76,18 @@ def test_a_recorded_packing_no_longer_at_hand_is_timed_again(
     assert linear.recorded_packing(torch.nn.Linear(8, 24), 32) == "onednn"
 
 
+def test_a_verdict_of_this_process_no_longer_at_hand_is_timed_again(
+    record: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A verdict this process timed while the compiled GEMM was loaded is not handed out once
+    it is not (a test that swaps the library for another build): it is timed again."""
+    layer = torch.nn.Linear(8, 24)
+    linear._VERDICTS[(24, 8, torch.float32, 32)] = "batchd"
+    monkeypatch.setattr(linear, "kinds_for", lambda dtype, compiled=True: ("onednn",))
+    monkeypatch.setattr(linear, "_time_packing", lambda *a, **k: "onednn")
+    assert linear.packing_for(layer, 32) == "onednn"
+
+
 def test_a_forced_packing(record: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(linear, "_time_packing", _never_timed)
     layer = torch.nn.Linear(8, 24)
