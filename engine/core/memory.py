@@ -45,9 +45,11 @@ def kernel_scratch_bytes(
 ) -> int:
     """Bytes the compiled CPU kernels keep between steps, outside the KV cache, while
     ``backend`` serves a model of this shape: the prefill kernel's tile of transposed keys
-    (one stepping thread; float32 on the CPU only, what it attends), 0 where it is not used."""
+    (one stepping thread; float32 or bf16 on the CPU, what it attends), 0 where it is not
+    used."""
     prefill = getattr(backend, "prefill", None)
-    if device.type != "cpu" or dtype != torch.float32 or not isinstance(prefill, PrefillKernel):
+    attended = dtype in (torch.float32, torch.bfloat16)
+    if device.type != "cpu" or not attended or not isinstance(prefill, PrefillKernel):
         return 0
     return prefill.scratch_bound(kv_heads, head_dim)
 
