@@ -4,8 +4,9 @@
 FROM python:3.11-slim
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
 WORKDIR /app
-# A C compiler: a CPU model worker builds its decode-attention kernel for the CPU it runs on at
-# first start (engine/cpu/kernels.py); without one it runs torch's slower path.
+# A C compiler: a CPU model worker builds its kernels (attention, layer ops, GEMMs: the sources
+# in engine/cpu/csrc) for the CPU it runs on at first start (engine/cpu/kernels.py); without
+# one it runs torch's slower operators.
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu

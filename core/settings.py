@@ -484,7 +484,7 @@ class Settings(BaseSettings):
     adapt_cpu_threads: bool = Field(
         default=True,
         description="On a CPU, a model worker sizes its engine's intra-op threads to the cores "
-        "the other processes of the machine leave free (engine.cpu.threads); off: the threads "
+        "the other processes of the machine leave free (engine.threads.governor); off: the threads "
         "torch chose.",
     )
     visibility_timeout_s: int = Field(

@@ -58,7 +58,7 @@ class EngineConfig:
     cuda_graph_max_batch: int = 256
     enable_metrics: bool = True  # per-step and per-request histograms (engine/core/stats.py)
     # On a CPU, size torch's intra-op threads to the cores other processes leave free
-    # (engine/cpu/threads.py): on by default, for the library as for the worker, because two
+    # (engine/threads/governor.py): on by default, for the library as for the worker, because two
     # threads on cores that others hold spin at every barrier; off keeps the threads torch
     # was given. Never above the team torch had when the engine started.
     adapt_cpu_threads: bool = True

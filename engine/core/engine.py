@@ -32,9 +32,9 @@ from engine.core.sequence import Request, Sequence, Status
 from engine.core.stats import EngineMetrics
 from engine.core.step_cost import StepCostCurve
 from engine.cpu.kernels import layer_ops
-from engine.cpu.threads import CpuThreads
 from engine.text.structured import GrammarBackend
 from engine.text.tokenizer import detokenize_step, find_stop, load_tokenizer, start_detokenizer
+from engine.threads.governor import CpuThreads
 
 log = logging.getLogger("engine")
 

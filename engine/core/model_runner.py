@@ -15,9 +15,9 @@ from engine.core import memory
 from engine.core.config import EngineConfig
 from engine.core.sequence import Sequence
 from engine.core.step import StepBatch
-from engine.cpu import layers as cpu_layers
 from engine.cpu import linear as cpu_linear
-from engine.cpu.lean import LeanLlama
+from engine.forward import fusion
+from engine.forward.llama import LeanLlama
 
 log = logging.getLogger("engine")
 
@@ -70,7 +70,7 @@ class ModelRunner:
         self.lm_head = hf_model.get_output_embeddings()
         rows = config.max_num_seqs or 64
         if self.device.type == "cpu" and config.cpu_kernels:
-            log.info("%d projection sets fused (CPU)", cpu_layers.fuse_projections(self.base))
+            log.info("%d projection sets fused (CPU)", fusion.fuse_projections(self.base))
         if cpu_linear.packable(self.dtype, self.device):
             head = self.lm_head
             plain_head = type(head) is torch.nn.Linear

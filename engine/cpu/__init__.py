@@ -1,1 +1,3 @@
-"""CPU specifics: packed linear layers and the intra-op thread count that follows free cores."""
+"""The compiled CPU kernels: their C sources (``csrc/``, one header), the loader that builds
+them once per machine (``kernels``), their ctypes interface (``abi``), and which GEMM each
+linear layer's weight is packed for (``linear``)."""

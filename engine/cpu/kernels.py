@@ -42,10 +42,21 @@ from typing import TypeVar
 
 import torch
 
+from engine.cpu import abi
+
 log = logging.getLogger("engine")
 
-HERE = Path(__file__).resolve().parent
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+CSRC = Path(__file__).resolve().parent / "csrc"  # the C sources and their one header
+# Warnings are errors: a kernel that does not build clean is not loaded (the engine keeps its
+# torch path, and the tests that build it fail). -Wno-psabi: the sources pass 64-byte vectors
+# between static functions, which GCC warns about where a build has no AVX-512 (no ABI is
+# crossed). Flags a source's arithmetic relies on are its own (SOURCE_FLAGS), on the command
+# line, not in a pragma a compiler may ignore.
+FLAGS = (
+    "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
+    "-Wall", "-Wextra", "-Werror", "-Wno-psabi",
+)  # fmt: skip
+SOURCE_FLAGS = {"layer_ops": ("-ffp-contract=off",)}  # rounded where transformers rounds
 COMPILE_TIMEOUT_S = 120.0
 CPUINFO = Path("/proc/cpuinfo")
 # The /proc/cpuinfo fields that say what a CPU executes, on x86 (vendor, family, model, flags),
@@ -241,7 +252,9 @@ def _kill_group(pgid: int) -> None:
         time.sleep(0.01)
 
 
-def _compile(compiler: str, source: Path, directory: Path, stem: str) -> Path | None:
+def _compile(
+    compiler: str, flags: tuple[str, ...], source: Path, directory: Path, stem: str
+) -> Path | None:
     """``source`` built in a private directory inside ``directory`` (the compiler's temporary
     files there too), renamed to ``stem-<sha256>.so``; the private directory removed, whatever
     happened, once nothing the compiler started is left running."""
@@ -250,7 +263,7 @@ def _compile(compiler: str, source: Path, directory: Path, stem: str) -> Path | 
     try:
         out = work / f"{name}.so"
         proc = subprocess.Popen(
-            [compiler, *FLAGS, "-o", str(out), str(source), "-lm"],
+            [compiler, *flags, "-o", str(out), str(source), "-lm"],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -300,9 +313,10 @@ def machine_record(name: str) -> Path:
 
 
 def build(name: str) -> Path | None:
-    """The shared library of ``HERE/name.c`` for this machine, built if it is not cached (or
+    """The shared library of ``csrc/name.c`` for this machine, built if it is not cached (or
     its cached bytes no longer match their digest)."""
-    source = HERE / f"{name}.c"
+    source = CSRC / f"{name}.c"
+    flags = (*FLAGS, *SOURCE_FLAGS.get(name, ()))
     compiler = shutil.which(os.environ.get("CC") or "cc")
     if compiler is None:
         log.info("no C compiler found (CC or cc): %s runs on its torch path", name)
@@ -316,8 +330,8 @@ def build(name: str) -> Path | None:
         return None
     identity = _cpu_identity(compiler)
     digest = hashlib.sha256()
-    headers = [h.read_bytes() for h in sorted(HERE.glob("*.h"))]  # what the sources include
-    for part in (source.read_bytes(), *headers, version.encode(), " ".join(FLAGS).encode()):
+    headers = [h.read_bytes() for h in sorted(CSRC.glob("*.h"))]  # what the sources include
+    for part in (source.read_bytes(), *headers, version.encode(), " ".join(flags).encode()):
         digest.update(part)
     digest.update(identity.encode())
     if identity:
@@ -331,7 +345,7 @@ def build(name: str) -> Path | None:
             return found
         log.warning("%s does not match its digest: removed, built again", found)
         found.unlink(missing_ok=True)
-    return _compile(compiler, source, directory, stem)
+    return _compile(compiler, flags, source, directory, stem)
 
 
 def _open(path: Path) -> ctypes.CDLL | None:
@@ -370,13 +384,9 @@ def decode_attention() -> DecodeAttention | None:
     one layer's cache, ``[kv_heads, blocks, block_size, dim]`` contiguous; ``blocks`` [n, width]
     and ``lens`` [n] int64 (each sequence's block ids and keys); ``window`` 0 for none; ``out``
     [n, heads, dim] contiguous. Runs on torch's current number of intra-op threads."""
-    fn = _load("decode_attention", lambda lib: lib.batchd_decode_attention)
+    fn = _load("decode_attention", lambda lib: abi.bind(lib, "batchd_decode_attention"))
     if fn is None:
         return None
-    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, ptr]
-    fn.argtypes += [i32, i32, i32, i32, i32, i32, i32, ctypes.c_float, ptr, i32]
-    fn.restype = i32
 
     def run(
         q: torch.Tensor,
@@ -390,27 +400,44 @@ def decode_attention() -> DecodeAttention | None:
     ) -> None:
         n, heads, dim = q.shape
         kv_heads, _, block_size, _ = k_cache.shape
-        rc = fn(
-            q.data_ptr(),
-            q.stride(0),
-            q.stride(1),
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
-            k_cache.stride(0),
-            blocks.data_ptr(),
-            blocks.stride(0),
-            lens.data_ptr(),
-            n,
-            heads,
-            kv_heads,
-            dim,
-            block_size,
-            window,
-            int(q.dtype == torch.bfloat16),
-            scale,
-            out.data_ptr(),
-            torch.get_num_threads(),
+        _same_type("decode attention kernel", q, k_cache, v_cache, out)
+        _require(
+            "decode attention kernel",
+            q.stride(-1) == 1
+            and k_cache.is_contiguous()
+            and v_cache.shape == k_cache.shape
+            and v_cache.is_contiguous()
+            and k_cache.shape[-1] == dim
+            and heads % kv_heads == 0
+            and out.shape == q.shape
+            and out.is_contiguous(),
+            "q [n, heads, dim] with dim contiguous; contiguous caches [kv_heads, blocks, "
+            "block_size, dim] of that dim; out like q, contiguous",
         )
+        _indices("decode attention kernel", blocks, 2, n)
+        _indices("decode attention kernel", lens, 1, n)
+        args = abi.DecodeArgs(
+            q=q.data_ptr(),
+            q_row=q.stride(0),
+            q_head=q.stride(1),
+            k=k_cache.data_ptr(),
+            v=v_cache.data_ptr(),
+            kv_head=k_cache.stride(0),
+            blocks=blocks.data_ptr(),
+            max_blocks=blocks.stride(0),
+            lens=lens.data_ptr(),
+            n=n,
+            heads=heads,
+            kv_heads=kv_heads,
+            dim=dim,
+            block_size=block_size,
+            window=window,
+            bf16=int(q.dtype == torch.bfloat16),
+            scale=scale,
+            out=out.data_ptr(),
+            threads=torch.get_num_threads(),
+        )
+        rc = fn(ctypes.byref(args))
         if rc == 2:
             raise ValueError(f"decode attention kernel: head_dim {dim} over its {MAX_HEAD_DIM}")
         if rc != 0:
@@ -437,20 +464,10 @@ class PrefillKernel:
     subtracts it), freed when the thread exits or by :meth:`release`."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        self._run = lib.batchd_prefill_attention
-        self._run.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, i32, i64, i32, i32, i32]
-        self._run.argtypes += [i32, ctypes.c_float, ptr, i64, i32, i32]
-        self._run.restype = i32
-        self._bound = lib.batchd_prefill_attention_bound
-        self._bound.argtypes = [i32, i32]
-        self._bound.restype = i64
-        self._held = lib.batchd_prefill_attention_held
-        self._held.argtypes = []
-        self._held.restype = i64
-        self._release = lib.batchd_prefill_attention_release
-        self._release.argtypes = []
-        self._release.restype = None
+        self._run = abi.bind(lib, "batchd_prefill_attention")
+        self._bound = abi.bind(lib, "batchd_prefill_attention_bound")
+        self._held = abi.bind(lib, "batchd_prefill_attention_held")
+        self._release = abi.bind(lib, "batchd_prefill_attention_release")
 
     def __call__(
         self,
@@ -470,27 +487,45 @@ class PrefillKernel:
                 f"prefill attention kernel: q, k, v and out all float32 or all bfloat16, not "
                 f"{q.dtype}, {k.dtype}, {v.dtype}, {out.dtype}"
             )
-        rc = self._run(
-            q.data_ptr(),
-            q.stride(0),
-            q.stride(1),
-            k.data_ptr(),
-            v.data_ptr(),
-            k.stride(0),
-            dim if paged else k.stride(1),
-            None if blocks is None else blocks.data_ptr(),
-            block_size,
-            first_pos,
-            n,
-            heads,
-            k.shape[0],
-            dim,
-            scale,
-            out.data_ptr(),
-            out.stride(0),
-            torch.get_num_threads(),
-            q.dtype == torch.bfloat16,
+        _require(
+            "prefill attention kernel",
+            q.stride(-1) == 1
+            and out.shape == q.shape
+            and out.stride(-1) == 1
+            and out.stride(1) == dim
+            and k.shape[-1] == dim
+            and v.shape == k.shape
+            and v.stride() == k.stride()
+            and heads % k.shape[0] == 0
+            and (k.is_contiguous() if paged else k.dim() == 3 and k.stride(-1) == 1),
+            "q [n, heads, dim] and out like it with contiguous heads; k and v alike: a "
+            "contiguous cache [kv_heads, blocks, block_size, dim], or the chunk's own "
+            "[kv_heads, n, dim] with dim contiguous",
         )
+        if blocks is not None:
+            _indices("prefill attention kernel", blocks, 1, -(-(first_pos + n) // block_size))
+        args = abi.PrefillArgs(
+            q=q.data_ptr(),
+            q_row=q.stride(0),
+            q_head=q.stride(1),
+            k=k.data_ptr(),
+            v=v.data_ptr(),
+            kv_head=k.stride(0),
+            key_row=dim if paged else k.stride(1),
+            blocks=None if blocks is None else blocks.data_ptr(),
+            block_size=block_size,
+            first_pos=first_pos,
+            n_q=n,
+            heads=heads,
+            kv_heads=k.shape[0],
+            dim=dim,
+            scale=scale,
+            out=out.data_ptr(),
+            out_row=out.stride(0),
+            threads=torch.get_num_threads(),
+            bf16=int(q.dtype == torch.bfloat16),
+        )
+        rc = self._run(ctypes.byref(args))
         if rc == 1:
             raise MemoryError("prefill attention kernel: no scratch memory")
         return rc == 0
@@ -533,14 +568,9 @@ class Gemm:
     PANEL = 32  # output columns a packed panel holds
 
     def __init__(self, lib: ctypes.CDLL, prefix: str, dtype: torch.dtype) -> None:
-        ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self.dtype = dtype
-        self._pack = getattr(lib, f"{prefix}_pack")
-        self._pack.argtypes = [ptr, i32, i32, ptr]
-        self._pack.restype = None
-        self._run = getattr(lib, prefix)
-        self._run.argtypes = [ptr, i64, i32, i32, ptr, i32, ptr, ptr, i64, i32]
-        self._run.restype = None
+        self._pack = abi.bind(lib, f"{prefix}_pack")
+        self._run = abi.bind(lib, prefix)
 
     def _elements(self, n: int, k: int) -> int:
         """Elements of the packed weight: float32 panels [k][32]; bf16 panels of k pairs."""
@@ -569,18 +599,21 @@ class Gemm:
         if packed.numel() != self._elements(n, k) or (bias is not None and bias.shape != (n,)):
             raise ValueError(f"GEMM: a weight packed for {n} x {k} (and a bias of {n})")
         out = x.new_empty(m, n)
-        self._run(
-            x.data_ptr(),
-            x.stride(0),
-            m,
-            k,
-            packed.data_ptr(),
-            n,
-            None if bias is None else bias.contiguous().data_ptr(),
-            out.data_ptr(),
-            n,
-            torch.get_num_threads(),
+        if bias is not None and (bias.dtype != self.dtype or not bias.is_contiguous()):
+            bias = bias.to(self.dtype).contiguous()
+        args = abi.GemmArgs(
+            a=x.data_ptr(),
+            lda=x.stride(0),
+            m=m,
+            k=k,
+            packed=packed.data_ptr(),
+            n=n,
+            bias=None if bias is None else bias.data_ptr(),
+            out=out.data_ptr(),
+            ldc=n,
+            threads=torch.get_num_threads(),
         )
+        self._run(ctypes.byref(args))
         return out
 
 
@@ -610,20 +643,10 @@ class LayerOps:
     and the caches included), on the CPU, rows contiguous."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-        self._norm = lib.batchd_rms_norm
-        self._norm.argtypes = [ptr, ptr, i64, ptr, f32, i32, i32, ptr, i32, i32]
-        self._norm.restype = None
-        self._rope = lib.batchd_rope_store
-        self._rope.argtypes = [ptr, i64, i32, i32, i32, i32, ptr, ptr, ptr, ptr, i64, ptr, i32]
-        self._rope.argtypes += [i32]
-        self._rope.restype = i32
-        self._silu = lib.batchd_silu_mul
-        self._silu.argtypes = [ptr, i64, i32, i32, ptr, i32, i32]
-        self._silu.restype = None
-        self._argmax = lib.batchd_argmax
-        self._argmax.argtypes = [ptr, i64, i32, i64, ptr, i32]
-        self._argmax.restype = None
+        self._norm = abi.bind(lib, "batchd_rms_norm")
+        self._rope = abi.bind(lib, "batchd_rope_store")
+        self._silu = abi.bind(lib, "batchd_silu_mul")
+        self._argmax = abi.bind(lib, "batchd_argmax")
 
     @staticmethod
     def takes_head_dim(head_dim: int) -> bool:
@@ -638,19 +661,28 @@ class LayerOps:
         ``hidden`` [rows, dim] times ``weight``, a new tensor."""
         rows, dim = hidden.shape
         _same_type("rms_norm", hidden, weight, *([] if delta is None else [delta]))
-        out = torch.empty_like(hidden)
-        self._norm(
-            hidden.data_ptr(),
-            None if delta is None else delta.data_ptr(),
-            0 if delta is None else delta.stride(0),
-            weight.data_ptr(),
-            eps,
-            rows,
-            dim,
-            out.data_ptr(),
-            torch.get_num_threads(),
-            hidden.dtype == torch.bfloat16,
+        _require(
+            "rms_norm",
+            hidden.is_contiguous()
+            and weight.shape == (dim,)
+            and weight.is_contiguous()
+            and (delta is None or (delta.shape == hidden.shape and delta.stride(-1) == 1)),
+            "hidden [rows, dim] contiguous, weight [dim], delta [rows, dim] with dim contiguous",
         )
+        out = torch.empty_like(hidden)
+        args = abi.NormArgs(
+            hidden=hidden.data_ptr(),
+            delta=None if delta is None else delta.data_ptr(),
+            delta_row=0 if delta is None else delta.stride(0),
+            weight=weight.data_ptr(),
+            eps=eps,
+            rows=rows,
+            dim=dim,
+            out=out.data_ptr(),
+            threads=torch.get_num_threads(),
+            bf16=int(hidden.dtype == torch.bfloat16),
+        )
+        self._norm(ctypes.byref(args))
         return out
 
     def rope_store(
@@ -668,56 +700,102 @@ class LayerOps:
         by ``cos``/``sin`` [rows, dim]; write keys and values to the caches
         ``[kv_heads, blocks, block_size, dim]`` at ``slots`` [rows] (int64)."""
         dim = k_cache.shape[-1]
+        rows = qkv.shape[0]
         _same_type("rope_store", qkv, cos, sin, k_cache, v_cache)
-        rc = self._rope(
-            qkv.data_ptr(),
-            qkv.stride(0),
-            qkv.shape[0],
-            heads,
-            kv_heads,
-            dim,
-            cos.data_ptr(),
-            sin.data_ptr(),
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
-            k_cache.stride(0),
-            slots.data_ptr(),
-            torch.get_num_threads(),
-            qkv.dtype == torch.bfloat16,
+        _require(
+            "rope_store",
+            qkv.dim() == 2
+            and qkv.stride(-1) == 1
+            and qkv.shape[1] == (heads + 2 * kv_heads) * dim
+            and cos.shape == sin.shape == (rows, dim)
+            and cos.is_contiguous()
+            and sin.is_contiguous()
+            and k_cache.is_contiguous()
+            and v_cache.shape == k_cache.shape
+            and v_cache.is_contiguous()
+            and k_cache.shape[0] == kv_heads,
+            "qkv [rows, (heads + 2 kv_heads) dim] with columns contiguous, cos and sin "
+            "[rows, dim] contiguous, contiguous caches [kv_heads, blocks, block_size, dim]",
         )
-        if rc != 0:
+        _indices("rope_store", slots, 1, rows)
+        args = abi.RopeArgs(
+            qkv=qkv.data_ptr(),
+            qkv_row=qkv.stride(0),
+            rows=rows,
+            q_heads=heads,
+            kv_heads=kv_heads,
+            dim=dim,
+            cos=cos.data_ptr(),
+            sin=sin.data_ptr(),
+            k_cache=k_cache.data_ptr(),
+            v_cache=v_cache.data_ptr(),
+            kv_head=k_cache.stride(0),
+            slots=slots.data_ptr(),
+            threads=torch.get_num_threads(),
+            bf16=int(qkv.dtype == torch.bfloat16),
+        )
+        if self._rope(ctypes.byref(args)) != 0:
             raise ValueError(f"rope kernel: head_dim {dim} odd or over its {MAX_HEAD_DIM}")
 
     def silu_mul(self, gate_up: torch.Tensor, inner: int) -> torch.Tensor:
         """``silu(gate) * up`` of ``gate_up`` [rows, 2 inner] (gate first), a new tensor."""
         rows = gate_up.shape[0]
         _same_type("silu_mul", gate_up)
-        out = gate_up.new_empty(rows, inner)
-        self._silu(
-            gate_up.data_ptr(),
-            gate_up.stride(0),
-            rows,
-            inner,
-            out.data_ptr(),
-            torch.get_num_threads(),
-            gate_up.dtype == torch.bfloat16,
+        _require(
+            "silu_mul",
+            gate_up.dim() == 2 and gate_up.stride(-1) == 1 and gate_up.shape[1] >= 2 * inner,
+            "gate_up [rows, 2 inner] with columns contiguous",
         )
+        out = gate_up.new_empty(rows, inner)
+        args = abi.SiluArgs(
+            gate_up=gate_up.data_ptr(),
+            gate_up_row=gate_up.stride(0),
+            rows=rows,
+            inner=inner,
+            out=out.data_ptr(),
+            threads=torch.get_num_threads(),
+            bf16=int(gate_up.dtype == torch.bfloat16),
+        )
+        self._silu(ctypes.byref(args))
         return out
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits.argmax(dim=-1)`` of ``logits`` [rows, cols] (int64): the first largest, a
         NaN counting as largest."""
+        _require(
+            "argmax",
+            logits.dtype == torch.float32
+            and logits.device.type == "cpu"
+            and logits.dim() == 2
+            and logits.stride(-1) == 1,
+            "float32 logits [rows, cols] on the CPU with columns contiguous",
+        )
         rows, cols = logits.shape
         out = torch.empty(rows, dtype=torch.long)
         self._argmax(
-            logits.data_ptr(),
-            logits.stride(0),
-            rows,
-            cols,
-            out.data_ptr(),
-            torch.get_num_threads(),
+            logits.data_ptr(), logits.stride(0), rows, cols, out.data_ptr(), torch.get_num_threads()
         )
         return out
+
+
+def _require(op: str, holds: bool, what: str) -> None:
+    """A ValueError naming the call and what it takes, unless ``holds``."""
+    if not holds:
+        raise ValueError(f"{op}: takes {what}")
+
+
+def _indices(op: str, t: torch.Tensor, dims: int, rows: int) -> None:
+    """``t`` int64 on the CPU, ``dims``-dimensional, ``rows`` long, its last dimension
+    contiguous (a block table, lengths or slots), or a ValueError."""
+    _require(
+        op,
+        t.dtype == torch.int64
+        and t.device.type == "cpu"
+        and t.dim() == dims
+        and t.shape[0] >= rows
+        and t.stride(-1) == 1,
+        f"int64 indices of {dims} dimension(s), {rows} rows at least, on the CPU",
+    )
 
 
 def _same_type(op: str, *tensors: torch.Tensor) -> None:

@@ -1,12 +1,14 @@
 """Linear layers with their weights packed once, on a CPU: for oneDNN, MKL's packed GEMM or the
-compiled float32 GEMM (engine/cpu/sgemm.c).
+compiled float32 GEMM (engine/cpu/csrc/sgemm.c).
 
 :func:`pack_linears` swaps every ``nn.Linear`` of a module for a :class:`PackedLinear` holding
 the weight in the library's blocked layout (the plain weight dropped, so memory does not grow).
-bf16 always packs for oneDNN; float32 packs for whichever library :func:`packing_for` measures
-fastest on this CPU, if either beats the plain weight. The operators are PyTorch's own; where
-they are missing the model is left as it is. What packing saves: docs/engine-step.md ("Packed
-linear layers").
+:func:`choose_packing` decides: the compiled GEMM where it is built for the layer's dtype
+(float32 with AVX-512, bf16 with AVX-512 BF16), whose rows do not depend on the rows beside
+them; otherwise bf16 packs for oneDNN, and float32 for whichever library :func:`packing_for`
+measures fastest on this CPU, if any beats the plain weight. The library operators are
+PyTorch's own; where they are missing the model is left as it is. What packing saves:
+docs/engine-step.md ("Packed linear layers").
 
 Which library a shape packs for changes the float bits of every step, so it is decided once per
 machine, not at every start: :func:`recorded_packing` times a shape the first time a machine
@@ -196,9 +198,8 @@ def choose_packing(layer: torch.nn.Linear, rows: int, forced: str, compiled: boo
     """The packing ``layer`` takes: ``forced`` (``EngineConfig.cpu_gemm``; ``auto`` decides: the
     compiled GEMM where it is built for the layer's dtype, since its rows do not depend on the
     step; else bf16 packs for oneDNN and float32 as :func:`recorded_packing` says); None for
-    the plain weight.
-    ``compiled`` False: the compiled GEMM is never taken. A forced packing not at hand here is
-    a ValueError naming what is."""
+    the plain weight. ``compiled`` False: the compiled GEMM is never taken. A forced packing
+    not at hand here is a ValueError naming what is."""
     dtype = layer.weight.dtype
     if forced == "auto":
         if "batchd" in kinds_for(dtype, compiled):

@@ -1,4 +1,4 @@
-"""Fused projections (engine/cpu/layers.py): each layer's part of the one matmul equals what the
+"""Fused projections (engine/forward/fusion.py): each layer's part of the one matmul equals what the
 layer computed alone, in any order of asking, with or without bias, packed or not; what cannot
 be fused is left as it was; nothing of a step is held once every part has been handed out."""
 
@@ -11,7 +11,8 @@ import shutil
 import pytest
 import torch
 
-from engine.cpu import kernels, layers, linear
+from engine.cpu import kernels, linear
+from engine.forward import fusion as layers
 
 
 class _Attention(torch.nn.Module):
@@ -123,7 +124,7 @@ def test_mkl_packing_serves_any_number_of_rows(rows: int) -> None:
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 4, 8, 11, 12, 13, 64, 300])
 def test_the_compiled_gemm_serves_any_rows_and_columns(rows: int, bias: bool) -> None:
-    """engine/cpu/sgemm.c: 12-row tiles and a last tile of the rows left, 32-column panels with
+    """engine/cpu/csrc/sgemm.c: 12-row tiles and a last tile of the rows left, 32-column panels with
     a partial last one (50 outputs), a strided input, a bias: float32 rounding of the plain
     layer."""
     if "batchd" not in linear.kinds_for(torch.float32):
@@ -165,7 +166,7 @@ def _bgemm_here() -> None:
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 4, 11, 12, 13, 64, 300])
 def test_the_compiled_bf16_gemm_serves_any_rows_and_columns(rows: int, bias: bool) -> None:
-    """engine/cpu/bgemm.c: the tiles of the float32 GEMM over pairs of k (an odd k's last
+    """engine/cpu/csrc/bgemm.c: the tiles of the float32 GEMM over pairs of k (an odd k's last
     element alone), a partial last panel, a strided input, a bias: the float64 product of the
     same bf16 numbers, rounded once to bf16 (a float32 sum can round the other way at a
     tie: at most one bf16 step apart), and oneDNN's bf16 linear to the bit nearly always."""

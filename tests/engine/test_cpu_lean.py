@@ -1,4 +1,4 @@
-"""The lean Llama forward (engine/cpu/lean.py) against the model's own forward: the same
+"""The lean Llama forward (engine/forward/llama.py) against the model's own forward: the same
 logits on every step of a run with decodes, chunked prefill and prefix-cache hits; taken only
 where the model is exactly transformers' Llama (the greedy oracle tests cover the output)."""
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.cpu import threads as cpu_threads
-from engine.cpu.threads import TICKS_PER_S, CpuThreads, _busy_ticks
+from engine.threads import governor as cpu_threads
+from engine.threads.governor import TICKS_PER_S, CpuThreads, _busy_ticks
 
 STAT = """cpu  900 0 100 5000 10 0 0 0 0 0
 cpu0 100 5 20 1000 3 1 2 4 0 0

@@ -160,8 +160,11 @@ def test_the_limit_is_the_kernels(kernel: kernels.DecodeAttention) -> None:
     got = torch.empty(len(lens), HEADS, kernels.MAX_HEAD_DIM)
     kernel(query[0].transpose(0, 1), k, v, g.blocks, g.lens, 0, 0.03, got)
     g, query, k, v = _case(lens, dim=kernels.MAX_HEAD_DIM + 16)
+    got = torch.empty(len(lens), HEADS, kernels.MAX_HEAD_DIM + 16)
     with pytest.raises(ValueError, match="over its 1024"):
         kernel(query[0].transpose(0, 1), k, v, g.blocks, g.lens, 0, 0.03, got)
+    with pytest.raises(ValueError, match="out like q"):  # the binding checks shapes first
+        kernel(query[0].transpose(0, 1), k, v, g.blocks, g.lens, 0, 0.03, got[:, :, :1024])
 
 
 def test_heads_over_the_kernels_limit_keep_torchs_path(

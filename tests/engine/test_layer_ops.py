@@ -1,4 +1,4 @@
-"""The compiled layer ops (engine/cpu/layer_ops.c) against transformers' Llama operators:
+"""The compiled layer ops (engine/cpu/csrc/layer_ops.c) against transformers' Llama operators:
 rotary embedding and the cache write exact, the RMS norm and SiLU to float32 rounding, for one
 row, a decode step's rows and a prefill's; in bf16, rounded where transformers' bf16 operators
 round (the rotary embedding and the residual exact, the norm and SiLU to one bf16 step)."""

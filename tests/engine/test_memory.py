@@ -119,7 +119,9 @@ def test_the_prefill_kernels_scratch_comes_off_the_budget(
     shape = {"kv_heads": 2, "head_dim": 16}
     bound = kernel.scratch_bound(2, 16)
     assert memory.kernel_scratch_bytes(Backend(), **shape, dtype=torch.float32, device=cpu) == bound
-    assert memory.kernel_scratch_bytes(Backend(), **shape, dtype=torch.bfloat16, device=cpu) == bound
+    assert (
+        memory.kernel_scratch_bytes(Backend(), **shape, dtype=torch.bfloat16, device=cpu) == bound
+    )
     assert memory.kernel_scratch_bytes(Backend(), **shape, dtype=torch.float16, device=cpu) == 0
     cuda = torch.device("cuda")
     assert memory.kernel_scratch_bytes(Backend(), **shape, dtype=torch.float32, device=cuda) == 0

@@ -8,15 +8,16 @@
  *   batchd_silu_mul    out = silu(gate) * up, gate and up the halves of a fused gate/up row
  *   batchd_argmax      the greedy token of each row of logits (torch.argmax's answer)
  *
- * Each element is rounded where transformers' Llama rounds it (no multiply-add contraction),
+ * Each element is rounded where transformers' Llama rounds it (no multiply-add contraction:
+ * the build passes -ffp-contract=off for this file on the command line, engine/cpu/kernels.py),
  * in bf16 to the nearest even bf16 after each of its operators (the norm's sums and scale in
- * float32, as it casts them); only the order of the squares' sum differs. Built and loaded by engine/cpu/kernels.py; rows
- * are split over `threads` of torch's own OpenMP team where there are enough of them. */
-#pragma GCC optimize("fp-contract=off")
+ * float32, as it casts them); only the order of the squares' sum differs. Rows are split over
+ * `threads` of torch's own OpenMP team where there are enough of them. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
+#include "batchd.h"
 #include "vector.h"
 
 /* Rows of at least this many elements in all are worth a second thread. */
@@ -47,14 +48,17 @@ static void rms_norm_bf16(uint16_t *hidden, const uint16_t *delta, int64_t delta
     }
 }
 
-void batchd_rms_norm(void *hidden_, const void *delta_, int64_t delta_row, const void *weight_,
-                     float eps, int rows, int dim, void *out_, int threads, int bf16) {
-    if (bf16) {
-        rms_norm_bf16(hidden_, delta_, delta_row, weight_, eps, rows, dim, out_, threads);
+void batchd_rms_norm(const batchd_norm_args *args) {
+    const int64_t delta_row = args->delta_row;
+    const float eps = args->eps;
+    const int rows = args->rows, dim = args->dim, threads = args->threads;
+    if (args->bf16) {
+        rms_norm_bf16(args->hidden, args->delta, delta_row, args->weight, eps, rows, dim,
+                      args->out, threads);
         return;
     }
-    float *hidden = hidden_, *out = out_;
-    const float *delta = delta_, *weight = weight_;
+    float *hidden = args->hidden, *out = args->out;
+    const float *delta = args->delta, *weight = args->weight;
 #pragma omp parallel for num_threads(threads) if (threads > 1 && (int64_t)rows * dim >= PARALLEL_ELEMENTS)
     for (int r = 0; r < rows; r++) {
         float *h = hidden + (int64_t)r * dim;
@@ -133,17 +137,19 @@ static void rope_store_bf16(uint16_t *qkv, int64_t qkv_row, int rows, int q_head
 /* qkv [rows, qkv_row]: q_heads query heads, then kv_heads key heads, then kv_heads value
  * heads, each `dim` wide; cos/sin [rows, dim]; the caches [kv_heads, slots, dim] (a head every
  * kv_head elements); slots [rows]. Returns 2 for a dim over 1,024 or odd. */
-int batchd_rope_store(void *qkv_, int64_t qkv_row, int rows, int q_heads, int kv_heads, int dim,
-                      const void *cos_, const void *sin_, void *k_cache_, void *v_cache_,
-                      int64_t kv_head, const int64_t *slots, int threads, int bf16) {
+int batchd_rope_store(const batchd_rope_args *args) {
+    const int64_t qkv_row = args->qkv_row, kv_head = args->kv_head;
+    const int rows = args->rows, q_heads = args->q_heads, kv_heads = args->kv_heads;
+    const int dim = args->dim, threads = args->threads;
+    const int64_t *slots = args->slots;
     if (dim > 1024 || dim % 2) return 2;
-    if (bf16) {
-        rope_store_bf16(qkv_, qkv_row, rows, q_heads, kv_heads, dim, cos_, sin_, k_cache_, v_cache_,
-                        kv_head, slots, threads);
+    if (args->bf16) {
+        rope_store_bf16(args->qkv, qkv_row, rows, q_heads, kv_heads, dim, args->cos, args->sin,
+                        args->k_cache, args->v_cache, kv_head, slots, threads);
         return 0;
     }
-    float *qkv = qkv_, *k_cache = k_cache_, *v_cache = v_cache_;
-    const float *cos = cos_, *sin = sin_;
+    float *qkv = args->qkv, *k_cache = args->k_cache, *v_cache = args->v_cache;
+    const float *cos = args->cos, *sin = args->sin;
 #pragma omp parallel for num_threads(threads) if (threads > 1 && (int64_t)rows * qkv_row >= PARALLEL_ELEMENTS)
     for (int r = 0; r < rows; r++) {
         float *row = qkv + (int64_t)r * qkv_row;
@@ -196,14 +202,15 @@ static void silu_mul_bf16(const uint16_t *gu, int64_t gu_row, int rows, int inne
 
 /* gu [rows, gu_row]: gate in columns 0 .. inner - 1, up in inner .. 2 inner - 1; out [rows,
  * inner] contiguous. silu(g) = g / (1 + e^-g), as torch computes it. */
-void batchd_silu_mul(const void *gu_, int64_t gu_row, int rows, int inner, void *out_, int threads,
-                     int bf16) {
-    if (bf16) {
-        silu_mul_bf16(gu_, gu_row, rows, inner, out_, threads);
+void batchd_silu_mul(const batchd_silu_args *args) {
+    const int64_t gu_row = args->gate_up_row;
+    const int rows = args->rows, inner = args->inner, threads = args->threads;
+    if (args->bf16) {
+        silu_mul_bf16(args->gate_up, gu_row, rows, inner, args->out, threads);
         return;
     }
-    const float *gu = gu_;
-    float *out = out_;
+    const float *gu = args->gate_up;
+    float *out = args->out;
 #pragma omp parallel for num_threads(threads) if (threads > 1 && (int64_t)rows * inner >= PARALLEL_ELEMENTS)
     for (int r = 0; r < rows; r++) {
         const float *g = gu + (int64_t)r * gu_row, *u = g + inner;
@@ -227,8 +234,8 @@ void batchd_silu_mul(const void *gu_, int64_t gu_row, int rows, int inner, void 
 /* out[r] = the first column of row r holding its largest value (a NaN counts as largest), as
  * torch.argmax gives it: the greedy token of each row of logits [rows, cols], row stride
  * `row`. One pass for the largest value in 16 lanes, one for where it first is. */
-void batchd_argmax(const float *x, int64_t row, int rows, int64_t cols, int64_t *out,
-                   int threads) {
+void batchd_argmax(const float *x, int64_t row, int32_t rows, int64_t cols, int64_t *out,
+                   int32_t threads) {
 #pragma omp parallel for num_threads(threads) if (threads > 1 && (int64_t)rows * cols >= 4 * PARALLEL_ELEMENTS)
     for (int r = 0; r < rows; r++) {
         const float *v = x + (int64_t)r * row;

@@ -2,7 +2,7 @@
 
 The operators of transformers' ``LlamaModel`` forward, in its order (so the same numbers), from
 one loop: no module hooks, keyword plumbing or deprecation wrappers a layer, q/k/v and gate/up
-through the fused projections (engine/cpu/layers.py), attention straight to the paged function.
+through the fused projections (engine/forward/fusion.py), attention straight to the paged function.
 In float32 and bf16, where the compiled layer ops build (engine/cpu/kernels.py), the work
 between the matmuls is one call each: the residual add with the next norm, rotary embedding with the K/V
 cache write, SiLU with the gate/up product. Only where every part is transformers' own Llama
@@ -20,7 +20,7 @@ import torch
 
 from engine.attention.paged import AttentionContext, paged_attention
 from engine.cpu.kernels import LayerOps, layer_ops
-from engine.cpu.layers import FusedLinear
+from engine.forward.fusion import FusedLinear
 
 log = logging.getLogger("engine")
 

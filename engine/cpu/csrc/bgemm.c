@@ -18,6 +18,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "batchd.h"
 #include "vector.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -32,7 +33,7 @@
 
 int batchd_bgemm_fast(void) { return NATIVE; }
 
-void batchd_bgemm_pack(const uint16_t *w, int n, int k, uint16_t *out) {
+void batchd_bgemm_pack(const uint16_t *w, int32_t n, int32_t k, uint16_t *out) {
     const int panels = (n + NB - 1) / NB, pairs = (k + 1) / 2;
     for (int p = 0; p < panels; p++)
         for (int kk = 0; kk < pairs; kk++)
@@ -83,9 +84,12 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *a, int64_
 }
 #endif
 
-void batchd_bgemm(const uint16_t *a, int64_t lda, int m, int k, const uint16_t *packed, int n,
-                  const uint16_t *bias, uint16_t *out, int64_t ldc, int threads) {
+void batchd_bgemm(const batchd_gemm_args *args) {
 #if NATIVE
+    const uint16_t *a = args->a, *packed = args->packed, *bias = args->bias;
+    uint16_t *out = args->out;
+    const int64_t lda = args->lda, ldc = args->ldc;
+    const int m = args->m, k = args->k, n = args->n, threads = args->threads;
     const int panels = (n + NB - 1) / NB, pairs = (k + 1) / 2;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && panels > 1)
     for (int p = 0; p < panels; p++) {
@@ -108,7 +112,6 @@ void batchd_bgemm(const uint16_t *a, int64_t lda, int m, int k, const uint16_t *
         }
     }
 #else
-    (void)a, (void)lda, (void)m, (void)k, (void)packed, (void)n, (void)bias, (void)out, (void)ldc,
-        (void)threads;
+    (void)args;
 #endif
 }

@@ -18,6 +18,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "batchd.h"
 #include "vector.h"
 
 #define NB 32 /* output columns a panel */
@@ -25,7 +26,7 @@
 
 int batchd_sgemm_fast(void) { return one_register_vectors(); }
 
-void batchd_sgemm_pack(const float *w, int n, int k, float *out) {
+void batchd_sgemm_pack(const float *w, int32_t n, int32_t k, float *out) {
     const int panels = (n + NB - 1) / NB;
     for (int p = 0; p < panels; p++)
         for (int kk = 0; kk < k; kk++)
@@ -64,8 +65,11 @@ static inline __attribute__((always_inline)) void tile(const float *a, int64_t l
     }
 }
 
-void batchd_sgemm(const float *a, int64_t lda, int m, int k, const float *packed, int n,
-                  const float *bias, float *out, int64_t ldc, int threads) {
+void batchd_sgemm(const batchd_gemm_args *args) {
+    const float *a = args->a, *packed = args->packed, *bias = args->bias;
+    float *out = args->out;
+    const int64_t lda = args->lda, ldc = args->ldc;
+    const int m = args->m, k = args->k, n = args->n, threads = args->threads;
     const int panels = (n + NB - 1) / NB;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && panels > 1)
     for (int p = 0; p < panels; p++) {

@@ -32,6 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "batchd.h"
 #include "vector.h"
 
 #define KB 64              /* keys a block */
@@ -303,7 +304,7 @@ static int reserve(void **buf, size_t *cap, size_t bytes) {
 int batchd_prefill_attention_fast(void) { return one_register_vectors(); }
 
 /* Bytes of scratch a calling thread keeps, at most, for this shape. */
-int64_t batchd_prefill_attention_bound(int kv_heads, int dim) {
+int64_t batchd_prefill_attention_bound(int32_t kv_heads, int32_t dim) {
     return (int64_t)sizeof(float) * kv_heads * dim * TILE_KEYS + (int64_t)sizeof(int64_t) * TILE_KEYS;
 }
 
@@ -320,11 +321,16 @@ void batchd_prefill_attention_release(void) {
     if (s != NULL && pthread_setspecific(scratch_key, NULL) == 0) drop_scratch(s);
 }
 
-int batchd_prefill_attention(const void *q, int64_t q_row, int64_t q_head, const void *k,
-                             const void *v, int64_t kv_head, int64_t key_row,
-                             const int64_t *blocks, int block_size, int64_t first_pos, int n_q,
-                             int heads, int kv_heads, int dim, float scale, void *out,
-                             int64_t out_row, int threads, int bf16) {
+int batchd_prefill_attention(const batchd_prefill_args *args) {
+    const void *q = args->q, *k = args->k, *v = args->v;
+    void *out = args->out;
+    const int64_t q_row = args->q_row, q_head = args->q_head, kv_head = args->kv_head;
+    const int64_t key_row = args->key_row, first_pos = args->first_pos, out_row = args->out_row;
+    const int64_t *blocks = args->blocks;
+    const int block_size = args->block_size, n_q = args->n_q, heads = args->heads;
+    const int kv_heads = args->kv_heads, dim = args->dim, bf16 = args->bf16;
+    const float scale = args->scale;
+    int threads = args->threads;
     typedef void (*task_fn)(const job_t *, int, int64_t, int64_t, int, float *);
     const task_fn fn = bf16 ? (dim == 16 ? bf16_16 : dim == 32 ? bf16_32 : dim == 64 ? bf16_64
                                : dim == 128 ? bf16_128 : NULL)

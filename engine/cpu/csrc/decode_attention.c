@@ -15,23 +15,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "batchd.h"
 #include "vector.h"
 
 #define MAX_DIM 1024
 #define KEY_AHEAD 32 /* how many keys ahead the key pass prefetches a key row */
 
-typedef struct {
-    const void *q; /* row i, head h at q + i * q_row + h * q_head (elements); dim contiguous */
-    int64_t q_row, q_head;
-    const void *k, *v; /* [KV, slots, dim]: head kvh, slot s at k + kvh * kv_head + s * dim */
-    int64_t kv_head;
-    const int64_t *blocks; /* [n, max_blocks] block ids of each sequence */
-    int64_t max_blocks;
-    const int64_t *lens; /* [n] keys of each sequence, the new token included */
-    int n, heads, kv_heads, dim, block_size, window, bf16;
-    float scale;
-    void *out; /* [n, heads, dim] contiguous */
-} job_t;
+typedef batchd_decode_args job_t; /* the call's arguments are the tasks' job */
 
 /* e^x for x <= 0 (a score less the largest), to about 1 ulp: x = n ln2 + r, |r| <= ln2/2, a
  * degree-6 polynomial for e^r, 2^n put into the exponent bits. Branch-free, so the loops that
@@ -226,14 +216,12 @@ static void f32_128(const job_t *a, int t, float *w) { attend(a, t, w, 8, 0); }
 static void bf16_64(const job_t *a, int t, float *w) { attend(a, t, w, 4, 1); }
 static void bf16_128(const job_t *a, int t, float *w) { attend(a, t, w, 8, 1); }
 
-int batchd_decode_attention(const void *q, int64_t q_row, int64_t q_head, const void *k,
-                            const void *v, int64_t kv_head, const int64_t *blocks,
-                            int64_t max_blocks, const int64_t *lens, int n, int heads,
-                            int kv_heads, int dim, int block_size, int window, int bf16,
-                            float scale, void *out, int threads) {
+int batchd_decode_attention(const batchd_decode_args *args) {
+    const job_t a = *args;
+    const int dim = a.dim, n = a.n, heads = a.heads, kv_heads = a.kv_heads, bf16 = a.bf16;
+    const int64_t *lens = a.lens;
+    int threads = a.threads;
     if (dim > MAX_DIM) return 2;
-    const job_t a = {q,    q_row, q_head,   k,   v,          kv_head, blocks, max_blocks, lens,
-                     n,    heads, kv_heads, dim, block_size, window,  bf16,   scale,      out};
     const task_fn fn = dim == 64    ? (bf16 ? bf16_64 : f32_64)
                        : dim == 128 ? (bf16 ? bf16_128 : f32_128)
                                     : attend_any;
