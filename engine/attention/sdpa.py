@@ -3,8 +3,9 @@
 Decode rows attend in one compiled-kernel call per layer where :mod:`engine.cpu.kernels` builds
 (float32 or bf16, no soft-capping, heads of at most ``MAX_HEAD_DIM``), otherwise in groups of
 similar length (:class:`engine.attention.paged.DecodeGroup`), query heads folded onto their KV
-head. Each float32 or bf16 prefill chunk of 16 or more queries goes to the compiled prefill
-kernel where it builds with AVX-512, the keys read in place; any other chunk attends with its own causal SDPA
+head. Each float32 or bf16 prefill chunk goes to the compiled prefill kernel where it builds
+with AVX-512, the keys read in place (every chunk, however short: a prompt cut into other chunks
+in another batch then sums in the same order); any other chunk attends with its own causal SDPA
 call, offset by its cached context. A ``softcap`` layer runs explicit matmuls in transformers'
 eager order. See docs/engine-step.md ("CPU").
 """
@@ -27,7 +28,6 @@ from engine.cpu.kernels import (
 
 log = logging.getLogger("engine")
 
-MIN_KERNEL_QUERIES = 16  # below, torch's flash operator is as fast or faster at long contexts
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what the compiled prefill kernel reads
 
 
@@ -217,12 +217,11 @@ class SdpaBackend:
         scaling: float | None,
         out: torch.Tensor,
     ) -> bool:
-        """Attend ``chunk`` with the compiled kernel (float32 or bf16); False where it does not apply
-        (another device, dtype or layout, a head size it has no loop for, fewer than
-        :data:`MIN_KERNEL_QUERIES` queries: the kernel first transposes every key the chunk
-        sees, which a handful of queries does not repay)."""
-        n = chunk.end - chunk.start
-        if n < MIN_KERNEL_QUERIES or q.dtype not in _KERNEL_DTYPES or k_cache.dtype != q.dtype:
+        """Attend ``chunk`` with the compiled kernel (float32 or bf16); False where it does not
+        apply (another device, dtype or layout, a head size it has no loop for). A chunk of a few
+        queries goes to it too, though transposing every key it sees costs about what torch's
+        operator would: a prompt's bits must not depend on where the step's budget cut it."""
+        if q.dtype not in _KERNEL_DTYPES or k_cache.dtype != q.dtype:
             return False
         if q.device.type != "cpu" or k_cache.device.type != "cpu":  # it reads host memory
             return False

@@ -203,7 +203,7 @@ def test_torch_attention_path(model: dict) -> None:
 
 @pytest.mark.parametrize("prefill_kernel", [True, False], ids=["prefill-kernel", "two-parts"])
 def test_float32_prefill_chunks(model: dict, prefill_kernel: bool) -> None:
-    """In float32 a prefill chunk of 16 or more queries attends in the compiled prefill kernel,
+    """In float32 every prefill chunk attends in the compiled prefill kernel,
     its keys read in place through the block table; without the kernel, a chunk that continues
     its sequence (chunked prefill, a prefix-cache hit, a preempted sequence read back) attends
     its cached keys and its own apart, merged by their log-sum-exps (engine/attention/sdpa.py).

@@ -1,4 +1,4 @@
-"""The compiled prefill attention (engine/cpu/prefill_attention.c) against causal attention
+"""The compiled prefill attention (engine/cpu/csrc/prefill_attention.c) against causal attention
 computed in float64: chunks that start their sequence (keys from the step's own strided K/V)
 and chunks that continue it (keys read through a scattered block table), head sizes 16 to 128,
 grouped and plain heads, one and two threads, float32 and bfloat16, and the backend's choice."""
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine.attention.paged import AttentionContext, PrefillChunk
-from engine.attention.sdpa import MIN_KERNEL_QUERIES, SdpaBackend
+from engine.attention.sdpa import SdpaBackend
 from engine.cpu import kernels
 
 BLOCK = 16
@@ -206,9 +206,8 @@ def _backend_case(first_pos: int, n: int) -> tuple:
 def test_the_backend_sends_float32_chunks_to_the_kernel(
     kernel: kernels.PrefillAttention, monkeypatch: pytest.MonkeyPatch, first_pos: int
 ) -> None:
-    """A chunk of at least MIN_KERNEL_QUERIES float32 queries goes to the kernel (its keys in
-    place: the step's own for a first chunk, the cache's for a later one); a shorter one
-    keeps torch's operator. Either way the output is causal attention's."""
+    """Every chunk goes to the kernel, one query or many (its keys in place: the step's own for
+    a first chunk, the cache's for a later one), and its output is causal attention's."""
     backend = SdpaBackend()
     assert backend.prefill is not None
     calls: list[int] = []
@@ -218,12 +217,12 @@ def test_the_backend_sends_float32_chunks_to_the_kernel(
         return kernel(*args)
 
     monkeypatch.setattr(backend, "prefill", counted)
-    for n in (MIN_KERNEL_QUERIES - 1, MIN_KERNEL_QUERIES, 90):
+    for n in (1, 15, 16, 90):
         ctx, q, own_k, own_v, k, v = _backend_case(first_pos, n)
         out = backend.attend(ctx, 0, q, own_k, own_v, 0.125, None, None)
         want = _reference(q[0].transpose(0, 1), k, v, first_pos, 0.125)
         torch.testing.assert_close(out, want, rtol=1e-5, atol=2e-5)
-    assert calls == [MIN_KERNEL_QUERIES, 90]
+    assert calls == [1, 15, 16, 90]
 
 
 def test_a_window_or_softcap_keeps_torchs_path(

@@ -191,3 +191,31 @@ def test_a_line_gives_the_same_bits_alone_and_in_a_full_batch(record: Path, dtyp
                 want = [out.outputs[0].token_ids, out.outputs[0].logprobs]
     crowded = _run(engine)
     assert crowded[f"r{target}"] == want
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_prompt_cut_into_other_chunks_gives_the_same_bits(record: Path, dtype: str) -> None:
+    """The step's token budget cuts a long prompt where the others in the step leave room:
+    alone into 64 + 64 + 22 tokens, behind two other prompts elsewhere (a first chunk of a
+    few tokens among them). Every chunk attends in the prefill kernel, whose sums run over
+    blocks of keys at fixed positions: the same bits either way."""
+    if "batchd" not in linear.kinds_for(getattr(torch, dtype)):
+        pytest.skip(f"no compiled {dtype} GEMM here: oneDNN's rows depend on the step")
+    path = str(build("llama-tiny"))
+    target = [(11 * j) % 300 + 20 for j in range(150)]
+    params = SamplingParams(
+        max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=5
+    )
+    runs = []
+    for others in ([], [PROMPTS[4][:45], PROMPTS[5][:13]]):
+        engine = Engine(path, dtype=dtype, max_num_batched_tokens=64, enable_prefix_caching=False)
+        if engine.runner.backend.prefill is None:
+            pytest.skip("no prefill kernel here")
+        for i, prompt in enumerate(others):
+            engine.add_request(f"other{i}", prompt, PARAMS[i])
+        engine.add_request("target", target, params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished and out.request_id == "target":
+                    runs.append([out.outputs[0].token_ids, out.outputs[0].logprobs])
+    assert runs[0] == runs[1]
