@@ -11,12 +11,85 @@ docs/engine.md ("The KV budget").
 
 from __future__ import annotations
 
+import ctypes
+import math
+import mmap
 from typing import Any
 
 import torch
 
 from engine.core.config import DEFAULT_CPU_KV_BYTES
 from engine.cpu.kernels import PrefillKernel
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor for the KV cache. On the CPU its pages come from an anonymous mapping,
+    which reads as zeros and takes memory only where written: the process holds the blocks its
+    sequences have filled, not the whole budget from the start (``torch.zeros`` writes every
+    page). The tensor keeps its mapping alive."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)
+
+
+def return_free_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc's ``malloc_trim``; nothing
+    elsewhere). Loading a checkpoint converts every weight through temporary copies, and fusing
+    and packing the linears replaces each weight with a new tensor: freed, those pages stay in
+    the process (about 400 MB for SmolLM2 in bf16) until trimmed."""
+    try:
+        libc = ctypes.CDLL(None)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+
+
+_MADV_DONTNEED = 4  # <sys/mman.h> on Linux
+
+
+def drop_file_pages(tensors: list[torch.Tensor]) -> None:
+    """Let the system reclaim the pages of ``tensors`` (weights no longer used: a layer's
+    weight once its packed or fused copy replaced it) where they are a mapped checkpoint file.
+
+    A float32 checkpoint loads as views of the safetensors file, mapped privately: the pages
+    read while fusing and packing stay resident, counted in the process's memory, as long as
+    the file stays mapped (the input embedding keeps it so). ``madvise(MADV_DONTNEED)`` on a
+    clean private file mapping drops them; a later read would fault them in from the file again.
+    Only whole pages inside a file mapping are touched, never the heap."""
+    if not tensors or not hasattr(mmap, "PAGESIZE"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        madvise = libc.madvise
+        lines = open("/proc/self/maps").read().splitlines()  # noqa: SIM115
+    except (OSError, AttributeError):
+        return
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    files = []
+    for line in lines:
+        parts = line.split()
+        if len(parts) >= 6 and parts[4] != "0" and parts[5].startswith("/"):
+            start, end = (int(x, 16) for x in parts[0].split("-"))
+            files.append((start, end))
+    page = mmap.PAGESIZE
+    for t in tensors:
+        if t.device.type != "cpu" or not t.numel():
+            continue
+        lo = t.data_ptr()
+        hi = lo + t.numel() * t.element_size()
+        if not any(start <= lo and hi <= end for start, end in files):
+            continue
+        first, last = -(-lo // page) * page, hi // page * page
+        if last > first:
+            madvise(first, last - first, _MADV_DONTNEED)
 
 
 def blocks_per_sequence(max_model_len: int, block_size: int) -> int:

@@ -63,14 +63,18 @@ class ModelRunner:
             FlexBackend() if self.backend_name == "flex" else SdpaBackend(config.cpu_kernels)
         )
         hf_model = AutoModelForCausalLM.from_pretrained(model, dtype=self.dtype)
+        memory.return_free_heap()  # the checkpoint's converted copies
         hf_model.to(self.device).eval()
         hf_model.set_attn_implementation(name)
         self.model = hf_model
         self.base = getattr(hf_model, hf_model.base_model_prefix)
         self.lm_head = hf_model.get_output_embeddings()
         rows = config.max_num_seqs or 64
+        # The linear weights as loaded: those that fusing or packing replaces are let go below.
+        loaded = [m.weight for m in self.base.modules() if type(m) is torch.nn.Linear]
         if self.device.type == "cpu" and config.cpu_kernels:
             log.info("%d projection sets fused (CPU)", fusion.fuse_projections(self.base))
+            self._let_go(loaded)  # before packing makes its copies: a lower peak
         if cpu_linear.packable(self.dtype, self.device):
             head = self.lm_head
             plain_head = type(head) is torch.nn.Linear
@@ -95,6 +99,8 @@ class ModelRunner:
                 self.dtype,
                 head_kind or "plain",
             )
+        self._let_go(loaded)
+        del loaded
         # transformers' Llama layers without their per-layer Python, where the model is one.
         self.lean = (
             LeanLlama.of(self.base)
@@ -129,10 +135,10 @@ class ModelRunner:
         # The layout the attention reads (engine/attention/paged.py): a KV head's block is contiguous.
         shape = (self.num_kv_heads, self.num_blocks + 1, self.block_size, self.head_dim)
         self.k_cache = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
+            memory.zeros(shape, self.dtype, self.device) for _ in range(self.num_layers)
         ]
         self.v_cache = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
+            memory.zeros(shape, self.dtype, self.device) for _ in range(self.num_layers)
         ]
         log.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB) on %s, dtype %s",
@@ -144,6 +150,7 @@ class ModelRunner:
             self.dtype,
         )
         self.graphs = None
+        memory.return_free_heap()  # the weights that fusing and packing replaced
         self._probe()
         if config.cuda_graphs and self.device.type == "cuda" and self.backend_name == "flex":
             from engine.attention.cuda_graph import DecodeGraphs
@@ -155,6 +162,11 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def _let_go(self, loaded: list[torch.Tensor]) -> None:
+        """Drop the checkpoint-file pages of the ``loaded`` weights the model no longer holds."""
+        live = {t.data_ptr() for t in (*self.model.parameters(), *self.model.buffers())}
+        memory.drop_file_pages([w for w in loaded if w.data_ptr() not in live])
 
     def _num_blocks(self) -> int:
         """KV blocks for this device: ``num_kv_blocks`` if set, else the memory budget
