@@ -25,8 +25,8 @@ from api.limits import (
 )
 from api.local import local_only
 from core.auth import hash_key, lookup, lookup_hash
+from core.batches.priority import Priority
 from core.db import new_session
-from core.priority import Priority
 from core.settings import Settings
 from core.storage import open_storage
 from core.storage.base import Storage

@@ -14,11 +14,11 @@ from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchem
 
 from api.errors import invalid_request
 from core.auth import MAX_WEBHOOK_URL_CHARS, is_text, webhook_url_problem
+from core.batches.completion_windows import WINDOW, window_seconds
+from core.batches.priority import PriorityName, priority_name
+from core.batches.retry import MAX_LINE_ITEMS
 from core.lifecycle import BatchStatus
-from core.priority import PriorityName, priority_name
-from core.retry import MAX_LINE_ITEMS
 from core.tables import Batch, File
-from core.windows import WINDOW, window_seconds
 
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY_CHARS = 64

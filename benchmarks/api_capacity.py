@@ -54,7 +54,7 @@ _LENGTH = re.compile(rb"(?i)\r\ncontent-length: *(\d+)")
 def seed_batches(database_url: str, tenant: str, count: int) -> list[str]:
     """``count`` batches of ``tenant`` in assorted statuses (rows as the service writes
     them), newest last; returns their ids."""
-    from core import ids
+    from core.batches import ids
     from core.db import session_scope
     from core.lifecycle import now
     from core.tables import Batch, File

@@ -138,7 +138,7 @@ def build_job(
     committed and logged; returns (its id, how many of its lines are error lines). With
     ``args.unfinished``, a ``cancelling`` batch instead, each shard stopped with that share
     of its lines (its last chunks' worth) never run."""
-    from core import ids
+    from core.batches import ids
     from core.db import session_scope
     from core.lifecycle import BatchStatus, ShardStatus, now
     from core.results_log import ChunkRecord, log_chunk, write_chunk

@@ -17,7 +17,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from cli.exit_codes import ExitCode
-from core.priority import Priority
+from core.batches.priority import Priority
 
 keys_app = typer.Typer(
     name="keys",
@@ -85,7 +85,7 @@ def create(
 ) -> None:
     """Create a key and print it (once: only its hash is stored) with its webhook secret."""
     from core.auth import create_key, webhook_url_problem
-    from core.windows import window_seconds
+    from core.batches.completion_windows import window_seconds
 
     if webhook_url is not None and (problem := webhook_url_problem(webhook_url)):
         typer.echo(f"error: --webhook-url {problem}", err=True)

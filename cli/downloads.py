@@ -10,7 +10,7 @@ from typing import Any
 from cli.client import BatchdClient
 from cli.console import stderr
 from cli.exit_codes import TERMINAL_STATUSES
-from core.retry import RETRY_OF, merge_with_retries
+from core.batches.retry import RETRY_OF, merge_with_retries
 
 
 def download_results(

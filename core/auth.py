@@ -16,8 +16,8 @@ from sqlalchemy import delete, or_, select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
+from core.batches.priority import Priority
 from core.lifecycle import now
-from core.priority import Priority
 from core.tables import ApiKey, UiSession
 
 KEY_PREFIX = "sk-bd-"

@@ -15,7 +15,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from core.priority import Priority
+from core.batches.priority import Priority
 from engine.host.fair_queue import FairQueue
 from worker.shards.release import Candidate, Load, choose
 

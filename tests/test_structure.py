@@ -1,5 +1,5 @@
 """The structure the packages promise, read from their source: priority is defined once (in
-``core.priority``), who runs next once (in ``engine.host.order``), the engine is a leaf, and
+``core.batches.priority``), who runs next once (in ``engine.host.order``), the engine is a leaf, and
 the engine core imports nothing from the host (``engine.host``), and the rooms of ``worker``
 import one another one way only (``WORKER_ROOMS``). A scan of the syntax trees, so it fails on
 the commit that breaks the rule, whatever the code path."""
@@ -10,14 +10,14 @@ import ast
 from pathlib import Path
 from typing import get_args
 
-from core.priority import Priority, PriorityName
+from core.batches.priority import Priority, PriorityName
 from engine.core.urgent import is_urgent
 from engine.host.order import NORMAL, aged_tier
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("api", "core", "worker", "engine", "cli", "migrations")
 NAMES = {"high", "normal", "low"}
-PRIORITY_HOME = Path("core/priority.py")
+PRIORITY_HOME = Path("core/batches/priority.py")
 ORDER_HOME = Path("engine/host/order.py")
 # The places that choose who runs next (the upstream dispatcher through the fair queue).
 ORDER_USERS = (Path("engine/host/fair_queue.py"), Path("worker/shards/release.py"))
@@ -149,7 +149,7 @@ def test_priority_is_defined_once_in_core_priority() -> None:
         for line in _priority_definitions(_tree(path))
     ]
     assert elsewhere == [], (
-        "priority names spelled out outside core/priority.py (use core.priority.Priority): "
+        f"priority names spelled out outside {PRIORITY_HOME.as_posix()} (use its Priority): "
         + ", ".join(elsewhere)
     )
     assert _priority_definitions(_tree(ROOT / PRIORITY_HOME)), "the scan no longer sees it"

@@ -17,7 +17,7 @@ from api.routes.common import error_responses, list_page
 from api.schemas import MAX_EXPIRY_S, MIN_EXPIRY_S, FileDeleted, FileList, FilePublic
 from api.services import files
 from api.uploads import Upload, receive_upload
-from core.ids import file_id
+from core.batches.ids import file_id
 from core.storage.base import ObjectNotFound
 
 log = logging.getLogger("batchd.api")

@@ -15,8 +15,8 @@ from api.routes.common import error_responses
 from api.schemas import FilePublic, unix
 from api.services import uploads
 from api.uploads import receive_upload
+from core.batches.ids import upload_part_id
 from core.db import session_scope
-from core.ids import upload_part_id
 from core.settings import Settings
 from core.storage.base import Storage
 from core.tables import File, Upload

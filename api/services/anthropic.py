@@ -28,12 +28,12 @@ from api.log_context import bind_batch
 from api.schemas import BatchCreate
 from api.services import batches, files
 from api.services.common import could_be_id, keyset_page
+from core.batches.ids import file_id, message_batch_id
 from core.batchfile import anthropic
 from core.batchfile.reader import LineValidator, RawLine, iter_lines
 from core.batchfile.request import CHAT_URL, LineError
 from core.batchfile.results import dumps_line
 from core.batchfile.streamed_json import JsonReader
-from core.ids import file_id, message_batch_id
 from core.lifecycle import BatchStatus, now
 from core.llms import specs
 from core.settings import Settings

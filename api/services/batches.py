@@ -23,14 +23,14 @@ from api.schemas import BatchCreate
 from api.services.common import could_be_id, keyset_page
 from api.services.files import get_file_row
 from core.auth import generate_webhook_secret, priority_allowed
-from core.ids import batch_id as new_batch_id
+from core.batches.completion_windows import duration, window_seconds
+from core.batches.ids import batch_id as new_batch_id
+from core.batches.priority import PriorityName, priority_name
 from core.lifecycle import CANCELLABLE, TERMINAL, UNFINISHED, BatchStatus, now, transition
 from core.netcheck import url_problem
-from core.priority import PriorityName, priority_name
 from core.queue import TASK_CANCEL, TASK_VALIDATE, enqueue
 from core.settings import Settings
 from core.tables import Batch, File
-from core.windows import duration, window_seconds
 
 log = logging.getLogger("batchd.api")
 

@@ -26,9 +26,9 @@ from api.errors import APIError
 from api.schemas import BatchCreate, BatchErrorItem, BatchEstimate, ModelEstimate, unix
 from api.services.batches import batch_input_file, checked_priority, checked_window_s
 from core import rpc
+from core.batches.priority import PriorityName
 from core.eta import store
 from core.lifecycle import now
-from core.priority import PriorityName
 from core.queue import TASK_ESTIMATE
 from core.settings import Settings
 

@@ -1,10 +1,10 @@
 """A retry: a new batch from exactly the parent's input lines that did not succeed.
 
-Which lines: :mod:`core.retry` (the kinds of result, and optionally the line numbers). They are
-copied byte for byte (same ``custom_id``s and bodies) into a new input file of the caller's,
-and the batch is made by the ordinary create (quotas, entitlements, the validate task), with
-``metadata.retry_of`` naming the parent. The create's checks run once before the copy too, so
-a refused retry copies nothing; an Idempotency-Key makes a retry once, as it makes a create.
+Which lines: :mod:`core.batches.retry` (the kinds of result, and optionally the line numbers). They
+are copied byte for byte (same ``custom_id``s and bodies) into a new input file of the caller's, and
+the batch is made by the ordinary create (quotas, entitlements, the validate task), with
+``metadata.retry_of`` naming the parent. The create's checks run once before the copy too, so a
+refused retry copies nothing; an Idempotency-Key makes a retry once, as it makes a create.
 """
 
 from __future__ import annotations
@@ -21,11 +21,9 @@ from api.schemas import MAX_METADATA_PAIRS, BatchCreate, ExpiresAfter, RetryCrea
 from api.services.batches import check_create, create_batch, existing_batch, get_batch_row
 from api.services.files import is_expired, new_file_row
 from core.auth import priority_allowed
-from core.batchfile.reader import custom_id_in, iter_lines
-from core.ids import file_id
-from core.lifecycle import TERMINAL
-from core.priority import priority_name
-from core.retry import (
+from core.batches.ids import file_id
+from core.batches.priority import priority_name
+from core.batches.retry import (
     RETRY_KINDS,
     RETRY_OF,
     LineSelection,
@@ -33,6 +31,8 @@ from core.retry import (
     name_lines,
     retry_kind,
 )
+from core.batchfile.reader import custom_id_in, iter_lines
+from core.lifecycle import TERMINAL
 from core.settings import Settings
 from core.storage.base import Storage
 from core.tables import Batch, File

@@ -28,9 +28,9 @@ from api.services import files
 from api.services.common import could_be_id
 from api.uploads import clean_filename
 from core import metrics
+from core.batches.ids import file_id
+from core.batches.ids import upload_id as new_upload_id
 from core.db import updated
-from core.ids import file_id
-from core.ids import upload_id as new_upload_id
 from core.lifecycle import now
 from core.settings import Settings
 from core.storage.base import Storage

@@ -204,8 +204,8 @@ class EmbeddedService(Procs):
 
     def _create_keys(self, tenants: list[str]) -> None:
         from core import auth
+        from core.batches.priority import Priority
         from core.db import session_scope
-        from core.priority import Priority
 
         with session_scope(self.database_url) as session:
             for tenant in tenants:

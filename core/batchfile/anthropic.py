@@ -13,8 +13,8 @@ import math
 import re
 from typing import Any
 
+from core.batches.ids import message_id
 from core.batchfile.request import CHAT_URL, show
-from core.ids import message_id
 
 #: Anthropic's rule for a request's ``custom_id``.
 CUSTOM_ID_PATTERN = re.compile(r"[a-zA-Z0-9_-]{1,64}")

@@ -17,10 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
-from core.ids import batch_request_id, message_id, response_id
-from core.ids import chat_completion_id as new_chat_completion_id
-from core.ids import completion_id as new_completion_id
-from core.ids import request_id as new_request_id
+from core.batches.ids import batch_request_id, message_id, response_id
+from core.batches.ids import chat_completion_id as new_chat_completion_id
+from core.batches.ids import completion_id as new_completion_id
+from core.batches.ids import request_id as new_request_id
 
 if TYPE_CHECKING:
     from core.batchfile.request import BatchRequest

@@ -14,9 +14,9 @@ from datetime import UTC, datetime, timedelta
 from sqlalchemy import Float, and_, case, cast, func, or_, select, update
 from sqlalchemy.orm import Session
 
+from core.batches.priority import Priority
 from core.eta import forecast
 from core.lifecycle import BatchStatus, ShardStatus
-from core.priority import Priority
 from core.tables import Batch, Shard
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ def _ended_parent(lines: list) -> str:
     """A batch that expired with ``r1`` and ``r2`` never run (its error file says so)."""
     from sqlalchemy import update
 
-    from core import ids
+    from core.batches import ids
     from core.batchfile.results import batch_error_line, dumps_line
     from core.db import session_scope
     from core.tables import Batch, File

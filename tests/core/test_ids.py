@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 
-from core import ids
+from core.batches import ids
 
 
 def test_ids_have_openai_shapes_and_do_not_repeat() -> None:

@@ -1,4 +1,4 @@
-"""A batch's priority (core.priority): its order, its number for the engine, the names read
+"""A batch's priority (core.batches.priority): its order, its number for the engine, the names read
 from rows and requests, and what a key's highest priority allows."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from core.auth import priority_allowed
-from core.priority import Priority, priority_name
+from core.batches.priority import Priority, priority_name
 
 
 def test_most_urgent_first_in_every_scale() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from core.windows import window_seconds
+from core.batches.completion_windows import window_seconds
 
 
 @pytest.mark.parametrize(

@@ -33,7 +33,7 @@ def make_batch(
     expires_in_s: float = 3600,
 ) -> str:
     """Store an input file and create its batch in ``validating``; return the batch id."""
-    from core import ids
+    from core.batches import ids
     from core.db import session_scope
     from core.lifecycle import now
     from core.tables import Batch, File
@@ -136,7 +136,7 @@ def use_service_env(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Non
 def enqueued_batch(lines: list[dict[str, Any]], broker: str) -> str:
     """Store the input, insert its file and batch rows (``validating``), and enqueue the
     validate task on ``broker``, as the API would for a service run as subprocesses."""
-    from core import ids
+    from core.batches import ids
     from core.db import session_scope
     from core.lifecycle import now
     from core.queue import TASK_VALIDATE, enqueue

@@ -165,7 +165,7 @@ def add_batch(
 ):
     """An in-progress batch of ``model`` with ``shards`` pending shards (each of
     ``est_tokens``), started ``age_s`` seconds ago; its id."""
-    from core import ids
+    from core.batches import ids
     from core.db import session_scope
     from core.lifecycle import now
     from core.tables import Batch, File, Shard

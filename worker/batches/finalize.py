@@ -23,7 +23,8 @@ from typing import Any, BinaryIO
 from sqlalchemy import select, text, update
 from sqlalchemy.orm import Session
 
-from core import ids, metrics
+from core import metrics
+from core.batches import ids
 from core.batchfile.results import batch_error_line, dumps_line
 from core.db import get_engine, new_session, session_scope
 from core.lifecycle import TERMINAL, BatchStatus, ShardStatus, now, transition

@@ -16,11 +16,11 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, cast
 
 from core import generation
+from core.batches.priority import Priority
 from core.batchfile.request import EMBEDDINGS_URL, BatchRequest
 from core.batchfile.results import GenerationResult, embedding_body, output_line
 from core.generation import error_for_exception, error_record
 from core.llms import specs
-from core.priority import Priority
 from core.settings import get_settings
 from core.tables import Batch, Shard
 from engine import RequestError, SamplingParams

@@ -23,9 +23,9 @@ from celery.signals import task_postrun
 from sqlalchemy import and_, func, select, text, update
 from sqlalchemy.orm import Session
 
+from core.batches.priority import Priority
 from core.db import session_scope, updated
 from core.lifecycle import BatchStatus, ShardStatus, now
-from core.priority import Priority
 from core.queue import TASK_RELEASE_SWEEP, TASK_RUN_SHARD, model_queue
 from core.settings import get_settings
 from core.tables import Batch, Shard

@@ -9,11 +9,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from core.batches.sharding import ShardPlanner
 from core.batchfile.reader import ValidationReport, validate_file
 from core.batchfile.request import BatchRequest
 from core.llms import specs
 from core.settings import get_settings
-from core.sharding import ShardPlanner
 from worker.infra import storage
 from worker.validation.token_count import TokenCounter
 

@@ -20,6 +20,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from core import metrics
+from core.batches.sharding import ShardPlanner, ShardSpec
 from core.batchfile.reader import (
     FILE_ERRORS,
     LineValidator,
@@ -34,7 +35,6 @@ from core.lifecycle import BatchStatus, ShardStatus, now, transition
 from core.llms import specs
 from core.results_log import ChunkRecord, batch_log_prefix, log_chunk, write_chunk
 from core.settings import get_settings
-from core.sharding import ShardPlanner, ShardSpec
 from core.tables import Batch, Shard
 from worker.events import notify
 from worker.infra import past_expiry, runtime, storage
