@@ -17,6 +17,7 @@ import torch
 
 from engine.core.block_manager import BlockManager
 from engine.core.config import EngineConfig
+from engine.core.detokenize import detokenize_step, start_detokenizer
 from engine.core.model_runner import ModelRunner, resolve_device
 from engine.core.outputs import (
     CompletionOutput,
@@ -33,7 +34,7 @@ from engine.core.stats import EngineMetrics
 from engine.core.step_cost import StepCostCurve
 from engine.cpu.kernels import layer_ops
 from engine.text.structured import GrammarBackend
-from engine.text.tokenizer import detokenize_step, find_stop, load_tokenizer, start_detokenizer
+from engine.text.tokenizer import find_stop, load_tokenizer
 from engine.threads.governor import CpuThreads
 
 log = logging.getLogger("engine")

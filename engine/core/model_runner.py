@@ -153,7 +153,7 @@ class ModelRunner:
         memory.return_free_heap()  # the weights that fusing and packing replaced
         self._probe()
         if config.cuda_graphs and self.device.type == "cuda" and self.backend_name == "flex":
-            from engine.attention.cuda_graph import DecodeGraphs
+            from engine.core.cuda_graph import DecodeGraphs
 
             self.graphs = DecodeGraphs(self, config.cuda_graph_max_batch)
         log.info("attention backend %s, CUDA graphs %s", self.backend_name, self.graphs is not None)

@@ -5,8 +5,6 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from engine.core.sequence import Sequence
-
 # transformers resolves its classes through a lazy module that is not safe for concurrent
 # first imports (a thread may see ``cannot import name 'AutoTokenizer'`` while another one
 # imports it), and loading a tokenizer imports its class on first use: one load at a time.
@@ -32,33 +30,6 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
         raise ValueError("the model's tokenizer has no chat template; send a plain prompt instead")
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return list(tokenizer.encode(text, add_special_tokens=False))
-
-
-def start_detokenizer(seq: Sequence) -> None:
-    """Incremental decoding starts a few prompt tokens back, so a word that continues the
-    prompt gets its leading space right."""
-    seq.detok_read = seq.num_prompt_tokens
-    seq.detok_prefix = max(seq.num_prompt_tokens - 5, 0)
-
-
-def detokenize_step(tokenizer: Any, seq: Sequence) -> str:
-    """Append the text of ``seq``'s newest tokens to ``seq.text``; return what was added.
-
-    Text is held back while it ends in an incomplete UTF-8 sequence (U+FFFD).
-    """
-    tokens = seq.token_ids
-    skip = seq.params.skip_special_tokens
-    prefix_text = tokenizer.decode(
-        tokens[seq.detok_prefix : seq.detok_read], skip_special_tokens=skip
-    )
-    full = tokenizer.decode(tokens[seq.detok_prefix :], skip_special_tokens=skip)
-    if len(full) > len(prefix_text) and not full.endswith("\ufffd"):
-        delta = full[len(prefix_text) :]
-        seq.detok_prefix = seq.detok_read
-        seq.detok_read = len(tokens)
-        seq.text += delta
-        return delta
-    return ""
 
 
 def find_stop(text: str, delta_len: int, stops: list[str]) -> tuple[int, str] | None:

@@ -12,7 +12,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from engine import Engine, SamplingParams
-from engine.attention.cuda_graph import DecodeGraphs, bucket_for, graph_buckets
+from engine.core.cuda_graph import DecodeGraphs, bucket_for, graph_buckets
 
 
 def decode_step_ops(
