@@ -1,4 +1,4 @@
-"""Tokenizer loading, chat templates and incremental detokenization."""
+"""Tokenizer loading, chat templates and stop strings."""
 
 from __future__ import annotations
 
