@@ -1,7 +1,8 @@
 """Intra-op threads that follow the CPU the rest of the machine leaves free.
 
 :class:`CpuThreads` samples, every ``interval_s``, how busy this process's CPUs were (Linux
-``/proc/stat``) less the engine's own share, and sizes torch's team to the cores left free:
+``/proc/stat``; niced processes' time not counted unless the engine is niced too) less the
+engine's own share, and sizes torch's team to the cores left free:
 never below 1, never above the team it started with. Off the CPU, or where ``/proc/stat``
 cannot be read, it does nothing. Why: docs/engine.md ("Threads on a shared CPU").
 """
@@ -17,8 +18,13 @@ logger = logging.getLogger(__name__)
 TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def _busy_ticks(cpus: frozenset[int], path: str = "/proc/stat") -> int | None:
-    """Busy clock ticks (everything but idle and iowait) of ``cpus`` since boot, or None."""
+def _busy_ticks(
+    cpus: frozenset[int], path: str = "/proc/stat", count_nice: bool = False
+) -> int | None:
+    """Busy clock ticks (everything but idle and iowait) of ``cpus`` since boot, or None.
+    Niced processes' ticks count only with ``count_nice``: the scheduler gives a core to a
+    process of normal priority over them (a nice-19 process gets 1/70 of its share), so for an
+    engine that is not niced itself they leave the core free."""
     try:
         with open(path) as fh:
             lines = fh.read().splitlines()
@@ -36,8 +42,16 @@ def _busy_ticks(cpus: frozenset[int], path: str = "/proc/stat") -> int | None:
         except ValueError:
             continue
         # user nice system idle iowait irq softirq steal ...: stolen time is not ours either
-        busy += sum(values[:8]) - values[3] - values[4]
+        busy += sum(values[:8]) - values[3] - values[4] - (0 if count_nice else values[1])
     return busy
+
+
+def _niced() -> bool:
+    """Whether this process runs below normal priority (a positive nice value)."""
+    try:
+        return os.getpriority(os.PRIO_PROCESS, 0) > 0
+    except (AttributeError, OSError):
+        return False
 
 
 class CpuThreads:
@@ -51,6 +65,8 @@ class CpuThreads:
         except (AttributeError, OSError):
             self.cpus = frozenset(range(os.cpu_count() or 1))
         self.threads = self.max_threads
+        # A niced engine meets niced processes on equal terms: their time counts then.
+        self.count_nice = _niced()
         self.enabled = self.max_threads > 1 and _busy_ticks(self.cpus) is not None
         self._last: tuple[float, float, float, int] | None = None  # wall, thread, process, busy
         self.changes = 0
@@ -78,7 +94,7 @@ class CpuThreads:
         now = time.monotonic()
         if self._last is not None and now - self._last[0] < self.interval_s:
             return
-        busy = _busy_ticks(self.cpus)
+        busy = _busy_ticks(self.cpus, count_nice=self.count_nice)
         if busy is None:
             self.enabled = False
             return

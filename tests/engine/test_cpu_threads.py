@@ -22,8 +22,10 @@ intr 1 2 3
 def test_busy_ticks_counts_the_given_cpus_less_idle_and_iowait(tmp_path: Path) -> None:
     stat = tmp_path / "stat"
     stat.write_text(STAT)
-    assert _busy_ticks(frozenset({0}), str(stat)) == 100 + 5 + 20 + 1 + 2 + 4
-    assert _busy_ticks(frozenset({0, 1}), str(stat)) == 132 + 230
+    assert _busy_ticks(frozenset({0}), str(stat), count_nice=True) == 100 + 5 + 20 + 1 + 2 + 4
+    assert _busy_ticks(frozenset({0, 1}), str(stat), count_nice=True) == 132 + 230
+    # Niced processes leave a core to an engine of normal priority: their ticks are not busy.
+    assert _busy_ticks(frozenset({0}), str(stat)) == 100 + 20 + 1 + 2 + 4
     assert _busy_ticks(frozenset({7}), str(stat)) == 0
     assert _busy_ticks(frozenset({0}), str(tmp_path / "missing")) is None
 
@@ -51,7 +53,7 @@ def test_the_team_shrinks_while_others_hold_a_core_and_grows_back(monkeypatch) -
     monkeypatch.setattr(cpu_threads.time, "monotonic", lambda: clock["wall"])
     monkeypatch.setattr(cpu_threads.time, "thread_time", lambda: clock["thread"])
     monkeypatch.setattr(cpu_threads.time, "process_time", lambda: clock["process"])
-    monkeypatch.setattr(cpu_threads, "_busy_ticks", lambda cpus: clock["busy"])
+    monkeypatch.setattr(cpu_threads, "_busy_ticks", lambda cpus, **kw: clock["busy"])
     seen: list[int] = []
 
     def tick(engine_s: float, other_cores: float) -> None:
@@ -96,3 +98,20 @@ def test_an_engine_adapts_on_a_cpu_unless_told_not_to(tmp_path: Path) -> None:
     assert Engine(str(model), num_kv_blocks=16, adapt_cpu_threads=False).cpu_threads is None
     with pytest.raises(ValueError, match="adapt_cpu_threads must be true or false"):
         Engine(str(model), adapt_cpu_threads="yes")
+
+
+def test_a_niced_engine_counts_niced_neighbours(monkeypatch) -> None:
+    """An engine of normal priority leaves niced processes out of the busy cores (the scheduler
+    hands it their cores); a niced engine meets them on equal terms and counts them."""
+    seen: list[bool] = []
+
+    def busy(cpus, path="/proc/stat", count_nice=False):  # type: ignore[no-untyped-def]
+        seen.append(count_nice)
+        return 0
+
+    monkeypatch.setattr(cpu_threads, "_busy_ticks", busy)
+    for niced in (False, True):
+        monkeypatch.setattr(cpu_threads, "_niced", lambda niced=niced: niced)
+        ct = CpuThreads(max_threads=2, interval_s=0.0)
+        ct.poll()
+        assert ct.count_nice is niced and seen[-1] is niced
