@@ -20,6 +20,10 @@ DEFAULT_MAX_NUM_SEQS = {"cpu": 128}
 DEFAULT_MAX_NUM_SEQS_ACCELERATOR = 128
 
 
+#: The values of EngineConfig's string options; __post_init__ reads the allowed ones from here.
+Dtype = Literal["auto", "float32", "float16", "bfloat16"]
+Admission = Literal["batch", "fcfs"]
+AttentionBackend = Literal["auto", "sdpa", "flex"]
 #: The packings of EngineConfig.cpu_gemm (engine/cpu/linear.py).
 CpuGemm = Literal["auto", "plain", "onednn", "mkl", "batchd"]
 
@@ -42,7 +46,7 @@ class EngineConfig:
     multiplies bf16 natively (AMX or AVX-512 BF16), float32 on other CPUs.
     """
 
-    dtype: str = "auto"
+    dtype: Dtype = "auto"
     device: str = "auto"
     max_num_seqs: int | None = None
     max_num_batched_tokens: int = 2048
@@ -51,9 +55,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
-    admission: str = "batch"
+    admission: Admission = "batch"
     seed: int = 0
-    attention_backend: str = "auto"
+    attention_backend: AttentionBackend = "auto"
     cuda_graphs: bool = True
     cuda_graph_max_batch: int = 256
     enable_metrics: bool = True  # per-step and per-request histograms (engine/core/stats.py)
@@ -73,9 +77,10 @@ class EngineConfig:
     cpu_gemm: CpuGemm = "auto"
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+        dtypes = get_args(Dtype)
+        if self.dtype not in dtypes:
             raise ValueError(
-                f"dtype must be one of 'auto', 'float32', 'float16', 'bfloat16', got {self.dtype!r}"
+                f"dtype must be one of {', '.join(map(repr, dtypes))}, got {self.dtype!r}"
             )
         if not isinstance(self.device, str) or not self.device:
             raise ValueError(
@@ -100,11 +105,14 @@ class EngineConfig:
             _positive_int("num_kv_blocks", self.num_kv_blocks)
         if self.max_model_len is not None:
             _positive_int("max_model_len", self.max_model_len)
-        if self.admission not in ("batch", "fcfs"):
-            raise ValueError(f"admission must be 'batch' or 'fcfs', got {self.admission!r}")
-        if self.attention_backend not in ("auto", "sdpa", "flex"):
+        if self.admission not in get_args(Admission):
             raise ValueError(
-                f"attention_backend must be 'auto', 'sdpa' or 'flex', got {self.attention_backend!r}"
+                f"admission must be {_either(get_args(Admission))}, got {self.admission!r}"
+            )
+        if self.attention_backend not in get_args(AttentionBackend):
+            raise ValueError(
+                f"attention_backend must be {_either(get_args(AttentionBackend))}, "
+                f"got {self.attention_backend!r}"
             )
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be true or false, got {self.cuda_graphs!r}")
@@ -147,3 +155,9 @@ class EngineConfig:
 def _positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def _either(values: tuple[str, ...]) -> str:
+    """``'a', 'b' or 'c'``: the allowed values of an option, as its error message lists them."""
+    quoted = [repr(v) for v in values]
+    return f"{', '.join(quoted[:-1])} or {quoted[-1]}"
