@@ -17,7 +17,7 @@ from typing import Annotated, Any
 from pydantic import AliasChoices, Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from core.netcheck import AllowList
+from core.security.netcheck import AllowList
 
 CHAT_MODEL_NAME = "smollm2-135m-instruct"
 EMBEDDING_MODEL_NAME = "minilm"
@@ -437,8 +437,8 @@ class Settings(BaseSettings):
     )
     webhook_allowed_hosts: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
-        description="Webhook destinations (core/netcheck.py) are public addresses only, except "
-        "these host names, IP addresses and CIDR ranges (comma-separated), e.g. "
+        description="Webhook destinations (core/security/netcheck.py) are public addresses only, "
+        "except these host names, IP addresses and CIDR ranges (comma-separated), e.g. "
         "`hooks.corp,10.20.0.0/16` for an intranet receiver.",
     )
 

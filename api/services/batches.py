@@ -27,8 +27,8 @@ from core.batches.completion_windows import duration, window_seconds
 from core.batches.ids import batch_id as new_batch_id
 from core.batches.priority import PriorityName, priority_name
 from core.lifecycle import CANCELLABLE, TERMINAL, UNFINISHED, BatchStatus, now, transition
-from core.netcheck import url_problem
 from core.queue import TASK_CANCEL, TASK_VALIDATE, enqueue
+from core.security.netcheck import url_problem
 from core.settings import Settings
 from core.tables import Batch, File
 

@@ -7,7 +7,7 @@ import ipaddress
 
 import pytest
 
-from core.netcheck import (
+from core.security.netcheck import (
     AllowList,
     DestinationRefused,
     address_class,

@@ -1,11 +1,11 @@
-"""Credentials out of another server's text (``core.redaction``): the message stays readable,
-every key, token and key fingerprint in it becomes ``[redacted]``."""
+"""Credentials out of another server's text (``core.security.redaction``): the message stays
+readable, every key, token and key fingerprint in it becomes ``[redacted]``."""
 
 from __future__ import annotations
 
 import pytest
 
-from core.redaction import REDACTED, redact
+from core.security.redaction import REDACTED, redact
 
 SECRETS = {
     # OpenAI's words for a wrong key, whole and masked

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from core.netcheck import AllowList
+from core.security.netcheck import AllowList
 from worker.batches.webhooks import post_pinned
 
 TRICKLE_S = 30.0  # how long the receiver would keep an attempt alive, a byte every 0.2 s

@@ -30,7 +30,8 @@ from sqlalchemy import select, update
 from core import metrics
 from core.db import session_scope, updated
 from core.lifecycle import DeliveryStatus, now, webhook_event_id
-from core.netcheck import (
+from core.queue import TASK_DELIVER_WEBHOOK, TASK_SWEEP_WEBHOOKS, WEBHOOK_QUEUE
+from core.security.netcheck import (
     AllowList,
     DestinationRefused,
     Resolver,
@@ -38,7 +39,6 @@ from core.netcheck import (
     resolve_checked,
     system_resolver,
 )
-from core.queue import TASK_DELIVER_WEBHOOK, TASK_SWEEP_WEBHOOKS, WEBHOOK_QUEUE
 from core.settings import get_settings
 from core.tables import Batch, WebhookDelivery
 from worker.infra import app, send
@@ -138,7 +138,7 @@ def post_pinned(
     allow: AllowList,
     resolver: Resolver = system_resolver,
 ) -> tuple[int, str]:
-    """POST ``body`` to ``url`` at an address checked by :mod:`core.netcheck`: the host is
+    """POST ``body`` to ``url`` at an address checked by :mod:`core.security.netcheck`: the host is
     resolved once, every address is checked, and the connection goes to the checked address
     (the ``Host`` header and TLS server name stay the URL's host, so virtual hosts and
     certificates work as usual). No redirect is followed and no proxy from the environment is
@@ -192,7 +192,7 @@ def post_pinned(
 def attempt(delivery_id: str, *, resolver: Resolver = system_resolver) -> float | None:
     """Make one delivery attempt. Returns None when there is nothing more to do (delivered,
     failed for good, or another attempt is under way), else the seconds to wait before the
-    next attempt. A destination the address rule refuses (core.netcheck) fails the delivery
+    next attempt. A destination the address rule refuses (core.security.netcheck) fails the delivery
     for good, without a request."""
     settings = get_settings()
     with session_scope() as session:

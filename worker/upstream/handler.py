@@ -17,7 +17,7 @@ from core.batchfile.request import BatchRequest
 from core.batchfile.results import ChoiceResult, GenerationResult, output_line, request_error_line
 from core.generation import error_for_exception
 from core.llms.specs import UpstreamSpec
-from core.redaction import redact
+from core.security.redaction import redact
 from core.settings import get_settings
 from core.tables import Batch
 from worker.handler import SUBMIT_WAIT_S, Aborted, Line, RequestOutcome
