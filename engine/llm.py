@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.core.engine import Engine
 from engine.core.outputs import RequestError, RequestMetrics, RequestOutput
 from engine.core.sampling_params import SamplingParams
 from engine.text.tokenizer import chat_prompt_ids
 
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
+
 Prompt = str | list[int]
+Conversation = list[dict]
 
 
 class LLM:
@@ -33,9 +37,7 @@ class LLM:
         the others still run. ``cache_salt``: these prompts share cached prefix blocks only
         with prompts generated under the same salt.
         """
-        if isinstance(prompts, str) or (prompts and all(isinstance(t, int) for t in prompts)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        prompts = [prompts] if _one_prompt(prompts) else list(prompts)
         if params is None:
             params = SamplingParams()
         if isinstance(params, SamplingParams):
@@ -71,9 +73,9 @@ class LLM:
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
-                    i = index.get(out.request_id)
-                    if i is not None:
-                        results[i] = out
+                    slot = index.get(out.request_id)
+                    if slot is not None:
+                        results[slot] = out
                         if bar is not None:
                             bar.update(1)
         finally:
@@ -83,13 +85,23 @@ class LLM:
 
     def chat(
         self,
-        conversations: list[list[dict]] | list[dict],
+        conversations: list[Conversation] | Conversation,
         params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
         cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         """Generate the assistant's reply to each conversation (chat template applied)."""
-        if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]  # type: ignore[list-item]
-        prompts = [chat_prompt_ids(self.tokenizer, conv) for conv in conversations]  # type: ignore[arg-type]
+        if _one_conversation(conversations):
+            conversations = [conversations]
+        prompts: list[Prompt] = [chat_prompt_ids(self.tokenizer, c) for c in conversations]
         return self.generate(prompts, params, use_tqdm=use_tqdm, cache_salt=cache_salt)
+
+
+def _one_prompt(prompts: Prompt | list[Prompt]) -> TypeIs[Prompt]:
+    """One prompt (text, or a non-empty list of token ids), not a list of them."""
+    return isinstance(prompts, str) or (bool(prompts) and all(isinstance(t, int) for t in prompts))
+
+
+def _one_conversation(conversations: list[Conversation] | Conversation) -> TypeIs[Conversation]:
+    """One conversation (a non-empty list of messages), not a list of them."""
+    return bool(conversations) and isinstance(conversations[0], dict)

@@ -133,6 +133,14 @@ class EngineConfig:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 
+    @property
+    def resolved_max_num_seqs(self) -> int:
+        """``max_num_seqs`` as chosen by :meth:`for_device` (or given): the engine's config
+        always has one; a config not yet made for a device has none to give."""
+        if self.max_num_seqs is None:
+            raise ValueError("max_num_seqs is chosen by the device: use for_device() first")
+        return self.max_num_seqs
+
     def for_device(self, device_type: str) -> EngineConfig:
         """This config with the choices left to the device made (``max_num_seqs``)."""
         if self.max_num_seqs is not None:

@@ -66,7 +66,8 @@ class Engine:
         self._stats = EngineStats(kv_blocks_total=self.runner.num_blocks)
         self._grammar: GrammarBackend | None = None  # built by the first structured request
         self.metrics = EngineMetrics() if self.config.enable_metrics else None
-        self.step_cost = StepCostCurve(self.config.max_num_seqs)  # the host's urgent guard reads it
+        # the host's urgent guard reads it
+        self.step_cost = StepCostCurve(self.config.resolved_max_num_seqs)
         self.cpu_threads = (
             CpuThreads(torch.get_num_threads())
             if self.config.adapt_cpu_threads and self.runner.device.type == "cpu"
@@ -242,7 +243,7 @@ class Engine:
                 rows = rows if rows is not None else list(range(len(sample_seqs)))
                 deferred = []
                 for j in range(1, seq.params.n):
-                    if len(self.scheduler.running) < self.config.max_num_seqs:
+                    if len(self.scheduler.running) < self.scheduler.max_num_seqs:
                         seqs.append(self._fork(seq, j))
                         rows.append(i)
                     else:
@@ -258,12 +259,15 @@ class Engine:
         for k, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
             seq.token_ids.append(token)
             if logprobs is not None and seq.logprobs is not None:
-                seq.logprobs.append(logprobs[k])
+                entry = logprobs[k]
+                assert entry is not None  # the sampler makes one for each sequence that asks
+                seq.logprobs.append(entry)
             request = seq.request
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
             params = seq.params
-            reason = stop = None
+            reason: str | None = None
+            stop: str | int | None = None
             # a structured output's value is complete: its grammar allows nothing more
             closed = seq.matcher is not None and self._grammar.advance(seq, token)  # type: ignore[union-attr]
             # below min_tokens nothing stops the completion (the sampler masks the stop ids)
@@ -273,6 +277,7 @@ class Engine:
             elif not early and params.stop_token_ids and token in params.stop_token_ids:
                 reason, stop = "stop", token
             elif params.stop:
+                assert not isinstance(params.stop, str)  # SamplingParams made it a list
                 delta = detokenize_step(self.tokenizer, seq)
                 if delta and not early:
                     hit = find_stop(seq.text, len(delta), params.stop)

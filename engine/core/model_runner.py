@@ -183,7 +183,7 @@ class ModelRunner:
                 self.model,
                 num_tokens=cfg.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
-                num_sampled=cfg.max_num_seqs,
+                num_sampled=cfg.resolved_max_num_seqs,
                 device=self.device,
             )
             free, _ = torch.cuda.mem_get_info(self.device)
@@ -207,7 +207,7 @@ class ModelRunner:
             bytes_per_block=self.bytes_per_block,
             block_size=self.block_size,
             max_model_len=self.max_model_len,
-            max_num_seqs=cfg.max_num_seqs,
+            max_num_seqs=cfg.resolved_max_num_seqs,
             describe=describe,
         )
 

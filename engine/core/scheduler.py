@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 
 from engine.core.block_manager import BlockManager
 from engine.core.config import EngineConfig
@@ -123,7 +123,9 @@ class WaitingQueue:
         items += [(seq, epoch) for seq, epoch in self.preempted if is_urgent(seq.priority)]
         return sum(1 for seq, epoch in items if _valid(seq, epoch))
 
-    def candidates(self, hot_buckets: dict[object, int]) -> Iterator[tuple[Sequence, bool]]:
+    def candidates(
+        self, hot_buckets: dict[object, int]
+    ) -> Generator[tuple[Sequence, bool], None, None]:
         """Waiting sequences in admission order, as (sequence, was_preempted)."""
         self._walking += 1
         try:
@@ -196,6 +198,7 @@ class Scheduler:
         self.config = config
         self.bm = block_manager
         self.block_size = config.block_size
+        self.max_num_seqs = config.resolved_max_num_seqs
         self.waiting = WaitingQueue(config.admission, config.block_size)
         self.running: list[Sequence] = []
         self.hot_buckets: dict[object, int] = {}  # bucket -> number of running members
@@ -249,7 +252,7 @@ class Scheduler:
                 scheduled.append((seq, n))
                 budget -= n
                 i += 1
-        if preempted or budget == 0 or len(running) >= self.config.max_num_seqs:
+        if preempted or budget == 0 or len(running) >= self.max_num_seqs:
             return scheduled
         self._admit(scheduled, budget)
         return scheduled
@@ -257,7 +260,7 @@ class Scheduler:
     def _admit(self, scheduled: list[tuple[Sequence, int]], budget: int) -> None:
         bm, bs = self.bm, self.block_size
         caching = bm.enable_prefix_caching
-        pending: set[int] = set()
+        pending: set[bytes] = set()
         if caching:
             for seq in self.running:
                 if seq.num_computed_tokens < len(seq) - 1:
@@ -267,7 +270,7 @@ class Scheduler:
         candidates = self.waiting.candidates(self.hot_buckets)
         try:
             for seq, was_preempted in candidates:
-                if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                if budget == 0 or len(self.running) >= self.max_num_seqs:
                     break
                 if self.urgent_waiting and not is_urgent(seq.priority):
                     continue  # urgent work first, preempted bulk included
@@ -318,9 +321,7 @@ class Scheduler:
         """Keep ``reservation``'s sequence slots and tokens of each step's budget for urgent
         work, capped to what this engine has: the rule, lent while no urgent work waits, is
         ``engine.core.urgent.UrgentReservation``; this scheduler carries it out."""
-        self.reservation = reservation.capped(
-            self.config.max_num_seqs, self.config.max_num_batched_tokens
-        )
+        self.reservation = reservation.capped(self.max_num_seqs, self.config.max_num_batched_tokens)
 
     def _make_room_for_urgent(self) -> int:
         """Apply the reservation for this step: preempt the sequences it names, and return
@@ -333,7 +334,7 @@ class Scheduler:
         if not reservation.applies(waiting):
             return 0
         self.urgent_waiting = True
-        for victim in reservation.victims(self.running, waiting, self.config.max_num_seqs):
+        for victim in reservation.victims(self.running, waiting, self.max_num_seqs):
             self.preempt(victim)
         return reservation.tokens
 

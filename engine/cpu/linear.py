@@ -26,6 +26,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -220,7 +221,7 @@ def choose_packing(layer: torch.nn.Linear, rows: int, forced: str, compiled: boo
 
 
 @contextlib.contextmanager
-def _locked(path: Path):  # type: ignore[no-untyped-def]
+def _locked(path: Path) -> Iterator[None]:
     """An exclusive lock on ``path``'s lock file for the block (none where it cannot be had)."""
     try:
         fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)

@@ -143,7 +143,8 @@ class EmbeddingHost:
                 self._work.wait()
             if not self._pending:
                 return None
-            taken, tokens = [], 0
+            taken: list[_Entry] = []
+            tokens = 0
             while self._pending and (
                 not taken or tokens + self._pending[0].tokens <= self.round_tokens
             ):

@@ -28,7 +28,7 @@ class FusedLinear(torch.nn.Module):
         with torch.no_grad():
             self.linear.weight.copy_(weight)
             if self.linear.bias is not None:
-                self.linear.bias.copy_(torch.cat([b.detach() for b in biases]))  # type: ignore[misc]
+                self.linear.bias.copy_(torch.cat([b.detach() for b in biases]))
         ends = torch.tensor([layer.out_features for layer in layers]).cumsum(0).tolist()
         self.bounds = list(zip([0, *ends[:-1]], ends, strict=True))
         self._input: torch.Tensor | None = None
@@ -67,8 +67,9 @@ def fuse_projections(model: torch.nn.Module) -> int:
     fused = 0
     for parent in list(model.modules()):
         for names in SIBLINGS:
-            layers = [getattr(parent, name, None) for name in names]
-            if not all(type(layer) is torch.nn.Linear for layer in layers):
+            found = [getattr(parent, name, None) for name in names]
+            layers: list[torch.nn.Linear] = [f for f in found if type(f) is torch.nn.Linear]
+            if len(layers) < len(names):
                 continue
             if len({(lay.in_features, lay.bias is None, lay.weight.dtype) for lay in layers}) > 1:
                 continue

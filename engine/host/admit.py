@@ -48,7 +48,7 @@ class Admission:
             )
         if aging_s is not None and aging_s <= 0:
             raise ValueError(f"aging_s must be positive (or None for no aging), got {aging_s}")
-        self.pending = FairQueue(aging_s)
+        self.pending: FairQueue[Entry] = FairQueue(aging_s)
         self.max_pending = max_pending
         self.group_window = group_window
         self.max_num_seqs = max_num_seqs

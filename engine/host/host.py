@@ -85,7 +85,7 @@ class EngineHost:
         name: str = "engine-host",
     ) -> None:
         config = engine.config
-        max_num_seqs = int(config.max_num_seqs)
+        max_num_seqs = config.resolved_max_num_seqs
         if max_pending is None:
             max_pending = 2 * max_num_seqs
         if engine_backlog is None:
@@ -444,8 +444,8 @@ class EngineHost:
                 for entry, _ in failures:
                     self._live.forget(entry)
                 self._counters.failed += count_requests(e for e, _ in failures)
-            for entry, exc in failures:
-                fail(entry.future, exc)
+            for entry, error in failures:
+                fail(entry.future, error)
 
     def _apply_aborts(self, to_abort: list[Entry], in_flight: dict[str, Entry]) -> None:
         """Abort in the engine now (its KV blocks are freed at once). The engine reports each
@@ -479,9 +479,9 @@ class EngineHost:
                 except Exception:
                     logger.exception("aborting request %s after a failed step", entry.request_id)
             # Requests already being aborted resolve as aborts; the rest carry the error.
-            aborted = [e for e in entries if e.abort_requested]
+            aborting = [e for e in entries if e.abort_requested]
             failed = [e for e in entries if not e.abort_requested]
-            self._finish([(e, abort_output(e)) for e in aborted], aborted=count_requests(aborted))
+            self._finish([(e, abort_output(e)) for e in aborting], aborted=count_requests(aborting))
             with self._lock:
                 for entry in failed:
                     self._live.forget(entry)
@@ -494,11 +494,11 @@ class EngineHost:
         finished: list[tuple[Entry, RequestOutput]] = []
         aborted = 0
         for output in outputs:
-            entry = in_flight.pop(output.request_id, None)
-            if entry is None:
+            done = in_flight.pop(output.request_id, None)
+            if done is None:
                 continue
-            finished.append((entry, output))
-            if entry.fanout is None and any(c.finish_reason == "abort" for c in output.outputs):
+            finished.append((done, output))
+            if done.fanout is None and any(c.finish_reason == "abort" for c in output.outputs):
                 aborted += 1
         self._finish(finished, aborted=aborted)
         if in_flight and not outputs and not self._engine.has_unfinished_requests():

@@ -68,13 +68,13 @@ class SimEngine:
         if lengths not in LENGTHS:
             raise ValueError(f"lengths must be one of {', '.join(LENGTHS)}, got {lengths!r}")
         given = EngineConfig.from_kwargs(**config)
+        max_num_seqs = given.max_num_seqs or DEFAULT_MAX_NUM_SEQS_ACCELERATOR
+        max_model_len = given.max_model_len or DEFAULT_MAX_MODEL_LEN
         self.config = dataclasses.replace(
-            given,
-            max_num_seqs=given.max_num_seqs or DEFAULT_MAX_NUM_SEQS_ACCELERATOR,
-            max_model_len=given.max_model_len or DEFAULT_MAX_MODEL_LEN,
+            given, max_num_seqs=max_num_seqs, max_model_len=max_model_len
         )
-        if self.config.max_model_len < 2:  # type: ignore[operator]
-            raise ValueError(f"max_model_len must be at least 2, got {self.config.max_model_len}")
+        if max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {max_model_len}")
         if isinstance(tokenizer, str):
             from engine.text.tokenizer import load_tokenizer
 
@@ -83,9 +83,8 @@ class SimEngine:
         self.tokens_per_s = float(tokens_per_s)
         self.ttft_ms = float(ttft_ms)
         self.lengths = lengths
-        self.max_model_len = int(self.config.max_model_len)  # type: ignore[arg-type]
+        self.max_model_len = max_model_len
         self.vocab_size = len(tokenizer)
-        max_num_seqs = int(self.config.max_num_seqs)  # type: ignore[arg-type]
         self.scheduler = SimScheduler(max_num_seqs)
         self.metrics = EngineMetrics() if self.config.enable_metrics else None
         self.step_cost = StepCostCurve(max_num_seqs)  # flat: the host's urgent guard holds none

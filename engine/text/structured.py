@@ -14,14 +14,17 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from time import perf_counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # typed in the stub only, not exported
 
 log = logging.getLogger("engine")
 
 # JSON compiler options: compact output (see the module docstring).
-JSON_OPTIONS = {"whitespace_flexible": False}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 
 
 def grammar_for(schema: dict[str, Any]) -> str:
