@@ -37,11 +37,12 @@ def exit_code_for_batch(batch: dict) -> ExitCode:
     if status == BatchStatus.COMPLETED:
         counts = batch.get("request_counts") or {}
         return ExitCode.COMPLETED_WITH_FAILURES if counts.get("failed") else ExitCode.OK
-    return {
+    codes: dict[str | None, ExitCode] = {
         BatchStatus.FAILED: ExitCode.FAILED,
         BatchStatus.EXPIRED: ExitCode.EXPIRED,
         BatchStatus.CANCELLED: ExitCode.CANCELLED,
-    }.get(status, ExitCode.ERROR)
+    }
+    return codes.get(status, ExitCode.ERROR)
 
 
 def exit_codes_help() -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 
 def resolve_models(
@@ -55,7 +56,7 @@ def describe(name: str, spec: str, path: str) -> str:
         return f"model {name!r}: {specs.upstream_spec(spec, name).describe()}"
     if path == spec:
         return f"model {name!r}: {spec}"
-    info = gguf.conversion_info(path)
+    info = gguf.conversion_info(Path(path))
     if info is None:
         return f"model {name!r}: {spec} ({path})"
     return (
@@ -68,8 +69,6 @@ def local_model_dir(model: str, say: Callable[[str], None] | None = None) -> str
     """The model directory ``model`` names for an engine in this process (``batchd run``): a
     local directory, a GGUF file (converted once, cached), a spec (``demo:``, ``gguf:``,
     ``pkg:``) or a name ``BATCHD_MODELS`` serves."""
-    from pathlib import Path
-
     from core.llms import specs
     from core.settings import get_settings
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs batchd with its test dependencies into .venv, makes sure Postgres and Redis are
 # running on 127.0.0.1 and Debian's chromium and chromium-driver are installed (the dashboard's
-# browser test), checks lint and formatting (ruff) and the types of core, api and worker (mypy,
-# configured in pyproject.toml), and runs the whole test suite on two pytest-xdist workers.
+# browser test), checks lint and formatting (ruff) and the types of core, api, worker, engine
+# and cli (mypy, configured in pyproject.toml), and runs the whole test suite on two
+# pytest-xdist workers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_services.sh

@@ -383,10 +383,10 @@ def report(
             key = (b, rec["shard"])
             first_by_shard[key] = min(first_by_shard.get(key, sub), sub)
     batch_queue = [
-        t - by_batch[b].created for b, t in first_by_batch.items() if by_batch[b].created
+        t - created for b, t in first_by_batch.items() if (created := by_batch[b].created)
     ]
     shard_queue = [
-        t - by_batch[b].created for (b, _), t in first_by_shard.items() if by_batch[b].created
+        t - created for (b, _), t in first_by_shard.items() if (created := by_batch[b].created)
     ]
     job_e2e = [r.downloaded - r.arrival for r in runs if r.downloaded and r.status in TERMINAL]
     series = _engine_series(sampler.samples)

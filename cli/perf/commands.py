@@ -243,7 +243,8 @@ def tune(
 
     tok = load_tokenizer(model_dir)
     config = AutoConfig.from_pretrained(model_dir)
-    limit = int(base.get("max_model_len") or getattr(config, "max_position_embeddings", 2048))
+    given_len = base.get("max_model_len")
+    limit = int(given_len) if given_len else int(getattr(config, "max_position_embeddings", 2048))
     try:
         if workload is not None:
             shapes = jsonl_workload(workload, tok, max_model_len=limit)
@@ -470,12 +471,12 @@ def bench(
     pngs = bench_output.plots(data, out, title)
     typer.echo(bench_output.table(data))
     say(f"wrote {report_path}, {', '.join(str(p) for p in pngs)}")
-    jobs = data["counts"]["jobs"]
-    if not jobs["completed"]:
+    job_counts = data["counts"]["jobs"]
+    if not job_counts["completed"]:
         # Nothing was measured: a pipeline that runs the benchmark must not read it as a pass.
         say(
-            f"error: none of the {jobs['submitted']} jobs completed ({jobs['rejected']} "
-            f"rejected; see {report_path})"
+            f"error: none of the {job_counts['submitted']} jobs completed "
+            f"({job_counts['rejected']} rejected; see {report_path})"
         )
         raise typer.Exit(int(ExitCode.ERROR))
 

@@ -172,7 +172,12 @@ class EmbeddedService(Procs):
             "BATCHD_WORKER_SHARD_CONCURRENCY": str(self.shard_concurrency),
             **self.env_overrides,
         }
-        return service_env(self.root, self.database_url, self.broker_url, self.models, **settings)
+        # Over the service's environment, not through service_env's keywords: a setting named
+        # like one of its parameters ("base") would be taken for it.
+        return {
+            **service_env(self.root, self.database_url, self.broker_url, self.models),
+            **settings,
+        }
 
     def launch(self, tenants: list[str], timeout: float = 300.0) -> EmbeddedService:
         """Migrate the database, create one key per tenant, start the processes and wait

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.batchfile.request import max_tokens_field
+from core.batchfile.request import RequestKind, max_tokens_field
 
 # The synthetic workload's lengths unless told otherwise (a long tail, as real traffic has).
 DEFAULT_INPUT_LEN = "lognormal:128:0.8"
@@ -323,7 +323,7 @@ def request_shape(
             ids = tokenizer.encode(prompt if isinstance(prompt, str) else prompt[0])
     else:
         return None
-    kind = "chat" if "messages" in body else "completion"
+    kind: RequestKind = "chat" if "messages" in body else "completion"
     out = body.get(max_tokens_field(kind, body)) or default_max_tokens
     out = max(1, min(int(out), max_model_len - 1))
     return list(ids)[-(max_model_len - out) :] or [0], out

@@ -76,7 +76,7 @@ class BatchRunner:
         self.context = int(engine.max_model_len)
         self.vocab_size = len(self.tok)
         self.report = report
-        max_num_seqs = int(engine.config.max_num_seqs)
+        max_num_seqs = engine.config.resolved_max_num_seqs
         self.window = options.window or max(4 * max_num_seqs, 64)
         self.slots: deque[_Slot] = deque()
         self.by_request: dict[str, _Slot] = {}
@@ -102,8 +102,8 @@ class BatchRunner:
             return slot
         first = self.report.duplicates.get(req.custom_id)
         if first is not None and first != raw.line:
-            err = duplicate_error(raw.line, req.custom_id, first)
-            slot.record = error_record(req.custom_id, err.code, err.message, param=err.param)
+            dup = duplicate_error(raw.line, req.custom_id, first)
+            slot.record = error_record(req.custom_id, dup.code, dup.message, param=dup.param)
             return slot
         slot.req = req
         try:
@@ -184,9 +184,9 @@ class BatchRunner:
                     f"the engine holds no request but line {self.slots[0].line} has no result"
                 )
             for output in self.engine.step():
-                slot = self.by_request.pop(output.request_id, None)
-                if slot is not None:
-                    slot.output = output
+                waiting = self.by_request.pop(output.request_id, None)
+                if waiting is not None:
+                    waiting.output = output
 
 
 class _Bar:
