@@ -43,6 +43,26 @@ LATE_IMPORTS = {
 }
 
 
+# The engine's rooms, lowest first: a room imports only rooms before it, at any depth
+# (imports inside functions too). The compiled kernels, the thread governor and the text
+# helpers at the bottom; the attention backends over the kernels; the CPU forward over both;
+# the step loop over all of them; the host, embeddings, the simulated engine and the offline
+# LLM over the step loop; the package's public names last.
+ENGINE_ROOMS = (
+    "text",  # tokenizers, chat prompts, stop strings, grammars
+    "threads",  # the intra-op team that follows free cores
+    "cpu",  # the compiled kernels, their loader and ABI, the GEMM choice
+    "attention",  # paged attention and its CPU and CUDA backends
+    "forward",  # fused projections and the lean Llama forward
+    "core",  # the step: config, sequences, blocks, scheduler, runner, sampler
+    "host",  # who runs next: the thread-safe host and its fair queue
+    "embedding",  # embedding models
+    "sim",  # the simulated engine
+    "llm",  # the offline LLM
+    "__init__",  # the package's public names
+)
+
+
 def _sources(*packages: str) -> list[Path]:
     return sorted(p for package in packages for p in (ROOT / package).rglob("*.py"))
 
@@ -63,10 +83,14 @@ def _imported(tree: ast.Module) -> list[str]:
 
 
 def _worker_imports(path: Path, tree: ast.Module) -> list[tuple[int, str, bool]]:
-    """``(line, module, in a function)`` for each module of ``worker`` that an import statement
-    of the file at ``path`` names: ``from worker import events`` names ``worker.events``, a
-    relative import the module it resolves to. An import in a class body or under ``if
-    TYPE_CHECKING:`` is at module level."""
+    return _package_imports(path, tree, "worker")
+
+
+def _package_imports(path: Path, tree: ast.Module, top: str) -> list[tuple[int, str, bool]]:
+    """``(line, module, in a function)`` for each module of package ``top`` that an import
+    statement of the file at ``path`` names: ``from worker import events`` names
+    ``worker.events``, a relative import the module it resolves to. An import in a class body
+    or under ``if TYPE_CHECKING:`` is at module level."""
     package = path.relative_to(ROOT).with_suffix("").parts[:-1]
     found: list[tuple[int, str, bool]] = []
 
@@ -79,12 +103,12 @@ def _worker_imports(path: Path, tree: ast.Module) -> list[tuple[int, str, bool]]
                 base = list(package[: len(package) - child.level + 1]) if child.level else []
                 module = ".".join([*base, *(child.module or "").split(".")]).strip(".")
                 names = [module]
-                if module == "worker" or child.module is None:
+                if module == top or child.module is None:
                     names = [f"{module}.{alias.name}" for alias in child.names]
             found.extend(
                 (child.lineno, name, in_function)
                 for name in names
-                if name.split(".")[0] == "worker" and "." in name
+                if name.split(".")[0] == top and "." in name
             )
             visit(child, in_function or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef))
 
@@ -239,6 +263,25 @@ def test_the_rooms_of_the_worker_import_only_the_rooms_below_them() -> None:
     unnamed = [what for key, what in late.items() if key not in LATE_IMPORTS]
     assert unnamed == [], "an import in a function reaches up: move it down, or say why"
     assert sorted(set(LATE_IMPORTS) - set(late)) == [], "LATE_IMPORTS names an import gone"
+
+
+def test_the_rooms_of_the_engine_import_only_the_rooms_below_them() -> None:
+    """Imports between the engine's rooms point one way, down ``ENGINE_ROOMS``, inside
+    functions too: what two rooms share lives below both (a sequence's detokenizing in the
+    core, not in ``text``; the CUDA graphs of the step in the core, not in ``attention``)."""
+    rooms = set()
+    upward = []
+    for path in _sources("engine"):
+        inside = path.relative_to(ROOT / "engine")
+        own = inside.parts[0] if len(inside.parts) > 1 else inside.stem
+        rooms.add(own)
+        rank = ENGINE_ROOMS.index(own) if own in ENGINE_ROOMS else -1
+        for line, module, _ in _package_imports(path, _tree(path), "engine"):
+            room = module.split(".")[1]
+            if room != own and (room not in ENGINE_ROOMS or ENGINE_ROOMS.index(room) > rank):
+                upward.append(f"{path.relative_to(ROOT)}:{line} imports {module}")
+    assert sorted(rooms ^ set(ENGINE_ROOMS)) == [], "place each room of engine in ENGINE_ROOMS"
+    assert upward == [], "move what both rooms use into a room below them"
 
 
 def test_the_scans_see_what_they_look_for() -> None:
