@@ -24,13 +24,13 @@ from api.limits import (
     retry_after_header,
 )
 from api.local import local_only
-from core.auth import hash_key, lookup, lookup_hash
 from core.batches.priority import Priority
-from core.db import new_session
+from core.database.auth import hash_key, lookup, lookup_hash
+from core.database.sessions import new_session
+from core.database.tables import ApiKey
 from core.settings import Settings
 from core.storage import open_storage
 from core.storage.base import Storage
-from core.tables import ApiKey
 
 T = TypeVar("T")
 

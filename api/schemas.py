@@ -13,12 +13,12 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema, field_validator
 
 from api.errors import invalid_request
-from core.auth import MAX_WEBHOOK_URL_CHARS, is_text, webhook_url_problem
 from core.batches.completion_windows import WINDOW, window_seconds
 from core.batches.priority import PriorityName, priority_name
 from core.batches.retry import MAX_LINE_ITEMS
-from core.lifecycle import BatchStatus
-from core.tables import Batch, File
+from core.database.auth import MAX_WEBHOOK_URL_CHARS, is_text, webhook_url_problem
+from core.database.lifecycle import BatchStatus
+from core.database.tables import Batch, File
 
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY_CHARS = 64

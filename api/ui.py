@@ -40,7 +40,7 @@ from api.errors import APIError
 from api.limits import auth_enabled, retry_after_header
 from api.local import local_only
 from api.services.dashboard import DashboardPoller, dashboard_data, end_session, start_session
-from core.auth import ui_session_key
+from core.database.auth import ui_session_key
 from core.settings import Settings
 
 SESSION_COOKIE = "batchd_ui_session"

@@ -55,9 +55,9 @@ def seed_batches(database_url: str, tenant: str, count: int) -> list[str]:
     """``count`` batches of ``tenant`` in assorted statuses (rows as the service writes
     them), newest last; returns their ids."""
     from core.batches import ids
-    from core.db import session_scope
-    from core.lifecycle import now
-    from core.tables import Batch, File
+    from core.database.lifecycle import now
+    from core.database.sessions import session_scope
+    from core.database.tables import Batch, File
 
     statuses = ("in_progress", "completed", "validating", "finalizing", "failed")
     made: list[str] = []
@@ -81,8 +81,8 @@ def seed_batches(database_url: str, tenant: str, count: int) -> list[str]:
 
 
 def stored_key(database_url: str, tenant: str) -> str:
-    from core import auth
-    from core.db import session_scope
+    from core.database import auth
+    from core.database.sessions import session_scope
 
     with session_scope(database_url) as session:
         _row, plaintext = auth.create_key(session, tenant, "api capacity benchmark")

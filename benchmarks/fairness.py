@@ -259,8 +259,8 @@ def contended(
 def tenant_key(database_url: str, tenant: str) -> str:
     """A new API key of ``tenant``, written to the database directly (like ``batchd keys``),
     that may create batches of any priority."""
-    from core.auth import create_key
-    from core.db import session_scope
+    from core.database.auth import create_key
+    from core.database.sessions import session_scope
 
     with session_scope(database_url) as session:
         _row, plaintext = create_key(session, tenant, "bench", max_priority="high")

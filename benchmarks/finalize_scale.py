@@ -53,7 +53,7 @@ def status_kb(key):
         if line.startswith(key + ":"):
             return int(line.split()[1])
 from worker.batches.finalize import finalize
-from core.db import session_scope
+from core.database.sessions import session_scope
 from sqlalchemy import text
 with session_scope() as session:  # connect first: the pool is not the finalize's cost
     session.execute(text("select 1"))
@@ -139,11 +139,11 @@ def build_job(
     ``args.unfinished``, a ``cancelling`` batch instead, each shard stopped with that share
     of its lines (its last chunks' worth) never run."""
     from core.batches import ids
-    from core.db import session_scope
-    from core.lifecycle import BatchStatus, ShardStatus, now
-    from core.results_log import ChunkRecord, log_chunk, write_chunk
+    from core.database.lifecycle import BatchStatus, ShardStatus, now
+    from core.database.results_log import ChunkRecord, log_chunk, write_chunk
+    from core.database.sessions import session_scope
+    from core.database.tables import Batch, File, Shard
     from core.storage.local import LocalStorage
-    from core.tables import Batch, File, Shard
     from worker.shards.checkpoints import chunk_key
 
     rng = random.Random(lines)
@@ -213,8 +213,8 @@ def check_files(database_url: str, storage_root: Path, batch_id: str, lines: int
                 errors: int, want: str) -> float:  # fmt: skip
     """The batch completed with every line in its output or error file, in input order;
     returns the output file's mean line size in bytes."""
-    from core.db import session_scope
-    from core.tables import Batch, File
+    from core.database.sessions import session_scope
+    from core.database.tables import Batch, File
 
     with session_scope(database_url) as session:
         batch = session.get(Batch, batch_id)

@@ -216,8 +216,8 @@ class EngineShardSampler:
             return {}
         from sqlalchemy import func, select
 
-        from core.db import session_scope
-        from core.tables import Shard
+        from core.database.sessions import session_scope
+        from core.database.tables import Shard
 
         with session_scope(self.database_url) as session:
             rows = session.execute(

@@ -29,7 +29,7 @@ keys_app = typer.Typer(
 
 @contextmanager
 def _session() -> Iterator[Session]:
-    from core.db import session_scope
+    from core.database.sessions import session_scope
     from core.settings import get_settings
 
     url = get_settings().database_url
@@ -84,8 +84,8 @@ def create(
     ] = None,
 ) -> None:
     """Create a key and print it (once: only its hash is stored) with its webhook secret."""
-    from core.auth import create_key, webhook_url_problem
     from core.batches.completion_windows import window_seconds
+    from core.database.auth import create_key, webhook_url_problem
 
     if webhook_url is not None and (problem := webhook_url_problem(webhook_url)):
         typer.echo(f"error: --webhook-url {problem}", err=True)
@@ -139,7 +139,7 @@ def list_(
     from rich.console import Console
     from rich.table import Table
 
-    from core.auth import list_keys
+    from core.database.auth import list_keys
 
     with _session() as session:
         rows = list_keys(session, tenant)
@@ -163,7 +163,7 @@ def list_(
 @keys_app.command("revoke")
 def revoke(key_id: Annotated[str, typer.Argument(help="The key's id (see `keys list`).")]) -> None:
     """Revoke a key: requests with it are refused from now on."""
-    from core.auth import revoke_key
+    from core.database.auth import revoke_key
 
     with _session() as session:
         row = revoke_key(session, key_id)

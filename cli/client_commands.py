@@ -31,7 +31,7 @@ from cli.options import ApiKeyOpt, BaseUrlOpt, BatchIdArg, JsonOpt, PollOpt, Tim
 from cli.waiting import announce_and_wait, finish_wait, wait_for_batch
 from core.batchfile.reader import file_endpoint
 from core.batchfile.request import CHAT_URL, LineError
-from core.lifecycle import BatchStatus
+from core.database.lifecycle import BatchStatus
 
 
 def _parse_metadata(items: list[str] | None) -> dict[str, str]:

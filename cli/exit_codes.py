@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from enum import IntEnum
 
-from core.lifecycle import TERMINAL, BatchStatus
+from core.database.lifecycle import TERMINAL, BatchStatus
 
 
 class ExitCode(IntEnum):

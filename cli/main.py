@@ -56,8 +56,8 @@ def _main(
 def development_key(settings) -> str | None:
     """The key ``batchd up`` prints: created once for tenant "default" and kept (mode 0600) in
     ``BATCHD_HOME/dev-key``, so restarts print the same key instead of minting new ones."""
-    from core import auth
-    from core.db import session_scope
+    from core.database import auth
+    from core.database.sessions import session_scope
 
     path = settings.home / "dev-key"
     with session_scope(settings.database_url) as session:

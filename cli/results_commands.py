@@ -20,7 +20,7 @@ from cli.exit_codes import exit_codes_help
 from cli.options import ApiKeyOpt, BaseUrlOpt, BatchIdArg, JsonOpt, PollOpt, TimeoutOpt
 from cli.waiting import announce_and_wait, finish_wait, wait_for_batch
 from core.batches.retry import RETRY_KINDS
-from core.results_log import MAX_PAGE
+from core.database.results_log import MAX_PAGE
 
 # ------------------------------------------------------------------------------ results
 

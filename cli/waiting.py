@@ -13,7 +13,7 @@ from cli.client import BatchdClient, ServerUnreachable
 from cli.console import batch_errors, counts, error_text, escape, print_json, stderr
 from cli.exit_codes import TERMINAL_STATUSES, ExitCode, exit_code_for_batch
 from cli.progress import requests_progress
-from core.lifecycle import BatchStatus
+from core.database.lifecycle import BatchStatus
 
 # How long polling tolerates a server that stopped answering after it answered once (an API
 # restart should not fail a pipeline that waits for hours); the first call never retries.

@@ -111,8 +111,8 @@ def pending_shards() -> ColumnElement[bool]:
     ``pending`` (not released yet, or released to the model's queue) or ``running``."""
     from sqlalchemy import and_
 
-    from core.lifecycle import BatchStatus, ShardStatus
-    from core.tables import Batch, Shard
+    from core.database.lifecycle import BatchStatus, ShardStatus
+    from core.database.tables import Batch, Shard
 
     return and_(
         Batch.status == BatchStatus.IN_PROGRESS,
@@ -125,7 +125,7 @@ def remaining_tokens() -> ColumnElement[Any]:
     its requests whose results are committed."""
     from sqlalchemy import case
 
-    from core.tables import Shard
+    from core.database.tables import Shard
 
     left = Shard.est_tokens * (Shard.num_requests - Shard.done_requests) / Shard.num_requests
     return case((Shard.num_requests > 0, left), else_=0)
@@ -136,7 +136,7 @@ def pending_tokens_query(model: str) -> Select[int]:
     over its states), rounded up to a whole token, 0 when nothing waits."""
     from sqlalchemy import BigInteger, cast, func, select
 
-    from core.tables import Batch, Shard
+    from core.database.tables import Batch, Shard
 
     total = func.ceil(func.coalesce(func.sum(remaining_tokens()), 0))
     return (
@@ -179,8 +179,8 @@ class ServiceCollector(Collector):
     def collect(self) -> Iterator[Any]:
         from sqlalchemy import case, func, select
 
-        from core.db import session_scope
-        from core.tables import Batch, Shard
+        from core.database.sessions import session_scope
+        from core.database.tables import Batch, Shard
 
         batches = GaugeMetricFamily("batchd_batches", "Batches by status", labels=["status"])
         shards = GaugeMetricFamily(

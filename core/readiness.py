@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from sqlalchemy import text
 
-from core.db import get_engine
+from core.database.sessions import get_engine
 from core.queue import SOCKET_CONNECT_TIMEOUT_S, redis_socket_options
 from core.storage.base import Storage
 

@@ -6,8 +6,8 @@ from logging.config import fileConfig
 from alembic import context
 from sqlalchemy import engine_from_config, pool
 
+from core.database.tables import Base
 from core.settings import Settings
-from core.tables import Base
 
 config = context.config
 if config.config_file_name is not None and config.attributes.get("configure_logger", True):

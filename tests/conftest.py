@@ -86,7 +86,7 @@ def pg_url() -> Iterator[str]:
     try:
         yield url
     finally:
-        from core.db import get_engine
+        from core.database.sessions import get_engine
 
         for engine_url in (url, None):
             with contextlib.suppress(Exception):

@@ -11,10 +11,10 @@ import logging
 
 from sqlalchemy import select
 
-from core.db import session_scope
-from core.lifecycle import EVENT_TYPES, DeliveryStatus, record_webhook_event
+from core.database.lifecycle import EVENT_TYPES, DeliveryStatus, record_webhook_event
+from core.database.sessions import session_scope
+from core.database.tables import Batch, WebhookDelivery
 from core.queue import TASK_DELIVER_WEBHOOK, WEBHOOK_QUEUE
-from core.tables import Batch, WebhookDelivery
 from worker.infra import send
 
 logger = logging.getLogger(__name__)
@@ -24,7 +24,7 @@ def notify(batch_id: str, status: str) -> str | None:
     """Enqueue the delivery of the event of ``batch_id`` having ended in ``status``; call after
     the terminal transition commits (which recorded the event in the outbox, see
     :mod:`worker.batches.webhooks`). Returns the delivery id, or None when there is nothing to
-    send. A batch ended without :func:`core.lifecycle.transition` (a tool, a test) has its
+    send. A batch ended without :func:`core.database.lifecycle.transition` (a tool, a test) has its
     event recorded here first.
     Never raises: a webhook problem must not undo or fail the transition, and the sweep
     enqueues what this could not."""

@@ -16,7 +16,7 @@ from api.routes.common import error_responses
 from api.schemas import BatchPublic, ResultPage, RetryCreate
 from api.services.results import result_page
 from api.services.retries import retry_batch
-from core.results_log import DEFAULT_PAGE, MAX_PAGE
+from core.database.results_log import DEFAULT_PAGE, MAX_PAGE
 
 router = APIRouter(prefix="/batches", tags=["batches"])
 

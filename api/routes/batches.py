@@ -19,7 +19,7 @@ from api.schemas import (
     BatchPublic,
 )
 from api.services import batches
-from core.tables import Batch
+from core.database.tables import Batch
 
 router = APIRouter(prefix="/batches", tags=["batches"])
 

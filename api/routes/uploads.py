@@ -16,10 +16,10 @@ from api.schemas import FilePublic, unix
 from api.services import uploads
 from api.uploads import receive_upload
 from core.batches.ids import upload_part_id
-from core.db import session_scope
+from core.database.sessions import session_scope
+from core.database.tables import File, Upload
 from core.settings import Settings
 from core.storage.base import Storage
-from core.tables import File, Upload
 
 router = APIRouter(prefix="/uploads", tags=["uploads"])
 

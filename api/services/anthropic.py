@@ -34,11 +34,11 @@ from core.batchfile.reader import LineValidator, RawLine, iter_lines
 from core.batchfile.request import CHAT_URL, LineError
 from core.batchfile.results import dumps_line
 from core.batchfile.streamed_json import JsonReader
-from core.lifecycle import BatchStatus, now
+from core.database.lifecycle import BatchStatus, now
+from core.database.tables import Batch, MessageBatch
 from core.llms import specs
 from core.settings import Settings
 from core.storage.base import ObjectNotFound, Storage
-from core.tables import Batch, MessageBatch
 
 #: Anthropic's batches end within 24 hours.
 WINDOW = "24h"
@@ -406,7 +406,7 @@ def _lines(storage: Storage, key: str | None) -> Iterator[dict[str, Any]]:
 
 
 def _file_key(session: Session, file_id_: str | None) -> str | None:
-    from core.tables import File
+    from core.database.tables import File
 
     row = session.get(File, file_id_) if file_id_ is not None else None
     return None if row is None else row.storage_key

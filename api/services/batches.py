@@ -22,15 +22,15 @@ from api.log_context import bind_batch
 from api.schemas import BatchCreate
 from api.services.common import could_be_id, keyset_page
 from api.services.files import get_file_row
-from core.auth import generate_webhook_secret, priority_allowed
 from core.batches.completion_windows import duration, window_seconds
 from core.batches.ids import batch_id as new_batch_id
 from core.batches.priority import PriorityName, priority_name
-from core.lifecycle import CANCELLABLE, TERMINAL, UNFINISHED, BatchStatus, now, transition
+from core.database.auth import generate_webhook_secret, priority_allowed
+from core.database.lifecycle import CANCELLABLE, TERMINAL, UNFINISHED, BatchStatus, now, transition
+from core.database.tables import Batch, File
 from core.queue import TASK_CANCEL, TASK_VALIDATE, enqueue
 from core.security.netcheck import url_problem
 from core.settings import Settings
-from core.tables import Batch, File
 
 log = logging.getLogger("batchd.api")
 

@@ -27,8 +27,8 @@ from api.schemas import BatchCreate, BatchErrorItem, BatchEstimate, ModelEstimat
 from api.services.batches import batch_input_file, checked_priority, checked_window_s
 from core import rpc
 from core.batches.priority import PriorityName
+from core.database.lifecycle import now
 from core.eta import store
-from core.lifecycle import now
 from core.queue import TASK_ESTIMATE
 from core.settings import Settings
 

@@ -10,11 +10,12 @@ from sqlalchemy.orm import Session
 
 from api.errors import invalid_request, not_found
 from api.services.common import could_be_id, keyset_page
-from core import metrics, results_log
-from core.db import session_scope
-from core.lifecycle import TERMINAL, now
+from core import metrics
+from core.database import results_log
+from core.database.lifecycle import TERMINAL, now
+from core.database.sessions import session_scope
+from core.database.tables import Batch, File
 from core.storage.base import Storage
-from core.tables import Batch, File
 
 log = logging.getLogger("batchd.api")
 

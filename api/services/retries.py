@@ -20,7 +20,6 @@ from api.errors import APIError, invalid_request
 from api.schemas import MAX_METADATA_PAIRS, BatchCreate, ExpiresAfter, RetryCreate
 from api.services.batches import check_create, create_batch, existing_batch, get_batch_row
 from api.services.files import is_expired, new_file_row
-from core.auth import priority_allowed
 from core.batches.ids import file_id
 from core.batches.priority import priority_name
 from core.batches.retry import (
@@ -32,10 +31,11 @@ from core.batches.retry import (
     retry_kind,
 )
 from core.batchfile.reader import custom_id_in, iter_lines
-from core.lifecycle import TERMINAL
+from core.database.auth import priority_allowed
+from core.database.lifecycle import TERMINAL
+from core.database.tables import Batch, File
 from core.settings import Settings
 from core.storage.base import Storage
-from core.tables import Batch, File
 
 log = logging.getLogger("batchd.api")
 

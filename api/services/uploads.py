@@ -7,7 +7,8 @@ never hold more: a part that would take them past the declared ``bytes``, or pas
 admits it (concurrent parts cannot both slip under a bound, and no part is recorded once the
 upload stopped being pending). A client that dies mid-upload resumes by adding the parts it
 has not sent to the same upload, until the upload expires (an hour after its creation, as
-OpenAI's); the upload sweep (``core.uploads``) then marks it ``expired`` and deletes its parts.
+OpenAI's); the upload sweep (``core.database.uploads``) then marks it ``expired`` and deletes its
+parts.
 """
 
 from __future__ import annotations
@@ -30,12 +31,10 @@ from api.uploads import clean_filename
 from core import metrics
 from core.batches.ids import file_id
 from core.batches.ids import upload_id as new_upload_id
-from core.db import updated
-from core.lifecycle import now
-from core.settings import Settings
-from core.storage.base import Storage
-from core.tables import File, Upload, UploadPart
-from core.uploads import (
+from core.database.lifecycle import now
+from core.database.sessions import updated
+from core.database.tables import File, Upload, UploadPart
+from core.database.uploads import (
     CANCELLED,
     COMPLETED,
     COMPLETING,
@@ -47,6 +46,8 @@ from core.uploads import (
     release_stale_claim,
     status_of,
 )
+from core.settings import Settings
+from core.storage.base import Storage
 
 __all__ = [
     "CANCELLED",

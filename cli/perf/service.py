@@ -208,9 +208,9 @@ class EmbeddedService(Procs):
         return self
 
     def _create_keys(self, tenants: list[str]) -> None:
-        from core import auth
         from core.batches.priority import Priority
-        from core.db import session_scope
+        from core.database import auth
+        from core.database.sessions import session_scope
 
         with session_scope(self.database_url) as session:
             for tenant in tenants:

@@ -15,9 +15,9 @@ from sqlalchemy import Float, and_, case, cast, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from core.batches.priority import Priority
+from core.database.lifecycle import BatchStatus, ShardStatus
+from core.database.tables import Batch, Shard
 from core.eta import forecast
-from core.lifecycle import BatchStatus, ShardStatus
-from core.tables import Batch, Shard
 
 logger = logging.getLogger(__name__)
 

@@ -99,8 +99,8 @@ def make_key(pg_url: str) -> Callable[..., str]:
     each call without a tenant gets a tenant of its own."""
     import secrets
 
-    from core.auth import create_key
-    from core.db import session_scope
+    from core.database.auth import create_key
+    from core.database.sessions import session_scope
 
     def make(tenant: str | None = None, name: str = "test", **options) -> str:
         with session_scope(pg_url) as session:

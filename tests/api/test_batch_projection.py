@@ -7,8 +7,8 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from api.schemas import BatchPublic
-from core.lifecycle import BatchStatus
-from core.tables import Batch
+from core.database.lifecycle import BatchStatus
+from core.database.tables import Batch
 
 
 @pytest.mark.parametrize("late_by_s", [0.001, 0.4, 0.999, 1.0, 61.5])

@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from core.lifecycle import transition
+from core.database.lifecycle import transition
 from core.queue import TASK_CANCEL, TASK_VALIDATE
 
 pytestmark = pytest.mark.services
@@ -131,7 +131,7 @@ def test_list_newest_first_with_pagination(client, input_file):
 
 
 def _force_status(pg_url: str, batch_id: str, *path: str) -> None:
-    from core.db import session_scope
+    from core.database.sessions import session_scope
 
     with session_scope(pg_url) as session:
         current = "validating"

@@ -29,8 +29,8 @@ def _create(client, input_file: str, **kwargs):
 
 
 def _batch_row(pg_url: str, batch_id: str):
-    from core.db import session_scope
-    from core.tables import Batch
+    from core.database.sessions import session_scope
+    from core.database.tables import Batch
 
     with session_scope(pg_url) as session:
         return session.get(Batch, batch_id)
@@ -167,8 +167,8 @@ def test_bad_webhook_urls_are_400(client, input_file, url):
 
 
 def test_webhooks_use_the_keys_url_and_secret(server, make_key, pg_url):
-    from core.auth import lookup
-    from core.db import session_scope
+    from core.database.auth import lookup
+    from core.database.sessions import session_scope
 
     key = make_key(webhook_url="https://hooks.example.com/default")
     client = server.client(api_key=key)

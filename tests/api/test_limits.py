@@ -6,7 +6,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from core.lifecycle import transition
+from core.database.lifecycle import transition
 
 pytestmark = pytest.mark.services
 
@@ -20,7 +20,7 @@ def _create(client, input_file: str, **kwargs):
 
 
 def test_unfinished_batch_quota(start_server, make_key, pg_url):
-    from core.db import session_scope
+    from core.database.sessions import session_scope
 
     server = start_server(BATCHD_MAX_UNFINISHED_BATCHES_PER_TENANT="2")
     client = server.client()

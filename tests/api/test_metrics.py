@@ -103,7 +103,7 @@ def _count_queries(url: str):
     gauges use), and a function that stops counting."""
     from sqlalchemy import event
 
-    from core.db import get_engine
+    from core.database.sessions import get_engine
 
     engine = get_engine(url)
     statements: list[str] = []

@@ -25,8 +25,8 @@ def _ended_parent(lines: list) -> str:
 
     from core.batches import ids
     from core.batchfile.results import batch_error_line, dumps_line
-    from core.db import session_scope
-    from core.tables import Batch, File
+    from core.database.sessions import session_scope
+    from core.database.tables import Batch, File
     from worker.infra.common import storage
 
     batch_id = make_batch(lines)
@@ -62,7 +62,7 @@ def _retry(batch_id: str, store=None, **body):
     from api.deps import Caller
     from api.schemas import RetryCreate
     from api.services.retries import retry_batch
-    from core.db import session_scope
+    from core.database.sessions import session_scope
     from core.settings import get_settings
     from worker.infra.common import storage
 
@@ -94,8 +94,8 @@ def _refused(batch_id: str, **body):
 def _files() -> int:
     from sqlalchemy import func, select
 
-    from core.db import session_scope
-    from core.tables import File
+    from core.database.sessions import session_scope
+    from core.database.tables import File
 
     with session_scope() as session:
         return session.scalar(select(func.count()).select_from(File))

@@ -8,7 +8,7 @@ from datetime import timedelta
 import openai
 import pytest
 
-from core.lifecycle import now
+from core.database.lifecycle import now
 
 pytestmark = pytest.mark.services
 
@@ -115,8 +115,8 @@ def test_auth_is_required_by_default_and_can_be_switched_off(start_server, make_
 
 
 def _set_expiry(pg_url: str, file_id: str, delta: timedelta) -> None:
-    from core.db import session_scope
-    from core.tables import File
+    from core.database.sessions import session_scope
+    from core.database.tables import File
 
     with session_scope(pg_url) as session:
         session.get(File, file_id).expires_at = now() + delta

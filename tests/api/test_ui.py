@@ -42,8 +42,8 @@ def _sign_in(browser: httpx.Client, key: str) -> httpx.Response:
 
 
 def _session_rows(pg_url: str) -> dict[str, tuple[str, object]]:
-    from core.db import session_scope
-    from core.tables import UiSession
+    from core.database.sessions import session_scope
+    from core.database.tables import UiSession
 
     with session_scope(pg_url) as session:
         return {r.id: (r.key_hash, r.expires_at) for r in session.query(UiSession).all()}
@@ -70,7 +70,7 @@ def _batch(server, key: str) -> str:
 
 
 def test_sign_in_isolation_and_admin(start_server, make_key, pg_url) -> None:
-    from core.auth import hash_key
+    from core.database.auth import hash_key
 
     server = start_server(BATCHD_ADMIN_API_KEYS=ADMIN)
     mine, theirs = make_key(), make_key()
@@ -149,10 +149,10 @@ def test_sign_in_needs_the_forms_csrf_token(server, api_key) -> None:
 
 
 def test_revoked_key_or_expired_session_ends_the_sign_in(server, make_key, pg_url) -> None:
-    from core.auth import revoke_key
-    from core.db import session_scope
-    from core.lifecycle import now
-    from core.tables import ApiKey, UiSession
+    from core.database.auth import revoke_key
+    from core.database.lifecycle import now
+    from core.database.sessions import session_scope
+    from core.database.tables import ApiKey, UiSession
 
     revoked, expiring = make_key(name="to revoke"), make_key(name="to expire")
     with _browser(server) as first, _browser(server) as second:

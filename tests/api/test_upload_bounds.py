@@ -349,11 +349,11 @@ def test_a_complete_that_lost_its_claim_writes_no_file(service_env, db: Engine) 
     deletes what it wrote, records no file, and the upload is pending for the next complete."""
     from api.errors import APIError
     from api.services import uploads
-    from core import uploads as upload_states
-    from core.db import session_scope
+    from core.database import uploads as upload_states
+    from core.database.sessions import session_scope
+    from core.database.tables import File
     from core.settings import get_settings
     from core.storage.local import LocalStorage
-    from core.tables import File
 
     settings = get_settings().model_copy(update={"upload_complete_lease_s": 0.001})
     storage = LocalStorage(service_env["BATCHD_STORAGE_URL"])

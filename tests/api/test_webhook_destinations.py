@@ -72,9 +72,9 @@ def deliver(service_env, redis_url, monkeypatch) -> Iterator[Any]:
     """Record a batch's ``batch.completed`` event and make one delivery attempt in this
     process, as the control worker would, under this process's settings; returns the
     delivery row. Tasks the code enqueues go to the test Redis (nothing consumes them)."""
-    from core.db import session_scope
+    from core.database.sessions import session_scope
+    from core.database.tables import WebhookDelivery
     from core.settings import get_settings
-    from core.tables import WebhookDelivery
     from worker.batches import webhooks
     from worker.events import notify
     from worker.infra.celery import app

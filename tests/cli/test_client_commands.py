@@ -1,7 +1,8 @@
 """The client commands against a real API server (no worker), and against a closed port.
 
 With no worker running, a created batch stays ``validating``; the tests that need a finished
-batch move it with ``core.lifecycle.transition`` — the same conditional UPDATE the worker uses.
+batch move it with ``core.database.lifecycle.transition`` — the same conditional UPDATE the worker
+uses.
 """
 
 from __future__ import annotations
@@ -40,11 +41,11 @@ def invoke(cli: CliRunner, base_url: str, *args: str):
 
 def set_status(batch_id: str, *path: str, **values) -> None:
     """Walk the batch through ``path`` with the lifecycle's conditional UPDATEs."""
-    from core.db import session_scope
-    from core.lifecycle import transition
+    from core.database.lifecycle import transition
+    from core.database.sessions import session_scope
 
     with session_scope() as session:
-        from core.tables import Batch
+        from core.database.tables import Batch
 
         current = session.get(Batch, batch_id).status
         for i, target in enumerate(path):
@@ -245,8 +246,8 @@ def test_failed_batch_writes_no_output(cli: CliRunner, api_server, tmp_path: Pat
     batch_file = write_batch_file(tmp_path / "in.jsonl")
     out, err = tmp_path / "out.jsonl", tmp_path / "err.jsonl"
     stop = threading.Event()
-    from core.db import session_scope
-    from core.tables import Batch
+    from core.database.sessions import session_scope
+    from core.database.tables import Batch
 
     def validating() -> set[str]:
         with session_scope() as session:

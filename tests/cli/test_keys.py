@@ -29,9 +29,9 @@ def _create(cli: CliRunner, *args: str) -> tuple[str, str, str]:
 
 
 def test_create_list_revoke(cli, service_env, pg_url):
-    from core.auth import hash_key, lookup
-    from core.db import session_scope
-    from core.tables import ApiKey
+    from core.database.auth import hash_key, lookup
+    from core.database.sessions import session_scope
+    from core.database.tables import ApiKey
 
     key_id, plaintext, shown = _create(cli, "--tenant", "acme", "--name", "ci")
     assert re.search(r"Webhook secret:\s+whsec_\S+", shown)
@@ -64,8 +64,8 @@ def test_create_list_revoke(cli, service_env, pg_url):
 
 
 def test_webhook_url_is_validated_and_stored(cli, service_env, pg_url):
-    from core.db import session_scope
-    from core.tables import ApiKey
+    from core.database.sessions import session_scope
+    from core.database.tables import ApiKey
 
     for bad in ("ftp://example.com/hook", "not a url", "http:///nohost"):
         result = run(cli, "create", "--tenant", "acme", "--webhook-url", bad)

@@ -10,10 +10,10 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from sqlalchemy import select
 
-from core.db import session_scope
+from core.database.lifecycle import BatchStatus, ShardStatus
+from core.database.sessions import session_scope
+from core.database.tables import Batch, Shard
 from core.eta import forecast, store
-from core.lifecycle import BatchStatus, ShardStatus
-from core.tables import Batch, Shard
 
 
 def _batch(session, model: str, now: datetime, started_s_ago: float) -> str:

@@ -8,7 +8,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import create_engine
 
 import migrations
-from core.tables import Base
+from core.database.tables import Base
 
 
 def test_one_head():

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from core.auth import priority_allowed
 from core.batches.priority import Priority, priority_name
+from core.database.auth import priority_allowed
 
 
 def test_most_urgent_first_in_every_scale() -> None:

@@ -7,7 +7,7 @@ import pytest
 
 from core.batches.retry import merge_with_retries, retry_kind
 from core.batchfile.results import batch_error_line, output_line, request_error_line
-from core.results_log import Slice, plan_page
+from core.database.results_log import Slice, plan_page
 
 CHUNKS = [(0, 3, "a"), (3, 2, "b"), (5, 4, "c")]  # seqs 0-2, 3-4, 5-8
 

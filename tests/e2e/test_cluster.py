@@ -85,9 +85,9 @@ def _running_on(worker_prefix: str) -> list[tuple[int, str]]:
     """(shard id, batch id) of the shards running on workers named ``worker_prefix…``."""
     from sqlalchemy import select
 
-    from core.db import session_scope
-    from core.lifecycle import ShardStatus
-    from core.tables import Shard
+    from core.database.lifecycle import ShardStatus
+    from core.database.sessions import session_scope
+    from core.database.tables import Shard
 
     with session_scope() as session:
         rows = session.execute(

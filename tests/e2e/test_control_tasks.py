@@ -169,9 +169,9 @@ def test_finalize_after_the_window_completes_a_batch_whose_requests_all_ran(serv
     window passes before its finalize runs: the batch completes, it does not expire."""
     from sqlalchemy import update
 
-    from core.db import session_scope
-    from core.lifecycle import now
-    from core.tables import Batch
+    from core.database.lifecycle import now
+    from core.database.sessions import session_scope
+    from core.database.tables import Batch
 
     service.signal("model", signal.SIGSTOP)
     frozen = {"model"}

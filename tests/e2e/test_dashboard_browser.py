@@ -67,8 +67,8 @@ def _progress(driver, batch_id: str) -> float | None:
 def test_dashboard_in_a_browser(pg_url, private_broker, tmp_path, procs: Procs):
     import httpx
 
-    from core.auth import create_key
-    from core.db import session_scope
+    from core.database.auth import create_key
+    from core.database.sessions import session_scope
 
     driver = _browser()
     try:

@@ -146,8 +146,8 @@ def lines(prefix: str, n: int, max_tokens: int = MAX_TOKENS, **body: Any) -> lis
 
 
 def tenant_key(env: dict[str, str], tenant: str, **entitlements: Any) -> str:
-    from core.auth import create_key
-    from core.db import session_scope
+    from core.database.auth import create_key
+    from core.database.sessions import session_scope
 
     with session_scope(env["BATCHD_DATABASE_URL"]) as session:
         _row, plaintext = create_key(session, tenant, "edf", **entitlements)

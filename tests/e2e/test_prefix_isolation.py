@@ -25,8 +25,8 @@ PROMPT = " ".join(random.Random(11).choice(WORDS) for _ in range(450))
 def tenants(stack) -> dict[str, Any]:
     from openai import OpenAI
 
-    from core.auth import create_key
-    from core.db import session_scope
+    from core.database.auth import create_key
+    from core.database.sessions import session_scope
 
     clients = {}
     for tenant in ("prefix-tenant-a", "prefix-tenant-b"):

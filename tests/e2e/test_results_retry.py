@@ -227,8 +227,8 @@ def test_cursor_limit_and_tenancy_errors(rstack, monkeypatch) -> None:
         assert response.json()["error"]["param"].startswith("include"), response.text
 
     # Another tenant's batch is missing, for both routes.
-    from core.auth import create_key
-    from core.db import session_scope
+    from core.database.auth import create_key
+    from core.database.sessions import session_scope
     from core.settings import get_settings
 
     monkeypatch.setenv("BATCHD_DATABASE_URL", stack.env["BATCHD_DATABASE_URL"])

@@ -233,9 +233,9 @@ def _expire_now(batch_id: str) -> None:
 
     from sqlalchemy import update
 
-    from core.db import session_scope
-    from core.lifecycle import now
-    from core.tables import Batch
+    from core.database.lifecycle import now
+    from core.database.sessions import session_scope
+    from core.database.tables import Batch
 
     with session_scope() as session:
         session.execute(

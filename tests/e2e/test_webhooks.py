@@ -257,8 +257,8 @@ def test_loopback_outside_the_allow_list_is_refused_at_create(stack, receiver):
 def _outbox(batch_id: str) -> list[dict[str, Any]]:
     from sqlalchemy import select
 
-    from core.db import session_scope
-    from core.tables import WebhookDelivery
+    from core.database.sessions import session_scope
+    from core.database.tables import WebhookDelivery
 
     with session_scope() as session:
         rows = session.scalars(select(WebhookDelivery).where(WebhookDelivery.batch_id == batch_id))
@@ -278,11 +278,11 @@ def test_a_worker_killed_between_the_terminal_commit_and_the_enqueue_loses_no_ev
     webhook sweep sends each one, and the receiver gets it exactly once, under that id."""
     from sqlalchemy import update
 
-    from core.db import session_scope
-    from core.lifecycle import transition
+    from core.database.lifecycle import transition
+    from core.database.sessions import session_scope
+    from core.database.tables import Batch
     from core.queue import TASK_CANCEL, TASK_VALIDATE, enqueue
     from core.settings import get_settings
-    from core.tables import Batch
     from tests.harness.stack import celery_command, stack_env
     from tests.helpers.worker import batch_row, make_batch
 

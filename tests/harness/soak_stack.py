@@ -118,7 +118,7 @@ def create_key(tenant: str, env: dict[str, str]) -> Key:
 def _grant_high_directly(key_id: str, env: dict[str, str]) -> str | None:
     from sqlalchemy import create_engine, text
 
-    from core.tables import ApiKey
+    from core.database.tables import ApiKey
 
     if "max_priority" not in ApiKey.__table__.columns:
         return None

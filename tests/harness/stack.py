@@ -217,7 +217,7 @@ class Database:
         from sqlalchemy import text
 
         try:
-            from core.db import get_engine
+            from core.database.sessions import get_engine
 
             get_engine(self.url).dispose()
         except Exception:

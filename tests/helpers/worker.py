@@ -34,9 +34,9 @@ def make_batch(
 ) -> str:
     """Store an input file and create its batch in ``validating``; return the batch id."""
     from core.batches import ids
-    from core.db import session_scope
-    from core.lifecycle import now
-    from core.tables import Batch, File
+    from core.database.lifecycle import now
+    from core.database.sessions import session_scope
+    from core.database.tables import Batch, File
     from worker.infra.common import storage
 
     data = lines if isinstance(lines, bytes) else jsonl(lines)
@@ -71,8 +71,8 @@ def make_batch(
 def read_file_lines(file_id: str | None) -> list[dict[str, Any]]:
     if file_id is None:
         return []
-    from core.db import session_scope
-    from core.tables import File
+    from core.database.sessions import session_scope
+    from core.database.tables import File
     from worker.infra.common import storage
 
     with session_scope() as session:
@@ -82,8 +82,8 @@ def read_file_lines(file_id: str | None) -> list[dict[str, Any]]:
 
 
 def batch_row(batch_id: str) -> Any:
-    from core.db import session_scope
-    from core.tables import Batch
+    from core.database.sessions import session_scope
+    from core.database.tables import Batch
 
     with session_scope() as session:
         batch = session.get(Batch, batch_id)
@@ -94,8 +94,8 @@ def batch_row(batch_id: str) -> Any:
 def shard_rows(batch_id: str) -> list[Any]:
     from sqlalchemy import select
 
-    from core.db import session_scope
-    from core.tables import Shard
+    from core.database.sessions import session_scope
+    from core.database.tables import Shard
 
     with session_scope() as session:
         rows = list(
@@ -137,10 +137,10 @@ def enqueued_batch(lines: list[dict[str, Any]], broker: str) -> str:
     """Store the input, insert its file and batch rows (``validating``), and enqueue the
     validate task on ``broker``, as the API would for a service run as subprocesses."""
     from core.batches import ids
-    from core.db import session_scope
-    from core.lifecycle import now
+    from core.database.lifecycle import now
+    from core.database.sessions import session_scope
+    from core.database.tables import Batch, File
     from core.queue import TASK_VALIDATE, enqueue
-    from core.tables import Batch, File
     from worker.infra.common import storage
 
     data = b"".join(json.dumps(x).encode() + b"\n" for x in lines)

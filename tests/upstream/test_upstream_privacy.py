@@ -16,8 +16,8 @@ import pytest
 
 from core.batchfile.reader import RawLine, parse_request
 from core.batchfile.request import CHAT_URL
+from core.database.tables import Batch
 from core.llms.specs import forwarded_models, upstream_spec
-from core.tables import Batch
 from tests.harness.fault_proxy import FaultProxy
 from tests.harness.upstream_server import UpstreamServer
 

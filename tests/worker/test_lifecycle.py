@@ -25,15 +25,15 @@ pytestmark = pytest.mark.services
 def _update_batch(batch_id: str, **values: Any) -> None:
     from sqlalchemy import update
 
-    from core.db import session_scope
-    from core.tables import Batch
+    from core.database.sessions import session_scope
+    from core.database.tables import Batch
 
     with session_scope() as session:
         session.execute(update(Batch).where(Batch.id == batch_id).values(**values))
 
 
 def _past() -> Any:
-    from core.lifecycle import now
+    from core.database.lifecycle import now
 
     return now() - timedelta(seconds=1)
 
@@ -100,8 +100,8 @@ def test_expiring_batch_whose_every_request_has_a_result_completes(worker_env, h
     # As if each shard had noticed the expiry after committing its last result.
     from sqlalchemy import update
 
-    from core.db import session_scope
-    from core.tables import Shard
+    from core.database.sessions import session_scope
+    from core.database.tables import Shard
 
     with session_scope() as session:
         session.execute(update(Shard).where(Shard.batch_id == batch_id).values(status="stopped"))
@@ -149,7 +149,7 @@ def test_reclaim_sweep_resends_stuck_validate_and_finalize(worker_env, monkeypat
     ``stuck_batch_after_s`` gets its task sent again; a fresh one and an expired one do not.
     (What is sent is recorded here; the e2e tests let a worker run it.)"""
     import worker.shards.recovery
-    from core.lifecycle import now
+    from core.database.lifecycle import now
     from core.queue import TASK_FINALIZE, TASK_VALIDATE
     from core.settings import get_settings
     from worker.shards.recovery import reclaim_stale_shards

@@ -17,8 +17,8 @@ def _cached_tokens(tenant: str, prompt: list[int], host) -> int:
     """Run ``prompt`` as ``tenant``'s batch of one through validate, the shard and finalize."""
     from sqlalchemy import update
 
-    from core.db import session_scope
-    from core.tables import Batch
+    from core.database.sessions import session_scope
+    from core.database.tables import Batch
     from worker.batches.finalize import finalize
     from worker.batches.tasks import validate
     from worker.shards.task import ShardEnd, run_shard

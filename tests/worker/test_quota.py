@@ -19,8 +19,8 @@ pytestmark = pytest.mark.services
 def _set(batch_id: str, **values) -> None:
     from sqlalchemy import update
 
-    from core.db import session_scope
-    from core.tables import Batch
+    from core.database.sessions import session_scope
+    from core.database.tables import Batch
 
     with session_scope() as session:
         session.execute(update(Batch).where(Batch.id == batch_id).values(**values))
@@ -45,8 +45,8 @@ def _end_batches() -> Iterator[None]:
         return
     from sqlalchemy import update
 
-    from core.db import session_scope
-    from core.tables import Batch, Shard
+    from core.database.sessions import session_scope
+    from core.database.tables import Batch, Shard
 
     with session_scope() as session:
         session.execute(update(Shard).where(Shard.batch_id.in_(_created)).values(status="closed"))

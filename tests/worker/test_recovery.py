@@ -33,8 +33,8 @@ class Interrupted(Exception):
 def _age_heartbeat(shard_id: int, seconds: float = 3600) -> None:
     from sqlalchemy import update
 
-    from core.db import session_scope
-    from core.tables import Shard
+    from core.database.sessions import session_scope
+    from core.database.tables import Shard
 
     with session_scope() as session:
         session.execute(
@@ -47,8 +47,8 @@ def _age_heartbeat(shard_id: int, seconds: float = 3600) -> None:
 def _set_shard(shard_id: int, **values: Any) -> None:
     from sqlalchemy import update
 
-    from core.db import session_scope
-    from core.tables import Shard
+    from core.database.sessions import session_scope
+    from core.database.tables import Shard
 
     with session_scope() as session:
         session.execute(update(Shard).where(Shard.id == shard_id).values(**values))
@@ -287,7 +287,7 @@ def test_request_error_is_retried_then_reported(worker_env, fault_host):
 
 def test_database_outage_mid_shard_is_ridden_out(worker_env, host, pg_url, monkeypatch):
 
-    from core import db
+    from core.database import sessions
     from core.settings import get_settings
     from tests.conftest import PG_HOST, PG_PORT
     from tests.harness.tcp_proxy import TcpProxy
@@ -297,9 +297,9 @@ def test_database_outage_mid_shard_is_ridden_out(worker_env, host, pg_url, monke
     def use_database(url: str) -> None:
         monkeypatch.setenv("BATCHD_DATABASE_URL", url)
         get_settings.cache_clear()
-        db.get_engine(None).dispose()
-        db.get_engine.cache_clear()  # sessions without a URL use the settings' database
-        db._sessionmaker.cache_clear()
+        sessions.get_engine(None).dispose()
+        sessions.get_engine.cache_clear()  # sessions without a URL use the settings' database
+        sessions._sessionmaker.cache_clear()
 
     ids = [f"d{i}" for i in range(16)]
     batch_id = validated_batch([chat_line(c, f"outage {c}", max_tokens=12) for c in ids])

@@ -137,9 +137,9 @@ def model(worker_env, monkeypatch):
     batches are ended afterwards, so no later service sees them as work to release."""
     from sqlalchemy import select, update
 
-    from core.db import session_scope
+    from core.database.sessions import session_scope
+    from core.database.tables import Batch, Shard
     from core.settings import get_settings
-    from core.tables import Batch, Shard
 
     monkeypatch.setenv("BATCHD_MAX_RELEASED_SHARDS_PER_MODEL", "3")
     get_settings.cache_clear()
@@ -166,9 +166,9 @@ def add_batch(
     """An in-progress batch of ``model`` with ``shards`` pending shards (each of
     ``est_tokens``), started ``age_s`` seconds ago; its id."""
     from core.batches import ids
-    from core.db import session_scope
-    from core.lifecycle import now
-    from core.tables import Batch, File, Shard
+    from core.database.lifecycle import now
+    from core.database.sessions import session_scope
+    from core.database.tables import Batch, File, Shard
 
     file_id, batch_id = ids.file_id(), ids.batch_id()
     created = now() - timedelta(seconds=age_s)
@@ -212,8 +212,8 @@ def released(model: str) -> list[tuple[str, int]]:
     """(batch id, shard index) of released-and-unfinished shards, in release order."""
     from sqlalchemy import select
 
-    from core.db import session_scope
-    from core.tables import Batch, Shard
+    from core.database.sessions import session_scope
+    from core.database.tables import Batch, Shard
 
     with session_scope() as session:
         rows = session.execute(
@@ -232,8 +232,8 @@ def released(model: str) -> list[tuple[str, int]]:
 def finish(batch_id: str, index: int) -> None:
     from sqlalchemy import update
 
-    from core.db import session_scope
-    from core.tables import Shard
+    from core.database.sessions import session_scope
+    from core.database.tables import Shard
 
     with session_scope() as session:
         session.execute(
@@ -280,8 +280,8 @@ def test_bound_is_respected_and_freed_slots_are_refilled(model):
     # A running shard still holds its slot.
     from sqlalchemy import update
 
-    from core.db import session_scope
-    from core.tables import Shard
+    from core.database.sessions import session_scope
+    from core.database.tables import Shard
 
     with session_scope() as session:
         session.execute(update(Shard).where(Shard.batch_id == batch).values(status="running"))
@@ -403,9 +403,9 @@ def test_high_priority_overtakes_a_running_bulk_job(model):
 def test_batches_not_in_progress_or_expired_are_not_released(model):
     from sqlalchemy import update
 
-    from core.db import session_scope
-    from core.lifecycle import now
-    from core.tables import Batch
+    from core.database.lifecycle import now
+    from core.database.sessions import session_scope
+    from core.database.tables import Batch
     from worker.shards.release import release_for_model
 
     cancelling = add_batch(model, "t", 2)
@@ -462,9 +462,9 @@ def test_concurrent_releasers_never_exceed_the_bound(model, monkeypatch):
 def test_sweep_resends_a_release_that_was_never_sent(model):
     from sqlalchemy import update
 
-    from core.db import session_scope
-    from core.lifecycle import now
-    from core.tables import Shard
+    from core.database.lifecycle import now
+    from core.database.sessions import session_scope
+    from core.database.tables import Shard
     from worker.shards.release import _resend_lost, release_for_model
 
     batch = add_batch(model, "t", 5)
@@ -528,7 +528,7 @@ def test_tenants_share_released_slots_by_tokens(model, monkeypatch):
 
 @services
 def test_a_tenants_one_hour_job_is_released_before_its_day_long_job(model, monkeypatch):
-    from core.lifecycle import now
+    from core.database.lifecycle import now
     from core.settings import get_settings
 
     monkeypatch.setenv("BATCHD_MAX_RELEASED_SHARDS_PER_MODEL", "1")
@@ -553,11 +553,11 @@ def test_a_reclaimed_shard_whose_message_was_lost_does_not_hold_its_slot(model):
     import redis
     from sqlalchemy import select, update
 
-    from core.db import session_scope
-    from core.lifecycle import now
+    from core.database.lifecycle import now
+    from core.database.sessions import session_scope
+    from core.database.tables import Shard
     from core.queue import model_queue
     from core.settings import get_settings
-    from core.tables import Shard
     from worker.shards.recovery import reclaim_stale_shards
     from worker.shards.release import release_for_model, resend_after_s
 

@@ -19,8 +19,8 @@ class Interrupted(Exception):
 
 def _all_pages(batch_id: str, limit: int) -> list[dict]:
     """Every logged line, paged as a client would (each page after the last id seen)."""
-    from core.db import session_scope
-    from core.results_log import cursor_seq, read_page
+    from core.database.results_log import cursor_seq, read_page
+    from core.database.sessions import session_scope
     from worker.infra.common import storage
 
     lines: list[dict] = []
@@ -38,9 +38,9 @@ def _all_pages(batch_id: str, limit: int) -> list[dict]:
 def test_expired_batch_log_equals_its_files_and_retention_drops_it(worker_env, host):
     from sqlalchemy import select, update
 
-    from core.db import session_scope
-    from core.lifecycle import now
-    from core.tables import Batch, File, ResultChunk, ResultLine, Shard
+    from core.database.lifecycle import now
+    from core.database.sessions import session_scope
+    from core.database.tables import Batch, File, ResultChunk, ResultLine, Shard
     from worker.batches.finalize import finalize
     from worker.batches.retention import sweep_files
     from worker.batches.tasks import validate

@@ -82,8 +82,8 @@ def test_interrupted_shard_resumes_with_exactly_one_result_per_request(worker_en
         r["response"]["body"]["usage"]["completion_tokens"] for r in out
     )
     # The committed chunks stay as the batch's results log: the same lines, none of the stray.
-    from core.db import session_scope
-    from core.results_log import read_page
+    from core.database.results_log import read_page
+    from core.database.sessions import session_scope
 
     with session_scope() as session:
         page = read_page(session, storage(), batch_id, start=0, limit=100)
@@ -127,8 +127,8 @@ def test_multi_shard_finalize_keeps_input_order_and_reports_errors(worker_env, h
 def test_a_line_that_no_longer_parses_gets_an_error_line(worker_env, host):
     """The stored input changed after validation (same length, so the shard's byte range
     still holds its lines): the line that no longer parses is reported, not skipped."""
-    from core.db import session_scope
-    from core.tables import Batch
+    from core.database.sessions import session_scope
+    from core.database.tables import Batch
     from worker.batches.finalize import finalize
     from worker.infra.common import input_key, storage
     from worker.shards.task import ShardEnd, run_shard
@@ -221,8 +221,8 @@ def test_stale_attempt_cannot_commit(worker_env):
 
 
 def test_cancel_finalize_keeps_finished_and_reports_the_rest(worker_env, host):
-    from core.db import session_scope
-    from core.lifecycle import transition
+    from core.database.lifecycle import transition
+    from core.database.sessions import session_scope
     from worker.batches.finalize import finalize
     from worker.batches.tasks import cancel
     from worker.shards.task import ShardEnd, run_shard
@@ -246,7 +246,7 @@ def test_cancel_finalize_keeps_finished_and_reports_the_rest(worker_env, host):
     assert cancel(batch_id) is None
     from sqlalchemy import update
 
-    from core.tables import Shard
+    from core.database.tables import Shard
 
     with session_scope() as session:  # its heartbeat goes stale
         session.execute(
@@ -274,8 +274,8 @@ def test_a_shard_that_ends_after_the_cancel_finalizes_it(worker_env, host, monke
     that shard ran to its end (done, not stopped) before it saw the cancel: it must still
     send the finalize, not leave the batch cancelling until the expiry sweep re-drives it."""
     import worker.shards.state
-    from core.db import session_scope
-    from core.lifecycle import transition
+    from core.database.lifecycle import transition
+    from core.database.sessions import session_scope
     from core.queue import TASK_FINALIZE
     from worker.batches.tasks import cancel
     from worker.shards.task import ShardEnd, run_shard
@@ -370,8 +370,8 @@ def test_deleting_a_result_file_drops_the_batchs_results(worker_env, host):
     served by the results route) and its stored chunks are deleted, even though no other file
     of the batch is left for retention to sweep."""
     from api.services.files import delete_file
-    from core.db import session_scope
-    from core.results_log import batch_log_prefix, read_page
+    from core.database.results_log import batch_log_prefix, read_page
+    from core.database.sessions import session_scope
     from worker.batches.finalize import finalize
     from worker.infra.common import storage
     from worker.shards.task import run_shard

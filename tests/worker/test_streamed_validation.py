@@ -70,8 +70,8 @@ def _make(lines: list, tenant: str | None = None) -> str:
 def _update(batch_id: str, **values) -> None:
     from sqlalchemy import update
 
-    from core.db import session_scope
-    from core.tables import Batch
+    from core.database.sessions import session_scope
+    from core.database.tables import Batch
 
     with session_scope() as session:
         session.execute(update(Batch).where(Batch.id == batch_id).values(**values))
@@ -82,8 +82,8 @@ def _end(batch_ids: list[str]) -> None:
     whose releases would count their released shards as work of the same model."""
     from sqlalchemy import update
 
-    from core.db import session_scope
-    from core.tables import Batch, Shard
+    from core.database.sessions import session_scope
+    from core.database.tables import Batch, Shard
 
     with session_scope() as session:
         session.execute(update(Shard).where(Shard.batch_id.in_(batch_ids)).values(status="closed"))
@@ -134,8 +134,8 @@ def _contiguous(batch_id: str) -> list:
 def _log_lines(batch_id: str) -> int:
     from sqlalchemy import func, select
 
-    from core.db import session_scope
-    from core.tables import ResultLine
+    from core.database.sessions import session_scope
+    from core.database.tables import ResultLine
 
     with session_scope() as session:
         return session.scalar(
@@ -230,7 +230,7 @@ def test_a_head_error_counts_every_line_as_before(small_shards):
 
 def _failed_late(batch_id: str) -> dict:
     from api.services.results import results_visible
-    from core.results_log import batch_log_prefix
+    from core.database.results_log import batch_log_prefix
     from worker.infra.common import storage
 
     batch = batch_row(batch_id)
@@ -294,8 +294,8 @@ def test_enqueued_token_limit_crossed_late_fails_the_batch_naming_the_line(
 
 def _cancel(batch_id: str) -> None:
     """What ``POST /v1/batches/{id}/cancel`` does to the row."""
-    from core.db import session_scope
-    from core.lifecycle import CANCELLABLE, BatchStatus, transition
+    from core.database.lifecycle import CANCELLABLE, BatchStatus, transition
+    from core.database.sessions import session_scope
 
     with session_scope() as session:
         assert transition(session, batch_id, CANCELLABLE, BatchStatus.CANCELLING)
@@ -390,7 +390,7 @@ def test_a_validation_that_dies_resumes_after_its_last_shard(small_shards, host,
 def test_expiry_during_validation_reports_every_line(small_shards, host, after_shard):
     from datetime import timedelta
 
-    from core.lifecycle import now
+    from core.database.lifecycle import now
     from worker.batches.tasks import validate
     from worker.shards.task import run_shard
 

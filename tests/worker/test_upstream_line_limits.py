@@ -57,8 +57,8 @@ def models(worker_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Itera
 
 def _run(batch_id: str, tenant: str = "default") -> list[dict[str, Any]]:
     """Validate and run the batch as ``tenant``'s; the bodies its server was sent."""
-    from core.db import session_scope
-    from core.tables import Batch
+    from core.database.sessions import session_scope
+    from core.database.tables import Batch
     from worker.batches.tasks import validate
     from worker.shards.task import run_shard
 

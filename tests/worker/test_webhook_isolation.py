@@ -92,8 +92,8 @@ def trickler() -> Iterator[Trickler]:
 
 
 def _status(batch_id: str) -> str:
-    from core.db import session_scope
-    from core.tables import Batch
+    from core.database.sessions import session_scope
+    from core.database.tables import Batch
 
     with session_scope() as session:
         return session.get(Batch, batch_id).status
@@ -114,11 +114,11 @@ def test_trickling_receivers_do_not_delay_validate_or_finalize(
 ) -> None:
     from sqlalchemy import update
 
-    from core.db import session_scope
-    from core.lifecycle import transition
+    from core.database.lifecycle import transition
+    from core.database.sessions import session_scope
+    from core.database.tables import Batch
     from core.llms.demo import build
     from core.queue import TASK_CANCEL, TASK_VALIDATE, enqueue
-    from core.tables import Batch
     from tests.helpers.worker import chat_line, make_batch
     from worker.batches import webhooks
     from worker.events import notify

@@ -18,8 +18,8 @@ URL = "https://hooks.example.com/batchd"
 def batch_with_webhook(url: str | None = URL) -> str:
     from sqlalchemy import update
 
-    from core.db import session_scope
-    from core.tables import Batch
+    from core.database.sessions import session_scope
+    from core.database.tables import Batch
     from tests.helpers.worker import chat_line, make_batch
 
     batch_id = make_batch([chat_line("a", "hello", 4)])
@@ -31,8 +31,8 @@ def batch_with_webhook(url: str | None = URL) -> str:
 def outbox(batch_id: str) -> list[dict]:
     from sqlalchemy import select
 
-    from core.db import session_scope
-    from core.tables import WebhookDelivery
+    from core.database.sessions import session_scope
+    from core.database.tables import WebhookDelivery
 
     with session_scope() as session:
         rows = session.scalars(select(WebhookDelivery).where(WebhookDelivery.batch_id == batch_id))
@@ -64,8 +64,8 @@ def queued_deliveries(redis_url: str) -> list[str]:
 
 
 def end(batch_id: str, target: str = "failed", *, commit: bool = True) -> bool:
-    from core.db import new_session
-    from core.lifecycle import transition
+    from core.database.lifecycle import transition
+    from core.database.sessions import new_session
 
     session = new_session()
     try:
@@ -98,8 +98,8 @@ def test_the_terminal_transition_records_the_event_in_its_transaction(worker_env
 
 
 def test_no_event_without_a_webhook_or_before_a_terminal_status(worker_env):
-    from core.db import session_scope
-    from core.lifecycle import transition
+    from core.database.lifecycle import transition
+    from core.database.sessions import session_scope
 
     quiet = batch_with_webhook(None)
     assert end(quiet, "failed")
@@ -150,9 +150,9 @@ def test_an_attempt_or_retry_lost_on_the_way_is_sent_again_by_the_sweep(
     next attempt is overdue, and a duplicate task ahead of that time does nothing."""
     from sqlalchemy import update
 
-    from core.db import session_scope
-    from core.lifecycle import now
-    from core.tables import WebhookDelivery
+    from core.database.lifecycle import now
+    from core.database.sessions import session_scope
+    from core.database.tables import WebhookDelivery
     from worker.batches import webhooks
 
     batch_id = batch_with_webhook()
@@ -207,9 +207,9 @@ def test_the_sweep_sends_a_row_once_until_that_send_is_overdue(worker_env, redis
 
     from sqlalchemy import update
 
-    from core.db import session_scope
-    from core.lifecycle import now
-    from core.tables import WebhookDelivery
+    from core.database.lifecycle import now
+    from core.database.sessions import session_scope
+    from core.database.tables import WebhookDelivery
     from worker.batches import webhooks
 
     batch_id = batch_with_webhook()

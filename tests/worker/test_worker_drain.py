@@ -119,7 +119,7 @@ def _resume_and_finish(batch_id: str, ids: list[str], host: Any, opened: threadi
 def test_drain_aborts_what_is_in_flight_when_due_and_hands_the_shard_back(
     drain_env, gated_host, redis_url
 ):
-    from core.lifecycle import ShardStatus
+    from core.database.lifecycle import ShardStatus
     from worker.infra.drain import Drain
     from worker.shards.state import Pending, ShardLost, commit_chunk
     from worker.shards.task import ShardEnd

@@ -26,12 +26,12 @@ from sqlalchemy.orm import Session
 from core import metrics
 from core.batches import ids
 from core.batchfile.results import batch_error_line, dumps_line
-from core.db import get_engine, new_session, session_scope
-from core.lifecycle import TERMINAL, BatchStatus, ShardStatus, now, transition
-from core.results_log import chunk_line, final_chunk_key, log_chunk
+from core.database.lifecycle import TERMINAL, BatchStatus, ShardStatus, now, transition
+from core.database.results_log import chunk_line, final_chunk_key, log_chunk
+from core.database.sessions import get_engine, new_session, session_scope
+from core.database.tables import Batch, File, Shard
 from core.settings import get_settings
 from core.storage.base import Storage
-from core.tables import Batch, File, Shard
 from worker.events import notify
 from worker.infra import input_key, live_shards, past_expiry, storage, unfinished_shards
 from worker.shards.checkpoints import (
@@ -261,7 +261,7 @@ def _shard_views(batch_id: str, seal: bool) -> list[_ShardView]:
 
 class _FinalChunk:
     """The ``batch_<code>`` lines a finalize writes, as the last chunk of the results log
-    (:mod:`core.results_log`): stored on the first line, logged with the batch's end."""
+    (:mod:`core.database.results_log`): stored on the first line, logged with the batch's end."""
 
     def __init__(self, sto: Storage, stack: ExitStack, batch_id: str):
         self.sto = sto

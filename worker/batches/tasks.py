@@ -1,9 +1,9 @@
 """Control-queue tasks: validate, finalize, cancel and the expiry sweep.
 
 Every task re-reads the batch and acts only if the world still calls for it; each status change
-is one conditional UPDATE (:func:`core.lifecycle.transition`) that one actor wins. No failure
-strands a batch: a step that raises is retried and, past ``control_task_max_attempts``, fails
-the batch naming the error (:func:`run_control_step`). Validation streams into execution
+is one conditional UPDATE (:func:`core.database.lifecycle.transition`) that one actor wins. No
+failure strands a batch: a step that raises is retried and, past ``control_task_max_attempts``,
+fails the batch naming the error (:func:`run_control_step`). Validation streams into execution
 (:mod:`worker.validation.task`).
 """
 
@@ -15,12 +15,12 @@ from typing import Any
 
 from sqlalchemy import select
 
-from core.db import session_scope
-from core.lifecycle import UNFINISHED, BatchStatus, now, transition
+from core.database.lifecycle import UNFINISHED, BatchStatus, now, transition
+from core.database.sessions import session_scope
+from core.database.tables import Batch
 from core.logs import log_context
 from core.queue import TASK_CANCEL, TASK_FINALIZE, TASK_SWEEP_EXPIRED, TASK_VALIDATE
 from core.settings import get_settings
-from core.tables import Batch
 from worker.batches.finalize import finalize
 from worker.events import notify
 from worker.infra import (

@@ -1,15 +1,15 @@
 """The upload sweep: a beat task, every ``upload_sweep_interval_s``, that marks uploads past
 their hour ``expired`` and deletes their parts, gives back the uploads whose complete died
 holding its claim (``upload_complete_lease_s``), and deletes the parts an ended upload still
-has. The rules live in :mod:`core.uploads`, which the API's routes share."""
+has. The rules live in :mod:`core.database.uploads`, which the API's routes share."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
 
-from core import uploads
-from core.db import session_scope
+from core.database import uploads
+from core.database.sessions import session_scope
 from core.queue import TASK_SWEEP_UPLOADS
 from core.settings import get_settings
 from worker.infra import app, storage

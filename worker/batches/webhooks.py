@@ -28,8 +28,9 @@ import httpx
 from sqlalchemy import select, update
 
 from core import metrics
-from core.db import session_scope, updated
-from core.lifecycle import DeliveryStatus, now, webhook_event_id
+from core.database.lifecycle import DeliveryStatus, now, webhook_event_id
+from core.database.sessions import session_scope, updated
+from core.database.tables import Batch, WebhookDelivery
 from core.queue import TASK_DELIVER_WEBHOOK, TASK_SWEEP_WEBHOOKS, WEBHOOK_QUEUE
 from core.security.netcheck import (
     AllowList,
@@ -40,7 +41,6 @@ from core.security.netcheck import (
     system_resolver,
 )
 from core.settings import get_settings
-from core.tables import Batch, WebhookDelivery
 from worker.infra import app, send
 
 logger = logging.getLogger(__name__)

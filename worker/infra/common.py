@@ -19,12 +19,12 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from core.lifecycle import ShardStatus, now
+from core.database.lifecycle import ShardStatus, now
+from core.database.tables import Batch, File, Shard
 from core.queue import CONTROL_QUEUE
 from core.settings import get_settings
 from core.storage import open_storage
 from core.storage.base import Storage
-from core.tables import Batch, File, Shard
 from worker.infra.celery import app
 
 logger = logging.getLogger(__name__)

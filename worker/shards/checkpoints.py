@@ -4,7 +4,7 @@
 
 A chunk counts once the shard's ``num_chunks`` is advanced past it, in the transaction that
 advances the live counters; later chunks are an uncommitted attempt's, deleted and redone. The
-format and the log of committed chunks: :mod:`core.results_log`.
+format and the log of committed chunks: :mod:`core.database.results_log`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from typing import Protocol
 
 from core.batchfile.reader import custom_id_of, iter_lines
-from core.results_log import ChunkRecord, read_chunk, write_chunk
+from core.database.results_log import ChunkRecord, read_chunk, write_chunk
 from core.settings import get_settings
 from core.storage.base import ObjectNotFound, Storage
 

@@ -19,10 +19,10 @@ from core import generation
 from core.batches.priority import Priority
 from core.batchfile.request import EMBEDDINGS_URL, BatchRequest
 from core.batchfile.results import GenerationResult, embedding_body, output_line
+from core.database.tables import Batch, Shard
 from core.generation import error_for_exception, error_record
 from core.llms import specs
 from core.settings import get_settings
-from core.tables import Batch, Shard
 from engine import RequestError, SamplingParams
 from worker.handler import (
     SUBMIT_WAIT_S,

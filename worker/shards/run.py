@@ -13,12 +13,12 @@ from typing import Any
 from core import metrics
 from core.batchfile.reader import RawLine, custom_id_of, iter_lines, parse_request
 from core.batchfile.request import BatchRequest, LineError
+from core.database.lifecycle import ShardStatus
+from core.database.tables import Batch, Shard
 from core.generation import error_for_exception, error_record
-from core.lifecycle import ShardStatus
 from core.llms import specs
 from core.logs import log_context
 from core.settings import get_settings
-from core.tables import Batch, Shard
 from worker.handler import Aborted, EngineUnavailable, Failed, Line, Refused
 from worker.host import Host
 from worker.infra import runtime, storage

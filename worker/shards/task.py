@@ -21,13 +21,13 @@ from celery.exceptions import Reject
 from celery.signals import worker_ready
 
 from core import metrics
-from core.db import session_scope
-from core.lifecycle import BatchStatus, ShardStatus
+from core.database.lifecycle import BatchStatus, ShardStatus
+from core.database.sessions import session_scope
+from core.database.tables import Batch, Shard
 from core.llms.gguf import ModelSourceError
 from core.logs import bind_log_context, log_context
 from core.queue import TASK_RUN_SHARD, model_queue
 from core.settings import get_settings
-from core.tables import Batch, Shard
 from worker.host import Host
 from worker.infra import app, input_key, past_expiry, retrying, runtime, storage
 from worker.infra.drain import Drain, process_drain

@@ -15,11 +15,11 @@ from core import generation
 from core.batches.priority import Priority
 from core.batchfile.request import BatchRequest
 from core.batchfile.results import ChoiceResult, GenerationResult, output_line, request_error_line
+from core.database.tables import Batch
 from core.generation import error_for_exception
 from core.llms.specs import UpstreamSpec
 from core.security.redaction import redact
 from core.settings import get_settings
-from core.tables import Batch
 from worker.handler import SUBMIT_WAIT_S, Aborted, Line, RequestOutcome
 from worker.upstream.cache_salt import salt_key, salted_body
 from worker.upstream.dispatcher import Dispatcher, Reply

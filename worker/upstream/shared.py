@@ -18,8 +18,8 @@ from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import or_, select, update
 
-from core.db import session_scope, updated
-from core.tables import UpstreamLimit, UpstreamMember
+from core.database.sessions import session_scope, updated
+from core.database.tables import UpstreamLimit, UpstreamMember
 from worker.upstream.concurrency import ConcurrencyController, Window
 
 logger = logging.getLogger(__name__)

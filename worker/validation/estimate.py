@@ -9,9 +9,9 @@ import threading
 from typing import Any
 
 from core import rpc
-from core.db import session_scope
+from core.database.lifecycle import now
+from core.database.sessions import session_scope
 from core.eta import store
-from core.lifecycle import now
 from core.queue import TASK_ESTIMATE, TASK_REFRESH_ETAS
 from core.settings import get_settings
 from worker.infra import app

@@ -14,12 +14,12 @@ from typing import Any
 from sqlalchemy import func, select, text, update
 from sqlalchemy.orm import Session
 
-from core import results_log
 from core.batchfile.reader import ValidationReport
-from core.db import new_session
-from core.lifecycle import ENQUEUED, BatchStatus, ShardStatus, transition
-from core.results_log import batch_log_prefix
-from core.tables import Batch, Shard
+from core.database import results_log
+from core.database.lifecycle import ENQUEUED, BatchStatus, ShardStatus, transition
+from core.database.results_log import batch_log_prefix
+from core.database.sessions import new_session
+from core.database.tables import Batch, Shard
 from worker.events import notify
 from worker.infra import storage
 from worker.shards.release import release_for_model

@@ -30,12 +30,12 @@ from core.batchfile.reader import (
     line_error_record,
 )
 from core.batchfile.request import LineError
-from core.db import new_session
-from core.lifecycle import BatchStatus, ShardStatus, now, transition
+from core.database.lifecycle import BatchStatus, ShardStatus, now, transition
+from core.database.results_log import ChunkRecord, batch_log_prefix, log_chunk, write_chunk
+from core.database.sessions import new_session
+from core.database.tables import Batch, Shard
 from core.llms import specs
-from core.results_log import ChunkRecord, batch_log_prefix, log_chunk, write_chunk
 from core.settings import get_settings
-from core.tables import Batch, Shard
 from worker.events import notify
 from worker.infra import past_expiry, runtime, storage
 from worker.shards.checkpoints import chunk_key

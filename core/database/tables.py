@@ -1,7 +1,7 @@
 """The database schema: files, batches, the shards a batch is split into, upstream limits.
 
 Timestamps are stored as timezone-aware datetimes and exposed by the API as unix seconds.
-Every status change goes through :mod:`core.lifecycle` as one conditional UPDATE.
+Every status change goes through :mod:`core.database.lifecycle` as one conditional UPDATE.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ class Batch(Base):
     model: Mapped[str | None] = mapped_column(String(256), nullable=True)
     input_file_id: Mapped[str] = mapped_column(String(64))
     completion_window: Mapped[str] = mapped_column(String(16))
-    status: Mapped[str] = mapped_column(String(16))  # core.lifecycle.BatchStatus
+    status: Mapped[str] = mapped_column(String(16))  # core.database.lifecycle.BatchStatus
     output_file_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
     error_file_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
     # OpenAI's errors.data: [{code, message, param, line}]
@@ -180,7 +180,8 @@ class Batch(Base):
     input_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     output_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
-    # Result lines committed so far, in commit order (core.results_log): the next line's seq.
+    # Result lines committed so far, in commit order (core.database.results_log): the next
+    # line's seq.
     results_logged: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
     shards: Mapped[list[Shard]] = relationship(
@@ -201,7 +202,7 @@ class Shard(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"), index=True)
     index: Mapped[int] = mapped_column(Integer)
-    status: Mapped[str] = mapped_column(String(16))  # core.lifecycle.ShardStatus
+    status: Mapped[str] = mapped_column(String(16))  # core.database.lifecycle.ShardStatus
     start_line: Mapped[int] = mapped_column(Integer)  # 1-based, inclusive
     end_line: Mapped[int] = mapped_column(Integer)  # exclusive
     start_offset: Mapped[int] = mapped_column(BigInteger)  # byte offset of start_line
@@ -242,7 +243,7 @@ class WebhookDelivery(Base):
     batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"), index=True)
     event_type: Mapped[str] = mapped_column(String(32))  # batch.completed, batch.failed, …
     url: Mapped[str] = mapped_column(Text)
-    status: Mapped[str] = mapped_column(String(16))  # core.lifecycle.DeliveryStatus
+    status: Mapped[str] = mapped_column(String(16))  # core.database.lifecycle.DeliveryStatus
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     last_status_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
     last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
@@ -258,7 +259,7 @@ class WebhookDelivery(Base):
 class ResultChunk(Base):
     """One committed checkpoint chunk (or a finalize's ``batch_<code>`` lines) in the batch's
     results log: lines ``[first_seq, first_seq + num_lines)`` in commit order, stored at
-    ``storage_key``. See :mod:`core.results_log`."""
+    ``storage_key``. See :mod:`core.database.results_log`."""
 
     __tablename__ = "result_chunks"
 

@@ -17,8 +17,8 @@ from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
 from core.batches.priority import Priority
-from core.lifecycle import now
-from core.tables import ApiKey, UiSession
+from core.database.lifecycle import now
+from core.database.tables import ApiKey, UiSession
 
 KEY_PREFIX = "sk-bd-"
 #: How much of a key listings show: enough to tell keys apart, far too little to guess one.

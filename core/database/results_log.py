@@ -17,8 +17,8 @@ from typing import Any
 from sqlalchemy import delete, insert, select, text, update
 from sqlalchemy.orm import Session
 
+from core.database.tables import Batch, ResultChunk, ResultLine
 from core.storage.base import Storage
-from core.tables import Batch, ResultChunk, ResultLine
 
 MAX_PAGE = 1000
 DEFAULT_PAGE = 100

@@ -18,8 +18,8 @@ from typing import Any
 from sqlalchemy import insert, update
 from sqlalchemy.orm import Session
 
-from core.db import updated
-from core.tables import Batch, WebhookDelivery
+from core.database.sessions import updated
+from core.database.tables import Batch, WebhookDelivery
 
 
 class BatchStatus(StrEnum):

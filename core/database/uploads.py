@@ -20,10 +20,10 @@ from datetime import timedelta
 from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
-from core.db import updated
-from core.lifecycle import now
+from core.database.lifecycle import now
+from core.database.sessions import updated
+from core.database.tables import Upload, UploadPart
 from core.storage.base import Storage
-from core.tables import Upload, UploadPart
 
 log = logging.getLogger(__name__)
 
