@@ -4,7 +4,7 @@ One seeded JSONL batch (``--requests`` chat requests, greedy, prompt length and 
 drawn from seeded log-normal distributions) is run two ways:
 
 1. **engine alone**, in this process: ``LLM(model, **engine options)`` with the worker's engine
-   options, the prompts tokenized by the worker's own conversion (``core.generation``: chat
+   options, the prompts tokenized by the worker's own conversion (``core.llms.generation``: chat
    template, context checks, ``SamplingParams``), one ``generate()`` call. Wall clock of that
    call; output tokens counted from its outputs.
 2. **the service**: a fresh Postgres database, a private Redis, the API (uvicorn), a control
@@ -101,8 +101,8 @@ class EngineRun:
 
 def run_engine(path: Path, model_dir: Path, warmup: int) -> EngineRun:
     """The batch file through ``LLM`` in this process, converted exactly as a shard does."""
-    from core import generation
     from core.batchfile.reader import iter_lines, parse_request
+    from core.llms import generation
     from core.settings import get_settings
     from engine import LLM, SamplingParams
     from worker.infra import runtime

@@ -17,7 +17,7 @@ from cli.run.scan import ScanReport, duplicate_error, line_error_record, parse_l
 from core.batchfile.reader import RawLine, iter_lines
 from core.batchfile.request import GENERATION_URLS, BatchRequest, LineError
 from core.batchfile.results import dumps_line
-from core.generation import (
+from core.llms.generation import (
     aborted_record,
     error_for_exception,
     error_record,

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from core.batchfile.reader import RawLine, iter_lines, parse_request
 from core.batchfile.request import BatchRequest, LineError
-from core.generation import (
+from core.llms.generation import (
     error_record,
 )
 

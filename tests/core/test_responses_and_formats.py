@@ -14,7 +14,7 @@ from openai.types.responses import Response
 from core.batchfile.reader import RawLine, parse_request
 from core.batchfile.request import CHAT_URL, COMPLETIONS_URL, RESPONSES_URL, BatchRequest, LineError
 from core.batchfile.results import ChoiceResult, GenerationResult, response_body
-from core.generation import check_prompt, sampling_kwargs
+from core.llms.generation import check_prompt, sampling_kwargs
 
 SCHEMA = {
     "type": "object",
@@ -251,7 +251,7 @@ def test_chat_body_of_a_structured_request_still_parses() -> None:
 
 
 def test_prompt_limits_name_the_responses_fields() -> None:
-    from core.generation import PromptError
+    from core.llms.generation import PromptError
 
     req = parse(line(RESPONSES_URL, input="x", max_output_tokens=500))
     with pytest.raises(PromptError) as info:

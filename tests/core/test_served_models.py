@@ -75,7 +75,7 @@ def test_bad_upstream_specs_name_the_option(spec: str, message: str) -> None:
 
 def test_upstream_prompts_are_counted_without_a_tokenizer() -> None:
     from core.batchfile.reader import RawLine, parse_request
-    from core.generation import approx_prompt_tokens
+    from core.llms.generation import approx_prompt_tokens
 
     line = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
                        "body": {"model": "m", "messages": [{"role": "user", "content": "x" * 400}]}})  # fmt: skip

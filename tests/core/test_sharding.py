@@ -10,7 +10,7 @@ import pytest
 from core.batches.sharding import ShardPlanner, ShardSpec
 from core.batchfile.reader import iter_lines, parse_request, validate_file
 from core.batchfile.request import CHAT_URL, BatchRequest
-from core.generation import estimate_tokens
+from core.llms.generation import estimate_tokens
 
 
 def plan(

@@ -163,10 +163,10 @@ def test_chunked_prefill_preemption_and_prefix_caching_equal_generate(
 
 def test_structured_example_gives_valid_json_and_sensible_labels(engine: Engine) -> None:
     """examples/structured.jsonl through the engine, translated as the worker and ``batchd
-    run`` translate a line (core.batchfile.reader, core.generation)."""
+    run`` translate a line (core.batchfile.reader, core.llms.generation)."""
     from core.batchfile.reader import RawLine, parse_request
     from core.batchfile.request import CHAT_URL
-    from core.generation import prepare_request
+    from core.llms.generation import prepare_request
 
     lines = EXAMPLE.read_bytes().splitlines()
     requests = [

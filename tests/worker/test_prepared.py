@@ -74,7 +74,7 @@ def test_ids_made_by_another_tokenizer_are_not_used(worker_env) -> None:
 
 def test_validation_stores_the_ids_the_shard_would_compute(worker_env, monkeypatch) -> None:
     from core.batchfile.reader import RawLine, parse_request
-    from core.generation import prompt_token_ids
+    from core.llms.generation import prompt_token_ids
     from worker.infra import runtime
     from worker.infra.common import storage
     from worker.shards.prepared import read_prepared, tokenizer_fingerprint

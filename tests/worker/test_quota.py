@@ -61,7 +61,7 @@ def _end_batches() -> Iterator[None]:
 def _prompt_tokens(lines) -> int:
     from types import SimpleNamespace
 
-    from core import generation
+    from core.llms import generation
     from tests.helpers.worker import MODEL
     from worker.infra import runtime
 

@@ -125,7 +125,7 @@ def model_dir(model: str) -> Path:
 def tokenizer(model: str) -> Any:
     """The model's tokenizer; the engine's own when this process runs the model. An upstream
     model has the tokenizer its spec names, or none (None: its prompts are counted by their
-    size, :func:`core.generation.approx_prompt_tokens`)."""
+    size, :func:`core.llms.generation.approx_prompt_tokens`)."""
     spec = model_spec(model)
     if specs.is_upstream(spec):
         source = specs.upstream_spec(spec, model).tokenizer

@@ -15,13 +15,12 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, cast
 
-from core import generation
 from core.batches.priority import Priority
 from core.batchfile.request import EMBEDDINGS_URL, BatchRequest
 from core.batchfile.results import GenerationResult, embedding_body, output_line
 from core.database.tables import Batch, Shard
-from core.generation import error_for_exception, error_record
-from core.llms import specs
+from core.llms import generation, specs
+from core.llms.generation import error_for_exception, error_record
 from core.settings import get_settings
 from engine import RequestError, SamplingParams
 from worker.handler import (

@@ -15,8 +15,8 @@ from core.batchfile.reader import RawLine, custom_id_of, iter_lines, parse_reque
 from core.batchfile.request import BatchRequest, LineError
 from core.database.lifecycle import ShardStatus
 from core.database.tables import Batch, Shard
-from core.generation import error_for_exception, error_record
 from core.llms import specs
+from core.llms.generation import error_for_exception, error_record
 from core.logs import log_context
 from core.settings import get_settings
 from worker.handler import Aborted, EngineUnavailable, Failed, Line, Refused

@@ -11,12 +11,12 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from core import generation
 from core.batches.priority import Priority
 from core.batchfile.request import BatchRequest
 from core.batchfile.results import ChoiceResult, GenerationResult, output_line, request_error_line
 from core.database.tables import Batch
-from core.generation import error_for_exception
+from core.llms import generation
+from core.llms.generation import error_for_exception
 from core.llms.specs import UpstreamSpec
 from core.security.redaction import redact
 from core.settings import get_settings
