@@ -161,6 +161,13 @@ class Batch(Base):
     # validation that stopped.
     validation_done: Mapped[bool] = mapped_column(Boolean, default=False, server_default=sa_false())
     validated_at: Mapped[datetime | None] = mapped_column(Timestamp, nullable=True)
+    # Paused (POST /v1/batches/{id}/pause): since when (None: not paused), and the seconds it
+    # was paused before the last resume. Its status stays validating or in_progress.
+    paused_at: Mapped[datetime | None] = mapped_column(Timestamp, nullable=True)
+    paused_s: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
+    # The token budget (prompt plus output tokens, usage's total) its lines may spend; None:
+    # none. Lines not started once usage reaches it end as ``budget_exhausted``.
+    max_total_tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
     created_at: Mapped[datetime] = mapped_column(Timestamp, server_default=func.now())
     expires_at: Mapped[datetime] = mapped_column(Timestamp)
