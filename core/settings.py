@@ -341,6 +341,16 @@ class Settings(BaseSettings):
         default=200_000, description="Estimated prompt + max output tokens per shard."
     )
     shard_max_requests: int = Field(default=2_000, description="Requests per shard.")
+    prefix_plan: bool = Field(
+        default=True,
+        description="Run each shard's lines grouped by shared prompt prefix, longest "
+        "`max_tokens` first (docs/validation.md#the-prefix-plan); off: file order.",
+    )
+    prefix_plan_max_nodes: int = Field(
+        default=500_000,
+        description="Prefix blocks the plan's index of a batch holds at most (about 100 bytes "
+        "each); past it, new prefixes keep file order.",
+    )
     checkpoint_every: int = Field(
         default=64,
         description="Requests per checkpoint chunk (a shard's first result is committed alone, "
