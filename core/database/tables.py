@@ -149,6 +149,9 @@ class Batch(Base):
     output_expires_after_s: Mapped[int | None] = mapped_column(Integer, nullable=True)
     # Prompt tokens counted at validation: what the batch holds against the tenant's queue limit.
     est_prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    # Prompt tokens an earlier line of the batch already holds as a prefix (core.batches.plan):
+    # what a prefix cache could serve; planned at validation.
+    prefix_shareable_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     # Its projected completion, refreshed from observed progress while it runs
     # (core.eta.forecast), and whether that projection lies past ``expires_at``.
     estimated_completion_at: Mapped[datetime | None] = mapped_column(Timestamp, nullable=True)
