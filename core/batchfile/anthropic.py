@@ -3,14 +3,16 @@
 A Messages request (``params``) becomes one ``/v1/chat/completions`` line of an ordinary batch
 input file, so everything that runs an OpenAI batch runs it; a chat result line becomes an
 Anthropic result (``{custom_id, result: {type, message | error}}``). A request this service
-cannot serve (an image block, tools, an unknown field) is not a line at all: it is an
+cannot serve (a malformed block, extended thinking, an unknown field) is not a line at all: it is an
 ``errored`` result naming the field, decided when the batch is created.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
+import secrets
 from typing import Any
 
 from core.batches.ids import message_id
@@ -34,11 +36,11 @@ SERVED_FIELDS = (
     "stream",
     "metadata",
     "service_tier",
+    "tools",
+    "tool_choice",
 )
 #: Messages fields that exist but that this service cannot serve.
 UNSERVED_FIELDS = {
-    "tools": "tools are not supported by this service",
-    "tool_choice": "tools are not supported by this service",
     "thinking": "extended thinking is not supported by this service",
     "container": "containers are not supported by this service",
     "mcp_servers": "MCP servers are not supported by this service",
@@ -50,6 +52,10 @@ _PARAM_NAMES = {
     "body.stop": "params.stop_sequences",
     "body.max_completion_tokens": "params.max_tokens",
 }
+#: ... and the parts of them a tool's field is in: ``body.tools[2].function.parameters`` is
+#: ``params.tools[2].input_schema``.
+_TOOL_PARAM = re.compile(r"^body\.tools(\[\d+\])(?:\.function(?:\.(\w+))?)?(.*)$")
+_TOOL_FIELDS = {"parameters": "input_schema"}
 
 
 class UnservableRequest(Exception):
@@ -80,13 +86,169 @@ def _text_blocks(value: Any, param: str) -> str:
         if kind != "text":
             raise _fail(
                 f"{where}.type",
-                f"{show(kind)} content blocks are not supported by this service (text only)",
+                f"{show(kind)} content blocks are not supported here (text only)",
             )
-        text = block.get("text")
-        if not isinstance(text, str):
-            raise _fail(f"{where}.text", f"expected a string, got {show(text)}")
-        texts.append(text)
+        texts.append(_text(block, where))
     return "\n".join(texts)
+
+
+def _text(block: dict[str, Any], where: str) -> str:
+    text = block.get("text")
+    if not isinstance(text, str):
+        raise _fail(f"{where}.text", f"expected a string, got {show(text)}")
+    return text
+
+
+def _image_part(block: dict[str, Any], where: str) -> dict[str, Any]:
+    """An ``image`` block as OpenAI's ``image_url`` part: base64 data as a ``data:`` URL, a URL
+    as itself (never fetched here: an upstream model reads it, a local one refuses it)."""
+    source = block.get("source")
+    if not isinstance(source, dict):
+        raise _fail(f"{where}.source", f"expected an object, got {show(source)}")
+    kind = source.get("type")
+    if kind == "base64":
+        media_type = source.get("media_type")
+        data = source.get("data")
+        if not isinstance(media_type, str) or not media_type.startswith("image/"):
+            raise _fail(
+                f"{where}.source.media_type",
+                f"expected an image media type (image/png, ...), got {show(media_type)}",
+            )
+        if not isinstance(data, str) or not data:
+            raise _fail(f"{where}.source.data", f"expected base64 text, got {show(data)}")
+        url = f"data:{media_type};base64,{data}"
+    elif kind == "url":
+        given = source.get("url")
+        if not isinstance(given, str) or not given:
+            raise _fail(f"{where}.source.url", f"expected a URL, got {show(given)}")
+        url = given
+    else:
+        raise _fail(f"{where}.source.type", f"expected 'base64' or 'url', got {show(kind)}")
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _turn(turn: dict[str, Any], where: str) -> list[dict[str, Any]]:
+    """One Messages turn as chat messages: text and image blocks as the turn's content parts,
+    an assistant's ``tool_use`` blocks as its ``tool_calls``, a user's ``tool_result`` blocks
+    as ``tool`` messages (before the rest of the turn, which answers after them)."""
+    role = turn.get("role")
+    content = turn.get("content")
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    if not isinstance(content, list):
+        raise _fail(
+            f"{where}.content",
+            f"expected a string or an array of content blocks, got {show(content)}",
+        )
+    parts: list[dict[str, Any]] = []
+    calls: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = []
+    for j, block in enumerate(content):
+        at = f"{where}.content[{j}]"
+        if not isinstance(block, dict):
+            raise _fail(at, f"expected a content block object, got {show(block)}")
+        kind = block.get("type")
+        if kind == "text":
+            parts.append({"type": "text", "text": _text(block, at)})
+        elif kind == "image":
+            parts.append(_image_part(block, at))
+        elif kind == "tool_use" and role == "assistant":
+            calls.append(_tool_use(block, at))
+        elif kind == "tool_result" and role == "user":
+            results.append(_tool_result(block, at))
+        else:
+            raise _fail(
+                f"{at}.type",
+                f"{show(kind)} content blocks are not supported in a {role} turn here",
+            )
+    messages: list[dict[str, Any]] = list(results)
+    if calls:
+        text = "\n".join(p["text"] for p in parts if p["type"] == "text")
+        messages.append({"role": "assistant", "content": text or None, "tool_calls": calls})
+    elif parts or not results:
+        texts_only = all(p["type"] == "text" for p in parts)
+        value: Any = "\n".join(p["text"] for p in parts) if texts_only else parts
+        messages.append({"role": role, "content": value})
+    return messages
+
+
+def _tool_use(block: dict[str, Any], where: str) -> dict[str, Any]:
+    call_id, name, args = block.get("id"), block.get("name"), block.get("input", {})
+    if not isinstance(call_id, str) or not call_id:
+        raise _fail(f"{where}.id", f"expected a string, got {show(call_id)}")
+    if not isinstance(name, str) or not name:
+        raise _fail(f"{where}.name", f"expected a string, got {show(name)}")
+    if not isinstance(args, dict):
+        raise _fail(f"{where}.input", f"expected an object, got {show(args)}")
+    return {
+        "id": call_id,
+        "type": "function",
+        "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)},
+    }
+
+
+def _tool_result(block: dict[str, Any], where: str) -> dict[str, Any]:
+    call_id = block.get("tool_use_id")
+    if not isinstance(call_id, str) or not call_id:
+        raise _fail(f"{where}.tool_use_id", f"expected a string, got {show(call_id)}")
+    content = block.get("content", "")
+    text = _text_blocks(content, f"{where}.content")
+    if block.get("is_error"):
+        text = f"Error: {text}"
+    return {"role": "tool", "tool_call_id": call_id, "content": text}
+
+
+def _tools(params: dict[str, Any]) -> dict[str, Any]:
+    """``tools`` and ``tool_choice`` as the chat body's fields (the chat checker then checks
+    each function as it checks OpenAI's)."""
+    out: dict[str, Any] = {}
+    tools = params.get("tools")
+    if tools not in (None, []):
+        if not isinstance(tools, list):
+            raise _fail("params.tools", f"expected an array of tools, got {show(tools)}")
+        functions = []
+        for i, tool in enumerate(tools):
+            where = f"params.tools[{i}]"
+            if not isinstance(tool, dict):
+                raise _fail(where, f"expected a tool object, got {show(tool)}")
+            if tool.get("type") not in (None, "custom"):
+                raise _fail(
+                    f"{where}.type",
+                    f"{show(tool.get('type'))} (a server tool) is not supported here: "
+                    "client tools (name, description, input_schema) only",
+                )
+            function: dict[str, Any] = {"name": tool.get("name")}
+            if tool.get("description") is not None:
+                function["description"] = tool["description"]
+            function["parameters"] = tool.get("input_schema")
+            functions.append({"type": "function", "function": function})
+        out["tools"] = functions
+    choice = params.get("tool_choice")
+    if choice is not None:
+        if not isinstance(choice, dict):
+            raise _fail("params.tool_choice", f"expected an object, got {show(choice)}")
+        kind = choice.get("type")
+        if kind == "tool":
+            out["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
+        elif kind in _TOOL_CHOICES:
+            out["tool_choice"] = _TOOL_CHOICES[kind]
+        else:
+            raise _fail(
+                "params.tool_choice.type",
+                f"expected 'auto', 'any', 'tool' or 'none', got {show(kind)}",
+            )
+        disable = choice.get("disable_parallel_tool_use")
+        if disable is not None:
+            if not isinstance(disable, bool):
+                raise _fail(
+                    "params.tool_choice.disable_parallel_tool_use",
+                    f"expected a boolean, got {show(disable)}",
+                )
+            out["parallel_tool_calls"] = not disable
+    return out
+
+
+_TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 
 
 def _number(params: dict[str, Any], name: str, low: float, high: float) -> None:
@@ -136,7 +298,7 @@ def chat_body(params: Any) -> dict[str, Any]:
         raise _fail("params.stream", "batch requests cannot be streamed")
     _number(params, "temperature", 0.0, 1.0)
     _number(params, "top_p", 0.0, 1.0)
-    messages: list[dict[str, str]] = []
+    messages: list[dict[str, Any]] = []
     if params.get("system") is not None:
         messages.append(
             {"role": "system", "content": _text_blocks(params["system"], "params.system")}
@@ -153,15 +315,14 @@ def chat_body(params: Any) -> dict[str, Any]:
         role = turn.get("role")
         if role not in ROLES:
             raise _fail(f"{where}.role", f"expected 'user' or 'assistant', got {show(role)}")
-        messages.append(
-            {"role": role, "content": _text_blocks(turn.get("content"), f"{where}.content")}
-        )
+        messages.extend(_turn(turn, where))
     body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": max_tokens}
     for name in ("temperature", "top_p", "top_k"):
         if params.get(name) is not None:
             body[name] = params[name]
     if params.get("stop_sequences"):
         body["stop"] = params["stop_sequences"]
+    body.update(_tools(params))
     return body
 
 
@@ -173,6 +334,11 @@ def messages_param(param: str | None) -> str | None:
     """A chat checker's ``body.…`` field as the Messages request calls it."""
     if param is None:
         return None
+    tool = _TOOL_PARAM.match(param)
+    if tool is not None:
+        index, field, rest = tool.groups()
+        named = "" if field is None else "." + _TOOL_FIELDS.get(field, field)
+        return f"params.tools{index}{named}{rest}"
     return _PARAM_NAMES.get(param, "params." + param.removeprefix("body."))
 
 
@@ -194,14 +360,22 @@ def _message(body: dict[str, Any]) -> dict[str, Any]:
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     finish = choice.get("finish_reason")
     stop = choice.get("stop_reason")  # the stop string that ended it (the engine's, vLLM's)
+    message = choice.get("message") or {}
+    calls = message.get("tool_calls") or []
+    content: list[dict[str, Any]] = []
+    if message.get("content") or not calls:
+        content.append({"type": "text", "text": message.get("content") or ""})
+    content.extend(_tool_use_block(call) for call in calls)
     return {
         "id": message_id(),
         "type": "message",
         "role": "assistant",
         "model": body.get("model"),
-        "content": [{"type": "text", "text": (choice.get("message") or {}).get("content") or ""}],
+        "content": content,
         "stop_reason": "max_tokens"
         if finish == "length"
+        else "tool_use"
+        if calls
         else "stop_sequence"
         if isinstance(stop, str)
         else "end_turn",
@@ -212,6 +386,21 @@ def _message(body: dict[str, Any]) -> dict[str, Any]:
             "cache_creation_input_tokens": 0,
             "cache_read_input_tokens": int(cached),
         },
+    }
+
+
+def _tool_use_block(call: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI tool call as a ``tool_use`` content block (its arguments as an object)."""
+    function = call.get("function") or {}
+    try:
+        arguments = json.loads(function.get("arguments") or "{}")
+    except ValueError:
+        arguments = {}
+    return {
+        "type": "tool_use",
+        "id": f"toolu_{secrets.token_hex(12)}",
+        "name": function.get("name"),
+        "input": arguments if isinstance(arguments, dict) else {},
     }
 
 

@@ -375,7 +375,7 @@ class ValidationReport:
 
     ``num_requests`` counts valid requests; ``num_invalid`` lines that failed; ``errors`` holds
     the first ``max_errors`` errors in line order, ``num_more_errors`` how many were left out.
-    ``model`` is the batch's model (from the first valid request). ``truncated`` is True when
+    ``model`` is the batch's model (the first valid request's; an adapter's base). ``truncated`` is True when
     validation stopped early at the request limit.
     """
 
@@ -409,8 +409,9 @@ class ValidationReport:
 
 class LineValidator:
     """The lines of one file checked in order, one at a time, with the file-wide rules: unique
-    ``custom_id``, one model per batch (the first valid request's), at most ``max_requests``
-    request lines. :func:`validate_file` runs a whole file through it; the validate task runs
+    ``custom_id``, one model per batch (the first valid request's; ``engine_models`` maps each
+    LoRA adapter to its base, whose engine runs it: the lines of a base and of its adapters
+    make one batch, whose model is the base), at most ``max_requests`` request lines. :func:`validate_file` runs a whole file through it; the validate task runs
     it line by line and plans shards as it goes (see "Validation streamed into execution" in
     ``docs/batch-files.md``).
 
@@ -425,14 +426,17 @@ class LineValidator:
         max_requests: int,
         max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
         forwarded: Forwarded = (),
+        engine_models: Mapping[str, str] | None = None,
     ):
         self.endpoint = endpoint
         self.served_models = served_models
         self.max_requests = max_requests
         self.max_line_bytes = max_line_bytes
         self.forwarded = forwarded
+        self.engine_models: Mapping[str, str] = engine_models or {}
         self.model: str | None = None
         self.model_line = 0
+        self.first_model: str | None = None  # as the first request wrote it
         self.request_lines = 0  # non-blank lines checked so far, valid or not
         self._seen: dict[str, int] = {}
 
@@ -464,15 +468,24 @@ class LineValidator:
                 "custom_id",
             )
         self._seen[req.custom_id] = raw.line
+        engine = self.engine_models.get(req.model, req.model)
         if self.model is None:
-            self.model = req.model
+            self.model = engine
             self.model_line = raw.line
-        elif req.model != self.model:
+            self.first_model = req.model
+        elif engine != self.model:
+            adapters = (
+                " (an adapter's lines may share a batch only with its base model's and its "
+                "other adapters')"
+                if self.engine_models
+                else ""
+            )
             raise LineError(
                 raw.line,
                 "mismatched_model",
                 f"All requests in a batch must use the same model: line {raw.line} uses "
-                f"{show(req.model)}, line {self.model_line} uses {show(self.model)}",
+                f"{show(req.model)}, line {self.model_line} uses {show(self.first_model)}"
+                + adapters,
                 "body.model",
             )
         return req
@@ -525,10 +538,12 @@ def validate_file(
     max_errors: int = 100,
     on_request: Callable[[BatchRequest], None] | None = None,
     forwarded: Forwarded = (),
+    engine_models: Mapping[str, str] | None = None,
 ) -> ValidationReport:
     """Stream every line of ``stream`` through a :class:`LineValidator` (:func:`parse_request`
     and the file-wide checks: unique ``custom_id``, one model per batch, at most
-    ``max_requests`` request lines, not empty); ``forwarded`` as for :func:`parse_request`.
+    ``max_requests`` request lines, not empty); ``forwarded`` as for :func:`parse_request`,
+    ``engine_models`` as for :class:`LineValidator`.
 
     ``on_request`` is called, in line order, for each valid request that passed every check;
     exceptions it raises propagate. Memory is bounded by the ``custom_id`` set (at most
@@ -541,6 +556,7 @@ def validate_file(
         max_requests=max_requests,
         max_line_bytes=max_line_bytes,
         forwarded=forwarded,
+        engine_models=engine_models,
     )
     for raw in iter_lines(stream, max_line_bytes=max_line_bytes):
         report.num_lines = raw.line

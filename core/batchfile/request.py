@@ -62,7 +62,9 @@ class BatchRequest:
     model: str
     body: dict[str, Any]
     kind: RequestKind
-    messages: list[dict[str, str]] | None = None  # chat, responses: role/content(/name), flattened
+    # chat, responses: role/content(/name), text parts flattened; an assistant turn's
+    # tool_calls and a tool turn's tool_call_id as the chat template reads them
+    messages: list[dict[str, Any]] | None = None
     prompt: str | list[int] | None = None  # completion: text or token ids
     max_tokens: int | None = None  # None: the caller applies its default
     max_tokens_from: str = "max_tokens"  # the body field it came from: max_tokens_field()
@@ -93,6 +95,12 @@ class BatchRequest:
     json_schema: dict[str, Any] | None = None
     regex: str | None = None  # vLLM's guided_regex: the output matches this regular expression
     choice: list[str] | None = None  # vLLM's guided_choice: the output is one of these strings
+    # chat tools (core.batchfile.bodies.tools): the functions as the chat template reads them,
+    # and the tool_choice: "auto", "required", or the name of the one function to call ("none"
+    # leaves ``tools`` None: the prompt is rendered without them)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str = "auto"
+    parallel_tool_calls: bool = True
 
 
 def max_tokens_field(kind: RequestKind, body: Mapping[str, Any]) -> str:

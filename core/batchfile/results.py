@@ -11,9 +11,11 @@ from __future__ import annotations
 import base64
 import json
 import math
+import re
+import secrets
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
@@ -38,6 +40,7 @@ __all__ = [
     "new_completion_id",
     "new_request_id",
     "output_line",
+    "parse_tool_calls",
     "request_error_line",
     "response_body",
     "responses_body",
@@ -155,18 +158,74 @@ class ResponseOptions(BodyOptions, total=False):
     response_id: str | None  # default: a fresh ``resp_…``
 
 
+#: One call in the Hermes / Qwen2.5 format: ``<tool_call>\n{"name": …, "arguments": {…}}\n</tool_call>``.
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def tool_call_id() -> str:
+    return f"call_{secrets.token_hex(12)}"
+
+
+def parse_tool_calls(
+    text: str, names: Collection[str]
+) -> tuple[str | None, list[dict[str, Any]]] | None:
+    """The content and OpenAI ``tool_calls`` of a completion in the Hermes / Qwen2.5 format
+    (one or more ``<tool_call>`` blocks, each a JSON object with a ``name`` among ``names`` and
+    object ``arguments``); the content is the text around the calls, None when there is none.
+    None when ``text`` holds no call, or a block that is not a valid call: the text then stays
+    the content."""
+    blocks = list(_TOOL_CALL.finditer(text))
+    if not blocks:
+        return None
+    calls = []
+    for block in blocks:
+        try:
+            call = json.loads(block.group(1))
+        except ValueError:
+            return None
+        if not isinstance(call, dict) or call.get("name") not in names:
+            return None
+        arguments = call.get("arguments", call.get("parameters", {}))
+        if not isinstance(arguments, dict):
+            return None
+        calls.append(
+            {
+                "id": tool_call_id(),
+                "type": "function",
+                "function": {
+                    "name": call["name"],
+                    "arguments": json.dumps(arguments, ensure_ascii=False),
+                },
+            }
+        )
+    content = _TOOL_CALL.sub("", text).strip()
+    return content or None, calls
+
+
 def _chat_choice(req: BatchRequest, c: ChoiceResult) -> dict[str, Any]:
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": c.text,
+        "refusal": None,
+        "annotations": [],
+    }
+    finish = c.finish_reason
+    parsed = None
+    if req.tools and finish == "stop":
+        parsed = parse_tool_calls(c.text, [t["function"]["name"] for t in req.tools])
+    if parsed is not None:
+        content, calls = parsed
+        if not req.parallel_tool_calls:
+            calls = calls[:1]
+        message["content"] = content
+        message["tool_calls"] = calls
+        finish = "tool_calls"
     return {
         "index": c.index,
-        "message": {
-            "role": "assistant",
-            "content": c.text,
-            "refusal": None,
-            "annotations": [],
-        },
+        "message": message,
         "logprobs": _chat_logprobs(req, c),
-        "finish_reason": c.finish_reason,
-        **_stop_reason(c),
+        "finish_reason": finish,
+        **({} if parsed is not None else _stop_reason(c)),
     }
 
 

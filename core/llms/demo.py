@@ -18,14 +18,45 @@ from pathlib import Path
 
 from core.settings import get_settings
 
+# ChatML, with tools as Hermes and Qwen2.5 render them: the functions in the system turn,
+# each call a ``<tool_call>`` block of JSON, each result a ``<tool_response>`` in a user turn.
+# Without tools the text is plain ChatML.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\n\n' }}{%- endif %}"
+    "{{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\n</tools>\n\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+    "' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if tools and loop.first and message['role'] == 'system' %}"
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] is defined"
+    " and message['tool_calls'] %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- if message['content'] %}{{- '\n' + message['content'] }}{%- endif %}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- set call = call['function'] if call['function'] is defined else call %}"
+    "{{- '\n<tool_call>\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' }}"
+    "{{- call['arguments'] | tojson if call['arguments'] is not string else call['arguments'] }}"
+    "{{- '}\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '<|im_start|>user\n<tool_response>\n' + message['content'] + '\n</tool_response>"
+    "<|im_end|>\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-BUILD_VERSION = 1  # bump when the recipe changes, so cached directories are rebuilt
+BUILD_VERSION = 2  # bump when the recipe changes, so cached directories are rebuilt
 
 
 @dataclass(frozen=True)

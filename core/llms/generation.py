@@ -10,9 +10,11 @@ passes (``engine.SamplingParams``) from keyword arguments.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from core.batchfile.bodies.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from core.batchfile.request import COMPLETIONS_DEFAULT_MAX_TOKENS, BatchRequest
 from core.batchfile.results import (
     ChoiceResult,
@@ -72,18 +74,55 @@ def prompt_token_ids(tok: Any, req: BatchRequest) -> list[int]:
             for t in (encode(tok, item, add_special_tokens=True) if isinstance(item, str) else item)
         ]
     if req.kind in ("chat", "response"):
-        text = tok.apply_chat_template(
-            req.messages,
-            add_generation_prompt=True,
-            tokenize=False,
-            **(req.chat_template_kwargs or {}),
-        )
-        return encode(tok, text, add_special_tokens=False)
+        return encode(tok, chat_prompt(tok, req), add_special_tokens=False)
     if isinstance(req.prompt, list):
         return [int(t) for t in req.prompt]
     if req.prompt is None:
         raise ValueError(f"a {req.kind} request without a prompt")
     return encode(tok, req.prompt, add_special_tokens=True)
+
+
+def supports_tools(tok: Any) -> bool:
+    """Whether the tokenizer's chat template renders tools (it reads a ``tools`` variable;
+    a set of named templates may hold a ``tool_use`` one, which transformers picks then)."""
+    template = getattr(tok, "chat_template", None)
+    if isinstance(template, dict):
+        return "tool_use" in template or any(_TOOLS.search(t or "") for t in template.values())
+    return isinstance(template, str) and _TOOLS.search(template) is not None
+
+
+_TOOLS = re.compile(r"\btools\b")
+
+
+def chat_prompt(tok: Any, req: BatchRequest) -> str:
+    """The model's chat template rendered with the request's messages (and tools, if any),
+    the assistant turn opened; a forced tool call (``tool_choice`` required or named) also
+    opens the call, whose JSON the grammar then holds to the functions' schemas
+    (core.batchfile.bodies.tools). A model whose template renders no tools refuses a request
+    with tools, or with tool calls in its history (:class:`PromptError`)."""
+    messages = req.messages or []
+    history = next((i for i, m in enumerate(messages) if m.get("tool_calls")), None)
+    if (req.tools or history is not None) and not supports_tools(tok):
+        param = "body.tools" if req.tools else f"body.messages[{history}].tool_calls"
+        raise PromptError(
+            "unsupported_parameter",
+            f"{param} cannot be served: the chat template of the model {req.model!r} does not "
+            "support tools",
+            param,
+        )
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.tools:
+        kwargs["tools"] = req.tools
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+    if forced_tool_call(req):
+        text += TOOL_CALL_OPEN
+    return str(text)
+
+
+def forced_tool_call(req: BatchRequest) -> bool:
+    """The request's output is one tool call held to its schema (tool_choice required or a
+    named function)."""
+    return bool(req.tools) and req.tool_choice not in ("auto", "none")
 
 
 def default_max_tokens(req: BatchRequest, prompt_len: int, context: int) -> int:
@@ -208,14 +247,23 @@ def _logprobs(tok: Any, entries: Any) -> list[TokenLogprobInfo] | None:
 
 
 def generation_result(tok: Any, req: BatchRequest, output: Any) -> GenerationResult:
-    """The engine's ``RequestOutput`` as the result that ``core.batchfile.results`` formats."""
+    """The engine's ``RequestOutput`` as the result that ``core.batchfile.results`` formats.
+    A forced tool call's text (the call's JSON: the prompt opened the call) is closed into the
+    ``<tool_call>`` block the result parses."""
+    forced = forced_tool_call(req)
+
+    def text(c: Any) -> str:
+        if forced and (c.finish_reason or "stop") == "stop":
+            return TOOL_CALL_OPEN + c.text + TOOL_CALL_CLOSE
+        return str(c.text)
+
     return GenerationResult(
         prompt_tokens=len(output.prompt_token_ids),
         cached_tokens=int(getattr(output.metrics, "num_cached_tokens", 0) or 0),
         choices=[
             ChoiceResult(
                 index=c.index,
-                text=c.text,
+                text=text(c),
                 finish_reason=c.finish_reason or "stop",
                 completion_tokens=len(c.token_ids),
                 logprobs=_logprobs(tok, c.logprobs) if req.logprobs else None,

@@ -37,7 +37,7 @@ def test_params_map_onto_a_chat_body() -> None:
 @pytest.mark.parametrize(
     ("change", "param"),
     [
-        ({"tools": [{"name": "f"}]}, "params.tools"),
+        ({"tools": [{"name": "f", "type": "web_search_20250305"}]}, "params.tools[0].type"),
         ({"max_tokens": 0}, "params.max_tokens"),
         ({"temperature": 1.5}, "params.temperature"),  # Anthropic's range is 0 to 1
         ({"stream": True}, "params.stream"),
@@ -45,7 +45,7 @@ def test_params_map_onto_a_chat_body() -> None:
         ({"messages": [{"role": "system", "content": "x"}]}, "params.messages[0].role"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
-            "params.messages[0].content[0].type",
+            "params.messages[0].content[0].source.type",
         ),
     ],
 )

@@ -339,7 +339,7 @@ LINE_CASES: list[tuple[str, Any, str, str | None]] = [
             ]
         ),
         "unsupported_value",
-        "body.messages[0].content[0].type",
+        "body.messages[0].content[0]",
     ),
     (
         "text part without text",
@@ -362,8 +362,8 @@ LINE_CASES: list[tuple[str, Any, str, str | None]] = [
     (
         "tool calls",
         chat_line(messages=[{"role": "assistant", "content": "", "tool_calls": [{"id": "x"}]}]),
-        "unsupported_parameter",
-        "body.messages[0].tool_calls",
+        "missing_required_param",
+        "body.messages[0].tool_calls[0].function",
     ),
     (
         "name int",
@@ -407,12 +407,12 @@ LINE_CASES: list[tuple[str, Any, str, str | None]] = [
     ("stream str", chat_line(stream="yes"), "invalid_type", "body.stream"),
     (
         "tools",
-        chat_line(tools=[{"type": "function", "function": {"name": "f"}}]),
-        "unsupported_parameter",
-        "body.tools",
+        chat_line(tools=[{"type": "function", "function": {"name": "f g"}}]),
+        "invalid_value",
+        "body.tools[0].function.name",
     ),
     ("functions", chat_line(functions=[{"name": "f"}]), "unsupported_parameter", "body.functions"),
-    ("tool_choice", chat_line(tool_choice="auto"), "unsupported_parameter", "body.tool_choice"),
+    ("tool_choice", chat_line(tool_choice="auto"), "invalid_value", "body.tool_choice"),
     ("logit_bias", chat_line(logit_bias={"5": 10}), "unsupported_parameter", "body.logit_bias"),
     (
         "response_format type",

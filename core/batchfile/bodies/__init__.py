@@ -49,7 +49,7 @@ def check_body(
     which decides what it accepts; the fields this service knows are checked either way. A
     forwarded body may not set a field of :data:`~core.batchfile.bodies.fields.UPSTREAM_RESERVED`
     other than those the operator ``allowed`` for its upstream."""
-    checker = Checker(req.line, req.body)
+    checker = Checker(req.line, req.body, forwarded=forwarded)
     if forwarded:
         _refuse_reserved(checker, allowed)
     else:

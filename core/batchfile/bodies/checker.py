@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from core.batchfile.request import (
@@ -21,9 +21,12 @@ class Checker:
     """Reads and checks the fields of one request body; each failure is a :class:`LineError`
     naming the line and the field."""
 
-    def __init__(self, line: int, body: dict[str, Any]):
+    def __init__(self, line: int, body: dict[str, Any], *, forwarded: bool = False):
         self.line = line
         self.body = body
+        # the body goes as written to an upstream model, which decides what it serves: the
+        # fields only local models refuse (fields.REFUSED) pass
+        self.forwarded = forwarded
 
     def fail(self, code: str, param: str, message: str) -> LineError:
         return LineError(self.line, code, message, param)
@@ -153,6 +156,14 @@ class Checker:
                 )
         return list(value)
 
+    def refuse_unserved(self, names: Mapping[str, str]) -> None:
+        """Refuse each of ``names`` that is set (``unsupported_parameter``, with its reason),
+        unless the body is forwarded to an upstream model."""
+        if self.forwarded:
+            return
+        for name, why in names.items():
+            self.reject_if_set(name, why)
+
     def reject_if_set(self, name: str, why: str = "is not supported by this service") -> None:
         value = self.get(name)
         if value is not None and value != [] and value != {}:
@@ -166,7 +177,6 @@ class Checker:
                 "body.stream",
                 "body.stream must be false: batch requests cannot be streamed",
             )
-        self.reject_if_set("logit_bias")
         req.temperature = self.number("temperature", 0.0, 2.0, 1.0)
         req.top_p = self.number("top_p", 0.0, 1.0, 1.0, lo_open=True)
         top_k = self.integer("top_k", -1, None, 0)

@@ -151,3 +151,47 @@ UPSTREAM_RESERVED: dict[str, str] = {
     "kv_transfer_params": "steers the upstream's KV cache transfer between its servers",
     "vllm_xargs": "passes extra arguments to the upstream's own plugins",
 }
+
+_NOT_SUPPORTED = "is not supported by this service"
+_ALONE = "is not supported in a batch: each request stands alone"
+
+# Fields of FIELDS that a local model refuses when set (``unsupported_parameter``, with the
+# reason); a line forwarded to an upstream model carries them as written. Fields whose
+# values are limited (``stream`` must be false, ``n`` at most 128, ...) are checked for
+# both. docs/api.md's field table is generated from these lists (core.batchfile.field_table).
+REFUSED: dict[RequestKind, dict[str, str]] = {
+    "chat": {
+        "logit_bias": _NOT_SUPPORTED,
+        "functions": "is not supported by this service: use body.tools",
+        "function_call": "is not supported by this service: use body.tool_choice",
+        "web_search_options": _NOT_SUPPORTED,
+        "moderation": _NOT_SUPPORTED,
+        "audio": "is not supported: the models served here generate text only",
+    },
+    "completion": {
+        "logit_bias": _NOT_SUPPORTED,
+        "suffix": _NOT_SUPPORTED,
+    },
+    "embedding": {},
+    "response": {
+        "tools": "is not supported on /v1/responses: use /v1/chat/completions for tools",
+        "reasoning": "is not supported: the models served here do not reason",
+        "include": _NOT_SUPPORTED,
+        "moderation": _NOT_SUPPORTED,
+        "image": _NOT_SUPPORTED,
+        "context_management": _NOT_SUPPORTED,
+        "access_programs": _NOT_SUPPORTED,
+    },
+}
+
+# Fields refused on every model, upstream ones too: they ask for what a batch line is not.
+REFUSED_EVERYWHERE: dict[RequestKind, dict[str, str]] = {
+    "chat": {},
+    "completion": {},
+    "embedding": {},
+    "response": {
+        "previous_response_id": _ALONE,
+        "conversation": _ALONE,
+        "prompt": _ALONE,
+    },
+}

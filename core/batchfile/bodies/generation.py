@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from core.batchfile.bodies.checker import Checker
+from core.batchfile.bodies.fields import REFUSED
 from core.batchfile.bodies.structured import guided, json_schema
+from core.batchfile.bodies.tools import check_tools, history_tool_calls
 from core.batchfile.request import CHAT_ROLES, BatchRequest, max_tokens_field, show
 
 # apply_chat_template's own arguments: chat_template_kwargs holds variables for the template
@@ -44,73 +46,25 @@ def check_chat(c: Checker, req: BatchRequest) -> None:
         raise c.type_error("body.messages", "an array", messages)
     if not messages:
         raise c.fail("invalid_value", "body.messages", "body.messages must not be empty")
-    out: list[dict[str, str]] = []
+    out: list[dict[str, Any]] = []
     for i, msg in enumerate(messages):
-        p = f"body.messages[{i}]"
-        if not isinstance(msg, dict):
-            raise c.type_error(p, "an object", msg)
-        role = c.required(f"{p}.role", msg.get("role"))
-        if not isinstance(role, str):
-            raise c.type_error(f"{p}.role", "a string", role)
-        c.choice(f"{p}.role", role, CHAT_ROLES)
-        if msg.get("tool_calls") or msg.get("function_call"):
-            key = "tool_calls" if msg.get("tool_calls") else "function_call"
-            raise c.fail(
-                "unsupported_parameter", f"{p}.{key}", f"{p}.{key} is not supported by this service"
-            )
-        content = c.required(f"{p}.content", msg.get("content"))
-        if isinstance(content, list):
-            texts: list[str] = []
-            for j, part in enumerate(content):
-                pp = f"{p}.content[{j}]"
-                if not isinstance(part, dict):
-                    raise c.type_error(pp, "an object", part)
-                ptype = part.get("type")
-                if ptype != "text":
-                    if not isinstance(ptype, str):
-                        raise c.type_error(f"{pp}.type", "a string", ptype)
-                    raise c.fail(
-                        "unsupported_value",
-                        f"{pp}.type",
-                        f'{pp}.type must be "text" (this service serves text only), got {show(ptype)}',
-                    )
-                text = part.get("text")
-                if not isinstance(text, str):
-                    raise c.type_error(f"{pp}.text", "a string", text)
-                texts.append(text)
-            content = "\n".join(texts)
-        elif not isinstance(content, str):
-            raise c.type_error(f"{p}.content", "a string or an array of content parts", content)
-        flat = {"role": role, "content": content}
-        name = msg.get("name")
-        if name is not None:
-            if not isinstance(name, str):
-                raise c.type_error(f"{p}.name", "a string", name)
-            flat["name"] = name
-        out.append(flat)
+        out.append(_message(c, req, msg, f"body.messages[{i}]"))
     req.messages = out
 
     c.common(req)
-    for name in ("tools", "functions", "web_search_options", "moderation"):
-        c.reject_if_set(name)
-    for name in ("tool_choice", "function_call"):
-        choice = c.get(name)
-        if choice is not None and choice != "none":
-            raise c.fail(
-                "unsupported_parameter",
-                f"body.{name}",
-                f"body.{name} is not supported by this service",
-            )
+    refused = REFUSED["chat"]
+    if c.get("function_call") == "none":  # the legacy spelling of tool_choice "none"
+        refused = {k: v for k, v in refused.items() if k != "function_call"}
+    c.refuse_unserved(refused)
     req.json_schema = json_schema(c, c.get("response_format"), "body.response_format", flat=False)
     req.chat_template_kwargs = _template_kwargs(c)
     modalities = c.get("modalities")
-    if modalities is not None and modalities != ["text"]:
+    if modalities is not None and modalities != ["text"] and not c.forwarded:
         raise c.fail(
             "unsupported_value",
             "body.modalities",
             f'body.modalities must be ["text"], got {show(modalities)}',
         )
-    c.reject_if_set("audio")
 
     # both limits are checked; the one max_tokens_field names is the request's
     limits = {
@@ -129,6 +83,93 @@ def check_chat(c: Checker, req: BatchRequest) -> None:
     req.top_logprobs = top
     c.vllm_sampling(req)
     guided(c, req)
+    check_tools(c, req)
+
+
+def _message(c: Checker, req: BatchRequest, msg: Any, p: str) -> dict[str, Any]:
+    """One message as the chat template reads it: text parts joined; an assistant turn's
+    ``tool_calls`` (its content may then be null) and a tool turn's ``tool_call_id`` kept."""
+    if not isinstance(msg, dict):
+        raise c.type_error(p, "an object", msg)
+    role = c.required(f"{p}.role", msg.get("role"))
+    if not isinstance(role, str):
+        raise c.type_error(f"{p}.role", "a string", role)
+    c.choice(f"{p}.role", role, CHAT_ROLES)
+    if msg.get("function_call") and not c.forwarded:
+        raise c.fail(
+            "unsupported_parameter",
+            f"{p}.function_call",
+            f"{p}.function_call is not supported by this service: use tool_calls",
+        )
+    flat: dict[str, Any] = {"role": role}
+    calls = msg.get("tool_calls")
+    if calls is not None and calls != []:
+        if role != "assistant":
+            raise c.fail(
+                "invalid_value",
+                f"{p}.tool_calls",
+                f"{p}.tool_calls may only be set on an assistant message, not on a {role} one",
+            )
+        flat["tool_calls"] = history_tool_calls(c, calls, f"{p}.tool_calls")
+        content = msg.get("content")
+    else:
+        content = c.required(f"{p}.content", msg.get("content"))
+    if role == "tool":
+        call_id = c.required(f"{p}.tool_call_id", msg.get("tool_call_id"))
+        if not isinstance(call_id, str):
+            raise c.type_error(f"{p}.tool_call_id", "a string", call_id)
+        flat["tool_call_id"] = call_id
+    if isinstance(content, list):
+        content = "\n".join(_text_parts(c, req, content, f"{p}.content"))
+    elif content is not None and not isinstance(content, str):
+        raise c.type_error(f"{p}.content", "a string or an array of content parts", content)
+    flat["content"] = content
+    name = msg.get("name")
+    if name is not None:
+        if not isinstance(name, str):
+            raise c.type_error(f"{p}.name", "a string", name)
+        flat["name"] = name
+    return flat
+
+
+def _text_parts(c: Checker, req: BatchRequest, content: list[Any], p: str) -> list[str]:
+    """The texts of a message's content parts. Other parts (an ``image_url``, an audio or file
+    part) go as written to an upstream model, which decides what it serves; a local model
+    refuses the line naming the part, since the models served here take text only."""
+    texts: list[str] = []
+    for j, part in enumerate(content):
+        pp = f"{p}[{j}]"
+        if not isinstance(part, dict):
+            raise c.type_error(pp, "an object", part)
+        ptype = part.get("type")
+        if ptype == "text":
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise c.type_error(f"{pp}.text", "a string", text)
+            texts.append(text)
+            continue
+        if not isinstance(ptype, str):
+            raise c.type_error(f"{pp}.type", "a string", ptype)
+        if ptype == "image_url":
+            image = part.get("image_url")
+            url = image.get("url") if isinstance(image, dict) else None
+            if not isinstance(url, str) or not url:
+                raise c.type_error(f"{pp}.image_url.url", "a URL string", url)
+            if not c.forwarded:
+                raise c.fail(
+                    "unsupported_value",
+                    pp,
+                    f"{pp} is an image_url part, but the model {show(req.model)} takes text "
+                    "only (this service runs no vision model locally)",
+                )
+        elif not c.forwarded:
+            raise c.fail(
+                "unsupported_value",
+                f"{pp}.type",
+                f'{pp}.type must be "text": the model {show(req.model)} takes text only, '
+                f"got {show(ptype)}",
+            )
+    return texts
 
 
 def _template_kwargs(c: Checker) -> dict[str, Any] | None:
@@ -184,7 +225,7 @@ def check_completion(c: Checker, req: BatchRequest) -> None:
     req.prompt = prompt
 
     c.common(req)
-    c.reject_if_set("suffix")
+    c.refuse_unserved(REFUSED["completion"])
     if c.boolean("echo", False):
         raise c.fail(
             "unsupported_value", "body.echo", "body.echo must be false: echo is not supported"

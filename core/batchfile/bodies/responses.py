@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from core.batchfile.bodies.checker import Checker
+from core.batchfile.bodies.fields import REFUSED, REFUSED_EVERYWHERE
 from core.batchfile.bodies.structured import json_schema
 from core.batchfile.request import BatchRequest, max_tokens_field, show
 
@@ -19,7 +20,6 @@ TEXT_PARTS = ("input_text", "output_text")
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY = 64
 MAX_METADATA_VALUE = 512
-_STATEFUL = ("previous_response_id", "conversation", "prompt")
 
 
 def check_response(c: Checker, req: BatchRequest) -> None:
@@ -111,19 +111,17 @@ def _refuse_unsupported(c: Checker) -> None:
             "body.background",
             "body.background must be false: a batch request already runs in the background",
         )
-    c.reject_if_set("tools")
+    c.refuse_unserved(REFUSED["response"])
     tool_choice = c.get("tool_choice")
-    if tool_choice is not None and tool_choice not in ("none", "auto"):
+    if tool_choice is not None and tool_choice not in ("none", "auto") and not c.forwarded:
         raise c.fail(
             "unsupported_parameter",
             "body.tool_choice",
-            "body.tool_choice is not supported by this service",
+            "body.tool_choice is not supported on /v1/responses: use /v1/chat/completions "
+            "for tools",
         )
-    for name in _STATEFUL:
-        c.reject_if_set(name, "is not supported in a batch: each request stands alone")
-    c.reject_if_set("reasoning", "is not supported: the models served here do not reason")
-    for name in ("include", "moderation", "image", "context_management", "access_programs"):
-        c.reject_if_set(name)
+    for name, why in REFUSED_EVERYWHERE["response"].items():
+        c.reject_if_set(name, why)
     if c.integer("top_logprobs", 0, 20, 0):
         raise c.fail(
             "unsupported_parameter",
