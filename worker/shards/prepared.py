@@ -15,8 +15,8 @@ import logging
 import sys
 import weakref
 from array import array
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
 
 from core.storage.base import ObjectNotFound, Storage
 
@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 _ITEM = "I"  # uint32
 _MAGIC = b"BDID\x01\x00\x00\x00"  # format 1; the tokenizer's 16-byte digest follows
 _HEADER = len(_MAGIC) + 16
+L = TypeVar("L")
 _fingerprints: weakref.WeakKeyDictionary[Any, bytes] = weakref.WeakKeyDictionary()
 
 
@@ -110,3 +111,54 @@ def read_prepared(
         out[line] = flat[i + 2 : i + 2 + count].tolist()
         i += 2 + count
     return out
+
+
+# -- the order a shard runs its lines in (core.batches.plan)
+
+_ORDER_MAGIC = b"BDOR\x01\x00\x00\x00"
+
+
+def order_key(batch_id: str, shard_index: int) -> str:
+    return f"batches/{batch_id}/prepared/{shard_index:05d}.order"
+
+
+def write_order(storage: Storage, batch_id: str, shard_index: int, lines: list[int]) -> None:
+    """Store the input lines of one shard in the order its run submits them (written whole,
+    atomically); a shard without one runs in file order."""
+    with storage.writer(order_key(batch_id, shard_index)) as out:
+        out.write(_ORDER_MAGIC + _le(array(_ITEM, lines)))
+
+
+def read_order(storage: Storage, batch_id: str, shard_index: int) -> list[int]:
+    """The stored run order of the shard's lines; empty (file order) when none was stored or
+    it cannot be read."""
+    try:
+        with storage.reader(order_key(batch_id, shard_index)) as stream:
+            data = stream.read()
+    except ObjectNotFound:
+        return []
+    if data[: len(_ORDER_MAGIC)] != _ORDER_MAGIC:
+        logger.warning("batch %s shard %s: its run order is unreadable", batch_id, shard_index)
+        return []
+    flat = array(_ITEM)
+    body = data[len(_ORDER_MAGIC) :]
+    flat.frombytes(body[: len(body) - len(body) % flat.itemsize])
+    if sys.byteorder != "little":
+        flat.byteswap()
+    return flat.tolist()
+
+
+def in_run_order(lines: Iterable[L], order: list[int], line_of: Callable[[L], int]) -> Iterator[L]:
+    """A shard's ``lines`` (read in file order) in its stored run ``order``; the lines the order
+    does not name follow in file order. Without an order they stream as read; with one the
+    shard's lines are held until the first is given (a shard is at most
+    ``shard_max_requests`` lines)."""
+    if not order:
+        yield from lines
+        return
+    held = {line_of(item): item for item in lines}
+    for line in order:
+        item = held.pop(line, None)
+        if item is not None:
+            yield item
+    yield from held.values()

@@ -20,6 +20,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from core import metrics
+from core.batches.plan import PlanItem, PrefixIndex, plan_order
 from core.batches.sharding import ShardPlanner, ShardSpec
 from core.batchfile.reader import (
     FILE_ERRORS,
@@ -39,7 +40,7 @@ from core.settings import get_settings
 from worker.events import notify
 from worker.infra import past_expiry, runtime, storage
 from worker.shards.checkpoints import chunk_key
-from worker.shards.prepared import tokenizer_fingerprint, write_prepared
+from worker.shards.prepared import tokenizer_fingerprint, write_order, write_prepared
 from worker.shards.release import release_for_model
 from worker.shards.state import finish_if_last
 from worker.validation.failures import (
@@ -105,6 +106,9 @@ class _OpenShard:
     line_tokens: list[tuple[int, int]] = field(default_factory=list)
     prompt_tokens: int = 0
     ids: list[tuple[int, list[int]]] = field(default_factory=list)  # see worker.shards.prepared
+    # the prefix plan (core.batches.plan): per request its line, prefix ranks, output tokens
+    plan: list[tuple[int, list[int], int]] = field(default_factory=list)
+    shareable_tokens: int = 0
 
     def add(self, line: int, prompt_tokens: int, ids: list[int] | None) -> None:
         self.line_tokens.append((line, prompt_tokens))
@@ -153,6 +157,8 @@ class StreamedValidation:
             after_offset=resume.offset if resume else 0,
         )
         self.open = _OpenShard()
+        # A resumed run plans on with an empty index: the prefixes before it are not re-read.
+        self.index = PrefixIndex(settings.prefix_plan_max_nodes) if settings.prefix_plan else None
         self.head = resume is None  # no shard exists yet
         self.report = ValidationReport()  # the head's errors
 
@@ -226,7 +232,46 @@ class StreamedValidation:
         closed = self.planner.add(req.line, req.offset, req.length, tokens)
         outcome = self._create(closed, last=False) if closed else None
         self.open.add(req.line, self.count.last_prompt, self.count.last_ids)
+        self._plan(req.line, tokens - self.count.last_prompt)
         return outcome
+
+    # -- the prefix plan (an optimisation: whatever goes wrong, the lines keep file order)
+
+    def _plan(self, line: int, decode: int) -> None:
+        ids = self.count.last_plan_ids
+        if self.index is None or ids is None:
+            return
+        try:
+            was_full = self.index.full
+            before = self.index.shareable_tokens
+            ranks = self.index.add(ids)
+            self.open.shareable_tokens += self.index.shareable_tokens - before
+            self.open.plan.append((line, ranks, decode))
+        except Exception:
+            logger.exception("batch %s: prefix plan off from line %s", self.batch_id, line)
+            self.index = None
+            return
+        if self.index.full and not was_full:
+            logger.warning(
+                "batch %s: prefix index full at %s nodes (line %s): new prefixes keep file order",
+                self.batch_id,
+                self.index.max_nodes,
+                line,
+            )
+
+    def _write_order(self, spec: ShardSpec, shard: _OpenShard) -> None:
+        """Store the shard's run order when the plan changes anything (else: file order)."""
+        if self.index is None or not shard.plan:
+            return
+        try:
+            index = self.index
+            order = plan_order(PlanItem(ln, index.path(r), d) for ln, r, d in shard.plan)
+            if order != sorted(order):
+                write_order(storage(), self.batch_id, spec.index, order)
+        except Exception:
+            logger.exception(
+                "batch %s: shard %s keeps file order (its plan failed)", self.batch_id, spec.index
+            )
 
     def _head_full(self) -> bool:
         """The head holds ``shard_max_requests`` lines: the next line belongs to the next shard
@@ -284,6 +329,7 @@ class StreamedValidation:
             write_prepared(
                 storage(), self.batch_id, spec.index, shard.ids, tokenizer_fingerprint(tok)
             )
+        self._write_order(spec, shard)
         outcome = self._commit(spec, shard, last)
         if outcome is not None:
             return outcome
@@ -328,6 +374,7 @@ class StreamedValidation:
                 "request_total": Batch.request_total + spec.num_requests,
                 "request_failed": Batch.request_failed + len(shard.errors),
                 "est_prompt_tokens": tokens,
+                "prefix_shareable_tokens": Batch.prefix_shareable_tokens + shard.shareable_tokens,
                 "validation_done": last,
                 "validated_at": now(),
             }

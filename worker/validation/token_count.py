@@ -27,11 +27,14 @@ class TokenCounter:
         self.prompt_tokens = 0
         self.last_prompt = 0
         self.last_ids: list[int] | None = None  # a generation request's prompt ids
+        # ... also an upstream model's, when it has a local tokenizer (the prefix plan's)
+        self.last_plan_ids: list[int] | None = None
 
     def __call__(self, req: BatchRequest) -> int:
         tok = runtime.tokenizer(req.model)
         context = runtime.context_length(req.model)
         self.last_ids = None
+        self.last_plan_ids = None
         if tok is None:  # an upstream model without a local tokenizer: counted by size
             prompt_len = generation.approx_prompt_tokens(req)
             self.prompt_tokens += prompt_len
@@ -44,8 +47,10 @@ class TokenCounter:
             logger.warning("line %s cannot be tokenized (%s); counted as 0 tokens", req.line, exc)
             ids = []
         else:
-            if req.kind != "embedding" and not runtime.is_upstream(req.model):
-                self.last_ids = ids  # the embedding engine frames each input itself
+            if req.kind != "embedding":  # the embedding engine frames each input itself
+                self.last_plan_ids = ids
+                if not runtime.is_upstream(req.model):
+                    self.last_ids = ids
         prompt_len = len(ids)
         self.prompt_tokens += prompt_len
         self.last_prompt = prompt_len
