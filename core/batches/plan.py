@@ -108,5 +108,8 @@ def plan_order(items: Iterable[PlanItem]) -> list[int]:
     first over the prefix tree, in first-seen order), inside a group the longest expected
     output first, then file order; lines that share nothing come last, in file order."""
     return [
-        item.line for item in sorted(items, key=lambda i: (not i.path, i.path, -i.decode, i.line))
+        item.line
+        for item in sorted(
+            items, key=lambda i: (not i.path, i.path, -i.decode if i.path else 0, i.line)
+        )
     ]
