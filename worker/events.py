@@ -41,7 +41,11 @@ def notify(batch_id: str, status: str) -> str | None:
                     WebhookDelivery.status,
                     WebhookDelivery.attempts,
                 )
-                .where(WebhookDelivery.batch_id == batch_id)
+                .where(
+                    WebhookDelivery.batch_id == batch_id,
+                    # Its pause and resume events are not the one it ends with.
+                    WebhookDelivery.event_type.in_(EVENT_TYPES.values()),
+                )
                 .limit(1)
             ).first()
             if delivery is not None:

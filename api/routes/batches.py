@@ -1,4 +1,4 @@
-"""``/v1/batches``: create (then enqueue validation), retrieve, list, cancel."""
+"""``/v1/batches``: create (then enqueue validation), retrieve, list, cancel, pause, resume."""
 
 from __future__ import annotations
 
@@ -114,3 +114,23 @@ def _list(session: Session, tenant: str, after: str | None, limit: int) -> Batch
 )
 def cancel_batch(batch_id: str, caller: CurrentKey, session: SessionDep) -> BatchPublic:
     return BatchPublic.of(batches.cancel_batch(session, caller.tenant, batch_id))
+
+
+@router.post(
+    "/{batch_id}/pause",
+    response_model=BatchPublic,
+    responses=error_responses(404, 409),
+    summary="Pause a batch (extension)",
+)
+def pause_batch(batch_id: str, caller: CurrentKey, session: SessionDep) -> BatchPublic:
+    return BatchPublic.of(batches.pause_batch(session, caller.tenant, batch_id))
+
+
+@router.post(
+    "/{batch_id}/resume",
+    response_model=BatchPublic,
+    responses=error_responses(404, 409),
+    summary="Resume a paused batch (extension)",
+)
+def resume_batch(batch_id: str, caller: CurrentKey, session: SessionDep) -> BatchPublic:
+    return BatchPublic.of(batches.resume_batch(session, caller.tenant, batch_id))

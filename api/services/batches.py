@@ -11,7 +11,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import func, select, text
+from sqlalchemy import func, select, text, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -26,9 +26,30 @@ from core.batches.completion_windows import duration, window_seconds
 from core.batches.ids import batch_id as new_batch_id
 from core.batches.priority import PriorityName, priority_name
 from core.database.auth import generate_webhook_secret, priority_allowed
-from core.database.lifecycle import CANCELLABLE, TERMINAL, UNFINISHED, BatchStatus, now, transition
-from core.database.tables import Batch, File
-from core.queue import TASK_CANCEL, TASK_VALIDATE, enqueue
+from core.database.lifecycle import (
+    CANCELLABLE,
+    PAUSABLE,
+    PAUSED_EVENT,
+    RESUMED_EVENT,
+    TERMINAL,
+    UNFINISHED,
+    BatchStatus,
+    ShardStatus,
+    now,
+    pause,
+    record_event,
+    resume,
+    transition,
+)
+from core.database.tables import Batch, File, Shard
+from core.queue import (
+    TASK_CANCEL,
+    TASK_DELIVER_WEBHOOK,
+    TASK_RELEASE_SWEEP,
+    TASK_VALIDATE,
+    WEBHOOK_QUEUE,
+    enqueue,
+)
 from core.security.netcheck import url_problem
 from core.settings import Settings
 
@@ -41,6 +62,103 @@ def get_batch_row(session: Session, tenant: str, batch_id: str) -> Batch:
     row = session.get(Batch, batch_id) if could_be_id(batch_id) else None
     if row is None or row.tenant != tenant:
         raise not_found("Batch", batch_id)
+    return row
+
+
+MESSAGE_BATCH_PREFIX = "msgbatch_"
+
+
+def _pausable_row(session: Session, tenant: str, batch_id: str, verb: str) -> Batch:
+    """The tenant's batch ``batch_id`` for a pause or a resume: 404 (an Anthropic Message
+    Batch's id says why), 409 for a batch that has ended or is being cancelled."""
+    if batch_id.startswith(MESSAGE_BATCH_PREFIX):
+        raise APIError(
+            404,
+            f"No such Batch object: {batch_id} is a Message Batch; the Message Batches API "
+            f"has no {verb} (only OpenAI-style batches can be paused and resumed).",
+        )
+    row = get_batch_row(session, tenant, batch_id)
+    if row.status not in PAUSABLE:
+        raise APIError(
+            409,
+            f"Cannot {verb} batch {batch_id}: its status is '{row.status}'"
+            + (" (already finished)." if row.status in TERMINAL else ".")
+            + " Only a validating or in-progress batch can be paused or resumed.",
+            code="batch_not_pausable" if verb == "pause" else "batch_not_resumable",
+            headers={"x-should-retry": "false"},
+        )
+    return row
+
+
+def _send_event(batch_id: str, delivery_id: str | None) -> None:
+    """Enqueue a pause or resume event's delivery (its row committed): the webhook sweep
+    sends what the broker refuses now."""
+    if delivery_id is None:
+        return
+    try:
+        enqueue(TASK_DELIVER_WEBHOOK, delivery_id, queue=WEBHOOK_QUEUE)
+    except Exception as error:
+        log.warning("batch %s: webhook %s not enqueued (the sweep sends it): %s",
+                    batch_id, delivery_id, error)  # fmt: skip
+
+
+def _release_shards(batch_id: str) -> None:
+    """Ask for a release of every model's next shards now (the release sweep does it on its
+    own within a few seconds if the broker refuses)."""
+    try:
+        enqueue(TASK_RELEASE_SWEEP)
+    except Exception as error:
+        log.warning("batch %s: release not enqueued (the sweep releases): %s", batch_id, error)
+
+
+def pause_batch(session: Session, tenant: str, batch_id: str) -> Batch:
+    """Pause the batch: its shards not yet claimed go back from the release window (their
+    slots go to other batches at once), a running shard stops taking lines and hands back the
+    rest once its lines in flight end. Pausing a paused batch changes nothing."""
+    row = _pausable_row(session, tenant, batch_id, "pause")
+    if row.paused_at is not None:
+        return row
+    won, url = pause(session, batch_id)
+    delivery_id = None
+    if won:
+        session.execute(
+            update(Shard)
+            .where(
+                Shard.batch_id == batch_id,
+                Shard.status == ShardStatus.PENDING,
+                Shard.released_at.is_not(None),
+            )
+            .values(released_at=None)
+            .execution_options(synchronize_session=False)
+        )
+        if url:
+            delivery_id = record_event(session, batch_id, PAUSED_EVENT, url)
+    session.commit()
+    session.refresh(row)
+    if not won:
+        # Changed meanwhile: ended (409), or another pause came first (the same answer).
+        return _pausable_row(session, tenant, batch_id, "pause")
+    log.info("batch %s paused", batch_id)
+    _send_event(batch_id, delivery_id)
+    _release_shards(batch_id)
+    return row
+
+
+def resume_batch(session: Session, tenant: str, batch_id: str) -> Batch:
+    """Resume a paused batch: its shards are released again, each resuming from its last
+    checkpoint. Resuming a batch that is not paused changes nothing."""
+    row = _pausable_row(session, tenant, batch_id, "resume")
+    if row.paused_at is None:
+        return row
+    won, url = resume(session, batch_id, row.paused_at)
+    delivery_id = record_event(session, batch_id, RESUMED_EVENT, url) if won and url else None
+    session.commit()
+    session.refresh(row)
+    if not won:
+        return _pausable_row(session, tenant, batch_id, "resume")
+    log.info("batch %s resumed", batch_id)
+    _send_event(batch_id, delivery_id)
+    _release_shards(batch_id)
     return row
 
 
@@ -138,6 +256,7 @@ def _replay(row: Batch, body: BatchCreate, priority: str) -> Batch:
             expiry.seconds if expiry is not None else None,
             row.output_expires_after_s,
         ),
+        "max_total_tokens": (body.max_total_tokens, row.max_total_tokens),
     }
     if body.webhook_url is not None:
         asked["webhook_url"] = (body.webhook_url, row.webhook_url)
@@ -256,6 +375,7 @@ def create_batch(
         webhook_url=webhook_url,
         webhook_secret=webhook_secret,
         output_expires_after_s=output_expiry_s,
+        max_total_tokens=body.max_total_tokens,
         created_at=created,
         expires_at=created + timedelta(seconds=seconds),
         request_total=0,

@@ -189,6 +189,7 @@ def _request(parent: Batch, body: RetryCreate, lines: LineSelection | None) -> d
         "lines": None if lines is None else lines.normalized(),
         "completion_window": body.completion_window,
         "priority": body.priority,
+        "max_total_tokens": body.max_total_tokens,
     }
 
 
@@ -228,6 +229,7 @@ def _create_body(
         completion_window=body.completion_window or parent.completion_window,
         metadata=_metadata(parent),
         webhook_url=parent.webhook_url,
+        max_total_tokens=body.max_total_tokens,
         output_expires_after=(
             ExpiresAfter(anchor="created_at", seconds=parent.output_expires_after_s)
             if parent.output_expires_after_s

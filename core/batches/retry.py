@@ -2,7 +2,7 @@
 read once its retries have run.
 
 A retry batch is made of the parent's input lines whose results are in :data:`RETRY_KINDS`:
-``expired`` or ``cancelled`` (never ran) and ``failed`` (a 5xx or a 429, which may pass next
+``expired``, ``cancelled`` or ``budget_exhausted`` (never ran) and ``failed`` (a 5xx or a 429, which may pass next
 time; a 4xx is the request's own fault and is never retried). :class:`LineSelection` narrows
 it to 1-based line numbers and inclusive ranges ``[first, last]``."""
 
@@ -12,10 +12,14 @@ import bisect
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-RETRY_KINDS = ("expired", "cancelled", "failed")
+RETRY_KINDS = ("expired", "cancelled", "budget_exhausted", "failed")
 RETRY_OF = "retry_of"  # the metadata key naming a retry's parent batch
 
-_NEVER_RAN = {"batch_expired": "expired", "batch_cancelled": "cancelled"}
+_NEVER_RAN = {
+    "batch_expired": "expired",
+    "batch_cancelled": "cancelled",
+    "budget_exhausted": "budget_exhausted",
+}
 
 
 def retry_kind(line: dict[str, Any]) -> str | None:

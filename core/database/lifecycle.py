@@ -2,6 +2,8 @@
 
 validating -> in_progress -> finalizing -> completed; validating -> failed;
 validating | in_progress -> cancelling -> cancelled; those three -> expired (expiry sweep).
+A validating or in-progress batch may be paused and resumed (``paused_at``, :func:`pause`):
+its status stays what it was.
 
 Each batch transition is one conditional UPDATE, so two actors never both win. A transition
 into a terminal status of a batch with a ``webhook_url`` inserts its ``webhook_deliveries`` row
@@ -59,6 +61,8 @@ TERMINAL = frozenset(
 UNFINISHED = tuple(s for s in BatchStatus if s not in TERMINAL)
 # The statuses a client may cancel from.
 CANCELLABLE = (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS)
+# The statuses a client may pause from (a paused batch keeps its status, see pause()).
+PAUSABLE = (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS)
 # Statuses whose batches hold their prompt tokens against the tenant's enqueued-token limit
 # (a batch still validating has not been counted yet, except the one being validated).
 ENQUEUED = (BatchStatus.IN_PROGRESS, BatchStatus.FINALIZING, BatchStatus.CANCELLING)
@@ -105,9 +109,20 @@ def webhook_event_id() -> str:
     return "evt_" + secrets.token_hex(12)
 
 
+# The events of a batch that pauses or resumes (it does not end).
+PAUSED_EVENT = "batch.paused"
+RESUMED_EVENT = "batch.resumed"
+
+
 def record_webhook_event(session: Session, batch_id: str, status: str, url: str) -> str:
     """Insert the pending ``webhook_deliveries`` row of ``batch_id`` having ended in
     ``status`` (in the caller's transaction); return its id, the event id."""
+    return record_event(session, batch_id, EVENT_TYPES[status], url)
+
+
+def record_event(session: Session, batch_id: str, event_type: str, url: str) -> str:
+    """Insert a pending ``webhook_deliveries`` row of the event ``event_type`` of
+    ``batch_id`` (in the caller's transaction); return its id, the event id."""
     delivery_id = webhook_event_id()
     # Whole seconds: the event's created_at is unix seconds, the same on every attempt.
     created = now().replace(microsecond=0)
@@ -115,7 +130,7 @@ def record_webhook_event(session: Session, batch_id: str, status: str, url: str)
         insert(WebhookDelivery).values(
             id=delivery_id,
             batch_id=batch_id,
-            event_type=EVENT_TYPES[status],
+            event_type=event_type,
             url=url,
             status=DeliveryStatus.PENDING,
             attempts=0,
@@ -159,3 +174,31 @@ def transition(
     if won.webhook_url:
         record_webhook_event(session, batch_id, target, won.webhook_url)
     return True
+
+
+def pause(session: Session, batch_id: str) -> tuple[bool, str | None]:
+    """Mark ``batch_id`` paused if it is validating or in progress and not paused yet:
+    ``(won, webhook_url)``. Its status does not change: a paused batch is one whose
+    ``paused_at`` is set. The caller commits."""
+    won = session.execute(
+        update(Batch)
+        .where(Batch.id == batch_id, Batch.status.in_(PAUSABLE), Batch.paused_at.is_(None))
+        .values(paused_at=now())
+        .returning(Batch.webhook_url)
+        .execution_options(synchronize_session=False)
+    ).first()
+    return (False, None) if won is None else (True, won.webhook_url)
+
+
+def resume(session: Session, batch_id: str, paused_at: datetime) -> tuple[bool, str | None]:
+    """Clear the pause that began at ``paused_at``, adding its length to ``paused_s``:
+    ``(won, webhook_url)``; False if another resume came first. The caller commits."""
+    paused_for = max(0.0, (now() - paused_at).total_seconds())
+    won = session.execute(
+        update(Batch)
+        .where(Batch.id == batch_id, Batch.paused_at == paused_at)
+        .values(paused_at=None, paused_s=Batch.paused_s + paused_for)
+        .returning(Batch.webhook_url)
+        .execution_options(synchronize_session=False)
+    ).first()
+    return (False, None) if won is None else (True, won.webhook_url)

@@ -230,7 +230,13 @@ def refresh(session: Session, now: datetime, window_s: float) -> int:
     for change in changes:
         session.execute(
             update(Batch)
-            .where(Batch.id == change["id"], Batch.status == BatchStatus.IN_PROGRESS)
+            .where(
+                Batch.id == change["id"],
+                Batch.status == BatchStatus.IN_PROGRESS,
+                # A paused batch keeps the projection it had; its reader moves it by the time
+                # paused so far (api.schemas).
+                Batch.paused_at.is_(None),
+            )
             .values(
                 estimated_completion_at=change["estimated_completion_at"], at_risk=change["at_risk"]
             )

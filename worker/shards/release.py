@@ -147,6 +147,7 @@ def _candidates(session: Session, model: str, per_batch_limit: int) -> list[Cand
         .where(
             Batch.model == model,
             Batch.status == BatchStatus.IN_PROGRESS,
+            Batch.paused_at.is_(None),  # a paused batch's capacity goes to the others
             Batch.expires_at > now(),
             Shard.status == ShardStatus.PENDING,
             Shard.released_at.is_(None),
@@ -362,7 +363,11 @@ def _resend_lost(model: str) -> int:
                 Shard.updated_at < cutoff,
                 Shard.batch_id.in_(
                     select(Batch.id).where(
-                        and_(Batch.model == model, Batch.status == BatchStatus.IN_PROGRESS)
+                        and_(
+                            Batch.model == model,
+                            Batch.status == BatchStatus.IN_PROGRESS,
+                            Batch.paused_at.is_(None),
+                        )
                     )
                 ),
             )

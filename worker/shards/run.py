@@ -13,6 +13,7 @@ from typing import Any
 from core import metrics
 from core.batchfile.reader import RawLine, custom_id_of, iter_lines, parse_request
 from core.batchfile.request import BatchRequest, LineError
+from core.batchfile.results import batch_error_line
 from core.database.lifecycle import ShardStatus
 from core.database.tables import Batch, Shard
 from core.llms import specs
@@ -25,8 +26,7 @@ from worker.infra import runtime, storage
 from worker.infra.drain import Drain, process_drain
 from worker.shards import timings
 from worker.shards.handlers import handler_for
-from worker.shards.prepared import in_run_order, read_order
-from worker.shards.state import Heartbeat, Pending, ShardLost, batch_stopping, commit_chunk
+from worker.shards.state import Heartbeat, Pending, ShardLost, batch_state, commit_chunk
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,13 @@ class ShardRun:
     When the worker drains (SIGTERM, :mod:`worker.infra.drain`) the run feeds the host no
     more; the requests in flight finish and are checkpointed until the drain is due, then the
     rest are aborted. What did not finish gets no line: :meth:`run` returns ``pending`` and the
-    shard is handed back, for the attempt that resumes it to run.
+    shard is handed back, for the attempt that resumes it to run. A paused batch is the same
+    without the drain's deadline: the lines in flight finish, and the rest wait for the resume
+    (``pausing``).
+
+    A batch with a token budget (``max_total_tokens``) starts a line only while the tokens
+    spent stay under it: see :meth:`_budget_admits`; a line it does not start ends as a
+    ``budget_exhausted`` error line.
     """
 
     def __init__(
@@ -102,6 +108,12 @@ class ShardRun:
         self.stopping = False
         self.drain = drain or process_drain()
         self.draining = False
+        self.pausing = False  # the batch was paused: a drain without a deadline
+        self.budget = batch.max_total_tokens
+        # Tokens spent: the batch's as last read, plus what this run committed since then.
+        self.spent_read = (batch.input_tokens or 0) + (batch.output_tokens or 0)
+        self.spent_since = 0
+        self.reserved: dict[int, int] = {}  # line in flight -> its worst case in tokens
         self.fed_all = False  # every line not done before was handed to the host
         self.dropped = 0  # requests that came back without a line while draining
         self.retries: dict[int, int] = {}
@@ -134,6 +146,7 @@ class ShardRun:
                 return
             chunk = self.pending.take(1 if first else self.every)
             commit_chunk(self.shard, self.attempt, self.chunk, chunk)
+            self.spent_since += chunk.input_tokens + chunk.output_tokens
             timings.record_commit(self.batch_id, chunk.finished, time.time())
             metrics.record_chunk(self.model, self.tenant, chunk)
             self.chunk += 1
@@ -158,12 +171,22 @@ class ShardRun:
         now = time.monotonic()
         if force or now - self._last_poll >= STATUS_POLL_S:
             self._last_poll = now
-            if not self.stopping and batch_stopping(self.batch_id):
+            state = batch_state(self.batch_id)
+            self.spent_read, self.spent_since = state.spent, 0
+            if not self.stopping and state.stopping:
                 logger.info(
                     "batch %s is stopping; shard %s aborts", self.batch_id, self.shard.index
                 )
                 self.stopping = True
                 self.host.abort_group(self.batch_id)
+            elif state.paused and not self.draining:
+                logger.info(
+                    "batch %s is paused; shard %s lets %s requests in flight finish",
+                    self.batch_id,
+                    self.shard.index,
+                    self.in_flight,
+                )
+                self.pausing = self.draining = True
 
     def _collect(self, block_s: float = 0.0) -> None:
         """Move finished requests into the pending chunk."""
@@ -184,6 +207,7 @@ class ShardRun:
         """Turn a request the host is done with into its line, or run it again (see the
         class docstring)."""
         self.in_flight -= 1
+        self.reserved.pop(req.line, None)
         if alone:
             self.suspect_line = None
         with log_context(request_id=req.custom_id):
@@ -244,14 +268,18 @@ class ShardRun:
                 self._poll()
                 continue
             self.submitted_at[req.line] = time.time()
+            if self.budget is not None:
+                self.reserved[req.line] = worst_case_tokens(prompt, params)
             try:
                 self.handler.submit(prompt, params, done)
             except TimeoutError:  # HostQueueFull, the embedding host's or the dispatcher's
+                self.reserved.pop(req.line, None)
                 self._collect()
                 self._checkpoint()
                 self._poll()
                 continue
             except ValueError as exc:  # refused at submission
+                self.reserved.pop(req.line, None)
                 self.pending.add_error(req.line, error_for_exception(req, exc))
                 return True
             self.in_flight += 1
@@ -341,7 +369,8 @@ class ShardRun:
 
     def _drain(self) -> None:
         """Let the requests in flight finish until the drain is due (or the batch stops), then
-        abort the rest and wait a moment for them to come back."""
+        abort the rest and wait a moment for them to come back. A pause has no deadline of its
+        own (a worker's drain that begins meanwhile brings its own)."""
         while self.in_flight and not self.stopping and not self.drain.time_up():
             self._collect(block_s=0.2)
             self._checkpoint()
@@ -358,6 +387,41 @@ class ShardRun:
             while self.in_flight and time.monotonic() < deadline:
                 self._collect(block_s=0.2)
 
+    def _spent(self) -> int:
+        """The batch's tokens spent as far as this run knows: as last read, plus its own
+        results since (committed or pending)."""
+        pending = self.pending.input_tokens + self.pending.output_tokens
+        return self.spent_read + self.spent_since + pending
+
+    def _budget_admits(self, prompt: Any, params: Any) -> bool:
+        """Whether a line may start under the batch's budget: no budget; or under it, with the
+        line's worst case (prompt plus its output bound) fitting beside the worst cases of the
+        lines in flight. A line that does not fit waits for those to end, then starts if
+        anything is left (its output may be shorter than its bound). False: the budget is
+        spent (or the run stops or pauses while it waits)."""
+        if self.budget is None:
+            return True
+        cost = worst_case_tokens(prompt, params)
+        while not (self.stopping or self.draining):
+            spent = self._spent()
+            if spent >= self.budget:
+                return False
+            if not self.in_flight or spent + sum(self.reserved.values()) + cost <= self.budget:
+                return True
+            self._collect(block_s=0.2)
+            self._checkpoint()
+            self._poll()
+        return False
+
+    def _budget_line(self, req: BatchRequest) -> dict[str, Any]:
+        return batch_error_line(
+            req.custom_id,
+            BUDGET_EXHAUSTED,
+            f"This request was not run: the batch's token budget (max_total_tokens="
+            f"{self.budget}) was spent ({self._spent()} prompt and output tokens) before it "
+            f"could start. Retry it with a new budget (POST /v1/batches/{self.batch_id}/retry).",
+        )
+
     def _complete(self) -> bool:
         """Whether every request of the shard has its line (committed, or pending the last
         checkpoint), though the worker drains."""
@@ -368,14 +432,12 @@ class ShardRun:
     def _feed(self) -> None:
         sto = storage()
         chunks = sto.read_range(self.key, self.shard.start_offset, self.shard.end_offset)
-        lines = iter_lines(
+        for raw in iter_lines(
             chunks,
             max_line_bytes=get_settings().max_line_bytes,
             first_line=self.shard.start_line,
             base_offset=self.shard.start_offset,
-        )
-        order = read_order(sto, self.batch_id, self.shard.index)  # the prefix plan's
-        for raw in in_run_order(lines, order, lambda raw: raw.line):
+        ):
             if raw.line in self.done_lines:
                 continue
             try:
@@ -389,14 +451,31 @@ class ShardRun:
                 prepared = self.handler.prepare(req)
                 if isinstance(prepared, Line):
                     self.pending.add_error(req.line, prepared.record)
-                else:
+                elif self._budget_admits(*prepared):
                     self._submit(req, *prepared)
+                elif not (self.stopping or self.draining):
+                    self.pending.add_error(req.line, self._budget_line(req))
             self._collect()
             self._checkpoint()
             self._poll()
             if self.stopping or self.draining:
                 return
         self.fed_all = True
+
+
+BUDGET_EXHAUSTED = "budget_exhausted"
+
+
+def worst_case_tokens(prompt: Any, params: Any) -> int:
+    """The most tokens a prepared request may spend: its prompt's tokens (one prompt, or an
+    embedding's several) plus its output bound (``max_tokens``, for generation). 0 for what
+    cannot be counted here (an upstream's bodies)."""
+    tokens = 0
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+        tokens = sum(len(p) for p in prompt)
+    elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt[:1]):
+        tokens = len(prompt)
+    return tokens + int(getattr(params, "max_tokens", 0) or 0)
 
 
 def unparsable_line_error(raw: RawLine, err: LineError) -> dict[str, Any]:

@@ -238,11 +238,14 @@ def set_shard_status(shard_id: int, attempt: int, status: str) -> bool:
     return retrying(attempt_once, f"ending shard {shard_id} as {status}")
 
 
-def hand_back(shard_id: int, attempt: int) -> bool:
-    """This attempt stops before the shard's end (its worker drains): ``running -> pending``
-    with its committed chunks, and one more hand-back counted, so the next claim takes it at
-    once instead of waiting for its heartbeat to go stale. That claim raises ``attempts``,
-    fencing this attempt off. False if the attempt no longer owns the shard."""
+def hand_back(shard_id: int, attempt: int, *, unrelease: bool = False) -> bool:
+    """This attempt stops before the shard's end (its worker drains, or its batch is paused):
+    ``running -> pending`` with its committed chunks, and one more hand-back counted, so the
+    next claim takes it at once instead of waiting for its heartbeat to go stale. That claim
+    raises ``attempts``, fencing this attempt off. ``unrelease``: the shard also leaves the
+    release window (a paused batch's; it is released again when the batch resumes). False if
+    the attempt no longer owns the shard."""
+    extra = {"released_at": None} if unrelease else {}
 
     def attempt_once() -> bool:
         with session_scope() as session:
@@ -258,6 +261,7 @@ def hand_back(shard_id: int, attempt: int) -> bool:
                     worker=None,
                     heartbeat_at=None,
                     handbacks=Shard.handbacks + 1,
+                    **extra,
                 )
                 .execution_options(synchronize_session=False)
             )
@@ -402,12 +406,57 @@ class Heartbeat:
                 return
 
 
-def batch_stopping(batch_id: str) -> bool:
-    def attempt() -> bool:
+@dataclass(frozen=True, slots=True)
+class BatchState:
+    """What a running shard polls of its batch: whether it stops (cancelled, expired, gone),
+    whether it is paused, and the tokens its committed results spent (usage.total_tokens)."""
+
+    stopping: bool
+    paused: bool = False
+    spent: int = 0
+
+
+def batch_state(batch_id: str) -> BatchState:
+    def attempt() -> BatchState:
         with session_scope() as session:
             row = session.execute(
-                select(Batch.status, Batch.expires_at).where(Batch.id == batch_id)
+                select(
+                    Batch.status,
+                    Batch.expires_at,
+                    Batch.paused_at,
+                    Batch.input_tokens,
+                    Batch.output_tokens,
+                ).where(Batch.id == batch_id)
             ).first()
-        return row is None or row.status != BatchStatus.IN_PROGRESS or past_expiry(row.expires_at)
+        if row is None:
+            return BatchState(stopping=True)
+        return BatchState(
+            stopping=row.status != BatchStatus.IN_PROGRESS or past_expiry(row.expires_at),
+            paused=row.paused_at is not None,
+            spent=(row.input_tokens or 0) + (row.output_tokens or 0),
+        )
 
     return retrying(attempt, f"reading batch {batch_id}")
+
+
+def unrelease_paused(shard_id: int) -> bool:
+    """Take a pending shard of a paused batch out of the release window (its task came after
+    the pause); True if it was. It is released again when the batch resumes."""
+
+    def attempt() -> bool:
+        with session_scope() as session:
+            paused = select(Batch.id).where(Batch.paused_at.is_not(None))
+            statement = (
+                update(Shard)
+                .where(
+                    Shard.id == shard_id,
+                    Shard.status == ShardStatus.PENDING,
+                    Shard.released_at.is_not(None),
+                    Shard.batch_id.in_(paused),
+                )
+                .values(released_at=None)
+                .execution_options(synchronize_session=False)
+            )
+            return updated(session, statement) == 1
+
+    return retrying(attempt, f"unreleasing shard {shard_id}")

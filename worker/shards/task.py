@@ -47,6 +47,7 @@ from worker.shards.state import (
     hand_back,
     handbacks,
     set_shard_status,
+    unrelease_paused,
 )
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ class ShardEnd(StrEnum):
     SKIPPED = "skipped"  # nothing to run: gone, ended, claimed elsewhere or batch not running
     LOST = "lost"  # a newer attempt took the shard over meanwhile
     HANDED_BACK = "handed back"  # the worker drained: pending again, its task sent again
+    PAUSED = "paused"  # its batch was paused: pending again, released when the batch resumes
 
 
 @dataclass
@@ -138,6 +140,11 @@ def _run_shard(
         return ShardOutcome(ShardEnd.SKIPPED)
     shard, batch, key = loaded
     bind_log_context(batch_id=batch.id)
+    if _paused(shard, batch):
+        # Released before the pause took it back: its slot goes to another batch now.
+        if unrelease_paused(shard.id):
+            release_next(batch.model)
+        return ShardOutcome(ShardEnd.SKIPPED)
     if not _runnable(shard, batch):
         # A redelivered task of a finished shard finishes the batch; any other helps finalize.
         redelivered = shard.status == ShardStatus.DONE and batch.status == BatchStatus.IN_PROGRESS
@@ -174,6 +181,16 @@ def _run_shard(
     _finish(batch, done=status == ShardStatus.DONE)
     end = ShardEnd.DONE if status == ShardStatus.DONE else ShardEnd.STOPPED
     return ShardOutcome(end, run.ran, run.chunk)
+
+
+def _paused(shard: Shard, batch: Batch) -> bool:
+    """Whether the shard waits for its paused batch to resume (a shard running elsewhere is
+    that attempt's to stop)."""
+    return (
+        batch.paused_at is not None
+        and batch.status == BatchStatus.IN_PROGRESS
+        and shard.status == ShardStatus.PENDING
+    )
 
 
 def _runnable(shard: Shard, batch: Batch) -> bool:
@@ -245,6 +262,8 @@ def _hand_back(run: ShardRun) -> ShardOutcome:
     kept, and send its task, so another worker resumes it now (no wait for its heartbeat to go
     stale). The next claim raises ``attempts``, which fences this attempt off."""
     shard_id = run.shard.id
+    if run.pausing and not run.drain.started:
+        return _pause(run)
     if not hand_back(shard_id, run.attempt):
         return ShardOutcome(ShardEnd.LOST, run.ran, run.chunk)
     logger.info(
@@ -269,6 +288,24 @@ def _hand_back(run: ShardRun) -> ShardOutcome:
     except Exception:
         logger.exception("handed-back shard %s not sent; the reclaim sweep sends it", shard_id)
     return ShardOutcome(ShardEnd.HANDED_BACK, run.ran, run.chunk)
+
+
+def _pause(run: ShardRun) -> ShardOutcome:
+    """The batch was paused before the shard's end: make it pending again, its checkpoints
+    kept, out of the release window (the resume releases it again), and release the model's
+    next shard into the freed slot."""
+    if not hand_back(run.shard.id, run.attempt, unrelease=True):
+        return ShardOutcome(ShardEnd.LOST, run.ran, run.chunk)
+    logger.info(
+        "shard %s attempt %s handed back (its batch is paused): %s requests run, %s chunks "
+        "committed",
+        run.shard.id,
+        run.attempt,
+        run.ran,
+        run.chunk,
+    )
+    release_next(run.model)
+    return ShardOutcome(ShardEnd.PAUSED, run.ran, run.chunk)
 
 
 def _finish(batch: Batch, *, done: bool) -> None:

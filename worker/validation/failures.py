@@ -66,6 +66,19 @@ def quota_error(
     }
 
 
+def budget_error(budget: int, tokens: int, line: int) -> dict[str, Any]:
+    """The ``errors`` entry of a batch whose prompts alone (counted through ``line``) exceed
+    its token budget: its outputs could never fit."""
+    return {
+        "code": "token_budget_exceeded",
+        "message": f"The batch's prompts alone come to at least {tokens:,} tokens (counted "
+        f"through line {line}), more than its token budget max_total_tokens={budget:,}: no "
+        "output could fit. Raise max_total_tokens or split the file.",
+        "param": "max_total_tokens",
+        "line": None,
+    }
+
+
 def too_many_errors(report: ValidationReport) -> dict[str, Any]:
     return {
         "code": "too_many_errors",

@@ -44,6 +44,7 @@ from worker.shards.prepared import tokenizer_fingerprint, write_order, write_pre
 from worker.shards.release import release_for_model
 from worker.shards.state import finish_if_last
 from worker.validation.failures import (
+    budget_error,
     enqueued_tokens,
     fail_running,
     lock_tenant_model,
@@ -346,7 +347,9 @@ class StreamedValidation:
         session = new_session()
         try:
             row = session.execute(
-                select(Batch.status, Batch.expires_at, Batch.est_prompt_tokens)
+                select(
+                    Batch.status, Batch.expires_at, Batch.est_prompt_tokens, Batch.max_total_tokens
+                )
                 .where(Batch.id == self.batch_id)
                 .with_for_update()
             ).first()
@@ -363,6 +366,8 @@ class StreamedValidation:
                 return None  # by an earlier try: go on
             tokens = int(row.est_prompt_tokens or 0) + shard.prompt_tokens
             over = self._over_quota(session, spec, shard, int(row.est_prompt_tokens or 0))
+            if over is None and row.max_total_tokens is not None and tokens > row.max_total_tokens:
+                over = budget_error(row.max_total_tokens, tokens, spec.end_line - 1)
             if over is not None:
                 session.rollback()
                 if spec.index == 0:
