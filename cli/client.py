@@ -258,6 +258,12 @@ class BatchdClient:
     def cancel_batch(self, batch_id: str) -> dict[str, Any]:
         return self._request("POST", f"batches/{batch_id}/cancel")
 
+    def pause_batch(self, batch_id: str) -> dict[str, Any]:
+        return self._request("POST", f"batches/{batch_id}/pause")
+
+    def resume_batch(self, batch_id: str) -> dict[str, Any]:
+        return self._request("POST", f"batches/{batch_id}/resume")
+
     def batch_results(
         self, batch_id: str, *, after: str | None = None, limit: int = 1000
     ) -> dict[str, Any]:

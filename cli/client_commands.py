@@ -1,4 +1,5 @@
-"""The client commands for pipelines: submit, status, list, wait, download and cancel.
+"""The client commands for pipelines: submit, status, list, wait, download, cancel, pause
+and resume.
 
 What goes to standard output and standard error, and the exit codes: :mod:`cli.console`.
 """
@@ -336,6 +337,41 @@ def cancel(
         typer.echo(f"{batch.get('id')} {batch.get('status')}")
 
 
+def _paused_text(batch: dict[str, Any]) -> str:
+    return f"{batch.get('id')} {batch.get('status')}" + (" paused" if batch.get("paused") else "")
+
+
+def pause(
+    batch_id: BatchIdArg,
+    as_json: JsonOpt = False,
+    base_url: BaseUrlOpt = None,
+    api_key: ApiKeyOpt = None,
+) -> None:
+    """Pause a batch: its requests in flight finish, no new ones start until it is resumed.
+    Its completion window keeps running."""
+    with api_client(base_url, api_key) as client:
+        batch = client.pause_batch(batch_id)
+    if as_json:
+        print_json(batch)
+    else:
+        typer.echo(_paused_text(batch))
+
+
+def resume(
+    batch_id: BatchIdArg,
+    as_json: JsonOpt = False,
+    base_url: BaseUrlOpt = None,
+    api_key: ApiKeyOpt = None,
+) -> None:
+    """Resume a paused batch from where it stopped."""
+    with api_client(base_url, api_key) as client:
+        batch = client.resume_batch(batch_id)
+    if as_json:
+        print_json(batch)
+    else:
+        typer.echo(_paused_text(batch))
+
+
 def register(app: typer.Typer) -> None:
     epilog = exit_codes_help()
     for fn, name in (
@@ -345,5 +381,7 @@ def register(app: typer.Typer) -> None:
         (wait, "wait"),
         (download, "download"),
         (cancel, "cancel"),
+        (pause, "pause"),
+        (resume, "resume"),
     ):
         app.command(name=name, epilog=epilog)(fn)
