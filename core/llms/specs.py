@@ -2,7 +2,8 @@
 
 ``BATCHD_MODELS`` maps a served name to a spec: ``demo:<preset>``, ``gguf:<path>``,
 ``pkg:<module>``, ``upstream:<base URL>?…`` (:func:`upstream_spec`), ``sim:<option>=…``
-(:func:`sim_spec`) or a local Hugging Face directory (docs/models.md). A directory with
+(:func:`sim_spec`), ``lora:<base>?…`` (a LoRA adapter of another entry, :func:`adapters`) or a
+local Hugging Face directory (docs/models.md). A directory with
 sentence-transformers' ``modules.json`` naming a Pooling module is an embedding model (it
 serves ``/v1/embeddings``); every other model generates text (chat and completions)."""
 
@@ -190,7 +191,7 @@ def is_upstream(spec: str) -> bool:
 
 def forwarded_models(models: Mapping[str, str]) -> dict[str, frozenset[str]]:
     """The served names, of ``models`` (name -> spec), whose lines go to an upstream server
-    with their bodies as written (validation leaves fields it does not know to that server),
+    (an upstream model, or an adapter of one) with their bodies as written (validation leaves fields it does not know to that server),
     each with the reserved fields its spec allows (``allow_fields``; none for a spec that does
     not parse: its dispatcher refuses to start, naming the problem)."""
     forwarded: dict[str, frozenset[str]] = {}
@@ -200,6 +201,10 @@ def forwarded_models(models: Mapping[str, str]) -> dict[str, frozenset[str]]:
                 forwarded[name] = upstream_spec(spec, name).allow_fields
             except ValueError:
                 forwarded[name] = frozenset()
+    # An adapter of an upstream model: its lines go to that model's server, as its base's do.
+    for name, base in engine_models(models).items():
+        if base in forwarded:
+            forwarded[name] = forwarded[base]
     return forwarded
 
 
@@ -265,6 +270,164 @@ def _upstream_value(spec: str, name: str, value: str) -> Any:
     return value
 
 
+LORA_PREFIX = "lora:"
+#: The file that makes a directory a peft adapter directory.
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+@dataclass(frozen=True, slots=True)
+class LoraSpec:
+    """A ``lora:`` entry: the adapter ``name`` (its served name) runs on the engine of ``base``
+    (another served name). A local base loads the adapter from ``path`` (a peft adapter
+    directory); an upstream base serves it itself, under ``upstream_name`` (default: the
+    adapter's served name)."""
+
+    name: str
+    base: str
+    path: Path | None = None
+    upstream_name: str | None = None
+
+    @property
+    def forwarded_name(self) -> str:
+        """The ``model`` an upstream base is sent for this adapter's lines."""
+        return self.upstream_name or self.name
+
+    @property
+    def root(self) -> str:
+        """What ``/v1/models`` gives as its ``root``, as vLLM does: the adapter's path, or the
+        name its upstream serves it under."""
+        return str(self.path) if self.path is not None else self.forwarded_name
+
+
+LORA_OPTIONS = ("path", "upstream_name")
+
+
+def is_lora(spec: str) -> bool:
+    return spec.startswith(LORA_PREFIX)
+
+
+def lora_spec(spec: str, served_name: str) -> LoraSpec:
+    """Parse ``lora:<base>?path=<adapter dir>`` or ``lora:<base>?upstream_name=<name>`` (the
+    query is URL-encoded: a path holding ``&``, ``+``, ``%`` or ``#`` writes them as ``%26``,
+    ``%2B``, ``%25``, ``%23``). Only the spec's own form is checked here; :func:`adapters`
+    checks it against the other entries."""
+    body = spec.removeprefix(LORA_PREFIX).strip()
+    base, _, query = body.partition("?")
+    base = base.strip()
+    if not base:
+        raise ValueError(
+            "name the base model: lora:<served name of the base>?path=<adapter directory>"
+        )
+    options: dict[str, str] = {}
+    for name, value in parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)):
+        if name not in LORA_OPTIONS:
+            raise ValueError(f"unknown option {name!r}; allowed options: {', '.join(LORA_OPTIONS)}")
+        if name in options:
+            raise ValueError(f"option {name!r} is given twice")
+        if not value.strip():
+            raise ValueError(f"option {name} needs a value")
+        options[name] = value.strip()
+    path = options.get("path")
+    return LoraSpec(
+        name=served_name,
+        base=base,
+        path=Path(path).expanduser() if path is not None else None,
+        upstream_name=options.get("upstream_name"),
+    )
+
+
+def adapters(models: Mapping[str, str]) -> dict[str, LoraSpec]:
+    """Every ``lora:`` entry of ``models`` (served name -> spec), checked against the others:
+    its base is another entry, not an adapter itself, and generates text; a local base names
+    the adapter's ``path``, an upstream base does not (the upstream loads its own adapters).
+    A problem raises ``ValueError`` naming the entry. The adapter directories themselves are
+    read where the base runs (:func:`check_adapter_dir`)."""
+    found: dict[str, LoraSpec] = {}
+    for name, spec in models.items():
+        if not is_lora(spec):
+            continue
+
+        def bad(problem: str, name: str = name, spec: str = spec) -> ValueError:
+            return ValueError(f"BATCHD_MODELS entry {name!r} ({spec}): {problem}")
+
+        try:
+            adapter = lora_spec(spec, name)
+        except ValueError as exc:
+            raise bad(str(exc)) from None
+        base_spec = models.get(adapter.base)
+        if base_spec is None:
+            served = ", ".join(sorted(m for m in models if m != name)) or "none"
+            raise bad(
+                f"its base model {adapter.base!r} is not an entry of BATCHD_MODELS "
+                f"(entries: {served})"
+            )
+        if is_lora(base_spec):
+            raise bad(
+                f"its base {adapter.base!r} is itself an adapter; name the model that adapter "
+                "runs on"
+            )
+        if is_sim(base_spec):
+            raise bad(f"its base {adapter.base!r} is a simulated model, which runs no adapters")
+        if kind_of(base_spec) != "generate":
+            raise bad(
+                f"its base {adapter.base!r} is an embedding model; an adapter needs a model "
+                "that generates text"
+            )
+        if is_upstream(base_spec):
+            if adapter.path is not None:
+                raise bad(
+                    f"its base {adapter.base!r} is an upstream server, which loads its own "
+                    "adapters: leave out path (upstream_name=<name> if the server serves the "
+                    "adapter under another name)"
+                )
+        else:
+            if adapter.path is None:
+                raise bad("name the adapter's directory: lora:<base>?path=<adapter directory>")
+            if adapter.upstream_name is not None:
+                raise bad(
+                    f"upstream_name is for an adapter of an upstream model; {adapter.base!r} "
+                    "runs here"
+                )
+        found[name] = adapter
+    return found
+
+
+def engine_models(models: Mapping[str, str]) -> dict[str, str]:
+    """Each adapter's served name -> its base's: the model whose engine (and queue, tokenizer
+    and context) runs the adapter's lines. A spec that does not parse is left out (the
+    settings refuse it at start)."""
+    out: dict[str, str] = {}
+    for name, spec in models.items():
+        if is_lora(spec):
+            try:
+                out[name] = lora_spec(spec, name).base
+            except ValueError:
+                continue
+    return out
+
+
+def check_adapter_dir(path: Path) -> dict[str, Any]:
+    """The ``adapter_config.json`` of the peft adapter directory ``path``; ``ValueError``
+    saying what is wrong (missing, not a directory, not a peft adapter, not a LoRA)."""
+    if not path.exists():
+        raise ValueError(f"the adapter directory {path} does not exist")
+    if not path.is_dir():
+        raise ValueError(f"{path} is not a directory (a peft adapter directory is)")
+    config_file = path / ADAPTER_CONFIG
+    if not config_file.is_file():
+        raise ValueError(f"{path} is not a peft adapter directory: it has no {ADAPTER_CONFIG}")
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{config_file} cannot be read as JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_file} does not hold a JSON object")
+    peft_type = config.get("peft_type")
+    if peft_type is not None and str(peft_type).upper() != "LORA":
+        raise ValueError(f"{path} is a {peft_type} adapter, not a LoRA adapter")
+    return config
+
+
 def source_spec(spec: str) -> str:
     """The spec whose files a served model loads: a simulated model's tokenizer spec, else
     the spec itself."""
@@ -306,8 +469,9 @@ def spec_dir(spec: str) -> Path | None:
 
 def kind_of(spec: str) -> ModelKind:
     """``"embedding"`` for a sentence-transformers directory, else ``"generate"`` (a GGUF file
-    is a generation model: told without converting it; so is a simulated model)."""
-    if is_sim(spec) or is_upstream(spec) or gguf.is_gguf(spec):
+    is a generation model: told without converting it; so is a simulated model, and an
+    adapter, whose base generates)."""
+    if is_sim(spec) or is_upstream(spec) or is_lora(spec) or gguf.is_gguf(spec):
         return "generate"
     try:
         path = spec_dir(spec)
