@@ -17,7 +17,7 @@ from core.batches.completion_windows import WINDOW, window_seconds
 from core.batches.priority import PriorityName, priority_name
 from core.batches.retry import MAX_LINE_ITEMS
 from core.database.auth import MAX_WEBHOOK_URL_CHARS, is_text, webhook_url_problem
-from core.database.lifecycle import PAUSABLE, BatchStatus, now
+from core.database.lifecycle import BatchStatus
 from core.database.tables import Batch, File
 
 MAX_METADATA_PAIRS = 16
@@ -157,13 +157,6 @@ class BatchCreate(BaseModel):
         max_length=MAX_WEBHOOK_URL_CHARS,
         json_schema_extra={"format": "uri", "pattern": "^[Hh][Tt][Tt][Pp][Ss]?://[^/?#]"},
     )
-    max_total_tokens: int | None = Field(
-        default=None,
-        ge=1,
-        description="A token budget: the prompt plus output tokens the batch's lines may "
-        "spend (usage.total_tokens). Refused when the prompts alone exceed it; once spent, "
-        "lines not yet started end as 'budget_exhausted' errors.",
-    )
     idempotency_key: str | None = Field(
         default=None,
         description="Like the Idempotency-Key header: a repeated create with the same key "
@@ -298,17 +291,6 @@ class BatchPublic(BaseModel):
         description="While validating or in progress: whether its projected end is after "
         "its deadline (expires_at).",
     )
-    paused: bool = Field(
-        default=False,
-        description="Whether the batch is paused (POST /v1/batches/{id}/pause); its status "
-        "stays validating or in_progress.",
-    )
-    paused_at: int | None = Field(default=None, description="When the pause began.")
-    max_total_tokens: int | None = Field(
-        default=None,
-        description="Its token budget (prompt plus output tokens); usage.total_tokens is "
-        "what it spent.",
-    )
     webhook_secret: str | None = Field(
         default=None,
         description="Only in the answer to the create that made the batch, and only when the "
@@ -363,39 +345,20 @@ class BatchPublic(BaseModel):
                 cached_tokens=row.cached_tokens or 0,
                 predicted_shareable_tokens=row.prefix_shareable_tokens or 0,
             ),
-            max_total_tokens=row.max_total_tokens,
-            **_pause(row),
             **_projection(row),
         )
 
 
-def _paused(row: Batch) -> bool:
-    return row.paused_at is not None and row.status in PAUSABLE
-
-
-def _pause(row: Batch) -> dict[str, Any]:
-    """``paused`` and ``paused_at`` while a paused batch may still run."""
-    if not _paused(row):
-        return {}
-    return {"paused": True, "paused_at": unix(row.paused_at)}
-
-
 def _projection(row: Batch) -> dict[str, Any]:
-    """``estimated_completion_at`` and ``at_risk`` while the batch may still run. A paused
-    batch's projection is the one it had when paused, later by the time paused so far (its
-    window's clock runs on), and at risk once that passes ``expires_at``."""
+    """``estimated_completion_at`` and ``at_risk`` while the batch may still run."""
     if row.status not in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS):
         return {}
-    eta = row.estimated_completion_at
-    at_risk = bool(row.at_risk)
-    if eta is not None and row.paused_at is not None:
-        eta = eta + (now() - row.paused_at)
-        at_risk = at_risk or eta > row.expires_at
     # Rounded up, where the other times are rounded down: a projection past the deadline by
     # less than a second still reads as past ``expires_at`` when it is marked at risk.
+    eta = row.estimated_completion_at
     return {
         "estimated_completion_at": None if eta is None else math.ceil(eta.timestamp()),
-        "at_risk": at_risk,
+        "at_risk": bool(row.at_risk),
     }
 
 
@@ -433,7 +396,7 @@ class ResultPage(BaseModel):
     has_more: bool
 
 
-RetryKind = Literal["expired", "cancelled", "budget_exhausted", "failed"]
+RetryKind = Literal["expired", "cancelled", "failed"]
 
 
 def _line_number(item: Any) -> int | None:
@@ -481,10 +444,9 @@ class RetryCreate(BaseModel):
     include: list[RetryKind] | None = Field(
         default=None,
         min_length=1,
-        description="Which lines to retry: 'expired', 'cancelled', 'budget_exhausted' "
-        "(never ran) and 'failed' "
+        description="Which lines to retry: 'expired', 'cancelled' (never ran) and 'failed' "
         "(failed with a retryable error: 5xx or 429; a request's own 4xx error never is). "
-        "Default: all four.",
+        "Default: all three.",
     )
     completion_window: str | None = Field(
         default=None,
@@ -496,11 +458,6 @@ class RetryCreate(BaseModel):
     )
     priority: BatchPriority | None = Field(
         default=None, description="Default: the parent's priority (if this key may use it)."
-    )
-    max_total_tokens: int | None = Field(
-        default=None,
-        ge=1,
-        description="The retry's own token budget (see the create's); default: none.",
     )
     lines: list[LineItem] | None = Field(
         default=None,
@@ -569,11 +526,6 @@ class ModelPublic(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "batchd"
-    # As vLLM lists them: a LoRA adapter's ``parent`` is its base model and its ``root`` the
-    # adapter (its directory, or the name its upstream serves it under); a model's ``parent``
-    # is null and its ``root`` its own id.
-    root: str | None = None
-    parent: str | None = None
     # Extensions: what the model does, and the batch endpoints it serves.
     kind: Literal["generate", "embedding"] = "generate"
     endpoints: list[str] = Field(default_factory=list)

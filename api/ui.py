@@ -160,6 +160,18 @@ def _fmt_eta(eta: float | None) -> str:
     return f"{eta // 3600}h{eta // 60 % 60:02d}m" if eta >= 3600 else f"{eta // 60}m{eta % 60:02d}s"
 
 
+def _fmt_tokens(n: int) -> str:
+    return f"{n / 1e6:.1f}M" if n >= 1_000_000 else f"{n / 1e3:.1f}k" if n >= 1000 else str(n)
+
+
+def _fmt_cache(b: dict[str, Any]) -> str:
+    """Prompt tokens served from the prefix cache, of all, and what the plan predicted."""
+    return (
+        f"{_fmt_tokens(b['cached_tokens'])} of {_fmt_tokens(b['prompt_tokens'])} "
+        f"(predicted {_fmt_tokens(b['shareable_tokens'])})"
+    )
+
+
 def _batch_rows(batches: list[dict[str, Any]], admin: bool) -> str:
     rows = []
     for b in batches:
@@ -175,10 +187,11 @@ def _batch_rows(batches: list[dict[str, Any]], admin: bool) -> str:
             f"<span class='pct'>{pct}%</span></td>"
             f"<td class='done'>{b['completed'] + b['failed']} / {b['total']}</td>"
             f"<td class='rate'>{_fmt_rate(b['throughput'])}</td>"
+            f"<td class='cache'>{_fmt_cache(b)}</td>"
             f"<td class='eta'>{_fmt_eta(b['eta_s'])}{AT_RISK if b['at_risk'] else ''}</td></tr>"
         )
     if not rows:
-        cols = 8 if admin else 7
+        cols = 9 if admin else 8
         rows.append(f"<tr class='empty'><td colspan='{cols}'>No batches yet.</td></tr>")
     return "\n".join(rows)
 

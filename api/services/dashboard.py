@@ -198,6 +198,10 @@ def dashboard_data(session: Session, caller: Caller, poller: DashboardPoller) ->
                 "throughput": rate,
                 "eta_s": eta,
                 "at_risk": bool(running and b.at_risk),
+                # the prefix plan's saving: prompt tokens, those served cached, predicted
+                "prompt_tokens": int(b.input_tokens or 0),
+                "cached_tokens": int(b.cached_tokens or 0),
+                "shareable_tokens": int(b.prefix_shareable_tokens or 0),
                 "created_at": _iso(b.created_at),
             }
         )

@@ -21,6 +21,13 @@
       ? Math.floor(s / 3600) + "h" + pad(Math.floor(s / 60) % 60) + "m"
       : Math.floor(s / 60) + "m" + pad(s % 60) + "s";
   }
+  function tokens(n) {
+    return n >= 1e6 ? (n / 1e6).toFixed(1) + "M" : n >= 1000 ? (n / 1e3).toFixed(1) + "k" : String(n);
+  }
+  function cache(b) {
+    return tokens(b.cached_tokens) + " of " + tokens(b.prompt_tokens) +
+      " (predicted " + tokens(b.shareable_tokens) + ")";
+  }
   function cell(row, cls, value) {
     const td = document.createElement("td");
     if (cls) td.className = cls;
@@ -48,6 +55,7 @@
     progress.appendChild(pct);
     cell(row, "done", "");
     cell(row, "rate", "");
+    cell(row, "cache", "");
     cell(row, "eta", "");
     return row;
   }
@@ -68,6 +76,7 @@
       row.querySelector(".model-name").textContent = b.model || "–";
       row.querySelector(".done").textContent = b.completed + b.failed + " / " + b.total;
       row.querySelector(".rate").textContent = rate(b.throughput);
+      row.querySelector(".cache").textContent = cache(b);
       row.querySelector(".eta").textContent = eta(b.eta_s) + (b.at_risk ? " (at risk)" : "");
     });
     Array.from(tbody.children).forEach((row) => {
