@@ -25,13 +25,11 @@ CHAT_TEMPLATE = (
     "{%- if tools %}"
     "{{- '<|im_start|>system\n' }}"
     "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\n\n' }}{%- endif %}"
-    "{{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}"
+    "{{- '# Tools\n<tools>' }}"
     "{%- for tool in tools %}{{- '\n' }}{{- tool | tojson }}{%- endfor %}"
-    "{{- '\n</tools>\n\nFor each function call, return a json object with function name and "
-    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
-    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
-    "' }}"
+    "{{- '\n</tools>\nCall a function as <tool_call>\n' }}"
+    '{{- \'{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>\' }}'
+    "{{- '<|im_end|>\n' }}"
     "{%- endif %}"
     "{%- for message in messages %}"
     "{%- if tools and loop.first and message['role'] == 'system' %}"
