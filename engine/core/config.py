@@ -66,10 +66,12 @@ class EngineConfig:
     # threads on cores that others hold spin at every barrier; off keeps the threads torch
     # was given. Never above the team torch had when the engine started.
     adapt_cpu_threads: bool = True
-    # On a CPU, the compiled kernels (engine/cpu/kernels.py): decode and prefill attention
-    # reading the paged cache in place, the float32 layer ops of the lean forward and the
-    # float32 GEMM. Off, or where no C compiler is found, every one of them gives way to
-    # torch's operators.
+    # On a CPU, the compiled kernels (engine/cpu/kernels.py), for float32 and bf16: decode and
+    # prefill attention reading the paged cache in place, the lean forward's layer ops (norm,
+    # rotary with the cache write, SiLU product), the greedy argmax, and the GEMMs the linear
+    # layers may be packed for (cpu_gemm). Prefill attention and the float32 GEMM are used only
+    # where the CPU has AVX-512, the bf16 GEMM where it has AVX-512 BF16. Off, or where no C
+    # compiler is found, every one of them gives way to torch's operators.
     cpu_kernels: bool = True
     # On a CPU, the library the linear layers' weights are packed for: "auto" (bf16: oneDNN;
     # float32: the one this machine recorded as fastest the first time it loaded the shape,
