@@ -30,13 +30,18 @@ class LLM:
         params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
         cache_salt: str | None = None,
+        lora: str | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order.
 
         A prompt the engine rejects gets a RequestOutput with ``error`` set and no outputs;
         the others still run. ``cache_salt``: these prompts share cached prefix blocks only
-        with prompts generated under the same salt.
+        with prompts generated under the same salt. ``lora``: the registered LoRA adapter
+        every prompt runs with (``EngineConfig.lora_adapters``, ``Engine.add_lora``); an
+        unknown name raises :class:`engine.lora.AdapterError` before anything runs.
         """
+        if lora is not None:
+            self.engine.runner.loras.check(lora)
         prompts = [prompts] if _one_prompt(prompts) else list(prompts)
         if params is None:
             params = SamplingParams()
@@ -53,7 +58,7 @@ class LLM:
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             request_id = f"{batch}-{i}"
             try:
-                self.engine.add_request(request_id, ids, p, cache_salt=cache_salt)
+                self.engine.add_request(request_id, ids, p, cache_salt=cache_salt, lora=lora)
             except RequestError as exc:
                 results[i] = RequestOutput(
                     request_id=request_id,

@@ -54,6 +54,7 @@ ENGINE_ROOMS = (
     "cpu",  # the compiled kernels, their loader and ABI, the GEMM choice
     "attention",  # paged attention and its CPU and CUDA backends
     "forward",  # fused projections and the lean Llama forward
+    "lora",  # LoRA adapters: reading and checking them, the resident set, per-row deltas
     "core",  # the step: config, sequences, blocks, scheduler, runner, sampler
     "host",  # who runs next: the thread-safe host and its fair queue
     "embedding",  # embedding models

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -77,6 +78,13 @@ class EngineConfig:
     # float32: the one this machine recorded as fastest the first time it loaded the shape,
     # engine/cpu/linear.py), or forced: "plain", "onednn", "mkl" or "batchd" (float32 only).
     cpu_gemm: CpuGemm = "auto"
+    # LoRA adapters (engine/lora): name -> the directory peft saved it to, checked against the
+    # model at start (``Engine.add_lora`` registers more later). At most ``max_loras`` are
+    # resident at once (their memory comes off the KV budget), none of rank above
+    # ``max_lora_rank``.
+    lora_adapters: dict[str, str] = dataclasses.field(default_factory=dict)
+    max_loras: int = 4
+    max_lora_rank: int = 64
 
     def __post_init__(self) -> None:
         dtypes = get_args(Dtype)
@@ -132,6 +140,15 @@ class EngineConfig:
             raise ValueError(
                 f"adapt_cpu_threads must be true or false, got {self.adapt_cpu_threads!r}"
             )
+        if not isinstance(self.lora_adapters, dict) or not all(
+            isinstance(k, str) and k and isinstance(v, str | os.PathLike)
+            for k, v in self.lora_adapters.items()
+        ):
+            raise ValueError(
+                f"lora_adapters must map adapter names to directories, got {self.lora_adapters!r}"
+            )
+        _positive_int("max_loras", self.max_loras)
+        _positive_int("max_lora_rank", self.max_lora_rank)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 

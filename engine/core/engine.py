@@ -52,7 +52,7 @@ class Engine:
         self.block_manager = BlockManager(
             self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.scheduler = Scheduler(self.config, self.block_manager, self.runner.loras)
         self.eos_token_ids = _eos_ids(self.tokenizer, self.runner.model)
         ops = layer_ops() if self.runner.device.type == "cpu" and self.config.cpu_kernels else None
         self.sampler = Sampler(
@@ -89,6 +89,7 @@ class Engine:
         priority: int = 0,
         cache_salt: str | None = None,
         completion_index: int = 0,
+        lora: str | None = None,
     ) -> None:
         """Queue a request. ``priority``: lower is admitted first (vLLM's convention); requests
         already running are never preempted for it. ``cache_salt`` (vLLM's name): the request
@@ -102,7 +103,13 @@ class Engine:
         carries that index, and only completion 0 counts the prompt, its cache hit and the
         request in the engine's statistics, as an unsplit request counts once. Completions
         admitted together read the prompt's blocks from the prefix cache after the first
-        computes them."""
+        computes them.
+
+        ``lora``: the name of a registered LoRA adapter its rows apply (None: the base model);
+        an unknown name raises :class:`engine.lora.AdapterError`. Its prefix-cache blocks are
+        shared only with requests of the same adapter."""
+        if lora is not None:
+            self.runner.loras.check(lora)
         params, prompt = check_new_request(
             request_id,
             prompt_token_ids,
@@ -127,6 +134,7 @@ class Engine:
             params,
             RequestMetrics(arrival_time=time.time()),
             cache_salt=cache_salt,
+            lora=lora,
         )
         request.admitted = completion_index > 0  # counted by completion 0 (_count_prompt)
         seq = Sequence(
@@ -149,6 +157,12 @@ class Engine:
         request.num_unfinished = 1
         self.requests[request_id] = request
         self.scheduler.add(seq)
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Register the LoRA adapter peft saved in ``path`` under ``name``, checked against the
+        model (:class:`engine.lora.AdapterError` if it does not fit); requests name it from now
+        on. It is loaded when a request that uses it is admitted."""
+        self.runner.loras.register(name, path)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request and free its KV blocks now; the next ``step()`` reports it."""
@@ -406,6 +420,8 @@ class Engine:
             s.num_grammar_masks = g.num_masks
             s.total_grammar_mask_time_s = g.mask_time_s
             s.total_grammar_wait_time_s = g.wait_time_s
+        for key, value in self.runner.loras.stats().items():
+            setattr(s, key, value)
         s.total_prompt_tokens = sched.total_prompt_tokens
         s.total_cached_tokens = sched.total_cached_tokens
         s.prefix_cache_hit_rate = (

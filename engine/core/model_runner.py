@@ -18,6 +18,8 @@ from engine.core.step import StepBatch
 from engine.cpu import linear as cpu_linear
 from engine.forward import fusion
 from engine.forward.llama import LeanLlama
+from engine.lora import layers as lora_layers
+from engine.lora.manager import LoraManager
 
 log = logging.getLogger("engine")
 
@@ -72,6 +74,12 @@ class ModelRunner:
         rows = config.max_num_seqs or 64
         # The linear weights as loaded: those that fusing or packing replaces are let go below.
         loaded = [m.weight for m in self.base.modules() if type(m) is torch.nn.Linear]
+        # The layers a LoRA adapter may adapt, by their path in the model as loaded.
+        linears = {
+            name: (m.in_features, m.out_features)
+            for name, m in hf_model.named_modules()
+            if type(m) is torch.nn.Linear and m is not self.lm_head
+        }
         if self.device.type == "cpu" and config.cpu_kernels:
             log.info("%d projection sets fused (CPU)", fusion.fuse_projections(self.base))
             self._let_go(loaded)  # before packing makes its copies: a lower peak
@@ -101,12 +109,18 @@ class ModelRunner:
             )
         self._let_go(loaded)
         del loaded
-        # transformers' Llama layers without their per-layer Python, where the model is one.
-        self.lean = (
-            LeanLlama.of(self.base)
-            if self.device.type == "cpu" and config.cpu_kernels and self.backend_name == "sdpa"
-            else None
+        self.lora_state = lora_layers.LoraState()
+        self.loras = LoraManager(
+            linears,
+            self._attach_loras,
+            max_loras=config.max_loras,
+            max_rank=config.max_lora_rank,
+            dtype=self.dtype,
+            device=self.device,
         )
+        self.lean: LeanLlama | None = None
+        specs = [self.loras.register(n, d) for n, d in config.lora_adapters.items()]
+        self._build_lean()
         text_config = hf_model.config.get_text_config()
         attention.check_config(text_config)
         self.model_config = text_config
@@ -127,7 +141,14 @@ class ModelRunner:
             )
         self.max_model_len = config.max_model_len or limit or 2048
         self.block_size = config.block_size
-        self.num_blocks = self._num_blocks()
+        self.num_blocks = self._num_blocks(self.loras.reserve_bytes(specs))
+        if specs:
+            log.info(
+                "LoRA: %d adapters registered, at most %d resident (%.1f MiB off the KV budget)",
+                len(specs),
+                config.max_loras,
+                self.loras.reserved_bytes / 2**20,
+            )
         slots = self.num_blocks * self.block_size
         # One block past those the block manager hands out: a scratch block that the load-time
         # probe and the padding rows of a CUDA graph write to, never read by a real sequence.
@@ -158,6 +179,24 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self, config.cuda_graph_max_batch)
         log.info("attention backend %s, CUDA graphs %s", self.backend_name, self.graphs is not None)
 
+    def _build_lean(self) -> None:
+        """transformers' Llama layers without their per-layer Python, where the model is one."""
+        config = self.config
+        self.lean = (
+            LeanLlama.of(self.base)
+            if self.device.type == "cpu" and config.cpu_kernels and self.backend_name == "sdpa"
+            else None
+        )
+
+    def _attach_loras(self) -> dict:
+        """Wrap the adaptable linear layers (at the first adapter registered): the lean forward
+        is built again over the wrapped layers."""
+        sites = lora_layers.attach(self.model, self.loras.linears, self.lora_state)
+        if self.lean is not None:
+            self._build_lean()
+        log.info("LoRA: %d linear sites wrapped", len(sites["sites"]))
+        return sites
+
     @property
     def bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
@@ -168,10 +207,11 @@ class ModelRunner:
         live = {t.data_ptr() for t in (*self.model.parameters(), *self.model.buffers())}
         memory.drop_file_pages([w for w in loaded if w.data_ptr() not in live])
 
-    def _num_blocks(self) -> int:
+    def _num_blocks(self, lora_bytes: int = 0) -> int:
         """KV blocks for this device: ``num_kv_blocks`` if set, else the memory budget
         (engine/core/memory.py: on an accelerator, a fraction of the memory left free by the
-        weights and by a profiling forward at ``max_num_batched_tokens``)."""
+        weights and by a profiling forward at ``max_num_batched_tokens``), less what the
+        resident LoRA adapters may take (``lora_bytes``)."""
         cfg = self.config
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
@@ -195,6 +235,7 @@ class ModelRunner:
             cfg.kv_cache_memory, free_bytes=free, activation_peak_bytes=peak
         )
         budget -= self.bytes_per_block  # the scratch block (see __init__)
+        budget -= lora_bytes  # max_loras resident adapters (engine/lora/manager.py)
         budget -= memory.kernel_scratch_bytes(  # the compiled kernels' (engine/cpu/kernels.py)
             self.backend,
             kv_heads=self.num_kv_heads,
@@ -247,7 +288,13 @@ class ModelRunner:
             self.backend,
             flex=build_step(tables, q_seq, positions, self.num_blocks + 1, bs, self.device),
         )
-        return packed.step(ctx, positions, self.device)
+        return self._step(packed, ctx, positions)
+
+    def _step(self, packed: _Packed, ctx: AttentionContext, positions: torch.Tensor) -> StepBatch:
+        batch = packed.step(ctx, positions, self.device)
+        if self.loras.resident:
+            batch.lora = self.loras.step_for(packed.parts)
+        return batch
 
     def _prepare_sdpa(
         self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]]
@@ -288,18 +335,28 @@ class ModelRunner:
                 )
             ctx.prefills.append(chunk)
             offset += end - c0
-        return packed.step(ctx, to_device(packed.positions, torch.long, dev), dev)
+        return self._step(packed, ctx, to_device(packed.positions, torch.long, dev))
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor:
         """Run the model on the packed step; return float32 logits of the sampled rows."""
-        if self.graphs is not None and not batch.ctx.prefills and batch.ctx.flex is not None:
+        graphable = batch.lora is None and not batch.ctx.prefills
+        if self.graphs is not None and graphable and batch.ctx.flex is not None:
             logits = self.graphs.run(batch)
             if logits is not None:
                 return logits
         return self.eager_forward(batch)
 
     def eager_forward(self, batch: StepBatch) -> torch.Tensor:
+        if batch.lora is None:
+            return self._eager_forward(batch)
+        self.lora_state.step = batch.lora  # read by every wrapped linear layer
+        try:
+            return self._eager_forward(batch)
+        finally:
+            self.lora_state.step = None
+
+    def _eager_forward(self, batch: StepBatch) -> torch.Tensor:
         if self.lean is not None:
             hidden = self.lean(batch.input_ids, batch.positions, batch.ctx)
         else:

@@ -82,6 +82,11 @@ class EngineStats:
     num_grammar_masks: int = 0  # token masks computed for structured-output sequences
     total_grammar_mask_time_s: float = 0.0  # computing them (overlapped with the forward pass)
     total_grammar_wait_time_s: float = 0.0  # steps waiting for them after the forward pass
+    num_loras_registered: int = 0  # LoRA adapters the engine knows (engine/lora)
+    num_loras_resident: int = 0  # of them, loaded now (at most max_loras)
+    num_lora_loads: int = 0  # adapters made resident, reloads after an eviction included
+    num_lora_evictions: int = 0
+    lora_memory_bytes: int = 0  # the resident adapters' prepared weights
 
 
 @dataclass(slots=True)

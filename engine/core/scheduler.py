@@ -17,6 +17,7 @@ from engine.core.block_manager import BlockManager
 from engine.core.config import EngineConfig
 from engine.core.sequence import Sequence, Status
 from engine.core.urgent import UrgentReservation, is_urgent
+from engine.lora.manager import LoraManager
 
 # (priority, -expected work, sequence id, sequence, epoch at push)
 HeapItem = tuple[int, int, int, Sequence, int]
@@ -194,9 +195,15 @@ def _heap_iter(
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    """``loras``: the resident adapters; a sequence holds its adapter while it runs, and one
+    whose adapter cannot be made resident (every slot held) waits."""
+
+    def __init__(
+        self, config: EngineConfig, block_manager: BlockManager, loras: LoraManager | None = None
+    ) -> None:
         self.config = config
         self.bm = block_manager
+        self.loras = loras
         self.block_size = config.block_size
         self.max_num_seqs = config.resolved_max_num_seqs
         self.waiting = WaitingQueue(config.admission, config.block_size)
@@ -217,6 +224,7 @@ class Scheduler:
 
     def add_running(self, seq: Sequence) -> None:
         """A forked sequence joins the running set directly (its blocks are already shared)."""
+        self._hold_lora(seq)
         seq.status = Status.RUNNING
         self.running.append(seq)
         self._hot(seq, +1)
@@ -288,8 +296,12 @@ class Scheduler:
                 num_cached = nxt * bs
                 remaining = len(seq) - num_cached
                 n = min(remaining, budget)
+                lora = seq.request.lora
+                if lora is not None and not self._can_hold_lora(lora):
+                    continue  # every adapter slot is held by running sequences: it waits
                 if not bm.allocate(seq, cached, num_cached + n):
                     break
+                self._hold_lora(seq)
                 self.waiting.taken(seq)
                 seq.status = Status.RUNNING
                 seq.num_computed_tokens = num_cached
@@ -341,6 +353,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._hot(seq, -1)
+        self._drop_lora(seq)
         self.bm.free_seq(seq)
         seq.num_computed_tokens = 0
         seq.status = Status.WAITING
@@ -368,10 +381,26 @@ class Scheduler:
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
             self._hot(seq, -1)
+            self._drop_lora(seq)
         elif seq.status is Status.WAITING:
             self.waiting.taken(seq)
         self.bm.free_seq(seq)
         seq.status = status
+
+    def _can_hold_lora(self, name: str) -> bool:
+        return self.loras is not None and self.loras.can_acquire(name)
+
+    def _hold_lora(self, seq: Sequence) -> None:
+        name = seq.request.lora
+        if name is not None:
+            assert self.loras is not None
+            held = self.loras.acquire(name)
+            assert held, "checked by _can_hold_lora, or held by the parent of a fork"
+
+    def _drop_lora(self, seq: Sequence) -> None:
+        name = seq.request.lora
+        if name is not None and self.loras is not None:
+            self.loras.release(name)
 
     def _hot(self, seq: Sequence, delta: int) -> None:
         key = seq.bucket

@@ -27,7 +27,9 @@ class Request:
     """A user request: a prompt, its sampling parameters and its ``n`` sequences.
 
     ``cache_salt`` scopes the prefix cache: requests share cached KV blocks only with requests
-    of the same salt (None is a scope of its own).
+    of the same salt (None is a scope of its own). ``lora``: the adapter its rows apply
+    (None: the base model); it scopes the prefix cache too, as the KV of a prompt differs by
+    adapter.
     """
 
     request_id: str
@@ -38,6 +40,7 @@ class Request:
     num_unfinished: int = 0
     cache_salt: str | None = None
     admitted: bool = False  # its prompt was counted in the engine's prompt/cache totals
+    lora: str | None = None
 
 
 def block_digest(parent: bytes, token_ids: list[int]) -> bytes:
@@ -47,12 +50,17 @@ def block_digest(parent: bytes, token_ids: list[int]) -> bytes:
     return hashlib.sha256(parent + array("I", token_ids).tobytes()).digest()
 
 
-def salt_digest(cache_salt: str | None) -> bytes:
-    """The parent key of a sequence's first block: empty without a salt, else a digest of it
-    (a different length from any block key, so the two never meet)."""
-    if cache_salt is None:
+def salt_digest(cache_salt: str | None, lora: str | None = None) -> bytes:
+    """The parent key of a sequence's first block: empty without a salt or an adapter, else a
+    digest of them (a different length from any block key, so the two never meet). The
+    adapter's name is folded in: blocks computed under one adapter (or the base) are never
+    read under another."""
+    if cache_salt is None and lora is None:
         return b""
-    return hashlib.sha256(b"cache_salt:" + cache_salt.encode()).digest()[:16]
+    key = b"" if cache_salt is None else b"cache_salt:" + cache_salt.encode()
+    if lora is not None:
+        key += b"\0lora:" + lora.encode()
+    return hashlib.sha256(key).digest()[:16]
 
 
 _ids = itertools.count()
@@ -154,6 +162,7 @@ class Sequence:
         tokens = self.token_ids
         while len(hashes) < num_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else salt_digest(self.request.cache_salt)
+            request = self.request
+            parent = hashes[-1] if hashes else salt_digest(request.cache_salt, request.lora)
             hashes.append(block_digest(parent, tokens[i * block_size : (i + 1) * block_size]))
         return hashes

@@ -8,6 +8,7 @@ import torch
 
 from engine.attention.paged import AttentionContext
 from engine.core.sequence import Sequence
+from engine.lora.layers import LoraStep
 
 
 @dataclass(slots=True)
@@ -20,3 +21,4 @@ class StepBatch:
     sample_rows: torch.Tensor  # rows of the packed sequence whose logits are sampled
     sample_seqs: list[Sequence]
     num_tokens: int
+    lora: LoraStep | None = None  # the rows of each adapter, if any row has one

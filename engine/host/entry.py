@@ -37,6 +37,7 @@ class Entry:
     suspended: Any = None  # the engine's handle while suspended for another tenant's share
     fanout: Fanout | None = None  # the n > 1 request this entry is one completion of
     index: int = 0  # which completion of it (the engine's completion_index)
+    lora: str | None = None  # the LoRA adapter its rows apply (None: the base model)
 
     @property
     def flow(self) -> tuple[str | None, str | None, int]:

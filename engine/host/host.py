@@ -202,6 +202,7 @@ class EngineHost:
         cache_salt: str | None = None,
         tenant: str | None = None,
         deadline: float | None = None,
+        lora: str | None = None,
     ) -> Future:
         """Queue one request; block while its batch (``group``) holds its share of the host's
         queue (see the module docstring).
@@ -210,6 +211,9 @@ class EngineHost:
         aging. ``tenant`` and ``group`` (the batch) make the flows that share a tier fairly.
         ``cache_salt`` scopes the prefix cache (see ``Engine.add_request``). ``deadline`` (unix
         seconds, the batch's) orders a tenant's batches in a tier: earliest deadline first.
+        ``lora``: the registered LoRA adapter the request runs with (see
+        ``Engine.add_request``); the engine refuses an unknown one (``AdapterError`` on the
+        future).
 
         Returns a future that resolves with the request's :class:`RequestOutput` (also for an
         abort), or raises ``RequestError`` (the engine refused it) or :class:`EngineStepError`.
@@ -231,6 +235,7 @@ class EngineHost:
             tenant=tenant,
             cost=expected_tokens(prompt, params),
             deadline=deadline,
+            lora=lora,
         )
         fanout, entries = split(entry) if params.n > 1 else (None, [entry])
         if callback is not None:
@@ -425,7 +430,9 @@ class EngineHost:
                 self._engine.resume_request(handle)
                 in_flight[entry.request_id] = entry
                 continue
-            split_kw = {"completion_index": entry.index} if entry.index else {}
+            split_kw: dict[str, Any] = {"completion_index": entry.index} if entry.index else {}
+            if entry.lora is not None:
+                split_kw["lora"] = entry.lora
             try:
                 self._engine.add_request(
                     entry.request_id,

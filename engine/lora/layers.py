@@ -1,0 +1,162 @@
+"""Each row its own adapter, in one forward: the base model's linear layers wrapped so that the
+rows of each adapter get ``scale * (x @ A^T) @ B^T`` added to the base output.
+
+A *site* is one linear call of the forward: a plain linear layer (``o_proj``), or a fused one
+(engine/forward/fusion.py: q/k/v or gate/up in one matmul), whose output columns are the parts
+of several layers. An adapter's weights for a site are prepared once, when it is made resident:
+the A of each part it adapts stacked (``[in, r_total]``), the B of each placed at its part's
+columns, scale folded in (``[r_total, out]``, zero where a part is not adapted), so a fused
+site's delta is two matmuls. The weights stay as they are (packed or not); nothing is merged.
+
+A step's rows are grouped by adapter once (:class:`LoraStep`, built with the packed step); at
+each site the adapted rows are gathered once, and each adapter's segment costs two matmuls and
+one ``index_add_`` back into the output (Punica's and S-LoRA's gather/scatter, with no padding).
+Rows of the base model are not touched, and a step with none of an adapter costs nothing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.forward.fusion import Slice
+
+
+@dataclass(slots=True)
+class Site:
+    """One linear call: the module wrapped and the parts of its output (module path, first and
+    end column)."""
+
+    index: int
+    in_features: int
+    out_features: int
+    parts: list[tuple[str, int, int]] = field(default_factory=list)
+
+
+SiteWeights = tuple[torch.Tensor, torch.Tensor]  # (A^T [in, r], scale * B^T [r, out])
+
+
+@dataclass(slots=True)
+class LoraStep:
+    """The adapted rows of one packed step, grouped by adapter: ``rows`` the packed rows in
+    group order, ``segments`` each adapter's prepared weights (one entry a site, None where it
+    adapts nothing) and its span of ``rows``. ``whole``: one adapter has every row of the step,
+    in order (no gather or scatter needed)."""
+
+    rows: torch.Tensor
+    segments: list[tuple[list[SiteWeights | None], int, int, torch.Tensor]]
+    whole: bool = False
+
+    def apply(self, site: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        y2 = y.view(-1, y.shape[-1])
+        if self.whole:
+            w = self.segments[0][0][site]
+            if w is not None:
+                y2.add_(torch.mm(torch.mm(x2, w[0]), w[1]))
+            return y
+        xs: torch.Tensor | None = None
+        for weights, start, end, rows in self.segments:
+            w = weights[site]
+            if w is None:
+                continue
+            if xs is None:
+                xs = x2.index_select(0, self.rows)
+            y2.index_add_(0, rows, torch.mm(torch.mm(xs[start:end], w[0]), w[1]))
+        return y
+
+
+class LoraState:
+    """What every wrapped layer of one model reads: the running step's adapters, if any."""
+
+    __slots__ = ("step",)
+
+    def __init__(self) -> None:
+        self.step: LoraStep | None = None
+
+
+class LoraLinear(torch.nn.Module):
+    """A site's linear layer (plain or packed), its output plus the step's deltas."""
+
+    def __init__(self, inner: torch.nn.Module, site: Site, state: LoraState) -> None:
+        super().__init__()
+        self.inner = inner
+        self.site = site.index
+        self.in_features, self.out_features = site.in_features, site.out_features
+        self.__dict__["state"] = state
+        self._forward = inner.forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._forward(x)
+        step = self.state.step
+        if step is None:
+            return y
+        return step.apply(self.site, x, y)
+
+
+def attach(model: torch.nn.Module, linears: dict[str, tuple[int, int]], state: LoraState) -> dict:
+    """Wrap every linear layer of ``model`` that ``linears`` names (paths in the causal LM, as
+    loaded, before fusing) in a :class:`LoraLinear`; a fused set is one site. Returns the sites
+    and each path's site: ``{"sites": [Site], "of": {path: (site index, first, end column)}}``."""
+    sites: list[Site] = []
+    of: dict[str, tuple[int, int, int]] = {}
+    fused_sites: dict[int, Site] = {}
+    for path, (in_features, out_features) in linears.items():
+        parent_path, _, leaf = path.rpartition(".")
+        parent = model.get_submodule(parent_path)
+        current = getattr(parent, leaf)
+        if isinstance(current, Slice):
+            fused = current.fused
+            site = fused_sites.get(id(fused))
+            if site is None:
+                total = fused.bounds[-1][1]
+                site = Site(len(sites), in_features, total)
+                sites.append(site)
+                fused_sites[id(fused)] = site
+                fused.linear = LoraLinear(fused.linear, site, state)
+            lo, hi = fused.bounds[current.index]
+        else:
+            site = Site(len(sites), in_features, out_features)
+            sites.append(site)
+            setattr(parent, leaf, LoraLinear(current, site, state))
+            lo, hi = 0, out_features
+        site.parts.append((path, lo, hi))
+        of[path] = (site.index, lo, hi)
+    return {"sites": sites, "of": of}
+
+
+def prepare(
+    sites: list[Site],
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    scales: dict[str, float],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[SiteWeights | None]:
+    """An adapter's ``(A, B)`` by module path as each site's ``(A^T, scale * B^T)``."""
+    out: list[SiteWeights | None] = []
+    for site in sites:
+        parts = [(path, lo, hi) for path, lo, hi in site.parts if path in weights]
+        if not parts:
+            out.append(None)
+            continue
+        r_total = sum(weights[path][0].shape[0] for path, _, _ in parts)
+        a_t = torch.empty(site.in_features, r_total)
+        b_t = torch.zeros(r_total, site.out_features)
+        col = 0
+        for path, lo, hi in parts:
+            a, b = weights[path]
+            r = a.shape[0]
+            a_t[:, col : col + r] = a.T
+            b_t[col : col + r, lo:hi] = b.T * scales[path]
+            col += r
+        out.append((a_t.to(device, dtype).contiguous(), b_t.to(device, dtype).contiguous()))
+    return out
+
+
+def prepared_numel(sites: list[Site], ranks: dict[str, int]) -> int:
+    """Elements an adapter of these module ``ranks`` takes once prepared (see :func:`prepare`)."""
+    total = 0
+    for site in sites:
+        r_total = sum(ranks.get(path, 0) for path, _, _ in site.parts)
+        total += r_total * (site.in_features + site.out_features)
+    return total
