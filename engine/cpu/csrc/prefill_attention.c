@@ -23,8 +23,8 @@
  *
  * Built and loaded by engine/cpu/kernels.py. Returns 0, 1 when scratch memory could not be
  * had, 2 for a head size this build has no loop for (16, 32, 64 and 128 have). Without
- * AVX-512 the sixteen-float vectors are pairs of registers that the row blocks spill (10x
- * slower than torch's flash operator on AVX2), so such a build says it is not worth calling:
+ * AVX-512 the sixteen-float vectors are pairs of registers that the row blocks spill (many
+ * times slower than torch's flash operator on AVX2), so such a build says it is not worth calling:
  * batchd_prefill_attention_fast() is 0 there, and the engine keeps torch's operator. */
 #include <math.h>
 #include <pthread.h>

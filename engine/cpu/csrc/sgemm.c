@@ -10,11 +10,12 @@
  * vectors are loaded once (pinned to registers: a compiler that folds them into the twelve
  * multiply-adds reloads them twelve times) and each row's element is broadcast; the panel is
  * prefetched 8 k ahead. Panels are split over torch's OpenMP team; the rows left after
- * whole tiles make one tile of their own size (rather than 8-, 4- and 1-row tails: 1.03-1.4x
- * from 3 to 47 rows). On a 2-core Zen 4 this was 1.2-1.5x oneDNN's packed GEMM from 4 to 64
- * rows and 1.06-1.13x from 128 to 2,048 before that change. Without
+ * whole tiles make one tile of their own size (8-, 4- and 1-row tails kept too few
+ * multiply-add chains in flight on the rows past the eighth or fourth). Every tile adds the k
+ * terms in the same order, so a row's result does not depend on the rows beside it. Without
  * AVX-512 the accumulators do not fit the registers, so batchd_sgemm_fast() is 0 there and the
- * engine keeps oneDNN. Built and loaded by engine/cpu/kernels.py. */
+ * engine keeps oneDNN. Built and loaded by engine/cpu/kernels.py; what it measured:
+ * docs/benchmarks/history.md. */
 #include <stdint.h>
 #include <string.h>
 
