@@ -217,10 +217,12 @@ def _tools(params: dict[str, Any]) -> dict[str, Any]:
                     f"{show(tool.get('type'))} (a server tool) is not supported here: "
                     "client tools (name, description, input_schema) only",
                 )
+            if tool.get("input_schema") is None:
+                raise _fail(f"{where}.input_schema", "a tool's input_schema is required")
             function: dict[str, Any] = {"name": tool.get("name")}
             if tool.get("description") is not None:
                 function["description"] = tool["description"]
-            function["parameters"] = tool.get("input_schema")
+            function["parameters"] = tool["input_schema"]
             functions.append({"type": "function", "function": function})
         out["tools"] = functions
     choice = params.get("tool_choice")

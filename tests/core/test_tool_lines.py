@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from core.batchfile.anthropic import chat_body, messages_param, result_of
+from core.batchfile.anthropic import UnservableRequest, chat_body, messages_param, result_of
 from core.batchfile.reader import RawLine, parse_request
 from core.batchfile.request import CHAT_URL, BatchRequest, LineError
 from core.batchfile.results import parse_tool_calls
@@ -334,6 +334,9 @@ def test_anthropic_tools_map_onto_the_chat_fields() -> None:
         ({"type": "tool", "name": "add"}, {"type": "function", "function": {"name": "add"}}),
     ):
         assert chat_body(dict(params, tool_choice=choice))["tool_choice"] == want
+    with pytest.raises(UnservableRequest) as caught:
+        chat_body(dict(params, tools=[{"name": "add"}]))
+    assert caught.value.param == "params.tools[0].input_schema"
     assert messages_param("body.tools[0].function.parameters") == "params.tools[0].input_schema"
     assert messages_param("body.tools[0].function.name") == "params.tools[0].name"
 
