@@ -503,6 +503,11 @@ class BatchEstimate(BaseModel):
     )
     prompt_tokens: int = Field(description="Exact, by the model's tokenizer.")
     max_completion_tokens: int = Field(description="The sum of the requests' output bounds.")
+    predicted_shareable_tokens: int = Field(
+        default=0,
+        description="Prompt tokens that an earlier line holds as a prefix: what the prefix plan "
+        "predicts a prefix cache can serve (docs/validation.md#the-prefix-plan).",
+    )
     per_model: dict[str, ModelEstimate]
     queue_ahead_tokens: int = Field(
         description="Estimated tokens that run before or beside this batch until it ends: "

@@ -183,6 +183,7 @@ def build_estimate(
         errors=[BatchErrorItem(**e) for e in scan["errors"]],
         prompt_tokens=int(scan["prompt_tokens"]),
         max_completion_tokens=int(scan["max_completion_tokens"]),
+        predicted_shareable_tokens=int(scan.get("predicted_shareable_tokens", 0)),
         per_model=per_model,
         queue_ahead_tokens=0 if times is None else round(times.ahead.total),
         estimated_start_at=None if projection is None else int(projection.start),

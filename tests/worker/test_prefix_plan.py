@@ -112,6 +112,11 @@ def test_validation_plans_each_shard_along_its_prefix_groups(worker_env, monkeyp
     row = batch_row(batch_id)
     assert row.prefix_shareable_tokens == shared > 0
     assert shared >= (LINES - TEMPLATES) * 4 * BLOCK_TOKENS  # the templates are long
+    # An estimate of the same file (what `batchd submit --dry-run` prints) predicts the same.
+    from worker.validation.estimate import scan_file
+
+    scan = scan_file(f"files/{row.input_file_id}", "/v1/chat/completions")
+    assert scan["predicted_shareable_tokens"] == shared
 
 
 def test_the_run_follows_the_plan_and_the_output_keeps_input_order(worker_env, monkeypatch) -> None:

@@ -38,6 +38,7 @@ def scan_file(key: str, endpoint: str, deadline: float | None = None) -> dict[st
         "prompt_tokens": scan.prompt_tokens,
         "est_tokens": est_tokens,
         "max_completion_tokens": max(0, est_tokens - scan.prompt_tokens),
+        "predicted_shareable_tokens": scan.shareable_tokens,
     }
 
 

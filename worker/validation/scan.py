@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from core.batches.plan import PrefixIndex
 from core.batches.sharding import ShardPlanner
 from core.batchfile.reader import ValidationReport, validate_file
 from core.batchfile.request import BatchRequest
@@ -20,11 +21,13 @@ from worker.validation.token_count import TokenCounter
 
 @dataclass(slots=True)
 class _Scan:
-    """A validated input file: the report, the shards planned and the prompt tokens counted."""
+    """A validated input file: the report, the shards planned, the prompt tokens counted and
+    those the prefix plan finds shareable (core.batches.plan)."""
 
     report: ValidationReport
     planner: ShardPlanner
     prompt_tokens: int
+    shareable_tokens: int = 0
 
 
 class CallerGone(TimeoutError):
@@ -40,11 +43,14 @@ def scan_input(key: str, endpoint: str, deadline: float | None = None) -> _Scan:
     served = [m for m, spec in settings.models.items() if specs.serves(spec, endpoint)]
     planner = ShardPlanner(settings.shard_max_tokens, settings.shard_max_requests)
     count = TokenCounter(served)
+    index = PrefixIndex(settings.prefix_plan_max_nodes) if settings.prefix_plan else None
 
     def on_request(req: BatchRequest) -> None:
         if deadline is not None and req.line % 256 == 0 and time.time() > deadline:
             raise CallerGone(f"the caller stopped waiting at line {req.line}")
         planner.add(req.line, req.offset, req.length, count(req))
+        if index is not None and count.last_plan_ids is not None:
+            index.add(count.last_plan_ids)
 
     with storage().reader(key) as stream:
         report = validate_file(
@@ -57,4 +63,5 @@ def scan_input(key: str, endpoint: str, deadline: float | None = None) -> _Scan:
             on_request=on_request,
             forwarded=specs.forwarded_models(settings.models),
         )
-    return _Scan(report, planner, count.prompt_tokens)
+    shareable = index.shareable_tokens if index is not None else 0
+    return _Scan(report, planner, count.prompt_tokens, shareable)
