@@ -131,6 +131,7 @@ class _Intake:
             served_models=served,
             max_requests=anthropic.MAX_REQUESTS,
             forwarded=specs.forwarded_models(self.settings.models),
+            engine_models=specs.engine_models(self.settings.models),
         )
 
     def read(self, body: BinaryIO | None) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -271,8 +272,9 @@ def _upstream_value(spec: str, name: str, value: str) -> Any:
 
 
 LORA_PREFIX = "lora:"
-#: The file that makes a directory a peft adapter directory.
+#: The files of a peft adapter directory: its config, and its weights as peft saves them.
 ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
 @dataclass(frozen=True, slots=True)
@@ -408,7 +410,8 @@ def engine_models(models: Mapping[str, str]) -> dict[str, str]:
 
 def check_adapter_dir(path: Path) -> dict[str, Any]:
     """The ``adapter_config.json`` of the peft adapter directory ``path``; ``ValueError``
-    saying what is wrong (missing, not a directory, not a peft adapter, not a LoRA)."""
+    saying what is wrong (missing, not a directory, not a peft adapter, not a LoRA, its weights
+    missing or unreadable). Whether the adapter fits its base is the engine's to say."""
     if not path.exists():
         raise ValueError(f"the adapter directory {path} does not exist")
     if not path.is_dir():
@@ -425,6 +428,9 @@ def check_adapter_dir(path: Path) -> dict[str, Any]:
     peft_type = config.get("peft_type")
     if peft_type is not None and str(peft_type).upper() != "LORA":
         raise ValueError(f"{path} is a {peft_type} adapter, not a LoRA adapter")
+    weights = path / ADAPTER_WEIGHTS
+    if not weights.is_file() or not os.access(weights, os.R_OK):
+        raise ValueError(f"the adapter's weights {weights} are missing or unreadable")
     return config
 
 

@@ -21,6 +21,7 @@ def adapter_dir(root: Path, name: str = "adapter") -> Path:
     path = root / name
     path.mkdir()
     (path / specs.ADAPTER_CONFIG).write_text(json.dumps({"peft_type": "LORA", "r": 4}))
+    (path / specs.ADAPTER_WEIGHTS).write_bytes(b"")
     return path
 
 
@@ -119,6 +120,11 @@ def test_a_directory_that_is_no_lora_adapter(tmp_path: Path) -> None:
     (tmp_path / specs.ADAPTER_CONFIG).write_text(json.dumps({"peft_type": "IA3"}))
     with pytest.raises(ValueError, match="is a IA3 adapter, not a LoRA adapter"):
         specs.check_adapter_dir(tmp_path)
+    (tmp_path / specs.ADAPTER_CONFIG).write_text(json.dumps({"peft_type": "LORA"}))
+    with pytest.raises(ValueError, match="adapter_model.safetensors are missing or unreadable"):
+        specs.check_adapter_dir(tmp_path)
+    (tmp_path / specs.ADAPTER_WEIGHTS).write_bytes(b"")
+    assert specs.check_adapter_dir(tmp_path) == {"peft_type": "LORA"}
 
 
 def _line(custom_id: str, model: str) -> bytes:

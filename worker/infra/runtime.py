@@ -43,6 +43,7 @@ _load_locks: dict[str, threading.Lock] = {}
 # meta-device initialisation is process-global), and two at once corrupt each other.
 _loading = threading.Lock()
 _refused: dict[str, str] = {}  # served model -> why its files cannot be served
+_refused_adapters: dict[str, str] = {}  # adapter -> why its base's engine runs it not
 
 # Options in ``engine_options`` that size the host rather than the engine.
 HOST_OPTIONS = ("max_pending", "engine_backlog", "group_window", "lead_requests", "lead_steps")
@@ -84,6 +85,19 @@ def isolation_gate(engine_host: Host) -> IsolationGate:
         return gate
 
 
+def engine_model(model: str) -> str:
+    """The served model whose engine runs ``model``'s lines: a LoRA adapter's base (its
+    tokenizer, context and queue too), else ``model`` itself."""
+    return specs.engine_models(get_settings().models).get(model, model)
+
+
+def adapter_refusal(adapter: str) -> str | None:
+    """Why this process's engine of the adapter's base does not run ``adapter`` (its directory
+    was missing or refused when the engine loaded), or None."""
+    with _lock:
+        return _refused_adapters.get(adapter)
+
+
 def model_spec(model: str) -> str:
     spec = get_settings().models.get(model)
     if spec is None:
@@ -93,7 +107,7 @@ def model_spec(model: str) -> str:
 
 def is_upstream(model: str) -> bool:
     """Whether ``model`` is served by an upstream server (its lines go there as written)."""
-    return specs.is_upstream(get_settings().models.get(model, ""))
+    return specs.is_upstream(get_settings().models.get(engine_model(model), ""))
 
 
 def model_dir(model: str) -> Path:
@@ -125,7 +139,8 @@ def model_dir(model: str) -> Path:
 def tokenizer(model: str) -> Any:
     """The model's tokenizer; the engine's own when this process runs the model. An upstream
     model has the tokenizer its spec names, or none (None: its prompts are counted by their
-    size, :func:`core.llms.generation.approx_prompt_tokens`)."""
+    size, :func:`core.llms.generation.approx_prompt_tokens`). An adapter's is its base's."""
+    model = engine_model(model)
     spec = model_spec(model)
     if specs.is_upstream(spec):
         source = specs.upstream_spec(spec, model).tokenizer
@@ -162,6 +177,7 @@ def _spec_tokenizer(model: str, source: str | None) -> Any:
 
 def context_length(model: str) -> int:
     """The most tokens (prompt + output) one sequence of ``model`` may hold."""
+    model = engine_model(model)
     with _lock:
         if model in _context:
             return _context[model]
@@ -183,7 +199,9 @@ def context_length(model: str) -> int:
 
 
 def host(model: str) -> Host:
-    """The process-wide engine host for ``model``, loaded and started on first use."""
+    """The process-wide engine host for ``model``, loaded and started on first use (an
+    adapter's: its base's, which runs it)."""
+    model = engine_model(model)
     with _lock:
         existing = _hosts.get(model)
         if existing is not None:
@@ -219,6 +237,7 @@ def _load_host(model: str, spec: str) -> Host:
         return _start_sim_host(model, spec, path, options, host_options, started_at)
     options.setdefault("adapt_cpu_threads", settings.adapt_cpu_threads)
     engine = Engine(str(path), **options)
+    _add_adapters(model, engine)
     host = EngineHost(engine, name=f"engine-host-{model}", **_host_policy(host_options))
     started = host.start()
     configured = getattr(getattr(engine, "config", None), "max_model_len", None)
@@ -236,6 +255,29 @@ def _load_host(model: str, spec: str) -> Host:
         time.monotonic() - started_at,
     )
     return started
+
+
+def _add_adapters(model: str, engine: Any) -> None:
+    """Register with ``engine`` the LoRA adapters (``lora:`` entries) whose base is ``model``.
+    One whose directory is missing, no peft adapter directory, or one the engine refuses (a
+    rank over ``max_lora_rank``, a layer the base does not have, ...) is left out, logged as an
+    ERROR naming its entry: its lines get an error line each (:func:`adapter_refusal`), and the
+    base and its other adapters run."""
+    # torch: this process runs the model
+    from engine.lora import AdapterError
+
+    for name, adapter in specs.adapters(get_settings().models).items():
+        if adapter.base != model or adapter.path is None:
+            continue
+        try:
+            specs.check_adapter_dir(adapter.path)
+            engine.add_lora(name, str(adapter.path))
+        except (ValueError, AdapterError) as exc:
+            with _lock:
+                _refused_adapters[name] = str(exc)
+            logger.error("adapter %r of model %r is refused: %s", name, model, exc)
+            continue
+        logger.info("adapter %s ready on model %s (%s)", name, model, adapter.path)
 
 
 def _start_dispatcher(model: str, spec: str) -> Host:

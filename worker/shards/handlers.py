@@ -1,7 +1,8 @@
 """How each kind of request runs in a shard: a handler prepares a parsed request, submits it to
 its host and reads what came back as a :data:`~worker.handler.RequestOutcome`.
 
-:class:`GenerationHandler` runs chat, completions and responses on the engine host;
+:class:`GenerationHandler` runs chat, completions and responses on the engine host (a line
+naming a LoRA adapter of the batch's model runs on the same engine with that adapter);
 :class:`EmbeddingHandler` runs embeddings on the embedding host;
 :class:`worker.upstream.handler.UpstreamHandler` sends every kind to an upstream server.
 :class:`worker.shards.run.ShardRun` keeps what they share (checkpoints, cancel, retries,
@@ -50,17 +51,37 @@ logger = logging.getLogger(__name__)
 def handler_for(shard: Shard, batch: Batch, host: Host) -> Handler:
     """The handler of the batch's requests. The model's spec and the batch's endpoint say
     which kind of host ``host`` is (``runtime.host`` started it from the same spec)."""
-    spec = get_settings().models.get(batch.model or "", "")
+    models = get_settings().models
+    spec = models.get(batch.model or "", "")
     if specs.is_upstream(spec):
         upstream = specs.upstream_spec(spec, batch.model or "")
-        return UpstreamHandler(batch, cast("Dispatcher", host), upstream)
+        # an adapter's lines name the adapter as the upstream serves it
+        names = {n: a.forwarded_name for n, a in _adapters_of(batch.model or "").items()}
+        return UpstreamHandler(batch, cast("Dispatcher", host), upstream, names)
     if batch.endpoint == EMBEDDINGS_URL:
         return EmbeddingHandler(batch, cast("EmbeddingHost", host))
     return GenerationHandler(shard, batch, cast("EngineHost", host))
 
 
+def _adapters_of(model: str) -> dict[str, specs.LoraSpec]:
+    """The LoRA adapters served on ``model``'s engine, by served name."""
+    return {n: a for n, a in specs.adapters(get_settings().models).items() if a.base == model}
+
+
+def adapter_error(req: BatchRequest, base: str, reason: str) -> dict[str, Any]:
+    """The error line of a line whose adapter its base's engine cannot run."""
+    return error_record(
+        req.custom_id,
+        "adapter_unavailable",
+        f"The adapter {req.model!r} (body.model) cannot run on {base!r}: {reason}",
+        param="body.model",
+    )
+
+
 class GenerationHandler:
-    """Chat, completions and responses on the engine host."""
+    """Chat, completions and responses on the engine host. A line that names one of the
+    model's LoRA adapters is submitted with it (``lora``); what it prepares is the prompt ids
+    and ``(SamplingParams, adapter or None)``."""
 
     isolates_failures = True
     forwards_bodies = False
@@ -69,6 +90,10 @@ class GenerationHandler:
         settings = get_settings()
         self.shard = shard
         self.batch_id = batch.id
+        self.model = batch.model or ""
+        self.adapters = _adapters_of(self.model)
+        # why each adapter cannot run (None: it can), read once per shard
+        self.adapter_problems: dict[str, str | None] = {}
         self.host = host
         # The engine admits lower values first: a "high" batch overtakes the nightly bulk.
         self.priority = Priority.parse(batch.priority).engine
@@ -87,9 +112,20 @@ class GenerationHandler:
             storage(), batch.id, shard.index, tokenizer_fingerprint(self.tok)
         )
 
-    def prepare(self, req: BatchRequest) -> tuple[list[int], SamplingParams] | Line:
+    def prepare(
+        self, req: BatchRequest
+    ) -> tuple[list[int], tuple[SamplingParams, str | None]] | Line:
+        lora = None
+        if req.model != self.model:
+            if req.model not in self.adapters:  # BATCHD_MODELS changed since validation
+                reason = "it is not an adapter of this model in BATCHD_MODELS"
+                return Line(adapter_error(req, self.model, reason))
+            problem = self._adapter_problem(req.model)
+            if problem is not None:
+                return Line(adapter_error(req, self.model, problem))
+            lora = req.model
         try:
-            return generation.prepare_request(
+            prompt, params = generation.prepare_request(
                 self.tok,
                 req,
                 self.context,
@@ -97,6 +133,7 @@ class GenerationHandler:
                 self.prepared.pop(req.line, None),
                 make_params=SamplingParams,
             )
+            return prompt, (params, lora)
         except REQUEST_ERRORS as exc:
             return Line(error_for_exception(req, exc))
         except Exception:
@@ -105,8 +142,26 @@ class GenerationHandler:
             )
             raise
 
+    def _adapter_problem(self, adapter: str) -> str | None:
+        """Why ``adapter`` cannot run now: the engine refused it at load, or its directory
+        has since gone or become unreadable (the engine reads its weights when a line makes it
+        resident); None if it can."""
+        if adapter not in self.adapter_problems:
+            problem = runtime.adapter_refusal(adapter)
+            path = self.adapters[adapter].path
+            if problem is None and path is not None:
+                try:
+                    specs.check_adapter_dir(path)
+                except ValueError as exc:
+                    problem = str(exc)
+            self.adapter_problems[adapter] = problem
+        return self.adapter_problems[adapter]
+
     def submit(
-        self, prompt: list[int], params: SamplingParams, done: Callable[[Future], None]
+        self,
+        prompt: list[int],
+        params: tuple[SamplingParams, str | None],
+        done: Callable[[Future], None],
     ) -> None:
         # torch: imported only by a process that runs an engine host
         from engine.host.host import HostError
@@ -117,11 +172,16 @@ class GenerationHandler:
             raise EngineUnavailable(str(exc)) from exc
 
     def _submit(
-        self, prompt: list[int], params: SamplingParams, done: Callable[[Future], None]
+        self,
+        prompt: list[int],
+        params: tuple[SamplingParams, str | None],
+        done: Callable[[Future], None],
     ) -> None:
+        sampling, lora = params
+        adapter: dict[str, Any] = {} if lora is None else {"lora": lora}
         self.host.submit(
             prompt,
-            params,
+            sampling,
             group=self.batch_id,
             callback=done,
             timeout=SUBMIT_WAIT_S,
@@ -129,16 +189,20 @@ class GenerationHandler:
             cache_salt=self.cache_salt,
             tenant=self.tenant,
             deadline=self.deadline,
+            **adapter,
         )
 
     def outcome(self, req: BatchRequest, future: Future, submitted: float | None) -> RequestOutcome:
         # torch: imported only by a process that runs an engine host
         from engine.host.host import HostError
+        from engine.lora import AdapterError
 
         exc = future.exception()
         if exc is not None:
             if isinstance(exc, HostError):
                 raise EngineUnavailable(str(exc)) from exc
+            if isinstance(exc, AdapterError):  # its directory unreadable, or incompatible
+                return Line(adapter_error(req, self.model, str(exc)))
             if isinstance(exc, RequestError):
                 return Refused(exc)
             if isinstance(exc, ValueError):  # a parameter the engine cannot honour
@@ -157,6 +221,11 @@ class GenerationHandler:
         return Line(record, result, finished)
 
     def failed_line(self, req: BatchRequest, exc: BaseException, tries: int) -> dict[str, Any]:
+        if req.model in self.adapters:  # its adapter's weights may have gone since prepare
+            self.adapter_problems.pop(req.model, None)
+            problem = self._adapter_problem(req.model)
+            if problem is not None:
+                return adapter_error(req, self.model, problem)
         cause = exc.__cause__ or exc
         logger.warning(
             "shard %s line %s failed the engine %s times alone: %r",

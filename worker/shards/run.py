@@ -91,7 +91,7 @@ class ShardRun:
         # an upstream model's lines are parsed as validation parsed them (core.batchfile.bodies.check_body),
         # with the reserved fields its spec allows now
         self.forwarded: dict[str, frozenset[str]] = (
-            specs.forwarded_models({self.model: settings.models.get(self.model, "")})
+            specs.forwarded_models(settings.models)  # the model's and its adapters'
             if self.handler.forwards_bodies
             else {}
         )

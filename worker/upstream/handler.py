@@ -7,7 +7,7 @@ key it quotes redacted)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -92,10 +92,19 @@ class UpstreamHandler:
     isolates_failures = False
     forwards_bodies = True
 
-    def __init__(self, batch: Batch, host: Dispatcher, spec: UpstreamSpec):
+    def __init__(
+        self,
+        batch: Batch,
+        host: Dispatcher,
+        spec: UpstreamSpec,
+        names: Mapping[str, str] | None = None,
+    ):
         self.batch_id = batch.id
         self.host = host
         self.spec = spec
+        # served name -> the model the server is sent: the base's (spec.model) but for the
+        # LoRA adapters it serves (core.llms.specs.LoraSpec.forwarded_name)
+        self.names: Mapping[str, str] = names or {}
         self.tenant = batch.tenant
         self.priority = Priority.parse(batch.priority).engine
         self.deadline = batch.expires_at.timestamp() if batch.expires_at is not None else None
@@ -104,7 +113,7 @@ class UpstreamHandler:
         self.salt_key = None if settings.share_prefix_cache_across_tenants else salt_key(settings)
 
     def prepare(self, req: BatchRequest) -> tuple[tuple[str, dict[str, Any]], tuple[str, int]]:
-        body = dict(req.body, model=self.spec.model)
+        body = dict(req.body, model=self.names.get(req.model, self.spec.model))
         if self.salt_key is not None:
             body = salted_body(
                 body,

@@ -62,6 +62,7 @@ def scan_input(key: str, endpoint: str, deadline: float | None = None) -> _Scan:
             max_errors=settings.max_errors_reported,
             on_request=on_request,
             forwarded=specs.forwarded_models(settings.models),
+            engine_models=specs.engine_models(settings.models),
         )
     shareable = index.shareable_tokens if index is not None else 0
     return _Scan(report, planner, count.prompt_tokens, shareable)

@@ -148,6 +148,7 @@ class StreamedValidation:
             max_requests=settings.max_requests_per_batch,
             max_line_bytes=settings.max_line_bytes,
             forwarded=specs.forwarded_models(settings.models),
+            engine_models=specs.engine_models(settings.models),
         )
         self.count = TokenCounter(served)
         self.planner = ShardPlanner(
