@@ -4,9 +4,10 @@
 FROM python:3.11-slim
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
 WORKDIR /app
-# A C compiler: a CPU model worker builds its kernels (attention, layer ops, GEMMs: the sources
-# in engine/cpu/csrc) for the CPU it runs on at first start (engine/cpu/kernels.py); without
-# one it runs torch's slower operators.
+# A C compiler: a CPU model worker builds its kernels (decode and prefill attention, layer ops,
+# float32 and bf16 GEMMs: the sources in engine/cpu/csrc) for the CPU it runs on when its engine
+# first loads (engine/cpu/kernels.py), into ~/.cache/batchd/kernels, so a fresh container builds
+# them again; without a compiler it runs torch's slower operators.
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
