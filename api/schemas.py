@@ -17,7 +17,7 @@ from core.batches.completion_windows import WINDOW, window_seconds
 from core.batches.priority import PriorityName, priority_name
 from core.batches.retry import MAX_LINE_ITEMS
 from core.database.auth import MAX_WEBHOOK_URL_CHARS, is_text, webhook_url_problem
-from core.database.lifecycle import BatchStatus
+from core.database.lifecycle import PAUSABLE, BatchStatus, now
 from core.database.tables import Batch, File
 
 MAX_METADATA_PAIRS = 16
@@ -157,6 +157,13 @@ class BatchCreate(BaseModel):
         max_length=MAX_WEBHOOK_URL_CHARS,
         json_schema_extra={"format": "uri", "pattern": "^[Hh][Tt][Tt][Pp][Ss]?://[^/?#]"},
     )
+    max_total_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="A token budget: the prompt plus output tokens the batch's lines may "
+        "spend (usage.total_tokens). Refused when the prompts alone exceed it; once spent, "
+        "lines not yet started end as 'budget_exhausted' errors.",
+    )
     idempotency_key: str | None = Field(
         default=None,
         description="Like the Idempotency-Key header: a repeated create with the same key "
@@ -291,6 +298,17 @@ class BatchPublic(BaseModel):
         description="While validating or in progress: whether its projected end is after "
         "its deadline (expires_at).",
     )
+    paused: bool = Field(
+        default=False,
+        description="Whether the batch is paused (POST /v1/batches/{id}/pause); its status "
+        "stays validating or in_progress.",
+    )
+    paused_at: int | None = Field(default=None, description="When the pause began.")
+    max_total_tokens: int | None = Field(
+        default=None,
+        description="Its token budget (prompt plus output tokens); usage.total_tokens is "
+        "what it spent.",
+    )
     webhook_secret: str | None = Field(
         default=None,
         description="Only in the answer to the create that made the batch, and only when the "
@@ -345,20 +363,39 @@ class BatchPublic(BaseModel):
                 cached_tokens=row.cached_tokens or 0,
                 predicted_shareable_tokens=row.prefix_shareable_tokens or 0,
             ),
+            max_total_tokens=row.max_total_tokens,
+            **_pause(row),
             **_projection(row),
         )
 
 
+def _paused(row: Batch) -> bool:
+    return row.paused_at is not None and row.status in PAUSABLE
+
+
+def _pause(row: Batch) -> dict[str, Any]:
+    """``paused`` and ``paused_at`` while a paused batch may still run."""
+    if not _paused(row):
+        return {}
+    return {"paused": True, "paused_at": unix(row.paused_at)}
+
+
 def _projection(row: Batch) -> dict[str, Any]:
-    """``estimated_completion_at`` and ``at_risk`` while the batch may still run."""
+    """``estimated_completion_at`` and ``at_risk`` while the batch may still run. A paused
+    batch's projection is the one it had when paused, later by the time paused so far (its
+    window's clock runs on), and at risk once that passes ``expires_at``."""
     if row.status not in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS):
         return {}
+    eta = row.estimated_completion_at
+    at_risk = bool(row.at_risk)
+    if eta is not None and row.paused_at is not None:
+        eta = eta + (now() - row.paused_at)
+        at_risk = at_risk or eta > row.expires_at
     # Rounded up, where the other times are rounded down: a projection past the deadline by
     # less than a second still reads as past ``expires_at`` when it is marked at risk.
-    eta = row.estimated_completion_at
     return {
         "estimated_completion_at": None if eta is None else math.ceil(eta.timestamp()),
-        "at_risk": bool(row.at_risk),
+        "at_risk": at_risk,
     }
 
 
@@ -396,7 +433,7 @@ class ResultPage(BaseModel):
     has_more: bool
 
 
-RetryKind = Literal["expired", "cancelled", "failed"]
+RetryKind = Literal["expired", "cancelled", "budget_exhausted", "failed"]
 
 
 def _line_number(item: Any) -> int | None:
@@ -444,9 +481,10 @@ class RetryCreate(BaseModel):
     include: list[RetryKind] | None = Field(
         default=None,
         min_length=1,
-        description="Which lines to retry: 'expired', 'cancelled' (never ran) and 'failed' "
+        description="Which lines to retry: 'expired', 'cancelled', 'budget_exhausted' "
+        "(never ran) and 'failed' "
         "(failed with a retryable error: 5xx or 429; a request's own 4xx error never is). "
-        "Default: all three.",
+        "Default: all four.",
     )
     completion_window: str | None = Field(
         default=None,
@@ -458,6 +496,11 @@ class RetryCreate(BaseModel):
     )
     priority: BatchPriority | None = Field(
         default=None, description="Default: the parent's priority (if this key may use it)."
+    )
+    max_total_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="The retry's own token budget (see the create's); default: none.",
     )
     lines: list[LineItem] | None = Field(
         default=None,
