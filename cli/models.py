@@ -15,12 +15,24 @@ def resolve_models(
     package that ships one) ahead of the first request, once: both are cached, so the worker
     then loads them in seconds and two processes never race to make them. Other specs are
     returned as they are. A model whose files cannot be served (or whose package is not
-    installed) raises ``ModelSourceError`` naming it; ``say`` reports a conversion (slow)."""
+    installed), or a LoRA adapter whose directory is no peft adapter directory, raises
+    ``ModelSourceError`` naming it; ``say`` reports a conversion (slow)."""
     from core.llms import gguf, specs
     from core.llms.demo import build
 
     resolved = {}
     for name, spec in models.items():
+        if specs.is_lora(spec):  # a LoRA adapter: its directory, read now (the base loads it)
+            try:
+                adapter_dir = specs.lora_spec(spec, name).path
+                if adapter_dir is not None:
+                    specs.check_adapter_dir(adapter_dir)
+            except ValueError as exc:
+                raise gguf.ModelSourceError(
+                    f"BATCHD_MODELS entry {name!r} ({spec}): {exc}"
+                ) from None
+            resolved[name] = spec
+            continue
         if specs.is_upstream(spec):
             try:
                 upstream = specs.upstream_spec(spec, name)

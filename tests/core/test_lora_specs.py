@@ -166,3 +166,19 @@ def test_a_base_and_its_adapters_share_a_batch(tmp_path: Path) -> None:
     ]
     assert 'line 5 uses "c", line 1 uses "a"' in report.errors[0].message
     assert "its base model's and its other adapters'" in report.errors[0].message
+
+
+def test_batchd_up_refuses_an_adapter_directory_naming_the_entry(tmp_path: Path) -> None:
+    from cli.models import resolve_models
+    from core.llms.gguf import ModelSourceError
+
+    good = adapter_dir(tmp_path)
+    models = {"chat": BASE, "bot": f"lora:chat?path={good}"}
+    assert resolve_models(models)["bot"] == models["bot"]
+    (good / specs.ADAPTER_CONFIG).unlink()
+    with pytest.raises(ModelSourceError) as caught:
+        resolve_models(models)
+    assert str(caught.value) == (
+        f"BATCHD_MODELS entry 'bot' ({models['bot']}): {good} is not a peft adapter directory: "
+        "it has no adapter_config.json"
+    )
