@@ -341,3 +341,50 @@ def test_a_local_model_refuses_an_image_naming_the_part(models: None) -> None:
     (error,) = batch_row(batch_id).errors
     assert error["param"] == "body.messages[1].content[0]" and error["line"] == 1
     assert "image_url" in error["message"] and f'"{MODEL}" takes text only' in error["message"]
+
+
+# A local model whose chat template renders no tools (SmolLM2-135M-Instruct's kind).
+
+PLAIN = "plain"
+
+
+@pytest.fixture
+def plain_model(
+    worker_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> Iterator[Any]:
+    """The tiny model with ChatML that never reads ``tools``, served as ``plain``, and an
+    engine host on it."""
+    import shutil
+
+    from core.llms.demo import build
+    from core.settings import get_settings
+    from engine import Engine, EngineHost
+
+    path = tmp_path / "plain"
+    shutil.copytree(build("llama-tiny"), path)
+    (path / "chat_template.jinja").write_text(
+        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+        "message['content'] + '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    monkeypatch.setenv("BATCHD_MODELS", json.dumps({PLAIN: str(path)}))
+    get_settings.cache_clear()
+    host = EngineHost(Engine(str(path))).start()
+    yield host
+    host.shutdown(wait=True, abort_pending=True, timeout=30)
+    get_settings.cache_clear()
+
+
+def test_a_model_whose_template_renders_no_tools_refuses_the_line(plain_model: Any) -> None:
+    lines = [
+        chat_line("tools", "hi", model=PLAIN, tools=TOOLS, tool_choice="required"),
+        chat_line("none", "hi", model=PLAIN, tools=TOOLS, tool_choice="none"),
+        chat_line("plain", "hi", model=PLAIN),
+    ]
+    out, errors = run_batch(lines, plain_model)
+    assert sorted(o["custom_id"] for o in out) == ["none", "plain"]
+    (line,) = errors
+    error = line["response"]["body"]["error"]
+    assert line["custom_id"] == "tools" and line["response"]["status_code"] == 400
+    assert (error["code"], error["param"]) == ("unsupported_parameter", "body.tools")
+    assert f"model '{PLAIN}'" in error["message"] and "does not support tools" in error["message"]
