@@ -7,15 +7,20 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 
+from tests.harness.fault_proxy import FaultProxy
+from tests.harness.upstream_server import UpstreamServer
 from tests.helpers.worker import MODEL, batch_row, chat_line, make_batch, shard_rows
 from tests.worker.test_upstream_line_limits import EchoServer
 
 pytestmark = pytest.mark.services
 
 FLEET = "fleet"
+SALT_FIELD = "cache_salt_field=prompt_cache_key"
 
 
 @pytest.fixture
@@ -64,3 +69,54 @@ def test_an_adapter_of_another_model_cannot_share_the_batch(models: None) -> Non
     assert validate(batch_id) == "failed"
     (error,) = batch_row(batch_id).errors
     assert (error["line"], error["code"], error["param"]) == (2, "mismatched_model", "body.model")
+
+
+@pytest.mark.slow
+def test_a_real_server_receives_each_adapters_name(
+    worker_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Against ``transformers serve`` (a server batchd did not write) through a loopback proxy
+    that records every body: the shard's lines go out through the real dispatcher, each with
+    the ``model`` its adapter is served under. This server serves one model (its directory):
+    the adapter renamed to it is answered, the one sent under its own name is the server's to
+    refuse, and its line carries that refusal."""
+    from core.llms.specs import upstream_spec
+    from core.settings import get_settings
+    from worker.batches.tasks import validate
+    from worker.shards.task import run_shard
+    from worker.upstream.dispatcher import Dispatcher
+
+    with UpstreamServer(tmp_path) as server:
+        proxy = FaultProxy(f"http://127.0.0.1:{server.port}").start()
+        try:
+            # this server refuses vLLM's cache_salt: the salt goes in prompt_cache_key
+            base = f"upstream:{proxy.url}/v1?model={quote(server.model)}&" + SALT_FIELD
+            monkeypatch.setenv("BATCHD_MODELS", json.dumps({
+                FLEET: base,
+                "support-bot": f"lora:{FLEET}?upstream_name={quote(server.model)}",
+                "sql-bot": f"lora:{FLEET}",
+            }))  # fmt: skip
+            get_settings.cache_clear()
+            params = {"max_tokens": 2, "temperature": 0}
+            lines = [
+                chat_line(name, f"Say hi to {name}.", model=model, **params)
+                for name, model in [("base", FLEET), ("support", "support-bot"), ("sql", "sql-bot")]
+            ]
+            batch_id = make_batch(lines)
+            assert validate(batch_id) == "in_progress"
+            dispatcher = Dispatcher(FLEET, upstream_spec(base, FLEET), shared=False).start()
+            try:
+                for shard in shard_rows(batch_id):
+                    run_shard(shard.id, host=dispatcher)
+            finally:
+                dispatcher.shutdown()
+            bodies = [json.loads(body) for _, body in proxy.received]
+            assert {b["messages"][0]["content"]: b["model"] for b in bodies} == {
+                "Say hi to base.": server.model,
+                "Say hi to support.": server.model,
+                "Say hi to sql.": "sql-bot",
+            }
+            row = batch_row(batch_id)
+            assert (row.request_completed, row.request_failed) == (2, 1)
+        finally:
+            proxy.close()
