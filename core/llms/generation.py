@@ -253,7 +253,12 @@ def generation_result(tok: Any, req: BatchRequest, output: Any) -> GenerationRes
     forced = forced_tool_call(req)
 
     def text(c: Any) -> str:
-        if forced and (c.finish_reason or "stop") == "stop":
+        # the grammar closed the call (a stop string may have cut it first: then it is text)
+        if (
+            forced
+            and (c.finish_reason or "stop") == "stop"
+            and getattr(c, "stop_reason", None) is None
+        ):
             return TOOL_CALL_OPEN + c.text + TOOL_CALL_CLOSE
         return str(c.text)
 

@@ -365,3 +365,25 @@ def test_anthropic_results_carry_tool_use_blocks() -> None:
     assert text == {"type": "text", "text": "ok"}
     assert block["type"] == "tool_use" and block["id"].startswith("toolu_")
     assert (block["name"], block["input"]) == ("add", {"a": 1})
+
+
+def test_a_forced_call_is_closed_only_when_the_grammar_ended_it() -> None:
+    from types import SimpleNamespace
+
+    from core.llms.generation import generation_result
+
+    req = line(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "ping"}})
+
+    def choice(text: str, finish: str, stop: str | None = None) -> SimpleNamespace:
+        return SimpleNamespace(
+            index=0, text=text, finish_reason=finish, token_ids=[1], stop_reason=stop, logprobs=None
+        )
+
+    def output(c: SimpleNamespace) -> SimpleNamespace:
+        return SimpleNamespace(prompt_token_ids=[1], metrics=None, outputs=[c])
+
+    done = '{"name": "ping", "arguments": {}}'
+    closed = generation_result(None, req, output(choice(done, "stop"))).choices[0].text
+    assert parse_tool_calls(closed, ["ping"]) is not None
+    for cut in (choice('{"name": "pi', "length"), choice('{"name"', "stop", stop=":")):
+        assert generation_result(None, req, output(cut)).choices[0].text == cut.text

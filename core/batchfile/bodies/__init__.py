@@ -1,7 +1,7 @@
 """Each endpoint's request body, checked and normalised into a :class:`BatchRequest`: the
-fields each accepts (``fields``), one module per endpoint (``generation``: chat and
-completions; ``embeddings``; ``responses``), their shared field checks (``checker``) and
-structured-output formats (``structured``)."""
+fields each accepts and those refused (``fields``), one module per endpoint (``generation``:
+chat and completions; ``embeddings``; ``responses``), their shared field checks (``checker``),
+structured-output formats (``structured``) and chat tools (``tools``)."""
 
 from __future__ import annotations
 
