@@ -81,11 +81,8 @@ def print_estimate(estimate: dict[str, Any], console: Console, name: str) -> Non
         ),
         ("prompt tokens", f"{estimate['prompt_tokens']:,} (the model's tokenizer)"),
         ("max completion tokens", f"{estimate['max_completion_tokens']:,}"),
-        (
-            "shareable prefix",
-            f"{estimate.get('predicted_shareable_tokens', 0):,} prompt tokens an earlier line "
-            "holds as a prefix (the prefix plan's prediction)",
-        ),
+        # prompt tokens an earlier line holds as a prefix (docs/validation.md#the-prefix-plan)
+        ("shareable prefix", f"{estimate.get('predicted_shareable_tokens', 0):,} prompt tokens"),
         ("queue ahead", f"{estimate['queue_ahead_tokens']:,} tokens"),
         ("estimated start", eta_text(estimate.get("estimated_start_at"))),
         ("estimated completion", eta_text(estimate.get("estimated_completion_at"))),

@@ -51,12 +51,24 @@ def _wait(stack, batch_id: str) -> Any:
     return batch
 
 
-def test_a_planned_batch_completes_in_input_order_and_shows_its_savings(stack) -> None:
+def test_a_planned_batch_completes_in_input_order_and_shows_its_savings(stack, tmp_path) -> None:
     import httpx
+    from typer.testing import CliRunner
 
+    from cli.main import app
     from tests.harness.stack import API_KEY
 
     client = stack.client
+    # `batchd submit --dry-run` prints the prediction and creates nothing.
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(_file())
+    dry = CliRunner().invoke(
+        app,
+        ["submit", str(path), "--dry-run", "--base-url", stack.base_url, "--api-key", API_KEY],
+        catch_exceptions=False,
+    )
+    assert dry.exit_code == 0, dry.output
+    assert "shareable prefix" in dry.output
     f = client.files.create(file=("in.jsonl", io.BytesIO(_file())), purpose="batch")
     http = httpx.Client(
         base_url=stack.base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30
@@ -71,6 +83,7 @@ def test_a_planned_batch_completes_in_input_order_and_shows_its_savings(stack) -
     )
     assert estimate.status_code == 200, estimate.text
     predicted = estimate.json()["predicted_shareable_tokens"]
+    assert f"{predicted:,} prompt tokens" in dry.output
     assert predicted > (LINES - TEMPLATES) * 100  # the blocks are long and repeat
     assert not client.batches.list().data  # an estimate creates no batch
 
