@@ -29,14 +29,15 @@ pytestmark = [pytest.mark.services, pytest.mark.slow]
 ROOT = Path(tempfile.gettempdir()) / f"batchd-lora-e2e-{os.getpid()}"
 ADAPTERS = {"bot-a": 11, "bot-b": 22, "bot-late": 33}  # name -> seed
 MISSING = "bot-missing"
+WIDE = "bot-wide"  # of rank 72, over the engine's max_lora_rank (default 64)
 STACK_ENV = {
     "BATCHD_MODELS": json.dumps(
         {
             MODEL: "demo:llama-tiny",
-            **{name: f"lora:{MODEL}?path={ROOT / name}" for name in ADAPTERS},
+            **{name: f"lora:{MODEL}?path={ROOT / name}" for name in [*ADAPTERS, WIDE]},
             MISSING: f"lora:{MODEL}?path={ROOT / 'never-written'}",
         }
-    ),  # fmt: skip
+    ),
 }
 PROMPTS = [f"The quick brown fox {i} jumps over" for i in range(3)]
 MAX_TOKENS = 8
@@ -50,6 +51,7 @@ def adapters() -> Iterator[dict[str, Path]]:
     base = build("llama-tiny")
     ROOT.mkdir(parents=True, exist_ok=True)
     try:
+        make_adapter(base, ROOT / WIDE, rank=72, target_modules=["q_proj"], seed=44)
         yield {
             name: make_adapter(
                 base, ROOT / name, rank=8, target_modules=["q_proj", "v_proj"], seed=seed
@@ -133,6 +135,7 @@ def test_an_adapter_that_cannot_run_fails_its_own_lines(
         completion_line("a", PROMPTS[0], MAX_TOKENS, model="bot-a"),
         completion_line("missing", PROMPTS[0], MAX_TOKENS, model=MISSING),
         completion_line("late", PROMPTS[0], MAX_TOKENS, model="bot-late"),
+        completion_line("wide", PROMPTS[0], MAX_TOKENS, model=WIDE),
         completion_line("base", PROMPTS[0], MAX_TOKENS),
     ]
     batch, out, errors = _run(stack, lines)
@@ -142,10 +145,11 @@ def test_an_adapter_that_cannot_run_fails_its_own_lines(
         "base": expected[None][0],
     }
     by_id = {r["custom_id"]: r["response"] for r in errors}
-    assert set(by_id) == {"missing", "late"}
+    assert set(by_id) == {"missing", "late", "wide"}
     for custom_id, adapter, reason in [
         ("missing", MISSING, "never-written does not exist"),
         ("late", "bot-late", "adapter_model.safetensors are missing or unreadable"),
+        ("wide", WIDE, "r 72 exceeds max_lora_rank 64"),  # the engine's reason
     ]:
         assert by_id[custom_id]["status_code"] == 400
         error = by_id[custom_id]["body"]["error"]
@@ -153,7 +157,8 @@ def test_an_adapter_that_cannot_run_fails_its_own_lines(
         assert f"The adapter {adapter!r} (body.model) cannot run on {MODEL!r}" in error["message"]
         assert reason in error["message"]
     # The worker said so at start, naming the entry.
-    assert f"adapter {MISSING!r} of model {MODEL!r} is refused" in stack.log("model")
+    for adapter in (MISSING, WIDE):
+        assert f"adapter {adapter!r} of model {MODEL!r} is refused" in stack.log("model")
 
 
 def test_a_model_that_is_not_served_fails_validation(stack: Any) -> None:
@@ -170,7 +175,7 @@ def test_a_model_that_is_not_served_fails_validation(stack: Any) -> None:
 
 def test_models_lists_each_adapter_with_its_base_as_parent(stack: Any) -> None:
     listed = {m.id: m for m in stack.client.models.list()}
-    assert set(listed) == {MODEL, *ADAPTERS, MISSING}
+    assert set(listed) == {MODEL, *ADAPTERS, MISSING, WIDE}
     base = listed[MODEL]
     assert (base.owned_by, base.parent, base.root) == ("batchd", None, MODEL)
     for name in ADAPTERS:
