@@ -143,3 +143,38 @@ def test_no_code_path_fetches_an_image_url() -> None:
     ]
     for reader in readers:
         assert not imports(ROOT / reader) & HTTP_CLIENTS, reader
+
+
+def test_a_responses_line_forwards_images_and_items_to_an_upstream_model() -> None:
+    from core.batchfile.request import RESPONSES_URL
+
+    items = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "input_text", "text": "what?"},
+                {"type": "input_image", "image_url": "https://example.invalid/a.png"},
+            ],
+        },
+        {"type": "function_call_output", "call_id": "c1", "output": "5"},
+    ]
+    obj = {
+        "custom_id": "a",
+        "method": "POST",
+        "url": RESPONSES_URL,
+        "body": {"model": "m", "input": items},
+    }
+    raw = json.dumps(obj).encode()
+    for forwarded, param in ((True, None), (False, "body.input[0].content[1].type")):
+        try:
+            req = parse_request(
+                RawLine(1, 0, len(raw), raw),
+                endpoint=RESPONSES_URL,
+                served_models=None,
+                forwarded=["m"] if forwarded else (),
+            )
+        except LineError as err:
+            assert err.param == param
+        else:
+            assert param is None and req.body["input"] == items
+            assert req.messages is not None and req.messages[0]["content"] == "what?"

@@ -8,6 +8,7 @@ line, naming the field."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from core.batchfile.bodies.checker import Checker
@@ -62,9 +63,15 @@ def check_response(c: Checker, req: BatchRequest) -> None:
 
 
 def _item(c: Checker, item: Any, p: str) -> dict[str, str]:
+    """One input item as a chat message; an upstream model's line may hold items and parts a
+    local model refuses (tools' items, images, files), which it gets as written."""
     if not isinstance(item, dict):
         raise c.type_error(p, "an object (a message item)", item)
     kind = item.get("type", "message")
+    if kind != "message" and c.forwarded:
+        # an upstream model reads it (a function call, its output, …); its text is what the
+        # prompt's size is estimated from
+        return {"role": "user", "content": json.dumps(item, ensure_ascii=False)}
     if kind != "message":
         raise c.fail(
             "unsupported_value",
@@ -84,6 +91,8 @@ def _item(c: Checker, item: Any, p: str) -> dict[str, str]:
         if not isinstance(part, dict):
             raise c.type_error(pp, "an object", part)
         ptype = part.get("type")
+        if ptype not in TEXT_PARTS and c.forwarded:
+            continue  # an image, a file, audio: the upstream model reads it as written
         if ptype not in TEXT_PARTS:
             raise c.fail(
                 "unsupported_value",
