@@ -574,6 +574,11 @@ class ModelPublic(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "batchd"
+    # As vLLM lists them: a LoRA adapter's ``parent`` is its base model and its ``root`` the
+    # adapter (its directory, or the name its upstream serves it under); a model's ``parent``
+    # is null and its ``root`` its own id.
+    root: str | None = None
+    parent: str | None = None
     # Extensions: what the model does, and the batch endpoints it serves.
     kind: Literal["generate", "embedding"] = "generate"
     endpoints: list[str] = Field(default_factory=list)
