@@ -171,3 +171,30 @@ def test_without_a_plan_the_shards_keep_file_order(worker_env, monkeypatch, capl
     assert batch_row(batch_id).prefix_shareable_tokens == 0
     if "BATCHD_PREFIX_PLAN_MAX_NODES" in env:
         assert "prefix index full at 0 nodes" in caplog.text
+
+
+def test_a_malformed_run_order_still_runs_every_line_once(worker_env, monkeypatch, host) -> None:
+    from worker.batches.finalize import finalize
+    from worker.infra.common import storage
+    from worker.shards.prepared import order_key, read_order
+    from worker.shards.task import ShardEnd, run_shard
+
+    batch_id = _validated(monkeypatch)
+    first, second = shard_rows(batch_id)
+    # Shard 0: an order naming a line of another shard, a line twice and not all of its own,
+    # torn in its last id; shard 1: not an order at all.
+    with storage().writer(order_key(batch_id, first.index)) as out:
+        ids = (5, 15, 5, 2)
+        out.write(
+            b"BDOR\x01\x00\x00\x00" + b"".join(n.to_bytes(4, "little") for n in ids) + b"\x07"
+        )
+    with storage().writer(order_key(batch_id, second.index)) as out:
+        out.write(b"not an order")
+    assert read_order(storage(), batch_id, first.index) == [5, 15, 5, 2]
+    assert read_order(storage(), batch_id, second.index) == []  # file order
+    for shard in (first, second):
+        assert run_shard(shard.id, host=host).end == ShardEnd.DONE
+    assert finalize(batch_id) == "completed"
+    out = read_file_lines(batch_row(batch_id).output_file_id)
+    assert [r["custom_id"] for r in out] == [f"r{i}" for i in range(LINES)]
+    assert batch_row(batch_id).request_completed == LINES
