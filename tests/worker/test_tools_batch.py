@@ -3,13 +3,14 @@ model, whose chat template renders tools as Hermes and Qwen2.5 do) and finalize,
 Postgres and local storage: a forced call (``tool_choice`` required or named) always parses,
 and its arguments validate against the function's schema; ``auto`` output is parsed for calls;
 tool calls and tool results in the history are rendered; an upstream model gets tools and
-image parts as written."""
+image parts as written, as a loopback upstream server receives them."""
 
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
-from concurrent.futures import Future
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import jsonschema
@@ -227,16 +228,13 @@ def models(worker_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Itera
     get_settings.cache_clear()
 
 
-class EchoServer:
-    """An upstream dispatcher answering each request at once with one tool call."""
+class Recorder(BaseHTTPRequestHandler):
+    """A loopback upstream: records each body it is sent and answers with one tool call."""
 
-    def __init__(self) -> None:
-        self.sent: list[dict[str, Any]] = []
-
-    def submit(self, path: str, body: dict[str, Any], *, callback: Any, **_: Any) -> None:
-        from worker.upstream.dispatcher import Reply
-
-        self.sent.append(body)
+    def do_POST(self) -> None:
+        server: Any = self.server
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        server.sent.append(body)
         call = {"id": "call_x", "type": "function", "function": {"name": "add", "arguments": "{}"}}
         reply = {
             "object": "chat.completion",
@@ -250,20 +248,34 @@ class EchoServer:
             ],
             "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
         }
-        answer: Future = Future()
-        answer.set_result(Reply(200, reply))
-        callback(answer)
+        data = json.dumps(reply).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
 
-    def abort_group(self, group: str) -> None:
+    def log_message(self, *args: Any) -> None:
         pass
 
 
-def test_an_upstream_model_gets_tools_and_images_as_written(models: None) -> None:
+@pytest.fixture
+def upstream() -> Iterator[Any]:
+    server: Any = ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+    server.sent = []
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server
+    server.shutdown()
+
+
+def test_an_upstream_model_gets_tools_and_images_as_written(models: None, upstream: Any) -> None:
     from core.batchfile.anthropic import chat_body, result_of
     from core.batchfile.anthropic import chat_line as anthropic_line
+    from core.llms.specs import upstream_spec
     from worker.batches.finalize import finalize
     from worker.batches.tasks import validate
     from worker.shards.task import run_shard
+    from worker.upstream.dispatcher import Dispatcher
 
     image = {"type": "image_url", "image_url": {"url": "https://example.invalid/cat.png"}}
     tools = [{"type": "function", "function": {"name": "add", "parameters": ADD}}]
@@ -302,15 +314,21 @@ def test_an_upstream_model_gets_tools_and_images_as_written(models: None) -> Non
     lines = [openai, anthropic_line("anthropic", chat_body(params))]
     batch_id = make_batch(lines)
     assert validate(batch_id) == "in_progress", batch_row(batch_id).errors
-    server = EchoServer()
-    for shard in shard_rows(batch_id):
-        run_shard(shard.id, host=server)
+    url = f"http://127.0.0.1:{upstream.server_address[1]}/v1"
+    dispatcher = Dispatcher(FLEET, upstream_spec(f"upstream:{url}?model=big", FLEET), shared=False)
+    dispatcher.start()
+    try:
+        for shard in shard_rows(batch_id):
+            run_shard(shard.id, host=dispatcher)
+    finally:
+        dispatcher.shutdown()
     assert finalize(batch_id) == "completed"
-    sent = {json.dumps(b["messages"]): b for b in server.sent}
+    assert len(upstream.sent) == 2
+    sent = {json.dumps(b["messages"]): b for b in upstream.sent}
     first = sent[json.dumps(openai["body"]["messages"])]
     for name in ("tools", "tool_choice", "parallel_tool_calls", "messages"):
         assert first[name] == openai["body"][name]
-    second = next(b for b in server.sent if b is not first)
+    second = next(b for b in upstream.sent if b is not first)
     assert second["tools"] == [{"type": "function", "function": {"name": "add", "parameters": ADD}}]
     assert second["tool_choice"] == {"type": "function", "function": {"name": "add"}}
     assert second["messages"] == [
