@@ -119,6 +119,8 @@ def test_adapters_and_their_base_share_one_batch_and_match_the_engine(
             body = got[f"{name or 'base'}-{i}"]
             assert body["model"] == (name or MODEL)
             assert body["choices"][0]["text"] == expected[name][i], (name, i)
+            # counted by the base's tokenizer
+            assert body["usage"]["prompt_tokens"] == got[f"base-{i}"]["usage"]["prompt_tokens"]
     # The adapters change what the model says, each its own way.
     assert expected["bot-a"] != expected[None] and expected["bot-b"] != expected[None]
     assert expected["bot-a"] != expected["bot-b"]
@@ -137,6 +139,8 @@ def test_an_adapter_that_cannot_run_fails_its_own_lines(
         completion_line("late", PROMPTS[0], MAX_TOKENS, model="bot-late"),
         completion_line("wide", PROMPTS[0], MAX_TOKENS, model=WIDE),
         completion_line("base", PROMPTS[0], MAX_TOKENS),
+        # over the base's context (1,024 tokens), as its tokenizer counts
+        completion_line("too-long", "the cat " * 700, MAX_TOKENS, model="bot-b"),
     ]
     batch, out, errors = _run(stack, lines)
     assert batch.status == "completed", batch
@@ -145,8 +149,9 @@ def test_an_adapter_that_cannot_run_fails_its_own_lines(
         "base": expected[None][0],
     }
     by_id = {r["custom_id"]: r["response"] for r in errors}
-    assert set(by_id) == {"missing", "late", "wide"}
-    for custom_id, adapter, reason in [
+    assert set(by_id) == {"missing", "late", "wide", "too-long"}
+    assert by_id["too-long"]["body"]["error"]["code"] == "context_length_exceeded"
+    for custom_id, adapter, reason in [  # each its own error, naming the adapter and why
         ("missing", MISSING, "never-written does not exist"),
         ("late", "bot-late", "adapter_model.safetensors are missing or unreadable"),
         ("wide", WIDE, "r 72 exceeds max_lora_rank 64"),  # the engine's reason
