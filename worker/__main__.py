@@ -20,8 +20,11 @@ from core.settings import get_settings
 
 def command(role: str, names: list[str]) -> list[str]:
     """The command line of ``role`` for the served models ``names`` (default: all of the
-    role's), resolved from the settings; built by :mod:`core.launch`."""
+    role's), resolved from the settings; built by :mod:`core.launch`. A LoRA adapter runs on
+    its base's queue: named, it stands for its base; it has no queue of its own."""
     settings = get_settings()
+    adapters = specs.engine_models(settings.models)
+    names = list(dict.fromkeys(adapters.get(m, m) for m in names))
     if role == "beat":
         return launch.beat_command(settings.home / "celerybeat-schedule")
     if role == "control":
@@ -40,7 +43,7 @@ def command(role: str, names: list[str]) -> list[str]:
             models, settings.worker_shard_concurrency, launch.node_name("dispatch")
         )
     if role == "model":
-        models = names or list(settings.models)
+        models = names or [m for m in settings.models if m not in adapters]
         unknown = [m for m in models if m not in settings.models]
         if unknown:
             raise SystemExit(f"not served (see BATCHD_MODELS): {', '.join(unknown)}")

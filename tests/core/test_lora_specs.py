@@ -182,3 +182,28 @@ def test_batchd_up_refuses_an_adapter_directory_naming_the_entry(tmp_path: Path)
         f"BATCHD_MODELS entry 'bot' ({models['bot']}): {good} is not a peft adapter directory: "
         "it has no adapter_config.json"
     )
+
+
+def test_a_worker_consumes_the_bases_queue_for_its_adapters(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from core.settings import get_settings
+    from worker.__main__ import command
+
+    path = adapter_dir(tmp_path)
+    monkeypatch.setenv("BATCHD_MODELS", json.dumps({
+        "chat": BASE, "bot": f"lora:chat?path={path}", "fleet": UPSTREAM, "sql": "lora:fleet",
+    }))  # fmt: skip
+    monkeypatch.setenv("BATCHD_HOME", str(tmp_path))
+    get_settings.cache_clear()
+    try:
+
+        def queues(role: str, names: list[str]) -> str:
+            cmd = command(role, names)
+            return cmd[cmd.index("-Q") + 1]
+
+        assert queues("model", []) == "batchd.model.chat,batchd.model.fleet"
+        assert queues("model", ["bot", "chat"]) == "batchd.model.chat"
+        assert queues("dispatch", ["sql"]) == "batchd.model.fleet"
+    finally:
+        get_settings.cache_clear()
