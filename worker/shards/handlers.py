@@ -51,8 +51,7 @@ logger = logging.getLogger(__name__)
 def handler_for(shard: Shard, batch: Batch, host: Host) -> Handler:
     """The handler of the batch's requests. The model's spec and the batch's endpoint say
     which kind of host ``host`` is (``runtime.host`` started it from the same spec)."""
-    models = get_settings().models
-    spec = models.get(batch.model or "", "")
+    spec = get_settings().models.get(batch.model or "", "")
     if specs.is_upstream(spec):
         upstream = specs.upstream_spec(spec, batch.model or "")
         # an adapter's lines name the adapter as the upstream serves it
@@ -178,7 +177,6 @@ class GenerationHandler:
         done: Callable[[Future], None],
     ) -> None:
         sampling, lora = params
-        adapter: dict[str, Any] = {} if lora is None else {"lora": lora}
         self.host.submit(
             prompt,
             sampling,
@@ -189,7 +187,7 @@ class GenerationHandler:
             cache_salt=self.cache_salt,
             tenant=self.tenant,
             deadline=self.deadline,
-            **adapter,
+            lora=lora,
         )
 
     def outcome(self, req: BatchRequest, future: Future, submitted: float | None) -> RequestOutcome:
