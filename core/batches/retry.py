@@ -2,7 +2,8 @@
 read once its retries have run.
 
 A retry batch is made of the parent's input lines whose results are in :data:`RETRY_KINDS`:
-``expired``, ``cancelled`` or ``budget_exhausted`` (never ran) and ``failed`` (a 5xx or a 429, which may pass next
+``expired``, ``cancelled`` and ``budget_exhausted`` (never ran; the last a 429 whose code says
+the batch's token budget was spent) and ``failed`` (a 5xx or another 429, which may pass next
 time; a 4xx is the request's own fault and is never retried). :class:`LineSelection` narrows
 it to 1-based line numbers and inclusive ranges ``[first, last]``."""
 
@@ -15,11 +16,13 @@ from typing import Any
 RETRY_KINDS = ("expired", "cancelled", "budget_exhausted", "failed")
 RETRY_OF = "retry_of"  # the metadata key naming a retry's parent batch
 
-_NEVER_RAN = {
-    "batch_expired": "expired",
-    "batch_cancelled": "cancelled",
-    "budget_exhausted": "budget_exhausted",
-}
+_NEVER_RAN = {"batch_expired": "expired", "batch_cancelled": "cancelled"}
+
+
+def _error_code(response: dict[str, Any]) -> Any:
+    body = response.get("body")
+    error = body.get("error") if isinstance(body, dict) else None
+    return error.get("code") if isinstance(error, dict) else None
 
 
 def retry_kind(line: dict[str, Any]) -> str | None:
@@ -33,6 +36,8 @@ def retry_kind(line: dict[str, Any]) -> str | None:
     if not isinstance(response, dict):
         return None
     status = response.get("status_code")
+    if status == 429 and _error_code(response) == "budget_exhausted":
+        return "budget_exhausted"  # never ran: its batch's token budget was spent
     if isinstance(status, int) and (status >= 500 or status == 429):
         return "failed"
     return None

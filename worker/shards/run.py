@@ -13,7 +13,6 @@ from typing import Any
 from core import metrics
 from core.batchfile.reader import RawLine, custom_id_of, iter_lines, parse_request
 from core.batchfile.request import BatchRequest, LineError
-from core.batchfile.results import batch_error_line
 from core.database.lifecycle import ShardStatus
 from core.database.tables import Batch, Shard
 from core.llms import specs
@@ -414,12 +413,14 @@ class ShardRun:
         return False
 
     def _budget_line(self, req: BatchRequest) -> dict[str, Any]:
-        return batch_error_line(
+        return error_record(
             req.custom_id,
             BUDGET_EXHAUSTED,
             f"This request was not run: the batch's token budget (max_total_tokens="
             f"{self.budget}) was spent ({self._spent()} prompt and output tokens) before it "
             f"could start. Retry it with a new budget (POST /v1/batches/{self.batch_id}/retry).",
+            status_code=429,
+            type="insufficient_quota",
         )
 
     def _complete(self) -> bool:
