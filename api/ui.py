@@ -172,6 +172,16 @@ def _fmt_cache(b: dict[str, Any]) -> str:
     )
 
 
+def _fmt_done(b: dict[str, Any]) -> str:
+    """Requests done of all; with a token budget, the tokens spent of it."""
+    done = f"{b['completed'] + b['failed']} / {b['total']}"
+    if b.get("max_total_tokens") is None:
+        return done
+    return (
+        f"{done} · {_fmt_tokens(b['spent_tokens'])} of {_fmt_tokens(b['max_total_tokens'])} tokens"
+    )
+
+
 def _batch_rows(batches: list[dict[str, Any]], admin: bool) -> str:
     rows = []
     for b in batches:
@@ -182,10 +192,11 @@ def _batch_rows(batches: list[dict[str, Any]], admin: bool) -> str:
         rows.append(
             f"<tr id='batch-{e['id']}' data-batch='{e['id']}'>"
             f"<td class='id'>{e['id']}</td>{tenant}<td class='model-name'>{model}</td>"
-            f"<td class='status status-{e['status']}'>{e['status']}</td>"
+            f"<td class='status status-{e['status']}'>{e['status']}"
+            f"{' (paused)' if b.get('paused') else ''}</td>"
             f"<td><div class='bar'><div class='fill' style='width:{pct}%'></div></div>"
             f"<span class='pct'>{pct}%</span></td>"
-            f"<td class='done'>{b['completed'] + b['failed']} / {b['total']}</td>"
+            f"<td class='done'>{_fmt_done(b)}</td>"
             f"<td class='rate'>{_fmt_rate(b['throughput'])}</td>"
             f"<td class='cache'>{_fmt_cache(b)}</td>"
             f"<td class='eta'>{_fmt_eta(b['eta_s'])}{AT_RISK if b['at_risk'] else ''}</td></tr>"

@@ -202,6 +202,10 @@ def dashboard_data(session: Session, caller: Caller, poller: DashboardPoller) ->
                 "prompt_tokens": int(b.input_tokens or 0),
                 "cached_tokens": int(b.cached_tokens or 0),
                 "shareable_tokens": int(b.prefix_shareable_tokens or 0),
+                # paused (POST /v1/batches/{id}/pause), and the token budget beside its spending
+                "paused": bool(running and b.paused_at is not None),
+                "max_total_tokens": b.max_total_tokens,
+                "spent_tokens": int(b.input_tokens or 0) + int(b.output_tokens or 0),
                 "created_at": _iso(b.created_at),
             }
         )

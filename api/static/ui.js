@@ -28,6 +28,11 @@
     return tokens(b.cached_tokens) + " of " + tokens(b.prompt_tokens) +
       " (predicted " + tokens(b.shareable_tokens) + ")";
   }
+  function done(b) {
+    const count = b.completed + b.failed + " / " + b.total;
+    if (b.max_total_tokens === null || b.max_total_tokens === undefined) return count;
+    return count + " · " + tokens(b.spent_tokens) + " of " + tokens(b.max_total_tokens) + " tokens";
+  }
   function cell(row, cls, value) {
     const td = document.createElement("td");
     if (cls) td.className = cls;
@@ -71,10 +76,10 @@
       row.querySelector(".fill").style.width = pct + "%";
       row.querySelector(".pct").textContent = pct + "%";
       const status = row.querySelector(".status");
-      status.textContent = b.status;
+      status.textContent = b.status + (b.paused ? " (paused)" : "");
       status.className = "status status-" + b.status;
       row.querySelector(".model-name").textContent = b.model || "–";
-      row.querySelector(".done").textContent = b.completed + b.failed + " / " + b.total;
+      row.querySelector(".done").textContent = done(b);
       row.querySelector(".rate").textContent = rate(b.throughput);
       row.querySelector(".cache").textContent = cache(b);
       row.querySelector(".eta").textContent = eta(b.eta_s) + (b.at_risk ? " (at risk)" : "");
