@@ -117,6 +117,7 @@ class ModelRunner:
             max_rank=config.max_lora_rank,
             dtype=self.dtype,
             device=self.device,
+            rows_hint=rows,
         )
         self.lean: LeanLlama | None = None
         specs = [self.loras.register(n, d) for n, d in config.lora_adapters.items()]

@@ -15,6 +15,7 @@ Rows of the base model are not touched, and a step with none of an adapter costs
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -36,20 +37,50 @@ class Site:
 SiteWeights = tuple[torch.Tensor, torch.Tensor]  # (A^T [in, r], scale * B^T [r, out])
 
 
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(slots=True)
+class SiteStack:
+    """Every resident adapter's weights of one site side by side, ``width`` columns a slot
+    (slot ``s`` at ``[s * width, (s + 1) * width)``, zero past its rank): ``shrink`` maps the
+    input to every slot's ``x @ A^T``, ``expand`` the masked result to the summed delta."""
+
+    width: int
+    shrink: Linear
+    expand: Linear
+
+
 @dataclass(slots=True)
 class LoraStep:
     """The adapted rows of one packed step, grouped by adapter: ``rows`` the packed rows in
     group order, ``segments`` each adapter's prepared weights (one entry a site, None where it
     adapts nothing) and its span of ``rows``. ``whole``: one adapter has every row of the step,
-    in order (no gather or scatter needed)."""
+    in order (no gather or scatter needed).
+
+    ``stacks`` (a step of few rows and several adapters): every row goes through every
+    resident adapter's stacked weights in two matmuls a site, the slots not its own masked to
+    zero (``row_slot``: each row's slot, -1 for the base): at a decode step's row counts the
+    calls, not the arithmetic, cost the time, and this makes two a site whatever the number of
+    adapters."""
 
     rows: torch.Tensor
     segments: list[tuple[list[SiteWeights | None], int, int, torch.Tensor]]
     whole: bool = False
+    stacks: list[SiteStack | None] | None = None
+    row_slot: torch.Tensor | None = None
+    masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def apply(self, site: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         y2 = y.view(-1, y.shape[-1])
+        if self.stacks is not None:
+            stack = self.stacks[site]
+            if stack is not None:
+                h = stack.shrink(x2)
+                h.mul_(self._mask(stack.width, h))
+                y2.add_(stack.expand(h))
+            return y
         if self.whole:
             w = self.segments[0][0][site]
             if w is not None:
@@ -64,6 +95,16 @@ class LoraStep:
                 xs = x2.index_select(0, self.rows)
             y2.index_add_(0, rows, torch.mm(torch.mm(xs[start:end], w[0]), w[1]))
         return y
+
+    def _mask(self, width: int, h: torch.Tensor) -> torch.Tensor:
+        """1 where a column belongs to the row's own slot, 0 elsewhere (built once a width)."""
+        mask = self.masks.get(width)
+        if mask is None:
+            assert self.row_slot is not None
+            cols = torch.arange(h.shape[1], device=h.device) // width
+            mask = (self.row_slot[:, None] == cols[None, :]).to(h.dtype)
+            self.masks[width] = mask
+        return mask
 
 
 class LoraState:
@@ -151,6 +192,28 @@ def prepare(
             col += r
         out.append((a_t.to(device, dtype).contiguous(), b_t.to(device, dtype).contiguous()))
     return out
+
+
+def stack(
+    site: Site,
+    prepared: dict[int, list[SiteWeights | None]],
+    num_slots: int,
+    linear: Callable[[torch.Tensor], Linear],
+) -> SiteStack | None:
+    """The resident adapters' weights of ``site`` (``prepared``: by slot) side by side, as two
+    linear layers that ``linear`` makes of a weight ``[out, in]``."""
+    weights = {slot: w[site.index] for slot, w in prepared.items() if w[site.index] is not None}
+    if not weights:
+        return None
+    width = max(w[0].shape[1] for w in weights.values())
+    some = next(iter(weights.values()))[0]
+    a = torch.zeros(num_slots * width, site.in_features, dtype=some.dtype, device=some.device)
+    b = torch.zeros(site.out_features, num_slots * width, dtype=some.dtype, device=some.device)
+    for slot, (a_t, b_t) in weights.items():
+        r = a_t.shape[1]
+        a[slot * width : slot * width + r] = a_t.T
+        b[:, slot * width : slot * width + r] = b_t.T
+    return SiteStack(width, linear(a), linear(b))
 
 
 def prepared_numel(sites: list[Site], ranks: dict[str, int]) -> int:

@@ -5,7 +5,11 @@ Registered adapters are checked at once (engine/lora/adapter.py) and stay on dis
 made resident when the scheduler admits a request that uses it, evicting the least recently
 used one that no running sequence holds. A sequence holds its adapter from admission until it
 finishes, is preempted or suspended (:meth:`LoraManager.acquire`, :meth:`LoraManager.release`);
-a request whose adapter cannot be made resident waits in the queue."""
+a request whose adapter cannot be made resident waits in the queue.
+
+Each resident adapter has a slot; the resident set's weights are also kept stacked by slot
+(engine/lora/layers.py, ``SiteStack``; packed for the CPU's GEMM like the base's layers),
+rebuilt when an adapter is loaded, for the steps of few rows and several adapters."""
 
 from __future__ import annotations
 
@@ -17,10 +21,24 @@ from typing import Any
 
 import torch
 
+from engine.cpu import linear as cpu_linear
 from engine.lora.adapter import AdapterError, AdapterSpec, load_weights, read_adapter
-from engine.lora.layers import LoraStep, Site, SiteWeights, prepare, prepared_numel
+from engine.lora.layers import (
+    Linear,
+    LoraStep,
+    Site,
+    SiteStack,
+    SiteWeights,
+    prepare,
+    prepared_numel,
+    stack,
+)
 
 log = logging.getLogger("engine")
+
+# A step of at most this many rows and more than one adapter goes through the stacked weights
+# (two matmuls a site); a larger one, through each adapter's rows apart (see LoraStep).
+STACKED_MAX_ROWS = 256
 
 
 class LoraManager:
@@ -33,8 +51,10 @@ class LoraManager:
         max_rank: int,
         dtype: torch.dtype,
         device: torch.device,
+        rows_hint: int = 64,
     ) -> None:
         self.linears = linears
+        self.rows_hint = rows_hint
         self._attach = attach
         self.max_loras = max_loras
         self.max_rank = max_rank
@@ -43,6 +63,8 @@ class LoraManager:
         self.specs: dict[str, AdapterSpec] = {}
         self.resident: OrderedDict[str, list[SiteWeights | None]] = OrderedDict()  # LRU first
         self.pins: dict[str, int] = {}  # running sequences holding each resident adapter
+        self.slots: dict[str, int] = {}  # each resident adapter's slot in the stacks
+        self.stacks: list[SiteStack | None] | None = None
         self.sites: list[Site] | None = None  # wrapped on the first registration
         self.elem = torch.empty((), dtype=dtype).element_size()
         self.reserved_bytes = 0  # what the KV budget left for the resident set
@@ -63,13 +85,13 @@ class LoraManager:
             self.sites = self._attach()["sites"]
         self.specs[name] = spec
         size = self.adapter_bytes(spec)
-        if self.reserved_bytes and size * self.max_loras > self.reserved_bytes:
+        if self.reserved_bytes and 2 * size * self.max_loras > self.reserved_bytes:
             log.warning(
                 "LoRA adapter %r takes %.1f MiB resident, more than the %.1f MiB a slot the KV "
                 "budget reserved",
                 name,
                 size / 2**20,
-                self.reserved_bytes / self.max_loras / 2**20,
+                self.reserved_bytes / 2 / self.max_loras / 2**20,
             )
         log.info(
             "LoRA adapter %r registered: rank %d, %d modules, %.1f MiB when resident",
@@ -86,9 +108,10 @@ class LoraManager:
         return prepared_numel(self.sites, ranks) * self.elem
 
     def reserve_bytes(self, specs: Iterable[AdapterSpec]) -> int:
-        """The memory the resident set may take: ``max_loras`` slots of the largest adapter."""
+        """The memory the resident set may take: ``max_loras`` slots of the largest adapter,
+        twice (each adapter's own weights, and the stacks)."""
         largest = max((self.adapter_bytes(s) for s in specs), default=0)
-        self.reserved_bytes = largest * self.max_loras
+        self.reserved_bytes = 2 * largest * self.max_loras
         return self.reserved_bytes
 
     def check(self, name: str) -> None:
@@ -115,9 +138,13 @@ class LoraManager:
                     return False
                 del self.resident[victim]
                 self.pins.pop(victim, None)
+                self.slots.pop(victim)
                 self.num_evictions += 1
                 log.info("LoRA adapter %r evicted", victim)
             self.resident[name] = self._load(self.specs[name])
+            used = set(self.slots.values())
+            self.slots[name] = min(i for i in range(self.max_loras) if i not in used)
+            self._restack()
         self.resident.move_to_end(name)
         self.pins[name] = self.pins.get(name, 0) + 1
         return True
@@ -143,14 +170,36 @@ class LoraManager:
         )
         return prepared
 
+    def _restack(self) -> None:
+        assert self.sites is not None
+        by_slot = {self.slots[name]: weights for name, weights in self.resident.items()}
+        self.stacks = None  # the old stacks go before the new are built: a lower peak
+        self.stacks = [stack(site, by_slot, self.max_loras, self._linear) for site in self.sites]
+
+    def _linear(self, weight: torch.Tensor) -> Linear:
+        """``x @ weight.T``: packed like the base's layers where the CPU's GEMM takes it."""
+        if cpu_linear.packable(weight.dtype, weight.device):
+            try:
+                return cpu_linear.PackedLinear(weight, None, self.rows_hint, "onednn")
+            except RuntimeError:
+                pass
+        w_t = weight.T.contiguous()
+        return lambda x: torch.mm(x, w_t)
+
     @property
     def resident_bytes(self) -> int:
-        return sum(
-            (w[0].numel() + w[1].numel()) * self.elem
+        own = sum(
+            (w[0].numel() + w[1].numel())
             for weights in self.resident.values()
             for w in weights
             if w is not None
         )
+        stacked = sum(
+            self.max_loras * s.width * (site.in_features + site.out_features)
+            for s, site in zip(self.stacks or [], self.sites or [], strict=False)
+            if s is not None
+        )
+        return (own + stacked) * self.elem
 
     # -- a step ---------------------------------------------------------------------------------
 
@@ -169,6 +218,14 @@ class LoraManager:
             row += end - c0
         if not groups:
             return None
+        if len(groups) > 1 and row <= STACKED_MAX_ROWS and self.stacks is not None:
+            row_slot = [-1] * row
+            for name, rows in groups.items():
+                slot = self.slots[name]
+                for r in rows:
+                    row_slot[r] = slot
+            slots = torch.tensor(row_slot, dtype=torch.long, device=self.device)
+            return LoraStep(slots, [], stacks=self.stacks, row_slot=slots)
         order = [r for rows in groups.values() for r in rows]
         all_rows = torch.tensor(order, dtype=torch.long, device=self.device)
         segments = []

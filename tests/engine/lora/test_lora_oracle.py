@@ -119,16 +119,25 @@ def _run(
 ) -> dict[str, int]:
     """Run ``cases`` together; check every line against ``reference`` and return the most
     adapters (and base) whose rows shared one step, and the most adapters resident at once."""
-    seen = {"mixed": 0, "resident": 0}
+    seen = {"mixed": 0, "resident": 0, "stacked": 0, "segmented": 0}
     prepare = engine.runner.prepare
 
     def watched(scheduled):  # type: ignore[no-untyped-def]
         batch = prepare(scheduled)
         loras = {seq.request.lora for seq, _ in scheduled}
         seen["mixed"] = max(seen["mixed"], len(loras))
-        if batch.lora is not None:
-            # one segment per adapter of the step, whatever its number of sequences
-            assert len(batch.lora.segments) == len(loras - {None})
+        step = batch.lora
+        if step is not None:
+            # every adapter of the step in the one forward: one segment each, whatever its
+            # number of sequences, or every row's slot in the stacked weights
+            if step.stacks is None:
+                adapters = len(step.segments)
+                seen["segmented"] += adapters > 1
+            else:
+                assert step.row_slot is not None
+                adapters = len(set(step.row_slot.tolist()) - {-1})
+                seen["stacked"] += 1
+            assert adapters == len(loras - {None})
         seen["resident"] = max(seen["resident"], len(engine.runner.loras.resident))
         return batch
 
@@ -173,6 +182,7 @@ def test_mixed_batch(setup: dict, lean: bool, monkeypatch: pytest.MonkeyPatch) -
     assert (engine.runner.lean is not None) is lean
     seen = _run(engine, cases, ref, monkeypatch)
     assert seen["mixed"] == len(LINES), "all the adapters and the base shared a step"
+    assert seen["stacked"] and seen["segmented"], "decode steps stacked, prefills apart"
     assert engine.stats().num_lora_evictions == 0
 
 
@@ -298,15 +308,16 @@ def test_cache_blocks_never_cross_adapters(setup: dict) -> None:
 
 
 def test_lora_memory_comes_off_the_kv_budget(setup: dict) -> None:
-    """``max_loras`` slots of the largest configured adapter, prepared, come off the budget."""
+    """``max_loras`` slots of the largest configured adapter, prepared, come off the budget,
+    twice: each adapter's own weights and the stacks of the resident set."""
     plain = Engine(setup["path"], kv_cache_memory=64 << 20)
     adapted = _engine(setup, kv_cache_memory=64 << 20, max_loras=3)
     loras = adapted.runner.loras
     largest = max(loras.adapter_bytes(spec) for spec in loras.specs.values())
-    assert loras.reserved_bytes == 3 * largest > 0
+    assert loras.reserved_bytes == 2 * 3 * largest > 0
     per_block = plain.runner.bytes_per_block
     assert plain.runner.num_blocks - adapted.runner.num_blocks == pytest.approx(
-        3 * largest / per_block, abs=1
+        2 * 3 * largest / per_block, abs=1
     )
 
 
