@@ -202,7 +202,11 @@ def stack(
 ) -> SiteStack | None:
     """The resident adapters' weights of ``site`` (``prepared``: by slot) side by side, as two
     linear layers that ``linear`` makes of a weight ``[out, in]``."""
-    weights = {slot: w[site.index] for slot, w in prepared.items() if w[site.index] is not None}
+    weights: dict[int, SiteWeights] = {}
+    for slot, per_site in prepared.items():
+        w = per_site[site.index]
+        if w is not None:
+            weights[slot] = w
     if not weights:
         return None
     width = max(w[0].shape[1] for w in weights.values())
