@@ -10,14 +10,18 @@ from __future__ import annotations
 import io
 import json
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 from sqlalchemy import create_engine, select
+from typer.testing import CliRunner
 
+from cli.main import app
 from cli.perf.service import wait_for
 from core.database.tables import Shard, WebhookDelivery
+from tests.e2e.test_webhooks import Receiver, verify_signature
 from tests.harness.stack import API_KEY
 from tests.helpers.lines import chat_line, jsonl
 
@@ -28,9 +32,20 @@ STACK_ENV = {
     "BATCHD_RELEASE_SWEEP_INTERVAL_S": "1",
 }
 TERMINAL = ("completed", "failed", "expired", "cancelled")
-# Nothing listens here: the events are recorded (the outbox), their delivery fails.
-WEBHOOK = "http://127.0.0.1:9/hook"
 MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def receiver() -> Iterator[Receiver]:
+    r = Receiver()
+    yield r
+    r.close()
+
+
+def _batchd(stack, *args: str) -> Any:
+    return CliRunner().invoke(
+        app, [*args, "--base-url", stack.base_url, "--api-key", API_KEY], catch_exceptions=False
+    )
 
 
 def _http(stack) -> httpx.Client:
@@ -110,14 +125,16 @@ def _events(stack, batch_id: str) -> list[str]:
         engine.dispose()
 
 
-def test_pause_lets_in_flight_lines_finish_gives_capacity_away_and_resumes_exactly_once(stack):
+def test_pause_lets_in_flight_lines_finish_gives_capacity_away_and_resumes_exactly_once(
+    stack, receiver
+):
     with stack.gate("pause") as gate:
         # 64 lines, 16 a shard: two shards run (two per worker), the gated first line holds
         # the engine with their first lines in flight, the other shards wait.
         lines = [chat_line("p00", f"{gate.marker} hold here", 4)]
         lines += [chat_line(f"p{i:02d}", f"pause line {i}", 4) for i in range(1, 64)]
         ids = [line["custom_id"] for line in lines]
-        batch = _create(stack, lines, webhook_url=WEBHOOK)
+        batch = _create(stack, lines, webhook_url=receiver.url("/pause"))
         wait_for(lambda: "engine gate pause holding" in stack.log("model"), 120, "the hold")
         with _http(stack) as http:
             paused = http.post(f"/batches/{batch['id']}/pause")
@@ -153,11 +170,10 @@ def test_pause_lets_in_flight_lines_finish_gives_capacity_away_and_resumes_exact
     shards = _shards(stack, batch["id"])
     assert all(s.status in ("pending", "done") for s in shards)
     assert all(s.released_at is None for s in shards if s.status == "pending")
-    # Resume: it completes, every line exactly once, none lost.
-    with _http(stack) as http:
-        resumed = http.post(f"/batches/{batch['id']}/resume")
-        assert resumed.status_code == 200, resumed.text
-        assert resumed.json()["paused"] is False
+    # Resume (the CLI's verb): it completes, every line exactly once, none lost.
+    resumed = _batchd(stack, "resume", batch["id"])
+    assert resumed.exit_code == 0, resumed.output
+    assert resumed.output.strip() == f"{batch['id']} in_progress"
     done = _wait(stack, batch["id"], 240)
     assert done["status"] == "completed", done
     out = _lines(stack, done["output_file_id"])
@@ -167,6 +183,12 @@ def test_pause_lets_in_flight_lines_finish_gives_capacity_away_and_resumes_exact
     assert [r["custom_id"] for r in out] == ids
     events = _events(stack, batch["id"])
     assert events == ["batch.completed", "batch.paused", "batch.resumed"], events
+    # Each event delivered, signed with the batch's secret, in the order it happened.
+    delivered = receiver.wait("/pause", 3, 60)
+    types = [json.loads(r["body"])["type"] for r in delivered]
+    assert sorted(types) == events and types[-1] == "batch.completed", types
+    assert types.index("batch.paused") < types.index("batch.resumed")
+    assert all(verify_signature(batch["webhook_secret"], r) for r in delivered)
     # A completed batch is neither paused nor resumed: 409, saying why.
     with _http(stack) as http:
         for verb in ("pause", "resume"):
@@ -177,6 +199,8 @@ def test_pause_lets_in_flight_lines_finish_gives_capacity_away_and_resumes_exact
         message_batch = http.post("/batches/msgbatch_0123/pause")
         assert message_batch.status_code == 404
         assert "Message Batches API has no pause" in message_batch.json()["error"]["message"]
+    refused_cli = _batchd(stack, "pause", batch["id"])
+    assert refused_cli.exit_code == 1 and "completed" in refused_cli.output
 
 
 def test_cancel_a_paused_batch(stack):
@@ -185,8 +209,10 @@ def test_cancel_a_paused_batch(stack):
         lines += [chat_line(f"c{i:02d}", f"cancel line {i}", 4) for i in range(1, 40)]
         batch = _create(stack, lines)
         wait_for(lambda: "engine gate cancel_paused holding" in stack.log("model"), 120, "hold")
+        paused = _batchd(stack, "pause", batch["id"])  # the CLI's verb
+        assert paused.exit_code == 0, paused.output
+        assert paused.output.strip() == f"{batch['id']} in_progress paused"
         with _http(stack) as http:
-            assert http.post(f"/batches/{batch['id']}/pause").status_code == 200
             cancelled = http.post(f"/batches/{batch['id']}/cancel")
             assert cancelled.status_code == 200, cancelled.text
     done = _wait(stack, batch["id"], 120)
