@@ -42,13 +42,18 @@ Linear = Callable[[torch.Tensor], torch.Tensor]
 
 @dataclass(slots=True)
 class SiteStack:
-    """Every resident adapter's weights of one site side by side, ``width`` columns a slot
-    (slot ``s`` at ``[s * width, (s + 1) * width)``, zero past its rank): ``shrink`` maps the
-    input to every slot's ``x @ A^T``, ``expand`` the masked result to the summed delta."""
+    """Every resident adapter's weights of one site side by side: ``shrink`` maps the input to
+    every slot's ``x @ A^T`` (by part, then by slot, ``widths[p]`` columns a slot of part
+    ``p``, zero past the adapter's rank; ``col_slot`` each column's slot), each of
+    ``expands`` ``(first, end column of h, first, end output column, B)`` a part's columns to
+    its part of the output: no matmul over a fused site's zero blocks."""
 
-    width: int
+    widths: tuple[int, ...]
+    col_slot: torch.Tensor
     shrink: Linear
-    expand: Linear
+    expands: list[tuple[int, int, int, int, Linear]]
+    numel: int
+    whole: bool  # one expand over every column of h and of the output
 
 
 @dataclass(slots=True)
@@ -69,7 +74,7 @@ class LoraStep:
     whole: bool = False
     stacks: list[SiteStack | None] | None = None
     row_slot: torch.Tensor | None = None
-    masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    masks: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
 
     def apply(self, site: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
@@ -78,8 +83,12 @@ class LoraStep:
             stack = self.stacks[site]
             if stack is not None:
                 h = stack.shrink(x2)
-                h.mul_(self._mask(stack.width, h))
-                y2.add_(stack.expand(h))
+                h.mul_(self._mask(stack, h))
+                if stack.whole:
+                    y2.add_(stack.expands[0][4](h))
+                else:
+                    for c0, c1, lo, hi, expand in stack.expands:
+                        y2[:, lo:hi].add_(expand(h[:, c0:c1].contiguous()))
             return y
         if self.whole:
             w = self.segments[0][0][site]
@@ -96,14 +105,14 @@ class LoraStep:
             y2.index_add_(0, rows, torch.mm(torch.mm(xs[start:end], w[0]), w[1]))
         return y
 
-    def _mask(self, width: int, h: torch.Tensor) -> torch.Tensor:
-        """1 where a column belongs to the row's own slot, 0 elsewhere (built once a width)."""
-        mask = self.masks.get(width)
+    def _mask(self, stack: SiteStack, h: torch.Tensor) -> torch.Tensor:
+        """1 where a column belongs to the row's own slot, 0 elsewhere (built once for each
+        layout of columns)."""
+        mask = self.masks.get(stack.widths)
         if mask is None:
             assert self.row_slot is not None
-            cols = torch.arange(h.shape[1], device=h.device) // width
-            mask = (self.row_slot[:, None] == cols[None, :]).to(h.dtype)
-            self.masks[width] = mask
+            mask = (self.row_slot[:, None] == stack.col_slot[None, :]).to(h.dtype)
+            self.masks[stack.widths] = mask
         return mask
 
 
@@ -196,28 +205,49 @@ def prepare(
 
 def stack(
     site: Site,
-    prepared: dict[int, list[SiteWeights | None]],
+    prepared: dict[int, tuple[list[SiteWeights | None], list[int]]],
     num_slots: int,
     linear: Callable[[torch.Tensor], Linear],
 ) -> SiteStack | None:
-    """The resident adapters' weights of ``site`` (``prepared``: by slot) side by side, as two
-    linear layers that ``linear`` makes of a weight ``[out, in]``."""
-    weights: dict[int, SiteWeights] = {}
-    for slot, per_site in prepared.items():
+    """The resident adapters' weights of ``site`` side by side (see :class:`SiteStack`);
+    ``prepared``: by slot, an adapter's weights of every site and its rank of each of this
+    site's parts (0 where it does not adapt it). ``linear`` makes a linear layer of a weight
+    ``[out, in]``."""
+    entries: dict[int, tuple[SiteWeights, list[int]]] = {}
+    for slot, (per_site, ranks) in prepared.items():
         w = per_site[site.index]
         if w is not None:
-            weights[slot] = w
-    if not weights:
+            entries[slot] = (w, ranks)
+    if not entries:
         return None
-    width = max(w[0].shape[1] for w in weights.values())
-    some = next(iter(weights.values()))[0]
-    a = torch.zeros(num_slots * width, site.in_features, dtype=some.dtype, device=some.device)
-    b = torch.zeros(site.out_features, num_slots * width, dtype=some.dtype, device=some.device)
-    for slot, (a_t, b_t) in weights.items():
-        r = a_t.shape[1]
-        a[slot * width : slot * width + r] = a_t.T
-        b[:, slot * width : slot * width + r] = b_t.T
-    return SiteStack(width, linear(a), linear(b))
+    some = next(iter(entries.values()))[0][0]
+    dtype, device = some.dtype, some.device
+    widths = tuple(max(ranks[p] for _, ranks in entries.values()) for p in range(len(site.parts)))
+    total = num_slots * sum(widths)
+    a = torch.zeros(total, site.in_features, dtype=dtype, device=device)
+    col_slot = torch.full((total,), -1, dtype=torch.long, device=device)
+    expands = []
+    numel = a.numel()
+    offset = 0
+    for p, (_, lo, hi) in enumerate(site.parts):
+        width = widths[p]
+        if width == 0:
+            continue
+        cols = num_slots * width
+        b = torch.zeros(hi - lo, cols, dtype=dtype, device=device)
+        for slot in range(num_slots):
+            col_slot[offset + slot * width : offset + (slot + 1) * width] = slot
+        for slot, ((a_t, b_t), ranks) in entries.items():
+            first, r = sum(ranks[:p]), ranks[p]
+            start = offset + slot * width
+            a[start : start + r] = a_t[:, first : first + r].T
+            b[:, slot * width : slot * width + r] = b_t[first : first + r, lo:hi].T
+        expands.append((offset, offset + cols, lo, hi, linear(b)))
+        numel += b.numel()
+        offset += cols
+    whole = len(expands) == 1 and expands[0][1] - expands[0][0] == total
+    whole = whole and expands[0][3] - expands[0][2] == site.out_features
+    return SiteStack(widths, col_slot, linear(a), expands, numel, whole)
 
 
 def prepared_numel(sites: list[Site], ranks: dict[str, int]) -> int:

@@ -85,13 +85,12 @@ class LoraManager:
             self.sites = self._attach()["sites"]
         self.specs[name] = spec
         size = self.adapter_bytes(spec)
-        if self.reserved_bytes and 2 * size * self.max_loras > self.reserved_bytes:
+        if self.reserved_bytes and self.needed_bytes(self.specs.values()) > self.reserved_bytes:
             log.warning(
-                "LoRA adapter %r takes %.1f MiB resident, more than the %.1f MiB a slot the KV "
-                "budget reserved",
+                "LoRA adapter %r registered at runtime: the resident set may take more than "
+                "the %.1f MiB the KV budget left for it",
                 name,
-                size / 2**20,
-                self.reserved_bytes / 2 / self.max_loras / 2**20,
+                self.reserved_bytes / 2**20,
             )
         log.info(
             "LoRA adapter %r registered: rank %d, %d modules, %.1f MiB when resident",
@@ -107,11 +106,22 @@ class LoraManager:
         ranks = {path: m.rank for path, m in spec.modules.items()}
         return prepared_numel(self.sites, ranks) * self.elem
 
-    def reserve_bytes(self, specs: Iterable[AdapterSpec]) -> int:
-        """The memory the resident set may take: ``max_loras`` slots of the largest adapter,
-        twice (each adapter's own weights, and the stacks)."""
+    def needed_bytes(self, specs: Iterable[AdapterSpec]) -> int:
+        """The memory a resident set of ``specs`` may take, ``max_loras`` slots of: the
+        largest adapter (each resident adapter's own weights) and the stacks' slot (each
+        layer at the largest rank any of them gives it)."""
+        specs = list(specs)
         largest = max((self.adapter_bytes(s) for s in specs), default=0)
-        self.reserved_bytes = 2 * largest * self.max_loras
+        ranks: dict[str, int] = {}
+        for spec in specs:
+            for path, module in spec.modules.items():
+                ranks[path] = max(ranks.get(path, 0), module.rank)
+        envelope = sum(r * sum(self.linears[path]) for path, r in ranks.items()) * self.elem
+        return (largest + envelope) * self.max_loras
+
+    def reserve_bytes(self, specs: Iterable[AdapterSpec]) -> int:
+        """Reserve :meth:`needed_bytes` of ``specs`` (the adapters configured at start)."""
+        self.reserved_bytes = self.needed_bytes(specs)
         return self.reserved_bytes
 
     def check(self, name: str) -> None:
@@ -172,9 +182,16 @@ class LoraManager:
 
     def _restack(self) -> None:
         assert self.sites is not None
-        by_slot = {self.slots[name]: weights for name, weights in self.resident.items()}
         self.stacks = None  # the old stacks go before the new are built: a lower peak
-        self.stacks = [stack(site, by_slot, self.max_loras, self._linear) for site in self.sites]
+        stacks = []
+        for site in self.sites:
+            by_slot = {}
+            for name, weights in self.resident.items():
+                modules = self.specs[name].modules
+                ranks = [modules[p].rank if p in modules else 0 for p, _, _ in site.parts]
+                by_slot[self.slots[name]] = (weights, ranks)
+            stacks.append(stack(site, by_slot, self.max_loras, self._linear))
+        self.stacks = stacks
 
     def _linear(self, weight: torch.Tensor) -> Linear:
         """``x @ weight.T``: packed like the base's layers where the CPU's GEMM takes it."""
@@ -194,11 +211,7 @@ class LoraManager:
             for w in weights
             if w is not None
         )
-        stacked = sum(
-            self.max_loras * s.width * (site.in_features + site.out_features)
-            for s, site in zip(self.stacks or [], self.sites or [], strict=False)
-            if s is not None
-        )
+        stacked = sum(s.numel for s in self.stacks or [] if s is not None)
         return (own + stacked) * self.elem
 
     # -- a step ---------------------------------------------------------------------------------

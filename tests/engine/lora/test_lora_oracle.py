@@ -308,17 +308,26 @@ def test_cache_blocks_never_cross_adapters(setup: dict) -> None:
 
 
 def test_lora_memory_comes_off_the_kv_budget(setup: dict) -> None:
-    """``max_loras`` slots of the largest configured adapter, prepared, come off the budget,
-    twice: each adapter's own weights and the stacks of the resident set."""
+    """What the resident set may take comes off the KV budget: ``max_loras`` slots of the
+    largest configured adapter and of the stacks (each layer at the largest rank any adapter
+    gives it); the resident set, every adapter loaded, stays within it."""
     plain = Engine(setup["path"], kv_cache_memory=64 << 20)
     adapted = _engine(setup, kv_cache_memory=64 << 20, max_loras=3)
     loras = adapted.runner.loras
     largest = max(loras.adapter_bytes(spec) for spec in loras.specs.values())
-    assert loras.reserved_bytes == 2 * 3 * largest > 0
+    envelope = 0
+    for path, (n_in, n_out) in loras.linears.items():
+        ranks = [s.modules[path].rank for s in loras.specs.values() if path in s.modules]
+        envelope += max(ranks, default=0) * (n_in + n_out) * 4  # float32
+    assert loras.reserved_bytes == 3 * (largest + envelope) > 0
     per_block = plain.runner.bytes_per_block
     assert plain.runner.num_blocks - adapted.runner.num_blocks == pytest.approx(
-        2 * 3 * largest / per_block, abs=1
+        loras.reserved_bytes / per_block, abs=1
     )
+    for name in ("all4", "mlp16", "qd12"):
+        assert loras.acquire(name)
+    assert 0 < loras.resident_bytes <= loras.reserved_bytes
+    assert adapted.stats().lora_memory_bytes == loras.resident_bytes
 
 
 def test_model_runner_without_adapters_is_untouched(setup: dict) -> None:
