@@ -211,6 +211,7 @@ class BatchdClient:
         metadata: dict[str, str] | None = None,
         idempotency_key: str | None = None,
         priority: str | None = None,
+        max_total_tokens: int | None = None,
     ) -> dict[str, Any]:
         payload: dict[str, Any] = {
             "input_file_id": input_file_id,
@@ -221,6 +222,8 @@ class BatchdClient:
             payload["metadata"] = metadata
         if priority:
             payload["priority"] = priority  # batchd's extension: high | normal | low
+        if max_total_tokens is not None:
+            payload["max_total_tokens"] = max_total_tokens  # batchd's extension: a budget
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
         return self._request("POST", "batches", json=payload, headers=headers)
 
@@ -275,7 +278,7 @@ class BatchdClient:
 
     def retry_batch(self, batch_id: str, **options: Any) -> dict[str, Any]:
         """A new batch of what did not succeed (batchd's extension); ``options``: include,
-        completion_window, priority (None: the server's default)."""
+        completion_window, priority, max_total_tokens (None: the server's default)."""
         payload = {k: v for k, v in options.items() if v is not None}
         return self._request("POST", f"batches/{batch_id}/retry", json=payload)
 

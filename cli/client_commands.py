@@ -71,6 +71,14 @@ def submit(
         str | None,
         typer.Option(help="Sent as the Idempotency-Key header when creating the batch."),
     ] = None,
+    max_total_tokens: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="A token budget: the prompt plus output tokens the batch may spend; lines "
+            "not started once it is spent end as budget_exhausted errors.",
+        ),
+    ] = None,
     wait: Annotated[bool, typer.Option("--wait", help="Wait for the batch to finish.")] = False,
     dry_run: Annotated[
         bool,
@@ -111,6 +119,7 @@ def submit(
             completion_window=window,
             metadata=meta,
             idempotency_key=idempotency_key,
+            max_total_tokens=max_total_tokens,
         )
         waited = announce_and_wait(
             client, batch, wait=wait, as_json=as_json,

@@ -133,8 +133,8 @@ def retry(
         list[str] | None,
         typer.Option(
             "--include",
-            help="expired, cancelled or failed (retryable errors only); repeat for more. "
-            "Default: all three.",
+            help="expired, cancelled, budget_exhausted or failed (retryable errors only); "
+            "repeat for more. Default: all four.",
         ),
     ] = None,
     window: Annotated[
@@ -142,6 +142,9 @@ def retry(
     ] = None,
     priority: Annotated[
         str | None, typer.Option(help="high | normal | low (default: the parent's).")
+    ] = None,
+    max_total_tokens: Annotated[
+        int | None, typer.Option(min=1, help="The retry's own token budget (default: none).")
     ] = None,
     wait: Annotated[bool, typer.Option("--wait", help="Wait for the retry to finish.")] = False,
     poll_interval: PollOpt = 2.0,
@@ -158,7 +161,11 @@ def retry(
             )
     with api_client(base_url, api_key) as client:
         batch = client.retry_batch(
-            batch_id, include=include or None, completion_window=window, priority=priority
+            batch_id,
+            include=include or None,
+            completion_window=window,
+            priority=priority,
+            max_total_tokens=max_total_tokens,
         )
         waited = announce_and_wait(
             client, batch, wait=wait, as_json=as_json,

@@ -272,12 +272,14 @@ def test_a_budget_ends_the_batch_completed_with_budget_exhausted_lines_and_a_ret
         "completed": len(out),
         "failed": len(err),
     }
-    # The retry runs the budget_exhausted lines, here without a budget.
-    with _http(stack) as http:
-        got = http.post(f"/batches/{batch['id']}/retry", json={"include": ["budget_exhausted"]})
-        assert got.status_code == 200, got.text
-        retry = got.json()
-    assert retry["max_total_tokens"] is None
+    # The retry (the CLI's) runs the budget_exhausted lines, under a budget of its own.
+    made = _batchd(
+        stack, "retry", batch["id"], "--include", "budget_exhausted",
+        "--max-total-tokens", "1000000", "--json",
+    )  # fmt: skip
+    assert made.exit_code == 0, made.output
+    retry = json.loads(made.output)
+    assert retry["max_total_tokens"] == 1_000_000
     retried = _wait(stack, retry["id"], 120)
     assert retried["status"] == "completed", retried
     rerun = _lines(stack, retried["output_file_id"])
