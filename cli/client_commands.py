@@ -201,6 +201,11 @@ def status(
     if batch.get("status") in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS):
         eta = estimate_commands.eta_text(batch.get("estimated_completion_at"), batch.get("at_risk"))
         rows.append(("estimated completion", eta))
+    if batch.get("paused"):
+        rows.append(("paused", f"since {_when(batch.get('paused_at'))} (`batchd resume`)"))
+    if batch.get("max_total_tokens") is not None:
+        spent = (batch.get("usage") or {}).get("total_tokens", 0)
+        rows.append(("token budget", f"{spent} of {batch['max_total_tokens']} spent"))
     if batch.get("metadata"):
         rows.append(("metadata", json.dumps(batch["metadata"])))
     for key, value in rows:

@@ -212,6 +212,8 @@ def test_cancel_a_paused_batch(stack):
         paused = _batchd(stack, "pause", batch["id"])  # the CLI's verb
         assert paused.exit_code == 0, paused.output
         assert paused.output.strip() == f"{batch['id']} in_progress paused"
+        shown = _batchd(stack, "status", batch["id"])
+        assert "paused" in shown.output and "batchd resume" in shown.output, shown.output
         with _http(stack) as http:
             cancelled = http.post(f"/batches/{batch['id']}/cancel")
             assert cancelled.status_code == 200, cancelled.text
@@ -263,6 +265,8 @@ def test_a_budget_ends_the_batch_completed_with_budget_exhausted_lines_and_a_ret
         assert error["code"] == "budget_exhausted" and error["type"] == "insufficient_quota"
         assert f"max_total_tokens={budget}" in error["message"]
     spent = done["usage"]["total_tokens"]
+    shown = _batchd(stack, "status", batch["id"])
+    assert f"{spent} of {budget} spent" in shown.output, shown.output
     assert done["max_total_tokens"] == budget
     # Overshot only by what was in flight (and, across shards, not yet checkpointed): a few
     # lines at most, never the whole file.
