@@ -11,16 +11,17 @@ import io
 import json
 from collections import Counter
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import create_engine, select
+from sqlalchemy import create_engine, select, update
 from typer.testing import CliRunner
 
 from cli.main import app
 from cli.perf.service import wait_for
-from core.database.tables import Shard, WebhookDelivery
+from core.database.tables import Batch, Shard, WebhookDelivery
 from tests.e2e.test_webhooks import Receiver, verify_signature
 from tests.harness.stack import API_KEY
 from tests.helpers.lines import chat_line, jsonl
@@ -221,6 +222,44 @@ def test_cancel_a_paused_batch(stack):
     assert done["status"] == "cancelled", done
     out = _lines(stack, done["output_file_id"])
     err = _lines(stack, done["error_file_id"])
+    assert Counter(r["custom_id"] for r in out + err) == Counter(x["custom_id"] for x in lines)
+
+
+def test_a_paused_batch_expires_when_its_window_ends(stack):
+    """The window's clock runs on while paused: a paused batch whose deadline passes expires,
+    its results kept and its unrun lines batch_expired, each line once."""
+    with stack.gate("expire_paused") as gate:
+        lines = [chat_line("e00", f"{gate.marker} hold", 4)]
+        lines += [chat_line(f"e{i:02d}", f"expiry line {i}", 4) for i in range(1, 40)]
+        batch = _create(stack, lines)
+        wait_for(lambda: "engine gate expire_paused holding" in stack.log("model"), 120, "hold")
+        with _http(stack) as http:
+            assert http.post(f"/batches/{batch['id']}/pause").status_code == 200
+        wait_for(
+            lambda: f"batch {batch['id']} is paused" in stack.log("model"), 60, "the pause seen"
+        )
+    wait_for(
+        lambda: all(s.status in ("pending", "done") for s in _shards(stack, batch["id"])),
+        120,
+        "the paused batch's shards to stop",
+    )
+    # Its deadline comes now (set in the row, not waited for).
+    engine = _db(stack)
+    try:
+        with engine.begin() as conn:
+            conn.execute(
+                update(Batch)
+                .where(Batch.id == batch["id"])
+                .values(expires_at=datetime.now(UTC) - timedelta(seconds=1))
+            )
+    finally:
+        engine.dispose()
+    done = _wait(stack, batch["id"], 120)
+    assert done["status"] == "expired", done
+    out = _lines(stack, done["output_file_id"])
+    err = _lines(stack, done["error_file_id"])
+    assert out  # what ran before the pause is kept
+    assert err and all(r["error"]["code"] == "batch_expired" for r in err)
     assert Counter(r["custom_id"] for r in out + err) == Counter(x["custom_id"] for x in lines)
 
 
