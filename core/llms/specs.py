@@ -296,9 +296,10 @@ class LoraSpec:
 
     @property
     def root(self) -> str:
-        """What ``/v1/models`` gives as its ``root``, as vLLM does: the adapter's path, or the
-        name its upstream serves it under."""
-        return str(self.path) if self.path is not None else self.forwarded_name
+        """What ``/v1/models`` gives as its ``root``: the name the adapter is served under, here
+        or by its upstream. vLLM gives a local adapter's path there; a shared service does not
+        show its tenants where its files are."""
+        return self.forwarded_name
 
 
 LORA_OPTIONS = ("path", "upstream_name")

@@ -30,7 +30,7 @@ def test_an_adapter_of_a_local_model(tmp_path: Path) -> None:
     models = {"chat": BASE, "support-bot": f"lora:chat?path={path}"}
     found = specs.adapters(models)
     assert found == {"support-bot": specs.LoraSpec("support-bot", "chat", path)}
-    assert found["support-bot"].root == str(path)
+    assert found["support-bot"].root == "support-bot"  # never the server's directory
     assert specs.engine_models(models) == {"support-bot": "chat"}
     assert specs.kind_of(models["support-bot"]) == "generate"
     assert specs.serves(models["support-bot"], "/v1/chat/completions")
