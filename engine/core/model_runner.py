@@ -83,6 +83,7 @@ class ModelRunner:
         if self.device.type == "cpu" and config.cpu_kernels:
             log.info("%d projection sets fused (CPU)", fusion.fuse_projections(self.base))
             self._let_go(loaded)  # before packing makes its copies: a lower peak
+        packing: str | None = None  # what the linear layers were packed for, if they were
         if cpu_linear.packable(self.dtype, self.device):
             head = self.lm_head
             plain_head = type(head) is torch.nn.Linear
@@ -94,6 +95,7 @@ class ModelRunner:
                 cpu_linear.choose_packing(body, rows, gemm, compiled) if body is not None else None
             )
             packed = cpu_linear.pack_linears(self.base, rows, kind) if kind else 0
+            packing = kind if packed else None
             head_kind = None
             if plain_head and (packed or self.dtype == torch.float32):
                 head_kind = cpu_linear.choose_packing(head, rows, gemm, compiled)
@@ -118,6 +120,7 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
             rows_hint=rows,
+            packing=packing,
         )
         self.lean: LeanLlama | None = None
         specs = [self.loras.register(n, d) for n, d in config.lora_adapters.items()]
@@ -269,6 +272,8 @@ class ModelRunner:
                 decodes.append(seq)
             else:
                 prefills.append((seq, n))
+        if self.loras.resident:  # each adapter's prefill chunks side by side (LoraStep)
+            prefills.sort(key=_adapter_of)
         if self.backend_name == "flex":
             return self._prepare_flex(decodes, prefills)
         return self._prepare_sdpa(decodes, prefills)
@@ -421,6 +426,12 @@ class _Packed:
             sample_seqs=self.sample_seqs,
             num_tokens=len(self.ids),
         )
+
+
+def _adapter_of(part: tuple[Sequence, int]) -> str:
+    request = getattr(part[0], "request", None)  # the load-time probe has none
+    lora = request.lora if request is not None else None
+    return "" if lora is None else "\0" + lora
 
 
 def _decode_groups(num_blocks: list[int]) -> list[int]:

@@ -38,6 +38,7 @@ SiteWeights = tuple[torch.Tensor, torch.Tensor]  # (A^T [in, r], scale * B^T [r,
 
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
+SiteLinears = tuple[Linear, Linear]  # an adapter's shrink (x @ A^T) and expand of one site
 
 
 @dataclass(slots=True)
@@ -58,20 +59,27 @@ class SiteStack:
 
 @dataclass(slots=True)
 class LoraStep:
-    """The adapted rows of one packed step, grouped by adapter: ``rows`` the packed rows in
-    group order, ``segments`` each adapter's prepared weights (one entry a site, None where it
-    adapts nothing) and its span of ``rows``. ``whole``: one adapter has every row of the step,
-    in order (no gather or scatter needed).
+    """The adapted rows of one packed step, in one of three layouts:
 
-    ``stacks`` (a step of few rows and several adapters): every row goes through every
-    resident adapter's stacked weights in two matmuls a site, the slots not its own masked to
-    zero (``row_slot``: each row's slot, -1 for the base): at a decode step's row counts the
-    calls, not the arithmetic, cost the time, and this makes two a site whatever the number of
-    adapters."""
+    * ``runs``: each adapter's rows are a few contiguous ranges ``(weights, first, end)`` (a
+      prefill step: its chunks are packed by adapter), each range two matmuls a site on a
+      slice of the input, added to the same slice of the output;
+    * ``stacks`` (a step of few rows and several adapters, a decode step): every row goes
+      through every resident adapter's stacked weights in two matmuls a site, the slots not its
+      own masked to zero (``row_slot``: each row's slot, -1 for the base): at a decode step's
+      row counts the calls, not the arithmetic, cost the time, and this makes two a site
+      whatever the number of adapters;
+    * otherwise ``segments``: ``rows`` the packed rows grouped by adapter, gathered once a
+      site; each adapter's ``(weights, first, end, its rows)`` two matmuls and one
+      ``index_add_`` back into the output (Punica's and S-LoRA's gather and scatter).
 
-    rows: torch.Tensor
-    segments: list[tuple[list[SiteWeights | None], int, int, torch.Tensor]]
-    whole: bool = False
+    ``weights``: an adapter's shrink and expand of each site, None where it adapts nothing."""
+
+    rows: torch.Tensor | None = None
+    segments: list[tuple[list[SiteLinears | None], int, int, torch.Tensor]] = field(
+        default_factory=list
+    )
+    runs: list[tuple[list[SiteLinears | None], int, int]] | None = None
     stacks: list[SiteStack | None] | None = None
     row_slot: torch.Tensor | None = None
     masks: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
@@ -79,6 +87,12 @@ class LoraStep:
     def apply(self, site: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         y2 = y.view(-1, y.shape[-1])
+        if self.runs is not None:
+            for weights, first, end in self.runs:
+                w = weights[site]
+                if w is not None:
+                    y2[first:end].add_(w[1](w[0](x2[first:end])))
+            return y
         if self.stacks is not None:
             stack = self.stacks[site]
             if stack is not None:
@@ -90,19 +104,15 @@ class LoraStep:
                     for c0, c1, lo, hi, expand in stack.expands:
                         y2[:, lo:hi].add_(expand(h[:, c0:c1].contiguous()))
             return y
-        if self.whole:
-            w = self.segments[0][0][site]
-            if w is not None:
-                y2.add_(torch.mm(torch.mm(x2, w[0]), w[1]))
-            return y
         xs: torch.Tensor | None = None
         for weights, start, end, rows in self.segments:
             w = weights[site]
             if w is None:
                 continue
             if xs is None:
+                assert self.rows is not None
                 xs = x2.index_select(0, self.rows)
-            y2.index_add_(0, rows, torch.mm(torch.mm(xs[start:end], w[0]), w[1]))
+            y2.index_add_(0, rows, w[1](w[0](xs[start:end])))
         return y
 
     def _mask(self, stack: SiteStack, h: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ from engine.lora.layers import (
     Linear,
     LoraStep,
     Site,
+    SiteLinears,
     SiteStack,
     SiteWeights,
     prepare,
@@ -39,6 +40,9 @@ log = logging.getLogger("engine")
 # A step of at most this many rows and more than one adapter goes through the stacked weights
 # (two matmuls a site); a larger one, through each adapter's rows apart (see LoraStep).
 STACKED_MAX_ROWS = 256
+# A step whose adapted rows make at most this many contiguous ranges an adapter takes them as
+# ranges (a prefill step); more, and they are gathered and scattered.
+RUNS_PER_ADAPTER = 2
 
 
 class LoraManager:
@@ -52,16 +56,19 @@ class LoraManager:
         dtype: torch.dtype,
         device: torch.device,
         rows_hint: int = 64,
+        packing: str | None = None,
     ) -> None:
         self.linears = linears
         self.rows_hint = rows_hint
+        self.packing = packing  # the base's packing (engine/cpu/linear.py), for the stacks
         self._attach = attach
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.dtype = dtype
         self.device = device
         self.specs: dict[str, AdapterSpec] = {}
-        self.resident: OrderedDict[str, list[SiteWeights | None]] = OrderedDict()  # LRU first
+        # each resident adapter's shrink and expand of every site, least recently used first
+        self.resident: OrderedDict[str, list[SiteLinears | None]] = OrderedDict()
         self.pins: dict[str, int] = {}  # running sequences holding each resident adapter
         self.slots: dict[str, int] = {}  # each resident adapter's slot in the stacks
         self.stacks: list[SiteStack | None] | None = None
@@ -166,11 +173,17 @@ class LoraManager:
         else:
             self.pins.pop(name, None)
 
-    def _load(self, spec: AdapterSpec) -> list[SiteWeights | None]:
+    def _prepare(self, spec: AdapterSpec) -> list[SiteWeights | None]:
         assert self.sites is not None
-        weights = load_weights(spec)
         scales = {path: m.scale for path, m in spec.modules.items()}
-        prepared = prepare(self.sites, weights, scales, self.dtype, self.device)
+        return prepare(self.sites, load_weights(spec), scales, self.dtype, self.device)
+
+    def _load(self, spec: AdapterSpec) -> list[SiteLinears | None]:
+        """An adapter's shrink and expand of each site, packed as the base's layers are."""
+        loaded: list[SiteLinears | None] = [
+            None if w is None else (self._linear(w[0].T), self._linear(w[1].T))
+            for w in self._prepare(spec)
+        ]
         self.num_loads += 1
         log.info(
             "LoRA adapter %r loaded (%d of %d slots)",
@@ -178,15 +191,16 @@ class LoraManager:
             len(self.resident) + 1,
             self.max_loras,
         )
-        return prepared
+        return loaded
 
     def _restack(self) -> None:
         assert self.sites is not None
         self.stacks = None  # the old stacks go before the new are built: a lower peak
         stacks = []
+        prepared = {name: self._prepare(self.specs[name]) for name in self.resident}
         for site in self.sites:
             by_slot = {}
-            for name, weights in self.resident.items():
+            for name, weights in prepared.items():
                 modules = self.specs[name].modules
                 ranks = [modules[p].rank if p in modules else 0 for p, _, _ in site.parts]
                 by_slot[self.slots[name]] = (weights, ranks)
@@ -194,10 +208,11 @@ class LoraManager:
         self.stacks = stacks
 
     def _linear(self, weight: torch.Tensor) -> Linear:
-        """``x @ weight.T``: packed like the base's layers where the CPU's GEMM takes it."""
-        if cpu_linear.packable(weight.dtype, weight.device):
+        """``x @ weight.T``, packed as the base's layers are, if they are."""
+        if self.packing is not None:
             try:
-                return cpu_linear.PackedLinear(weight, None, self.rows_hint, "onednn")
+                packed = weight.contiguous()
+                return cpu_linear.PackedLinear(packed, None, self.rows_hint, self.packing)
             except RuntimeError:
                 pass
         w_t = weight.T.contiguous()
@@ -205,12 +220,7 @@ class LoraManager:
 
     @property
     def resident_bytes(self) -> int:
-        own = sum(
-            (w[0].numel() + w[1].numel())
-            for weights in self.resident.values()
-            for w in weights
-            if w is not None
-        )
+        own = sum(self.adapter_bytes(self.specs[name]) for name in self.resident) // self.elem
         stacked = sum(s.numel for s in self.stacks or [] if s is not None)
         return (own + stacked) * self.elem
 
@@ -218,17 +228,23 @@ class LoraManager:
 
     def step_for(self, parts: list[tuple[Any, int, int]]) -> LoraStep | None:
         """The adapted rows of a packed step whose parts are ``(sequence, first, end)`` in row
-        order, grouped by adapter; None if no row has one."""
+        order, laid out as :class:`LoraStep` says; None if no row has an adapter."""
         if not self.resident:
             return None
         groups: dict[str, list[int]] = {}
+        runs: list[tuple[str, int, int]] = []  # contiguous rows of one adapter
         row = 0
         for seq, c0, end in parts:
             request = getattr(seq, "request", None)
             name = request.lora if request is not None else None
+            n = end - c0
             if name is not None:
-                groups.setdefault(name, []).extend(range(row, row + end - c0))
-            row += end - c0
+                groups.setdefault(name, []).extend(range(row, row + n))
+                if runs and runs[-1][0] == name and runs[-1][2] == row:
+                    runs[-1] = (name, runs[-1][1], row + n)
+                else:
+                    runs.append((name, row, row + n))
+            row += n
         if not groups:
             return None
         if len(groups) > 1 and row <= STACKED_MAX_ROWS and self.stacks is not None:
@@ -238,7 +254,9 @@ class LoraManager:
                 for r in rows:
                     row_slot[r] = slot
             slots = torch.tensor(row_slot, dtype=torch.long, device=self.device)
-            return LoraStep(slots, [], stacks=self.stacks, row_slot=slots)
+            return LoraStep(stacks=self.stacks, row_slot=slots)
+        if len(runs) <= RUNS_PER_ADAPTER * len(groups):
+            return LoraStep(runs=[(self.resident[name], a, b) for name, a, b in runs])
         order = [r for rows in groups.values() for r in rows]
         all_rows = torch.tensor(order, dtype=torch.long, device=self.device)
         segments = []
@@ -247,8 +265,7 @@ class LoraManager:
             end = start + len(rows)
             segments.append((self.resident[name], start, end, all_rows[start:end]))
             start = end
-        whole = len(groups) == 1 and len(order) == row
-        return LoraStep(all_rows, segments, whole)
+        return LoraStep(all_rows, segments)
 
     def stats(self) -> dict[str, int]:
         return {

@@ -20,6 +20,7 @@ import torch
 from core.llms.demo import build
 from engine import Engine, SamplingParams
 from engine.core.model_runner import ModelRunner
+from engine.lora import manager
 from tests.helpers.lora import make_adapter
 
 VOCAB = 2048
@@ -119,7 +120,7 @@ def _run(
 ) -> dict[str, int]:
     """Run ``cases`` together; check every line against ``reference`` and return the most
     adapters (and base) whose rows shared one step, and the most adapters resident at once."""
-    seen = {"mixed": 0, "resident": 0, "stacked": 0, "segmented": 0}
+    seen = {"mixed": 0, "resident": 0, "stacks": 0, "runs": 0, "segments": 0}
     prepare = engine.runner.prepare
 
     def watched(scheduled):  # type: ignore[no-untyped-def]
@@ -128,15 +129,17 @@ def _run(
         seen["mixed"] = max(seen["mixed"], len(loras))
         step = batch.lora
         if step is not None:
-            # every adapter of the step in the one forward: one segment each, whatever its
-            # number of sequences, or every row's slot in the stacked weights
-            if step.stacks is None:
-                adapters = len(step.segments)
-                seen["segmented"] += adapters > 1
-            else:
+            # every adapter of the step in the one forward, in one of LoraStep's layouts
+            if step.stacks is not None:
                 assert step.row_slot is not None
                 adapters = len(set(step.row_slot.tolist()) - {-1})
-                seen["stacked"] += 1
+                seen["stacks"] += 1
+            elif step.runs is not None:
+                adapters = len({id(weights) for weights, _, _ in step.runs})
+                seen["runs"] += adapters > 1
+            else:
+                adapters = len(step.segments)
+                seen["segments"] += adapters > 1
             assert adapters == len(loras - {None})
         seen["resident"] = max(seen["resident"], len(engine.runner.loras.resident))
         return batch
@@ -176,14 +179,25 @@ def test_adapters_change_the_output(setup: dict) -> None:
 def test_mixed_batch(setup: dict, lean: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every adapter and the base in the same steps, on the lean Llama forward (fused q/k/v
     and gate/up, each slice its own delta) and on transformers' forward (``cpu_kernels``
-    off: plain linear layers)."""
+    off: plain linear layers). Prefill steps take each adapter's rows as ranges, decode steps
+    the stacked weights."""
     cases, ref = setup["plain"]
     engine = _engine(setup, cpu_kernels=lean)
     assert (engine.runner.lean is not None) is lean
     seen = _run(engine, cases, ref, monkeypatch)
     assert seen["mixed"] == len(LINES), "all the adapters and the base shared a step"
-    assert seen["stacked"] and seen["segmented"], "decode steps stacked, prefills apart"
+    assert seen["stacks"] and seen["runs"], seen
     assert engine.stats().num_lora_evictions == 0
+
+
+def test_mixed_batch_gathered(setup: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Neither stacks nor ranges: every step's adapted rows gathered and scattered."""
+    monkeypatch.setattr(manager, "STACKED_MAX_ROWS", 0)
+    monkeypatch.setattr(manager, "RUNS_PER_ADAPTER", 0)
+    cases, ref = setup["plain"]
+    engine = _engine(setup)
+    seen = _run(engine, cases, ref, monkeypatch)
+    assert seen["segments"] and not seen["stacks"] and not seen["runs"], seen
 
 
 def test_generic_forward_fused(setup: dict, monkeypatch: pytest.MonkeyPatch) -> None:
