@@ -6,12 +6,13 @@ A *site* is one linear call of the forward: a plain linear layer (``o_proj``), o
 of several layers. An adapter's weights for a site are prepared once, when it is made resident:
 the A of each part it adapts stacked (``[in, r_total]``), the B of each placed at its part's
 columns, scale folded in (``[r_total, out]``, zero where a part is not adapted), so a fused
-site's delta is two matmuls. The weights stay as they are (packed or not); nothing is merged.
+site's delta is two matmuls. The base's weights stay as they are (packed or not); nothing is
+merged.
 
-A step's rows are grouped by adapter once (:class:`LoraStep`, built with the packed step); at
-each site the adapted rows are gathered once, and each adapter's segment costs two matmuls and
-one ``index_add_`` back into the output (Punica's and S-LoRA's gather/scatter, with no padding).
-Rows of the base model are not touched, and a step with none of an adapter costs nothing."""
+A step's adapted rows are laid out once (:class:`LoraStep`, built with the packed step): by
+contiguous ranges, through the resident adapters' weights stacked by slot, or gathered and
+scattered (Punica's and S-LoRA's way). Rows of the base model are not touched, and a step with
+none of an adapter costs nothing."""
 
 from __future__ import annotations
 
@@ -35,8 +36,6 @@ class Site:
 
 
 SiteWeights = tuple[torch.Tensor, torch.Tensor]  # (A^T [in, r], scale * B^T [r, out])
-
-
 Linear = Callable[[torch.Tensor], torch.Tensor]
 SiteLinears = tuple[Linear, Linear]  # an adapter's shrink (x @ A^T) and expand of one site
 
