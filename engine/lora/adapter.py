@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,7 +66,7 @@ class AdapterSpec:
 
 
 def read_adapter(
-    name: str, directory: str | Path, linears: dict[str, tuple[int, int]], max_rank: int
+    name: str, directory: str | Path, linears: Mapping[str, tuple[int, int]], max_rank: int
 ) -> AdapterSpec:
     """Read and check the adapter in ``directory`` against the base's ``linears`` (path ->
     ``(in_features, out_features)``)."""
@@ -162,7 +163,7 @@ def _check_features(name: str, config: dict) -> None:
             raise AdapterError(f"adapter {name!r}: {field} {value!r} is not supported (only none)")
 
 
-def _check_targets(name: str, targets: object, linears: dict[str, tuple[int, int]]) -> None:
+def _check_targets(name: str, targets: object, linears: Mapping[str, tuple[int, int]]) -> None:
     """Each target named in the config must be a linear layer of the base (a regular expression
     or ``all-linear`` is checked through the tensors alone)."""
     if not isinstance(targets, list):

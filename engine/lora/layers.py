@@ -16,7 +16,7 @@ none of an adapter costs nothing."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -153,7 +153,9 @@ class LoraLinear(torch.nn.Module):
         return step.apply(self.site, x, y)
 
 
-def attach(model: torch.nn.Module, linears: dict[str, tuple[int, int]], state: LoraState) -> dict:
+def attach(
+    model: torch.nn.Module, linears: Mapping[str, tuple[int, int]], state: LoraState
+) -> dict:
     """Wrap every linear layer of ``model`` that ``linears`` names (paths in the causal LM, as
     loaded, before fusing) in a :class:`LoraLinear`; a fused set is one site. Returns the sites
     and each path's site: ``{"sites": [Site], "of": {path: (site index, first, end column)}}``."""

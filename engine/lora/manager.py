@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -58,7 +59,8 @@ class LoraManager:
         rows_hint: int = 64,
         packing: str | None = None,
     ) -> None:
-        self.linears = linears
+        # the base's adaptable layers, fixed with the model (read-only)
+        self.linears: Mapping[str, tuple[int, int]] = MappingProxyType(dict(linears))
         self.rows_hint = rows_hint
         self.packing = packing  # the base's packing (engine/cpu/linear.py), for the stacks
         self._attach = attach
