@@ -18,7 +18,8 @@ tokens/s (``usage.output_tokens`` over created → completed) and prefill tokens
 (``usage.input_tokens`` less ``input_tokens_details.cached_tokens``), and the plan's
 ``prefix_cache.predicted_shareable_tokens``.
 
-    .venv/bin/python -m benchmarks.prefix_plan --quick      # a few minutes
+    .venv/bin/python -m benchmarks.prefix_plan --quick      # a few minutes, one round
+    .venv/bin/python -m benchmarks.prefix_plan --quick --rounds 3   # medians of 3
     .venv/bin/python -m benchmarks.prefix_plan --json /tmp/prefix_plan.json
 
 Targets (planned / file order, shared job): output tokens/s >= 1.5x, prefill tokens computed
@@ -29,7 +30,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -146,35 +149,43 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             control(True)
             warm = job(args, f"warm{workers}", shared=True)[: 2 * args.templates]
             run_batch(client, _write(work / "warm.jsonl", warm), args.poll)
-            for shared in (True, False):
-                kind = "shared" if shared else "unique"
-                for plan in (False, True):
-                    runs += 1
-                    label = f"{kind} {'planned' if plan else 'file order'}, {workers} worker(s)"
-                    print(f"{label} …", flush=True)
-                    control(plan)
-                    lines = job(args, f"run{runs}", shared=shared)
-                    path = _write(work / f"job-{runs}.jsonl", lines)
-                    results["runs"][f"{kind}/{'plan' if plan else 'file'}/{workers}"] = run_batch(
-                        client, path, args.poll
-                    )
+            for round_ in range(args.rounds):
+                for shared in (True, False):
+                    kind = "shared" if shared else "unique"
+                    for plan in (False, True):
+                        runs += 1
+                        order = "planned" if plan else "file order"
+                        print(f"round {round_ + 1}: {kind} {order}, {workers} worker(s) …")
+                        control(plan)
+                        lines = job(args, f"run{runs}", shared=shared)
+                        path = _write(work / f"job-{runs}.jsonl", lines)
+                        measured = run_batch(client, path, args.poll)
+                        measured["load_1m"] = os.getloadavg()[0]
+                        key = f"{kind}/{'plan' if plan else 'file'}/{workers}"
+                        results["runs"].setdefault(key, []).append(measured)
             for w in range(workers):
                 stack.end(f"model-{workers}-{w}")
-        stack.check_alive()
     return results
 
 
+def _median(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure's median over the rounds (the machine's load drifts between runs)."""
+    return {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+
+
 def report(results: dict[str, Any], workers: list[int]) -> bool:
-    runs = results["runs"]
-    print(f"\nmodel {results['model']}, engine {results['engine_options']}")
+    runs = {key: _median(rounds) for key, rounds in results["runs"].items()}
+    results["medians"] = runs
+    rounds = len(next(iter(results["runs"].values())))
+    print(f"\nmodel {results['model']}, engine {results['engine_options']}, median of {rounds}")
     head = f"{'job':<8}{'workers':>8}{'order':>12}{'s':>8}{'out tok/s':>11}"
     print(head + f"{'prompt':>9}{'cached':>9}{'prefill':>9}{'predicted':>10}")
     for key, r in runs.items():
         kind, order, n = key.split("/")
         print(
             f"{kind:<8}{n:>8}{order:>12}{r['seconds']:>8.1f}{r['output_tps']:>11.1f}"
-            f"{r['prompt_tokens']:>9}{r['cached_tokens']:>9}{r['prefill_tokens']:>9}"
-            f"{r['predicted_shareable_tokens']:>10}"
+            f"{r['prompt_tokens']:>9.0f}{r['cached_tokens']:>9.0f}{r['prefill_tokens']:>9.0f}"
+            f"{r['predicted_shareable_tokens']:>10.0f}"
         )
     ok = True
     print()
@@ -212,6 +223,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shards", type=int, default=4, help="shards per job")
     p.add_argument("--concurrency", type=int, default=2, help="shard threads per model worker")
     p.add_argument("--workers", default="1,2", help="model workers, one run each")
+    p.add_argument(
+        "--rounds", type=int, default=None, help="runs of each way, medians reported (3; --quick 1)"
+    )
     p.add_argument("--model", default=None, help="a model directory or GGUF (else a demo)")
     p.add_argument("--model-preset", default="llama-25m")
     p.add_argument("--seed", type=int, default=0)
@@ -223,6 +237,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.requests = min(args.requests, 160)
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 3
     args.workers = [int(w) for w in str(args.workers).split(",") if w]
     return args
 
