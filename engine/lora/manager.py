@@ -77,6 +77,7 @@ class LoraManager:
         self.sites: list[Site] | None = None  # wrapped on the first registration
         self.elem = torch.empty((), dtype=dtype).element_size()
         self.reserved_bytes = 0  # what the KV budget left for the resident set
+        self.budgeted = False  # the KV budget was set (adapters registered later are not in it)
         self.num_loads = 0
         self.num_evictions = 0
 
@@ -94,11 +95,13 @@ class LoraManager:
             self.sites = self._attach()["sites"]
         self.specs[name] = spec
         size = self.adapter_bytes(spec)
-        if self.reserved_bytes and self.needed_bytes(self.specs.values()) > self.reserved_bytes:
+        if self.budgeted and self.needed_bytes(self.specs.values()) > self.reserved_bytes:
             log.warning(
-                "LoRA adapter %r registered at runtime: the resident set may take more than "
-                "the %.1f MiB the KV budget left for it",
+                "LoRA adapter %r registered at runtime: the resident set may take %.1f MiB, "
+                "more than the %.1f MiB the KV budget left for it (adapters named in "
+                "lora_adapters are budgeted)",
                 name,
+                self.needed_bytes(self.specs.values()) / 2**20,
                 self.reserved_bytes / 2**20,
             )
         log.info(
@@ -131,6 +134,7 @@ class LoraManager:
     def reserve_bytes(self, specs: Iterable[AdapterSpec]) -> int:
         """Reserve :meth:`needed_bytes` of ``specs`` (the adapters configured at start)."""
         self.reserved_bytes = self.needed_bytes(specs)
+        self.budgeted = True
         return self.reserved_bytes
 
     def check(self, name: str) -> None:

@@ -268,14 +268,19 @@ def test_a_request_waits_for_a_slot(setup: dict) -> None:
     assert list(engine.runner.loras.resident) == ["mlp16"]
 
 
-def test_add_lora_at_runtime(setup: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_add_lora_at_runtime(
+    setup: dict, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """An engine started without adapters registers them with ``add_lora``: its layers are
-    wrapped then, the lean forward rebuilt over them."""
+    wrapped then, the lean forward rebuilt over them; the log says their memory is not in the
+    KV budget."""
     cases, ref = setup["plain"]
-    engine = Engine(setup["path"])
+    engine = Engine(setup["path"], max_loras=len(ADAPTERS))
     assert engine.runner.loras.sites is None
-    for name, directory in setup["adapters"].items():
-        engine.add_lora(name, directory)
+    with caplog.at_level("WARNING", logger="engine"):
+        for name, directory in setup["adapters"].items():
+            engine.add_lora(name, directory)
+    assert "registered at runtime: the resident set may take" in caplog.text
     assert engine.runner.lean is not None
     _run(engine, cases, ref, monkeypatch)
 
