@@ -355,3 +355,24 @@ def test_model_runner_without_adapters_is_untouched(setup: dict) -> None:
     runner: ModelRunner = engine.runner
     assert runner.loras.sites is None
     assert not any(type(m).__name__ == "LoraLinear" for m in runner.model.modules())
+
+
+def test_a_model_of_another_family(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Qwen2 (biases on q/k/v, no lean forward): transformers' forward over its fused
+    projections, every adapter and the base mixed, each line peft's merged model's."""
+    path = str(build("qwen2-tiny"))
+    root = tmp_path_factory.mktemp("qwen2-adapters")
+    adapters = {
+        name: make_adapter(path, root / name, rank=rank, target_modules=targets, seed=seed)
+        for name, (rank, targets, seed) in ADAPTERS.items()
+    }
+    cases = _cases(3, 18, shared_prefixes=False)
+    ref = _reference(path, adapters, cases)
+    engine = Engine(
+        path, lora_adapters={n: str(d) for n, d in adapters.items()}, max_loras=len(ADAPTERS)
+    )
+    assert engine.runner.lean is None
+    seen = _run(engine, cases, ref, monkeypatch)
+    assert seen["mixed"] == len(LINES)
