@@ -15,7 +15,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -222,7 +222,7 @@ def host(model: str) -> Host:
 def _load_host(model: str, spec: str) -> Host:
     """Load ``model``'s engine (or embedding engine) and start its host (under ``_loading``)."""
     # torch: imported only by a process that runs a model
-    from engine import Engine, EngineHost
+    from engine import EngineHost
 
     settings = get_settings()
     options = dict(settings.engine_options)
@@ -236,8 +236,7 @@ def _load_host(model: str, spec: str) -> Host:
     if specs.is_sim(spec):
         return _start_sim_host(model, spec, path, options, host_options, started_at)
     options.setdefault("adapt_cpu_threads", settings.adapt_cpu_threads)
-    engine = Engine(str(path), **options)
-    _add_adapters(model, engine)
+    engine = _load_engine(model, path, options)
     host = EngineHost(engine, name=f"engine-host-{model}", **_host_policy(host_options))
     started = host.start()
     configured = getattr(getattr(engine, "config", None), "max_model_len", None)
@@ -257,21 +256,58 @@ def _load_host(model: str, spec: str) -> Host:
     return started
 
 
-def _add_adapters(model: str, engine: Any) -> None:
-    """Register with ``engine`` the LoRA adapters (``lora:`` entries) whose base is ``model``.
-    One whose directory is missing, no peft adapter directory, or one the engine refuses (a
-    rank over ``max_lora_rank``, a layer the base does not have, ...) is left out, logged as an
-    ERROR naming its entry: its lines get an error line each (:func:`adapter_refusal`), and the
-    base and its other adapters run."""
+def _load_engine(model: str, path: Path, options: dict[str, Any]) -> Any:
+    """``model``'s engine with its LoRA adapters (``lora:`` entries). Adapters whose directory
+    reads are given to the engine at load, so the memory their resident set may take comes off
+    the KV budget; if the engine refuses one of them, the engine loads without them and
+    :func:`_add_adapters` registers them one by one, leaving out (and naming) those refused."""
+    # torch: this process runs the model
+    from engine import Engine
+    from engine.lora import AdapterError
+
+    readable: dict[str, str] = {}
+    for name, adapter in _adapters_of(model):
+        assert adapter.path is not None
+        try:
+            specs.check_adapter_dir(adapter.path)
+        except ValueError:
+            continue  # named and left out by _add_adapters
+        readable[name] = str(adapter.path)
+    if readable:
+        try:
+            given = {**options, "lora_adapters": {**options.get("lora_adapters", {}), **readable}}
+            engine = Engine(str(path), **given)
+        except AdapterError as exc:
+            logger.warning("adapters of model %s loaded one by one: %s", model, exc)
+        else:
+            _add_adapters(model, engine, registered=set(readable))
+            return engine
+    engine = Engine(str(path), **options)
+    _add_adapters(model, engine)
+    return engine
+
+
+def _adapters_of(model: str) -> list[tuple[str, specs.LoraSpec]]:
+    """The ``lora:`` entries with a directory whose base is ``model``."""
+    found = specs.adapters(get_settings().models).items()
+    return [(n, a) for n, a in found if a.base == model and a.path is not None]
+
+
+def _add_adapters(model: str, engine: Any, registered: Collection[str] = ()) -> None:
+    """Register with ``engine`` the LoRA adapters whose base is ``model`` (but ``registered``,
+    given at load). One whose directory is missing, no peft adapter directory, or one the engine
+    refuses (a rank over ``max_lora_rank``, a layer the base does not have, ...) is left out,
+    logged as an ERROR naming its entry: its lines get an error line each
+    (:func:`adapter_refusal`), and the base and its other adapters run."""
     # torch: this process runs the model
     from engine.lora import AdapterError
 
-    for name, adapter in specs.adapters(get_settings().models).items():
-        if adapter.base != model or adapter.path is None:
-            continue
+    for name, adapter in _adapters_of(model):
+        assert adapter.path is not None
         try:
-            specs.check_adapter_dir(adapter.path)
-            engine.add_lora(name, str(adapter.path))
+            if name not in registered:
+                specs.check_adapter_dir(adapter.path)
+                engine.add_lora(name, str(adapter.path))
         except (ValueError, AdapterError) as exc:
             with _lock:
                 _refused_adapters[name] = str(exc)
