@@ -74,9 +74,12 @@ class EngineConfig:
     # where the CPU has AVX-512, the bf16 GEMM where it has AVX-512 BF16. Off, or where no C
     # compiler is found, every one of them gives way to torch's operators.
     cpu_kernels: bool = True
-    # On a CPU, the library the linear layers' weights are packed for: "auto" (bf16: oneDNN;
-    # float32: the one this machine recorded as fastest the first time it loaded the shape,
-    # engine/cpu/linear.py), or forced: "plain", "onednn", "mkl" or "batchd" (float32 only).
+    # On a CPU, the library the linear layers' weights are packed for: "auto" (the compiled
+    # GEMM where it is built for the weights' dtype, float32 with AVX-512 or bf16 with AVX-512
+    # BF16, as its rows do not depend on the step; else bf16: oneDNN, float32: the one this
+    # machine recorded as fastest the first time it loaded the shape; engine/cpu/linear.py),
+    # or forced: "plain", "onednn", "mkl" (float32 only) or "batchd" (the compiled GEMM, float32
+    # or bf16, where it is built).
     cpu_gemm: CpuGemm = "auto"
     # LoRA adapters (engine/lora): name -> the directory peft saved it to, checked against the
     # model at start (``Engine.add_lora`` registers more later). At most ``max_loras`` are

@@ -14,8 +14,9 @@ renamed into place, so processes building at once never load half a file, and a 
 fails or runs past :data:`COMPILE_TIMEOUT_S` (its whole process group killed) leaves nothing
 behind. Loaded after torch, a kernel's OpenMP regions run on the runtime torch already holds
 (one team of threads, never two spinning beside each other). Where no compiler is found or the
-build fails, :func:`decode_attention` returns None (logged once) and the engine keeps its torch
-path.
+build fails, every kernel's loader (:func:`decode_attention`, :func:`prefill_attention`,
+:func:`sgemm`, :func:`bgemm`, :func:`layer_ops`) returns None (logged once) and the engine keeps
+its torch path for that kernel.
 """
 
 from __future__ import annotations
