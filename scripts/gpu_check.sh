@@ -23,7 +23,7 @@
 #
 #   scripts/gpu_check.sh                 # uses .venv/bin/python, or $PYTHON, else python3
 #   GPU_CHECK_REQUESTS=48 scripts/gpu_check.sh
-#   GPU_CHECK_TESTS="tests/engine/test_order.py" scripts/gpu_check.sh
+#   GPU_CHECK_TESTS="tests/engine/host/test_order.py" scripts/gpu_check.sh
 #   GPU_CHECK_DEVICE=cpu scripts/gpu_check.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -108,7 +108,7 @@ cpu)
     }
     DOCS=${GPU_CHECK_DOCS-}
     REQUESTS=${GPU_CHECK_REQUESTS:-8}
-    TESTS=${GPU_CHECK_TESTS:-tests/engine/test_greedy_equivalence.py tests/engine/test_structured.py}
+    TESTS=${GPU_CHECK_TESTS:-tests/engine/test_greedy_equivalence.py tests/engine/text/test_structured.py}
     ;;
 *)
     echo "gpu_check: GPU_CHECK_DEVICE must be cuda or cpu, not $DEVICE"

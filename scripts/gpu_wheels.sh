@@ -29,7 +29,7 @@ PACKAGES=(
     pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 pytest-timeout==2.4.0
     # structured outputs (engine/text/structured.py)
     llguidance==1.9.1
-    # tests/engine/test_structured.py and test_smollm2.py validate JSON against schemas
+    # tests/engine/text/test_structured.py and test_smollm2.py validate JSON against schemas
     jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0
     rpds-py==2026.9.1 attrs==26.1.0
     # core.settings, which core.llms.demo (the tests' models) reads: pydantic-settings, and

@@ -27,7 +27,7 @@ STATIC_TEST_KEY = "sk-test-static-key"
 # with a long module at the end while the other has nothing to do: the end-to-end modules
 # (whole service stacks, mostly waiting on their subprocesses), then the engine's (CPU-bound),
 # then the rest in their usual order.
-FIRST = ["tests/e2e/test_soak.py", "tests/e2e/", "tests/engine/test_model_families.py",
+FIRST = ["tests/e2e/test_soak.py", "tests/e2e/", "tests/engine/attention/test_model_families.py",
          "tests/engine/", "tests/cli/", "tests/api/"]  # fmt: skip
 
 

@@ -120,7 +120,7 @@ def test_gpu_check_rehearsal_on_the_cpu_writes_its_report_under_out(tmp_path: Pa
         timeout=400,
         OUT=str(tmp_path),
         GPU_CHECK_DEVICE="cpu",
-        GPU_CHECK_TESTS="tests/engine/test_block_manager.py",
+        GPU_CHECK_TESTS="tests/engine/core/test_block_manager.py",
         GPU_CHECK_REQUESTS="4",
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

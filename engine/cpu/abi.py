@@ -1,5 +1,5 @@
 """The kernels' C interface for ctypes, written once: the argument structs and prototypes of
-``csrc/batchd.h``, field for field (tests/engine/test_kernel_abi.py reads the header and
+``csrc/batchd.h``, field for field (tests/engine/cpu/test_kernel_abi.py reads the header and
 checks that they agree). :func:`bind` gives a library's function its prototype."""
 
 from __future__ import annotations

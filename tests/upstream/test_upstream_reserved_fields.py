@@ -1,7 +1,7 @@
 """Fields reserved to the operator (``UPSTREAM_RESERVED``): a line for an upstream model that
 carries one is refused at validation, naming the line, the field and why, unless the upstream's
 spec allows it (``allow_fields``); and the spec's other new options. (Through a batch's real
-validation and shard run: tests/worker/test_upstream_line_limits.py.)"""
+validation and shard run: tests/worker/upstream/test_upstream_line_limits.py.)"""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 a keyed salt per tenant in the field the spec names, and a salt or key the tenant wrote mixed
 into its own, so that it can never name another tenant's. (Against a real server:
 tests/upstream/test_upstream_privacy.py; through a shard run:
-tests/worker/test_upstream_line_limits.py.)"""
+tests/worker/upstream/test_upstream_line_limits.py.)"""
 
 from __future__ import annotations
 

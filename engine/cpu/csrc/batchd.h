@@ -1,6 +1,6 @@
 /* The interface of batchd's CPU kernels: every function the engine calls, and the argument
  * struct of each call that takes more than a few arguments. engine/cpu/abi.py declares the
- * same structs and prototypes for ctypes, once; tests/engine/test_kernel_abi.py reads this
+ * same structs and prototypes for ctypes, once; tests/engine/cpu/test_kernel_abi.py reads this
  * header and checks that they agree, field by field.
  *
  * Element types: `bf16` set, the tensors a call names as `void *` hold bfloat16 (uint16_t),

@@ -34,7 +34,7 @@ def test_tenants_share_a_tier_by_tokens_whatever_their_request_sizes() -> None:
     for _ in range(10):
         q.push(E("a", "a1", cost=100))
         q.push(E("b", "b1", cost=300))
-    # As the release window orders shards of the same costs (tests/worker/test_release.py).
+    # As the release window orders shards of the same costs (tests/worker/shards/test_release.py).
     assert pops(q, 8) == ["a1", "b1", "a1", "a1", "b1", "a1", "a1", "a1"]
 
 

@@ -72,10 +72,10 @@ def _contents(lines: list[dict]) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def fault_host() -> Iterator[Any]:
     """A host whose engine fails every step while a prompt containing POISONPILL is in it, and
-    refuses prompts containing REFUSEME (tests.worker.engine_faults)."""
+    refuses prompts containing REFUSEME (tests.worker.shards.engine_faults)."""
     from core.llms.demo import build
     from engine import Engine, EngineHost
-    from tests.worker.engine_faults import install_test_fault
+    from tests.worker.shards.engine_faults import install_test_fault
 
     engine = Engine(str(build("llama-tiny")), max_num_seqs=4)
     install_test_fault(engine, "step:POISONPILL")

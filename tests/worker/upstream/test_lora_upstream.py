@@ -15,7 +15,7 @@ import pytest
 from tests.harness.fault_proxy import FaultProxy
 from tests.harness.upstream_server import UpstreamServer
 from tests.helpers.worker import MODEL, batch_row, chat_line, make_batch, shard_rows
-from tests.worker.test_upstream_line_limits import EchoServer
+from tests.worker.upstream.test_upstream_line_limits import EchoServer
 
 pytestmark = pytest.mark.services
 
