@@ -46,7 +46,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness.revisions import REPO, export_tree
+from testkit.bench.revisions import REPO, export_tree
 
 _LENGTH = re.compile(rb"(?i)\r\ncontent-length: *(\d+)")
 
@@ -292,7 +292,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     counts = [int(p) for p in args.processes.split(",")]
 
-    from tests.harness.stack import BENCH_API_KEY, Broker, Database, service_env
+    from testkit.service.stack import BENCH_API_KEY, Broker, Database, service_env
 
     work = Path(tempfile.mkdtemp(prefix="batchd-api-capacity-"))
     db = Database(args.pg_admin_url, prefix="batchd_api_capacity")

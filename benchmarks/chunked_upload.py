@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from cli.perf.service import memory_kb
-from tests.harness import stack as bs
+from testkit.service import stack as bs
 
 MiB = 1024 * 1024
 

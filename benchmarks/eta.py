@@ -28,12 +28,12 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.eta_record import Recorder, curve, phases
-from benchmarks.harness.revisions import REPO
+from testkit.bench.revisions import REPO
 from cli.perf.service import Procs, api_up, free_port, wait_for
 from cli.perf.workload import LengthDist, chat_bodies, request_line
 from core.launch import QUIET, beat_command, control_worker_command, model_worker_command
-from tests.harness.soak_stack import create_key
-from tests.harness.stack import MODEL, Database, RedisServer, api_command
+from testkit.service.soak_stack import create_key
+from testkit.service.stack import MODEL, Database, RedisServer, api_command
 
 MARKS = (0.10, 0.50, 0.90)
 

@@ -58,7 +58,7 @@ TERMINAL = {"completed", "failed", "expired", "cancelled"}
 
 
 class Hold(Protocol):
-    """A gate in the model worker's engine (tests.harness.engine_gate.FileGate)."""
+    """A gate in the model worker's engine (testkit.engine_gate.FileGate)."""
 
     marker: str
 
@@ -203,7 +203,7 @@ def contended(
     """The big job first; the small one ``delay_s`` seconds after the big one was created
     (default: once the big one has completed requests); measure both.
 
-    ``hold`` (a gate in the model worker's engine, tests.harness.engine_gate): the big job's
+    ``hold`` (a gate in the model worker's engine, testkit.engine_gate): the big job's
     fifth line carries its marker, so the engine holds once the big job's first requests are
     done and its next ones admitted, until the small job has been validated: its start-up
     (wall time) then costs no engine steps, and the big job has as much left when the small
@@ -273,7 +273,7 @@ def tenant_key(database_url: str, tenant: str) -> str:
 
 def _start_stack(root: Path, database_url: str, redis_url: str, args: argparse.Namespace):
     from cli.perf.service import free_port
-    from tests.harness import stack as bs
+    from testkit.service import stack as bs
 
     env = bs.service_env(
         root,
@@ -329,7 +329,7 @@ def main() -> None:
     from openai import OpenAI
 
     from core.llms.demo import build
-    from tests.harness.stack import Database, EngineStatsProbe
+    from testkit.service.stack import Database, EngineStatsProbe
 
     build("llama-tiny")
     db = Database(args.pg_admin_url)

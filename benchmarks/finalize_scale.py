@@ -6,7 +6,7 @@
 ``worker.batches.finalize`` merges a batch's checkpoint chunks into its output and error files and
 promises to do it with bounded memory, so its time should grow with the lines and its memory
 not at all. Each job is built as it stands right before its finalize, on a fresh Postgres
-database (``tests.harness.stack.Database``) and a local storage directory: the input file
+database (``testkit.service.stack.Database``) and a local storage directory: the input file
 (chat requests), a ``finalizing`` batch row, one ``done`` shard row per ``--shard-lines``
 lines, and each shard's committed checkpoint chunks of ``--checkpoint-every`` results (chat
 completions of about 700 bytes, ``--error-share`` of them error lines), written and logged in
@@ -40,7 +40,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness.revisions import REPO, run_json
+from testkit.bench.revisions import REPO, run_json
 from cli.perf import workload
 
 # The finalize in a fresh process: the batch id on stdin, one JSON line of measurements out.
@@ -268,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
 
-    from tests.harness.stack import Database
+    from testkit.service.stack import Database
 
     db = Database(args.pg_admin_url, prefix="batchd_finalize")
     results: list[dict[str, Any]] = []

@@ -46,11 +46,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness.revisions import REPO, remove_worktree, worktree
+from testkit.bench.revisions import REPO, remove_worktree, worktree
 from cli.perf.service import Procs
 from cli.perf.workload import chat_bodies, request_line
 from cli.procfs import process_cpu_s
-from tests.harness import stack as bs
+from testkit.service import stack as bs
 
 ENDPOINT = "/v1/chat/completions"
 SERVED = bs.MODEL  # the served name the stack helpers give the model queue

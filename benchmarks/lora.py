@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.requests, args.repeats = 32, 1
     from cli.models import local_model_dir
     from engine import Engine
-    from tests.helpers.lora import make_adapter
+    from testkit.builders.lora import make_adapter
 
     path = local_model_dir(args.model)
     with tempfile.TemporaryDirectory(prefix="batchd-lora-") as tmp:

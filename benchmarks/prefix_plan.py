@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from cli.perf.workload import CHAT_URL, FILLER_WORDS, request_line
-from tests.harness import stack as bs
+from testkit.service import stack as bs
 
 TPS_TARGET = 1.5
 PREFILL_CUT_TARGET = 0.40

@@ -50,7 +50,7 @@ from typing import Any
 
 from cli.perf.service import Ticker
 from cli.perf.workload import CHAT_URL, LengthDist, chat_bodies, request_line
-from tests.harness import stack as bs
+from testkit.service import stack as bs
 
 ENDPOINT = CHAT_URL
 THROUGHPUT_TARGET = 0.85

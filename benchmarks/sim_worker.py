@@ -31,7 +31,7 @@ from cli.perf.workload import request_line
 from cli.procfs import process_cpu_s as cpu_s
 from core.launch import QUIET, model_worker_command
 from core.llms.specs import sim_spec
-from tests.harness import stack as bs
+from testkit.service import stack as bs
 
 SIM = "sim-8b"
 

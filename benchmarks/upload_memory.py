@@ -35,7 +35,7 @@ from typing import Any
 
 from cli.perf.service import Ticker, memory_kb
 from cli.perf.workload import request_line
-from tests.harness import stack as bs
+from testkit.service import stack as bs
 
 TARGET_MB = 150.0
 ENDPOINT = "/v1/chat/completions"

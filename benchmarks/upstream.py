@@ -43,8 +43,8 @@ import httpx
 from cli.perf.service import wait_for
 from cli.perf.workload import chat_bodies
 from core.launch import QUIET, dispatch_worker_command
-from tests.harness.stack import BENCH_API_KEY, Run
-from tests.harness.upstream_server import UpstreamServer
+from testkit.service.stack import BENCH_API_KEY, Run
+from testkit.upstream_server import UpstreamServer
 
 PLAIN = "fleet"
 GUARDED = "fleet-live"

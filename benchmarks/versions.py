@@ -29,8 +29,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness.revisions import REPO as ROOT
-from benchmarks.harness.revisions import export_tree, run_json
+from testkit.bench.revisions import REPO as ROOT
+from testkit.bench.revisions import export_tree, run_json
 
 # Run in a child whose sys.path starts at one tree: reads the requests from stdin, prints one
 # JSON line with its timings and a digest of the tokens it generated.

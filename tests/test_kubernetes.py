@@ -866,7 +866,7 @@ def test_the_scaled_objects_query_follows_the_work_of_its_model(
     from core.llms.demo import build
     from core.metrics import ServiceCollector
     from engine import Engine, EngineHost
-    from tests.helpers.worker import batch_row, chat_line, shard_rows, validated_batch
+    from testkit.builders.worker import batch_row, chat_line, shard_rows, validated_batch
     from worker.batches.finalize import finalize
     from worker.shards.task import ShardEnd, run_shard
 

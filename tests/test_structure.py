@@ -227,11 +227,11 @@ def test_the_engine_is_a_leaf() -> None:
 
 
 def test_benchmarks_are_imported_by_nothing_they_measure() -> None:
-    """The arrows point one way: ``benchmarks`` uses ``cli.perf`` and the tests' harness,
+    """The arrows point one way: ``benchmarks`` uses ``cli.perf`` and ``testkit``,
     never the reverse (nor does the service), so either can change without the benchmarks."""
     reaching = [
         f"{path.relative_to(ROOT)} imports {name}"
-        for path in _sources(*PACKAGES, "tests/harness", "tests/helpers")
+        for path in _sources(*PACKAGES, "testkit")
         for name in _imported(_tree(path))
         if name.split(".")[0] == "benchmarks"
     ]

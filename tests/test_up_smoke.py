@@ -217,7 +217,7 @@ def test_batchd_up_runs_api_processes_by_cpu_count_with_one_view_of_metrics(
 
     import httpx
 
-    from tests.helpers.scrape import parse, value
+    from testkit.metrics.scrape import parse, value
 
     expected = min(4, len(os.sched_getaffinity(0)))
     port = _free_port()

@@ -13,7 +13,7 @@ tiny demo chat model and the minilm embedding model) and a dispatch worker (an u
 a real ``transformers serve`` on SmolLM2-135M-Instruct behind a loopback TCP proxy;
 ``--no-upstream`` leaves it out) as ``python -m worker`` starts them, on a
 fresh Postgres database and an empty Redis database number, each reached through a loopback
-TCP proxy (tests/harness/tcp_proxy.py) so the soak can cut them off. Several tenants, each with a
+TCP proxy (testkit/proxies/tcp_proxy.py) so the soak can cut them off. Several tenants, each with a
 key made by ``batchd keys create`` (entitled to ``high`` priority where keys carry
 priorities), submit batches at random: chat, structured-output (json_schema) and embeddings
 lines and chat lines for the upstream model, low/normal/high priority, most with a webhook to a loopback receiver (which answers

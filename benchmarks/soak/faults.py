@@ -8,8 +8,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tests.harness.soak_checks import Window
-from tests.harness.soak_stack import Clock, Stack
+from testkit.service.soak_checks import Window
+from testkit.service.soak_stack import Clock, Stack
 
 if TYPE_CHECKING:
     from benchmarks.soak.options import Options

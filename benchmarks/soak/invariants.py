@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from benchmarks.soak.faults import OUTAGES
-from tests.harness.soak_checks import (
+from testkit.service.soak_checks import (
     TERMINAL,
     BatchRecord,
     HttpLog,
@@ -18,7 +18,7 @@ from tests.harness.soak_checks import (
     task_time,
     webhook_invariant,
 )
-from tests.harness.soak_stack import Clock, Receiver, Stack
+from testkit.service.soak_stack import Clock, Receiver, Stack
 
 if TYPE_CHECKING:
     from benchmarks.soak.faults import Faults

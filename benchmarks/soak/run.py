@@ -15,7 +15,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness.revisions import REPO
+from testkit.bench.revisions import REPO
 from benchmarks.soak.faults import OUTAGES, Faults, fault_plan
 from benchmarks.soak.invariants import _code, _db_rows, _excerpts, _violating, judge
 from benchmarks.soak.options import Options
@@ -35,8 +35,8 @@ from benchmarks.soak_hostile import (
     upload_abuse_invariant,
 )
 from cli.perf.service import Ticker
-from tests.harness.soak_checks import TERMINAL, Api, HttpLog, Tracker, Window
-from tests.harness.soak_stack import (
+from testkit.service.soak_checks import TERMINAL, Api, HttpLog, Tracker, Window
+from testkit.service.soak_stack import (
     CHAT_MODEL,
     EMBED_MODEL,
     UPSTREAM_MODEL,
@@ -50,9 +50,9 @@ from tests.harness.soak_stack import (
     proxied,
     service_env,
 )
-from tests.harness.stack import Database
-from tests.harness.tcp_proxy import TcpProxy
-from tests.harness.upstream_server import UpstreamServer
+from testkit.service.stack import Database
+from testkit.proxies.tcp_proxy import TcpProxy
+from testkit.upstream_server import UpstreamServer
 
 
 def _expiry_grace(opts: Options, env: dict[str, str]) -> float:

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from cli.perf.workload import request_line
-from tests.harness.soak_checks import Api, BatchRecord, Tracker
-from tests.harness.soak_stack import CHAT_MODEL, EMBED_MODEL, UPSTREAM_MODEL, Clock, Receiver
+from testkit.service.soak_checks import Api, BatchRecord, Tracker
+from testkit.service.soak_stack import CHAT_MODEL, EMBED_MODEL, UPSTREAM_MODEL, Clock, Receiver
 
 if TYPE_CHECKING:
     from benchmarks.soak.options import Options

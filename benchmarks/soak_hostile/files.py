@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from cli.perf.workload import request_line
-from tests.harness.soak_stack import CHAT_MODEL
+from testkit.service.soak_stack import CHAT_MODEL
 
 CHAT = "/v1/chat/completions"
 

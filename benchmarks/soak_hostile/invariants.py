@@ -12,7 +12,7 @@ from benchmarks.soak_hostile.bodies import MIB, BodyAttempt
 from benchmarks.soak_hostile.trickle import Trickle
 from benchmarks.soak_hostile.uploads import UPLOAD_EXPECT, UploadAnswer
 from benchmarks.soak_hostile.watch import HostileTracker, MemorySample
-from tests.harness.soak_checks import TERMINAL, HttpLog, Window
+from testkit.service.soak_checks import TERMINAL, HttpLog, Window
 
 
 def hostile_invariant(

@@ -27,7 +27,7 @@ from benchmarks.soak_hostile.phases import Phase, Phases
 from benchmarks.soak_hostile.trickle import TrickleReceiver
 from benchmarks.soak_hostile.uploads import UPLOAD_EXPECT, UploadAnswer, _error_code
 from benchmarks.soak_hostile.watch import HostileTracker
-from tests.harness.soak_checks import Api, BatchRecord
+from testkit.service.soak_checks import Api, BatchRecord
 
 HOSTILE = "hostile"
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cli.perf.service import memory_kb
-from tests.harness.soak_checks import Api, BatchRecord, Tracker
+from testkit.service.soak_checks import Api, BatchRecord, Tracker
 
 
 @dataclass(frozen=True, slots=True)

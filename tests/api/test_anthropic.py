@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from tests.api.conftest import Server
-from tests.helpers.lines import MODEL
+from testkit.builders.lines import MODEL
 
 pytestmark = pytest.mark.services
 

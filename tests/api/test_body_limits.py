@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from tests.api.conftest import Server
-from tests.helpers.lines import MODEL
+from testkit.builders.lines import MODEL
 
 pytestmark = pytest.mark.services
 

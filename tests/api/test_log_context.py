@@ -16,7 +16,7 @@ import pytest
 
 from core import launch
 from tests.api.conftest import REPO_ROOT, Server, _wait_until_listening, free_port
-from tests.helpers.lines import chat_line
+from testkit.builders.lines import chat_line
 
 pytestmark = pytest.mark.services
 

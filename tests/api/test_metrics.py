@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.scrape import scrape, total, value
+from testkit.metrics.scrape import scrape, total, value
 
 pytestmark = pytest.mark.services
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers.worker import chat_line, make_batch
+from testkit.builders.worker import chat_line, make_batch
 
 pytestmark = pytest.mark.services
 
@@ -102,7 +102,7 @@ def _files() -> int:
 
 
 def test_unreadable_parent_lines_are_passed_over(service_env: dict[str, str]) -> None:
-    from tests.helpers.worker import read_file_lines
+    from testkit.builders.worker import read_file_lines
 
     parent = _ended_parent([
         chat_line("r0", "fine"),
@@ -138,7 +138,7 @@ def test_a_refused_retry_copies_nothing(service_env: dict[str, str], monkeypatch
 
 def test_a_line_over_the_bound_is_refused_by_name(service_env: dict[str, str], monkeypatch) -> None:
     from core.settings import get_settings
-    from tests.helpers.worker import read_file_lines
+    from testkit.builders.worker import read_file_lines
 
     long_wanted = _ended_parent([json.dumps(chat_line("r1", "x" * 5000)), chat_line("r2", "2")])
     long_done = _ended_parent([json.dumps(chat_line("r0", "x" * 5000)), chat_line("r1", "1"),
@@ -158,7 +158,7 @@ def test_a_line_over_the_bound_is_refused_by_name(service_env: dict[str, str], m
 
 
 def test_lines_are_picked_by_number(service_env: dict[str, str]) -> None:
-    from tests.helpers.worker import read_file_lines
+    from testkit.builders.worker import read_file_lines
 
     parent = _ended_parent([
         chat_line("r0", "done"),                       # 1: succeeded, not to retry

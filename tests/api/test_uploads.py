@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.api.conftest import REPO_ROOT, Server
-from tests.helpers.lines import chat_line, jsonl
+from testkit.builders.lines import chat_line, jsonl
 
 pytestmark = pytest.mark.services
 

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from cli.exit_codes import ExitCode
 from cli.main import app
 from tests.e2e.conftest import API_KEY, MODEL, stack  # noqa: F401  (the e2e service fixture)
-from tests.helpers.lines import chat_line
+from testkit.builders.lines import chat_line
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 

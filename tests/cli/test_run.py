@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from cli.exit_codes import ExitCode
 from cli.main import app
-from tests.helpers import lines
+from testkit.builders import lines
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

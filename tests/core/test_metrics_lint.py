@@ -1,4 +1,4 @@
-"""The metric name and label lint (tests/helpers/metrics_lint.py) over every metric batchd defines:
+"""The metric name and label lint (testkit/metrics/metrics_lint.py) over every metric batchd defines:
 the service's counters and histograms, the API's HTTP metrics, the database gauges and the
 engine collector, each collected for real."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 
-from tests.helpers.metrics_lint import problems, sample_problems
-from tests.helpers.scrape import parse
+from testkit.metrics.metrics_lint import problems, sample_problems
+from testkit.metrics.scrape import parse
 
 
 def _families(registry: CollectorRegistry) -> list[tuple[str, list[str]]]:

@@ -2,7 +2,7 @@
 beat as subprocesses on Postgres, Redis and a local storage directory, serving the tiny demo
 model. Started once per test module; tests talk to it with the official ``openai`` client.
 
-The processes, their command lines and environment come from :mod:`tests.harness.stack`."""
+The processes, their command lines and environment come from :mod:`testkit.service.stack`."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 from cli.perf.service import free_port, wait_for
-from tests.harness.engine_gate import ENV as GATE_ENV
-from tests.harness.engine_gate import MODEL_WORKER_GATE, FileGate, closed_gate
-from tests.harness.stack import (
+from testkit.engine_gate import ENV as GATE_ENV
+from testkit.engine_gate import MODEL_WORKER_GATE, FileGate, closed_gate
+from testkit.service.stack import (
     API_KEY,
     Procs,
     api_command,
@@ -26,7 +26,7 @@ from tests.harness.stack import (
     private_redis,
     stack_env,
 )
-from tests.helpers.lines import MODEL
+from testkit.builders.lines import MODEL
 
 
 @dataclass
@@ -43,7 +43,7 @@ class Stack:
         """A gate in the model worker's engine, closed for the block: a line whose prompt
         carries ``gate.marker`` holds the engine once admitted (and cannot finish), so its
         batch is still running when the test acts, however fast the machine
-        (:mod:`tests.harness.engine_gate`)."""
+        (:mod:`testkit.engine_gate`)."""
         return closed_gate(Path(self.env[GATE_ENV]), name)
 
 

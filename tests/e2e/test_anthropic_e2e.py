@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from tests.harness.stack import API_KEY
-from tests.helpers.lines import MODEL, jsonl
+from testkit.service.stack import API_KEY
+from testkit.builders.lines import MODEL, jsonl
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 

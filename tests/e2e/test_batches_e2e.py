@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.lines import MODEL, chat_line, completion_line, jsonl, request_line
+from testkit.builders.lines import MODEL, chat_line, completion_line, jsonl, request_line
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 

@@ -1,13 +1,13 @@
 """A cluster on one machine, and one of its nodes lost mid-job.
 
 Three nodes, each a process group with a working directory of its own and no local disk shared
-with another (:mod:`tests.harness.cluster`), on real Postgres, a private Redis and S3-compatible
+with another (:mod:`testkit.service.cluster`), on real Postgres, a private Redis and S3-compatible
 storage (moto's server):
 
 - node A: API-A, a control worker, a model worker (the tiny demo model);
 - node B: API-B, a control worker, a model worker, beat;
 - node C: a dispatch worker for an upstream model, a real ``transformers serve`` of
-  SmolLM2-135M-Instruct (:mod:`tests.harness.upstream_server`).
+  SmolLM2-135M-Instruct (:mod:`testkit.upstream_server`).
 
 Batches go in through both APIs, for the local model and for the upstream one. Node B's model
 worker holds its engine once it has finished a couple of requests (an engine gate), so node B
@@ -32,13 +32,13 @@ import pytest
 
 from cli.perf.service import wait_for
 from tests.core.test_storage import s3_endpoint  # noqa: F401 - the fixture
-from tests.harness.cluster import Node, node_env, provision_model
-from tests.harness.engine_gate import AFTER_ENV as GATE_AFTER
-from tests.harness.engine_gate import MODEL_WORKER_GATE
-from tests.harness.stack import API_KEY, TERMINAL
-from tests.harness.upstream_server import UpstreamServer, smollm2_dir
-from tests.helpers.lines import MODEL, chat_line, create_batch, jsonl
-from tests.helpers.worker import shard_rows
+from testkit.service.cluster import Node, node_env, provision_model
+from testkit.engine_gate import AFTER_ENV as GATE_AFTER
+from testkit.engine_gate import MODEL_WORKER_GATE
+from testkit.service.stack import API_KEY, TERMINAL
+from testkit.upstream_server import UpstreamServer, smollm2_dir
+from testkit.builders.lines import MODEL, chat_line, create_batch, jsonl
+from testkit.builders.worker import shard_rows
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 
@@ -48,7 +48,7 @@ N_UPSTREAM = 8
 SHARD_LINES = 4
 MAX_TOKENS = 16
 # Node B's model worker holds its engine for good once it has finished this many requests
-# (tests.harness.engine_gate), the other requests of its shards staying in flight: it is
+# (testkit.engine_gate), the other requests of its shards staying in flight: it is
 # mid-shard when its node is lost, however fast the machine.
 HELD_AFTER = 2
 

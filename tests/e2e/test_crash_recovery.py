@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from cli.perf.service import free_port, wait_for
-from tests.harness.engine_gate import AFTER_ENV as GATE_AFTER
-from tests.harness.engine_gate import MODEL_WORKER_GATE
-from tests.harness.stack import API_KEY, Procs, api_command, celery_command, stack_env
-from tests.helpers.lines import MODEL
-from tests.helpers.worker import (
+from testkit.engine_gate import AFTER_ENV as GATE_AFTER
+from testkit.engine_gate import MODEL_WORKER_GATE
+from testkit.service.stack import API_KEY, Procs, api_command, celery_command, stack_env
+from testkit.builders.lines import MODEL
+from testkit.builders.worker import (
     batch_row,
     chat_line,
     enqueued_batch,
@@ -34,7 +34,7 @@ SEED = 20261129
 
 MAX_TOKENS = 64
 # Each killed worker finishes at most this many requests, then its engine holds them in flight
-# until the kill (tests.harness.engine_gate): three of them finish at most 48 of the 96, so the
+# until the kill (testkit.engine_gate): three of them finish at most 48 of the 96, so the
 # job outlasts the kills by construction, however fast the machine.
 FINISHED_PER_KILLED_WORKER = 16
 

@@ -16,11 +16,11 @@ import time
 import pytest
 
 from cli.perf.service import free_port, wait_for
-from tests.harness.engine_gate import ENV as GATE_ENV
-from tests.harness.engine_gate import MODEL_WORKER_GATE, FileGate
-from tests.harness.stack import API_KEY, Procs, api_command, stack_env
-from tests.harness.stack import celery_command as celery
-from tests.helpers.lines import MODEL, chat_line, create_batch
+from testkit.engine_gate import ENV as GATE_ENV
+from testkit.engine_gate import MODEL_WORKER_GATE, FileGate
+from testkit.service.stack import API_KEY, Procs, api_command, stack_env
+from testkit.service.stack import celery_command as celery
+from testkit.builders.lines import MODEL, chat_line, create_batch
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 
@@ -103,7 +103,7 @@ def test_dashboard_in_a_browser(pg_url, private_broker, tmp_path, procs: Procs):
 
         client = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {API_KEY}"})
         # The batch advances in stages, however fast the machine: every 16th line holds the
-        # engine (tests.harness.engine_gate) until the page has shown the progress so far.
+        # engine (testkit.engine_gate) until the page has shown the progress so far.
         gates = [FileGate(tmp_path / "gates", f"dashboard_{k}") for k in range(4)]
         texts = [f"a long dashboard story {i}" for i in range(64)]
         for k, gate in enumerate(gates):

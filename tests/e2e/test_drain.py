@@ -19,11 +19,11 @@ from typing import Any
 import pytest
 
 from cli.perf.service import wait_for
-from tests.harness.engine_gate import AFTER_ENV as GATE_AFTER
-from tests.harness.engine_gate import MODEL_WORKER_GATE
-from tests.harness.stack import Procs, celery_command, stack_env
-from tests.helpers.lines import MODEL
-from tests.helpers.worker import (
+from testkit.engine_gate import AFTER_ENV as GATE_AFTER
+from testkit.engine_gate import MODEL_WORKER_GATE
+from testkit.service.stack import Procs, celery_command, stack_env
+from testkit.builders.lines import MODEL
+from testkit.builders.worker import (
     batch_row,
     chat_line,
     enqueued_batch,
@@ -92,7 +92,7 @@ MAX_TOKENS = 24
 N_LINES = 32
 SHARD_LINES = 8
 # The drained worker's engine holds for good once it has finished this many requests, the
-# requests then in flight staying in flight (tests.harness.engine_gate): it is mid-shard when
+# requests then in flight staying in flight (testkit.engine_gate): it is mid-shard when
 # the SIGTERM comes, however fast the machine.
 FINISHED_BEFORE_HOLD = 5
 
@@ -202,8 +202,8 @@ def test_sigterm_drains_a_dispatch_worker_and_its_shard_resumes_at_once_elsewher
     import httpx
 
     from core.launch import QUIET, dispatch_worker_command
-    from tests.harness.fault_proxy import FaultProxy
-    from tests.harness.upstream_server import UpstreamServer
+    from testkit.proxies.fault_proxy import FaultProxy
+    from testkit.upstream_server import UpstreamServer
 
     with UpstreamServer(tmp_path) as server:
         faults = FaultProxy(f"http://127.0.0.1:{server.port}").start()

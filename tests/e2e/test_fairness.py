@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness.engine_gate import ENV as GATE_ENV
-from tests.harness.engine_gate import FileGate
+from testkit.engine_gate import ENV as GATE_ENV
+from testkit.engine_gate import FileGate
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 
@@ -156,7 +156,7 @@ def test_low_priority_job_is_released_while_normal_shards_keep_the_slots_busy(
 @pytest.fixture(scope="module")
 def probe(stack, bench):
     """The model worker's engine counters (``engine_stats``)."""
-    from tests.harness.stack import EngineStatsProbe
+    from testkit.service.stack import EngineStatsProbe
 
     probe = EngineStatsProbe(stack.env["BATCHD_BROKER_URL"], worker="model@e2e")
     yield probe

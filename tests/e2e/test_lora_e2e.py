@@ -1,6 +1,6 @@
 """LoRA adapters end to end: the whole service (API, control and model workers, Postgres, Redis)
 serving the tiny demo model and adapters of it made here with peft's format and seeded random
-weights (:mod:`tests.helpers.lora`). One batch holds lines for two adapters and the base, runs as
+weights (:mod:`testkit.builders.lora`). One batch holds lines for two adapters and the base, runs as
 one batch on the base's engine, and each line's text is what the offline engine gives with the
 same adapter; an adapter whose directory was missing at start, or whose weights went later,
 fails its own lines, naming it, and nothing else; ``/v1/models`` lists each adapter with its
@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.lines import MODEL, completion_line, jsonl
+from testkit.builders.lines import MODEL, completion_line, jsonl
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 
@@ -46,7 +46,7 @@ MAX_TOKENS = 8
 @pytest.fixture(scope="module", autouse=True)
 def adapters() -> Iterator[dict[str, Path]]:
     from core.llms.demo import build
-    from tests.helpers.lora import make_adapter
+    from testkit.builders.lora import make_adapter
 
     base = build("llama-tiny")
     ROOT.mkdir(parents=True, exist_ok=True)

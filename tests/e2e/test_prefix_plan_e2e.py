@@ -56,7 +56,7 @@ def test_a_planned_batch_completes_in_input_order_and_shows_its_savings(stack, t
     from typer.testing import CliRunner
 
     from cli.main import app
-    from tests.harness.stack import API_KEY
+    from testkit.service.stack import API_KEY
 
     client = stack.client
     # `batchd submit --dry-run` prints the prediction and creates nothing.

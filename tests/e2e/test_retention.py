@@ -13,7 +13,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.helpers.lines import chat_line, jsonl
+from testkit.builders.lines import chat_line, jsonl
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 
@@ -218,7 +218,7 @@ def test_deleting_a_batch_output_file_drops_its_results_and_chunks(stack):
     will ever meet another file of the batch."""
     import httpx
 
-    from tests.harness.stack import API_KEY
+    from testkit.service.stack import API_KEY
 
     batch = stack.client.batches.create(
         input_file_id=_upload(stack, [_chat(f"d{i}", 3) for i in range(6)]),

@@ -44,7 +44,7 @@ from benchmarks.soak_hostile import (
     slow_upload,
     upload_abuse_invariant,
 )
-from tests.harness.soak_checks import (
+from testkit.service.soak_checks import (
     Answer,
     BatchRecord,
     HttpLog,

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from cli.perf.service import free_port, wait_for
-from tests.harness.stack import (
+from testkit.service.stack import (
     API_KEY,
     Procs,
     api_command,
@@ -33,8 +33,8 @@ from tests.harness.stack import (
     private_redis,
     stack_env,
 )
-from tests.helpers.lines import MODEL
-from tests.helpers.worker import batch_row, chat_line, read_file_lines
+from testkit.builders.lines import MODEL
+from testkit.builders.worker import batch_row, chat_line, read_file_lines
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 

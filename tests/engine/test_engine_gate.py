@@ -1,4 +1,4 @@
-"""The tests' engine gate (tests.harness.engine_gate) holds what the e2e tests rely on it to
+"""The tests' engine gate (testkit.engine_gate) holds what the e2e tests rely on it to
 hold: a marked request cannot finish while its gate is closed, an abort or opening the gate
 releases the engine, and a capped engine holds for good after its quota."""
 
@@ -12,7 +12,7 @@ import pytest
 
 from core.llms.demo import build
 from engine import Engine, EngineHost, SamplingParams
-from tests.harness import engine_gate
+from testkit import engine_gate
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from cli.perf.service import free_port, wait_for
-from tests.harness.stack import (
+from testkit.service.stack import (
     API_KEY,
     Procs,
     api_command,
@@ -21,7 +21,7 @@ from tests.harness.stack import (
     private_redis,
     stack_env,
 )
-from tests.helpers.lines import MODEL
+from testkit.builders.lines import MODEL
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 

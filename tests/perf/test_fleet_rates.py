@@ -7,7 +7,7 @@ import os
 import pytest
 
 from benchmarks.fleet import Sample, steady_rate
-from benchmarks.harness.cpu import CpuMeter
+from testkit.bench.cpu import CpuMeter
 
 
 def test_steady_rate_leaves_out_the_ramp_and_the_tail() -> None:

@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from cli.perf.service import free_port
-from tests.harness import stack
+from testkit.service import stack
 
 pytestmark = pytest.mark.skipif(
     shutil.which("redis-server") is None, reason="needs the redis-server binary"

@@ -18,8 +18,8 @@ from core.batchfile.reader import RawLine, parse_request
 from core.batchfile.request import CHAT_URL
 from core.database.tables import Batch
 from core.llms.specs import forwarded_models, upstream_spec
-from tests.harness.fault_proxy import FaultProxy
-from tests.harness.upstream_server import UpstreamServer
+from testkit.proxies.fault_proxy import FaultProxy
+from testkit.upstream_server import UpstreamServer
 
 pytestmark = pytest.mark.slow
 

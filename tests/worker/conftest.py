@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.worker import MODEL
+from testkit.builders.worker import MODEL
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from tests.helpers.worker import (
+from testkit.builders.worker import (
     MODEL,
     batch_row,
     chat_line,

@@ -16,7 +16,7 @@ from engine import LLM, Engine, SamplingParams
 from engine.host.host import EngineHost
 from engine.lora import AdapterError
 from engine.lora.adapter import CONFIG_FILE, WEIGHTS_FILE
-from tests.helpers.lora import make_adapter
+from testkit.builders.lora import make_adapter
 
 
 @pytest.fixture(scope="module")

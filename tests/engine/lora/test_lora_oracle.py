@@ -21,7 +21,7 @@ from core.llms.demo import build
 from engine import Engine, SamplingParams
 from engine.core.model_runner import ModelRunner
 from engine.lora import manager
-from tests.helpers.lora import make_adapter
+from testkit.builders.lora import make_adapter
 
 VOCAB = 2048
 # name -> (rank, target modules, seed): ranks 2 to 16, attention only, MLP only, both.

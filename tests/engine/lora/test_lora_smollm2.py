@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine import Engine, SamplingParams
-from tests.helpers.lora import make_adapter
+from testkit.builders.lora import make_adapter
 
 pytestmark = pytest.mark.slow
 

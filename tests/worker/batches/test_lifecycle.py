@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.worker import (
+from testkit.builders.worker import (
     batch_row,
     chat_line,
     make_batch,

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from core.launch import QUIET, control_worker_command
-from tests.harness.stack import Procs, stack_env
+from testkit.service.stack import Procs, stack_env
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 
@@ -119,7 +119,7 @@ def test_trickling_receivers_do_not_delay_validate_or_finalize(
     from core.database.tables import Batch
     from core.llms.demo import build
     from core.queue import TASK_CANCEL, TASK_VALIDATE, enqueue
-    from tests.helpers.worker import chat_line, make_batch
+    from testkit.builders.worker import chat_line, make_batch
     from worker.batches import webhooks
     from worker.events import notify
 

@@ -20,7 +20,7 @@ def batch_with_webhook(url: str | None = URL) -> str:
 
     from core.database.sessions import session_scope
     from core.database.tables import Batch
-    from tests.helpers.worker import chat_line, make_batch
+    from testkit.builders.worker import chat_line, make_batch
 
     batch_id = make_batch([chat_line("a", "hello", 4)])
     with session_scope() as session:

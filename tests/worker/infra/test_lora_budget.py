@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.lines import MODEL
+from testkit.builders.lines import MODEL
 
 
 @pytest.fixture
 def adapter_dirs(tmp_path: Path) -> dict[str, Path]:
     from core.llms.demo import build
-    from tests.helpers.lora import make_adapter
+    from testkit.builders.lora import make_adapter
 
     base = build("llama-tiny")
     return {

@@ -10,7 +10,7 @@ import pytest
 
 from cli.perf.service import free_port
 from core.launch import QUIET, control_worker_command
-from tests.harness.stack import Procs, stack_env
+from testkit.service.stack import Procs, stack_env
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 

@@ -1,5 +1,5 @@
 """A worker's drain (SIGTERM), shard by shard, on real Postgres, Redis, local storage and an
-in-process engine host held by a gate (tests.harness.engine_gate): a draining shard feeds no
+in-process engine host held by a gate (testkit.engine_gate): a draining shard feeds no
 more, lets its requests in flight finish until the drain is due, aborts the rest, and is
 handed back (pending, its checkpoints kept, its task sent again, its attempt fenced off); the
 next attempt resumes it at once, a hand-back costing no attempt. The drain's own bound."""
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.worker import (
+from testkit.builders.worker import (
     MODEL,
     batch_row,
     chat_line,
@@ -35,7 +35,7 @@ def gated_host() -> Iterator[tuple[Any, threading.Event]]:
     is in it and the returned event is not set; at most two requests wait in the host."""
     from core.llms.demo import build
     from engine import Engine, EngineHost
-    from tests.harness import engine_gate
+    from testkit import engine_gate
 
     opened = threading.Event()
     engine = Engine(str(build("llama-tiny")), max_num_seqs=2)
@@ -78,7 +78,7 @@ def _sent_shards(redis_url: str) -> list[str]:
 
 def _lines(gate_at: int, n: int) -> tuple[list[str], list[dict[str, Any]]]:
     """``n`` lines, the one at ``gate_at`` marked to hold the engine."""
-    from tests.harness.engine_gate import marker
+    from testkit.engine_gate import marker
 
     ids = [f"d{i:02d}" for i in range(n)]
     texts = [f"story {i}" + (f" {marker(GATE)}" if i == gate_at else "") for i in range(n)]

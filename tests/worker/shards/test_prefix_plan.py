@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.worker import (
+from testkit.builders.worker import (
     MODEL,
     batch_row,
     chat_line,

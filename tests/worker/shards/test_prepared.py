@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.worker import (
+from testkit.builders.worker import (
     batch_row,
     chat_line,
     make_batch,
@@ -43,7 +43,7 @@ def test_round_trip_and_a_torn_object(worker_env) -> None:
 def test_ids_made_by_another_tokenizer_are_not_used(worker_env) -> None:
     import copy
 
-    from tests.helpers.worker import MODEL
+    from testkit.builders.worker import MODEL
     from worker.infra import runtime
     from worker.infra.common import storage
     from worker.shards.prepared import (

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.worker import (
+from testkit.builders.worker import (
     MODEL,
     batch_row,
     chat_line,
@@ -194,7 +194,7 @@ def test_heartbeat_thread_beats_and_stops_a_reclaimed_attempt(worker_env, monkey
     from core.llms.demo import build
     from core.settings import get_settings
     from engine import Engine, EngineHost
-    from tests.harness import engine_gate
+    from testkit import engine_gate
     from worker.shards.task import ShardEnd, run_shard
 
     monkeypatch.setenv("BATCHD_HEARTBEAT_INTERVAL_S", "0.2")
@@ -290,7 +290,7 @@ def test_database_outage_mid_shard_is_ridden_out(worker_env, host, pg_url, monke
     from core.database import sessions
     from core.settings import get_settings
     from tests.conftest import PG_HOST, PG_PORT
-    from tests.harness.tcp_proxy import TcpProxy
+    from testkit.proxies.tcp_proxy import TcpProxy
     from worker.batches.finalize import finalize
     from worker.shards.task import ShardEnd, run_shard
 

@@ -8,7 +8,7 @@ from datetime import timedelta
 
 import pytest
 
-from tests.helpers.worker import batch_row, chat_line, make_batch, read_file_lines, shard_rows
+from testkit.builders.worker import batch_row, chat_line, make_batch, read_file_lines, shard_rows
 
 pytestmark = pytest.mark.services
 

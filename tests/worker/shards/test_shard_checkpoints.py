@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from tests.helpers.worker import (
+from testkit.builders.worker import (
     batch_row,
     chat_line,
     completion_line,

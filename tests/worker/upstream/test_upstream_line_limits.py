@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.worker import MODEL, batch_row, chat_line, make_batch, shard_rows
+from testkit.builders.worker import MODEL, batch_row, chat_line, make_batch, shard_rows
 
 pytestmark = pytest.mark.services
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.helpers.worker import chat_line, jsonl
+from testkit.builders.worker import chat_line, jsonl
 
 pytestmark = pytest.mark.services
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.helpers.worker import batch_row, chat_line, make_batch, shard_rows
+from testkit.builders.worker import batch_row, chat_line, make_batch, shard_rows
 
 pytestmark = pytest.mark.services
 
@@ -62,7 +62,7 @@ def _prompt_tokens(lines) -> int:
     from types import SimpleNamespace
 
     from core.llms import generation
-    from tests.helpers.worker import MODEL
+    from testkit.builders.worker import MODEL
     from worker.infra import runtime
 
     tok = runtime.tokenizer(MODEL)

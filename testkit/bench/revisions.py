@@ -12,7 +12,7 @@ import tarfile
 from pathlib import Path
 from typing import Any
 
-from tests.harness.stack import REPO
+from testkit.service.stack import REPO
 
 
 def worktree(rev: str, dest: Path) -> Path:

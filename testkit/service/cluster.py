@@ -27,7 +27,7 @@ from pathlib import Path
 from cli.perf.service import api_up, free_port, wait_for
 from core import launch
 from core.launch import QUIET
-from tests.harness.stack import REPO, api_command, stack_env
+from testkit.service.stack import REPO, api_command, stack_env
 
 AWS = {
     "AWS_ACCESS_KEY_ID": "testing",

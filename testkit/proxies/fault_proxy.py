@@ -10,7 +10,7 @@ requests forwarded and not yet answered; ``max_in_flight`` the most seen at once
 upstream, the answer waits here) until ``release()``: the requests stay in flight however fast
 the server answers, for a test that must act while they are.
 
-(``tests.harness.tcp_proxy`` cuts and stalls connections; this one speaks HTTP.)
+(``testkit.proxies.tcp_proxy`` cuts and stalls connections; this one speaks HTTP.)
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Batches and rows for the tests that drive the worker in-process or read its database
-(request lines come from :mod:`tests.helpers.lines`)."""
+(request lines come from :mod:`testkit.builders.lines`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.lines import MODEL, chat_line, completion_line, jsonl
+from testkit.builders.lines import MODEL, chat_line, completion_line, jsonl
 
 __all__ = [
     "MODEL",

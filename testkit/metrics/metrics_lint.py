@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from tests.helpers.scrape import Samples
+from testkit.metrics.scrape import Samples
 
 NAME = re.compile(r"^batchd_[a-z][a-z0-9_]*$")
 # Each label's values come from a fixed set or from configuration and accounts.

@@ -11,7 +11,7 @@ Put the marked line last, so the lines before it run (and finish) before the eng
 
 - In this process: :func:`install` on an engine, with a callable that says whether a gate is
   closed (a :class:`threading.Event` not set, say).
-- In a real model worker: ``celery worker -I tests.harness.engine_gate`` (``MODEL_WORKER_GATE``)
+- In a real model worker: ``celery worker -I testkit.engine_gate`` (``MODEL_WORKER_GATE``)
   with ``BATCHD_TEST_GATE_DIR`` set: every engine that process makes is gated, a gate being
   closed while the file ``$BATCHD_TEST_GATE_DIR/<name>`` exists. :class:`FileGate` is the test's
   side of it. The first hold of each gate logs ``engine gate <name> holding``.
@@ -40,7 +40,7 @@ logger = logging.getLogger("engine_gate")
 ENV = "BATCHD_TEST_GATE_DIR"
 AFTER_ENV = "BATCHD_TEST_GATE_AFTER"
 #: The model worker's extra options that load the gate (``celery worker -I``).
-MODEL_WORKER_GATE = ["-I", "tests.harness.engine_gate"]
+MODEL_WORKER_GATE = ["-I", "testkit.engine_gate"]
 _MARKER = re.compile(r"GATE-([A-Za-z0-9_]+)")
 HOLD_WAIT_S = 0.02
 
@@ -129,7 +129,7 @@ def closed_gate(directory: Path, name: str) -> Iterator[FileGate]:
 
 
 def _install_in_this_process() -> None:
-    """``celery worker -I tests.harness.engine_gate``: gate every engine made from now on."""
+    """``celery worker -I testkit.engine_gate``: gate every engine made from now on."""
     directory, after = os.environ.get(ENV), os.environ.get(AFTER_ENV)
     if not directory and not after:
         return
