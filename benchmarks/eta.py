@@ -28,10 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.eta_record import Recorder, curve, phases
-from testkit.bench.revisions import REPO
 from cli.perf.service import Procs, api_up, free_port, wait_for
 from cli.perf.workload import LengthDist, chat_bodies, request_line
 from core.launch import QUIET, beat_command, control_worker_command, model_worker_command
+from testkit.bench.revisions import REPO
 from testkit.service.soak_stack import create_key
 from testkit.service.stack import MODEL, Database, RedisServer, api_command
 

@@ -40,8 +40,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from testkit.bench.revisions import REPO, run_json
 from cli.perf import workload
+from testkit.bench.revisions import REPO, run_json
 
 # The finalize in a fresh process: the batch id on stdin, one JSON line of measurements out.
 _CHILD = r"""

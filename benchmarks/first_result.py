@@ -46,10 +46,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from testkit.bench.revisions import REPO, remove_worktree, worktree
 from cli.perf.service import Procs
 from cli.perf.workload import chat_bodies, request_line
 from cli.procfs import process_cpu_s
+from testkit.bench.revisions import REPO, remove_worktree, worktree
 from testkit.service import stack as bs
 
 ENDPOINT = "/v1/chat/completions"

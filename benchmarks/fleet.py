@@ -40,12 +40,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from testkit.bench.cpu import CpuMeter
-from testkit.bench.postgres import BENCH_ROLE, PrivatePostgres
-from testkit.bench.revisions import REPO, remove_worktree, worktree
 from cli.perf.service import Procs, api_up, free_port, wait_for
 from cli.perf.workload import chat_bodies, request_line
 from core.launch import QUIET, worker_module_command
+from testkit.bench.cpu import CpuMeter
+from testkit.bench.postgres import BENCH_ROLE, PrivatePostgres
+from testkit.bench.revisions import REPO, remove_worktree, worktree
 from testkit.service.stack import BENCH_API_KEY, Broker, Database, api_command, service_env
 
 MODEL = "sim-8b"

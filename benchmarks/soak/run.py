@@ -15,7 +15,6 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from testkit.bench.revisions import REPO
 from benchmarks.soak.faults import OUTAGES, Faults, fault_plan
 from benchmarks.soak.invariants import _code, _db_rows, _excerpts, _violating, judge
 from benchmarks.soak.options import Options
@@ -35,6 +34,8 @@ from benchmarks.soak_hostile import (
     upload_abuse_invariant,
 )
 from cli.perf.service import Ticker
+from testkit.bench.revisions import REPO
+from testkit.proxies.tcp_proxy import TcpProxy
 from testkit.service.soak_checks import TERMINAL, Api, HttpLog, Tracker, Window
 from testkit.service.soak_stack import (
     CHAT_MODEL,
@@ -51,7 +52,6 @@ from testkit.service.soak_stack import (
     service_env,
 )
 from testkit.service.stack import Database
-from testkit.proxies.tcp_proxy import TcpProxy
 from testkit.upstream_server import UpstreamServer
 
 

@@ -29,8 +29,8 @@ from typing import Any
 from cli.perf.service import Procs, api_up, free_port, memory_kb, wait_for
 from core import launch
 from core.launch import QUIET
-from testkit.service.stack import REPO, api_command
 from testkit.proxies.tcp_proxy import TcpProxy
+from testkit.service.stack import REPO, api_command
 
 CHAT_MODEL = "batchd-demo"
 EMBED_MODEL = "minilm"

@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.api.conftest import Server
 from testkit.builders.lines import MODEL
+from tests.api.conftest import Server
 
 pytestmark = pytest.mark.services
 

@@ -10,8 +10,8 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from tests.api.conftest import Server
 from testkit.builders.lines import MODEL
+from tests.api.conftest import Server
 
 pytestmark = pytest.mark.services
 

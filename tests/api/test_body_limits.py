@@ -22,8 +22,8 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from tests.api.conftest import Server
 from testkit.builders.lines import MODEL
+from tests.api.conftest import Server
 
 pytestmark = pytest.mark.services
 

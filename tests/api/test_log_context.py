@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from core import launch
-from tests.api.conftest import REPO_ROOT, Server, _wait_until_listening, free_port
 from testkit.builders.lines import chat_line
+from tests.api.conftest import REPO_ROOT, Server, _wait_until_listening, free_port
 
 pytestmark = pytest.mark.services
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine, create_engine, text
 
+from testkit.service.stack import Procs, celery_command, private_redis
 from tests.api.conftest import Server
 from tests.api.test_upload_bounds import _add, _create, _error, _stick, _stored, _upload_row
-from testkit.service.stack import Procs, celery_command, private_redis
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 

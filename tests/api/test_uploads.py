@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.api.conftest import REPO_ROOT, Server
 from testkit.builders.lines import chat_line, jsonl
+from tests.api.conftest import REPO_ROOT, Server
 
 pytestmark = pytest.mark.services
 

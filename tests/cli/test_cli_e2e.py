@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 
 from cli.exit_codes import ExitCode
 from cli.main import app
-from tests.e2e.conftest import API_KEY, MODEL, stack  # noqa: F401  (the e2e service fixture)
 from testkit.builders.lines import chat_line
+from tests.e2e.conftest import API_KEY, MODEL, stack  # noqa: F401  (the e2e service fixture)
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 

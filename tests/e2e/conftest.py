@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from cli.perf.service import free_port, wait_for
+from testkit.builders.lines import MODEL
 from testkit.engine_gate import ENV as GATE_ENV
 from testkit.engine_gate import MODEL_WORKER_GATE, FileGate, closed_gate
 from testkit.service.stack import (
@@ -26,7 +27,6 @@ from testkit.service.stack import (
     private_redis,
     stack_env,
 )
-from testkit.builders.lines import MODEL
 
 
 @dataclass

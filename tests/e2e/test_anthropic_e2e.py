@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from testkit.service.stack import API_KEY
 from testkit.builders.lines import MODEL, jsonl
+from testkit.service.stack import API_KEY
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 

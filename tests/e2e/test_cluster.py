@@ -31,14 +31,14 @@ import httpx
 import pytest
 
 from cli.perf.service import wait_for
-from tests.core.test_storage import s3_endpoint  # noqa: F401 - the fixture
-from testkit.service.cluster import Node, node_env, provision_model
-from testkit.engine_gate import AFTER_ENV as GATE_AFTER
-from testkit.engine_gate import MODEL_WORKER_GATE
-from testkit.service.stack import API_KEY, TERMINAL
-from testkit.upstream_server import UpstreamServer, smollm2_dir
 from testkit.builders.lines import MODEL, chat_line, create_batch, jsonl
 from testkit.builders.worker import shard_rows
+from testkit.engine_gate import AFTER_ENV as GATE_AFTER
+from testkit.engine_gate import MODEL_WORKER_GATE
+from testkit.service.cluster import Node, node_env, provision_model
+from testkit.service.stack import API_KEY, TERMINAL
+from testkit.upstream_server import UpstreamServer, smollm2_dir
+from tests.core.test_storage import s3_endpoint  # noqa: F401 - the fixture
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 

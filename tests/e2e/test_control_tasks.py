@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 
 from cli.perf.service import wait_for
-from testkit.service.stack import Procs, celery_command, private_redis, stack_env
 from testkit.builders.lines import MODEL
 from testkit.builders.worker import batch_row, chat_line, make_batch, read_file_lines
+from testkit.service.stack import Procs, celery_command, private_redis, stack_env
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 

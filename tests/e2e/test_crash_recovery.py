@@ -14,9 +14,6 @@ from pathlib import Path
 import pytest
 
 from cli.perf.service import free_port, wait_for
-from testkit.engine_gate import AFTER_ENV as GATE_AFTER
-from testkit.engine_gate import MODEL_WORKER_GATE
-from testkit.service.stack import API_KEY, Procs, api_command, celery_command, stack_env
 from testkit.builders.lines import MODEL
 from testkit.builders.worker import (
     batch_row,
@@ -26,6 +23,9 @@ from testkit.builders.worker import (
     shard_rows,
     use_service_env,
 )
+from testkit.engine_gate import AFTER_ENV as GATE_AFTER
+from testkit.engine_gate import MODEL_WORKER_GATE
+from testkit.service.stack import API_KEY, Procs, api_command, celery_command, stack_env
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 

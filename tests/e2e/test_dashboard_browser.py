@@ -16,11 +16,11 @@ import time
 import pytest
 
 from cli.perf.service import free_port, wait_for
+from testkit.builders.lines import MODEL, chat_line, create_batch
 from testkit.engine_gate import ENV as GATE_ENV
 from testkit.engine_gate import MODEL_WORKER_GATE, FileGate
 from testkit.service.stack import API_KEY, Procs, api_command, stack_env
 from testkit.service.stack import celery_command as celery
-from testkit.builders.lines import MODEL, chat_line, create_batch
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 

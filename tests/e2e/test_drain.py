@@ -19,9 +19,6 @@ from typing import Any
 import pytest
 
 from cli.perf.service import wait_for
-from testkit.engine_gate import AFTER_ENV as GATE_AFTER
-from testkit.engine_gate import MODEL_WORKER_GATE
-from testkit.service.stack import Procs, celery_command, stack_env
 from testkit.builders.lines import MODEL
 from testkit.builders.worker import (
     batch_row,
@@ -31,6 +28,9 @@ from testkit.builders.worker import (
     shard_rows,
     use_service_env,
 )
+from testkit.engine_gate import AFTER_ENV as GATE_AFTER
+from testkit.engine_gate import MODEL_WORKER_GATE
+from testkit.service.stack import Procs, celery_command, stack_env
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 

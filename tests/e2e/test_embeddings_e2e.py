@@ -15,8 +15,8 @@ import pytest
 
 from cli.perf.service import free_port, wait_for
 from core.launch import QUIET, model_worker_command
-from testkit.service.stack import API_KEY, Procs, api_command, celery_command, stack_env
 from testkit.builders.lines import MODEL
+from testkit.service.stack import API_KEY, Procs, api_command, celery_command, stack_env
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 

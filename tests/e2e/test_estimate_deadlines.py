@@ -27,10 +27,10 @@ import pytest
 
 from cli.perf.service import free_port, wait_for
 from core.launch import QUIET, beat_command, control_worker_command, model_worker_command
+from testkit.builders.lines import chat_line, jsonl
 from testkit.engine_gate import ENV as GATE_ENV
 from testkit.engine_gate import MODEL_WORKER_GATE, FileGate, closed_gate
 from testkit.service.stack import API_KEY, Procs, api_command, private_redis, stack_env
-from testkit.builders.lines import chat_line, jsonl
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 

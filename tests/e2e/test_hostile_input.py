@@ -25,8 +25,8 @@ from typing import Any
 import httpx
 import pytest
 
-from testkit.service.stack import API_KEY
 from testkit.builders.lines import MODEL
+from testkit.service.stack import API_KEY
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 

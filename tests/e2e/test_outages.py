@@ -26,9 +26,9 @@ from typing import Any
 import pytest
 
 from cli.perf.service import api_up, free_port, wait_for
-from testkit.service.stack import API_KEY, Procs, api_command, celery_command, stack_env
-from testkit.proxies.tcp_proxy import TcpProxy
 from testkit.builders.lines import MODEL, chat_line, create_batch
+from testkit.proxies.tcp_proxy import TcpProxy
+from testkit.service.stack import API_KEY, Procs, api_command, celery_command, stack_env
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 

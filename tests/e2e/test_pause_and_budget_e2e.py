@@ -22,9 +22,9 @@ from typer.testing import CliRunner
 from cli.main import app
 from cli.perf.service import wait_for
 from core.database.tables import Batch, Shard, WebhookDelivery
-from tests.e2e.test_webhooks import Receiver, verify_signature
-from testkit.service.stack import API_KEY
 from testkit.builders.lines import chat_line, jsonl
+from testkit.service.stack import API_KEY
+from tests.e2e.test_webhooks import Receiver, verify_signature
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 

@@ -22,11 +22,11 @@ from typer.testing import CliRunner
 from cli.exit_codes import ExitCode
 from cli.main import app
 from cli.perf.service import free_port, wait_for
-from tests.e2e.conftest import Stack, _own_redis_db
+from testkit.builders.lines import MODEL, chat_line
 from testkit.engine_gate import ENV as GATE_ENV
 from testkit.engine_gate import MODEL_WORKER_GATE
 from testkit.service.stack import API_KEY, REPO, Procs, api_command, celery_command, stack_env
-from testkit.builders.lines import MODEL, chat_line
+from tests.e2e.conftest import Stack, _own_redis_db
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 

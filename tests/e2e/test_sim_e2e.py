@@ -13,10 +13,10 @@ import pytest
 
 from cli.perf.service import free_port, wait_for
 from core.launch import QUIET, model_worker_command
-from testkit.service.stack import API_KEY, Procs, api_command, stack_env
-from testkit.service.stack import celery_command as celery
 from testkit.builders.lines import chat_line, create_batch
 from testkit.metrics.scrape import scrape, value
+from testkit.service.stack import API_KEY, Procs, api_command, stack_env
+from testkit.service.stack import celery_command as celery
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 

@@ -25,6 +25,8 @@ from typing import Any
 import pytest
 
 from cli.perf.service import free_port, wait_for
+from testkit.builders.lines import MODEL
+from testkit.builders.worker import batch_row, chat_line, read_file_lines
 from testkit.service.stack import (
     API_KEY,
     Procs,
@@ -33,8 +35,6 @@ from testkit.service.stack import (
     private_redis,
     stack_env,
 )
-from testkit.builders.lines import MODEL
-from testkit.builders.worker import batch_row, chat_line, read_file_lines
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 

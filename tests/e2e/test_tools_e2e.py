@@ -12,8 +12,8 @@ import time
 import jsonschema
 import pytest
 
-from testkit.service.stack import API_KEY
 from testkit.builders.lines import MODEL, chat_line, jsonl
+from testkit.service.stack import API_KEY
 from tests.worker.test_tools_batch import SCHEMAS, TOOLS
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]

@@ -17,8 +17,8 @@ import pytest
 
 from cli.perf.service import free_port, wait_for
 from core.tracing import REQUEST_ID_ATTRIBUTE
-from testkit.service.stack import API_KEY, Procs, api_command, celery_command, stack_env
 from testkit.builders.lines import chat_line, create_batch
+from testkit.service.stack import API_KEY, Procs, api_command, celery_command, stack_env
 
 
 class _Receiver(BaseHTTPRequestHandler):

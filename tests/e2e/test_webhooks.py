@@ -283,8 +283,8 @@ def test_a_worker_killed_between_the_terminal_commit_and_the_enqueue_loses_no_ev
     from core.database.tables import Batch
     from core.queue import TASK_CANCEL, TASK_VALIDATE, enqueue
     from core.settings import get_settings
-    from testkit.service.stack import celery_command, stack_env
     from testkit.builders.worker import batch_row, make_batch
+    from testkit.service.stack import celery_command, stack_env
 
     faults = tmp_path / "faults"
     faults.mkdir()

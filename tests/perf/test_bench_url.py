@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from cli.perf.service import free_port, wait_for
+from testkit.builders.lines import MODEL
 from testkit.service.stack import (
     API_KEY,
     Procs,
@@ -21,7 +22,6 @@ from testkit.service.stack import (
     private_redis,
     stack_env,
 )
-from testkit.builders.lines import MODEL
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 

@@ -26,13 +26,13 @@ import pytest
 
 from cli.perf.service import free_port, wait_for
 from core.launch import QUIET, beat_command, control_worker_command, dispatch_worker_command
-from testkit.proxies.fault_proxy import FaultProxy
-from testkit.service.stack import API_KEY, Procs, api_command, stack_env
-from testkit.proxies.tcp_proxy import TcpProxy
-from testkit.upstream_server import UpstreamServer
 from testkit.builders.lines import chat_line, completion_line, jsonl
 from testkit.metrics.metrics_lint import sample_problems
 from testkit.metrics.scrape import parse, value
+from testkit.proxies.fault_proxy import FaultProxy
+from testkit.proxies.tcp_proxy import TcpProxy
+from testkit.service.stack import API_KEY, Procs, api_command, stack_env
+from testkit.upstream_server import UpstreamServer
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 

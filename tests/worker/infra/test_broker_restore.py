@@ -9,8 +9,8 @@ from pathlib import Path
 
 from kombu import Connection
 
-from testkit.service.stack import private_redis
 from testkit.proxies.tcp_proxy import TcpProxy
+from testkit.service.stack import private_redis
 from worker.infra import celery as infra_celery
 
 

@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from testkit.builders.worker import batch_row, completion_line, make_batch, read_file_lines, shard_rows
+from testkit.builders.worker import (
+    batch_row,
+    completion_line,
+    make_batch,
+    read_file_lines,
+    shard_rows,
+)
 
 pytestmark = pytest.mark.services
 

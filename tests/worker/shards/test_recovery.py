@@ -289,8 +289,8 @@ def test_database_outage_mid_shard_is_ridden_out(worker_env, host, pg_url, monke
 
     from core.database import sessions
     from core.settings import get_settings
-    from tests.conftest import PG_HOST, PG_PORT
     from testkit.proxies.tcp_proxy import TcpProxy
+    from tests.conftest import PG_HOST, PG_PORT
     from worker.batches.finalize import finalize
     from worker.shards.task import ShardEnd, run_shard
 

@@ -12,9 +12,9 @@ from urllib.parse import quote
 
 import pytest
 
+from testkit.builders.worker import MODEL, batch_row, chat_line, make_batch, shard_rows
 from testkit.proxies.fault_proxy import FaultProxy
 from testkit.upstream_server import UpstreamServer
-from testkit.builders.worker import MODEL, batch_row, chat_line, make_batch, shard_rows
 from tests.worker.upstream.test_upstream_line_limits import EchoServer
 
 pytestmark = pytest.mark.services
