@@ -343,3 +343,48 @@ def test_no_two_test_modules_share_a_name() -> None:
             clashes.append(f"{seen[path.name].relative_to(ROOT)} and {path.relative_to(ROOT)}")
         seen.setdefault(path.name, path)
     assert not clashes, clashes
+
+
+# The test modules at the top of a package's test folder: those about the whole package. Every
+# other test sits in the folder of the room it is about (``tests/worker/shards/``, named as
+# ``worker/shards/``), so a room's tests are found where its code is.
+WHOLE_PACKAGE_TESTS = {
+    "worker": {
+        "test_rooms.py",  # every room imports without torch
+        "test_worker_init.py",  # what a worker process imports before its tasks run
+        "test_tools_batch.py",  # tools through validation, a shard's run and finalize
+    },
+    "engine": {
+        "test_bench.py",  # the engine benchmark end to end
+        "test_bounded_state.py",  # every queue and index of the engine and its host drains
+        "test_engine_gate.py",  # the gate the tests hold an engine with
+        "test_greedy_equivalence.py",  # the oracle under every scheduling regime
+        "test_smollm2.py",  # the engine on the default chat model
+    },
+}
+
+
+def test_the_tests_of_a_package_mirror_its_rooms() -> None:
+    """``tests/worker`` and ``tests/engine`` hold at their top only the modules about the whole
+    package (``WHOLE_PACKAGE_TESTS``) and their ``conftest.py``; each folder below is one of
+    the package's rooms."""
+    for package, whole in WHOLE_PACKAGE_TESTS.items():
+        folder = ROOT / "tests" / package
+        top = {p.name for p in folder.glob("*.py")} - {"conftest.py"}
+        assert sorted(top - whole) == [], f"move into the folder of its room in {folder}"
+        assert sorted(whole - top) == [], "WHOLE_PACKAGE_TESTS names a module gone"
+        rooms = {p.name for p in (ROOT / package).iterdir() if (p / "__init__.py").is_file()}
+        folders = {p.name for p in folder.iterdir() if p.is_dir() and p.name != "__pycache__"}
+        assert sorted(folders - rooms) == [], f"a folder of {folder} names no room of {package}"
+
+
+def test_nothing_outside_the_tests_imports_them() -> None:
+    """``benchmarks`` and ``testkit`` share what they need through ``testkit``, never by
+    importing a test module (nor does the service)."""
+    reaching = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in _sources(*PACKAGES, "benchmarks", "testkit")
+        for name in _imported(_tree(path))
+        if name.split(".")[0] == "tests"
+    ]
+    assert reaching == []
