@@ -7,14 +7,14 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from api import errors, log_context, metrics, ui
+from api import errors, log_context, prometheus, ui
 from api.gate import RequestGate
 from api.limits import auth_enabled
 from api.local import check_auth_off_is_local
 from api.routes import anthropic, batch_results, batches, files, health, models, uploads
 from api.routes.batch_estimate import router as estimate_router
-from core import tracing
-from core.logs import configure_process
+from core.observability import tracing
+from core.observability.logs import configure_process
 from core.settings import Settings, get_settings
 from core.version import version
 
@@ -37,7 +37,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     errors.install(app)
     # Inside the metrics middleware (added next, so outside it): its refusals are counted.
     app.add_middleware(RequestGate, settings=settings, routes=app.routes)
-    metrics.install(app, settings)
+    prometheus.install(app, settings)
     configure_process(settings.log_format, UVICORN_LOGGERS)
     app.include_router(health.router)
     routers = (files.router, batches.router, batch_results.router, models.router)

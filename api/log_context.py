@@ -3,7 +3,7 @@
 ``/v1/batches/{batch_id}`` and what lies under it (retrieve, cancel) name their batch in the
 path; a create learns its batch's id, and a download of a batch's output or error file its
 batch's, only inside the route, which calls :func:`bind_batch`. Either way the id is in
-:func:`core.logs.log_context` for the rest of the request: the route's own lines, the error
+:func:`core.observability.logs.log_context` for the rest of the request: the route's own lines, the error
 handlers' (the catch-all 500 handler included: the middleware wraps the whole stack) and
 uvicorn's access line, as the worker's lines carry the batch they work on.
 """
@@ -15,9 +15,9 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from api.services.common import could_be_id
-from core import request_ids, tracing
-from core.logs import bind_log_context, log_context
+from api.services.lookups import could_be_id
+from core.observability import request_ids, tracing
+from core.observability.logs import bind_log_context, log_context
 
 BATCHES_PREFIX = "/v1/batches/"
 

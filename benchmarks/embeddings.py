@@ -5,7 +5,7 @@
 
 Systems, all on the same model, device, dtype and inputs:
 
-- ``engine``: :class:`engine.embedding.engine.EmbeddingEngine` as the service runs it (inputs sorted by
+- ``engine``: :class:`engine.embedding.encoder.EmbeddingEngine` as the service runs it (inputs sorted by
   length, batches cut by padded token budget);
 - ``fixed``: batches of ``--fixed-batch-size`` in arrival order (the usual hand-written loop);
 - ``one-at-a-time``: one forward per input, no padding at all; it is slow, so it runs on a
@@ -26,7 +26,7 @@ import time
 import torch
 
 from core.llms.specs import spec_dir
-from engine.embedding.engine import EmbeddingEngine
+from engine.embedding.encoder import EmbeddingEngine
 
 
 def make_inputs(n: int, low: int, high: int, vocab: int, seed: int) -> list[list[int]]:

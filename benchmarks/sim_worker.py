@@ -1,6 +1,6 @@
 """CPU seconds and time per result line of one model worker serving a simulated model.
 
-One model worker serving a simulated model (``engine.sim.engine``): its CPU seconds per result
+One model worker serving a simulated model (``engine.sim.simulator``): its CPU seconds per result
 line and its result lines per second, on one chat batch.
 
 A fresh Postgres database, a private Redis, the API, a control worker, beat and one model

@@ -93,7 +93,7 @@ def api_metrics_env(settings, workers: int, directory: Path | None = None) -> di
     """Several API processes count in prometheus-client's multiprocess mode: each writes its
     counters to files in ``directory`` (default ``BATCHD_HOME/api-metrics``; the files of an
     earlier run are removed here, at start), and ``/metrics`` of whichever process answers
-    sums every process's (api/metrics.py). The API's alone: the worker's exporter must not add
+    sums every process's (api/prometheus.py). The API's alone: the worker's exporter must not add
     the API's counters to its own."""
     if workers < 2 or not settings.metrics_enabled:
         return {}

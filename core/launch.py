@@ -14,7 +14,7 @@ import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from core.queue import CONTROL_QUEUE, model_queue
+from core.broker.queue import CONTROL_QUEUE, model_queue
 
 API_APP = "api.app:app"
 CELERY_APP = "worker.infra.celery"

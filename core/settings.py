@@ -557,7 +557,7 @@ class Settings(BaseSettings):
         default="text",
         pattern="^(text|json)$",
         description="`text` or `json`: one JSON object per log line, with batch, shard and "
-        "request ids (core/logs.py).",
+        "request ids (core/observability/logs.py).",
     )
     ui_sample_interval_s: float = Field(
         default=2.0,

@@ -1,6 +1,6 @@
 """docker-compose.yml, .env.example and the Dockerfiles against the project (docker itself is not
 needed): every service the deployment needs, every variable documented, every command runnable
-in this code base, queues named as ``core.queue`` names them, healthchecks and start order."""
+in this code base, queues named as ``core.broker.queue`` names them, healthchecks and start order."""
 
 from __future__ import annotations
 
@@ -220,7 +220,7 @@ def argv_mount(volume: Any) -> tuple[str, bool]:
 
 
 def test_queues_follow_core_queue() -> None:
-    from core.queue import CONTROL_QUEUE, model_queue
+    from core.broker.queue import CONTROL_QUEUE, model_queue
 
     all_services = services()
     control = queues(argv(all_services["control-worker"]["command"]))
@@ -240,8 +240,8 @@ def test_queues_follow_core_queue() -> None:
 def test_the_fleet_profile_drives_a_vllm_server_from_a_worker_without_a_gpu() -> None:
     """The opt-in profile "fleet": vLLM on a GPU of its own, and a dispatch worker with no GPU
     and no model files that consumes the queue of the upstream model .env.example shows."""
+    from core.broker.queue import model_queue
     from core.llms import specs
-    from core.queue import model_queue
 
     all_services = services()
     assert all_services["vllm"]["profiles"] == ["fleet"]

@@ -45,9 +45,9 @@ def _expressions() -> dict[str, str]:
 @pytest.mark.services
 def test_every_metric_the_dashboard_and_alerts_name_is_exported(pg_url: str) -> None:
     from api.app import create_app
-    from core.metrics import ServiceCollector
+    from core.observability.metrics import ServiceCollector
     from core.settings import Settings
-    from worker.infra.metrics import EngineCollector
+    from worker.infra.exporter import EngineCollector
 
     create_app(Settings(database_url="sqlite://"))  # registers the API's HTTP metrics
     exported = _exposed(REGISTRY)

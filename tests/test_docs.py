@@ -111,7 +111,7 @@ def test_relative_links_of_a_doc_lead_to_files_and_headings(doc: Path) -> None:
 def test_the_checks_catch_a_stale_name(tmp_path: Path) -> None:
     """A path or module that is not there is caught; one a doc retires with its commit is not."""
     assert _exists("worker/shards/run.py") and _exists("core.llms.demo")
-    assert _exists("worker.host.Host") and _exists("testkit/")
+    assert _exists("worker.host_contract.Host") and _exists("testkit/")
     assert not _exists("worker/shards/gone.py") and not _exists("core.llms.gone")
     doc = tmp_path / "x.md"
     doc.write_text("`benchmarks/old.py`, retired: `git show f68f9fd:benchmarks/old.py`\n")

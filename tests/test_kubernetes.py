@@ -430,8 +430,8 @@ def test_each_served_model_has_its_workers_and_their_queue(
     model's by a dispatch worker Deployment; each worker's command resolves in this code
     (worker/__main__.py) to exactly its model's queue."""
     import worker.__main__ as worker_main
+    from core.broker.queue import model_queue
     from core.llms import specs
-    from core.queue import model_queue
     from core.settings import get_settings
 
     docs = rendered(overlay)
@@ -688,9 +688,9 @@ def test_network_policies(overlay: str) -> None:
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_worker_scales_on_its_models_query_down_to_zero(overlay: str) -> None:
     """One ScaledObject per model or dispatch worker Deployment, on KEDA's PostgreSQL scaler,
-    whose query is core.metrics.pending_tokens_sql for that Deployment's model, to the
+    whose query is core.observability.metrics.pending_tokens_sql for that Deployment's model, to the
     character; the Deployment leaves its replica count to it."""
-    from core.metrics import pending_tokens_sql
+    from core.observability.metrics import pending_tokens_sql
 
     docs = rendered(overlay)
     deployments = {name_of(d): d for d in find(docs, "Deployment")}
@@ -864,7 +864,7 @@ def test_the_scaled_objects_query_follows_the_work_of_its_model(
     from sqlalchemy import create_engine, text
 
     from core.llms.demo import build
-    from core.metrics import ServiceCollector
+    from core.observability.metrics import ServiceCollector
     from engine import Engine, EngineHost
     from testkit.builders.worker import batch_row, chat_line, shard_rows, validated_batch
     from worker.batches.finalize import finalize

@@ -1,8 +1,9 @@
 """The structure the packages promise, read from their source: priority is defined once (in
 ``core.batches.priority``), who runs next once (in ``engine.host.order``), the engine is a leaf, and
-the engine core imports nothing from the host (``engine.host``), and the rooms of ``worker``
-import one another one way only (``WORKER_ROOMS``). A scan of the syntax trees, so it fails on
-the commit that breaks the rule, whatever the code path."""
+the engine core imports nothing from the host (``engine.host``), and the rooms of ``worker``,
+``core`` and ``engine`` import one another one way only (``WORKER_ROOMS``, ``CORE_ROOMS``,
+``ENGINE_ROOMS``). A scan of the syntax trees, so it fails on the commit that breaks the rule,
+whatever the code path."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ ORDER_RULES = {"aged_tier", "due", "deadline_key", "share_key", "flow_key"}
 # The rooms of ``worker`` (each subpackage, each module beside them), from the lowest to the
 # highest: a room's modules import only the rooms below it (docs/worker.md says what each holds).
 WORKER_ROOMS = (
-    "host",  # what the shard code asks of a host: the Host protocol
+    "host_contract",  # what the shard code asks of a host: the Host protocol
     "handler",  # what a handler promises a shard's run: the Handler protocol, the outcomes
     "infra",  # the Celery app, the engines of the process, the helpers every room shares
     "events",  # a batch's webhook event, sent when it ends
@@ -42,6 +43,33 @@ LATE_IMPORTS = {
     ),
 }
 
+
+# The rooms of ``core``, lowest first (each subpackage, each module beside them): a room
+# imports only rooms before it, at any depth (imports inside functions too), unless
+# ``CORE_LATE_IMPORTS`` names the import and says why. The configuration stands low, since the
+# database, the models and the broker read it; what a process tells about itself stands over
+# the database its gauges read; the broker over what ``/readyz`` checks; the launcher last.
+CORE_ROOMS = (
+    "version",  # the package's version
+    "security",  # where the service may send its own requests; redaction
+    "settings",  # the one configuration
+    "batches",  # what a batch is: ids, priority, windows, shards, prefix plans, retries
+    "batchfile",  # the batch file format
+    "llms",  # the served models: specs, demo models, GGUF, generation records
+    "storage",  # object storage
+    "database",  # tables, sessions, state machines, the results log
+    "eta",  # projected completion times
+    "observability",  # logs, request ids, metrics, traces
+    "broker",  # task and queue names, request and reply, readiness
+    "launch",  # every process's command line
+)
+# The imports inside a function that reach a room of ``core`` above their own, with why.
+CORE_LATE_IMPORTS = {
+    ("core/settings.py", "core.llms"): (
+        "BATCHD_MODELS's adapter entries are checked at start by the specs' own rules, and the "
+        "specs read the model cache from the settings"
+    ),
+}
 
 # The engine's rooms, lowest first: a room imports only rooms before it, at any depth
 # (imports inside functions too). The compiled kernels, the thread governor and the text
@@ -285,6 +313,28 @@ def test_the_rooms_of_the_engine_import_only_the_rooms_below_them() -> None:
     assert upward == [], "move what both rooms use into a room below them"
 
 
+def test_the_rooms_of_core_import_only_the_rooms_below_them() -> None:
+    """Imports between ``core``'s rooms point one way, down ``CORE_ROOMS``, inside functions
+    too (but for ``CORE_LATE_IMPORTS``): what two rooms share lives below both."""
+    rooms = set()
+    upward: dict[tuple[str, str], str] = {}
+    for path in _sources("core"):
+        inside = path.relative_to(ROOT / "core")
+        own = inside.parts[0] if len(inside.parts) > 1 else inside.stem
+        rooms.add(own)
+        rank = CORE_ROOMS.index(own) if own in CORE_ROOMS else -1
+        relative = path.relative_to(ROOT).as_posix()
+        for line, module, _ in _package_imports(path, _tree(path), "core"):
+            room = module.split(".")[1]
+            if room != own and (room not in CORE_ROOMS or CORE_ROOMS.index(room) > rank):
+                upward[(relative, module)] = f"{relative}:{line} imports {module}"
+    rooms -= {"__init__"}
+    assert sorted(rooms ^ set(CORE_ROOMS)) == [], "place each room of core in CORE_ROOMS"
+    unnamed = [what for key, what in upward.items() if key not in CORE_LATE_IMPORTS]
+    assert unnamed == [], "move what both rooms use into a room below them"
+    assert sorted(set(CORE_LATE_IMPORTS) - set(upward)) == [], "CORE_LATE_IMPORTS names one gone"
+
+
 def test_the_scans_see_what_they_look_for() -> None:
     """The scans themselves: a second definition, a reach into the host and a room of the worker
     that imports one above it are caught, at module level and in a function."""
@@ -315,8 +365,9 @@ def test_the_scans_see_what_they_look_for() -> None:
     ]
     package = ROOT / "worker/__init__.py"  # below every room
     assert [
-        module for _, module, _ in _upward_imports(package, ast.parse("import worker.host"))
-    ] == ["worker.host"]
+        module
+        for _, module, _ in _upward_imports(package, ast.parse("import worker.host_contract"))
+    ] == ["worker.host_contract"]
 
 
 def test_the_service_priorities_agree_with_the_engines_numbers() -> None:

@@ -11,10 +11,10 @@ import logging
 
 from sqlalchemy import select
 
+from core.broker.queue import TASK_DELIVER_WEBHOOK, WEBHOOK_QUEUE
 from core.database.lifecycle import EVENT_TYPES, DeliveryStatus, record_webhook_event
 from core.database.sessions import session_scope
 from core.database.tables import Batch, WebhookDelivery
-from core.queue import TASK_DELIVER_WEBHOOK, WEBHOOK_QUEUE
 from worker.infra import send
 
 logger = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 reads back for each request (:data:`RequestOutcome`). The handlers themselves are in
 :mod:`worker.shards.handlers` and :mod:`worker.upstream.handler`.
 
-A room of its own below both (beside :mod:`worker.host`), so that the shard code may choose
+A room of its own below both (beside :mod:`worker.host_contract`), so that the shard code may choose
 the upstream handler and the upstream handler may answer in these terms without a circle.
 """
 

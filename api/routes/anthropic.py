@@ -16,7 +16,7 @@ from starlette.requests import ClientDisconnect
 
 from api.deps import CurrentKey, SessionDep, SettingsDep, StorageDep
 from api.errors import invalid_request
-from api.routes.common import error_responses
+from api.routes.envelopes import error_responses
 from api.services import anthropic
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from api.deps import CurrentKey, SessionDep, SettingsDep
-from api.routes.common import error_responses
+from api.routes.envelopes import error_responses
 from api.schemas import BatchCreate, BatchEstimate
 from api.services import estimates
 

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Body, Query
 
 from api.deps import CurrentKey, SessionDep, SettingsDep, StorageDep
 from api.routes.batches import IdempotencyHeader, created_batch, idempotency_key_of
-from api.routes.common import error_responses
+from api.routes.envelopes import error_responses
 from api.schemas import BatchPublic, ResultPage, RetryCreate
 from api.services.results import result_page
 from api.services.retries import retry_batch

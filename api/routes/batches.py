@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session
 
 from api.deps import Caller, CurrentKey, SessionDep, SettingsDep
 from api.errors import invalid_request
-from api.routes.common import error_responses, list_page
+from api.routes.envelopes import error_responses, list_page
 from api.schemas import (
     IDEMPOTENCY_KEY_PATTERN,
     MAX_IDEMPOTENCY_KEY_CHARS,

@@ -13,7 +13,7 @@ from fastapi.responses import StreamingResponse
 from api.deps import CurrentKey, SessionDep, SettingsDep, StorageDep, UploadingKey
 from api.errors import APIError, invalid_request
 from api.log_context import bind_batch
-from api.routes.common import error_responses, list_page
+from api.routes.envelopes import error_responses, list_page
 from api.schemas import MAX_EXPIRY_S, MIN_EXPIRY_S, FileDeleted, FileList, FilePublic
 from api.services import files
 from api.uploads import Upload, receive_upload

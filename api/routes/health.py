@@ -10,9 +10,9 @@ from fastapi.responses import JSONResponse
 from sqlalchemy import text
 
 from api.deps import SessionDep, SettingsDep, get_storage
-from api.routes.common import error_responses
+from api.routes.envelopes import error_responses
 from api.schemas import Health
-from core import readiness
+from core.broker import readiness
 
 router = APIRouter(tags=["health"])
 

@@ -7,7 +7,7 @@ from fastapi import APIRouter, Request
 
 from api.deps import CurrentKey, SettingsDep
 from api.errors import not_found
-from api.routes.common import error_responses
+from api.routes.envelopes import error_responses
 from api.schemas import ModelList, ModelPublic
 from core.llms import specs
 

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from api.deps import CurrentKey, SessionDep, SettingsDep, StorageDep, UploadingKey
 from api.errors import APIError
-from api.routes.common import error_responses
+from api.routes.envelopes import error_responses
 from api.schemas import FilePublic, unix
 from api.services import uploads
 from api.uploads import receive_upload

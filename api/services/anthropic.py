@@ -27,7 +27,7 @@ from api.errors import BODY_UNREADABLE, JSON_INVALID, APIError, invalid_request,
 from api.log_context import bind_batch
 from api.schemas import BatchCreate
 from api.services import batches, files
-from api.services.common import could_be_id, keyset_page
+from api.services.lookups import could_be_id, keyset_page
 from core.batches.ids import file_id, message_batch_id
 from core.batchfile import anthropic
 from core.batchfile.reader import LineValidator, RawLine, iter_lines

@@ -20,11 +20,19 @@ from api.errors import APIError, invalid_request, not_found
 from api.limits import max_unfinished_batches
 from api.log_context import bind_batch
 from api.schemas import BatchCreate
-from api.services.common import could_be_id, keyset_page
 from api.services.files import get_file_row
+from api.services.lookups import could_be_id, keyset_page
 from core.batches.completion_windows import duration, window_seconds
 from core.batches.ids import batch_id as new_batch_id
 from core.batches.priority import PriorityName, priority_name
+from core.broker.queue import (
+    TASK_CANCEL,
+    TASK_DELIVER_WEBHOOK,
+    TASK_RELEASE_SWEEP,
+    TASK_VALIDATE,
+    WEBHOOK_QUEUE,
+    enqueue,
+)
 from core.database.auth import generate_webhook_secret, priority_allowed
 from core.database.lifecycle import (
     CANCELLABLE,
@@ -42,14 +50,6 @@ from core.database.lifecycle import (
     transition,
 )
 from core.database.tables import Batch, File, Shard
-from core.queue import (
-    TASK_CANCEL,
-    TASK_DELIVER_WEBHOOK,
-    TASK_RELEASE_SWEEP,
-    TASK_VALIDATE,
-    WEBHOOK_QUEUE,
-    enqueue,
-)
 from core.security.netcheck import url_problem
 from core.settings import Settings
 

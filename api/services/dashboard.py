@@ -19,11 +19,11 @@ from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
 from api.deps import Caller
+from core.broker.queue import engine_stats
 from core.database.auth import create_ui_session, end_ui_session, hash_key
 from core.database.lifecycle import TERMINAL, BatchStatus, now
 from core.database.sessions import session_scope
 from core.database.tables import Batch
-from core.queue import engine_stats
 from core.settings import Settings
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """A batch's estimate: what a create would make of its file, and when it would be done.
 
 The control worker reads the file as validation would (``worker.validation.estimate``, over the broker:
-``core.rpc``); the times come from the work queued ahead and the model's recent throughput
+``core.broker.request_reply``); the times come from the work queued ahead and the model's recent throughput
 (``core.eta.store``). Without recent throughput the times are null and ``reason`` says why:
 nothing is guessed, and nothing is created.
 """
@@ -25,11 +25,11 @@ from api.deps import Caller
 from api.errors import APIError
 from api.schemas import BatchCreate, BatchErrorItem, BatchEstimate, ModelEstimate, unix
 from api.services.batches import batch_input_file, checked_priority, checked_window_s
-from core import rpc
 from core.batches.priority import PriorityName
+from core.broker import request_reply
+from core.broker.queue import TASK_ESTIMATE
 from core.database.lifecycle import now
 from core.eta import store
-from core.queue import TASK_ESTIMATE
 from core.settings import Settings
 
 log = logging.getLogger("batchd.api")
@@ -105,8 +105,10 @@ def _checked(
 
 def _scan(key: str, endpoint: str, settings: Settings) -> dict[str, Any]:
     try:
-        answer = rpc.call(TASK_ESTIMATE, key, endpoint, timeout=settings.estimate_timeout_s)
-    except rpc.NoAnswer as error:
+        answer = request_reply.call(
+            TASK_ESTIMATE, key, endpoint, timeout=settings.estimate_timeout_s
+        )
+    except request_reply.NoAnswer as error:
         raise APIError(
             503,
             f"No control worker read the file within {settings.estimate_timeout_s:g} seconds "

@@ -9,12 +9,12 @@ from sqlalchemy import false, or_, select
 from sqlalchemy.orm import Session
 
 from api.errors import invalid_request, not_found
-from api.services.common import could_be_id, keyset_page
-from core import metrics
+from api.services.lookups import could_be_id, keyset_page
 from core.database import results_log
 from core.database.lifecycle import TERMINAL, now
 from core.database.sessions import session_scope
 from core.database.tables import Batch, File
+from core.observability import metrics
 from core.storage.base import Storage
 
 log = logging.getLogger("batchd.api")

@@ -6,7 +6,7 @@ from sqlalchemy.orm import Session
 
 from api.errors import invalid_request
 from api.services.batches import get_batch_row
-from api.services.common import could_be_id
+from api.services.lookups import could_be_id
 from core.database.lifecycle import BatchStatus
 from core.database.results_log import Page, cursor_seq, read_page
 from core.storage.base import Storage

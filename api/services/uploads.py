@@ -26,9 +26,8 @@ from sqlalchemy.orm import Session
 from api.deps import Caller
 from api.errors import APIError, invalid_request, not_found
 from api.services import files
-from api.services.common import could_be_id
+from api.services.lookups import could_be_id
 from api.uploads import clean_filename
-from core import metrics
 from core.batches.ids import file_id
 from core.batches.ids import upload_id as new_upload_id
 from core.database.lifecycle import now
@@ -46,6 +45,7 @@ from core.database.uploads import (
     release_stale_claim,
     status_of,
 )
+from core.observability import metrics
 from core.settings import Settings
 from core.storage.base import Storage
 

@@ -1,7 +1,7 @@
 """Engines and sessions. One engine per process and URL; sessions are short-lived.
 
 Engines are made through ``sqlalchemy.create_engine`` looked up at call time, so that traces
-(:mod:`core.tracing`, which wraps it) see the statements."""
+(:mod:`core.observability.tracing`, which wraps it) see the statements."""
 
 from __future__ import annotations
 

@@ -297,7 +297,7 @@ class ResultLine(Base):
 class UpstreamLimit(Base):
     """The in-flight limit every dispatch worker of one upstream shares, and who sets it: the
     member holding the lease (``leader`` until ``leader_until``) finds the limit from what all
-    members report (see :mod:`worker.upstream.shared`)."""
+    members report (see :mod:`worker.upstream.shared_limit`)."""
 
     __tablename__ = "upstream_limits"
 

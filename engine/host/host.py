@@ -39,7 +39,7 @@ from engine.host.entry import (
     resolve_call,
     split,
 )
-from engine.host.live import LiveEntries
+from engine.host.live_entries import LiveEntries
 from engine.host.policy import LeadEpisode
 
 logger = logging.getLogger(__name__)

@@ -37,7 +37,7 @@ def make_batch(
     from core.database.lifecycle import now
     from core.database.sessions import session_scope
     from core.database.tables import Batch, File
-    from worker.infra.common import storage
+    from worker.infra.task_io import storage
 
     data = lines if isinstance(lines, bytes) else jsonl(lines)
     file_id = ids.file_id()
@@ -73,7 +73,7 @@ def read_file_lines(file_id: str | None) -> list[dict[str, Any]]:
         return []
     from core.database.sessions import session_scope
     from core.database.tables import File
-    from worker.infra.common import storage
+    from worker.infra.task_io import storage
 
     with session_scope() as session:
         key = session.get(File, file_id).storage_key
@@ -137,11 +137,11 @@ def enqueued_batch(lines: list[dict[str, Any]], broker: str) -> str:
     """Store the input, insert its file and batch rows (``validating``), and enqueue the
     validate task on ``broker``, as the API would for a service run as subprocesses."""
     from core.batches import ids
+    from core.broker.queue import TASK_VALIDATE, enqueue
     from core.database.lifecycle import now
     from core.database.sessions import session_scope
     from core.database.tables import Batch, File
-    from core.queue import TASK_VALIDATE, enqueue
-    from worker.infra.common import storage
+    from worker.infra.task_io import storage
 
     data = b"".join(json.dumps(x).encode() + b"\n" for x in lines)
     file_id, batch_id = ids.file_id(), ids.batch_id()

@@ -1,4 +1,4 @@
-"""The rules every batchd metric follows (see core/metrics.py): ``batchd_`` names in
+"""The rules every batchd metric follows (see core/observability/metrics.py): ``batchd_`` names in
 snake case, labels from a short allowed list, and no label value that names one job."""
 
 from __future__ import annotations

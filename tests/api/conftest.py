@@ -174,7 +174,7 @@ def control_messages(redis_url: str) -> Callable[[str], list[dict]]:
 
     import redis
 
-    from core.queue import CONTROL_QUEUE
+    from core.broker.queue import CONTROL_QUEUE
 
     conn = redis.Redis.from_url(redis_url)
 

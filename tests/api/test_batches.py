@@ -6,8 +6,8 @@ import httpx
 import openai
 import pytest
 
+from core.broker.queue import TASK_CANCEL, TASK_VALIDATE
 from core.database.lifecycle import transition
-from core.queue import TASK_CANCEL, TASK_VALIDATE
 
 pytestmark = pytest.mark.services
 

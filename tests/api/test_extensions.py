@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from core.queue import TASK_VALIDATE
+from core.broker.queue import TASK_VALIDATE
 
 pytestmark = pytest.mark.services
 

@@ -118,7 +118,7 @@ def test_an_unhandled_error_is_logged_with_its_batch(service_env: dict[str, str]
     from fastapi.testclient import TestClient
 
     from api.app import create_app
-    from core.logs import install
+    from core.observability.logs import install
     from core.settings import get_settings
 
     app = create_app(get_settings())
@@ -150,7 +150,7 @@ def test_x_request_id_is_returned_logged_and_sent_with_the_tasks(
     without one (or with one unfit for a log line) gets a fresh ``req_…``."""
     import redis
 
-    from core.queue import CONTROL_QUEUE
+    from core.broker.queue import CONTROL_QUEUE
 
     http = json_server.http()
     data = json.dumps(chat_line("a", "hello")).encode() + b"\n"

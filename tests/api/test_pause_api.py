@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from core.queue import TASK_RELEASE_SWEEP
+from core.broker.queue import TASK_RELEASE_SWEEP
 from tests.api.test_tenancy import LINES, MISSING_BATCH, _same_as_missing
 
 pytestmark = pytest.mark.services

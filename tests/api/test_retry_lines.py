@@ -27,7 +27,7 @@ def _ended_parent(lines: list) -> str:
     from core.batchfile.results import batch_error_line, dumps_line
     from core.database.sessions import session_scope
     from core.database.tables import Batch, File
-    from worker.infra.common import storage
+    from worker.infra.task_io import storage
 
     batch_id = make_batch(lines)
     error_id = ids.file_id()
@@ -64,7 +64,7 @@ def _retry(batch_id: str, store=None, **body):
     from api.services.retries import retry_batch
     from core.database.sessions import session_scope
     from core.settings import get_settings
-    from worker.infra.common import storage
+    from worker.infra.task_io import storage
 
     with session_scope() as session:
         retry = retry_batch(session, store or storage(), Caller(), get_settings(), batch_id,
@@ -80,7 +80,7 @@ def _stored(service_env: dict[str, str]) -> list[str]:
 def _refused(batch_id: str, **body):
     """The APIError a retry is refused with; it wrote nothing (no file row, no object)."""
     from api.errors import APIError
-    from worker.infra.common import storage
+    from worker.infra.task_io import storage
 
     before = _files()
     store = RecordingStorage(storage())

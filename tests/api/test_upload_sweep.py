@@ -105,7 +105,7 @@ def test_beat_and_a_control_worker_sweep_the_uploads(
 
 
 def test_beat_schedules_the_upload_sweep(monkeypatch: pytest.MonkeyPatch) -> None:
-    from core.queue import TASK_SWEEP_UPLOADS
+    from core.broker.queue import TASK_SWEEP_UPLOADS
     from core.settings import get_settings
     from worker.infra.celery import app, create_app
 

@@ -1,4 +1,4 @@
-"""Structured logs (core/logs.py): ids follow the code that set them, and nothing else."""
+"""Structured logs (core/observability/logs.py): ids follow the code that set them, and nothing else."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import logging
 import threading
 
-from core.logs import bind_log_context, install, log_context
+from core.observability.logs import bind_log_context, install, log_context
 
 
 def _logger(fmt: str) -> tuple[logging.Logger, io.StringIO]:

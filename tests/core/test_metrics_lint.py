@@ -33,7 +33,7 @@ def test_lint_catches_unbounded_labels() -> None:
 
 
 def test_service_and_api_metrics_pass_the_lint() -> None:
-    import core.metrics as m
+    import core.observability.metrics as m
     from api.app import create_app
     from core.settings import Settings
 
@@ -56,7 +56,7 @@ def test_service_and_api_metrics_pass_the_lint() -> None:
 
 @pytest.mark.services
 def test_database_gauges_pass_the_lint(pg_url: str) -> None:
-    from core.metrics import ServiceCollector
+    from core.observability.metrics import ServiceCollector
 
     registry = CollectorRegistry()
     registry.register(ServiceCollector(pg_url, ["demo"]))
@@ -73,7 +73,7 @@ def test_database_gauges_pass_the_lint(pg_url: str) -> None:
 def test_engine_collector_passes_the_lint() -> None:
     from core.llms.demo import build
     from engine import Engine, EngineHost, SamplingParams
-    from worker.infra.metrics import EngineCollector
+    from worker.infra.exporter import EngineCollector
 
     host = EngineHost(Engine(str(build("llama-tiny")), device="cpu", dtype="float32")).start()
     try:

@@ -3,7 +3,7 @@ transport elsewhere (the SQLAlchemy transport hands every option to ``create_eng
 
 from __future__ import annotations
 
-from core import queue
+from core.broker import queue
 
 
 def test_a_redis_producer_bounds_its_sockets() -> None:

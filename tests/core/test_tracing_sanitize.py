@@ -1,5 +1,5 @@
 """Spans never hold a credential, whatever headers the operator asks them to capture:
-``core.tracing`` adds ``authorization``, ``x-api-key`` and cookies to the instrumentations'
+``core.observability.tracing`` adds ``authorization``, ``x-api-key`` and cookies to the instrumentations'
 sanitize list (beside the operator's entries) before it instruments anything."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from core.tracing import CREDENTIAL_HEADERS, SANITIZE_VARIABLE, sanitize_credentials
+from core.observability.tracing import CREDENTIAL_HEADERS, SANITIZE_VARIABLE, sanitize_credentials
 
 ROOT = Path(__file__).resolve().parents[2]
 CAPTURE = "OTEL_INSTRUMENTATION_HTTP_CAPTURE_HEADERS_SERVER_REQUEST"
@@ -35,7 +35,7 @@ def test_the_credentials_join_the_operators_sanitize_list() -> None:
 def test_setup_sanitizes_before_it_instruments(tmp_path: Path) -> None:
     """``setup`` in a process of its own (it instruments libraries for the whole process)."""
     code = (
-        "import json, os; from core import tracing; "
+        "import json, os; from core.observability import tracing; "
         "on = tracing.setup('test'); "
         f"print(json.dumps([on, os.environ[{SANITIZE_VARIABLE!r}]]))"
     )

@@ -40,8 +40,8 @@ class Service:
     def submit(self, n: int = 4, fault: str | None = None, enqueue: bool = True) -> str:
         """Create a batch of ``n`` short chat requests (with ``fault`` for control_faults)
         and send its validate, as the API does."""
-        from core.queue import TASK_VALIDATE
-        from core.queue import enqueue as send
+        from core.broker.queue import TASK_VALIDATE
+        from core.broker.queue import enqueue as send
 
         batch_id = make_batch([chat_line(f"r{i}", f"count to {i}", max_tokens=4) for i in range(n)])
         if fault is not None:

@@ -56,7 +56,7 @@ def test_embeddings_batch_through_the_service(
     from openai import OpenAI
     from openai.types import CreateEmbeddingResponse
 
-    from engine.embedding.engine import EmbeddingEngine
+    from engine.embedding.encoder import EmbeddingEngine
 
     broker = private_broker
     env = stack_env(

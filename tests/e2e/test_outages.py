@@ -290,7 +290,7 @@ def test_a_silent_broker_costs_a_create_a_503_not_a_hung_thread(
     broker stays served; once the route is back the next create goes through."""
     import httpx
 
-    from core.queue import PRODUCER_SOCKET_TIMEOUT_S
+    from core.broker.queue import PRODUCER_SOCKET_TIMEOUT_S
 
     redis_port = int(private_broker.rsplit(":", 1)[1].split("/")[0])
     rd = TcpProxy("127.0.0.1", redis_port).start()

@@ -1,5 +1,5 @@
 """A simulated model (``sim:``) served by the real stack: the API, a control worker, a model
-worker and beat on Postgres and Redis. Its batches complete with the outputs ``engine.sim.engine``
+worker and beat on Postgres and Redis. Its batches complete with the outputs ``engine.sim.simulator``
 gives for the same prompt ids (a pure function of them, in any batch and any process), the
 service's usage and counters agree with the engine's, and ``/v1/models`` says the model is
 simulated."""
@@ -42,7 +42,7 @@ def test_a_sim_model_serves_batches_with_deterministic_outputs(
     import httpx
 
     from core.llms.demo import build
-    from engine.sim.engine import SimEngine
+    from engine.sim.simulator import SimEngine
     from engine.text.tokenizer import load_tokenizer
 
     tokenizer_dir = build("llama-tiny")  # the sim's default tokenizer; built once, here

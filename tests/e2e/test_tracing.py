@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from cli.perf.service import free_port, wait_for
-from core.tracing import REQUEST_ID_ATTRIBUTE
+from core.observability.tracing import REQUEST_ID_ATTRIBUTE
 from testkit.builders.lines import chat_line, create_batch
 from testkit.service.stack import API_KEY, Procs, api_command, celery_command, stack_env
 
@@ -108,7 +108,7 @@ def test_a_call_and_the_task_it_causes_are_one_trace(
 def test_without_an_endpoint_no_exporter_or_instrumentation_loads() -> None:
     # (FastAPI imports OpenTelemetry's API when it is installed: a no-op tracer.)
     code = (
-        "import sys; from core import tracing; "
+        "import sys; from core.observability import tracing; "
         "assert not tracing.setup('api'); "
         "from api.app import create_app; create_app(); "
         "print(sorted(m for m in sys.modules if m.startswith(('opentelemetry.sdk', "

@@ -278,10 +278,10 @@ def test_a_worker_killed_between_the_terminal_commit_and_the_enqueue_loses_no_ev
     webhook sweep sends each one, and the receiver gets it exactly once, under that id."""
     from sqlalchemy import update
 
+    from core.broker.queue import TASK_CANCEL, TASK_VALIDATE, enqueue
     from core.database.lifecycle import transition
     from core.database.sessions import session_scope
     from core.database.tables import Batch
-    from core.queue import TASK_CANCEL, TASK_VALIDATE, enqueue
     from core.settings import get_settings
     from testkit.builders.worker import batch_row, make_batch
     from testkit.service.stack import celery_command, stack_env

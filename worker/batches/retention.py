@@ -12,12 +12,12 @@ from typing import Any
 
 from sqlalchemy import delete, exists, select
 
+from core.broker.queue import TASK_SWEEP_FILES
 from core.database import results_log
 from core.database.lifecycle import TERMINAL, now
 from core.database.results_log import batch_log_prefix
 from core.database.sessions import session_scope
 from core.database.tables import Batch, File
-from core.queue import TASK_SWEEP_FILES
 from worker.infra import app, storage
 
 logger = logging.getLogger(__name__)

@@ -15,11 +15,11 @@ from typing import Any
 
 from sqlalchemy import select
 
+from core.broker.queue import TASK_CANCEL, TASK_FINALIZE, TASK_SWEEP_EXPIRED, TASK_VALIDATE
 from core.database.lifecycle import UNFINISHED, BatchStatus, now, transition
 from core.database.sessions import session_scope
 from core.database.tables import Batch
-from core.logs import log_context
-from core.queue import TASK_CANCEL, TASK_FINALIZE, TASK_SWEEP_EXPIRED, TASK_VALIDATE
+from core.observability.logs import log_context
 from core.settings import get_settings
 from worker.batches.finalize import finalize
 from worker.events import notify

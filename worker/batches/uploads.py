@@ -8,9 +8,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from core.broker.queue import TASK_SWEEP_UPLOADS
 from core.database import uploads
 from core.database.sessions import session_scope
-from core.queue import TASK_SWEEP_UPLOADS
 from core.settings import get_settings
 from worker.infra import app, storage
 

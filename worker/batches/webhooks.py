@@ -27,11 +27,11 @@ from typing import Any
 import httpx
 from sqlalchemy import select, update
 
-from core import metrics
+from core.broker.queue import TASK_DELIVER_WEBHOOK, TASK_SWEEP_WEBHOOKS, WEBHOOK_QUEUE
 from core.database.lifecycle import DeliveryStatus, now, webhook_event_id
 from core.database.sessions import session_scope, updated
 from core.database.tables import Batch, WebhookDelivery
-from core.queue import TASK_DELIVER_WEBHOOK, TASK_SWEEP_WEBHOOKS, WEBHOOK_QUEUE
+from core.observability import metrics
 from core.security.netcheck import (
     AllowList,
     DestinationRefused,

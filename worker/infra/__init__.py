@@ -7,7 +7,7 @@ the engine only when a model is loaded, and an upstream's dispatcher only when i
 
 from worker.infra import runtime
 from worker.infra.celery import app
-from worker.infra.common import (
+from worker.infra.task_io import (
     REQUEST_ERRORS,
     heartbeat_interval_s,
     input_key,

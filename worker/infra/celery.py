@@ -30,10 +30,7 @@ from kombu.transport import redis as kombu_redis
 from prometheus_client import multiprocess
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from core import tracing
-from core.llms import specs
-from core.logs import install
-from core.queue import (
+from core.broker.queue import (
     CONTROL_QUEUE,
     TASK_CANCEL,
     TASK_DELIVER_WEBHOOK,
@@ -51,9 +48,12 @@ from core.queue import (
     model_queue,
     redis_socket_options,
 )
+from core.llms import specs
+from core.observability import tracing
+from core.observability.logs import install
 from core.settings import get_settings
 from worker.infra import drain, liveness, memory
-from worker.infra.metrics import start_exporter
+from worker.infra.exporter import start_exporter
 
 # The tasks of the control queue (what the liveness watchdog's pool check watches).
 CONTROL_TASKS = frozenset({TASK_VALIDATE, TASK_FINALIZE, TASK_CANCEL, TASK_SWEEP_EXPIRED,
@@ -121,7 +121,7 @@ def transport_options(broker_url: str) -> dict:
     """Redis (and SQS) redeliver an unacknowledged task after the visibility timeout; the
     SQLAlchemy transport of embedded mode has none and hands every option to create_engine.
 
-    On Redis every socket is bounded (``core.queue.redis_socket_options``), so that a broker
+    On Redis every socket is bounded (``core.broker.queue.redis_socket_options``), so that a broker
     that vanishes without closing its connections (a lost host, a dropped route) costs a
     reconnect instead of a worker blocked in a read or a connect for the kernel's TCP
     timeouts. The consumer's BRPOP blocks on the server for a second at most (kombu's
@@ -300,7 +300,7 @@ def create_app() -> Celery:
         broker_channel_error_retry=True,
         task_publish_retry_policy=PUBLISH_RETRY_POLICY,
         task_default_queue=CONTROL_QUEUE,
-        # Shard tasks name their model's queue when they are sent (core.queue.model_queue).
+        # Shard tasks name their model's queue when they are sent (core.broker.queue.model_queue).
         task_routes=routes,
         beat_schedule=schedule,
     )
@@ -311,7 +311,7 @@ def create_app() -> Celery:
 # not safe for concurrent first imports: two task threads importing ``AutoTokenizer`` and
 # ``AutoModelForCausalLM`` at once (a validate beside the engine load) can fail with
 # ``ImportError: cannot import name 'AutoTokenizer' from 'transformers'``. ``AutoModel`` loads
-# the embedding models (engine.embedding.engine).
+# the embedding models (engine.embedding.encoder).
 TRANSFORMERS_NAMES = ("AutoConfig", "AutoTokenizer", "AutoModelForCausalLM", "AutoModel")
 TASK_DEPENDENCIES = ("engine", "engine.host.host", "engine.text.tokenizer")
 

@@ -21,16 +21,16 @@ from typing import TYPE_CHECKING, Any
 
 from celery.worker.control import inspect_command
 
-from core import metrics
 from core.llms import specs
 from core.llms.demo import build
 from core.llms.gguf import ModelSourceError
+from core.observability import metrics
 from core.settings import get_settings
-from engine.sim.engine import DEFAULT_MAX_MODEL_LEN, SimEngine
-from worker.host import Host
+from engine.sim.simulator import DEFAULT_MAX_MODEL_LEN, SimEngine
+from worker.host_contract import Host
 
 if TYPE_CHECKING:
-    from engine.embedding.host import EmbeddingHost
+    from engine.embedding.embedding_host import EmbeddingHost
 
 logger = logging.getLogger(__name__)
 
@@ -351,7 +351,7 @@ def _start_sim_host(
     host_options: dict[str, Any],
     started_at: float,
 ) -> Host:
-    """A simulated model's host (``engine.sim.engine``): the engine options, with the spec's own
+    """A simulated model's host (``engine.sim.simulator``): the engine options, with the spec's own
     options over them, and the host options every generation model gets."""
     from engine import EngineHost  # torch: only a process that runs a model gets here
 
@@ -383,8 +383,8 @@ def _start_embedding_host(
     """An embedding model's host: its device and dtype from the engine options; its batches
     sized by ``embedding_max_batch_tokens`` (default 16,384 padded tokens)."""
     # torch: imported only by a process that runs a model
-    from engine.embedding.engine import EmbeddingEngine
-    from engine.embedding.host import EmbeddingHost
+    from engine.embedding.embedding_host import EmbeddingHost
+    from engine.embedding.encoder import EmbeddingEngine
 
     engine = EmbeddingEngine(
         path,
@@ -445,7 +445,7 @@ def engine_stats_snapshot(timeout: float = 5.0) -> dict[str, dict[str, Any]]:
             out[model] = _json_safe(snapshot())
             continue
         # torch: the process that runs this host has imported it
-        from engine.embedding.host import EmbeddingHost
+        from engine.embedding.embedding_host import EmbeddingHost
         from engine.host.host import EngineHost
 
         if isinstance(engine_host, EmbeddingHost):  # its own few counters

@@ -34,14 +34,14 @@ from worker.handler import (
     Refused,
     RequestOutcome,
 )
-from worker.host import Host
+from worker.host_contract import Host
 from worker.infra import REQUEST_ERRORS, runtime, storage
 from worker.shards import timings
 from worker.shards.prepared import read_prepared, tokenizer_fingerprint
 from worker.upstream.handler import UpstreamHandler
 
 if TYPE_CHECKING:
-    from engine.embedding.host import EmbeddingHost
+    from engine.embedding.embedding_host import EmbeddingHost
     from engine.host.host import EngineHost
     from worker.upstream.dispatcher import Dispatcher
 
@@ -267,7 +267,7 @@ class EmbeddingHandler:
         line (an input over the model's length, a token outside its vocabulary, a size it
         cannot cut to), naming the field."""
         # torch: imported only by a process that runs a model
-        from engine.embedding.engine import EmbeddingError
+        from engine.embedding.encoder import EmbeddingError
 
         engine = self.host.engine
         single = not isinstance(req.body.get("input"), list) or not isinstance(
@@ -290,7 +290,7 @@ class EmbeddingHandler:
 
     def outcome(self, req: BatchRequest, future: Future, submitted: float | None) -> RequestOutcome:
         # torch: imported only by a process that runs an engine host
-        from engine.embedding.host import EmbeddingAborted, EmbeddingHostClosed
+        from engine.embedding.embedding_host import EmbeddingAborted, EmbeddingHostClosed
 
         exc = future.exception()
         if isinstance(exc, EmbeddingHostClosed):

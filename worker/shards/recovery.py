@@ -18,12 +18,18 @@ from typing import Any
 
 from sqlalchemy import select, update
 
-from core import metrics
 from core.batchfile.results import request_error_line
+from core.broker.queue import (
+    TASK_FINALIZE,
+    TASK_RECLAIM,
+    TASK_RUN_SHARD,
+    TASK_VALIDATE,
+    model_queue,
+)
 from core.database.lifecycle import BatchStatus, ShardStatus, now
 from core.database.sessions import session_scope, updated
 from core.database.tables import Batch, Shard
-from core.queue import TASK_FINALIZE, TASK_RECLAIM, TASK_RUN_SHARD, TASK_VALIDATE, model_queue
+from core.observability import metrics
 from core.settings import get_settings
 from worker.infra import app, input_key, retrying, send, stale_after_s, storage
 from worker.shards.checkpoints import discard_uncommitted, lines_without_result

@@ -24,10 +24,10 @@ from sqlalchemy import and_, func, select, text, update
 from sqlalchemy.orm import Session
 
 from core.batches.priority import Priority
+from core.broker.queue import TASK_RELEASE_SWEEP, TASK_RUN_SHARD, model_queue
 from core.database.lifecycle import BatchStatus, ShardStatus, now
 from core.database.sessions import session_scope, updated
 from core.database.tables import Batch, Shard
-from core.queue import TASK_RELEASE_SWEEP, TASK_RUN_SHARD, model_queue
 from core.settings import get_settings
 from engine.host.order import NEVER, aged_tier, flow_key, share_key
 from worker.infra import app, retrying, send

@@ -10,17 +10,17 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from core import metrics
 from core.batchfile.reader import RawLine, custom_id_of, iter_lines, parse_request
 from core.batchfile.request import BatchRequest, LineError
 from core.database.lifecycle import ShardStatus
 from core.database.tables import Batch, Shard
 from core.llms import specs
 from core.llms.generation import error_for_exception, error_record
-from core.logs import log_context
+from core.observability import metrics
+from core.observability.logs import log_context
 from core.settings import get_settings
 from worker.handler import Aborted, EngineUnavailable, Failed, Line, Refused
-from worker.host import Host
+from worker.host_contract import Host
 from worker.infra import runtime, storage
 from worker.infra.drain import Drain, process_drain
 from worker.shards import timings

@@ -15,11 +15,11 @@ from typing import Any
 from sqlalchemy import select, update
 
 from core.batchfile.results import GenerationResult
+from core.broker.queue import TASK_FINALIZE
 from core.database.lifecycle import BatchStatus, ShardStatus, now, transition
 from core.database.results_log import log_chunk
 from core.database.sessions import session_scope, updated
 from core.database.tables import Batch, Shard
-from core.queue import TASK_FINALIZE
 from worker.infra import (
     heartbeat_interval_s,
     live_shards,

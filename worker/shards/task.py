@@ -20,15 +20,15 @@ from typing import Any
 from celery.exceptions import Reject
 from celery.signals import worker_ready
 
-from core import metrics
+from core.broker.queue import TASK_RUN_SHARD, model_queue
 from core.database.lifecycle import BatchStatus, ShardStatus
 from core.database.sessions import session_scope
 from core.database.tables import Batch, Shard
 from core.llms.gguf import ModelSourceError
-from core.logs import bind_log_context, log_context
-from core.queue import TASK_RUN_SHARD, model_queue
+from core.observability import metrics
+from core.observability.logs import bind_log_context, log_context
 from core.settings import get_settings
-from worker.host import Host
+from worker.host_contract import Host
 from worker.infra import app, input_key, past_expiry, retrying, runtime, storage
 from worker.infra.drain import Drain, process_drain
 from worker.shards.checkpoints import (

@@ -2,7 +2,7 @@
 
 Every shard of an upstream model in this process hands its requests to one :class:`Dispatcher`:
 the engine host's fair queue orders them, a sender in one asyncio thread keeps its share of the
-upstream's limit (:mod:`worker.upstream.shared`) in flight, and a :class:`Reply` comes back on
+upstream's limit (:mod:`worker.upstream.shared_limit`) in flight, and a :class:`Reply` comes back on
 each request's future. An overload puts its request back at the front and pauses sending; other
 4xx are the request's own. Nothing here imports torch. Details: ``docs/upstream.md``.
 """
@@ -29,7 +29,7 @@ from core.llms.specs import UpstreamSpec
 from engine.host.fair_queue import FairQueue
 from worker.upstream.concurrency import ConcurrencyController
 from worker.upstream.guard import LiveGuard
-from worker.upstream.shared import Counters, LocalLimit, SharedLimit
+from worker.upstream.shared_limit import Counters, LocalLimit, SharedLimit
 
 logger = logging.getLogger(__name__)
 

@@ -8,11 +8,11 @@ import logging
 import threading
 from typing import Any
 
-from core import rpc
+from core.broker import request_reply
+from core.broker.queue import TASK_ESTIMATE, TASK_REFRESH_ETAS
 from core.database.lifecycle import now
 from core.database.sessions import session_scope
 from core.eta import store
-from core.queue import TASK_ESTIMATE, TASK_REFRESH_ETAS
 from core.settings import get_settings
 from worker.infra import app
 from worker.validation.failures import validation_errors
@@ -56,7 +56,7 @@ def _scan_slots() -> threading.BoundedSemaphore:
 
 @app.task(name=TASK_ESTIMATE, acks_late=False)
 def estimate_task(key: str, endpoint: str, reply_to: str, deadline: float) -> None:
-    """Scan the file and answer the caller (``core.rpc.call``). Not redelivered after a
+    """Scan the file and answer the caller (``core.broker.request_reply.call``). Not redelivered after a
     worker dies (``acks_late`` off): its caller has stopped waiting by then. A scan whose
     caller has gone (its deadline passed, before or while it reads) stops: a flood of
     estimates nobody waits for does not keep the control worker reading files. At most
@@ -65,7 +65,7 @@ def estimate_task(key: str, endpoint: str, reply_to: str, deadline: float) -> No
     validates, finalizes and cancels."""
     slots = _scan_slots()
     if not slots.acquire(blocking=False):
-        rpc.reply(reply_to, deadline, {"ok": False, "busy": True})
+        request_reply.reply(reply_to, deadline, {"ok": False, "busy": True})
         return
     try:
         payload: dict[str, Any] = {"ok": True, **scan_file(key, endpoint, deadline)}
@@ -77,7 +77,7 @@ def estimate_task(key: str, endpoint: str, reply_to: str, deadline: float) -> No
         payload = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
     finally:
         slots.release()
-    rpc.reply(reply_to, deadline, payload)
+    request_reply.reply(reply_to, deadline, payload)
 
 
 def refresh_etas() -> int:

@@ -19,7 +19,6 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from core import metrics
 from core.batches.plan import PlanItem, PrefixIndex, plan_order
 from core.batches.sharding import ShardPlanner, ShardSpec
 from core.batchfile.reader import (
@@ -36,6 +35,7 @@ from core.database.results_log import ChunkRecord, batch_log_prefix, log_chunk, 
 from core.database.sessions import new_session
 from core.database.tables import Batch, Shard
 from core.llms import specs
+from core.observability import metrics
 from core.settings import get_settings
 from worker.events import notify
 from worker.infra import past_expiry, runtime, storage

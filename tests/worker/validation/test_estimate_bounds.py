@@ -13,7 +13,7 @@ pytestmark = pytest.mark.services
 
 
 def test_a_scan_stops_when_its_caller_has_gone(worker_env) -> None:
-    from worker.infra.common import storage
+    from worker.infra.task_io import storage
     from worker.validation.scan import CallerGone, scan_input
 
     with storage().writer("files/estimate-me") as out:
@@ -43,14 +43,14 @@ def test_estimates_never_take_every_control_thread(worker_env) -> None:
     estimates leaves a thread for validations, finalizes and cancels."""
     from kombu import Connection
 
-    from core import rpc
+    from core.broker import request_reply
     from core.settings import get_settings
-    from worker.infra.common import storage
+    from worker.infra.task_io import storage
     from worker.validation import estimate
 
     with storage().writer("files/estimate-busy") as out:
         out.write(jsonl([chat_line("r0", "count the stars")]))
-    reply_to = rpc.REPLY_PREFIX + f"busy-{time.monotonic_ns()}"
+    reply_to = request_reply.REPLY_PREFIX + f"busy-{time.monotonic_ns()}"
     with Connection(get_settings().broker_url) as conn:
         replies = conn.SimpleQueue(reply_to, serializer="json")
         try:

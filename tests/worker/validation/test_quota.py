@@ -104,7 +104,7 @@ def test_prompt_tokens_are_counted_and_the_limit_is_enforced(limited):
     assert validate(third) == "failed"
     row = batch_row(third)
     assert row.status == "failed" and shard_rows(third) == []
-    from worker.infra.common import storage
+    from worker.infra.task_io import storage
 
     # The prompt ids its head stored before the quota refused it are not kept.
     assert list(storage().list(f"batches/{first}")) and not list(storage().list(f"batches/{third}"))

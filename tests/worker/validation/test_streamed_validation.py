@@ -231,7 +231,7 @@ def test_a_head_error_counts_every_line_as_before(small_shards):
 def _failed_late(batch_id: str) -> dict:
     from api.services.results import results_visible
     from core.database.results_log import batch_log_prefix
-    from worker.infra.common import storage
+    from worker.infra.task_io import storage
 
     batch = batch_row(batch_id)
     assert batch.status == "failed"

@@ -102,7 +102,7 @@ def test_an_upstream_models_lines_reach_it_as_written(models: None) -> None:
     assert read_file_lines(batch.error_file_id) == []
 
     # an estimate reads the file the same way; the local model's lines are checked in full
-    from worker.infra.common import storage
+    from worker.infra.task_io import storage
 
     for model, errors in ((FLEET, []), (MODEL, [(1, "unknown_parameter")])):
         key = f"files/fields-{model}"

@@ -15,7 +15,7 @@ from typing import Any
 
 from celery import signals
 
-from core.logs import bind_log_context, current_context
+from core.observability.logs import bind_log_context, current_context
 
 HEADER = "x-request-id"
 #: The task header that carries it (a Celery header name, so no dashes).

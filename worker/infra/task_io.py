@@ -19,9 +19,9 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from core.broker.queue import CONTROL_QUEUE
 from core.database.lifecycle import ShardStatus, now
 from core.database.tables import Batch, File, Shard
-from core.queue import CONTROL_QUEUE
 from core.settings import get_settings
 from core.storage import open_storage
 from core.storage.base import Storage

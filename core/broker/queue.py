@@ -9,7 +9,7 @@ from typing import Any
 
 # Every process that enqueues or runs tasks imports this module; with it come the task
 # signals that carry an API call's x-request-id into the log lines of the tasks it caused.
-from core import request_ids
+from core.observability import request_ids
 
 TASK_VALIDATE = "batchd.validate_batch"
 TASK_RUN_SHARD = "batchd.run_shard"

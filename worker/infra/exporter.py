@@ -1,5 +1,5 @@
 """Each worker process's Prometheus exporter: this process's service counters
-(``core.metrics``) and the figures of every engine it has loaded.
+(``core.observability.metrics``) and the figures of every engine it has loaded.
 
 Served on ``BATCHD_WORKER_METRICS_PORT`` (0: off) from ``worker_ready``; a prefork pool needs
 ``PROMETHEUS_MULTIPROC_DIR``. Engine figures are read at scrape time (:class:`EngineCollector`),

@@ -1,6 +1,6 @@
 """``GET /metrics``: the API's Prometheus metrics (HTTP, refusals, uploads, service gauges).
 
-Invariants: the database gauges (``core.metrics.ServiceCollector``) are read at most once per
+Invariants: the database gauges (``core.observability.metrics.ServiceCollector``) are read at most once per
 ``metrics_cache_s`` whatever the scrape rate; several API processes share counters through
 prometheus-client's multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``, one empty directory per
 deployment), so any process answers with their sum; with ``BATCHD_METRICS_TOKEN`` set a scrape
@@ -32,7 +32,7 @@ from prometheus_fastapi_instrumentator import Instrumentator
 from prometheus_fastapi_instrumentator import metrics as http_metrics
 
 from api.errors import APIError
-from core import metrics
+from core.observability import metrics
 from core.settings import Settings
 
 NAMESPACE = "batchd"

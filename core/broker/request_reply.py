@@ -16,7 +16,7 @@ import uuid
 from contextlib import suppress
 from typing import Any
 
-from core.queue import CONTROL_QUEUE, _producer
+from core.broker.queue import CONTROL_QUEUE, _producer
 
 logger = logging.getLogger(__name__)
 

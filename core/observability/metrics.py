@@ -9,7 +9,7 @@ whichever process changed the rows. A model's pending work is defined once, here
 (:func:`pending_shards`, :func:`remaining_tokens`): the gauges and the autoscaler's query
 (:func:`pending_tokens_sql`, in deploy/kubernetes) read the same rows.
 
-    python -m core.metrics MODEL   # print MODEL's autoscaler query"""
+    python -m core.observability.metrics MODEL   # print MODEL's autoscaler query"""
 
 from __future__ import annotations
 
@@ -272,5 +272,7 @@ def observe_queue_wait(model: str, released_at: Any) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        raise SystemExit("usage: python -m core.metrics MODEL  (prints its autoscaler query)")
+        raise SystemExit(
+            "usage: python -m core.observability.metrics MODEL  (prints its autoscaler query)"
+        )
     print(pending_tokens_sql(sys.argv[1]))

@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 from sqlalchemy import text
 
+from core.broker.queue import SOCKET_CONNECT_TIMEOUT_S, redis_socket_options
 from core.database.sessions import get_engine
-from core.queue import SOCKET_CONNECT_TIMEOUT_S, redis_socket_options
 from core.storage.base import Storage
 
 TIMEOUT_S = 3.0

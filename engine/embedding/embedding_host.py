@@ -1,4 +1,4 @@
-"""A thread-safe host for an :class:`~engine.embedding.engine.EmbeddingEngine`, shared by many producers.
+"""A thread-safe host for an :class:`~engine.embedding.encoder.EmbeddingEngine`, shared by many producers.
 
 Producers (the worker's shard threads) submit tokenized requests and get a Future of their
 outputs, in input order. The loop thread hands the engine the pending inputs of every producer
@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from engine.embedding.engine import EmbeddingEngine, EmbeddingOutput
+from engine.embedding.encoder import EmbeddingEngine, EmbeddingOutput
 
 logger = logging.getLogger(__name__)
 
