@@ -19,7 +19,7 @@ STRUCTURE = REPO / "docs" / "structure.md"
 ROOMED = ("api", "core", "worker", "engine", "cli")
 #: What a path or dotted module name in a doc may start with to be checked.
 TOP = ("api", "core", "worker", "engine", "cli", "benchmarks", "tests", "migrations", "deploy",
-       "scripts", "docs", "examples")  # fmt: skip
+       "scripts", "docs", "examples", "testkit")  # fmt: skip
 
 FENCE = re.compile(r"^```.*?^```", re.M | re.S)
 SPAN = re.compile(r"`([^`\n]+)`")
