@@ -3,8 +3,8 @@
 ``/v1/batches/{batch_id}`` and what lies under it (retrieve, cancel) name their batch in the
 path; a create learns its batch's id, and a download of a batch's output or error file its
 batch's, only inside the route, which calls :func:`bind_batch`. Either way the id is in
-:func:`core.observability.logs.log_context` for the rest of the request: the route's own lines, the error
-handlers' (the catch-all 500 handler included: the middleware wraps the whole stack) and
+:func:`core.observability.logs.log_context` for the rest of the request: the route's own lines, the
+error handlers' (the catch-all 500 handler included: the middleware wraps the whole stack) and
 uvicorn's access line, as the worker's lines carry the batch they work on.
 """
 

@@ -1,7 +1,7 @@
 """``GET /metrics``: the API's Prometheus metrics (HTTP, refusals, uploads, service gauges).
 
-Invariants: the database gauges (``core.observability.metrics.ServiceCollector``) are read at most once per
-``metrics_cache_s`` whatever the scrape rate; several API processes share counters through
+Invariants: the database gauges (``core.observability.metrics.ServiceCollector``) are read at most
+once per ``metrics_cache_s`` whatever the scrape rate; several API processes share counters through
 prometheus-client's multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``, one empty directory per
 deployment), so any process answers with their sum; with ``BATCHD_METRICS_TOKEN`` set a scrape
 must send it as a bearer token (401 otherwise), without it the route is open; the HTTP

@@ -5,8 +5,8 @@
 
 Systems, all on the same model, device, dtype and inputs:
 
-- ``engine``: :class:`engine.embedding.encoder.EmbeddingEngine` as the service runs it (inputs sorted by
-  length, batches cut by padded token budget);
+- ``engine``: :class:`engine.embedding.encoder.EmbeddingEngine` as the service runs it (inputs
+  sorted by length, batches cut by padded token budget);
 - ``fixed``: batches of ``--fixed-batch-size`` in arrival order (the usual hand-written loop);
 - ``one-at-a-time``: one forward per input, no padding at all; it is slow, so it runs on a
   random sample of ``--sample`` inputs and its rate is scaled to the whole set.

@@ -3,8 +3,8 @@
 The control plane under a simulated fleet: how many result lines per second one API, one
 control worker, one Postgres and one Redis commit for 1, 2, 4 and 8 model workers.
 
-The model workers serve the ``sim`` model (:mod:`engine.sim.simulator`: no network, deterministic tokens
-at a configured per-sequence rate), so the engine is never what limits: what saturates is the
+The model workers serve the ``sim`` model (:mod:`engine.sim.simulator`: no network, deterministic
+tokens at a configured per-sequence rate), so the engine is never what limits: what saturates is the
 service around it. Each fleet size runs on its own fresh stack:
 
 * a private Postgres server (``initdb`` in a temporary directory, ``pg_stat_statements``

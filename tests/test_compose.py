@@ -1,6 +1,7 @@
 """docker-compose.yml, .env.example and the Dockerfiles against the project (docker itself is not
 needed): every service the deployment needs, every variable documented, every command runnable
-in this code base, queues named as ``core.broker.queue`` names them, healthchecks and start order."""
+in this code base, queues named as ``core.broker.queue`` names them, healthchecks and start
+order."""
 
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
 """The host of a served model in this process, as the worker's shard code uses it.
 
 :class:`Host` is what every host answers, structurally: the engine host
-(``engine.host.host.EngineHost``), the embedding host (``engine.embedding.embedding_host.EmbeddingHost``)
-and an upstream's dispatcher (:class:`worker.upstream.dispatcher.Dispatcher`). How a request is
-submitted differs by host: each handler of ``worker.shards.handlers`` holds its own kind."""
+(``engine.host.host.EngineHost``), the embedding host
+(``engine.embedding.embedding_host.EmbeddingHost``) and an upstream's dispatcher
+(:class:`worker.upstream.dispatcher.Dispatcher`). How a request is submitted differs by host: each
+handler of ``worker.shards.handlers`` holds its own kind."""
 
 from __future__ import annotations
 

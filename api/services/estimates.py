@@ -1,9 +1,9 @@
 """A batch's estimate: what a create would make of its file, and when it would be done.
 
-The control worker reads the file as validation would (``worker.validation.estimate``, over the broker:
-``core.broker.request_reply``); the times come from the work queued ahead and the model's recent throughput
-(``core.eta.store``). Without recent throughput the times are null and ``reason`` says why:
-nothing is guessed, and nothing is created.
+The control worker reads the file as validation would (``worker.validation.estimate``, over the
+broker: ``core.broker.request_reply``); the times come from the work queued ahead and the model's
+recent throughput (``core.eta.store``). Without recent throughput the times are null and ``reason``
+says why: nothing is guessed, and nothing is created.
 """
 
 from __future__ import annotations

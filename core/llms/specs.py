@@ -45,8 +45,8 @@ SIM_DEFAULT_TOKENIZER = "demo:llama-tiny"
 
 @dataclass(frozen=True, slots=True)
 class SimSpec:
-    """A ``sim:`` spec's options (``engine.sim.simulator`` says what each does). ``max_num_seqs`` and
-    ``max_model_len`` left out come from the engine options, then the engine's defaults (128
+    """A ``sim:`` spec's options (``engine.sim.simulator`` says what each does). ``max_num_seqs``
+    and ``max_model_len`` left out come from the engine options, then the engine's defaults (128
     sequences, 8,192 tokens); ``tokenizer`` is any other model spec whose tokenizer counts the
     prompts (default: the demo models' tokenizer, built offline)."""
 
@@ -58,8 +58,8 @@ class SimSpec:
     tokenizer: str = SIM_DEFAULT_TOKENIZER
 
     def engine_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``engine.sim.simulator.SimEngine`` besides the tokenizer; they override
-        the engine options of the same names."""
+        """Keyword arguments for ``engine.sim.simulator.SimEngine`` besides the tokenizer; they
+        override the engine options of the same names."""
         out: dict[str, Any] = {
             "tokens_per_s": self.tokens_per_s,
             "ttft_ms": self.ttft_ms,

@@ -2,9 +2,9 @@
 
 Work on a batch, shard or request runs inside :func:`log_context`; a :class:`ContextFilter`
 copies its ids into every record (``batch_id``, ``shard_id``, ``request_id`` (the batch line)
-and ``http_request_id`` (the API call's: :mod:`core.observability.request_ids`)), so a batch or a call can
-be followed across processes. The ids are context variables: each thread and asyncio task has
-its own. ``BATCHD_LOG_FORMAT=json`` writes one JSON object per line (:class:`JsonFormatter`)."""
+and ``http_request_id`` (the API call's: :mod:`core.observability.request_ids`)), so a batch or a
+call can be followed across processes. The ids are context variables: each thread and asyncio task
+has its own. ``BATCHD_LOG_FORMAT=json`` writes one JSON object per line (:class:`JsonFormatter`)."""
 
 from __future__ import annotations
 

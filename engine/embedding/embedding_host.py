@@ -1,4 +1,5 @@
-"""A thread-safe host for an :class:`~engine.embedding.encoder.EmbeddingEngine`, shared by many producers.
+"""A thread-safe host for an :class:`~engine.embedding.encoder.EmbeddingEngine`, shared by many
+producers.
 
 Producers (the worker's shard threads) submit tokenized requests and get a Future of their
 outputs, in input order. The loop thread hands the engine the pending inputs of every producer

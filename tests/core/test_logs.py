@@ -1,4 +1,5 @@
-"""Structured logs (core/observability/logs.py): ids follow the code that set them, and nothing else."""
+"""Structured logs (core/observability/logs.py): ids follow the code that set them, and nothing
+else."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Spans never hold a credential, whatever headers the operator asks them to capture:
-``core.observability.tracing`` adds ``authorization``, ``x-api-key`` and cookies to the instrumentations'
-sanitize list (beside the operator's entries) before it instruments anything."""
+``core.observability.tracing`` adds ``authorization``, ``x-api-key`` and cookies to the
+instrumentations' sanitize list (beside the operator's entries) before it instruments anything."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """A simulated model (``sim:``) served by the real stack: the API, a control worker, a model
-worker and beat on Postgres and Redis. Its batches complete with the outputs ``engine.sim.simulator``
-gives for the same prompt ids (a pure function of them, in any batch and any process), the
-service's usage and counters agree with the engine's, and ``/v1/models`` says the model is
-simulated."""
+worker and beat on Postgres and Redis. Its batches complete with the outputs
+``engine.sim.simulator`` gives for the same prompt ids (a pure function of them, in any batch and
+any process), the service's usage and counters agree with the engine's, and ``/v1/models`` says the
+model is simulated."""
 
 from __future__ import annotations
 

@@ -56,8 +56,8 @@ def _scan_slots() -> threading.BoundedSemaphore:
 
 @app.task(name=TASK_ESTIMATE, acks_late=False)
 def estimate_task(key: str, endpoint: str, reply_to: str, deadline: float) -> None:
-    """Scan the file and answer the caller (``core.broker.request_reply.call``). Not redelivered after a
-    worker dies (``acks_late`` off): its caller has stopped waiting by then. A scan whose
+    """Scan the file and answer the caller (``core.broker.request_reply.call``). Not redelivered
+    after a worker dies (``acks_late`` off): its caller has stopped waiting by then. A scan whose
     caller has gone (its deadline passed, before or while it reads) stops: a flood of
     estimates nobody waits for does not keep the control worker reading files. At most
     ``estimate_scans_per_worker`` scans run in a worker at once (fewer than its control

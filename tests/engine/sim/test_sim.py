@@ -1,5 +1,5 @@
-"""The simulated engine (``engine.sim.simulator``): what it produces is a pure function of each request,
-it admits like the real scheduler, and its statistics agree with its outputs.
+"""The simulated engine (``engine.sim.simulator``): what it produces is a pure function of each
+request, it admits like the real scheduler, and its statistics agree with its outputs.
 
 Every test counts engine work (virtual steps, tokens), never wall time: a call of
 ``SimEngine.step`` covers at most ``MAX_CALL_S * tokens_per_s`` virtual steps whatever the
