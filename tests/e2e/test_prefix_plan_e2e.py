@@ -59,6 +59,7 @@ def test_a_planned_batch_completes_in_input_order_and_shows_its_savings(stack, t
     from testkit.service.stack import API_KEY
 
     client = stack.client
+    before = {b.id for b in client.batches.list(limit=100).data}  # other tests' batches
     # `batchd submit --dry-run` prints the prediction and creates nothing.
     path = tmp_path / "in.jsonl"
     path.write_bytes(_file())
@@ -85,7 +86,7 @@ def test_a_planned_batch_completes_in_input_order_and_shows_its_savings(stack, t
     predicted = estimate.json()["predicted_shareable_tokens"]
     assert f"{predicted:,} prompt tokens" in dry.output
     assert predicted > (LINES - TEMPLATES) * 100  # the blocks are long and repeat
-    assert not client.batches.list().data  # an estimate creates no batch
+    assert {b.id for b in client.batches.list(limit=100).data} == before  # estimates create none
 
     batch = client.batches.create(
         input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"

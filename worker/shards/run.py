@@ -25,6 +25,7 @@ from worker.infra import runtime, storage
 from worker.infra.drain import Drain, process_drain
 from worker.shards import timings
 from worker.shards.handlers import handler_for
+from worker.shards.prepared import in_run_order, read_order
 from worker.shards.state import Heartbeat, Pending, ShardLost, batch_state, commit_chunk
 
 logger = logging.getLogger(__name__)
@@ -433,12 +434,14 @@ class ShardRun:
     def _feed(self) -> None:
         sto = storage()
         chunks = sto.read_range(self.key, self.shard.start_offset, self.shard.end_offset)
-        for raw in iter_lines(
+        lines = iter_lines(
             chunks,
             max_line_bytes=get_settings().max_line_bytes,
             first_line=self.shard.start_line,
             base_offset=self.shard.start_offset,
-        ):
+        )
+        order = read_order(sto, self.batch_id, self.shard.index)  # the prefix plan's
+        for raw in in_run_order(lines, order, lambda raw: raw.line):
             if raw.line in self.done_lines:
                 continue
             try:
