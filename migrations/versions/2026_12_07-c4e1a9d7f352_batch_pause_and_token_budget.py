@@ -22,9 +22,7 @@ def upgrade() -> None:
     """Upgrade schema."""
     with op.batch_alter_table("batches", schema=None) as batch_op:
         batch_op.add_column(sa.Column("paused_at", sa.DateTime(timezone=True), nullable=True))
-        batch_op.add_column(
-            sa.Column("paused_s", sa.Float(), server_default="0", nullable=False)
-        )
+        batch_op.add_column(sa.Column("paused_s", sa.Float(), server_default="0", nullable=False))
         batch_op.add_column(sa.Column("max_total_tokens", sa.BigInteger(), nullable=True))
 
 
