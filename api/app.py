@@ -13,6 +13,7 @@ from api.limits import auth_enabled
 from api.local import check_auth_off_is_local
 from api.routes import anthropic, batch_results, batches, files, health, models, uploads
 from api.routes.batch_estimate import router as estimate_router
+from core.llms import specs
 from core.observability import tracing
 from core.observability.logs import configure_process
 from core.settings import Settings, get_settings
@@ -25,6 +26,7 @@ UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
     check_auth_off_is_local(settings, auth_enabled(settings))
+    specs.adapters(settings.models)  # a LoRA entry with no base, naming it
     tracing.setup("api")  # before the first database engine or Redis client is made
     app = FastAPI(
         title="batchd",

@@ -20,6 +20,10 @@ def resolve_models(
     from core.llms import gguf, specs
     from core.llms.demo import build
 
+    try:
+        specs.adapters(models)  # a LoRA entry with no base, naming it
+    except ValueError as exc:
+        raise gguf.ModelSourceError(str(exc)) from None
     resolved = {}
     for name, spec in models.items():
         if specs.is_lora(spec):  # a LoRA adapter: its directory, read now (the base loads it)

@@ -594,16 +594,6 @@ class Settings(BaseSettings):
         # or "name=path,name2=path2"
         return _json_or_items(value, "{", lambda items: dict(p.split("=", 1) for p in items))
 
-    @field_validator("models")
-    @classmethod
-    def _adapters_have_bases(cls, value: dict[str, str]) -> dict[str, str]:
-        """Refuse, at start, a LoRA adapter entry whose base is missing, an adapter itself or
-        an embedding model (naming the entry; core.llms.specs.adapters)."""
-        from core.llms import specs  # the specs import the batch-file formats, which import us
-
-        specs.adapters(value)
-        return value
-
     @field_validator("release_resend_after_s", mode="before")
     @classmethod
     def _blank_is_zero(cls, value: Any) -> Any:

@@ -45,9 +45,8 @@ LATE_IMPORTS = {
 
 
 # The rooms of ``core``, lowest first (each subpackage, each module beside them): a room
-# imports only rooms before it, at any depth (imports inside functions too), unless
-# ``CORE_LATE_IMPORTS`` names the import and says why. The configuration stands low, since the
-# database, the models and the broker read it; what a process tells about itself stands over
+# imports only rooms before it, at any depth (imports inside functions too), with no
+# exception. The configuration stands low, since the database, the models and the broker read it; what a process tells about itself stands over
 # the database its gauges read; the broker over what ``/readyz`` checks; the launcher last.
 CORE_ROOMS = (
     "version",  # the package's version
@@ -63,13 +62,6 @@ CORE_ROOMS = (
     "broker",  # task and queue names, request and reply, readiness
     "launch",  # every process's command line
 )
-# The imports inside a function that reach a room of ``core`` above their own, with why.
-CORE_LATE_IMPORTS = {
-    ("core/settings.py", "core.llms"): (
-        "BATCHD_MODELS's adapter entries are checked at start by the specs' own rules, and the "
-        "specs read the model cache from the settings"
-    ),
-}
 
 # The engine's rooms, lowest first: a room imports only rooms before it, at any depth
 # (imports inside functions too). The compiled kernels, the thread governor and the text
@@ -315,7 +307,7 @@ def test_the_rooms_of_the_engine_import_only_the_rooms_below_them() -> None:
 
 def test_the_rooms_of_core_import_only_the_rooms_below_them() -> None:
     """Imports between ``core``'s rooms point one way, down ``CORE_ROOMS``, inside functions
-    too (but for ``CORE_LATE_IMPORTS``): what two rooms share lives below both."""
+    too: what two rooms share lives below both."""
     rooms = set()
     upward: dict[tuple[str, str], str] = {}
     for path in _sources("core"):
@@ -330,9 +322,7 @@ def test_the_rooms_of_core_import_only_the_rooms_below_them() -> None:
                 upward[(relative, module)] = f"{relative}:{line} imports {module}"
     rooms -= {"__init__"}
     assert sorted(rooms ^ set(CORE_ROOMS)) == [], "place each room of core in CORE_ROOMS"
-    unnamed = [what for key, what in upward.items() if key not in CORE_LATE_IMPORTS]
-    assert unnamed == [], "move what both rooms use into a room below them"
-    assert sorted(set(CORE_LATE_IMPORTS) - set(upward)) == [], "CORE_LATE_IMPORTS names one gone"
+    assert list(upward.values()) == [], "move what both rooms use into a room below them"
 
 
 def test_the_scans_see_what_they_look_for() -> None:

@@ -23,6 +23,10 @@ def command(role: str, names: list[str]) -> list[str]:
     role's), resolved from the settings; built by :mod:`core.launch`. A LoRA adapter runs on
     its base's queue: named, it stands for its base; it has no queue of its own."""
     settings = get_settings()
+    try:
+        specs.adapters(settings.models)  # a LoRA entry with no base, naming it
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     adapters = specs.engine_models(settings.models)
     names = list(dict.fromkeys(adapters.get(m, m) for m in names))
     if role == "beat":

@@ -397,8 +397,8 @@ def adapters(models: Mapping[str, str]) -> dict[str, LoraSpec]:
 
 def engine_models(models: Mapping[str, str]) -> dict[str, str]:
     """Each adapter's served name -> its base's: the model whose engine (and queue, tokenizer
-    and context) runs the adapter's lines. A spec that does not parse is left out (the
-    settings refuse it at start)."""
+    and context) runs the adapter's lines. A spec that does not parse is left out
+    (every process refuses it at start: :func:`adapters`)."""
     out: dict[str, str] = {}
     for name, spec in models.items():
         if is_lora(spec):

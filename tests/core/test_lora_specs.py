@@ -89,21 +89,35 @@ def test_every_problem_names_the_entry(tmp_path: Path) -> None:
         assert problem in message, message
 
 
-def test_the_settings_refuse_a_bad_entry_at_start(
+def test_every_process_refuses_a_bad_entry_at_start(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pydantic import ValidationError
-
-    from core.settings import Settings
+    """The API, ``python -m worker`` and ``batchd up`` refuse an adapter entry with no base,
+    naming it; the settings themselves read ``BATCHD_MODELS`` as text (core's rooms import
+    one way: the specs read the settings)."""
+    from api.app import create_app
+    from cli.models import resolve_models
+    from core.llms.gguf import ModelSourceError
+    from core.settings import Settings, get_settings
+    from worker.__main__ import command
 
     good = adapter_dir(tmp_path)
-    monkeypatch.setenv(
-        "BATCHD_MODELS", json.dumps({"chat": BASE, "bot": f"lora:chats?path={good}"})
-    )
-    with pytest.raises(ValidationError, match=re.escape("BATCHD_MODELS entry 'bot'")):
-        Settings()
-    monkeypatch.setenv("BATCHD_MODELS", json.dumps({"chat": BASE, "bot": f"lora:chat?path={good}"}))
-    assert Settings().models["bot"] == f"lora:chat?path={good}"
+    bad = {"chat": BASE, "bot": f"lora:chats?path={good}"}
+    monkeypatch.setenv("BATCHD_MODELS", json.dumps(bad))
+    named = re.escape("BATCHD_MODELS entry 'bot'")
+    with pytest.raises(ValueError, match=named):
+        create_app(Settings())
+    get_settings.cache_clear()
+    try:
+        with pytest.raises(SystemExit, match=named):
+            command("model", [])
+    finally:
+        get_settings.cache_clear()
+    with pytest.raises(ModelSourceError, match=named):
+        resolve_models(bad)
+    fixed = {"chat": BASE, "bot": f"lora:chat?path={good}"}
+    monkeypatch.setenv("BATCHD_MODELS", json.dumps(fixed))
+    create_app(Settings())
 
 
 def test_a_directory_that_is_no_lora_adapter(tmp_path: Path) -> None:
