@@ -4,13 +4,18 @@ Validation feeds :class:`ShardPlanner` one request at a time, in file order. Eac
 :class:`ShardSpec` is a half-open range of lines and of bytes, one shard's end the next one's
 start. A shard closes before a request that would take it over the token limit, or at the
 request limit; a request over the token limit alone gets a shard to itself; no shard is empty.
-Blank lines, lines that failed validation and resuming after a crash: docs/core.md."""
+Blank lines, lines that failed validation and resuming after a crash: docs/core.md.
+
+With the prefix plan a window of such shards is cut again along its prefix groups
+(:func:`cut_along_groups`): each of those shards names its lines and draws them from the
+window's range (``docs/validation.md``)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["ShardPlanner", "ShardSpec"]
+__all__ = ["ShardPlanner", "ShardSpec", "cut_along_groups"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,3 +114,68 @@ class ShardPlanner:
             if self._count:
                 self._close(self._last_line + 1, self._last_end)
         return list(self._done)
+
+
+def cut_along_groups(
+    items: Sequence[tuple[int, tuple[int, ...], int]], max_tokens: int, max_requests: int
+) -> list[list[int]]:
+    """Cut ``(line, group path, tokens)`` items into shards under the same limits as
+    :class:`ShardPlanner`. The items come in run order, sorted on their paths (the prefix
+    nodes a line shares, root first), so the lines under any node are together. A group (the
+    lines under one node) that fits in the open shard joins it whole, one that fits in a shard
+    starts one, and one larger than a shard gets shards of its own, cut the same way along its
+    subgroups (in run order when it has none; the last of them may take whole subgroups of
+    the same group). Returns each shard's lines, in run order."""
+    shards: list[list[int]] = []
+    cur: list[int] = []
+    tokens = 0
+
+    def close() -> None:
+        nonlocal cur, tokens
+        if cur:
+            shards.append(cur)
+        cur, tokens = [], 0
+
+    def add(unit: Sequence[tuple[int, tuple[int, ...], int]], linear: bool = False) -> None:
+        nonlocal tokens
+        for line, _, t in unit:
+            if linear and cur and (len(cur) >= max_requests or tokens + t > max_tokens):
+                close()
+            cur.append(line)
+            tokens += t
+
+    def pack(seq: Sequence[tuple[int, tuple[int, ...], int]], depth: int) -> None:
+        start = 0
+        while start < len(seq):
+            key = seq[start][1][: depth + 1]
+            end = start + 1
+            while end < len(seq) and seq[end][1][: depth + 1] == key:
+                end += 1
+            unit = seq[start:end]
+            start = end
+            size = sum(t for _, _, t in unit)
+            if len(cur) + len(unit) <= max_requests and tokens + size <= max_tokens:
+                add(unit)
+                continue
+            close()
+            if len(unit) <= max_requests and size <= max_tokens:
+                add(unit)
+                continue
+            # Larger than a shard: along its subgroups, below the prefix all its lines share.
+            paths = [p for _, p, _ in unit]
+            common = min(len(p) for p in paths)
+            first = paths[0]
+            for n in range(depth + 1, common):
+                if any(p[n] != first[n] for p in paths):
+                    common = n
+                    break
+            if max(len(p) for p in paths) > common:
+                pack(unit, common)
+            else:
+                add(unit, linear=True)
+            if depth == 0:
+                close()  # its last shard takes no other group (a subgroup's, its siblings)
+
+    pack([(line, path, max(0, t)) for line, path, t in items], 0)
+    close()
+    return shards

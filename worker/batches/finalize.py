@@ -1,6 +1,7 @@
 """Finalize a batch: merge its shards' checkpoint chunks into the output and error files.
 
-Records merge in input-line order, one shard's chunks open at a time. The same path ends every
+Records merge in input-line order, one shard's chunks open at a time (the shards of a window
+cut along prefix groups, which share its range, together). The same path ends every
 batch that ran (completed, cancelled, expired); a request that never finished, or was never
 validated, gets a ``batch_<code>`` error line, so every input line ends as exactly one line.
 One finalize of a batch runs at a time (:func:`sole_finalizer`); the files' rows commit with
@@ -127,15 +128,21 @@ def merged_records(
 ) -> Iterator[ChunkRecord]:
     """Every result record of the batch in input-line order (see the module docstring)."""
     emitted = 0
-    for shard in sorted(shards, key=lambda s: s.start_line):
-        chunks = [chunk_key(batch_id, shard.index, c) for c in range(shard.num_chunks)]
-        present = [k for k in chunks if sto.exists(k)]
-        streams: list[Iterator[ChunkRecord]] = [read_chunk(sto, k) for k in present]
-        if unfinished_code is not None and not shard.done and key is not None:
-            streams.append(_unfinished(sto, batch_id, key, shard, unfinished_code))
-        elif len(present) < len(chunks) and key is not None:
-            # A committed chunk lost from storage: its lines are reported, never dropped.
-            streams.append(_unfinished(sto, batch_id, key, shard, "result_lost", RESULT_LOST))
+    # Shards cut along prefix groups share their window's range: merged together.
+    windows: dict[int, list[_ShardView]] = {}
+    for shard in sorted(shards, key=lambda s: (s.start_line, s.index)):
+        windows.setdefault(shard.start_offset, []).append(shard)
+    for window in windows.values():
+        streams: list[Iterator[ChunkRecord]] = []
+        for shard in window:
+            chunks = [chunk_key(batch_id, shard.index, c) for c in range(shard.num_chunks)]
+            present = [k for k in chunks if sto.exists(k)]
+            streams.extend(read_chunk(sto, k) for k in present)
+            if unfinished_code is not None and not shard.done and key is not None:
+                streams.append(_unfinished(sto, batch_id, key, shard, unfinished_code))
+            elif len(present) < len(chunks) and key is not None:
+                # A committed chunk lost from storage: its lines are reported, never dropped.
+                streams.append(_unfinished(sto, batch_id, key, shard, "result_lost", RESULT_LOST))
         for rec in heapq.merge(*streams, key=lambda r: r.line):
             emitted += 1
             yield rec

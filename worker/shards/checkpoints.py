@@ -13,10 +13,15 @@ import logging
 from collections.abc import Iterator
 from typing import Protocol
 
-from core.batchfile.reader import custom_id_of, iter_lines
+from sqlalchemy import func, select
+
+from core.batchfile.reader import RawLine, custom_id_of, iter_lines
 from core.database.results_log import ChunkRecord, read_chunk, write_chunk
+from core.database.sessions import session_scope
+from core.database.tables import Shard
 from core.settings import get_settings
 from core.storage.base import ObjectNotFound, Storage
+from worker.shards.prepared import ShardLinesLost, read_lines
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +33,8 @@ __all__ = [
     "committed_lines",
     "discard_uncommitted",
     "lines_without_result",
+    "own_lines",
+    "shard_lines",
     "read_chunk",
     "write_chunk",
 ]
@@ -94,6 +101,48 @@ class ShardSpan(Protocol):
     def end_offset(self) -> int: ...
 
 
+def own_lines(storage: Storage, batch_id: str, shard: ShardSpan) -> list[int] | None:
+    """The lines of a shard cut along prefix groups, in run order (``worker.shards.prepared``);
+    None for a shard that holds every line of its range. A shard whose range another shard of
+    the batch shares and whose list is lost raises :class:`ShardLinesLost`: its lines cannot be
+    told from theirs, and running or reporting the whole range would repeat theirs."""
+    if shard.index < 0:
+        return None
+    lines = read_lines(storage, batch_id, shard.index)
+    if lines is not None:
+        return lines
+    with session_scope() as session:
+        sharing = session.scalar(
+            select(func.count())
+            .select_from(Shard)
+            .where(Shard.batch_id == batch_id, Shard.start_offset == shard.start_offset)
+        )
+    if (sharing or 0) > 1:
+        raise ShardLinesLost(f"batch {batch_id} shard {shard.index}: its line list is missing")
+    return None
+
+
+def shard_lines(
+    storage: Storage, input_key: str, shard: ShardSpan, own: list[int] | None
+) -> Iterator[RawLine]:
+    """The shard's input lines in file order: its range, or of its range the lines ``own``
+    names (see :func:`own_lines`)."""
+    chunks = storage.read_range(input_key, shard.start_offset, shard.end_offset)
+    lines = iter_lines(
+        chunks,
+        max_line_bytes=get_settings().max_line_bytes,
+        first_line=shard.start_line,
+        base_offset=shard.start_offset,
+    )
+    if own is None:
+        yield from lines
+        return
+    wanted = set(own)
+    for raw in lines:
+        if raw.line in wanted:
+            yield raw
+
+
 def lines_without_result(
     storage: Storage,
     input_key: str,
@@ -104,13 +153,8 @@ def lines_without_result(
     """(line, custom_id) of the shard's input lines that its committed chunks hold no result
     for: what a cancel, an expiry or a given-up shard must still report."""
     done = committed_lines(storage, batch_id, shard.index, num_chunks)
-    chunks = storage.read_range(input_key, shard.start_offset, shard.end_offset)
-    for raw in iter_lines(
-        chunks,
-        max_line_bytes=get_settings().max_line_bytes,
-        first_line=shard.start_line,
-        base_offset=shard.start_offset,
-    ):
+    own = own_lines(storage, batch_id, shard)
+    for raw in shard_lines(storage, input_key, shard, own):
         if raw.line in done:
             continue
         yield raw.line, custom_id_of(raw)

@@ -15,7 +15,7 @@ import logging
 import sys
 import weakref
 from array import array
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from core.storage.base import ObjectNotFound, Storage
@@ -66,7 +66,7 @@ def write_prepared(
     storage: Storage,
     batch_id: str,
     shard_index: int,
-    items: Iterable[tuple[int, list[int]]],
+    items: Iterable[tuple[int, Sequence[int]]],
     fingerprint: bytes,
 ) -> None:
     """Store ``(line, ids)`` for the requests of one shard, made by the tokenizer whose
@@ -162,3 +162,42 @@ def in_run_order(lines: Iterable[L], order: list[int], line_of: Callable[[L], in
         if item is not None:
             yield item
     yield from held.values()
+
+
+# -- the lines of a shard cut along prefix groups (it draws them from its window's range)
+
+_LINES_MAGIC = b"BDLS\x01\x00\x00\x00"
+
+
+def lines_key(batch_id: str, shard_index: int) -> str:
+    return f"batches/{batch_id}/prepared/{shard_index:05d}.lines"
+
+
+def write_lines(storage: Storage, batch_id: str, shard_index: int, lines: list[int]) -> None:
+    """Store the input lines a shard holds, in the order its run submits them (written whole,
+    atomically, before the shard's row): for a shard that shares its range with others, the
+    one account of which lines are its own."""
+    with storage.writer(lines_key(batch_id, shard_index)) as out:
+        out.write(_LINES_MAGIC + _le(array(_ITEM, lines)))
+
+
+class ShardLinesLost(RuntimeError):
+    """A shard that shares its range has no readable list of its lines."""
+
+
+def read_lines(storage: Storage, batch_id: str, shard_index: int) -> list[int] | None:
+    """The lines of a shard cut along prefix groups, in run order; None for a shard that holds
+    its whole range (none was stored). Raises :class:`ShardLinesLost` for one unreadable."""
+    try:
+        with storage.reader(lines_key(batch_id, shard_index)) as stream:
+            data = stream.read()
+    except ObjectNotFound:
+        return None
+    body = data[len(_LINES_MAGIC) :]
+    if data[: len(_LINES_MAGIC)] != _LINES_MAGIC or len(body) % 4:
+        raise ShardLinesLost(f"batch {batch_id} shard {shard_index}: its line list is unreadable")
+    flat = array(_ITEM)
+    flat.frombytes(body)
+    if sys.byteorder != "little":
+        flat.byteswap()
+    return flat.tolist()

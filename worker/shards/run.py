@@ -10,7 +10,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from core.batchfile.reader import RawLine, custom_id_of, iter_lines, parse_request
+from core.batchfile.reader import RawLine, custom_id_of, parse_request
 from core.batchfile.request import BatchRequest, LineError
 from core.database.lifecycle import ShardStatus
 from core.database.tables import Batch, Shard
@@ -24,6 +24,7 @@ from worker.host_contract import Host
 from worker.infra import runtime, storage
 from worker.infra.drain import Drain, process_drain
 from worker.shards import timings
+from worker.shards.checkpoints import own_lines, shard_lines
 from worker.shards.handlers import handler_for
 from worker.shards.prepared import in_run_order, read_order
 from worker.shards.state import Heartbeat, Pending, ShardLost, batch_state, commit_chunk
@@ -433,14 +434,11 @@ class ShardRun:
 
     def _feed(self) -> None:
         sto = storage()
-        chunks = sto.read_range(self.key, self.shard.start_offset, self.shard.end_offset)
-        lines = iter_lines(
-            chunks,
-            max_line_bytes=get_settings().max_line_bytes,
-            first_line=self.shard.start_line,
-            base_offset=self.shard.start_offset,
-        )
-        order = read_order(sto, self.batch_id, self.shard.index)  # the prefix plan's
+        # A shard cut along prefix groups runs its own lines of its range, in their stored
+        # order; any other its range, in the prefix plan's order of it.
+        own = own_lines(sto, self.batch_id, self.shard)
+        lines = shard_lines(sto, self.key, self.shard, own)
+        order = own if own is not None else read_order(sto, self.batch_id, self.shard.index)
         for raw in in_run_order(lines, order, lambda raw: raw.line):
             if raw.line in self.done_lines:
                 continue

@@ -10,9 +10,10 @@ output or error line (a bad line after the head: an error line in its shard's fi
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator
+from array import array
+from collections.abc import Generator, Sequence
 from contextlib import suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum, StrEnum
 from typing import Any
 
@@ -20,7 +21,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from core.batches.plan import PlanItem, PrefixIndex, plan_order
-from core.batches.sharding import ShardPlanner, ShardSpec
+from core.batches.sharding import ShardPlanner, ShardSpec, cut_along_groups
 from core.batchfile.reader import (
     FILE_ERRORS,
     LineValidator,
@@ -40,7 +41,13 @@ from core.settings import get_settings
 from worker.events import notify
 from worker.infra import past_expiry, runtime, storage
 from worker.shards.checkpoints import chunk_key
-from worker.shards.prepared import tokenizer_fingerprint, write_order, write_prepared
+from worker.shards.prepared import (
+    lines_key,
+    tokenizer_fingerprint,
+    write_lines,
+    write_order,
+    write_prepared,
+)
 from worker.shards.release import release_for_model
 from worker.shards.state import finish_if_last
 from worker.validation.failures import (
@@ -54,6 +61,11 @@ from worker.validation.failures import (
 from worker.validation.token_count import TokenCounter
 
 logger = logging.getLogger(__name__)
+
+# With the prefix plan, the shards after the first are cut along prefix groups a window of
+# this many file-order shards at a time (docs/validation.md).
+WINDOW_SHARDS = 4
+GROUP_BLOCKS = 4  # the prefix blocks a group's lines share beyond the window's common prefix
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,16 +118,19 @@ class _OpenShard:
     errors: list[ChunkRecord] = field(default_factory=list)
     line_tokens: list[tuple[int, int]] = field(default_factory=list)
     prompt_tokens: int = 0
-    ids: list[tuple[int, list[int]]] = field(default_factory=list)  # see worker.shards.prepared
+    # the prompt ids (see worker.shards.prepared), compact while a window of shards is held
+    ids: list[tuple[int, Sequence[int]]] = field(default_factory=list)
     # the prefix plan (core.batches.plan): per request its line, prefix ranks, output tokens
     plan: list[tuple[int, list[int], int]] = field(default_factory=list)
     shareable_tokens: int = 0
+    # a shard cut along prefix groups: its lines of the window's range, in run order
+    lines: list[int] | None = None
 
-    def add(self, line: int, prompt_tokens: int, ids: list[int] | None) -> None:
+    def add(self, line: int, prompt_tokens: int, ids: Sequence[int] | None) -> None:
         self.line_tokens.append((line, prompt_tokens))
         self.prompt_tokens += prompt_tokens
         if ids is not None:
-            self.ids.append((line, ids))
+            self.ids.append((line, ids if isinstance(ids, array) else array("I", ids)))
 
 
 class _Failed(Exception):
@@ -159,6 +174,8 @@ class StreamedValidation:
             after_offset=resume.offset if resume else 0,
         )
         self.open = _OpenShard()
+        self.next_index = resume.next_index if resume else 0
+        self.window: list[tuple[ShardSpec, _OpenShard]] = []  # closed, not yet cut and created
         # A resumed run plans on with an empty index: the prefixes before it are not re-read.
         self.index = PrefixIndex(settings.prefix_plan_max_nodes) if settings.prefix_plan else None
         self.head = resume is None  # no shard exists yet
@@ -310,6 +327,10 @@ class StreamedValidation:
             outcome = self._create(self.planner.finish()[-1], last=True)
             if outcome is not None:
                 return outcome
+        elif self.window:
+            outcome = self._create_window(last=True)
+            if outcome is not None:
+                return outcome
         else:
             outcome = self._mark_done()
             if outcome is not None:
@@ -321,30 +342,159 @@ class StreamedValidation:
     # -- creating shards
 
     def _create(self, spec: ShardSpec, *, last: bool) -> RunEnd | None:
-        """Create ``spec`` with the open shard's error lines and release it; None to go on."""
+        """Create ``spec`` with the open shard's error lines and release it, or, with the prefix
+        plan after the first shard, add it to the window to cut; None to go on."""
         shard, self.open = self.open, _OpenShard()
-        model = self.lines.model
-        # Before the row: a shard that exists finds its ids stored. Ids were counted with the
-        # model's tokenizer: there are none without a model.
-        if shard.ids and model is not None:
-            tok = runtime.tokenizer(model)
-            write_prepared(
-                storage(), self.batch_id, spec.index, shard.ids, tokenizer_fingerprint(tok)
+        if self.index is not None and self.next_index > 0 and (self.window or self._groups(shard)):
+            self.window.append((spec, shard))
+            if len(self.window) < WINDOW_SHARDS and not last:
+                return None
+            return self._create_window(last)
+        return self._create_all([(replace(spec, index=self.next_index), shard)], last)
+
+    def _groups(self, shard: _OpenShard) -> bool:
+        """Whether the shard's lines fall in two groups or more worth running apart: below the
+        prefix all of them share, each group's lines share ``GROUP_BLOCKS`` blocks more (a
+        file whose lines share only a preamble streams its shards as they close)."""
+        index = self.index
+        if index is None:
+            return False
+        try:
+            paths = [p for p in (index.path(r) for _, r, _ in shard.plan) if p]
+            if not paths:
+                return False
+            common = min(len(p) for p in paths)
+            first = paths[0]
+            for n in range(common):
+                if any(p[n] != first[n] for p in paths):
+                    common = n
+                    break
+            sizes: dict[int, int] = {}
+            for p in paths:
+                if len(p) >= common + GROUP_BLOCKS:
+                    sizes[p[common]] = sizes.get(p[common], 0) + 1
+            return sum(1 for n in sizes.values() if n > 1) > 1
+        except Exception:
+            logger.exception("batch %s: its shards keep file order", self.batch_id)
+            return False
+
+    def _create_window(self, last: bool) -> RunEnd | None:
+        """Create the window's shards cut along its prefix groups, or as the file cut them
+        when the plan groups nothing there (or fails)."""
+        window, self.window = self.window, []
+        cut = None
+        try:
+            cut = self._cut_window(window)
+        except Exception:
+            logger.exception(
+                "batch %s: lines %s-%s keep their file-order shards (their cut failed)",
+                self.batch_id,
+                window[0][0].start_line,
+                window[-1][0].end_line - 1,
             )
-        self._write_order(spec, shard)
-        outcome = self._commit(spec, shard, last)
+        if cut is None:
+            cut = [
+                (replace(spec, index=self.next_index + k), sh)
+                for k, (spec, sh) in enumerate(window)
+            ]
+        return self._create_all(cut, last)
+
+    def _cut_window(
+        self, window: list[tuple[ShardSpec, _OpenShard]]
+    ) -> list[tuple[ShardSpec, _OpenShard]] | None:
+        """The window's lines cut into shards along their prefix groups (each drawing from the
+        window's range); None when a line has no plan, no line shares a prefix or the cut
+        gives the file's shards again."""
+        index = self.index
+        if index is None:
+            return None
+        items: dict[int, PlanItem] = {}
+        prompts: dict[int, int] = {}
+        ids: dict[int, Sequence[int]] = {}
+        errors: dict[int, ChunkRecord] = {}
+        shareable = 0
+        for _, shard in window:
+            if len(shard.plan) != len(shard.line_tokens):
+                return None
+            items.update((ln, PlanItem(ln, index.path(r), d)) for ln, r, d in shard.plan)
+            prompts.update(shard.line_tokens)
+            ids.update(shard.ids)
+            errors.update((rec.line, rec) for rec in shard.errors)
+            shareable += shard.shareable_tokens
+        if not any(item.path for item in items.values()):
+            return None
+        order = plan_order(items.values())
+        groups: list[tuple[int, tuple[int, ...], int]] = [
+            (ln, items[ln].path, prompts[ln] + items[ln].decode) for ln in order
+        ]
+        groups += [(ln, (-1,), 0) for ln in sorted(errors)]  # bad lines: a group of their own
+        cuts = cut_along_groups(groups, self.planner.max_tokens, self.planner.max_requests)
+        as_filed = [
+            sorted([*(ln for ln, _ in sh.line_tokens), *(r.line for r in sh.errors)])
+            for _, sh in window
+        ]
+        if [sorted(lines) for lines in cuts] == as_filed:
+            return None  # the same shards: each keeps its range, planned inside it
+        first, end = window[0][0], window[-1][0]
+        out: list[tuple[ShardSpec, _OpenShard]] = []
+        for k, lines in enumerate(cuts):
+            shard = _OpenShard(lines=lines, shareable_tokens=shareable if k == 0 else 0)
+            for ln in sorted(lines):
+                if ln in errors:
+                    shard.errors.append(errors[ln])
+                    continue
+                shard.add(ln, prompts[ln], ids.get(ln))
+            est = sum(prompts[ln] + items[ln].decode for ln in lines if ln in items)
+            spec = ShardSpec(
+                index=self.next_index + k,
+                start_line=first.start_line,
+                end_line=end.end_line,
+                start_offset=first.start_offset,
+                end_offset=end.end_offset,
+                num_requests=len(lines),
+                est_tokens=est,
+            )
+            out.append((spec, shard))
+        return out
+
+    def _create_all(self, created: list[tuple[ShardSpec, _OpenShard]], last: bool) -> RunEnd | None:
+        """Create the shards ``created`` (one, or a window's, at once) and release them."""
+        model = self.lines.model
+        for spec, shard in created:
+            # Before the row: a shard that exists finds its ids stored. Ids were counted with
+            # the model's tokenizer: there are none without a model.
+            if shard.ids and model is not None:
+                tok = runtime.tokenizer(model)
+                write_prepared(
+                    storage(), self.batch_id, spec.index, shard.ids, tokenizer_fingerprint(tok)
+                )
+            if shard.lines is None:
+                self._write_order(spec, shard)
+        outcome = self._commit(created, last)
         if outcome is not None:
             return outcome
-        if spec.index == 0:
+        if created[0][0].index == 0:
             logger.info("batch %s: in_progress with its first shard", self.batch_id)
             self.head = False
+        self.next_index += len(created)
         try:
             release_for_model(self.lines.model)
         except Exception:
             logger.exception("batch %s: could not release its shards now", self.batch_id)
         return None
 
-    def _commit(self, spec: ShardSpec, shard: _OpenShard, last: bool) -> RunEnd | None:
+    def _commit(self, created: list[tuple[ShardSpec, _OpenShard]], last: bool) -> RunEnd | None:
+        first, end = created[0][0], created[-1][0]
+        whole = replace(
+            first,
+            end_line=end.end_line,
+            end_offset=end.end_offset,
+            num_requests=sum(spec.num_requests for spec, _ in created),
+        )
+        combined = _OpenShard(
+            line_tokens=sorted(lt for _, sh in created for lt in sh.line_tokens),
+            prompt_tokens=sum(sh.prompt_tokens for _, sh in created),
+        )
         session = new_session()
         try:
             row = session.execute(
@@ -360,27 +510,36 @@ class StreamedValidation:
                 or past_expiry(row.expires_at)
             ):
                 return ValidationStop.BATCH_ENDED
-            placement = self._placement(session, spec)
+            placement = self._placement(session, first)
             if placement is _Placement.OVERTAKEN:
                 return ValidationStop.OVERTAKEN
             if placement is _Placement.CREATED:
                 return None  # by an earlier try: go on
-            tokens = int(row.est_prompt_tokens or 0) + shard.prompt_tokens
-            over = self._over_quota(session, spec, shard, int(row.est_prompt_tokens or 0))
+            tokens = int(row.est_prompt_tokens or 0) + combined.prompt_tokens
+            over = self._over_quota(session, whole, combined, int(row.est_prompt_tokens or 0))
             if over is None and row.max_total_tokens is not None and tokens > row.max_total_tokens:
-                over = budget_error(row.max_total_tokens, tokens, spec.end_line - 1)
+                over = budget_error(row.max_total_tokens, tokens, whole.end_line - 1)
             if over is not None:
                 session.rollback()
-                if spec.index == 0:
-                    return self._fail_over_quota(over, tokens, spec.num_requests)
+                if first.index == 0:
+                    return self._fail_over_quota(over, tokens, whole.num_requests)
                 raise _Failed(over, "token_limit_exceeded")
-            self._insert(session, spec, shard)
+            for spec, shard in created:
+                # Under the batch row's lock, as the next shards: which lines a shard cut
+                # along prefix groups holds (and none for any other, left by a run that failed
+                # to commit its own).
+                if shard.lines is not None:
+                    write_lines(storage(), self.batch_id, spec.index, shard.lines)
+                else:
+                    storage().delete(lines_key(self.batch_id, spec.index))
+                self._insert(session, spec, shard)
             values: dict[str, Any] = {
                 "model": self.lines.model,
-                "request_total": Batch.request_total + spec.num_requests,
-                "request_failed": Batch.request_failed + len(shard.errors),
+                "request_total": Batch.request_total + whole.num_requests,
+                "request_failed": Batch.request_failed + sum(len(sh.errors) for _, sh in created),
                 "est_prompt_tokens": tokens,
-                "prefix_shareable_tokens": Batch.prefix_shareable_tokens + shard.shareable_tokens,
+                "prefix_shareable_tokens": Batch.prefix_shareable_tokens
+                + sum(sh.shareable_tokens for _, sh in created),
                 "validation_done": last,
                 "validated_at": now(),
             }
@@ -402,16 +561,18 @@ class StreamedValidation:
             session.commit()
         finally:
             session.close()
-        logger.info(
-            "batch %s: shard %s created (lines %s-%s, %s requests, %s bad)%s",
-            self.batch_id,
-            spec.index,
-            spec.start_line,
-            spec.end_line - 1,
-            spec.num_requests,
-            len(shard.errors),
-            "; validation done" if last else "",
-        )
+        for spec, shard in created:
+            logger.info(
+                "batch %s: shard %s created (lines %s-%s%s, %s requests, %s bad)%s",
+                self.batch_id,
+                spec.index,
+                spec.start_line,
+                spec.end_line - 1,
+                " along prefix groups" if shard.lines is not None else "",
+                spec.num_requests,
+                len(shard.errors),
+                "; validation done" if last and spec is end else "",
+            )
         return None
 
     def _placement(self, session: Session, spec: ShardSpec) -> _Placement:
