@@ -71,7 +71,12 @@ def _prompt_tokens(lines) -> int:
             generation.prompt_token_ids(
                 tok,
                 SimpleNamespace(
-                    kind="chat", messages=line["body"]["messages"], chat_template_kwargs=None
+                    kind="chat",
+                    model=MODEL,
+                    messages=line["body"]["messages"],
+                    chat_template_kwargs=None,
+                    tools=None,
+                    tool_choice=None,
                 ),
             )
         )
