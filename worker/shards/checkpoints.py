@@ -13,7 +13,7 @@ import logging
 from collections.abc import Iterator
 from typing import Protocol
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 
 from core.batchfile.reader import RawLine, custom_id_of, iter_lines
 from core.database.results_log import ChunkRecord, read_chunk, write_chunk
@@ -101,25 +101,47 @@ class ShardSpan(Protocol):
     def end_offset(self) -> int: ...
 
 
-def own_lines(storage: Storage, batch_id: str, shard: ShardSpan) -> list[int] | None:
+def own_lines(
+    storage: Storage, batch_id: str, shard: ShardSpan, input_key: str
+) -> list[int] | None:
     """The lines of a shard cut along prefix groups, in run order (``worker.shards.prepared``);
-    None for a shard that holds every line of its range. A shard whose range another shard of
-    the batch shares and whose list is lost raises :class:`ShardLinesLost`: its lines cannot be
-    told from theirs, and running or reporting the whole range would repeat theirs."""
+    None for a shard that holds every line of its range. A shard whose list is lost while
+    other shards share its range holds the lines of the range that their lists do not name
+    (in file order); were one of theirs lost too, the lines could not be told apart, and
+    running or reporting the whole range would repeat theirs: :class:`ShardLinesLost`."""
     if shard.index < 0:
         return None
     lines = read_lines(storage, batch_id, shard.index)
     if lines is not None:
         return lines
     with session_scope() as session:
-        sharing = session.scalar(
-            select(func.count())
-            .select_from(Shard)
-            .where(Shard.batch_id == batch_id, Shard.start_offset == shard.start_offset)
-        )
-    if (sharing or 0) > 1:
-        raise ShardLinesLost(f"batch {batch_id} shard {shard.index}: its line list is missing")
-    return None
+        siblings = session.scalars(
+            select(Shard.index).where(
+                Shard.batch_id == batch_id,
+                Shard.start_offset == shard.start_offset,
+                Shard.index != shard.index,
+            )
+        ).all()
+    if not siblings:
+        return None
+    theirs: set[int] = set()
+    for index in siblings:
+        named = read_lines(storage, batch_id, index)
+        if named is None:
+            raise ShardLinesLost(
+                f"batch {batch_id} shard {shard.index}: its line list and shard {index}'s are "
+                "missing"
+            )
+        theirs.update(named)
+    logger.error(
+        "batch %s shard %s: its line list is missing; it holds the lines of its range the other "
+        "shards of the range do not name",
+        batch_id,
+        shard.index,
+    )
+    return [
+        raw.line for raw in shard_lines(storage, input_key, shard, None) if raw.line not in theirs
+    ]
 
 
 def shard_lines(
@@ -153,7 +175,7 @@ def lines_without_result(
     """(line, custom_id) of the shard's input lines that its committed chunks hold no result
     for: what a cancel, an expiry or a given-up shard must still report."""
     done = committed_lines(storage, batch_id, shard.index, num_chunks)
-    own = own_lines(storage, batch_id, shard)
+    own = own_lines(storage, batch_id, shard, input_key)
     for raw in shard_lines(storage, input_key, shard, own):
         if raw.line in done:
             continue

@@ -182,7 +182,7 @@ def write_lines(storage: Storage, batch_id: str, shard_index: int, lines: list[i
 
 
 class ShardLinesLost(RuntimeError):
-    """A shard that shares its range has no readable list of its lines."""
+    """The lines of a shard that shares its range cannot be told from the other shards'."""
 
 
 def read_lines(storage: Storage, batch_id: str, shard_index: int) -> list[int] | None:

@@ -436,7 +436,7 @@ class ShardRun:
         sto = storage()
         # A shard cut along prefix groups runs its own lines of its range, in their stored
         # order; any other its range, in the prefix plan's order of it.
-        own = own_lines(sto, self.batch_id, self.shard)
+        own = own_lines(sto, self.batch_id, self.shard, self.key)
         lines = shard_lines(sto, self.key, self.shard, own)
         order = own if own is not None else read_order(sto, self.batch_id, self.shard.index)
         for raw in in_run_order(lines, order, lambda raw: raw.line):

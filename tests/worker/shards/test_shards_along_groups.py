@@ -2,8 +2,8 @@
 templates into shards that each hold lines of one template (or whole small ones), drawn from a
 window of the file's range; every line lands in exactly one shard and runs exactly once through
 an interrupted attempt, a cancel reports each unfinished line once, the output stays in input
-order, a lost line list is never guessed, and with the plan off the shards are contiguous as
-before. Real Postgres, local storage and a real engine host on the tiny model."""
+order, a lost line list is rebuilt from the others' (never guessed), and with the plan off the
+shards are contiguous as before. Real Postgres, local storage and a real engine host on the tiny model."""
 
 from __future__ import annotations
 
@@ -64,7 +64,8 @@ def _own(batch_id: str, shard: Any) -> list[int]:
     from worker.infra.task_io import storage
     from worker.shards.checkpoints import own_lines
 
-    lines = own_lines(storage(), batch_id, shard)
+    key = f"files/{batch_row(batch_id).input_file_id}"
+    lines = own_lines(storage(), batch_id, shard, key)
     return list(range(shard.start_line, shard.end_line)) if lines is None else lines
 
 
@@ -159,19 +160,28 @@ def test_a_cancel_reports_each_unfinished_line_of_a_window_once(
     assert all(r["error"]["code"] == "batch_cancelled" for r in err if r["custom_id"] != f"r{BAD}")
 
 
-def test_a_lost_line_list_is_not_guessed(worker_env, monkeypatch) -> None:
+def test_a_lost_line_list_is_rebuilt_from_the_others_or_never_guessed(
+    worker_env, monkeypatch
+) -> None:
     from worker.infra.task_io import storage
     from worker.shards.checkpoints import lines_without_result, own_lines
     from worker.shards.prepared import ShardLinesLost, lines_key
 
     batch_id = _validated(monkeypatch)
-    shard = _assert_along_groups(batch_id)[1]
-    storage().delete(lines_key(batch_id, shard.index))
-    with pytest.raises(ShardLinesLost):
-        own_lines(storage(), batch_id, shard)
+    shards = _assert_along_groups(batch_id)
     key = f"files/{batch_row(batch_id).input_file_id}"
+    lost, other = shards[1], next(s for s in shards[2:] if s.start_offset == shards[1].start_offset)
+    before = _own(batch_id, lost)
+    storage().delete(lines_key(batch_id, lost.index))
+    # The lines of its range the other shards of the range do not name: its own, in file order.
+    assert own_lines(storage(), batch_id, lost, key) == sorted(before)
+    unfinished = [line for line, _ in lines_without_result(storage(), key, batch_id, lost, 0)]
+    assert unfinished == sorted(before)
+    storage().delete(lines_key(batch_id, other.index))  # two lost: never guessed
     with pytest.raises(ShardLinesLost):
-        list(lines_without_result(storage(), key, batch_id, shard, 0))
+        own_lines(storage(), batch_id, lost, key)
+    with pytest.raises(ShardLinesLost):
+        list(lines_without_result(storage(), key, batch_id, other, 0))
 
 
 @pytest.mark.parametrize("env", [{"BATCHD_PREFIX_PLAN": "false"}], ids=["plan-off"])
