@@ -200,7 +200,9 @@ class Batch(Base):
 
 
 class Shard(Base):
-    """A contiguous range of input lines ``[start_line, end_line)`` run as one Celery task.
+    """Input lines run as one Celery task: the range ``[start_line, end_line)``, or those of
+    its lines the shard names when the prefix plan cut a window of shards along prefix groups
+    (``prepared/NNNNN.lines``, docs/validation.md).
 
     Results are written to storage in checkpoint chunks; ``done_requests`` counts the shard's
     requests whose results are durably stored, so a retried shard skips them.
