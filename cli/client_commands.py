@@ -7,6 +7,7 @@ What goes to standard output and standard error, and the exit codes: :mod:`cli.c
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
@@ -15,6 +16,7 @@ import typer
 from rich.table import Table
 
 from cli import estimate_commands
+from cli.client import BatchdClient
 from cli.console import (
     api_client,
     batch_errors,
@@ -343,16 +345,25 @@ def cancel(
     api_key: ApiKeyOpt = None,
 ) -> None:
     """Cancel a batch (it moves to cancelling, then cancelled; finished results are kept)."""
+    _batch_verb(BatchdClient.cancel_batch, batch_id, as_json, base_url, api_key)
+
+
+def _batch_verb(
+    verb: Callable[[BatchdClient, str], dict[str, Any]],
+    batch_id: str,
+    as_json: bool,
+    base_url: str | None,
+    api_key: str | None,
+) -> None:
+    """Call ``verb`` (cancel, pause, resume) on the batch and print it: id, status, paused."""
     with api_client(base_url, api_key) as client:
-        batch = client.cancel_batch(batch_id)
+        batch = verb(client, batch_id)
     if as_json:
         print_json(batch)
     else:
-        typer.echo(f"{batch.get('id')} {batch.get('status')}")
-
-
-def _paused_text(batch: dict[str, Any]) -> str:
-    return f"{batch.get('id')} {batch.get('status')}" + (" paused" if batch.get("paused") else "")
+        typer.echo(
+            f"{batch.get('id')} {batch.get('status')}" + (" paused" if batch.get("paused") else "")
+        )
 
 
 def pause(
@@ -363,12 +374,7 @@ def pause(
 ) -> None:
     """Pause a batch: its requests in flight finish, no new ones start until it is resumed.
     Its completion window keeps running."""
-    with api_client(base_url, api_key) as client:
-        batch = client.pause_batch(batch_id)
-    if as_json:
-        print_json(batch)
-    else:
-        typer.echo(_paused_text(batch))
+    _batch_verb(BatchdClient.pause_batch, batch_id, as_json, base_url, api_key)
 
 
 def resume(
@@ -378,12 +384,7 @@ def resume(
     api_key: ApiKeyOpt = None,
 ) -> None:
     """Resume a paused batch from where it stopped."""
-    with api_client(base_url, api_key) as client:
-        batch = client.resume_batch(batch_id)
-    if as_json:
-        print_json(batch)
-    else:
-        typer.echo(_paused_text(batch))
+    _batch_verb(BatchdClient.resume_batch, batch_id, as_json, base_url, api_key)
 
 
 def register(app: typer.Typer) -> None:

@@ -42,6 +42,33 @@ def completion_line(
     )
 
 
+def interleaved_templates(
+    count: int, templates: int, *, seed: int, max_tokens_cycle: int
+) -> list[dict[str, Any]]:
+    """``count`` greedy chat lines whose system prompts are ``templates`` long few-shot blocks
+    (120 words each) taken in turn, as an evaluation file interleaves its tasks; line ``i``
+    asks for ``1 + i % max_tokens_cycle`` tokens."""
+    import random
+
+    words = "the batch model token prompt cache block worker queue shard answer question".split()
+    rng = random.Random(seed)
+    blocks = [
+        f"task {t}: " + " ".join(rng.choice(words) for _ in range(120)) for t in range(templates)
+    ]
+    return [
+        chat_line(
+            f"q{i}",
+            f"question {i}",
+            1 + i % max_tokens_cycle,
+            messages=[
+                {"role": "system", "content": blocks[i % templates]},
+                {"role": "user", "content": f"question {i}"},
+            ],
+        )
+        for i in range(count)
+    ]
+
+
 def jsonl(lines: list[Any]) -> bytes:
     """A JSONL file: dicts as JSON, strings as they are (a broken line on purpose)."""
     return b"".join((x if isinstance(x, str) else json.dumps(x)).encode() + b"\n" for x in lines)

@@ -8,37 +8,21 @@ from __future__ import annotations
 
 import io
 import json
-import random
 import time
 from typing import Any
 
 import pytest
 
+from testkit.builders.lines import interleaved_templates, jsonl
+
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 
-MODEL = "batchd-demo"
-WORDS = "the batch model token prompt cache block worker queue shard answer question".split()
 TEMPLATES = 3
 LINES = 80  # the stack's shards are 16 lines: a first shard, then windows
 
 
 def _file() -> bytes:
-    rng = random.Random(7)
-    blocks = [f"task {t}: " + " ".join(rng.choice(WORDS) for _ in range(120)) for t in range(3)]
-    out = []
-    for i in range(LINES):
-        body = {
-            "model": MODEL,
-            "messages": [
-                {"role": "system", "content": blocks[i % TEMPLATES]},
-                {"role": "user", "content": f"question {i}"},
-            ],
-            "max_tokens": 1 + i % 3,
-            "temperature": 0,
-        }
-        line = {"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions"}
-        out.append(json.dumps({**line, "body": body}).encode())
-    return b"\n".join(out) + b"\n"
+    return jsonl(interleaved_templates(LINES, TEMPLATES, seed=7, max_tokens_cycle=3))
 
 
 def _wait(stack, batch_id: str) -> Any:
